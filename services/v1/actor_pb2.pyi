@@ -1,0 +1,172 @@
+from rlfabric.v1 import tensor_pb2 as _tensor_pb2
+from rlfabric.v1 import weight_sync_pb2 as _weight_sync_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class LogProbsInput(_message.Message):
+    __slots__ = ("batch", "temperature", "compute_entropy")
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_ENTROPY_FIELD_NUMBER: _ClassVar[int]
+    batch: _tensor_pb2.Batch
+    temperature: float
+    compute_entropy: bool
+    def __init__(self, batch: _Optional[_Union[_tensor_pb2.Batch, _Mapping]] = ..., temperature: _Optional[float] = ..., compute_entropy: _Optional[bool] = ...) -> None: ...
+
+class ComputeLogProbsRequest(_message.Message):
+    __slots__ = ("input",)
+    INPUT_FIELD_NUMBER: _ClassVar[int]
+    input: LogProbsInput
+    def __init__(self, input: _Optional[_Union[LogProbsInput, _Mapping]] = ...) -> None: ...
+
+class ComputeLogProbsResponse(_message.Message):
+    __slots__ = ("outputs",)
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    outputs: _tensor_pb2.Batch
+    def __init__(self, outputs: _Optional[_Union[_tensor_pb2.Batch, _Mapping]] = ...) -> None: ...
+
+class UpdatePolicyRequest(_message.Message):
+    __slots__ = ("batch", "global_step")
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_STEP_FIELD_NUMBER: _ClassVar[int]
+    batch: _tensor_pb2.Batch
+    global_step: int
+    def __init__(self, batch: _Optional[_Union[_tensor_pb2.Batch, _Mapping]] = ..., global_step: _Optional[int] = ...) -> None: ...
+
+class UpdatePolicyResponse(_message.Message):
+    __slots__ = ("metrics",)
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    metrics: _containers.ScalarMap[str, float]
+    def __init__(self, metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class CheckpointLocation(_message.Message):
+    __slots__ = ("path",)
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    def __init__(self, path: _Optional[str] = ...) -> None: ...
+
+class SaveCheckpointRequest(_message.Message):
+    __slots__ = ("location",)
+    LOCATION_FIELD_NUMBER: _ClassVar[int]
+    location: CheckpointLocation
+    def __init__(self, location: _Optional[_Union[CheckpointLocation, _Mapping]] = ...) -> None: ...
+
+class SaveCheckpointResponse(_message.Message):
+    __slots__ = ("num_bytes",)
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    num_bytes: int
+    def __init__(self, num_bytes: _Optional[int] = ...) -> None: ...
+
+class LoadCheckpointRequest(_message.Message):
+    __slots__ = ("location",)
+    LOCATION_FIELD_NUMBER: _ClassVar[int]
+    location: CheckpointLocation
+    def __init__(self, location: _Optional[_Union[CheckpointLocation, _Mapping]] = ...) -> None: ...
+
+class LoadCheckpointResponse(_message.Message):
+    __slots__ = ("optimizer_step",)
+    OPTIMIZER_STEP_FIELD_NUMBER: _ClassVar[int]
+    optimizer_step: int
+    def __init__(self, optimizer_step: _Optional[int] = ...) -> None: ...
+
+class ExportHFRequest(_message.Message):
+    __slots__ = ("path",)
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    def __init__(self, path: _Optional[str] = ...) -> None: ...
+
+class ExportHFResponse(_message.Message):
+    __slots__ = ("num_bytes",)
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    num_bytes: int
+    def __init__(self, num_bytes: _Optional[int] = ...) -> None: ...
+
+class OpenWeightSyncGroupRequest(_message.Message):
+    __slots__ = ("transport", "num_receivers", "bucket_bytes", "target_dtype", "timeout_s", "grpc_receiver_addresses")
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    NUM_RECEIVERS_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TARGET_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    GRPC_RECEIVER_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    transport: _weight_sync_pb2.WeightTransport
+    num_receivers: int
+    bucket_bytes: int
+    target_dtype: _tensor_pb2.DataType
+    timeout_s: float
+    grpc_receiver_addresses: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, transport: _Optional[_Union[_weight_sync_pb2.WeightTransport, str]] = ..., num_receivers: _Optional[int] = ..., bucket_bytes: _Optional[int] = ..., target_dtype: _Optional[_Union[_tensor_pb2.DataType, str]] = ..., timeout_s: _Optional[float] = ..., grpc_receiver_addresses: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class OpenWeightSyncGroupResponse(_message.Message):
+    __slots__ = ("group",)
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    group: _weight_sync_pb2.WeightSyncGroup
+    def __init__(self, group: _Optional[_Union[_weight_sync_pb2.WeightSyncGroup, _Mapping]] = ...) -> None: ...
+
+class PrepareWeightSyncRequest(_message.Message):
+    __slots__ = ("group_id", "version")
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    group_id: str
+    version: int
+    def __init__(self, group_id: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
+
+class PrepareWeightSyncResponse(_message.Message):
+    __slots__ = ("manifest",)
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    manifest: _weight_sync_pb2.WeightManifest
+    def __init__(self, manifest: _Optional[_Union[_weight_sync_pb2.WeightManifest, _Mapping]] = ...) -> None: ...
+
+class BroadcastWeightsRequest(_message.Message):
+    __slots__ = ("group_id", "version")
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    group_id: str
+    version: int
+    def __init__(self, group_id: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
+
+class BroadcastWeightsResponse(_message.Message):
+    __slots__ = ("num_bytes", "seconds")
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    num_bytes: int
+    seconds: float
+    def __init__(self, num_bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class CloseWeightSyncGroupRequest(_message.Message):
+    __slots__ = ("group_id",)
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    group_id: str
+    def __init__(self, group_id: _Optional[str] = ...) -> None: ...
+
+class CloseWeightSyncGroupResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ActorServiceGetStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ActorServiceGetStatusResponse(_message.Message):
+    __slots__ = ("model", "world_size", "optimizer_step", "num_parameters")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_STEP_FIELD_NUMBER: _ClassVar[int]
+    NUM_PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    world_size: int
+    optimizer_step: int
+    num_parameters: int
+    def __init__(self, model: _Optional[str] = ..., world_size: _Optional[int] = ..., optimizer_step: _Optional[int] = ..., num_parameters: _Optional[int] = ...) -> None: ...

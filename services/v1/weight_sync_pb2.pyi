@@ -1,0 +1,72 @@
+from rlfabric.v1 import tensor_pb2 as _tensor_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class WeightTransport(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    WEIGHT_TRANSPORT_UNSPECIFIED: _ClassVar[WeightTransport]
+    WEIGHT_TRANSPORT_NCCL: _ClassVar[WeightTransport]
+    WEIGHT_TRANSPORT_GLOO: _ClassVar[WeightTransport]
+    WEIGHT_TRANSPORT_GRPC: _ClassVar[WeightTransport]
+WEIGHT_TRANSPORT_UNSPECIFIED: WeightTransport
+WEIGHT_TRANSPORT_NCCL: WeightTransport
+WEIGHT_TRANSPORT_GLOO: WeightTransport
+WEIGHT_TRANSPORT_GRPC: WeightTransport
+
+class WeightSyncGroup(_message.Message):
+    __slots__ = ("group_id", "transport", "world_size", "nccl_unique_id", "store_host", "store_port", "timeout_s")
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NCCL_UNIQUE_ID_FIELD_NUMBER: _ClassVar[int]
+    STORE_HOST_FIELD_NUMBER: _ClassVar[int]
+    STORE_PORT_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    group_id: str
+    transport: WeightTransport
+    world_size: int
+    nccl_unique_id: bytes
+    store_host: str
+    store_port: int
+    timeout_s: float
+    def __init__(self, group_id: _Optional[str] = ..., transport: _Optional[_Union[WeightTransport, str]] = ..., world_size: _Optional[int] = ..., nccl_unique_id: _Optional[bytes] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class WeightTensorSpec(_message.Message):
+    __slots__ = ("name", "dtype", "shape", "offset")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: _tensor_pb2.DataType
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    offset: int
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[_tensor_pb2.DataType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ...) -> None: ...
+
+class WeightBucket(_message.Message):
+    __slots__ = ("index", "num_bytes", "crc32", "tensors")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CRC32_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    num_bytes: int
+    crc32: int
+    tensors: _containers.RepeatedCompositeFieldContainer[WeightTensorSpec]
+    def __init__(self, index: _Optional[int] = ..., num_bytes: _Optional[int] = ..., crc32: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[WeightTensorSpec, _Mapping]]] = ...) -> None: ...
+
+class WeightManifest(_message.Message):
+    __slots__ = ("version", "group_id", "buckets")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    BUCKETS_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    group_id: str
+    buckets: _containers.RepeatedCompositeFieldContainer[WeightBucket]
+    def __init__(self, version: _Optional[int] = ..., group_id: _Optional[str] = ..., buckets: _Optional[_Iterable[_Union[WeightBucket, _Mapping]]] = ...) -> None: ...
