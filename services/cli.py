@@ -1,0 +1,220 @@
+"""The `rlfabric` command.
+
+    rlfabric up [CONFIG] [--run-dir DIR] [key=value ...]       local mesh until Ctrl-C
+    rlfabric train [CONFIG] [--run-dir DIR] [key=value ...]    local mesh + training run + teardown
+    rlfabric serve ROLE --config C [--port P --metrics-port M] one service (what containers run)
+    rlfabric status [--run-dir DIR | --address HOST:PORT]      ask a running coordinator
+    rlfabric health ADDRESS [--service readiness]              one health check (probes, helm test)
+    rlfabric config-reference                                   every config key with default and doc
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import sys
+import time
+from pathlib import Path
+
+from rlfabric.core.config import ROLES, ConfigError, config_reference, load_config
+from rlfabric.core.logs import setup_logging
+
+
+def _add_config_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", nargs="?", help="run config YAML (default: the built-in quickstart)")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.total_steps=20")
+    parser.add_argument("--run-dir", type=Path, help="default: runs/<name>-<timestamp>")
+
+
+def _split_config_and_overrides(args) -> tuple[str | None, list[str]]:
+    # `rlfabric up trainer.total_steps=3` has no config file: its first positional is an override.
+    config, overrides = args.config, list(args.overrides)
+    if config is not None and "=" in config and not Path(config).exists():
+        overrides.insert(0, config)
+        config = None
+    return config, overrides
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rlfabric", description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="run one service")
+    serve.add_argument("role", choices=ROLES)
+    serve.add_argument("--config", help="run config YAML (default: built-in quickstart)")
+    serve.add_argument("--host", help="bind address (default: server.host)")
+    serve.add_argument("--port", type=int, default=50051, help="gRPC port (0 = any free port)")
+    serve.add_argument("--metrics-port", type=int, default=9400, help="Prometheus /metrics port (0 = any)")
+    serve.add_argument("--health-port", type=int, help="extra plaintext health-only port (for probes under mTLS)")
+    serve.add_argument("--port-file", type=Path, help="write the bound ports here as JSON")
+    serve.add_argument("--run-id", default="", help="run id for log lines")
+    serve.add_argument("overrides", nargs="*", help="dotted overrides")
+
+    up = commands.add_parser("up", help="start the local mesh and keep it up until Ctrl-C")
+    _add_config_args(up)
+    train = commands.add_parser("train", help="start the local mesh, run training, tear down")
+    _add_config_args(train)
+
+    status = commands.add_parser("status", help="show the coordinator's run status")
+    status.add_argument("--run-dir", type=Path, help="read the coordinator address from RUN_DIR/endpoints.json")
+    status.add_argument("--address", help="coordinator address host:port")
+
+    health = commands.add_parser("health", help="one gRPC health check; exit 0 when SERVING")
+    health.add_argument("address")
+    health.add_argument("--service", default="readiness")
+    health.add_argument("--timeout", type=float, default=5.0)
+
+    commands.add_parser("config-reference", help="print every config key with its default and meaning")
+    return parser
+
+
+def cmd_serve(args) -> int:
+    from rlfabric.core.server import ServerOptions
+    from rlfabric.serve import run_service
+
+    config = load_config(args.config, args.overrides)
+    setup_logging(args.role, args.run_id, config.server.log_level)
+    options = ServerOptions.from_config(
+        config.server, host=args.host, port=args.port, metrics_port=args.metrics_port, health_port=args.health_port
+    )
+    run_service(args.role, config, options, port_file=args.port_file)
+    return 0
+
+
+def _start_mesh(args):
+    from rlfabric.launcher import LocalMesh, default_run_dir
+
+    config_path, overrides = _split_config_and_overrides(args)
+    config = load_config(config_path, overrides)
+    run_dir = args.run_dir or default_run_dir(config)
+    setup_logging("launcher", run_dir.name, config.server.log_level)
+    print(f"rlfabric: starting the local mesh in {run_dir} (logs in {run_dir}/logs)", flush=True)
+    return LocalMesh(config, run_dir)
+
+
+def _raise_on_sigterm() -> None:
+    def handler(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+def cmd_up(args) -> int:
+    _raise_on_sigterm()
+    mesh = _start_mesh(args)
+    with mesh:
+        print(json.dumps(mesh.endpoints, indent=2), flush=True)
+        print(f"rlfabric: mesh ready; endpoints in {mesh.run_dir / 'endpoints.json'}. Ctrl-C to stop.", flush=True)
+        try:
+            while not mesh.failed():
+                time.sleep(0.5)
+        except KeyboardInterrupt:
+            print("rlfabric: stopping the mesh", flush=True)
+            return 0
+    dead = ", ".join(f"{p.name} (exit {p.process.returncode}, log {p.log_path})" for p in mesh.failed())
+    print(f"rlfabric: service(s) exited: {dead}; mesh stopped", file=sys.stderr)
+    return 1
+
+
+def cmd_train(args) -> int:
+    import grpc
+
+    from rlfabric.core.client import ChannelOptions, ServiceClient
+    from rlfabric.v1 import coordinator_pb2, coordinator_pb2_grpc
+
+    _raise_on_sigterm()
+    mesh = _start_mesh(args)
+    with mesh:
+        address = mesh.endpoints["coordinator"][0]["grpc"]
+        print(f"rlfabric: mesh ready; coordinator at {address}", flush=True)
+
+        async def start_run() -> int:
+            client = ServiceClient.__new__(ServiceClient)
+            client.stub_class = coordinator_pb2_grpc.CoordinatorServiceStub
+            ServiceClient.__init__(client, address, ChannelOptions.from_config(mesh.config))
+            async with client:
+                try:
+                    started = await client.call("StartRun", coordinator_pb2.StartRunRequest())
+                except grpc.RpcError as error:
+                    print(f"rlfabric: the coordinator refused the run: {error.code().name}: {error.details()}",
+                          file=sys.stderr)
+                    return 1
+                print(f"rlfabric: run {started.run_id} started at step {started.start_step}", flush=True)
+                return 0
+
+        try:
+            return asyncio.run(start_run())
+        except KeyboardInterrupt:
+            print("rlfabric: interrupted; stopping the mesh", flush=True)
+            return 130
+
+
+def cmd_status(args) -> int:
+    from rlfabric.core.client import ServiceClient
+    from rlfabric.v1 import coordinator_pb2, coordinator_pb2_grpc
+
+    address = args.address
+    if address is None:
+        if args.run_dir is None:
+            print("rlfabric status: give --address or --run-dir", file=sys.stderr)
+            return 2
+        address = json.loads((args.run_dir / "endpoints.json").read_text())["coordinator"][0]["grpc"]
+
+    class CoordinatorClient(ServiceClient):
+        stub_class = coordinator_pb2_grpc.CoordinatorServiceStub
+
+    async def query():
+        async with CoordinatorClient(address) as client:
+            return await client.call("GetRunStatus", coordinator_pb2.GetRunStatusRequest(), timeout_s=10)
+
+    from google.protobuf.json_format import MessageToDict
+
+    print(json.dumps(MessageToDict(asyncio.run(query())), indent=2))
+    return 0
+
+
+def cmd_health(args) -> int:
+    from grpc_health.v1 import health_pb2
+
+    from rlfabric.core.client import check_health, open_channel
+
+    async def check() -> int:
+        async with open_channel(args.address) as channel:
+            return await check_health(channel, args.service, timeout_s=args.timeout)
+
+    try:
+        status = asyncio.run(check())
+    except Exception as error:  # any failure is "not healthy" for a probe
+        print(f"{args.address}: {error}", file=sys.stderr)
+        return 1
+    print(health_pb2.HealthCheckResponse.ServingStatus.Name(status))
+    return 0 if status == health_pb2.HealthCheckResponse.SERVING else 1
+
+
+def cmd_config_reference(args) -> int:
+    for key, default, doc in config_reference():
+        print(f"{key} = {default}\n    {doc}")
+    return 0
+
+
+COMMANDS = {
+    "serve": cmd_serve,
+    "up": cmd_up,
+    "train": cmd_train,
+    "status": cmd_status,
+    "health": cmd_health,
+    "config-reference": cmd_config_reference,
+}
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    logging.captureWarnings(True)
+    try:
+        sys.exit(COMMANDS[args.command](args))
+    except ConfigError as error:
+        print(f"rlfabric: {error}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,172 @@
+"""Client side of the mesh: channels with limits, keepalive, retry policy and TLS, and a base
+class for the typed per-service clients (every call carries a deadline and the auth token).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc import aio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from rlfabric.core import errors
+from rlfabric.core.config import ClientConfig, RunConfig, TlsConfig
+from rlfabric.core.interceptors import bearer_metadata
+
+MIB = 1024 * 1024
+
+
+@dataclass
+class ChannelOptions:
+    """How clients reach a service."""
+
+    timeout_s: float = 600.0
+    connect_timeout_s: float = 60.0
+    max_message_bytes: int = 256 * MIB
+    retry_max_attempts: int = 5
+    retry_initial_backoff_s: float = 0.2
+    keepalive_time_s: float = 30.0
+    tls: TlsConfig = field(default_factory=TlsConfig)
+    auth_token: str = ""
+
+    @classmethod
+    def from_config(cls, config: RunConfig) -> ChannelOptions:
+        client: ClientConfig = config.client
+        token_file = config.server.auth_token_file
+        return cls(
+            timeout_s=client.timeout_s,
+            connect_timeout_s=client.connect_timeout_s,
+            max_message_bytes=max(config.server.max_receive_message_mb, config.server.max_send_message_mb) * MIB,
+            retry_max_attempts=client.retry_max_attempts,
+            retry_initial_backoff_s=client.retry_initial_backoff_s,
+            keepalive_time_s=config.server.keepalive_time_s,
+            tls=config.server.tls,
+            auth_token=Path(token_file).read_text().strip() if token_file else "",
+        )
+
+    def service_config(self) -> str:
+        """gRPC service config: retry every method on UNAVAILABLE with exponential backoff."""
+        return json.dumps(
+            {
+                "methodConfig": [
+                    {
+                        "name": [{}],
+                        "retryPolicy": {
+                            "maxAttempts": self.retry_max_attempts,
+                            "initialBackoff": f"{self.retry_initial_backoff_s}s",
+                            "maxBackoff": "5s",
+                            "backoffMultiplier": 2,
+                            "retryableStatusCodes": ["UNAVAILABLE"],
+                        },
+                    }
+                ]
+            }
+        )
+
+    def grpc_options(self) -> list[tuple[str, Any]]:
+        options = [
+            ("grpc.max_receive_message_length", self.max_message_bytes),
+            ("grpc.max_send_message_length", self.max_message_bytes),
+            ("grpc.keepalive_time_ms", int(self.keepalive_time_s * 1000)),
+            ("grpc.keepalive_timeout_ms", 10_000),
+            ("grpc.enable_retries", 1 if self.retry_max_attempts > 1 else 0),
+            ("grpc.service_config", self.service_config()),
+        ]
+        if self.tls.server_name:
+            options.append(("grpc.ssl_target_name_override", self.tls.server_name))
+        return options
+
+
+def channel_credentials(tls: TlsConfig) -> grpc.ChannelCredentials:
+    """TLS credentials: verify the server with ca_file; present cert/key for mTLS when given."""
+    ca = Path(tls.ca_file).read_bytes() if tls.ca_file else None
+    key = Path(tls.key_file).read_bytes() if tls.key_file else None
+    cert = Path(tls.cert_file).read_bytes() if tls.cert_file else None
+    return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+
+
+def open_channel(address: str, options: ChannelOptions | None = None) -> aio.Channel:
+    """An aio channel to `address` ("host:port"), secure when options.tls has a CA or cert."""
+    options = options or ChannelOptions()
+    if options.tls.ca_file or options.tls.cert_file:
+        return aio.secure_channel(address, channel_credentials(options.tls), options=options.grpc_options())
+    return aio.insecure_channel(address, options=options.grpc_options())
+
+
+class ServiceClient:
+    """Base of the typed clients: owns a channel and a stub; `call` adds deadline and auth."""
+
+    stub_class: type = object
+
+    def __init__(self, address: str, options: ChannelOptions | None = None):
+        self.address = address
+        self.options = options or ChannelOptions()
+        self.channel = open_channel(address, self.options)
+        self.stub = self.stub_class(self.channel)
+        self._metadata = bearer_metadata(self.options.auth_token)
+
+    async def call(self, method: str, request, timeout_s: float | None = None):
+        """Unary call with the default (or given) deadline."""
+        rpc = getattr(self.stub, method)
+        return await rpc(request, timeout=timeout_s or self.options.timeout_s, metadata=self._metadata)
+
+    def stream(self, method: str, request, timeout_s: float | None = None):
+        """Server-streaming call with a deadline over the whole stream."""
+        rpc = getattr(self.stub, method)
+        return rpc(request, timeout=timeout_s or self.options.timeout_s, metadata=self._metadata)
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.close()
+
+
+async def check_health(channel: aio.Channel, service: str = "readiness", timeout_s: float = 5.0) -> int:
+    """One health check; returns the HealthCheckResponse status enum value."""
+    stub = health_pb2_grpc.HealthStub(channel)
+    response = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
+    return response.status
+
+
+async def wait_until_serving(
+    address: str, options: ChannelOptions | None = None, service: str = "readiness", timeout_s: float = 120.0
+) -> None:
+    """Polls the health service until `service` is SERVING; DeadlineExceeded after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    last_error = "no answer yet"
+    async with open_channel(address, options) as channel:
+        while time.monotonic() < deadline:
+            try:
+                status = await check_health(channel, service, timeout_s=min(5.0, max(0.1, deadline - time.monotonic())))
+                if status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+                last_error = f"status {health_pb2.HealthCheckResponse.ServingStatus.Name(status)}"
+            except grpc.RpcError as error:
+                last_error = f"{error.code().name}: {error.details()}"
+            await asyncio.sleep(0.2)
+    raise errors.DeadlineExceeded(f"{address} did not report {service} SERVING within {timeout_s:.0f} s ({last_error})")
+
+
+def rpc_error_to_domain(error: grpc.RpcError, what: str) -> Exception:
+    """Turns a client-side RpcError into the matching domain error, naming the call."""
+    by_code = {
+        grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidArgument,
+        grpc.StatusCode.FAILED_PRECONDITION: errors.FailedPrecondition,
+        grpc.StatusCode.RESOURCE_EXHAUSTED: errors.ResourceExhausted,
+        grpc.StatusCode.UNAVAILABLE: errors.Unavailable,
+        grpc.StatusCode.DEADLINE_EXCEEDED: errors.DeadlineExceeded,
+        grpc.StatusCode.NOT_FOUND: errors.NotFound,
+        grpc.StatusCode.UNIMPLEMENTED: errors.Unimplemented,
+    }
+    cls = by_code.get(error.code(), errors.RlfabricError)
+    return cls(f"{what}: {error.code().name}: {error.details()}")

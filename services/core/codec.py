@@ -1,0 +1,288 @@
+"""Tensor wire format: torch / numpy <-> rlfabric.v1.Tensor, Batch and TensorChunk streams.
+
+A Tensor is dtype + shape + raw little-endian row-major bytes. Decoding wraps the message's
+bytes without a copy (np.frombuffer / torch.frombuffer): the result is read-only and shares
+memory with the message, so pass `copy=True` when you need to write into it.
+
+Every decode checks the message first (known dtype, non-negative dims, sane element count,
+byte length == elements * itemsize) and raises InvalidArgument naming what is wrong.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import warnings
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from rlfabric.core.errors import InvalidArgument
+from rlfabric.v1 import tensor_pb2
+
+DataType = tensor_pb2.DataType
+
+DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
+# No legitimate tensor in this system has 2**40 elements (4 TiB of float32).
+MAX_ELEMENTS = 1 << 40
+
+
+@dataclass(frozen=True)
+class _DTypeInfo:
+    wire: int
+    torch_dtype: torch.dtype
+    numpy_dtype: np.dtype | None  # None: numpy has no such type (bfloat16)
+    itemsize: int
+
+
+_DTYPES = [
+    _DTypeInfo(DataType.DATA_TYPE_FLOAT32, torch.float32, np.dtype("<f4"), 4),
+    _DTypeInfo(DataType.DATA_TYPE_FLOAT16, torch.float16, np.dtype("<f2"), 2),
+    _DTypeInfo(DataType.DATA_TYPE_BFLOAT16, torch.bfloat16, None, 2),
+    _DTypeInfo(DataType.DATA_TYPE_INT64, torch.int64, np.dtype("<i8"), 8),
+    _DTypeInfo(DataType.DATA_TYPE_INT32, torch.int32, np.dtype("<i4"), 4),
+    _DTypeInfo(DataType.DATA_TYPE_UINT8, torch.uint8, np.dtype("u1"), 1),
+    _DTypeInfo(DataType.DATA_TYPE_BOOL, torch.bool, np.dtype("?"), 1),
+]
+_BY_WIRE = {d.wire: d for d in _DTYPES}
+_BY_TORCH = {d.torch_dtype: d for d in _DTYPES}
+_BY_NUMPY = {d.numpy_dtype.newbyteorder("="): d for d in _DTYPES if d.numpy_dtype is not None}
+
+if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
+    raise ImportError("rlfabric's zero-copy tensor codec needs a little-endian host")
+
+
+def wire_dtype(dtype: torch.dtype | np.dtype) -> int:
+    """The DataType enum value for a torch or numpy dtype; InvalidArgument if unsupported."""
+    info = _BY_TORCH.get(dtype) if isinstance(dtype, torch.dtype) else _BY_NUMPY.get(np.dtype(dtype).newbyteorder("="))
+    if info is None:
+        raise InvalidArgument(f"unsupported tensor dtype {dtype}")
+    return info.wire
+
+
+def torch_dtype(wire: int) -> torch.dtype:
+    """The torch dtype for a DataType enum value; InvalidArgument if unknown."""
+    return _dtype_info(wire).torch_dtype
+
+
+def _dtype_info(wire: int) -> _DTypeInfo:
+    info = _BY_WIRE.get(wire)
+    if info is None:
+        name = DataType.Name(wire) if wire in DataType.values() else str(wire)
+        raise InvalidArgument(f"unknown or unspecified tensor dtype {name}")
+    return info
+
+
+def _raw_bytes(array: np.ndarray) -> bytes:
+    if array.dtype.byteorder == ">":
+        array = array.astype(array.dtype.newbyteorder("<"))
+    return np.ascontiguousarray(array).tobytes()
+
+
+def encode(value: torch.Tensor | np.ndarray) -> tensor_pb2.Tensor:
+    """Encodes a torch tensor or numpy array (any layout, CPU or GPU) as a Tensor message."""
+    if isinstance(value, torch.Tensor):
+        info = _BY_TORCH.get(value.dtype)
+        if info is None:
+            raise InvalidArgument(f"unsupported tensor dtype {value.dtype}")
+        flat = value.detach().to("cpu").contiguous()
+        if flat.dtype == torch.bfloat16:  # numpy has no bfloat16: move the same 2 bytes as int16
+            flat = flat.view(torch.int16)
+        array = flat.numpy()
+        shape = value.shape
+    else:
+        array = np.asarray(value)
+        info = _BY_NUMPY.get(array.dtype.newbyteorder("="))
+        if info is None:
+            raise InvalidArgument(f"unsupported array dtype {array.dtype}")
+        shape = array.shape
+    return tensor_pb2.Tensor(dtype=info.wire, shape=list(shape), raw_data=_raw_bytes(array))
+
+
+def check(message: tensor_pb2.Tensor, name: str = "tensor") -> tuple[_DTypeInfo, tuple[int, ...]]:
+    """Validates a Tensor message; returns its dtype info and shape. Raises InvalidArgument."""
+    info = _dtype_info(message.dtype)
+    shape = tuple(message.shape)
+    if any(d < 0 for d in shape):
+        raise InvalidArgument(f"{name}: negative dimension in shape {list(shape)}")
+    numel = math.prod(shape)
+    if numel > MAX_ELEMENTS:
+        raise InvalidArgument(f"{name}: shape {list(shape)} has {numel} elements, more than the limit {MAX_ELEMENTS}")
+    expected = numel * info.itemsize
+    if len(message.raw_data) != expected:
+        raise InvalidArgument(
+            f"{name}: raw_data has {len(message.raw_data)} bytes but shape {list(shape)} of "
+            f"{DataType.Name(info.wire)} needs {expected}"
+        )
+    return info, shape
+
+
+def to_numpy(message: tensor_pb2.Tensor, name: str = "tensor", copy: bool = False) -> np.ndarray:
+    """Decodes to a numpy array (read-only view of the message bytes unless copy=True).
+
+    bfloat16 has no numpy type: use to_torch for it.
+    """
+    info, shape = check(message, name)
+    if info.numpy_dtype is None:
+        raise InvalidArgument(f"{name}: {DataType.Name(info.wire)} has no numpy type; decode it with to_torch")
+    array = np.frombuffer(message.raw_data, dtype=info.numpy_dtype).reshape(shape)
+    return array.copy() if copy else array
+
+
+def to_torch(message: tensor_pb2.Tensor, name: str = "tensor", copy: bool = False) -> torch.Tensor:
+    """Decodes to a CPU torch tensor sharing the message bytes (no per-element work).
+
+    The shared tensor must not be written to; pass copy=True for a writable one.
+    """
+    info, shape = check(message, name)
+    if len(message.raw_data) == 0:
+        return torch.empty(shape, dtype=info.torch_dtype)
+    with warnings.catch_warnings():
+        # torch warns that the buffer is not writable; we document read-only and offer copy=True.
+        warnings.simplefilter("ignore", UserWarning)
+        tensor = torch.frombuffer(message.raw_data, dtype=info.torch_dtype).reshape(shape)
+    return tensor.clone() if copy else tensor
+
+
+# ---------------------------------------------------------------------------------------------
+# Batches
+
+
+def encode_batch(
+    tensors: Mapping[str, torch.Tensor | np.ndarray] | None = None,
+    columns: Mapping[str, Sequence[str]] | None = None,
+) -> tensor_pb2.Batch:
+    """Builds a Batch from named tensors and named per-row string columns."""
+    batch = tensor_pb2.Batch()
+    for name, value in (tensors or {}).items():
+        batch.tensors[name].CopyFrom(encode(value))
+    for name, values in (columns or {}).items():
+        batch.columns[name].values.extend(values)
+    return batch
+
+
+@dataclass
+class DecodedBatch:
+    """A validated Batch: torch tensors and string columns, all with `num_rows` rows."""
+
+    tensors: dict[str, torch.Tensor]
+    columns: dict[str, list[str]]
+    num_rows: int
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.tensors[name]
+
+
+def decode_batch(
+    batch: tensor_pb2.Batch,
+    required: Iterable[str] = (),
+    optional: Iterable[str] = (),
+    allow_empty: bool = False,
+    copy: bool = False,
+) -> DecodedBatch:
+    """Decodes and validates a Batch.
+
+    Every tensor is decoded (so a malformed one is an InvalidArgument), every name in `required`
+    must be present, names outside required + optional are rejected when either is given, and all
+    tensors and columns must agree on the row count (first dimension).
+    """
+    required = list(required)
+    known = set(required) | set(optional)
+    missing = [n for n in required if n not in batch.tensors]
+    if missing:
+        raise InvalidArgument(f"batch is missing tensor(s) {missing}; it has {sorted(batch.tensors)}")
+    if known:
+        unknown = sorted(set(batch.tensors) - known)
+        if unknown:
+            raise InvalidArgument(f"batch has unexpected tensor(s) {unknown}; expected {sorted(known)}")
+    tensors = {name: to_torch(msg, name=name, copy=copy) for name, msg in batch.tensors.items()}
+    columns = {name: list(col.values) for name, col in batch.columns.items()}
+    row_counts = {name: (t.shape[0] if t.dim() > 0 else None) for name, t in tensors.items()}
+    row_counts.update({name: len(values) for name, values in columns.items()})
+    scalars = [n for n, r in row_counts.items() if r is None]
+    if scalars:
+        raise InvalidArgument(f"batch tensor(s) {scalars} are scalars; every tensor needs a row dimension")
+    distinct = set(row_counts.values())
+    if len(distinct) > 1:
+        raise InvalidArgument(f"batch entries disagree on the row count: {row_counts}")
+    num_rows = distinct.pop() if distinct else 0
+    if num_rows == 0 and not allow_empty:
+        raise InvalidArgument("batch is empty (0 rows)")
+    return DecodedBatch(tensors=tensors, columns=columns, num_rows=num_rows)
+
+
+# ---------------------------------------------------------------------------------------------
+# Chunked streaming, for payloads above the message size limit (weights, big batches)
+
+
+def iter_chunks(
+    name: str, value: torch.Tensor | np.ndarray, chunk_bytes: int = DEFAULT_CHUNK_BYTES
+) -> Iterator[tensor_pb2.TensorChunk]:
+    """Splits one tensor into TensorChunk messages of at most chunk_bytes data each."""
+    if chunk_bytes <= 0:
+        raise InvalidArgument(f"chunk_bytes must be positive, got {chunk_bytes}")
+    whole = encode(value)
+    raw = memoryview(whole.raw_data)
+    total = len(raw)
+    offset = 0
+    while True:
+        piece = raw[offset : offset + chunk_bytes]
+        yield tensor_pb2.TensorChunk(
+            name=name, dtype=whole.dtype, shape=whole.shape, offset=offset, total_bytes=total, data=bytes(piece)
+        )
+        offset += len(piece)
+        if offset >= total:
+            return
+
+
+class ChunkAssembler:
+    """Reassembles TensorChunk streams (possibly interleaving several tensors) into tensors.
+
+    feed() returns (name, tensor) when a tensor's last chunk arrives, else None. Out-of-order
+    or overlapping chunks, header changes mid-tensor and totals that disagree with the shape
+    are InvalidArgument; so is a tensor larger than max_total_bytes.
+    """
+
+    def __init__(self, max_total_bytes: int = 1 << 40):
+        self.max_total_bytes = max_total_bytes
+        self._partial: dict[str, tuple[tensor_pb2.TensorChunk, bytearray, int]] = {}
+
+    def feed(self, chunk: tensor_pb2.TensorChunk) -> tuple[str, torch.Tensor] | None:
+        name = chunk.name
+        if name not in self._partial:
+            if chunk.offset != 0:
+                raise InvalidArgument(f"chunk stream for {name!r} starts at offset {chunk.offset}, not 0")
+            if chunk.total_bytes < 0 or chunk.total_bytes > self.max_total_bytes:
+                raise InvalidArgument(f"chunk stream for {name!r} announces {chunk.total_bytes} bytes")
+            header = tensor_pb2.Tensor(dtype=chunk.dtype, shape=chunk.shape)
+            info = _dtype_info(header.dtype)
+            expected = math.prod(header.shape) * info.itemsize if all(d >= 0 for d in header.shape) else -1
+            if expected != chunk.total_bytes:
+                raise InvalidArgument(
+                    f"chunk stream for {name!r}: total_bytes {chunk.total_bytes} does not match shape "
+                    f"{list(chunk.shape)} of {DataType.Name(info.wire)}"
+                )
+            self._partial[name] = (chunk, bytearray(chunk.total_bytes), 0)
+        first, buffer, received = self._partial[name]
+        if chunk.offset != received:
+            raise InvalidArgument(f"chunk for {name!r} at offset {chunk.offset}, expected {received}")
+        if (chunk.dtype, list(chunk.shape), chunk.total_bytes) != (first.dtype, list(first.shape), first.total_bytes):
+            raise InvalidArgument(f"chunk for {name!r} changes dtype, shape or total_bytes mid-stream")
+        end = received + len(chunk.data)
+        if end > first.total_bytes:
+            raise InvalidArgument(f"chunks for {name!r} overrun total_bytes {first.total_bytes}")
+        buffer[received:end] = chunk.data
+        if end < first.total_bytes:
+            self._partial[name] = (first, buffer, end)
+            return None
+        del self._partial[name]
+        info = _dtype_info(first.dtype)
+        tensor = torch.frombuffer(buffer, dtype=info.torch_dtype) if buffer else torch.empty(0, dtype=info.torch_dtype)
+        return name, tensor.reshape(tuple(first.shape))
+
+    @property
+    def incomplete(self) -> list[str]:
+        """Names of tensors whose last chunk has not arrived."""
+        return sorted(self._partial)

@@ -1,0 +1,269 @@
+"""The run config: one YAML file with a section per role, VeRL-style names, validated on load.
+
+Sections: server, client, cluster, model, data, actor, reference, critic, rollout, reward,
+algorithm, trainer. Every field has a default and a docstring (`rlfabric config-reference`
+prints them). Unknown keys and wrong types are errors that name the dotted key.
+
+    config = load_config("my.yaml", overrides=["trainer.total_steps=20", "rollout.n=4"])
+
+The built-in default (`rlfabric/core/configs/quickstart.yaml`) is the quickstart.
+"""
+
+from __future__ import annotations
+
+from importlib.resources import files
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+ROLES = ("actor", "reference", "critic", "rollout", "reward", "coordinator")
+DEFAULT_CONFIG_NAME = "quickstart.yaml"
+
+
+class ConfigError(ValueError):
+    """A config file or override is invalid; the message names the dotted key."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+
+
+class TlsConfig(Section):
+    cert_file: str = ""
+    """PEM certificate of this service; empty = plaintext (fine on loopback)."""
+    key_file: str = ""
+    """PEM private key of cert_file."""
+    ca_file: str = ""
+    """PEM CA bundle: servers use it to verify client certs (mTLS), clients to verify servers."""
+    require_client_cert: bool = False
+    """mTLS: refuse clients without a certificate signed by ca_file."""
+    server_name: str = ""
+    """Clients: override the name checked against the server certificate (e.g. 'localhost')."""
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.cert_file)
+
+
+class ServerConfig(Section):
+    host: str = "127.0.0.1"
+    """Address services bind to; 0.0.0.0 in a container."""
+    max_receive_message_mb: int = Field(256, gt=0)
+    """Largest request a service accepts (MiB); bigger ones get RESOURCE_EXHAUSTED. Stream larger data."""
+    max_send_message_mb: int = Field(256, gt=0)
+    """Largest response a service sends (MiB)."""
+    grace_period_s: float = Field(30.0, ge=0)
+    """On SIGTERM, in-flight RPCs get this long to finish before they are cancelled."""
+    keepalive_time_s: float = Field(30.0, gt=0)
+    """HTTP/2 keepalive ping interval, so dead peers are noticed on idle connections."""
+    keepalive_timeout_s: float = Field(10.0, gt=0)
+    """A keepalive ping unanswered this long closes the connection."""
+    tls: TlsConfig = TlsConfig()
+    """TLS / mTLS for every service and client."""
+    auth_token_file: str = ""
+    """File holding a bearer token every RPC must carry (health/reflection exempt); empty = no auth."""
+    log_level: str = "INFO"
+    """Python logging level of the services."""
+
+
+class ClientConfig(Section):
+    timeout_s: float = Field(600.0, gt=0)
+    """Default deadline of every RPC a client makes (seconds); no call waits forever."""
+    connect_timeout_s: float = Field(60.0, gt=0)
+    """How long a client waits for a peer to become ready."""
+    retry_max_attempts: int = Field(5, ge=1, le=5)
+    """Attempts (first try included) for calls failing with UNAVAILABLE (gRPC retry policy)."""
+    retry_initial_backoff_s: float = Field(0.2, gt=0)
+    """First retry delay; doubles per attempt up to 5 s."""
+
+
+class ClusterConfig(Section):
+    """gRPC addresses ("host:port") of each role; filled in by `rlfabric up` or the Helm chart."""
+
+    actor: list[str] = []
+    """Actor service address(es)."""
+    reference: list[str] = []
+    """Reference service address(es)."""
+    critic: list[str] = []
+    """Critic service address(es)."""
+    rollout: list[str] = []
+    """Rollout replicas; the coordinator routes over all of them."""
+    reward: list[str] = []
+    """Reward service address(es)."""
+    coordinator: list[str] = []
+    """Coordinator address (for `rlfabric status` and external clients)."""
+
+
+class ModelConfig(Section):
+    path: str = ""
+    """Local Hugging Face model directory; empty = build the tiny quickstart model in the run dir."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Parameter dtype: auto = float32 on CPU, bfloat16 on GPU."""
+
+
+class DataConfig(Section):
+    train_files: list[str] = []
+    """Parquet files in VeRL's schema; empty = generate the synthetic quickstart task."""
+    val_files: list[str] = []
+    """Validation parquet files."""
+    train_batch_size: int = Field(16, gt=0)
+    """Prompts per step (each sampled rollout.n times)."""
+    max_prompt_length: int = Field(64, gt=0)
+    """Longest prompt in tokens."""
+    max_response_length: int = Field(16, gt=0)
+    """Longest response in tokens."""
+    seed: int = 1
+    """Shuffle seed."""
+
+
+class ActorConfig(Section):
+    world_size: int = Field(1, ge=1)
+    """Data-parallel ranks (FSDP2); rank 0 serves gRPC."""
+    lr: float = Field(1e-5, gt=0)
+    """AdamW learning rate."""
+
+
+class ReferenceConfig(Section):
+    enable: bool = True
+    """Run a reference service (needed for KL in reward or KL loss)."""
+
+
+class CriticConfig(Section):
+    world_size: int = Field(1, ge=1)
+    """Data-parallel ranks (FSDP2); rank 0 serves gRPC."""
+    lr: float = Field(1e-5, gt=0)
+    """AdamW learning rate."""
+
+
+class RolloutConfig(Section):
+    engine: Literal["hf", "vllm", "sglang"] = "hf"
+    """Inference engine: embedded transformers, in-process vLLM, or an SGLang server."""
+    replicas: int = Field(1, ge=1)
+    """Rollout replicas the local launcher starts."""
+    n: int = Field(1, ge=1)
+    """Samples per prompt (GRPO's group size)."""
+    temperature: float = Field(1.0, ge=0)
+    """Sampling temperature (the actor's log-probs use the same)."""
+
+
+class RewardConfig(Section):
+    num_workers: int = Field(1, ge=1)
+    """Worker processes for custom reward functions."""
+
+
+class AlgorithmConfig(Section):
+    adv_estimator: str = "grpo"
+    """Advantage estimator: gae, grpo, rloo, reinforce_plus_plus, remax, or one you registered."""
+    gamma: float = 1.0
+    """Discount factor."""
+    lam: float = 1.0
+    """GAE lambda."""
+
+
+class TrainerConfig(Section):
+    total_steps: int = Field(20, ge=1)
+    """PPO steps to run."""
+    project_name: str = "rlfabric"
+    """Grouping name for loggers."""
+    experiment_name: str = "quickstart"
+    """Run name for loggers."""
+
+
+class LauncherConfig(Section):
+    startup_timeout_s: float = Field(300.0, gt=0)
+    """How long `rlfabric up` waits for every service to report readiness (model loads included)."""
+    stop_timeout_s: float = Field(40.0, gt=0)
+    """After SIGTERM, how long a service may drain before the launcher kills it."""
+
+
+class RunConfig(Section):
+    name: str = "quickstart"
+    """Run name; the default run dir is runs/<name>-<timestamp>."""
+    server: ServerConfig = ServerConfig()
+    client: ClientConfig = ClientConfig()
+    cluster: ClusterConfig = ClusterConfig()
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    actor: ActorConfig = ActorConfig()
+    reference: ReferenceConfig = ReferenceConfig()
+    critic: CriticConfig = CriticConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    reward: RewardConfig = RewardConfig()
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+    trainer: TrainerConfig = TrainerConfig()
+    launcher: LauncherConfig = LauncherConfig()
+
+
+def default_config_path() -> Path:
+    """Path of the built-in quickstart config."""
+    return Path(str(files("rlfabric.core") / "configs" / DEFAULT_CONFIG_NAME))
+
+
+def apply_override(tree: dict[str, Any], override: str) -> None:
+    """Applies one `dotted.key=value` override in place; the value is parsed as YAML."""
+    key, sep, raw = override.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"override {override!r} is not of the form dotted.key=value")
+    parts = key.strip().split(".")
+    node = tree
+    for depth, part in enumerate(parts[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {override!r}: {'.'.join(parts[: depth + 1])} is not a section")
+        node = child
+    node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+
+
+def _describe(error: ValidationError) -> str:
+    lines = []
+    for item in error.errors():
+        key = ".".join(str(p) for p in item["loc"])
+        if item["type"] == "extra_forbidden":
+            lines.append(f"{key}: unknown key")
+        else:
+            lines.append(f"{key}: {item['msg']} (got {item.get('input')!r})")
+    return "invalid config: " + "; ".join(lines)
+
+
+def config_from_dict(tree: dict[str, Any]) -> RunConfig:
+    """Validates a config tree; ConfigError names every bad key."""
+    try:
+        return RunConfig.model_validate(tree)
+    except ValidationError as error:
+        raise ConfigError(_describe(error)) from None
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> RunConfig:
+    """Loads a YAML config (None = the built-in quickstart), applies dotted overrides, validates."""
+    path = Path(path) if path else default_config_path()
+    try:
+        tree = yaml.safe_load(path.read_text()) or {}
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except yaml.YAMLError as error:
+        raise ConfigError(f"config file {path} is not valid YAML: {error}") from None
+    if not isinstance(tree, dict):
+        raise ConfigError(f"config file {path} must hold a mapping at the top level")
+    for override in overrides:
+        apply_override(tree, override)
+    return config_from_dict(tree)
+
+
+def dump_config(config: RunConfig, path: str | Path) -> None:
+    """Writes a config as YAML (the resolved config every service of a run reads)."""
+    Path(path).write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
+
+
+def config_reference(model: type[BaseModel] = RunConfig, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(dotted key, default, description) for every leaf field, for docs and `rlfabric config-reference`."""
+    rows = []
+    for name, field in model.model_fields.items():
+        key = f"{prefix}{name}"
+        annotation = field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            rows.extend(config_reference(annotation, key + "."))
+        else:
+            rows.append((key, repr(field.default), field.description or ""))
+    return rows

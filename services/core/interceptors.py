@@ -1,0 +1,191 @@
+"""Server interceptors shared by every service, outermost first:
+
+1. MetricsInterceptor   records grpc_server_* metrics for every RPC, rejected ones included.
+2. AuthInterceptor      checks the bearer token (health and reflection exempt), when configured.
+3. ReadinessInterceptor answers UNAVAILABLE while the engine loads or the server drains.
+4. ErrorInterceptor     maps domain errors to status codes; unexpected ones to INTERNAL (logged).
+
+Each wraps the method handler's behaviour in an async context manager (`_wrap_handler`), so
+the four RPC kinds (unary/streaming in and out) share one code path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import inspect
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+from grpc import aio
+
+from rlfabric.core.errors import RlfabricError
+from rlfabric.core.metrics import GrpcServerMetrics
+
+log = logging.getLogger("rlfabric.rpc")
+
+# Services that must answer without auth and before the engine is ready (probes, tooling).
+OPEN_SERVICES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+
+_HANDLER_KINDS = {
+    (False, False): ("unary", "unary_unary", grpc.unary_unary_rpc_method_handler),
+    (False, True): ("server_stream", "unary_stream", grpc.unary_stream_rpc_method_handler),
+    (True, False): ("client_stream", "stream_unary", grpc.stream_unary_rpc_method_handler),
+    (True, True): ("bidi_stream", "stream_stream", grpc.stream_stream_rpc_method_handler),
+}
+
+Scope = Callable[[aio.ServicerContext], contextlib.AbstractAsyncContextManager]
+
+
+def rpc_type(handler: grpc.RpcMethodHandler) -> str:
+    """"unary", "server_stream", "client_stream" or "bidi_stream", as go-grpc-prometheus names them."""
+    return _HANDLER_KINDS[(handler.request_streaming, handler.response_streaming)][0]
+
+
+def _is_open(method: str) -> bool:
+    return method.startswith(OPEN_SERVICES)
+
+
+async def _maybe_await(value):
+    return await value if inspect.isawaitable(value) else value
+
+
+def _wrap_handler(handler: grpc.RpcMethodHandler | None, scope: Scope) -> grpc.RpcMethodHandler | None:
+    """Returns a handler that runs the original behaviour inside `async with scope(context)`."""
+    if handler is None:
+        return None
+    _, attr, factory = _HANDLER_KINDS[(handler.request_streaming, handler.response_streaming)]
+    behaviour = getattr(handler, attr)
+
+    if handler.response_streaming:
+
+        async def wrapped(request_or_iterator, context):
+            async with scope(context):
+                responses = behaviour(request_or_iterator, context)
+                if hasattr(responses, "__aiter__"):
+                    async for response in responses:
+                        yield response
+                else:
+                    for response in await _maybe_await(responses):
+                        yield response
+    else:
+
+        async def wrapped(request_or_iterator, context):
+            async with scope(context):
+                return await _maybe_await(behaviour(request_or_iterator, context))
+
+    return factory(
+        wrapped, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
+    )
+
+
+def _abort_handler(code: grpc.StatusCode, details: str, like: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """A handler of the same kind as `like` that fails every call with code/details."""
+
+    @contextlib.asynccontextmanager
+    async def refuse(context):
+        await context.abort(code, details)
+        yield  # pragma: no cover - abort always raises
+
+    return _wrap_handler(like, refuse)
+
+
+class MetricsInterceptor(aio.ServerInterceptor):
+    """Counts and times every RPC with go-grpc-prometheus names and labels."""
+
+    def __init__(self, metrics: GrpcServerMetrics):
+        self.metrics = metrics
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        _, service, method = handler_call_details.method.split("/", 2)
+        labels = (rpc_type(handler), service, method)
+        metrics = self.metrics
+
+        @contextlib.asynccontextmanager
+        async def measure(context):
+            metrics.started.labels(*labels).inc()
+            start = time.perf_counter()
+            code = grpc.StatusCode.OK
+            try:
+                yield
+            except BaseException:
+                code = context.code() or grpc.StatusCode.UNKNOWN
+                raise
+            finally:
+                if code == grpc.StatusCode.OK and context.code() not in (None, grpc.StatusCode.OK):
+                    code = context.code()
+                metrics.handled.labels(*labels, code.name).inc()
+                metrics.handling_seconds.labels(*labels).observe(time.perf_counter() - start)
+
+        return _wrap_handler(handler, measure)
+
+
+class AuthInterceptor(aio.ServerInterceptor):
+    """Requires `authorization: Bearer <token>` metadata on every RPC except health and reflection."""
+
+    def __init__(self, token: str):
+        if not token:
+            raise ValueError("AuthInterceptor needs a non-empty token")
+        self._expected = f"Bearer {token}".encode()
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or _is_open(handler_call_details.method):
+            return handler
+        metadata = dict(handler_call_details.invocation_metadata or ())
+        given = metadata.get("authorization", "")
+        given = given.encode() if isinstance(given, str) else given
+        if hmac.compare_digest(given, self._expected):
+            return handler
+        reason = "missing bearer token" if not given else "invalid bearer token"
+        return _abort_handler(grpc.StatusCode.UNAUTHENTICATED, reason, handler)
+
+
+class ReadinessInterceptor(aio.ServerInterceptor):
+    """Refuses work with UNAVAILABLE until `is_ready()` holds (engine loaded, not draining)."""
+
+    def __init__(self, is_ready: Callable[[], bool], describe: Callable[[], str]):
+        self.is_ready = is_ready
+        self.describe = describe
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or _is_open(handler_call_details.method) or self.is_ready():
+            return handler
+        return _abort_handler(grpc.StatusCode.UNAVAILABLE, self.describe(), handler)
+
+
+class ErrorInterceptor(aio.ServerInterceptor):
+    """Domain errors -> their status code; NotImplementedError -> UNIMPLEMENTED; the rest -> INTERNAL."""
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        method = handler_call_details.method
+
+        @contextlib.asynccontextmanager
+        async def map_errors(context):
+            try:
+                yield
+            except RlfabricError as error:
+                log.info("rpc failed", extra={"fields": {"method": method, "code": error.code.name, "error": str(error)}})
+                await context.abort(error.code, str(error))
+            except NotImplementedError as error:
+                await context.abort(grpc.StatusCode.UNIMPLEMENTED, str(error) or f"{method} is not implemented")
+            except (aio.AbortError, grpc.RpcError):
+                raise
+            except Exception as error:  # the server must keep serving whatever a handler does
+                log.exception("unexpected error", extra={"fields": {"method": method}})
+                await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(error).__name__}: {error}")
+
+        return _wrap_handler(handler, map_errors)
+
+
+def bearer_metadata(token: str | None) -> tuple[tuple[str, Any], ...]:
+    """Client-side metadata for AuthInterceptor."""
+    return (("authorization", f"Bearer {token}"),) if token else ()

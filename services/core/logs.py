@@ -1,0 +1,43 @@
+"""Structured logging: one JSON object per line, with the role and run id in every line."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+
+
+class _JsonLineFormatter(logging.Formatter):
+    def __init__(self, role: str, run_id: str):
+        super().__init__()
+        self.role = role
+        self.run_id = run_id
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = {
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "role": self.role,
+            "run_id": self.run_id,
+            "logger": record.name,
+            "event": record.getMessage(),
+        }
+        line.update(getattr(record, "fields", {}))
+        if record.exc_info:
+            line["exception"] = self.formatException(record.exc_info)
+        return json.dumps(line, default=str)
+
+
+def setup_logging(role: str, run_id: str = "", level: str = "INFO") -> None:
+    """Routes every logger to stderr as JSON lines tagged with role and run_id."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_JsonLineFormatter(role, run_id))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+
+
+def log_event(logger: logging.Logger, event: str, level: int = logging.INFO, **fields) -> None:
+    """Logs `event` with extra key/value fields that land as top-level JSON keys."""
+    logger.log(level, event, extra={"fields": fields})

@@ -1,0 +1,270 @@
+"""The gRPC server every rlfabric service runs on (kserve-style: the server owns the aio server,
+message limits, health, reflection, metrics and graceful stop; servicers stay thin).
+
+    service = ServiceDefinition(role="reward", bindings=[...], engine=engine)
+    asyncio.run(serve(service, ServerOptions.from_config(config.server, port=50051)))
+
+Lifecycle:
+- start(): bind ports, serve health ("liveness" SERVING, "readiness" NOT_SERVING) and reflection,
+  start /metrics, then `await engine.start()` (model load); readiness flips to SERVING after it.
+  RPCs that arrive before that get UNAVAILABLE from the readiness interceptor.
+- stop(): health NOT_SERVING everywhere, new RPCs refused, in-flight RPCs get `grace_period_s`
+  to finish, then the engine stops. SIGTERM/SIGINT trigger it; `serve()` then returns, exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import grpc
+from grpc import aio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry
+
+from rlfabric.core import interceptors
+from rlfabric.core.config import ServerConfig, TlsConfig
+from rlfabric.core.metrics import GrpcServerMetrics, MetricsEndpoint, start_metrics_endpoint
+
+log = logging.getLogger("rlfabric.server")
+
+LIVENESS = "liveness"
+READINESS = "readiness"
+MIB = 1024 * 1024
+
+
+class Engine(Protocol):
+    """What a service runs behind its servicer: loaded in start(), released in stop()."""
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
+@dataclass
+class ServiceBinding:
+    """One gRPC service of a role: the servicer and the generated add_*_to_server function."""
+
+    servicer: Any
+    add_to_server: Callable[[Any, aio.Server], None]
+    full_name: str  # e.g. "rlfabric.v1.ActorService"
+
+
+@dataclass
+class ServiceDefinition:
+    """A role's services, engine and metrics registry."""
+
+    role: str
+    bindings: list[ServiceBinding]
+    engine: Engine
+    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+
+
+@dataclass
+class ServerOptions:
+    """Where and how to serve; built from the config's `server` section plus CLI flags."""
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    metrics_port: int | None = 0
+    health_port: int | None = None
+    max_receive_bytes: int = 256 * MIB
+    max_send_bytes: int = 256 * MIB
+    grace_period_s: float = 30.0
+    keepalive_time_s: float = 30.0
+    keepalive_timeout_s: float = 10.0
+    tls: TlsConfig = field(default_factory=TlsConfig)
+    auth_token: str = ""
+
+    @classmethod
+    def from_config(cls, server: ServerConfig, **overrides) -> ServerOptions:
+        token = Path(server.auth_token_file).read_text().strip() if server.auth_token_file else ""
+        options = cls(
+            host=server.host,
+            max_receive_bytes=server.max_receive_message_mb * MIB,
+            max_send_bytes=server.max_send_message_mb * MIB,
+            grace_period_s=server.grace_period_s,
+            keepalive_time_s=server.keepalive_time_s,
+            keepalive_timeout_s=server.keepalive_timeout_s,
+            tls=server.tls,
+            auth_token=token,
+        )
+        for key, value in overrides.items():
+            if value is not None:
+                setattr(options, key, value)
+        return options
+
+    def grpc_options(self) -> list[tuple[str, Any]]:
+        return [
+            ("grpc.max_receive_message_length", self.max_receive_bytes),
+            ("grpc.max_send_message_length", self.max_send_bytes),
+            ("grpc.keepalive_time_ms", int(self.keepalive_time_s * 1000)),
+            ("grpc.keepalive_timeout_ms", int(self.keepalive_timeout_s * 1000)),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.min_ping_interval_without_data_ms", 5000),
+            ("grpc.so_reuseport", 0),
+        ]
+
+
+def server_credentials(tls: TlsConfig) -> grpc.ServerCredentials:
+    """TLS credentials; with require_client_cert, clients must present a cert signed by ca_file."""
+    key = Path(tls.key_file).read_bytes()
+    cert = Path(tls.cert_file).read_bytes()
+    ca = Path(tls.ca_file).read_bytes() if tls.ca_file else None
+    if tls.require_client_cert and ca is None:
+        raise ValueError("server.tls.require_client_cert needs server.tls.ca_file")
+    return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=tls.require_client_cert)
+
+
+class RlfabricServer:
+    """One role's gRPC server, health, reflection and metrics endpoint."""
+
+    def __init__(self, service: ServiceDefinition, options: ServerOptions):
+        self.service = service
+        self.options = options
+        self.health = health_aio.HealthServicer()
+        self.port: int | None = None
+        self.metrics_port: int | None = None
+        self.health_port: int | None = None
+        self._state = "starting"  # starting -> ready -> draining -> stopped
+        self._server: aio.Server | None = None
+        self._health_server: aio.Server | None = None
+        self._metrics: MetricsEndpoint | None = None
+        self._engine_task: asyncio.Task | None = None
+        self.bound = asyncio.Event()  # set once every port is bound (before the engine loads)
+        self.stopped = asyncio.Event()
+
+    @property
+    def ready(self) -> bool:
+        return self._state == "ready"
+
+    def _describe_state(self) -> str:
+        role = self.service.role
+        if self._state == "starting":
+            return f"{role} service is starting: its engine is still loading"
+        return f"{role} service is shutting down"
+
+    def _interceptors(self) -> list[aio.ServerInterceptor]:
+        chain: list[aio.ServerInterceptor] = [interceptors.MetricsInterceptor(GrpcServerMetrics(self.service.registry))]
+        if self.options.auth_token:
+            chain.append(interceptors.AuthInterceptor(self.options.auth_token))
+        chain.append(interceptors.ReadinessInterceptor(lambda: self.ready, self._describe_state))
+        chain.append(interceptors.ErrorInterceptor())
+        return chain
+
+    async def start(self) -> None:
+        """Binds, serves health/reflection/metrics, loads the engine, then reports ready."""
+        opts = self.options
+        self._server = aio.server(interceptors=self._interceptors(), options=opts.grpc_options())
+        for binding in self.service.bindings:
+            binding.add_to_server(binding.servicer, self._server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
+        names = [b.full_name for b in self.service.bindings]
+        reflection.enable_server_reflection([*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                                             reflection.SERVICE_NAME], self._server)
+        address = f"{opts.host}:{opts.port}"
+        if opts.tls.enabled:
+            self.port = self._server.add_secure_port(address, server_credentials(opts.tls))
+        else:
+            self.port = self._server.add_insecure_port(address)
+        if self.port == 0:
+            raise OSError(f"could not bind gRPC port {address}")
+        if opts.health_port is not None:
+            # A plaintext health-only port for Kubernetes probes, which cannot do mTLS.
+            self._health_server = aio.server(options=opts.grpc_options())
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self._health_server)
+            self.health_port = self._health_server.add_insecure_port(f"{opts.host}:{opts.health_port}")
+            await self._health_server.start()
+        if opts.metrics_port is not None:
+            self._metrics = start_metrics_endpoint(self.service.registry, opts.host, opts.metrics_port)
+            self.metrics_port = self._metrics.port
+        await self._set_health(liveness=True, readiness=False)
+        await self._server.start()
+        self.bound.set()
+        log.info("serving", extra={"fields": {"role": self.service.role, "port": self.port,
+                                              "metrics_port": self.metrics_port, "services": names}})
+        await self.service.engine.start()
+        if self._state == "starting":
+            self._state = "ready"
+            await self._set_health(liveness=True, readiness=True)
+            log.info("ready", extra={"fields": {"role": self.service.role}})
+
+    async def _set_health(self, liveness: bool, readiness: bool) -> None:
+        status = health_pb2.HealthCheckResponse
+        ready = status.SERVING if readiness else status.NOT_SERVING
+        await self.health.set(LIVENESS, status.SERVING if liveness else status.NOT_SERVING)
+        await self.health.set(READINESS, ready)
+        await self.health.set("", ready)
+        for binding in self.service.bindings:
+            await self.health.set(binding.full_name, ready)
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Drains: health NOT_SERVING, in-flight RPCs finish within the grace period, engine stops."""
+        if self._state in ("draining", "stopped"):
+            await self.stopped.wait()
+            return
+        self._state = "draining"
+        grace = self.options.grace_period_s if grace is None else grace
+        log.info("draining", extra={"fields": {"role": self.service.role, "grace_s": grace}})
+        await self.health.enter_graceful_shutdown()
+        if self._server is not None:
+            await self._server.stop(grace)
+        if self._health_server is not None:
+            await self._health_server.stop(0)
+        try:
+            await self.service.engine.stop()
+        finally:
+            if self._metrics is not None:
+                self._metrics.close()
+            self._state = "stopped"
+            self.stopped.set()
+            log.info("stopped", extra={"fields": {"role": self.service.role}})
+
+
+async def serve(service: ServiceDefinition, options: ServerOptions, port_file: str | Path | None = None) -> None:
+    """Runs a service until SIGTERM/SIGINT, then drains and returns (the process exits 0).
+
+    port_file, when given, receives {"grpc": port, "metrics": port, "health": port, "pid": pid}
+    once the ports are bound, so a launcher can use port 0 without races.
+    """
+    server = RlfabricServer(service, options)
+    loop = asyncio.get_running_loop()
+    stop_requested = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop_requested.set)
+    start = asyncio.create_task(server.start())
+    # Ports are bound early in start(), before the engine loads; publish them as soon as they are.
+    bound = asyncio.create_task(server.bound.wait())
+    await asyncio.wait({start, bound}, return_when=asyncio.FIRST_COMPLETED)
+    if start.done() and start.exception() is not None:
+        bound.cancel()
+        await server.stop(0)
+        raise start.exception()
+    if port_file:
+        _write_port_file(Path(port_file), server)
+    stopper = asyncio.create_task(stop_requested.wait())
+    done, _ = await asyncio.wait({start, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    if start in done and start.exception() is not None:
+        await server.stop(0)
+        raise start.exception()
+    await stopper
+    if not start.done():
+        start.cancel()
+    await server.stop()
+
+
+def _write_port_file(path: Path, server: RlfabricServer) -> None:
+    info = {"grpc": server.port, "metrics": server.metrics_port, "health": server.health_port, "pid": os.getpid()}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(info))
+    tmp.rename(path)

@@ -1,0 +1,69 @@
+"""Builds and runs one role's service: `rlfabric serve ROLE --config C`.
+
+Each role module exposes `build_service(config) -> ServiceDefinition` (its servicer(s) and engine);
+this module maps role names to those functions explicitly and imports them lazily, so the reward
+or coordinator process never imports torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from rlfabric.core.config import ROLES, RunConfig
+from rlfabric.core.server import ServerOptions, ServiceBinding, ServiceDefinition, serve
+
+
+def _generated_only(role: str) -> ServiceDefinition:
+    """A role whose engine has not landed yet: the generated servicer answers UNIMPLEMENTED."""
+    from rlfabric.v1 import (
+        actor_pb2_grpc,
+        critic_pb2_grpc,
+        reference_pb2_grpc,
+        reward_pb2_grpc,
+        rollout_pb2_grpc,
+    )
+
+    modules = {
+        "actor": (actor_pb2_grpc, "ActorService"),
+        "reference": (reference_pb2_grpc, "ReferenceService"),
+        "critic": (critic_pb2_grpc, "CriticService"),
+        "rollout": (rollout_pb2_grpc, "RolloutService"),
+        "reward": (reward_pb2_grpc, "RewardService"),
+    }
+    module, name = modules[role]
+    servicer = getattr(module, f"{name}Servicer")()
+    binding = ServiceBinding(servicer, getattr(module, f"add_{name}Servicer_to_server"), f"rlfabric.v1.{name}")
+    return ServiceDefinition(role=role, bindings=[binding], engine=_NothingToLoad())
+
+
+class _NothingToLoad:
+    async def start(self) -> None:
+        pass
+
+    async def stop(self) -> None:
+        pass
+
+
+def build_service(role: str, config: RunConfig) -> ServiceDefinition:
+    """The ServiceDefinition of `role` for this config."""
+    if role == "coordinator":
+        from rlfabric.coordinator.servicer import CoordinatorServicer, RunController
+        from rlfabric.v1 import coordinator_pb2_grpc
+
+        controller = RunController()
+        binding = ServiceBinding(
+            CoordinatorServicer(controller),
+            coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server,
+            "rlfabric.v1.CoordinatorService",
+        )
+        return ServiceDefinition(role=role, bindings=[binding], engine=controller)
+    if role in ROLES:
+        return _generated_only(role)
+    raise ValueError(f"unknown role {role!r}; roles are {', '.join(ROLES)}")
+
+
+def run_service(role: str, config: RunConfig, options: ServerOptions, port_file: Path | None = None) -> None:
+    """Serves `role` until SIGTERM/SIGINT."""
+    service = build_service(role, config)
+    asyncio.run(serve(service, options, port_file=port_file))
