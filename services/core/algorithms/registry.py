@@ -1,0 +1,80 @@
+"""Name -> function registries, so config picks the advantage estimator and policy loss by name.
+
+Register your own with one plain call, then select it by name in the config:
+
+    def my_estimator(*, token_rewards, mask, values=None, group_ids=None, baselines=None,
+                     gamma=1.0, lam=1.0, norm_by_std=True):
+        ...
+        return advantages, returns  # both [batch, response_len]
+
+    register_advantage_estimator("my_est", my_estimator)
+    advantages, returns = get_advantage_estimator("my_est")(token_rewards=r, mask=m, values=v)
+
+Advantage estimator call form: keyword-only arguments exactly ADVANTAGE_ESTIMATOR_KWARGS
+(`token_rewards`, `mask` [batch, response_len]; `values` [batch, response_len] or None; `group_ids` int64
+[batch] or None; `baselines` [batch] or None; floats `gamma`, `lam`; bool `norm_by_std`). An estimator
+ignores what it does not need and raises ValueError when something it needs is None.
+
+Policy loss call form: `fn(old_log_probs, log_probs, advantages, mask, *, clip_low, clip_high,
+clip_ratio_c, agg, global_token_count, global_seq_count, scale_factor) -> (loss, stats)`, the same
+arguments as `losses.policy_loss` less `mode`; `agg` may be None (use the mode's own default). Inputs
+arrive already shape-checked; stats is a dict of 0-dim tensors.
+
+Built-ins: estimators gae, grpo, rloo, reinforce_plus_plus, remax (advantages.py); policy losses
+vanilla, gspo (losses.py). Each module registers its own at import.
+"""
+
+from collections.abc import Callable
+
+from ._checks import unknown_name
+
+ADVANTAGE_ESTIMATOR_KWARGS = (
+    "token_rewards", "mask", "values", "group_ids", "baselines", "gamma", "lam", "norm_by_std",
+)
+
+_ADVANTAGE_ESTIMATORS: dict[str, Callable] = {}
+_POLICY_LOSSES: dict[str, Callable] = {}
+
+
+def _register(table: dict[str, Callable], what: str, name: str, fn: Callable, overwrite: bool) -> None:
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"register_{what}: name must be a non-empty string, got {name!r}")
+    if not callable(fn):
+        raise TypeError(f"register_{what}: {name!r} is not callable: {fn!r}")
+    if name in table and not overwrite:
+        raise ValueError(f"register_{what}: {name!r} is already registered; pass overwrite=True to replace it")
+    table[name] = fn
+
+
+def register_advantage_estimator(name: str, fn: Callable, overwrite: bool = False) -> None:
+    """Make `fn` (in the advantage estimator call form above) selectable as `name`."""
+    _register(_ADVANTAGE_ESTIMATORS, "advantage_estimator", name, fn, overwrite)
+
+
+def get_advantage_estimator(name: str) -> Callable:
+    """The advantage estimator registered as `name`; ValueError listing the known names otherwise."""
+    if name not in _ADVANTAGE_ESTIMATORS:
+        raise unknown_name("get_advantage_estimator", "advantage estimator", name, _ADVANTAGE_ESTIMATORS)
+    return _ADVANTAGE_ESTIMATORS[name]
+
+
+def advantage_estimator_names() -> list[str]:
+    """Registered advantage estimator names, sorted."""
+    return sorted(_ADVANTAGE_ESTIMATORS)
+
+
+def register_policy_loss(name: str, fn: Callable, overwrite: bool = False) -> None:
+    """Make `fn` (in the policy loss call form above) selectable as policy_loss(mode=name)."""
+    _register(_POLICY_LOSSES, "policy_loss", name, fn, overwrite)
+
+
+def get_policy_loss(name: str) -> Callable:
+    """The policy loss registered as `name`; ValueError listing the known names otherwise."""
+    if name not in _POLICY_LOSSES:
+        raise unknown_name("get_policy_loss", "policy loss mode", name, _POLICY_LOSSES)
+    return _POLICY_LOSSES[name]
+
+
+def policy_loss_names() -> list[str]:
+    """Registered policy loss mode names, sorted."""
+    return sorted(_POLICY_LOSSES)
