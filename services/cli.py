@@ -6,6 +6,7 @@
     rlfabric status [--run-dir DIR | --address HOST:PORT]      ask a running coordinator
     rlfabric health ADDRESS [--service readiness]              one health check (probes, helm test)
     rlfabric config-reference                                   every config key with default and doc
+    rlfabric make-tiny-model OUT                                tiny random Qwen2 model for tests/quickstart
 """
 
 from __future__ import annotations
@@ -68,6 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
     health.add_argument("--timeout", type=float, default=5.0)
 
     commands.add_parser("config-reference", help="print every config key with its default and meaning")
+
+    tiny = commands.add_parser("make-tiny-model", help="write a tiny random Qwen2 model + char tokenizer")
+    tiny.add_argument("out", type=Path)
+    tiny.add_argument("--seed", type=int, default=0)
     return parser
 
 
@@ -200,6 +205,13 @@ def cmd_config_reference(args) -> int:
     return 0
 
 
+def cmd_make_tiny_model(args) -> int:
+    from rlfabric.actor.tiny_model import make_tiny_model
+
+    print(make_tiny_model(args.out, seed=args.seed))
+    return 0
+
+
 COMMANDS = {
     "serve": cmd_serve,
     "up": cmd_up,
@@ -207,6 +219,7 @@ COMMANDS = {
     "status": cmd_status,
     "health": cmd_health,
     "config-reference": cmd_config_reference,
+    "make-tiny-model": cmd_make_tiny_model,
 }
 
 

@@ -100,6 +100,8 @@ class LocalMesh:
         """Starts the workers, then the coordinator (configured with their addresses); waits for all."""
         for sub in ("logs", "ports"):
             (self.run_dir / sub).mkdir(parents=True, exist_ok=True)
+        if not self.config.model.path:
+            self.config.model.path = str(self._build_tiny_model())
         worker_config = self.run_dir / "config.yaml"
         dump_config(self.config, worker_config)
         for name, role in self.worker_names():
@@ -139,6 +141,16 @@ class LocalMesh:
         return [p for p in self.processes if p.process.poll() is not None]
 
     # -- helpers -----------------------------------------------------------------------------
+
+    def _build_tiny_model(self) -> Path:
+        """The quickstart's model: built once per run dir (no model hub is needed)."""
+        model_dir = self.run_dir / "model"
+        if not (model_dir / "config.json").exists():
+            subprocess.run(
+                [sys.executable, "-m", "rlfabric", "make-tiny-model", str(model_dir)],
+                check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            )
+        return model_dir.resolve()
 
     def _spawn(self, name: str, role: str, config_path: Path) -> ServiceProcess:
         log_path = self.run_dir / "logs" / f"{name}.log"
