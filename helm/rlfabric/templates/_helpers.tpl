@@ -1,0 +1,450 @@
+{{/*
+Names
+*/}}
+
+{{/* Chart name, overridable with nameOverride. */}}
+{{- define "rlfabric.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+Resource-name prefix. Cut to 30 characters so that the longest derived names
+("<fullname>-reference-headless", StatefulSet revision labels "<sts>-<hash>")
+stay within the 63-character limit.
+*/}}
+{{- define "rlfabric.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 30 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 30 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 30 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* "name-version" for the helm.sh/chart label. */}}
+{{- define "rlfabric.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* All roles, in start-up order. */}}
+{{- define "rlfabric.roleNames" -}}
+actor reference critic rollout reward coordinator
+{{- end }}
+
+{{/* Roles whose replicas are the ranks of one torch.distributed group (rank 0 serves gRPC). */}}
+{{- define "rlfabric.isMultiRank" -}}
+{{- if has . (list "actor" "critic") }}true{{ end }}
+{{- end }}
+
+{{/* Workload name of a role. Args: dict ctx role. */}}
+{{- define "rlfabric.roleFullname" -}}
+{{- printf "%s-%s" (include "rlfabric.fullname" .ctx) .role }}
+{{- end }}
+
+{{/* Headless Service of a StatefulSet role. Args: dict ctx role. */}}
+{{- define "rlfabric.headlessName" -}}
+{{- printf "%s-%s-headless" (include "rlfabric.fullname" .ctx) .role }}
+{{- end }}
+
+{{- define "rlfabric.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "rlfabric.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{- define "rlfabric.configMapName" -}}
+{{- printf "%s-config" (include "rlfabric.fullname" .) }}
+{{- end }}
+
+{{- define "rlfabric.dataClaimName" -}}
+{{- default (printf "%s-data" (include "rlfabric.fullname" .)) .Values.persistence.existingClaim }}
+{{- end }}
+
+{{/*
+Labels
+*/}}
+
+{{/* Selector labels. Args: dict ctx role (role may be ""). */}}
+{{- define "rlfabric.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "rlfabric.name" .ctx }}
+app.kubernetes.io/instance: {{ .ctx.Release.Name }}
+{{- with .role }}
+app.kubernetes.io/component: {{ . }}
+{{- end }}
+{{- end }}
+
+{{/* Standard labels. Args: dict ctx role (role may be ""). */}}
+{{- define "rlfabric.labels" -}}
+helm.sh/chart: {{ include "rlfabric.chart" .ctx }}
+{{ include "rlfabric.selectorLabels" . }}
+app.kubernetes.io/version: {{ .ctx.Chart.AppVersion | quote }}
+app.kubernetes.io/part-of: rlfabric
+app.kubernetes.io/managed-by: {{ .ctx.Release.Service }}
+{{- end }}
+
+{{/*
+Images and ports
+*/}}
+
+{{/* Image reference of a role. Args: dict ctx role. */}}
+{{- define "rlfabric.image" -}}
+{{- $img := (index .ctx.Values.roles .role).image }}
+{{- $repo := default .ctx.Values.image.repository $img.repository }}
+{{- $base := default .ctx.Chart.AppVersion .ctx.Values.image.tag }}
+{{- $tag := $img.tag }}
+{{- if not $tag }}
+{{- $tag = ternary (printf "%s-%s" $base $img.variant) $base (ne $img.variant "") }}
+{{- end }}
+{{- printf "%s:%s" $repo $tag }}
+{{- end }}
+
+{{/* Port that answers grpc.health.v1: the plaintext health port when TLS is on. */}}
+{{- define "rlfabric.healthPort" -}}
+{{- if .Values.tls.enabled }}{{ int .Values.ports.health }}{{ else }}{{ int .Values.ports.grpc }}{{ end }}
+{{- end }}
+
+{{/*
+gRPC addresses of a role as a YAML list of "host:port" strings. Args: dict ctx role port.
+StatefulSet roles list every replica through the headless Service
+(<name>-<i>.<headless>.<ns>.svc); multi-rank roles list rank 0 only; the
+coordinator is listed through its Service. Disabled roles give [].
+*/}}
+{{- define "rlfabric.addresses" -}}
+{{- $ctx := .ctx }}
+{{- $r := index $ctx.Values.roles .role }}
+{{- $ns := $ctx.Release.Namespace }}
+{{- $addrs := list }}
+{{- if $r.enabled }}
+{{- if eq .role "coordinator" }}
+{{- $addrs = append $addrs (printf "%s.%s.svc:%d" (include "rlfabric.roleFullname" .) $ns (int .port)) }}
+{{- else }}
+{{- $n := int $r.replicas }}
+{{- if and (include "rlfabric.isMultiRank" .role) (gt $n 1) }}
+{{- $n = 1 }}
+{{- end }}
+{{- $pod := include "rlfabric.roleFullname" . }}
+{{- $svc := include "rlfabric.headlessName" . }}
+{{- range $i := until $n }}
+{{- $addrs = append $addrs (printf "%s-%d.%s.%s.svc:%d" $pod $i $svc $ns (int $.port)) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- toYaml $addrs }}
+{{- end }}
+
+{{/*
+Run config
+*/}}
+
+{{/* The run config: .Values.config plus the chart's cluster/server/trainer keys. */}}
+{{- define "rlfabric.config" -}}
+{{- $cfg := deepCopy (.Values.config | default dict) }}
+{{- $trainer := get $cfg "trainer" | default dict }}
+{{- if not (hasKey $trainer "default_local_dir") }}
+{{- $_ := set $trainer "default_local_dir" (printf "%s/checkpoints" .Values.persistence.mountPath) }}
+{{- end }}
+{{- $_ := set $cfg "trainer" $trainer }}
+{{- if or .Values.tls.enabled .Values.auth.enabled }}
+{{- $server := get $cfg "server" | default dict }}
+{{- with .Values.tls }}
+{{- if .enabled }}
+{{- $_ := set $server "tls" (dict
+      "cert_file" (printf "%s/%s" .mountPath .certKey)
+      "key_file" (printf "%s/%s" .mountPath .keyKey)
+      "ca_file" (printf "%s/%s" .mountPath .caKey)
+      "require_client_cert" .mtls) }}
+{{- end }}
+{{- end }}
+{{- with .Values.auth }}
+{{- if .enabled }}
+{{- $_ := set $server "auth_token_file" (printf "%s/%s" .mountPath .secretKey) }}
+{{- end }}
+{{- end }}
+{{- $_ := set $cfg "server" $server }}
+{{- end }}
+{{- $cluster := dict }}
+{{- range $role := list "actor" "reference" "critic" "rollout" "reward" }}
+{{- $addrs := include "rlfabric.addresses" (dict "ctx" $ "role" $role "port" $.Values.ports.grpc) | fromYamlArray }}
+{{- $_ := set $cluster $role $addrs }}
+{{- end }}
+{{- $_ := set $cfg "cluster" $cluster }}
+{{- /*
+Helm keeps numbers as float64 and writes 1e-6 as "1e-06" and 1000000 as "1e+06",
+which YAML 1.1 loaders (PyYAML) read as strings: give such mantissas a ".0".
+*/}}
+{{- regexReplaceAll "(?m)([:-] -?[0-9]+)(e[-+][0-9]+)$" (toYaml $cfg) "${1}.0${2}" }}
+{{- end }}
+
+{{/*
+Pod template
+*/}}
+
+{{/* Checks a role's settings that the schema cannot express. Args: dict ctx role. */}}
+{{- define "rlfabric.validateRole" -}}
+{{- $r := index .ctx.Values.roles .role }}
+{{- if and $r.pool (not (hasKey .ctx.Values.pools $r.pool)) }}
+{{- fail (printf "roles.%s.pool: %q is not a key of .Values.pools" .role $r.pool) }}
+{{- end }}
+{{- with $r.colocateWith }}
+{{- if or (eq . $.role) (not (hasKey $.ctx.Values.roles .)) }}
+{{- fail (printf "roles.%s.colocateWith: %q must name another role" $.role .) }}
+{{- end }}
+{{- if not (index $.ctx.Values.roles .).enabled }}
+{{- fail (printf "roles.%s.colocateWith: role %q is not enabled" $.role .) }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* Scheduling fields (nodeSelector, tolerations, affinity) of a role. Args: dict ctx role. */}}
+{{- define "rlfabric.scheduling" -}}
+{{- $r := index .ctx.Values.roles .role }}
+{{- $pool := dict }}
+{{- if $r.pool }}
+{{- $pool = index .ctx.Values.pools $r.pool | default dict }}
+{{- end }}
+{{- $nodeSelector := merge (deepCopy ($r.nodeSelector | default dict)) ($pool.nodeSelector | default dict) }}
+{{- $tolerations := concat ($pool.tolerations | default list) ($r.tolerations | default list) }}
+{{- $affinity := deepCopy (ternary $r.affinity ($pool.affinity | default dict) (not (empty $r.affinity))) }}
+{{- with $r.colocateWith }}
+{{- $term := dict
+      "labelSelector" (dict "matchLabels" (include "rlfabric.selectorLabels" (dict "ctx" $.ctx "role" .) | fromYaml))
+      "topologyKey" "kubernetes.io/hostname" }}
+{{- $podAffinity := get $affinity "podAffinity" | default dict }}
+{{- $required := get $podAffinity "requiredDuringSchedulingIgnoredDuringExecution" | default list }}
+{{- $_ := set $podAffinity "requiredDuringSchedulingIgnoredDuringExecution" (append $required $term) }}
+{{- $_ := set $affinity "podAffinity" $podAffinity }}
+{{- end }}
+{{- with $nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with $tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with $affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{/* Container resources of a role, with the GPU limit from .gpus. Args: dict ctx role. */}}
+{{- define "rlfabric.resources" -}}
+{{- $r := index .ctx.Values.roles .role }}
+{{- $res := deepCopy ($r.resources | default dict) }}
+{{- if gt (int $r.gpus) 0 }}
+{{- $limits := get $res "limits" | default dict }}
+{{- $_ := set $limits .ctx.Values.gpuResourceName (int $r.gpus) }}
+{{- $_ := set $res "limits" $limits }}
+{{- end }}
+{{- toYaml $res }}
+{{- end }}
+
+{{/* Native gRPC probe against grpc.health.v1. Args: dict ctx service settings. */}}
+{{- define "rlfabric.grpcProbe" -}}
+grpc:
+  port: {{ include "rlfabric.healthPort" .ctx }}
+  service: {{ .service }}
+{{ toYaml .settings }}
+{{- end }}
+
+{{/* Pod template of a role. Args: dict ctx role. */}}
+{{- define "rlfabric.podTemplate" -}}
+{{- $ctx := .ctx }}
+{{- $role := .role }}
+{{- $r := index $ctx.Values.roles $role }}
+{{- $multiRank := include "rlfabric.isMultiRank" $role }}
+{{- $ports := $ctx.Values.ports -}}
+metadata:
+  labels:
+    {{- include "rlfabric.labels" . | nindent 4 }}
+    {{- with $r.podLabels }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+  annotations:
+    checksum/config: {{ include "rlfabric.config" $ctx | sha256sum }}
+    {{- with $r.podAnnotations }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+spec:
+  serviceAccountName: {{ include "rlfabric.serviceAccountName" $ctx }}
+  automountServiceAccountToken: false
+  enableServiceLinks: false
+  {{- with $ctx.Values.imagePullSecrets }}
+  imagePullSecrets:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  securityContext:
+    {{- toYaml $ctx.Values.podSecurityContext | nindent 4 }}
+  {{- with $r.priorityClassName }}
+  priorityClassName: {{ . }}
+  {{- end }}
+  terminationGracePeriodSeconds: {{ int $r.terminationGracePeriodSeconds }}
+  {{- with include "rlfabric.scheduling" . | trim }}
+  {{- . | nindent 2 }}
+  {{- end }}
+  containers:
+    - name: {{ $role }}
+      image: {{ include "rlfabric.image" . | quote }}
+      imagePullPolicy: {{ $ctx.Values.image.pullPolicy }}
+      command: ["rlfabric"]
+      args:
+        - serve
+        - {{ $role }}
+        - --config
+        - {{ $ctx.Values.configPath }}
+        - --host
+        - 0.0.0.0
+        - --port
+        - {{ int $ports.grpc | quote }}
+        - --metrics-port
+        - {{ int $ports.metrics | quote }}
+        {{- if $ctx.Values.tls.enabled }}
+        - --health-port
+        - {{ int $ports.health | quote }}
+        {{- end }}
+        {{- if and $multiRank (gt (int $r.replicas) 1) }}
+        - --world-size
+        - {{ int $r.replicas | quote }}
+        {{- end }}
+        {{- range $r.extraArgs }}
+        - {{ . | quote }}
+        {{- end }}
+      env:
+        - name: HOME
+          value: /tmp
+        - name: POD_NAME
+          valueFrom:
+            fieldRef:
+              fieldPath: metadata.name
+        - name: POD_NAMESPACE
+          valueFrom:
+            fieldRef:
+              fieldPath: metadata.namespace
+        {{- if $multiRank }}
+        - name: MASTER_ADDR
+          value: {{ printf "%s-0.%s.%s.svc" (include "rlfabric.roleFullname" .) (include "rlfabric.headlessName" .) $ctx.Release.Namespace }}
+        - name: MASTER_PORT
+          value: {{ int $ports.rendezvous | quote }}
+        - name: WORLD_SIZE
+          value: {{ int $r.replicas | quote }}
+        - name: RANK
+          valueFrom:
+            fieldRef:
+              fieldPath: metadata.labels['apps.kubernetes.io/pod-index']
+        {{- end }}
+        {{- with $ctx.Values.env }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+        {{- with $r.env }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+      ports:
+        - name: grpc
+          containerPort: {{ int $ports.grpc }}
+          protocol: TCP
+        {{- if $ctx.Values.tls.enabled }}
+        - name: health
+          containerPort: {{ int $ports.health }}
+          protocol: TCP
+        {{- end }}
+        - name: metrics
+          containerPort: {{ int $ports.metrics }}
+          protocol: TCP
+        {{- if $multiRank }}
+        - name: rendezvous
+          containerPort: {{ int $ports.rendezvous }}
+          protocol: TCP
+        {{- end }}
+      startupProbe:
+        {{- include "rlfabric.grpcProbe" (dict "ctx" $ctx "service" "liveness" "settings" $ctx.Values.probes.startup) | nindent 8 }}
+      livenessProbe:
+        {{- include "rlfabric.grpcProbe" (dict "ctx" $ctx "service" "liveness" "settings" $ctx.Values.probes.liveness) | nindent 8 }}
+      readinessProbe:
+        {{- include "rlfabric.grpcProbe" (dict "ctx" $ctx "service" "readiness" "settings" $ctx.Values.probes.readiness) | nindent 8 }}
+      resources:
+        {{- include "rlfabric.resources" . | nindent 8 }}
+      securityContext:
+        {{- toYaml $ctx.Values.containerSecurityContext | nindent 8 }}
+      volumeMounts:
+        - name: config
+          mountPath: {{ $ctx.Values.configPath }}
+          subPath: config.yaml
+          readOnly: true
+        - name: tmp
+          mountPath: /tmp
+        {{- if $r.shmSize }}
+        - name: shm
+          mountPath: /dev/shm
+        {{- end }}
+        {{- if $r.mountData }}
+        - name: data
+          mountPath: {{ $ctx.Values.persistence.mountPath }}
+        {{- end }}
+        {{- if $ctx.Values.tls.enabled }}
+        - name: tls
+          mountPath: {{ $ctx.Values.tls.mountPath }}
+          readOnly: true
+        {{- end }}
+        {{- if $ctx.Values.auth.enabled }}
+        - name: auth
+          mountPath: {{ $ctx.Values.auth.mountPath }}
+          readOnly: true
+        {{- end }}
+  volumes:
+    - name: config
+      configMap:
+        name: {{ include "rlfabric.configMapName" $ctx }}
+    - name: tmp
+      emptyDir:
+        sizeLimit: {{ $ctx.Values.tmpSizeLimit }}
+    {{- with $r.shmSize }}
+    - name: shm
+      emptyDir:
+        medium: Memory
+        sizeLimit: {{ . }}
+    {{- end }}
+    {{- if $r.mountData }}
+    - name: data
+      {{- if $ctx.Values.persistence.enabled }}
+      persistentVolumeClaim:
+        claimName: {{ include "rlfabric.dataClaimName" $ctx }}
+      {{- else }}
+      emptyDir: {}
+      {{- end }}
+    {{- end }}
+    {{- if $ctx.Values.tls.enabled }}
+    - name: tls
+      secret:
+        secretName: {{ $ctx.Values.tls.secretName }}
+        defaultMode: 288  # 0440
+    {{- end }}
+    {{- if $ctx.Values.auth.enabled }}
+    - name: auth
+      secret:
+        secretName: {{ $ctx.Values.auth.secretName }}
+        defaultMode: 288  # 0440
+    {{- end }}
+{{- end }}
+
+{{/* Release-wide checks the schema cannot express. */}}
+{{- define "rlfabric.validate" -}}
+{{- if and .Values.tls.mtls (not .Values.tls.enabled) }}
+{{- fail "tls.mtls requires tls.enabled" }}
+{{- end }}
+{{- if and .Values.tls.enabled (not .Values.tls.secretName) }}
+{{- fail "tls.enabled requires tls.secretName (a Secret with the certificate, key and CA)" }}
+{{- end }}
+{{- if and .Values.auth.enabled (not .Values.auth.secretName) }}
+{{- fail "auth.enabled requires auth.secretName (a Secret holding the bearer token)" }}
+{{- end }}
+{{- if and .Values.tls.enabled (eq (int .Values.ports.health) (int .Values.ports.grpc)) }}
+{{- fail "ports.health must differ from ports.grpc when TLS is on" }}
+{{- end }}
+{{- end }}

