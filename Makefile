@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 PROTO_FILES := $(wildcard protos/rlfabric/v1/*.proto)
 
-.PHONY: run test setup protos check-protos lint bench clean
+.PHONY: run test setup protos docs lint bench clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
@@ -30,6 +30,10 @@ test: setup
 ## Regenerate the committed Python stubs from protos/.
 protos: setup
 	$(PY) -m rlfabric.core.protogen services/v1
+
+## Regenerate docs/config-reference.md from the config classes.
+docs: setup
+	$(VENV)/bin/rlfabric config-reference > docs/config-reference.md
 
 lint: setup
 	$(VENV)/bin/ruff check services tests bench

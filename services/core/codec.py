@@ -1,8 +1,10 @@
 """Tensor wire format: torch / numpy <-> rlfabric.v1.Tensor, Batch and TensorChunk streams.
 
-A Tensor is dtype + shape + raw little-endian row-major bytes. Decoding wraps the message's
-bytes without a copy (np.frombuffer / torch.frombuffer): the result is read-only and shares
-memory with the message, so pass `copy=True` when you need to write into it.
+A Tensor is dtype + shape + raw little-endian row-major bytes. Decoding wraps the bytes without
+per-element work (np.frombuffer / torch.frombuffer): the result is read-only, so pass `copy=True`
+when you need to write into it. Copies are the floor protobuf's Python runtime (upb) allows:
+encode copies the tensor once into a bytes object and once into the message; decode reads the
+bytes field once (upb materialises it) and wraps that buffer.
 
 Every decode checks the message first (known dtype, non-negative dims, sane element count,
 byte length == elements * itemsize) and raises InvalidArgument naming what is wrong.
@@ -101,8 +103,13 @@ def encode(value: torch.Tensor | np.ndarray) -> tensor_pb2.Tensor:
     return tensor_pb2.Tensor(dtype=info.wire, shape=list(shape), raw_data=_raw_bytes(array))
 
 
-def check(message: tensor_pb2.Tensor, name: str = "tensor") -> tuple[_DTypeInfo, tuple[int, ...]]:
-    """Validates a Tensor message; returns its dtype info and shape. Raises InvalidArgument."""
+def check(message: tensor_pb2.Tensor, name: str = "tensor", raw: bytes | None = None) -> tuple[_DTypeInfo, tuple[int, ...]]:
+    """Validates a Tensor message; returns its dtype info and shape. Raises InvalidArgument.
+
+    Pass `raw` when you already hold message.raw_data: with the upb runtime every read of a bytes
+    field materialises a new copy, so decoders read it exactly once.
+    """
+    raw = message.raw_data if raw is None else raw
     info = _dtype_info(message.dtype)
     shape = tuple(message.shape)
     if any(d < 0 for d in shape):
@@ -111,9 +118,9 @@ def check(message: tensor_pb2.Tensor, name: str = "tensor") -> tuple[_DTypeInfo,
     if numel > MAX_ELEMENTS:
         raise InvalidArgument(f"{name}: shape {list(shape)} has {numel} elements, more than the limit {MAX_ELEMENTS}")
     expected = numel * info.itemsize
-    if len(message.raw_data) != expected:
+    if len(raw) != expected:
         raise InvalidArgument(
-            f"{name}: raw_data has {len(message.raw_data)} bytes but shape {list(shape)} of "
+            f"{name}: raw_data has {len(raw)} bytes but shape {list(shape)} of "
             f"{DataType.Name(info.wire)} needs {expected}"
         )
     return info, shape
@@ -124,10 +131,11 @@ def to_numpy(message: tensor_pb2.Tensor, name: str = "tensor", copy: bool = Fals
 
     bfloat16 has no numpy type: use to_torch for it.
     """
-    info, shape = check(message, name)
+    raw = message.raw_data
+    info, shape = check(message, name, raw)
     if info.numpy_dtype is None:
         raise InvalidArgument(f"{name}: {DataType.Name(info.wire)} has no numpy type; decode it with to_torch")
-    array = np.frombuffer(message.raw_data, dtype=info.numpy_dtype).reshape(shape)
+    array = np.frombuffer(raw, dtype=info.numpy_dtype).reshape(shape)
     return array.copy() if copy else array
 
 
@@ -136,13 +144,14 @@ def to_torch(message: tensor_pb2.Tensor, name: str = "tensor", copy: bool = Fals
 
     The shared tensor must not be written to; pass copy=True for a writable one.
     """
-    info, shape = check(message, name)
-    if len(message.raw_data) == 0:
+    raw = message.raw_data
+    info, shape = check(message, name, raw)
+    if len(raw) == 0:
         return torch.empty(shape, dtype=info.torch_dtype)
     with warnings.catch_warnings():
         # torch warns that the buffer is not writable; we document read-only and offer copy=True.
         warnings.simplefilter("ignore", UserWarning)
-        tensor = torch.frombuffer(message.raw_data, dtype=info.torch_dtype).reshape(shape)
+        tensor = torch.frombuffer(raw, dtype=info.torch_dtype).reshape(shape)
     return tensor.clone() if copy else tensor
 
 

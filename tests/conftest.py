@@ -1,0 +1,55 @@
+"""Shared test fixtures: run a real rlfabric gRPC server on loopback in a background thread."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from rlfabric.core.server import RlfabricServer, ServerOptions, ServiceDefinition
+
+
+class ServerThread:
+    """A RlfabricServer on its own event loop in a daemon thread; tests talk to it with sync clients."""
+
+    def __init__(self, service: ServiceDefinition, options: ServerOptions, wait_ready: bool = True):
+        self.server = RlfabricServer(service, options)
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+        self._start = asyncio.run_coroutine_threadsafe(self.server.start(), self.loop)
+        bound = asyncio.run_coroutine_threadsafe(self.server.bound.wait(), self.loop)
+        bound.result(timeout=30)
+        if wait_ready:
+            self._start.result(timeout=120)
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.server.port}"
+
+    def run(self, coroutine, timeout: float = 60):
+        """Runs a coroutine on the server's loop and returns its result."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout=timeout)
+
+    def stop(self, grace: float = 0.0) -> None:
+        if not self._start.done():
+            self._start.cancel()
+        self.run(self.server.stop(grace))
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=10)
+
+
+@pytest.fixture
+def serve_in_thread():
+    """Factory: serve_in_thread(service, options) -> ServerThread, stopped at test end."""
+    started: list[ServerThread] = []
+
+    def start(service: ServiceDefinition, options: ServerOptions | None = None, wait_ready: bool = True):
+        thread = ServerThread(service, options or ServerOptions(port=0, metrics_port=0), wait_ready)
+        started.append(thread)
+        return thread
+
+    yield start
+    for thread in started:
+        thread.stop()

@@ -1,0 +1,69 @@
+"""Run config: defaults, overrides, validation errors naming the key."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlfabric.core.config import ConfigError, config_reference, default_config_path, dump_config, load_config
+
+
+def test_builtin_default_is_the_quickstart():
+    config = load_config()
+    assert config.name == "quickstart" and config.rollout.engine == "hf"
+    assert default_config_path().exists()
+
+
+def test_dotted_overrides_are_parsed_as_yaml():
+    config = load_config(overrides=["trainer.total_steps=3", "rollout.temperature=0.5", "cluster.rollout=[a:1, b:2]"])
+    assert config.trainer.total_steps == 3
+    assert config.rollout.temperature == 0.5
+    assert config.cluster.rollout == ["a:1", "b:2"]
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("trainer.total_stpes=3", "trainer.total_stpes: unknown key"),
+        ("rollout.n=two", "rollout.n: Input should be a valid integer"),
+        ("rollout.n=0", "rollout.n: Input should be greater than or equal to 1"),
+        ("rollout.engine=tgi", "rollout.engine: Input should be 'hf', 'vllm' or 'sglang'"),
+        ("server=4", "server: Input should be a valid dictionary"),
+        ("nokey", "is not of the form dotted.key=value"),
+    ],
+)
+def test_bad_values_name_the_key(override, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_config(overrides=[override])
+
+
+def test_bad_files_are_config_errors(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("trainer: [unclosed")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(broken)
+    listy = tmp_path / "list.yaml"
+    listy.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="mapping at the top level"):
+        load_config(listy)
+
+
+def test_dump_and_reload_round_trip(tmp_path):
+    config = load_config(overrides=["trainer.total_steps=7", "cluster.actor=[x:1]"])
+    dump_config(config, tmp_path / "c.yaml")
+    assert load_config(tmp_path / "c.yaml") == config
+
+
+def test_every_field_is_documented():
+    undocumented = [key for key, _, doc in config_reference() if not doc]
+    assert undocumented == []
+
+
+def test_config_reference_doc_is_current():
+    from pathlib import Path
+
+    from rlfabric.cli import config_reference_markdown
+
+    doc = Path(__file__).resolve().parents[2] / "docs" / "config-reference.md"
+    assert doc.read_text() == config_reference_markdown(), "run `make docs` to regenerate docs/config-reference.md"

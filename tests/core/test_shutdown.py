@@ -1,0 +1,51 @@
+"""SIGTERM during an in-flight RPC: health flips to NOT_SERVING, the RPC finishes, exit code 0."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from rlfabric.v1 import reward_pb2, reward_pb2_grpc
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_sigterm_drains_in_flight_rpc_and_exits_zero(tmp_path):
+    port_file = tmp_path / "ports.json"
+    log = open(tmp_path / "server.log", "wb")
+    process = subprocess.Popen([sys.executable, "-m", "tests.core.slow_service", str(port_file)], cwd=REPO_ROOT,
+                               stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while not port_file.exists():
+            assert process.poll() is None, (tmp_path / "server.log").read_text()
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        address = f"127.0.0.1:{json.loads(port_file.read_text())['grpc']}"
+        with grpc.insecure_channel(address) as channel:
+            grpc.channel_ready_future(channel).result(timeout=30)
+            health = health_pb2_grpc.HealthStub(channel)
+            ready = health_pb2.HealthCheckRequest(service="readiness")
+            while health.Check(ready, timeout=5).status != health_pb2.HealthCheckResponse.SERVING:
+                time.sleep(0.05)
+            slow = reward_pb2.ScoreRequest(items=[reward_pb2.ScoreItem(data_source="sleep:2")])
+            in_flight = reward_pb2_grpc.RewardServiceStub(channel).Score.future(slow, timeout=30)
+            time.sleep(0.5)
+            process.send_signal(signal.SIGTERM)
+            # The in-flight call completes normally during the drain.
+            assert in_flight.result(timeout=20).results[0].score == 1.0
+        assert process.wait(timeout=20) == 0
+        lines = [json.loads(line) for line in (tmp_path / "server.log").read_text().splitlines() if line.startswith("{")]
+        events = [line["event"] for line in lines]
+        assert events.index("draining") < events.index("stopped")
+        assert all(line["role"] == "probe" and line["run_id"] == "shutdown-test" for line in lines)
+    finally:
+        if process.poll() is None:
+            process.kill()

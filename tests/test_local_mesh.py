@@ -1,0 +1,117 @@
+"""`rlfabric up` with the built-in default: six services on loopback, each SERVING, listing its
+services through reflection and exposing RPC metrics; SIGTERM tears it all down (no orphans)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+SERVICE_OF_ROLE = {
+    "actor": "rlfabric.v1.ActorService",
+    "reference": "rlfabric.v1.ReferenceService",
+    "critic": "rlfabric.v1.CriticService",
+    "rollout": "rlfabric.v1.RolloutService",
+    "reward": "rlfabric.v1.RewardService",
+    "coordinator": "rlfabric.v1.CoordinatorService",
+}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is dead for our purposes.
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().split()[2] != "Z"
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("mesh") / "run"
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "rlfabric", "up", "--run-dir", str(run_dir)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    endpoints_file = run_dir / "endpoints.json"
+    deadline = time.monotonic() + 300
+    endpoints = {}
+    while "coordinator" not in endpoints or not _ready_line_seen(launcher):
+        if launcher.poll() is not None:
+            pytest.fail(f"rlfabric up exited {launcher.returncode}: {launcher.stdout.read()}")
+        assert time.monotonic() < deadline, "mesh did not come up in 300 s"
+        if endpoints_file.exists():
+            endpoints = json.loads(endpoints_file.read_text())
+        time.sleep(0.2)
+    yield launcher, run_dir, endpoints
+    if launcher.poll() is None:
+        launcher.kill()
+
+
+_seen: list[str] = []
+
+
+def _ready_line_seen(launcher) -> bool:
+    # The launcher prints "mesh ready" once every service reported readiness SERVING.
+    os.set_blocking(launcher.stdout.fileno(), False)
+    chunk = launcher.stdout.read() or ""
+    _seen.append(chunk)
+    return "mesh ready" in "".join(_seen)
+
+
+def test_six_roles_are_ready_and_reflect_their_services(mesh):
+    _, run_dir, endpoints = mesh
+    assert set(endpoints) == set(SERVICE_OF_ROLE)
+    for role, entries in endpoints.items():
+        for entry in entries:
+            with grpc.insecure_channel(entry["grpc"]) as channel:
+                status = health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(service="readiness"), timeout=5).status
+                assert status == health_pb2.HealthCheckResponse.SERVING, role
+                reflected = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
+                    iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5)
+                names = {s.name for r in reflected for s in r.list_services_response.service}
+                assert SERVICE_OF_ROLE[role] in names
+            metrics = urllib.request.urlopen(f"http://{entry['metrics']}/metrics", timeout=5).read().decode()
+            assert 'grpc_server_handled_total{grpc_code="OK",grpc_method="Check",grpc_service="grpc.health.v1.Health"' \
+                   in metrics, role
+            assert (run_dir / "logs" / f"{entry['name']}.log").exists()
+
+
+def test_coordinator_knows_every_role_address(mesh):
+    import yaml
+
+    _, run_dir, endpoints = mesh
+    resolved = yaml.safe_load((run_dir / "config.resolved.yaml").read_text())
+    for role in ("actor", "reference", "critic", "rollout", "reward"):
+        assert resolved["cluster"][role] == [e["grpc"] for e in endpoints[role]]
+
+
+def test_status_command_reaches_the_coordinator(mesh):
+    _, run_dir, _ = mesh
+    out = subprocess.run([sys.executable, "-m", "rlfabric", "status", "--run-dir", str(run_dir)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == {}  # no run started yet: every field at its default
+
+
+def test_sigterm_tears_down_every_service(mesh):
+    launcher, _, endpoints = mesh
+    pids = [e["pid"] for entries in endpoints.values() for e in entries]
+    assert all(_alive(pid) for pid in pids)
+    launcher.send_signal(signal.SIGTERM)
+    assert launcher.wait(timeout=60) == 0
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert [pid for pid in pids if _alive(pid)] == []
