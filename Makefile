@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 PROTO_FILES := $(wildcard protos/rlfabric/v1/*.proto)
 
-.PHONY: run test setup protos docs lint bench clean
+.PHONY: run test setup system-deps protos docs lint bench clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
@@ -17,6 +17,17 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q -e ".[dev]"
 	@touch $(STAMP)
 
+# System packages the tests use: Debian's prometheus (promtool and a real scraper for the metrics tests).
+SYSDEPS := prometheus
+system-deps:
+	@missing=""; for p in $(SYSDEPS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing Debian packages:$$missing"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
+	  else echo "please install the Debian packages:$$missing (the tests that need them will fail)"; fi; \
+	fi
+
 setup: $(STAMP)
 
 ## Quickstart: bring up the local mesh and train the tiny model on the synthetic task.
@@ -24,7 +35,7 @@ run: setup
 	$(VENV)/bin/rlfabric train
 
 ## The full test suite (CPU).
-test: setup
+test: setup system-deps
 	$(PY) -m pytest -q
 
 ## Regenerate the committed Python stubs from protos/.
