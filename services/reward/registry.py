@@ -1,0 +1,84 @@
+"""Rule-based scorers keyed by data_source.
+
+A scorer is a plain function called as ``fn(solution_str, ground_truth, extra_info, **kwargs)``
+returning a float (or a dict with a "score" key). ``kwargs`` are the reward config's
+compute_score_kwargs (e.g. ``method="flexible"`` for GSM8K); a scorer that takes none may omit them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from rlfabric.reward import gsm8k, math_equiv
+
+Scorer = Callable[..., Any]
+
+GSM8K_DATA_SOURCES = ("openai/gsm8k",)
+# VeRL sends these to its Hendrycks-style math.py; other math sources it knows ("math_dapo", "aime*",
+# "numina_*") use different scorers (math_dapo, prime_math) that are not part of rlfabric.
+MATH_DATA_SOURCES = ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500")
+
+
+class UnknownDataSourceError(NotImplementedError):
+    """No scorer is registered for a data_source (a NotImplementedError, as VeRL raises)."""
+
+    def __init__(self, data_source: str):
+        super().__init__(
+            f"Reward function is not implemented for data_source={data_source!r}; "
+            f"registered: {', '.join(registered_data_sources())}"
+        )
+        self.data_source = data_source
+
+
+_SCORERS: dict[str, Scorer] = {}
+
+
+def register_scorer(data_source: str, fn: Scorer, replace: bool = False) -> None:
+    """Score items of data_source with fn; registering a taken name needs replace=True."""
+    if not callable(fn):
+        raise TypeError(f"scorer for {data_source!r} must be callable, got {type(fn).__name__}")
+    if data_source in _SCORERS and not replace:
+        raise ValueError(
+            f"a scorer for data_source {data_source!r} is already registered (pass replace=True)"
+        )
+    _SCORERS[data_source] = fn
+
+
+def get_scorer(data_source: str) -> Scorer:
+    """The scorer registered for data_source; UnknownDataSourceError if there is none."""
+    try:
+        return _SCORERS[data_source]
+    except KeyError:
+        raise UnknownDataSourceError(data_source) from None
+
+
+def registered_data_sources() -> list[str]:
+    """Every data_source with a scorer, sorted."""
+    return sorted(_SCORERS)
+
+
+def score_gsm8k(
+    solution_str: str,
+    ground_truth: str,
+    extra_info: dict | None = None,
+    method: str = "strict",
+    format_score: float = 0.0,
+    score: float = 1.0,
+    **unused: Any,
+) -> float:
+    """GSM8K scorer in registry form (extra_info and unknown kwargs are ignored)."""
+    return gsm8k.compute_score(
+        solution_str, ground_truth, method=method, format_score=format_score, score=score
+    )
+
+
+def score_math(solution_str: str, ground_truth: str, extra_info: dict | None = None, **unused: Any) -> float:
+    """MATH scorer in registry form (extra_info and kwargs are ignored)."""
+    return math_equiv.compute_score(solution_str, ground_truth)
+
+
+for _source in GSM8K_DATA_SOURCES:
+    register_scorer(_source, score_gsm8k)
+for _source in MATH_DATA_SOURCES:
+    register_scorer(_source, score_math)

@@ -1,0 +1,112 @@
+"""Batch scoring: the one entry point the reward service calls, plus VeRL's compute_score."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from rlfabric.reward.items import (
+    STATUS_ERROR,
+    ItemResult,
+    ScoreItem,
+    describe_exception,
+    failed,
+    result_from_value,
+)
+from rlfabric.reward.overlong import OverlongConfig, apply_overlong_penalty
+from rlfabric.reward.registry import Scorer, UnknownDataSourceError, get_scorer
+
+if TYPE_CHECKING:
+    from rlfabric.reward.custom import CustomScorerPool
+
+
+def compute_score(
+    data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None, **kwargs: Any
+) -> float | dict:
+    """VeRL's default_compute_score: score one response with the scorer registered for data_source.
+
+    kwargs go to the scorer (e.g. method="flexible" for GSM8K). Returns a float, or the scorer's
+    dict unchanged. Raises UnknownDataSourceError (a NotImplementedError) for an unknown data_source.
+    """
+    result = get_scorer(data_source)(solution_str, ground_truth, extra_info, **kwargs)
+    if isinstance(result, dict):
+        return result
+    if isinstance(result, (int, float, bool)):
+        return float(result)
+    return float(result[0])
+
+
+# The name VeRL users import.
+default_compute_score = compute_score
+
+
+@dataclass
+class ScoringConfig:
+    """How score_items scores a batch."""
+
+    compute_score_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments for every rule-based scorer (VeRL: reward.compute_score_kwargs)."""
+    default_score_for_unknown: float | None = None
+    """Score for a data_source with no scorer; None makes such a batch fail with UnknownDataSourceError."""
+    overlong: OverlongConfig = field(default_factory=OverlongConfig)
+    """DAPO overlong penalty, added to every successfully scored item when enabled."""
+
+
+def score_items(
+    items: Sequence[ScoreItem],
+    config: ScoringConfig | None = None,
+    custom_pool: CustomScorerPool | None = None,
+) -> list[ItemResult]:
+    """Score a batch, one ItemResult per item in order.
+
+    With a custom_pool every item goes to the user's function (as VeRL's custom_reward_function
+    replaces default_compute_score); otherwise each item's registered scorer runs in this process.
+    A scorer that raises gives that item status "error" and score 0. The overlong penalty is
+    added to "ok" items only (failed items keep score 0) and logged as metrics
+    "overlong_reward" and "overlong" (1.0 when penalised), as VeRL's DAPO reward manager does.
+    """
+    config = config or ScoringConfig()
+    if custom_pool is not None:
+        results = custom_pool.score_batch(items)
+    else:
+        results = _score_in_process(items, config)
+
+    if config.overlong.enable:
+        for item, result in zip(items, results, strict=True):
+            if not result.ok:
+                continue
+            result.score, penalty = apply_overlong_penalty(
+                result.score, item.response_length, config.overlong
+            )
+            result.metrics["overlong_reward"] = penalty
+            result.metrics["overlong"] = float(penalty < 0)
+    return results
+
+
+def _score_in_process(items: Sequence[ScoreItem], config: ScoringConfig) -> list[ItemResult]:
+    # Resolve each data_source once, so an unknown one fails the batch before anything runs.
+    scorers: dict[str, Scorer | None] = {}
+    for data_source in sorted({item.data_source for item in items}):
+        try:
+            scorers[data_source] = get_scorer(data_source)
+        except UnknownDataSourceError:
+            if config.default_score_for_unknown is None:
+                raise
+            scorers[data_source] = None
+
+    kwargs = config.compute_score_kwargs
+    results = []
+    for item in items:
+        scorer = scorers[item.data_source]
+        if scorer is None:
+            message = f"no scorer for data_source {item.data_source!r}; default score used"
+            results.append(ItemResult(score=float(config.default_score_for_unknown), message=message))
+            continue
+        try:
+            value = scorer(item.response, item.ground_truth, item.extra_info, **kwargs)
+        except Exception as exc:  # a scorer's bug fails its item, not the batch
+            results.append(failed(STATUS_ERROR, describe_exception(exc)))
+            continue
+        results.append(result_from_value(value))
+    return results
