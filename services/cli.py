@@ -6,6 +6,7 @@
     rlfabric status [--run-dir DIR | --address HOST:PORT]      ask a running coordinator
     rlfabric health ADDRESS [--service readiness]              one health check (probes, helm test)
     rlfabric config-reference                                   every config key with default and doc
+    rlfabric data synthetic|gsm8k ...                           training data in VeRL's parquet schema
     rlfabric make-tiny-model OUT                                tiny random Qwen2 model for tests/quickstart
 """
 
@@ -69,6 +70,18 @@ def build_parser() -> argparse.ArgumentParser:
     health.add_argument("--timeout", type=float, default=5.0)
 
     commands.add_parser("config-reference", help="print every config key with its default and meaning")
+
+    data = commands.add_parser("data", help="write training data in VeRL's parquet schema")
+    data_kinds = data.add_subparsers(dest="kind", required=True)
+    synthetic = data_kinds.add_parser("synthetic", help="the quickstart task: train.parquet + val.parquet")
+    synthetic.add_argument("--out", type=Path, default=Path("data/synthetic"))
+    synthetic.add_argument("--train-size", type=int, default=2048)
+    synthetic.add_argument("--val-size", type=int, default=128)
+    synthetic.add_argument("--seed", type=int, default=0)
+    gsm8k = data_kinds.add_parser("gsm8k", help="a local GSM8K jsonl (question/answer) -> parquet")
+    gsm8k.add_argument("--input", type=Path, required=True)
+    gsm8k.add_argument("--out", type=Path, required=True)
+    gsm8k.add_argument("--split", default="train")
 
     tiny = commands.add_parser("make-tiny-model", help="write a tiny random Qwen2 model + char tokenizer")
     tiny.add_argument("out", type=Path)
@@ -220,6 +233,17 @@ def cmd_config_reference(args) -> int:
     return 0
 
 
+def cmd_data(args) -> int:
+    from rlfabric.coordinator import data_prep
+
+    if args.kind == "synthetic":
+        paths = data_prep.write_synthetic(args.out, args.train_size, args.val_size, args.seed)
+        print("\n".join(str(p) for p in paths.values()))
+    else:
+        print(data_prep.write_gsm8k(args.input, args.out, args.split))
+    return 0
+
+
 def cmd_make_tiny_model(args) -> int:
     from rlfabric.actor.tiny_model import make_tiny_model
 
@@ -235,6 +259,7 @@ COMMANDS = {
     "health": cmd_health,
     "config-reference": cmd_config_reference,
     "make-tiny-model": cmd_make_tiny_model,
+    "data": cmd_data,
 }
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from rlfabric.reward import gsm8k, math_equiv
+from rlfabric.reward import gsm8k, math_equiv, synthetic
 
 Scorer = Callable[..., Any]
 
@@ -82,3 +82,4 @@ for _source in GSM8K_DATA_SOURCES:
     register_scorer(_source, score_gsm8k)
 for _source in MATH_DATA_SOURCES:
     register_scorer(_source, score_math)
+register_scorer(synthetic.DATA_SOURCE, synthetic.compute_score)
