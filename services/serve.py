@@ -20,7 +20,6 @@ def _generated_only(role: str) -> ServiceDefinition:
         actor_pb2_grpc,
         critic_pb2_grpc,
         reference_pb2_grpc,
-        reward_pb2_grpc,
         rollout_pb2_grpc,
     )
 
@@ -29,7 +28,6 @@ def _generated_only(role: str) -> ServiceDefinition:
         "reference": (reference_pb2_grpc, "ReferenceService"),
         "critic": (critic_pb2_grpc, "CriticService"),
         "rollout": (rollout_pb2_grpc, "RolloutService"),
-        "reward": (reward_pb2_grpc, "RewardService"),
     }
     module, name = modules[role]
     servicer = getattr(module, f"{name}Servicer")()
@@ -58,6 +56,10 @@ def build_service(role: str, config: RunConfig) -> ServiceDefinition:
             "rlfabric.v1.CoordinatorService",
         )
         return ServiceDefinition(role=role, bindings=[binding], engine=controller)
+    if role == "reward":
+        from rlfabric.reward.server import build_service as build_reward_service
+
+        return build_reward_service(config)
     if role in ROLES:
         return _generated_only(role)
     raise ValueError(f"unknown role {role!r}; roles are {', '.join(ROLES)}")

@@ -146,11 +146,85 @@ class RolloutConfig(Section):
     """Samples per prompt (GRPO's group size)."""
     temperature: float = Field(1.0, ge=0)
     """Sampling temperature (the actor's log-probs use the same)."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling mass in (0, 1]; 1 = off."""
+    top_k: int = -1
+    """Top-k cutoff; -1 (or 0) = off."""
+    response_length: int = Field(0, ge=0)
+    """max_tokens of each sample; 0 = data.max_response_length."""
+    seed: int | None = None
+    """Seed of generation requests (same seed, same samples); null = random."""
+    max_model_len: int = Field(0, ge=0)
+    """Longest prompt + response in tokens; 0 = the model's max_position_embeddings."""
+    max_num_seqs: int = Field(64, ge=1)
+    """Most samples decoded together (the hf engine's batch; vLLM's max_num_seqs)."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Engine dtype; auto = model.dtype."""
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
+    """vLLM: fraction of GPU memory for weights and KV cache."""
+    enforce_eager: bool = True
+    """vLLM: no CUDA graphs / torch.compile (much faster start-up, slower decode)."""
+    enable_prefix_caching: bool = True
+    """vLLM: reuse the KV cache of shared prompt prefixes (reset after every weight update)."""
+    enable_sleep_mode: bool = False
+    """vLLM: allow Sleep/WakeUp (vLLM's sleep mode; CUDA only)."""
+    kv_cache_space_gb: float = Field(1.0, gt=0)
+    """vLLM on CPU: KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE)."""
+    weight_staging_dir: str = "/dev/shm"
+    """vLLM: where load_weights stages a safetensors file for the engine's workers (shared memory)."""
+    sglang_url: str = "http://127.0.0.1:30000"
+    """SGLang: base URL of the SGLang server the adapter drives."""
+    engine_start_timeout_s: float = Field(600.0, gt=0)
+    """Longest the engine may take to start (vLLM load, SGLang server health)."""
+    request_timeout_s: float = Field(1800.0, gt=0)
+    """Longest one generate request may wait and run inside the engine."""
+    drain_timeout_s: float = Field(300.0, gt=0)
+    """Pause, Sleep and shutdown: longest wait for in-flight generation to finish."""
 
 
 class RewardConfig(Section):
     num_workers: int = Field(1, ge=1)
     """Worker processes for custom reward functions."""
+    custom_path: str = ""
+    """Python file with a custom reward function that scores every item (VeRL: custom_reward_function.path)."""
+    custom_name: str = "compute_score"
+    """Function in custom_path, called as fn(data_source, solution_str, ground_truth, extra_info, **custom_kwargs)."""
+    custom_kwargs: dict[str, Any] = {}
+    """Keyword arguments of every custom function call (VeRL: custom_reward_function.reward_kwargs)."""
+    timeout_s: float = Field(10.0, gt=0)
+    """A custom function call running longer is killed; its item gets status TIMEOUT and score 0."""
+    memory_limit_mb: int = Field(4096, ge=0)
+    """Address-space cap of each custom-function worker (MiB; 0 = none); a hog gets MemoryError."""
+    compute_score_kwargs: dict[str, Any] = {}
+    """Keyword arguments of every built-in scorer call, e.g. {method: flexible} for GSM8K."""
+    scorer_modules: list[str] = []
+    """Modules the reward service imports at start, so their register_scorer calls add data sources."""
+    default_score_for_unknown: float | None = None
+    """Score of an item whose data_source has no scorer; null = such a request is INVALID_ARGUMENT."""
+    max_items_per_request: int = Field(100_000, ge=1)
+    """Most items one Score request may carry; more is RESOURCE_EXHAUSTED."""
+    overlong_enable: bool = False
+    """Add DAPO's overlong penalty to every score (VeRL: reward_model.overlong_buffer.enable)."""
+    overlong_buffer_length: int = Field(256, gt=0)
+    """The penalty ramps from 0 at Lmax - buffer_length tokens to -overlong_penalty_factor at Lmax."""
+    overlong_penalty_factor: float = Field(1.0, ge=0)
+    """Penalty (negated) of a response of Lmax tokens."""
+    overlong_max_response_length: int = Field(0, ge=0)
+    """Lmax of the overlong penalty in tokens; 0 = data.max_response_length."""
+    tokenizer_path: str = ""
+    """The policy's tokenizer, to decode response_token_ids sent without text; empty = text only (no torch)."""
+    model_path: str = ""
+    """Reward model directory (sequence classification, HF format); set = the model scores every item."""
+    model_tokenizer_path: str = ""
+    """The reward model's tokenizer directory; empty = model_path."""
+    model_batch_size: int = Field(16, ge=1)
+    """Sequences per reward-model forward pass."""
+    model_device: str = "cpu"
+    """Torch device of the reward model, e.g. cuda:0."""
+    model_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Reward model weights dtype."""
+    model_max_length: int = Field(0, ge=0)
+    """Longest reward-model input in tokens (longer ones lose their start); 0 = no limit."""
 
 
 class AlgorithmConfig(Section):

@@ -22,7 +22,13 @@ from rlfabric.reward.registry import (
     register_scorer,
     registered_data_sources,
 )
-from rlfabric.reward.scoring import ScoringConfig, compute_score, default_compute_score, score_items
+from rlfabric.reward.scoring import (
+    ScoringConfig,
+    add_overlong_penalty,
+    compute_score,
+    default_compute_score,
+    score_items,
+)
 
 __all__ = [
     "STATUS_CRASHED",
@@ -36,6 +42,7 @@ __all__ = [
     "ScoreItem",
     "ScoringConfig",
     "UnknownDataSourceError",
+    "add_overlong_penalty",
     "apply_overlong_penalty",
     "compute_score",
     "default_compute_score",

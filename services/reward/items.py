@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +32,8 @@ class ScoreItem:
     """The prompt text; only model-based rewards use it."""
     response_length: int = 0
     """Response length in tokens, for the overlong penalty."""
+    response_token_ids: Sequence[int] = ()
+    """The response as token ids; the reward service decodes them when response is empty."""
 
 
 @dataclass(slots=True)

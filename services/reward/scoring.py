@@ -72,16 +72,23 @@ def score_items(
     else:
         results = _score_in_process(items, config)
 
-    if config.overlong.enable:
-        for item, result in zip(items, results, strict=True):
-            if not result.ok:
-                continue
-            result.score, penalty = apply_overlong_penalty(
-                result.score, item.response_length, config.overlong
-            )
-            result.metrics["overlong_reward"] = penalty
-            result.metrics["overlong"] = float(penalty < 0)
+    add_overlong_penalty(items, results, config.overlong)
     return results
+
+
+def add_overlong_penalty(
+    items: Sequence[ScoreItem], results: list[ItemResult], config: OverlongConfig
+) -> None:
+    """Add the overlong penalty to the "ok" results in place, with metrics "overlong_reward" and
+    "overlong"; nothing happens when the config is disabled."""
+    if not config.enable:
+        return
+    for item, result in zip(items, results, strict=True):
+        if not result.ok:
+            continue
+        result.score, penalty = apply_overlong_penalty(result.score, item.response_length, config)
+        result.metrics["overlong_reward"] = penalty
+        result.metrics["overlong"] = float(penalty < 0)
 
 
 def _score_in_process(items: Sequence[ScoreItem], config: ScoringConfig) -> list[ItemResult]:

@@ -1,0 +1,250 @@
+"""RewardEngine: what the reward service runs behind its servicer.
+
+One scorer kind per service, chosen by the config, as VeRL chooses:
+- reward.model_path set:  a reward model scores every item (batched; imports torch);
+- reward.custom_path set: the user's function scores every item, in a sandboxed worker pool;
+- otherwise:              each item's data_source picks a registered rule-based scorer (GSM8K, MATH,
+                          anything register_scorer added), run in a worker thread of this process.
+
+A request is validated as a whole before anything is scored (a bad item fails the request with
+InvalidArgument naming it); a scorer that fails fails only its item (status error/timeout/crashed).
+torch is imported only when a reward model or a tokenizer is configured.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import importlib
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from rlfabric.core.config import RewardConfig
+from rlfabric.core.errors import InvalidArgument, ResourceExhausted, Unavailable
+from rlfabric.core.metrics import service_counter
+from rlfabric.reward.custom import CustomScorerPool
+from rlfabric.reward.items import STATUS_CRASHED, STATUS_ERROR, STATUS_TIMEOUT, ItemResult, ScoreItem
+from rlfabric.reward.overlong import OverlongConfig
+from rlfabric.reward.registry import UnknownDataSourceError, registered_data_sources
+from rlfabric.reward.scoring import ScoringConfig, add_overlong_penalty, score_items
+
+FAILURE_REASONS = (STATUS_ERROR, STATUS_TIMEOUT, STATUS_CRASHED)
+
+
+@dataclasses.dataclass
+class RewardStatus:
+    """What GetStatus reports."""
+
+    data_sources: list[str]
+    """data_source values with a registered rule-based scorer."""
+    items_scored: int
+    """Items scored since start, failed ones included."""
+    items_failed: int
+    """Items whose scorer failed (error, timeout or crash) since start."""
+
+
+class RewardEngine:
+    """Scores batches of ScoreItems; start() loads the tokenizer, custom pool or reward model."""
+
+    def __init__(
+        self, config: RewardConfig, registry: CollectorRegistry | None = None, max_response_length: int = 1024
+    ):
+        """max_response_length is the overlong penalty's Lmax when the reward config leaves it 0."""
+        if config.custom_path and config.model_path:
+            raise ValueError("reward.custom_path and reward.model_path exclude each other: choose one scorer")
+        self.config = config
+        self.scoring = ScoringConfig(
+            compute_score_kwargs=dict(config.compute_score_kwargs),
+            default_score_for_unknown=config.default_score_for_unknown,
+            overlong=OverlongConfig(
+                enable=config.overlong_enable,
+                max_response_length=config.overlong_max_response_length or max_response_length,
+                buffer_length=config.overlong_buffer_length,
+                penalty_factor=config.overlong_penalty_factor,
+            ),
+        )
+        self.custom_pool: CustomScorerPool | None = None
+        self.reward_model: Any = None  # RewardModelScorer, typed loosely to keep torch out of this module
+        self.tokenizer: Any = None  # transformers tokenizer decoding response_token_ids
+        self.vocab_size = 0  # ids in [0, vocab_size) can be decoded
+        self.items_scored = 0
+        self.items_failed = 0
+        registry = registry if registry is not None else CollectorRegistry()
+        self._items_total = service_counter(
+            registry,
+            "rlfabric_reward_items_total",
+            "Items scored by the reward service, failed ones included.",
+        )
+        self._failures_total = service_counter(
+            registry, "rlfabric_reward_failures_total", "Items whose scorer failed, by reason.", ("reason",)
+        )
+        for reason in FAILURE_REASONS:  # export 0 from the start, so rate() works from the first failure
+            self._failures_total.labels(reason=reason)
+        self._model_lock = asyncio.Lock()
+        self._started = False
+
+    # --- lifecycle ---
+
+    async def start(self) -> None:
+        """Import scorer modules, then load what the config asks for (off the event loop: health stays live)."""
+        config = self.config
+        for module in config.scorer_modules:
+            importlib.import_module(module)  # its register_scorer calls run now
+        if config.tokenizer_path:
+            self.tokenizer = await asyncio.to_thread(_load_tokenizer, config.tokenizer_path)
+            self.vocab_size = len(self.tokenizer)  # added special tokens included
+        if config.custom_path:
+            self.custom_pool = await asyncio.to_thread(
+                CustomScorerPool,
+                config.custom_path,
+                config.custom_name,
+                num_workers=config.num_workers,
+                timeout_s=config.timeout_s,
+                memory_limit_mb=config.memory_limit_mb or None,
+                function_kwargs=dict(config.custom_kwargs),
+            )
+        if config.model_path:
+            self.reward_model = await asyncio.to_thread(_load_reward_model, config)
+        self._started = True
+
+    async def stop(self) -> None:
+        """Kill the custom-function workers and drop the model."""
+        self._started = False
+        if self.custom_pool is not None:
+            await asyncio.to_thread(self.custom_pool.close)
+            self.custom_pool = None
+        self.reward_model = None
+        self.tokenizer = None
+
+    # --- scoring ---
+
+    def check_batch_size(self, count: int) -> None:
+        """InvalidArgument for an empty batch, ResourceExhausted for one above max_items_per_request."""
+        if count == 0:
+            raise InvalidArgument("Score needs at least one item")
+        if count > self.config.max_items_per_request:
+            raise ResourceExhausted(
+                f"{count} items in one request; the limit is reward.max_items_per_request="
+                f"{self.config.max_items_per_request}: split the batch"
+            )
+
+    async def score(self, items: Sequence[ScoreItem]) -> list[ItemResult]:
+        """One result per item, in order. Nothing is scored if any item is invalid."""
+        if not self._started:
+            raise Unavailable("the reward engine is not started (or already stopped)")
+        # 1. Validate the whole batch: size, token ids (decoded here), data sources.
+        self.check_batch_size(len(items))
+        items = await self._resolve_responses(items)
+        if self.custom_pool is None and self.reward_model is None:
+            self._check_data_sources(items)
+
+        # 2. Score: reward model, custom function pool, or rule-based scorers; never on the event loop.
+        if self.reward_model is not None:
+            async with self._model_lock:  # one forward at a time; batches are already batched
+                results = await asyncio.to_thread(self._score_with_model, items)
+        else:
+            try:
+                results = await asyncio.to_thread(score_items, items, self.scoring, self.custom_pool)
+            except UnknownDataSourceError as error:  # the registry changed since step 1
+                raise InvalidArgument(str(error)) from None
+
+        # 3. Count.
+        self._record(results)
+        return results
+
+    def status(self) -> RewardStatus:
+        return RewardStatus(registered_data_sources(), self.items_scored, self.items_failed)
+
+    def _score_with_model(self, items: Sequence[ScoreItem]) -> list[ItemResult]:
+        results = self.reward_model.score_items(items)
+        add_overlong_penalty(items, results, self.scoring.overlong)
+        return results
+
+    def _check_data_sources(self, items: Sequence[ScoreItem]) -> None:
+        if self.scoring.default_score_for_unknown is not None:
+            return
+        known = set(registered_data_sources())  # read now: scorers registered after start count
+        for index, item in enumerate(items):
+            if item.data_source not in known:
+                raise InvalidArgument(
+                    f"item {index}: unknown data_source {item.data_source!r}; "
+                    f"registered: {', '.join(sorted(known))} (or set reward.default_score_for_unknown)"
+                )
+
+    async def _resolve_responses(self, items: Sequence[ScoreItem]) -> Sequence[ScoreItem]:
+        """Items with token ids get their response_length (when 0) and, if response is empty, their
+        text decoded with the tokenizer. The caller's items are not changed."""
+        to_decode: list[int] = []
+        has_token_ids = False
+        for index, item in enumerate(items):
+            if not len(item.response_token_ids):
+                continue
+            has_token_ids = True
+            if item.response:
+                continue
+            if self.tokenizer is None:
+                raise InvalidArgument(
+                    f"item {index}: response is empty and response_token_ids needs a tokenizer to decode, "
+                    "but this reward service has none (set reward.tokenizer_path, or send the text)"
+                )
+            self._check_token_ids(index, item.response_token_ids)
+            to_decode.append(index)
+        if not has_token_ids:
+            return items
+
+        texts = []
+        if to_decode:
+            id_lists = [list(items[index].response_token_ids) for index in to_decode]
+            # As VeRL's reward managers decode: special tokens (EOS, padding) are not part of the text.
+            texts = await asyncio.to_thread(self.tokenizer.batch_decode, id_lists, skip_special_tokens=True)
+        decoded = dict(zip(to_decode, texts, strict=True))
+        resolved = []
+        for index, item in enumerate(items):
+            changes: dict[str, Any] = {}
+            if index in decoded:
+                changes["response"] = decoded[index]
+            if item.response_length == 0 and len(item.response_token_ids):
+                changes["response_length"] = len(item.response_token_ids)
+            resolved.append(dataclasses.replace(item, **changes) if changes else item)
+        return resolved
+
+    def _check_token_ids(self, index: int, token_ids: Sequence[int]) -> None:
+        vocab_size = self.vocab_size
+        low, high = min(token_ids), max(token_ids)
+        if low < 0 or high >= vocab_size:
+            bad = low if low < 0 else high
+            raise InvalidArgument(
+                f"item {index}: response_token_ids holds {bad}, outside the tokenizer's vocabulary [0, {vocab_size})"
+            )
+
+    def _record(self, results: Sequence[ItemResult]) -> None:
+        failures = Counter(result.status for result in results if not result.ok)
+        self.items_scored += len(results)
+        self.items_failed += sum(failures.values())
+        self._items_total.inc(len(results))
+        for reason, count in failures.items():
+            self._failures_total.labels(reason=reason).inc(count)
+
+
+def _load_tokenizer(path: str) -> Any:
+    from transformers import AutoTokenizer  # imports torch: only when token ids are to be decoded
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def _load_reward_model(config: RewardConfig) -> Any:
+    from rlfabric.reward.model_reward import ModelRewardConfig, RewardModelScorer  # imports torch
+
+    return RewardModelScorer(
+        ModelRewardConfig(
+            model_path=config.model_path,
+            tokenizer_path=config.model_tokenizer_path or None,
+            device=config.model_device,
+            dtype=config.model_dtype,
+            batch_size=config.model_batch_size,
+            max_length=config.model_max_length or None,
+        )
+    )
