@@ -54,3 +54,24 @@ def test_every_message_field_and_rpc_has_a_comment():
             if declares and not text[number - 1].strip().startswith("//"):
                 missing.append(f"{proto.name}:{number + 1}: {stripped}")
     assert missing == []
+
+
+def _git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, check=True).stdout
+
+
+def test_buf_breaking_against_the_previous_committed_protos():
+    """Every proto change is wire- and source-compatible with the version committed before it."""
+    commits = _git("log", "--format=%H", "--", "protos").split()
+    changed_now = bool(_git("status", "--porcelain", "--", "protos").strip())
+    # Compare the working tree with the last committed protos when they are being edited,
+    # else the last committed protos with the ones before them.
+    baseline = commits[0] if changed_now else (commits[1] if len(commits) > 1 else None)
+    assert commits, "protos/ has no commit yet"
+    if baseline is None:
+        return  # the very first version of the protos has nothing to break
+    buf = shutil.which("buf") or str(Path(sys.executable).parent / "buf")
+    against = f"{REPO_ROOT}/.git#ref={baseline},subdir=protos"
+    result = subprocess.run([buf, "breaking", "--against", against], cwd=PROTO_ROOT,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
