@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 
@@ -43,12 +44,17 @@ def mesh(tmp_path_factory):
         [sys.executable, "-m", "rlfabric", "up", "--run-dir", str(run_dir)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
+    output: list[str] = []
+    # A thread drains the launcher's output so the test never blocks on (or races) the pipe.
+    threading.Thread(target=lambda: output.extend(launcher.stdout), daemon=True).start()
     endpoints_file = run_dir / "endpoints.json"
     deadline = time.monotonic() + 300
     endpoints = {}
-    while "coordinator" not in endpoints or not _ready_line_seen(launcher):
+    # The launcher prints "mesh ready" once every service reported readiness SERVING.
+    while "coordinator" not in endpoints or not any("mesh ready" in line for line in output):
         if launcher.poll() is not None:
-            pytest.fail(f"rlfabric up exited {launcher.returncode}: {launcher.stdout.read()}")
+            time.sleep(0.5)
+            pytest.fail(f"rlfabric up exited {launcher.returncode}: {''.join(output)}")
         assert time.monotonic() < deadline, "mesh did not come up in 300 s"
         if endpoints_file.exists():
             endpoints = json.loads(endpoints_file.read_text())
@@ -56,17 +62,6 @@ def mesh(tmp_path_factory):
     yield launcher, run_dir, endpoints
     if launcher.poll() is None:
         launcher.kill()
-
-
-_seen: list[str] = []
-
-
-def _ready_line_seen(launcher) -> bool:
-    # The launcher prints "mesh ready" once every service reported readiness SERVING.
-    os.set_blocking(launcher.stdout.fileno(), False)
-    chunk = launcher.stdout.read() or ""
-    _seen.append(chunk)
-    return "mesh ready" in "".join(_seen)
 
 
 def test_six_roles_are_ready_and_reflect_their_services(mesh):
