@@ -20,14 +20,12 @@ def _generated_only(role: str) -> ServiceDefinition:
         actor_pb2_grpc,
         critic_pb2_grpc,
         reference_pb2_grpc,
-        rollout_pb2_grpc,
     )
 
     modules = {
         "actor": (actor_pb2_grpc, "ActorService"),
         "reference": (reference_pb2_grpc, "ReferenceService"),
         "critic": (critic_pb2_grpc, "CriticService"),
-        "rollout": (rollout_pb2_grpc, "RolloutService"),
     }
     module, name = modules[role]
     servicer = getattr(module, f"{name}Servicer")()
@@ -56,10 +54,18 @@ def build_service(role: str, config: RunConfig) -> ServiceDefinition:
             "rlfabric.v1.CoordinatorService",
         )
         return ServiceDefinition(role=role, bindings=[binding], engine=controller)
+    if role in ("actor", "reference", "critic"):
+        from rlfabric.actor.service import build_service as build_trainer_service
+
+        return build_trainer_service(role, config)
     if role == "reward":
         from rlfabric.reward.server import build_service as build_reward_service
 
         return build_reward_service(config)
+    if role == "rollout":
+        from rlfabric.rollout.servicer import build_service as build_rollout_service
+
+        return build_rollout_service(config)
     if role in ROLES:
         return _generated_only(role)
     raise ValueError(f"unknown role {role!r}; roles are {', '.join(ROLES)}")

@@ -101,6 +101,12 @@ class ModelConfig(Section):
     """Local Hugging Face model directory; empty = build the tiny quickstart model in the run dir."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Parameter dtype: auto = float32 on CPU, bfloat16 on GPU."""
+    attn_implementation: str = "sdpa"
+    """transformers attention backend: sdpa, eager, flash_attention_2, ..."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass (actor and critic): less memory, ~30% more compute."""
+    trust_remote_code: bool = False
+    """Allow model code shipped inside the model directory (transformers' trust_remote_code)."""
 
 
 class DataConfig(Section):
@@ -123,11 +129,51 @@ class ActorConfig(Section):
     """Data-parallel ranks (FSDP2); rank 0 serves gRPC."""
     lr: float = Field(1e-5, gt=0)
     """AdamW learning rate."""
+    weight_decay: float = Field(0.01, ge=0)
+    """AdamW (decoupled) weight decay."""
+    lr_warmup_steps: int = Field(0, ge=0)
+    """Linear LR warmup over this many updates (UpdatePolicy calls), then constant; 0 = constant."""
+    grad_clip: float = Field(1.0, gt=0)
+    """Clip the global gradient norm to this; a non-finite norm skips the optimizer step."""
+    ppo_mini_batch_size: int = Field(8, ge=1)
+    """Prompts per optimizer step, summed over ranks (VeRL's meaning: rows = this * rollout.n)."""
+    ppo_micro_batch_size_per_gpu: int = Field(4, ge=1)
+    """Rows per forward/backward on one rank; gradients accumulate over micro-batches."""
+    log_prob_micro_batch_size_per_gpu: int = Field(16, ge=1)
+    """Rows per forward on one rank in ComputeLogProbs."""
+    max_tokens_per_micro_batch: int = Field(0, ge=0)
+    """Token budget (rows x padded length) per micro-batch on one rank; 0 = fixed row counts above."""
+    ppo_epochs: int = Field(1, ge=1)
+    """Passes over the batch per UpdatePolicy."""
+    loss_mode: str = "vanilla"
+    """Policy loss from rlfabric.core.algorithms: vanilla (PPO clip + dual clip), gspo, or one you registered."""
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    """How per-token losses reduce to one number (token-mean, seq-mean-token-sum, ...)."""
+    clip_ratio_low: float = Field(0.2, ge=0)
+    """PPO ratio lower clip: ratio >= 1 - clip_ratio_low."""
+    clip_ratio_high: float = Field(0.2, ge=0)
+    """PPO ratio upper clip: ratio <= 1 + clip_ratio_high (DAPO's clip-higher uses 0.28)."""
+    clip_ratio_c: float = Field(3.0, gt=1)
+    """Dual-clip bound for negative advantages (Ye et al. 2020)."""
+    entropy_coeff: float = 0.0
+    """Entropy bonus weight: loss -= entropy_coeff * entropy."""
+    use_kl_loss: bool = False
+    """Add a KL penalty against the reference policy to the loss (GRPO); needs ref_log_probs in UpdatePolicy."""
+    kl_loss_coef: float = Field(0.001, ge=0)
+    """Weight of the KL loss."""
+    kl_loss_type: str = "low_var_kl"
+    """KL estimator: kl (k1), abs, mse (k2), low_var_kl (k3); a "+" suffix takes k2's gradient."""
 
 
 class ReferenceConfig(Section):
     enable: bool = True
     """Run a reference service (needed for KL in reward or KL loss)."""
+    world_size: int = Field(1, ge=1)
+    """Data-parallel ranks (FSDP2); rank 0 serves gRPC."""
+    log_prob_micro_batch_size_per_gpu: int = Field(16, ge=1)
+    """Rows per forward on one rank in ComputeLogProbs."""
+    max_tokens_per_micro_batch: int = Field(0, ge=0)
+    """Token budget (rows x padded length) per micro-batch on one rank; 0 = fixed row counts."""
 
 
 class CriticConfig(Section):
@@ -135,6 +181,28 @@ class CriticConfig(Section):
     """Data-parallel ranks (FSDP2); rank 0 serves gRPC."""
     lr: float = Field(1e-5, gt=0)
     """AdamW learning rate."""
+    model_path: str = ""
+    """Critic model directory; empty = model.path (the policy's backbone, with a new value head)."""
+    weight_decay: float = Field(0.01, ge=0)
+    """AdamW (decoupled) weight decay."""
+    lr_warmup_steps: int = Field(0, ge=0)
+    """Linear LR warmup over this many updates (UpdateValues calls), then constant; 0 = constant."""
+    grad_clip: float = Field(1.0, gt=0)
+    """Clip the global gradient norm to this; a non-finite norm skips the optimizer step."""
+    ppo_mini_batch_size: int = Field(8, ge=1)
+    """Prompts per optimizer step, summed over ranks (VeRL's meaning: rows = this * rollout.n)."""
+    ppo_micro_batch_size_per_gpu: int = Field(4, ge=1)
+    """Rows per forward/backward on one rank; gradients accumulate over micro-batches."""
+    forward_micro_batch_size_per_gpu: int = Field(16, ge=1)
+    """Rows per forward on one rank in ComputeValues."""
+    max_tokens_per_micro_batch: int = Field(0, ge=0)
+    """Token budget (rows x padded length) per micro-batch on one rank; 0 = fixed row counts above."""
+    ppo_epochs: int = Field(1, ge=1)
+    """Passes over the batch per UpdateValues."""
+    cliprange_value: float = Field(0.5, ge=0)
+    """Value clip: new values stay within old values +- this in the clipped loss term."""
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    """How per-token value losses reduce to one number."""
 
 
 class RolloutConfig(Section):

@@ -1,0 +1,142 @@
+"""Checkpoints and Hugging Face exports, written into a temporary sibling directory and renamed into
+place, so a failed or interrupted write leaves the previous directory as it was.
+
+A checkpoint directory:
+    model.safetensors   full weights under Hugging Face names (float32 master weights of trained roles)
+    optimizer.pt        full AdamW state keyed by parameter name (torch.save; loaded with weights_only)
+    trainer_state.pt    update and optimizer-step counters, the torch RNG state of every rank
+    meta.json           role, model, world size, counters, tied-weight aliases, format version
+Full (gathered) state dicts make a checkpoint independent of the world size: it loads into any number
+of ranks (the RNG states are restored only into the same world size).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from rlfabric.core.errors import FailedPrecondition, InvalidArgument, NotFound
+
+FORMAT_VERSION = 1
+WEIGHTS = "model.safetensors"
+
+
+@dataclass
+class Checkpoint:
+    model_state: dict[str, torch.Tensor]
+    optimizer_state: dict
+    trainer_state: dict  # {"updates", "optimizer_steps", "rng": [per-rank dict of tensors]}
+    meta: dict
+
+
+def _target(path: str) -> Path:
+    if not path:
+        raise InvalidArgument("the directory path is empty")
+    return Path(path).expanduser()
+
+
+def write_atomically(path: str, write: Callable[[Path], None]) -> int:
+    """Runs write(tmp_dir), then swaps tmp_dir in for `path`; returns the bytes written."""
+    target = _target(path)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir()
+        try:
+            write(tmp)
+            num_bytes = sum(f.stat().st_size for f in tmp.rglob("*") if f.is_file())
+            old = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:8]}"
+            if target.exists():
+                target.rename(old)
+            tmp.rename(target)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        shutil.rmtree(old, ignore_errors=True)
+        return num_bytes
+    except OSError as error:
+        raise FailedPrecondition(f"cannot write {target}: {error}") from error
+
+
+def _split_aliases(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Tied weights (e.g. lm_head = embed_tokens) share memory, which safetensors refuses: keep one
+    name per storage and return {alias: kept name}."""
+    unique: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    seen: dict[tuple, str] = {}
+    for name, tensor in state.items():
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tensor.dtype)
+        if tensor.numel() and key in seen:
+            aliases[name] = seen[key]
+        else:
+            seen[key] = name
+            unique[name] = tensor.contiguous()
+    return unique, aliases
+
+
+def save_checkpoint(path: str, checkpoint: Checkpoint) -> int:
+    weights, aliases = _split_aliases(checkpoint.model_state)
+    meta = {**checkpoint.meta, "aliases": aliases, "format_version": FORMAT_VERSION}
+
+    def write(directory: Path) -> None:
+        save_file(weights, directory / WEIGHTS, metadata={"format": "pt"})
+        torch.save(checkpoint.optimizer_state, directory / "optimizer.pt")
+        torch.save(checkpoint.trainer_state, directory / "trainer_state.pt")
+        (directory / "meta.json").write_text(json.dumps(meta, indent=2))
+
+    return write_atomically(path, write)
+
+
+def load_checkpoint(path: str, role: str) -> Checkpoint:
+    directory = _target(path)
+    meta_file = directory / "meta.json"
+    if not meta_file.is_file():
+        raise NotFound(f"no checkpoint at {directory} (meta.json missing)")
+    try:
+        meta = json.loads(meta_file.read_text())
+        if meta.get("role") != role:
+            raise InvalidArgument(f"checkpoint {directory} was written by the {meta.get('role')} service, not the {role}")
+        if meta.get("format_version") != FORMAT_VERSION:
+            raise InvalidArgument(f"checkpoint {directory} has format {meta.get('format_version')}, "
+                                  f"this service reads {FORMAT_VERSION}")
+        weights = load_file(directory / WEIGHTS)
+        for alias, name in meta.get("aliases", {}).items():
+            weights[alias] = weights[name]
+        optimizer_state = torch.load(directory / "optimizer.pt", weights_only=True)
+        trainer_state = torch.load(directory / "trainer_state.pt", weights_only=True)
+    except (OSError, ValueError, RuntimeError) as error:
+        if isinstance(error, InvalidArgument):
+            raise
+        raise FailedPrecondition(f"cannot read checkpoint {directory}: {type(error).__name__}: {error}") from error
+    return Checkpoint(weights, optimizer_state, trainer_state, meta)
+
+
+def export_hf(path: str, model_state: dict[str, torch.Tensor], hf_config, source: str) -> int:
+    """A directory AutoModelForCausalLM.from_pretrained and AutoTokenizer.from_pretrained load as is:
+    config.json, model.safetensors (tied duplicates left out, as save_pretrained does), and every other
+    file of the source model directory (tokenizer, chat template, generation config, custom code)
+    copied byte for byte."""
+    weights, _aliases = _split_aliases(model_state)
+    config = copy.deepcopy(hf_config)
+    config.use_cache = True  # the service turns the KV cache off for training; generation wants it
+    extras = [f for f in Path(source).iterdir() if f.is_file() and not _is_weights_or_config(f.name)]
+
+    def write(directory: Path) -> None:
+        config.save_pretrained(directory)
+        save_file(weights, directory / WEIGHTS, metadata={"format": "pt"})
+        for extra in extras:
+            shutil.copy(extra, directory / extra.name)
+
+    return write_atomically(path, write)
+
+
+def _is_weights_or_config(name: str) -> bool:
+    return name == "config.json" or name.endswith((".safetensors", ".bin", ".pt", ".pth", ".index.json"))

@@ -1,0 +1,124 @@
+"""Typed clients of the actor, reference and critic services: torch tensors in, torch tensors out.
+
+    async with ActorClient("127.0.0.1:50051") as actor:
+        out = await actor.compute_log_probs(batch, temperature=0.7)        # {"log_probs": [B, T]}
+        metrics = await actor.update_policy({**batch, "old_log_probs": out["log_probs"], "advantages": adv})
+
+`batch` is a dict of tensors in the layout of rlfabric.actor.batch. Failed calls raise the domain
+error of their status code (InvalidArgument, Unavailable, ...), naming the call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import grpc
+import torch
+
+from rlfabric.core import codec
+from rlfabric.core.client import ServiceClient, rpc_error_to_domain
+from rlfabric.v1 import (
+    actor_pb2,
+    actor_pb2_grpc,
+    critic_pb2,
+    critic_pb2_grpc,
+    reference_pb2,
+    reference_pb2_grpc,
+)
+
+Tensors = Mapping[str, torch.Tensor]
+
+
+class _TypedClient(ServiceClient):
+    service_name = ""
+
+    async def _call(self, method: str, request, timeout_s: float | None = None):
+        try:
+            return await self.call(method, request, timeout_s)
+        except grpc.RpcError as error:
+            raise rpc_error_to_domain(error, f"{self.service_name}.{method}") from error
+
+
+def _log_probs_input(batch: Tensors, temperature: float, compute_entropy: bool) -> actor_pb2.LogProbsInput:
+    return actor_pb2.LogProbsInput(batch=codec.encode_batch(batch), temperature=temperature,
+                                   compute_entropy=compute_entropy)
+
+
+def _tensors(batch) -> dict[str, torch.Tensor]:
+    return codec.decode_batch(batch, allow_empty=True, copy=True).tensors
+
+
+class ActorClient(_TypedClient):
+    stub_class = actor_pb2_grpc.ActorServiceStub
+    service_name = "ActorService"
+
+    async def compute_log_probs(self, batch: Tensors, temperature: float = 1.0, compute_entropy: bool = False,
+                                timeout_s: float | None = None) -> dict[str, torch.Tensor]:
+        """{"log_probs": [B, T]} (+ "entropy" [B, T]), float32, 0 on response padding."""
+        request = actor_pb2.ComputeLogProbsRequest(input=_log_probs_input(batch, temperature, compute_entropy))
+        return _tensors((await self._call("ComputeLogProbs", request, timeout_s)).outputs)
+
+    async def update_policy(self, batch: Tensors, global_step: int = 0,
+                            timeout_s: float | None = None) -> dict[str, float]:
+        """PPO update on the batch (+ old_log_probs, advantages[, ref_log_probs]); VeRL-named metrics."""
+        request = actor_pb2.UpdatePolicyRequest(batch=codec.encode_batch(batch), global_step=global_step)
+        return dict((await self._call("UpdatePolicy", request, timeout_s)).metrics)
+
+    async def save_checkpoint(self, path: str, timeout_s: float | None = None) -> int:
+        """Bytes written."""
+        request = actor_pb2.SaveCheckpointRequest(location=actor_pb2.CheckpointLocation(path=str(path)))
+        return (await self._call("SaveCheckpoint", request, timeout_s)).num_bytes
+
+    async def load_checkpoint(self, path: str, timeout_s: float | None = None) -> int:
+        """The optimizer step restored."""
+        request = actor_pb2.LoadCheckpointRequest(location=actor_pb2.CheckpointLocation(path=str(path)))
+        return (await self._call("LoadCheckpoint", request, timeout_s)).optimizer_step
+
+    async def export_hf(self, path: str, timeout_s: float | None = None) -> int:
+        """Bytes written."""
+        return (await self._call("ExportHF", actor_pb2.ExportHFRequest(path=str(path)), timeout_s)).num_bytes
+
+    async def get_status(self) -> actor_pb2.ActorServiceGetStatusResponse:
+        return await self._call("GetStatus", actor_pb2.ActorServiceGetStatusRequest())
+
+
+class ReferenceClient(_TypedClient):
+    stub_class = reference_pb2_grpc.ReferenceServiceStub
+    service_name = "ReferenceService"
+
+    async def compute_log_probs(self, batch: Tensors, temperature: float = 1.0, compute_entropy: bool = False,
+                                timeout_s: float | None = None) -> dict[str, torch.Tensor]:
+        """{"log_probs": [B, T]} under the reference weights."""
+        request = reference_pb2.ReferenceServiceComputeLogProbsRequest(
+            input=_log_probs_input(batch, temperature, compute_entropy))
+        return _tensors((await self._call("ComputeLogProbs", request, timeout_s)).outputs)
+
+    async def get_status(self) -> reference_pb2.ReferenceServiceGetStatusResponse:
+        return await self._call("GetStatus", reference_pb2.ReferenceServiceGetStatusRequest())
+
+
+class CriticClient(_TypedClient):
+    stub_class = critic_pb2_grpc.CriticServiceStub
+    service_name = "CriticService"
+
+    async def compute_values(self, batch: Tensors, timeout_s: float | None = None) -> dict[str, torch.Tensor]:
+        """{"values": [B, T]}, 0 on response padding."""
+        request = critic_pb2.ComputeValuesRequest(batch=codec.encode_batch(batch))
+        return _tensors((await self._call("ComputeValues", request, timeout_s)).outputs)
+
+    async def update_values(self, batch: Tensors, global_step: int = 0,
+                            timeout_s: float | None = None) -> dict[str, float]:
+        """Value-loss update on the batch (+ values, returns); critic/* metrics."""
+        request = critic_pb2.UpdateValuesRequest(batch=codec.encode_batch(batch), global_step=global_step)
+        return dict((await self._call("UpdateValues", request, timeout_s)).metrics)
+
+    async def save_checkpoint(self, path: str, timeout_s: float | None = None) -> int:
+        request = critic_pb2.CriticServiceSaveCheckpointRequest(location=actor_pb2.CheckpointLocation(path=str(path)))
+        return (await self._call("SaveCheckpoint", request, timeout_s)).num_bytes
+
+    async def load_checkpoint(self, path: str, timeout_s: float | None = None) -> int:
+        request = critic_pb2.CriticServiceLoadCheckpointRequest(location=actor_pb2.CheckpointLocation(path=str(path)))
+        return (await self._call("LoadCheckpoint", request, timeout_s)).optimizer_step
+
+    async def get_status(self) -> critic_pb2.CriticServiceGetStatusResponse:
+        return await self._call("GetStatus", critic_pb2.CriticServiceGetStatusRequest())

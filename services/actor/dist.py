@@ -1,0 +1,298 @@
+"""The data-parallel group of one role: rank 0 serves gRPC and drives ranks 1..N-1.
+
+Start-up: by default rank 0 opens a TCP store on a free port and starts N-1 worker processes,
+
+    python -m rlfabric.actor.dist --role actor --config-stdin   (RANK, WORLD_SIZE, MASTER_* set)
+
+which join a gloo (CPU) or NCCL (GPU) process group through it. When RANK / WORLD_SIZE / MASTER_ADDR /
+MASTER_PORT are already set (one pod per rank, e.g. a Kubernetes StatefulSet), nothing is started:
+rank 0 runs `rlfabric serve ROLE` and every other rank runs the command above with --config run.yaml.
+
+Commands travel as tensors over the process group, never pickled: rank 0 sends each worker a header
+(command + numeric parameters, float64 [8]), then that rank's shard of the batch as named tensors
+(count, then per tensor an int64 spec [name, dtype, ndim, dims...] and the data). Results come back
+the same way. All ranks then run the same code (run_command), so their collectives line up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
+from enum import IntEnum
+
+import torch
+import torch.distributed as dist
+
+from rlfabric.actor.batch import TENSOR_NAMES, SequenceBatch
+from rlfabric.core import codec
+from rlfabric.core.config import RunConfig, load_config
+
+MAX_DIMS = 4
+HEADER_LEN = 8
+# Every tensor name that crosses the group, by index: the batch layout, then results and RNG states.
+WIRE_NAMES = (*TENSOR_NAMES, "log_probs", "entropy", "values", "cpu_rng", "cuda_rng")
+COLLECTIVE_TIMEOUT = timedelta(minutes=30)
+PARENT_PID_ENV = "RLFABRIC_PARENT_PID"
+
+
+class Command(IntEnum):
+    STOP = 0
+    COMPUTE = 1  # log-probs (actor, reference) or values (critic) of the shard
+    UPDATE = 2  # PPO epochs over the shard (actor, critic)
+    GATHER_STATE = 3  # full model + optimizer state and RNG to rank 0
+    SCATTER_STATE = 4  # rank 0's loaded state to every rank
+
+
+def external_launch() -> tuple[int, int] | None:
+    """(rank, world_size) from torchrun-style environment variables, or None to spawn workers."""
+    needed = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    if not all(os.environ.get(name) for name in needed):
+        return None
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+
+
+def backend_for(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+class Channel:
+    """Point-to-point messages between rank 0 and the others, as tensors on the group's device."""
+
+    def __init__(self, device: torch.device):
+        self.device = device  # NCCL moves only GPU tensors; gloo only CPU ones
+
+    def _send(self, tensor: torch.Tensor, dst: int) -> None:
+        dist.send(tensor.contiguous().to(self.device), dst=dst)
+
+    def _recv(self, shape, dtype: torch.dtype, src: int) -> torch.Tensor:
+        buffer = torch.empty(shape, dtype=dtype, device=self.device)
+        dist.recv(buffer, src=src)
+        return buffer
+
+    def send_tensors(self, tensors: dict[str, torch.Tensor], dst: int) -> None:
+        self._send(torch.tensor([len(tensors)], dtype=torch.int64), dst)
+        for name, value in tensors.items():
+            if value.dim() > MAX_DIMS:
+                raise ValueError(f"{name}: {value.dim()} dims, more than the channel's {MAX_DIMS}")
+            dims = list(value.shape) + [0] * (MAX_DIMS - value.dim())
+            spec = [WIRE_NAMES.index(name), codec.wire_dtype(value.dtype), value.dim(), *dims]
+            self._send(torch.tensor(spec, dtype=torch.int64), dst)
+            if value.numel():
+                self._send(value, dst)
+
+    def recv_tensors(self, src: int) -> dict[str, torch.Tensor]:
+        count = int(self._recv((1,), torch.int64, src))
+        tensors = {}
+        for _ in range(count):
+            name_index, wire, ndim, *dims = self._recv((3 + MAX_DIMS,), torch.int64, src).tolist()
+            shape, dtype = dims[:ndim], codec.torch_dtype(wire)
+            if math.prod(shape):
+                tensors[WIRE_NAMES[name_index]] = self._recv(shape, dtype, src)
+            else:
+                tensors[WIRE_NAMES[name_index]] = torch.empty(shape, dtype=dtype, device=self.device)
+        return tensors
+
+    def send_command(self, dst: int, command: Command, params: list[float], tensors: dict[str, torch.Tensor]):
+        header = [float(command), *params] + [0.0] * (HEADER_LEN - 1 - len(params))
+        self._send(torch.tensor(header, dtype=torch.float64), dst)
+        self.send_tensors(tensors, dst)
+
+    def recv_command(self) -> tuple[Command, list[float], dict[str, torch.Tensor]]:
+        header = self._recv((HEADER_LEN,), torch.float64, src=0).tolist()
+        return Command(int(header[0])), header[1:], self.recv_tensors(src=0)
+
+
+def run_command(worker, channel: Channel, command: Command, params: list[float], shard: SequenceBatch, state=None):
+    """What every rank does for one command; returns rank 0's result (None elsewhere)."""
+    rank, world_size = worker.rank, worker.world_size
+    if command == Command.COMPUTE:
+        outputs = worker.compute(shard, temperature=params[0], with_entropy=bool(params[1]))
+        if rank != 0:
+            channel.send_tensors(outputs, dst=0)
+            return None
+        parts = [outputs] + [{k: v.cpu() for k, v in channel.recv_tensors(src).items()} for src in range(1, world_size)]
+        return {name: torch.cat([part[name] for part in parts]) for name in outputs}
+    if command == Command.UPDATE:
+        return worker.update(shard)
+    if command == Command.GATHER_STATE:
+        model_state, optimizer_state = worker.full_state(with_optimizer=bool(params[0]))
+        if rank != 0:
+            channel.send_tensors(worker.rng_state(), dst=0)
+            return None
+        rng = [worker.rng_state()] + [{k: v.cpu() for k, v in channel.recv_tensors(src).items()}
+                                      for src in range(1, world_size)]
+        return model_state, optimizer_state, rng
+    if command == Command.SCATTER_STATE:
+        # params: [updates, optimizer_steps, restore_rng]
+        model_state, optimizer_state, rng = state if rank == 0 else ({}, {}, None)
+        worker.load_full_state(model_state, optimizer_state, progress=(int(params[0]), int(params[1])))
+        if not params[2]:  # the checkpoint's RNG states do not fit this world size
+            return None
+        if rank == 0:
+            for dst in range(1, world_size):
+                channel.send_tensors(rng[dst], dst)
+            worker.set_rng_state(rng[0])
+        else:
+            worker.set_rng_state({k: v.cpu() for k, v in channel.recv_tensors(src=0).items()})
+        return None
+    raise ValueError(f"unknown command {command}")
+
+
+def serve_commands(worker, channel: Channel) -> None:
+    """The loop of ranks 1..N-1: receive a command and its shard, run it, until STOP."""
+    while True:
+        command, params, tensors = channel.recv_command()
+        if command == Command.STOP:
+            return
+        shard = SequenceBatch({k: v.cpu() for k, v in tensors.items()}) if tensors else None
+        run_command(worker, channel, command, params, shard)
+
+
+def _exit_when_parent_dies(parent_pid: int) -> None:
+    def watch():
+        while True:
+            if os.getppid() != parent_pid:
+                os._exit(1)  # rank 0 is gone: nobody will ever send STOP
+            time.sleep(1.0)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def run_worker(role: str, config: RunConfig, rank: int, world_size: int, store=None) -> None:
+    """Joins the group as `rank`, loads the model, and serves rank 0's commands until STOP."""
+    from rlfabric.actor.models import rank_device
+    from rlfabric.actor.worker import RankWorker
+
+    device = rank_device(rank)
+    if device.type == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    init_group(device, rank, world_size, store)
+    try:
+        worker = RankWorker(role, config, rank, world_size, device)
+        serve_commands(worker, Channel(device))
+    finally:
+        dist.destroy_process_group()
+
+
+def init_group(device: torch.device, rank: int, world_size: int, store=None) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    kwargs = {"store": store} if store is not None else {"init_method": "env://"}
+    dist.init_process_group(backend_for(device), rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT,
+                            **kwargs)
+
+
+class WorkerGroup:
+    """Rank 0's side of the group: starts ranks 1..N-1 and sends them commands. No-op for one rank."""
+
+    def __init__(self, role: str, config: RunConfig, world_size: int, device: torch.device):
+        self.role, self.config, self.world_size, self.device = role, config, world_size, device
+        self.channel = Channel(device)
+        self.processes: list = []
+
+    def start(self) -> None:
+        """Blocks until every rank has joined the process group."""
+        if self.world_size == 1:
+            return
+        launch = external_launch()
+        if launch is not None:
+            if launch != (0, self.world_size):
+                raise ValueError(f"{self.role}: the service is rank 0 of world_size {self.world_size}, but the "
+                                 f"environment says RANK={launch[0]}, WORLD_SIZE={launch[1]}")
+            init_group(self.device, 0, self.world_size)
+            return
+        # A fresh interpreter per rank (not multiprocessing): nothing of the parent's __main__ is re-run,
+        # and a spawned rank is started exactly like a rank of a cluster, through main() below.
+        store = dist.TCPStore("127.0.0.1", 0, self.world_size, is_master=True, wait_for_workers=False,
+                              timeout=COLLECTIVE_TIMEOUT)
+        config_json = self.config.model_dump_json()
+        for rank in range(1, self.world_size):
+            env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(self.world_size), "MASTER_ADDR": "127.0.0.1",
+                   "MASTER_PORT": str(store.port), PARENT_PID_ENV: str(os.getpid())}
+            command = [sys.executable, "-m", "rlfabric.actor.dist", "--role", self.role, "--config-stdin"]
+            process = subprocess.Popen(command, env=env, stdin=subprocess.PIPE, text=True)
+            process.stdin.write(config_json)
+            process.stdin.close()
+            self.processes.append(process)
+        self._store = store  # the store must outlive the group
+        self._join(store)
+
+    def _join(self, store) -> None:
+        """init_process_group, failing fast when a started rank dies before it joins."""
+        failure: list[BaseException] = []
+
+        def join():
+            try:
+                init_group(self.device, 0, self.world_size, store)
+            except BaseException as error:  # handed to the waiting thread
+                failure.append(error)
+
+        thread = threading.Thread(target=join, name=f"{self.role}-join", daemon=True)
+        thread.start()
+        while thread.is_alive():
+            thread.join(0.5)
+            dead = self.dead_ranks()
+            if dead and thread.is_alive():
+                raise RuntimeError(f"{self.role}: rank(s) {', '.join(dead)} exited before joining the group")
+        if failure:
+            raise failure[0]
+
+    def send(self, command: Command, params: list[float], shards: list[SequenceBatch | None]) -> None:
+        """Sends ranks 1..N-1 the command and their shards (shards[0] is rank 0's own)."""
+        for rank in range(1, self.world_size):
+            shard = shards[rank]
+            self.channel.send_command(rank, command, params, shard.tensors if shard is not None else {})
+
+    def dead_ranks(self) -> list[str]:
+        return [f"{rank} (exit code {p.returncode})" for rank, p in enumerate(self.processes, start=1)
+                if p.poll() is not None]
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        if self.world_size == 1 or not dist.is_initialized():
+            return
+        if not self.dead_ranks():
+            self.send(Command.STOP, [], [None] * self.world_size)
+        dist.destroy_process_group()
+        for process in self.processes:
+            try:
+                process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def main() -> None:
+    """Ranks 1..N-1 (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set); rank 0 runs `rlfabric serve ROLE`."""
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--role", required=True, choices=("actor", "reference", "critic"))
+    parser.add_argument("--config", help="run config YAML (default: the built-in quickstart)")
+    parser.add_argument("--config-stdin", action="store_true", help="read the resolved config as JSON from stdin "
+                        "(how rank 0 starts its ranks)")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, as for `rlfabric serve`")
+    args = parser.parse_args()
+    launch = external_launch()
+    if launch is None or launch[0] == 0:
+        raise SystemExit("set RANK (>= 1), WORLD_SIZE, MASTER_ADDR and MASTER_PORT; rank 0 runs `rlfabric serve`")
+    from rlfabric.core.logs import setup_logging
+
+    if args.config_stdin:
+        config = RunConfig.model_validate_json(sys.stdin.read())
+    else:
+        config = load_config(args.config, args.overrides)
+    setup_logging(f"{args.role}-rank{launch[0]}", "", config.server.log_level)
+    store = None
+    if os.environ.get(PARENT_PID_ENV):  # started by rank 0, which opened the store
+        _exit_when_parent_dies(int(os.environ[PARENT_PID_ENV]))
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), launch[1],
+                              is_master=False, timeout=COLLECTIVE_TIMEOUT)
+    run_worker(args.role, config, rank=launch[0], world_size=launch[1], store=store)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,205 @@
+"""The engine behind the actor, reference and critic services: rank 0 of the role's data-parallel group.
+
+It validates each request into a SequenceBatch, cuts it into one shard per rank, sends the shards to
+ranks 1..N-1 (dist.WorkerGroup) and runs its own shard. All torch work runs on one dedicated thread:
+the event loop keeps answering health checks during a long update, and commands never interleave
+(their collectives must reach every rank in the same order).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+from prometheus_client import CollectorRegistry
+
+from rlfabric.actor import checkpoint as ckpt
+from rlfabric.actor.batch import SequenceBatch, shard_rows, validate_batch
+from rlfabric.actor.dist import Command, WorkerGroup, run_command
+from rlfabric.actor.models import TRAINABLE, model_path, rank_device
+from rlfabric.actor.worker import RankWorker
+from rlfabric.core import algorithms as algos
+from rlfabric.core.config import RunConfig
+from rlfabric.core.errors import InvalidArgument, Unavailable
+from rlfabric.core.metrics import service_counter, service_gauge, service_histogram
+
+log = logging.getLogger("rlfabric.actor")
+
+
+@dataclass
+class EngineStatus:
+    model: str
+    world_size: int
+    optimizer_step: int
+    num_parameters: int
+
+
+class TrainerEngine:
+    """Rank 0 of one role ("actor", "reference" or "critic")."""
+
+    def __init__(self, role: str, config: RunConfig, registry: CollectorRegistry | None = None):
+        self.role = role
+        self.config = config
+        self.section = {"actor": config.actor, "reference": config.reference, "critic": config.critic}[role]
+        self.world_size = self.section.world_size
+        self.model_path = model_path(role, config)
+        self.worker: RankWorker | None = None
+        self.group: WorkerGroup | None = None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{role}-engine")
+        self._threads_before: int | None = None
+        registry = registry or CollectorRegistry()
+        if role in TRAINABLE:
+            self._update_seconds = service_histogram(
+                registry, "rlfabric_train_update_seconds", "Wall time of one update RPC inside the service.", ("role",))
+            self._tokens = service_counter(
+                registry, "rlfabric_train_tokens_total", "Real tokens (prompt + response) of the batches trained on.",
+                ("role",))
+            self._grad_norm = service_gauge(
+                registry, "rlfabric_train_grad_norm", "Gradient norm of the last update (mean over its steps).",
+                ("role",))
+
+    # -- lifecycle --------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._check_config()
+        await self._run(self._start)
+
+    def _check_config(self) -> None:
+        if self.role not in TRAINABLE:
+            return
+        rows = self.section.ppo_mini_batch_size * self.config.rollout.n
+        if rows % self.world_size:
+            raise ValueError(f"{self.role}: a mini-batch of {rows} rows (ppo_mini_batch_size "
+                             f"{self.section.ppo_mini_batch_size} x rollout.n {self.config.rollout.n}) does not "
+                             f"split over world_size {self.world_size} ranks")
+        if self.role == "actor":
+            if self.section.loss_mode not in algos.policy_loss_names():
+                raise ValueError(f"actor.loss_mode {self.section.loss_mode!r} is not one of {algos.policy_loss_names()}")
+            algos.kl_penalty(torch.zeros(1), torch.zeros(1), self.section.kl_loss_type)  # ValueError if unknown
+
+    def _start(self) -> None:
+        device = rank_device(0)
+        if device.type == "cpu" and self.world_size > 1:  # the ranks share this machine's cores
+            self._threads_before = torch.get_num_threads()
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.world_size))
+        started = time.perf_counter()
+        self.group = WorkerGroup(self.role, self.config, self.world_size, device)
+        self.group.start()
+        self.worker = RankWorker(self.role, self.config, 0, self.world_size, device)
+        log.info("model loaded", extra={"fields": {
+            "role": self.role, "model": self.model_path, "world_size": self.world_size, "device": str(device),
+            "parameters": self.worker.num_parameters, "seconds": round(time.perf_counter() - started, 2)}})
+
+    async def stop(self) -> None:
+        if self.group is not None:
+            await self._run(self.group.stop)
+        if self._threads_before is not None:
+            torch.set_num_threads(self._threads_before)
+        self._executor.shutdown(wait=False)
+
+    async def _run(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def _command(self, command: Command, params: list[float], shards: list[SequenceBatch | None], state=None):
+        dead = self.group.dead_ranks()
+        if dead:
+            raise Unavailable(f"{self.role}: rank(s) {', '.join(dead)} died; restart the service")
+        self.group.send(command, params, shards)
+        return run_command(self.worker, self.group.channel, command, params, shards[0], state)
+
+    # -- requests ---------------------------------------------------------------------------------
+
+    async def compute(self, tensors: dict[str, torch.Tensor], temperature: float = 1.0,
+                      with_entropy: bool = False) -> dict[str, torch.Tensor]:
+        """log_probs [+ entropy] (actor, reference) or values (critic), each [B, T] float32."""
+        if not (math.isfinite(temperature) and temperature > 0):
+            raise InvalidArgument(f"temperature must be a positive number, got {temperature}")
+        return await self._run(self._compute, tensors, temperature, with_entropy)
+
+    def _compute(self, tensors, temperature, with_entropy):
+        batch = validate_batch(tensors, self.worker.vocab_size)
+        shards = [batch.select(rows) for rows in shard_rows(batch.num_rows, self.world_size)]
+        return self._command(Command.COMPUTE, [temperature, float(with_entropy)], shards)
+
+    async def update(self, tensors: dict[str, torch.Tensor], global_step: int = 0) -> dict[str, float]:
+        """One UpdatePolicy / UpdateValues: VeRL-named metrics."""
+        return await self._run(self._update, tensors, global_step)
+
+    def _update(self, tensors, global_step):
+        started = time.perf_counter()
+        objective = self.worker.objective
+        batch = validate_batch(tensors, self.worker.vocab_size, required_floats=objective.required_floats(),
+                               optional_floats=objective.float_names)
+        rows = self.worker.mini_batch_rows
+        if batch.num_rows % rows:
+            raise InvalidArgument(
+                f"batch has {batch.num_rows} rows; {self.role} updates need a multiple of the mini-batch of {rows} "
+                f"rows ({self.role}.ppo_mini_batch_size {self.section.ppo_mini_batch_size} x rollout.n "
+                f"{self.config.rollout.n})")
+        shards = [batch.select(index) for index in shard_rows(batch.num_rows, self.world_size, rows)]
+        metrics = self._command(Command.UPDATE, [], shards)
+        seconds = time.perf_counter() - started
+        metrics[f"{self.role}/update_s"] = seconds
+        self._update_seconds.labels(self.role).observe(seconds)
+        self._tokens.labels(self.role).inc(batch.num_tokens())
+        self._grad_norm.labels(self.role).set(metrics[f"{self.role}/grad_norm"])
+        log.info("update", extra={"fields": {"global_step": global_step, "rows": batch.num_rows,
+                                             **{k: round(v, 6) for k, v in metrics.items()}}})
+        return metrics
+
+    async def save_checkpoint(self, path: str) -> int:
+        """Bytes written."""
+        return await self._run(self._save_checkpoint, path)
+
+    def _save_checkpoint(self, path):
+        model_state, optimizer_state, rng = self._command(Command.GATHER_STATE, [1.0], [None] * self.world_size)
+        counters = {"updates": self.worker.updates, "optimizer_steps": self.worker.optimizer_steps}
+        meta = {"role": self.role, "model": self.model_path, "world_size": self.world_size, **counters}
+        return ckpt.save_checkpoint(path, ckpt.Checkpoint(model_state, optimizer_state, {**counters, "rng": rng}, meta))
+
+    async def load_checkpoint(self, path: str) -> int:
+        """The optimizer step count restored."""
+        return await self._run(self._load_checkpoint, path)
+
+    def _load_checkpoint(self, path):
+        checkpoint = ckpt.load_checkpoint(path, self.role)  # every check before any collective
+        self._check_fits(checkpoint.model_state, path)
+        trainer_state = checkpoint.trainer_state
+        rng = trainer_state["rng"]
+        restore_rng = len(rng) == self.world_size
+        if not restore_rng:
+            log.warning("checkpoint RNG states not restored", extra={"fields": {
+                "saved_world_size": len(rng), "world_size": self.world_size}})
+        params = [float(trainer_state["updates"]), float(trainer_state["optimizer_steps"]), float(restore_rng)]
+        state = (checkpoint.model_state, checkpoint.optimizer_state, rng)
+        self._command(Command.SCATTER_STATE, params, [None] * self.world_size, state=state)
+        return self.worker.optimizer_steps
+
+    def _check_fits(self, model_state: dict[str, torch.Tensor], path: str) -> None:
+        expected = self.worker.param_shapes
+        missing = sorted(set(expected) - set(model_state))
+        unexpected = sorted(set(model_state) - set(expected))
+        wrong = sorted(n for n in set(expected) & set(model_state) if tuple(model_state[n].shape) != expected[n])
+        if missing or unexpected or wrong:
+            raise InvalidArgument(f"checkpoint {path} does not fit {self.model_path}: missing {missing[:5]}, "
+                                  f"unexpected {unexpected[:5]}, wrong shape {wrong[:5]}")
+
+    async def export_hf(self, path: str) -> int:
+        """Bytes written."""
+        return await self._run(self._export_hf, path)
+
+    def _export_hf(self, path):
+        model_state, _, _ = self._command(Command.GATHER_STATE, [0.0], [None] * self.world_size)
+        return ckpt.export_hf(path, model_state, self.worker.hf_config, source=self.model_path)
+
+    def status(self) -> EngineStatus:
+        worker = self.worker
+        return EngineStatus(model=self.model_path, world_size=self.world_size,
+                            optimizer_step=worker.optimizer_steps if worker else 0,
+                            num_parameters=worker.num_parameters if worker else 0)

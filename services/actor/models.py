@@ -1,0 +1,122 @@
+"""Loading the models of the three roles from a local Hugging Face directory, and sharding them with FSDP2.
+
+- actor, reference: AutoModelForCausalLM.
+- critic: AutoModelForTokenClassification with num_labels=1: the same backbone as the policy with a
+  scalar head per position. It is the Hugging Face class for exactly this shape, exists for every
+  common decoder (Qwen2, Llama, Mistral, ...), saves and loads with save_pretrained/from_pretrained,
+  and loading it from a causal-LM directory keeps the backbone weights and initialises only the head.
+
+dtype: model.dtype is the compute dtype (auto = float32 on CPU, bfloat16 on GPU). Trained models keep
+float32 master weights and compute in that dtype through FSDP2's MixedPrecisionPolicy (or autocast on
+a single GPU); the frozen reference is loaded directly in it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import os
+
+import torch
+from torch import nn
+
+from rlfabric.core.config import RunConfig
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TRAINABLE = ("actor", "critic")
+
+
+def rank_device(rank: int) -> torch.device:
+    """cuda:<local rank> when a GPU is present, else cpu."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    local_rank = int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count()))
+    return torch.device("cuda", local_rank)
+
+
+def compute_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+def model_path(role: str, config: RunConfig) -> str:
+    if role == "critic" and config.critic.model_path:
+        return config.critic.model_path
+    if not config.model.path:
+        raise ValueError(f"{role}: model.path is empty; point it at a local Hugging Face model directory")
+    return config.model.path
+
+
+def load_model(role: str, config: RunConfig, device: torch.device) -> nn.Module:
+    """The role's model on CPU, in train mode (actor, critic) or frozen in eval mode (reference)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+
+    trainable = role in TRAINABLE
+    dtype = torch.float32 if trainable else compute_dtype(config.model.dtype, device)
+    kwargs = dict(
+        dtype=dtype,
+        attn_implementation=config.model.attn_implementation,
+        trust_remote_code=config.model.trust_remote_code,
+    )
+    path = model_path(role, config)
+    if role == "critic":
+        hf_config = AutoConfig.from_pretrained(path, num_labels=1, trust_remote_code=config.model.trust_remote_code)
+        hf_config.classifier_dropout = 0.0  # dropout on the value head would make the values noisy
+        model = AutoModelForTokenClassification.from_pretrained(path, config=hf_config, **kwargs)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    model.config.use_cache = False
+    if not trainable:
+        model.requires_grad_(False)
+        model.eval()
+        return model
+    if config.model.gradient_checkpointing:
+        enable_gradient_checkpointing(model)
+    model.train()
+    return model
+
+
+def enable_gradient_checkpointing(model: nn.Module) -> None:
+    """Non-reentrant checkpointing of every decoder layer (transformers 5 renamed the switch)."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def shard_model(model: nn.Module, world_size: int, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """FSDP2: each decoder layer is one unit (its parameters gathered just for its forward/backward),
+    the embeddings, final norm and head are the root unit. Gradients are reduced in float32."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(device.type, (world_size,))
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    layer_classes = set(getattr(model, "_no_split_modules", None) or ())
+    for module in model.modules():
+        if type(module).__name__ in layer_classes:
+            fully_shard(module, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    return model
+
+
+def autocast(device: torch.device, dtype: torch.dtype, sharded: bool):
+    """Mixed precision of an unsharded trained model on GPU; FSDP2 does it itself when sharded."""
+    if sharded or dtype == torch.float32 or device.type != "cuda":
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype)
+
+
+def accepts_logits_to_keep(model: nn.Module) -> bool:
+    """Whether the causal LM can skip the LM head over the prompt (transformers' logits_to_keep)."""
+    return "logits_to_keep" in inspect.signature(model.forward).parameters
+
+
+def vocab_size(model: nn.Module) -> int:
+    """Rows of the input embedding: the largest token id + 1 the model accepts."""
+    return int(model.get_input_embeddings().num_embeddings)
+
+
+def num_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,144 @@
+"""What one micro-batch contributes: the forward passes (log-probs, values) and the PPO losses.
+
+A mini-batch's loss is spread over ranks and micro-batches. Each micro-batch normalises by the
+mini-batch's global counts (tokens, sequences over all ranks), so the sum of the micro-batch losses
+over every rank equals the single-process loss of the whole mini-batch (shared/reference/algorithms.md,
+"across ranks divide by the global token count"). Stats are returned the same way: as contributions
+that sum to the mini-batch value.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from rlfabric.actor.batch import SequenceBatch
+from rlfabric.core import algorithms as algos
+from rlfabric.core.config import ActorConfig, CriticConfig
+
+
+@dataclass
+class MiniBatchCounts:
+    """Totals of one mini-batch over all ranks, for loss normalisation."""
+
+    tokens: float  # response tokens
+    sequences: float  # rows with at least one response token
+    response_len: int  # padded response length (seq-mean-token-sum-norm's default scale)
+
+    def aggregation(self) -> dict:
+        return dict(global_token_count=self.tokens, global_seq_count=max(self.sequences, 1.0),
+                    scale_factor=float(self.response_len))
+
+
+def _model_inputs(batch: SequenceBatch) -> dict:
+    return dict(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                position_ids=batch["position_ids"], use_cache=False)
+
+
+def response_logits(model: nn.Module, batch: SequenceBatch, temperature: float, keep_logits: bool) -> torch.Tensor:
+    """Logits that predict each response token, divided by the temperature: [B, T, vocab] float32.
+
+    Position t of the sequence predicts token t + 1, so the response's T tokens are predicted from
+    positions S-T-1 .. S-2. Dividing in float32 matches the rollout's sampler (logits / temperature).
+    """
+    response_len = batch.response_len
+    extra = {"logits_to_keep": response_len + 1} if keep_logits else {}
+    logits = model(**_model_inputs(batch), **extra).logits  # [B, S or T+1, vocab]
+    logits = logits[:, -response_len - 1 : -1].float()  # [B, T, vocab]
+    return logits / temperature if temperature != 1.0 else logits
+
+
+def forward_log_probs(
+    model: nn.Module, batch: SequenceBatch, temperature: float, with_entropy: bool, keep_logits: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log p(response token) [B, T] and, optionally, the entropy of each predicting distribution [B, T]."""
+    logits = response_logits(model, batch, temperature, keep_logits)
+    log_probs = algos.log_probs_from_logits(logits, batch["responses"])
+    entropy = algos.entropy_from_logits(logits) if with_entropy else None
+    return log_probs, entropy
+
+
+def forward_values(model: nn.Module, batch: SequenceBatch) -> torch.Tensor:
+    """The value of the state before each response token (the head's output one position earlier): [B, T]."""
+    response_len = batch.response_len
+    values = model(**_model_inputs(batch)).logits  # [B, S, 1]
+    return values[:, -response_len - 1 : -1, 0].float()
+
+
+def _token_weight(stat: torch.Tensor, mask: torch.Tensor, counts: MiniBatchCounts) -> torch.Tensor:
+    """A masked mean over this micro-batch, weighted by its share of the mini-batch's tokens."""
+    return stat * mask.sum() / max(counts.tokens, 1.0)
+
+
+class PolicyObjective:
+    """PPO policy loss (+ optional KL loss and entropy bonus) of the actor."""
+
+    float_names = ("old_log_probs", "advantages", "ref_log_probs")
+
+    def __init__(self, config: ActorConfig, temperature: float, keep_logits: bool):
+        self.config = config
+        self.temperature = temperature
+        self.keep_logits = keep_logits
+
+    def required_floats(self) -> tuple[str, ...]:
+        return ("old_log_probs", "advantages", "ref_log_probs") if self.config.use_kl_loss else (
+            "old_log_probs", "advantages")
+
+    def loss(
+        self, model: nn.Module, batch: SequenceBatch, counts: MiniBatchCounts
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        cfg = self.config
+        mask = batch["response_mask"].float()  # [B, T]
+        want_entropy_grad = cfg.entropy_coeff != 0
+        logits = response_logits(model, batch, self.temperature, self.keep_logits)  # [B, T, vocab]
+        log_probs = algos.log_probs_from_logits(logits, batch["responses"])  # [B, T]
+        if want_entropy_grad:
+            entropy = algos.entropy_from_logits(logits)
+        else:
+            with torch.no_grad():  # for the metric only: no softmax copies kept for backward
+                entropy = algos.entropy_from_logits(logits.detach())
+        agg = counts.aggregation()
+        pg_loss, pg_stats = algos.policy_loss(
+            batch["old_log_probs"], log_probs, batch["advantages"], mask,
+            clip_low=cfg.clip_ratio_low, clip_high=cfg.clip_ratio_high, clip_ratio_c=cfg.clip_ratio_c,
+            agg=cfg.loss_agg_mode, mode=cfg.loss_mode, **agg,
+        )
+        entropy_agg = algos.aggregate_loss(entropy, mask, cfg.loss_agg_mode, **agg)
+        loss = pg_loss - cfg.entropy_coeff * entropy_agg if want_entropy_grad else pg_loss
+        kl_loss = log_probs.new_zeros(())
+        if cfg.use_kl_loss:
+            kl = algos.kl_penalty(log_probs, batch["ref_log_probs"], cfg.kl_loss_type)  # [B, T]
+            kl_loss = algos.aggregate_loss(kl, mask, cfg.loss_agg_mode, **agg)
+            loss = loss + cfg.kl_loss_coef * kl_loss
+        stats = {
+            "pg_loss": pg_loss.detach(),
+            "entropy": entropy_agg.detach(),
+            "kl_loss": kl_loss.detach(),
+            **{name: _token_weight(value, mask, counts) for name, value in pg_stats.items()},
+        }
+        return loss, stats
+
+
+class ValueObjective:
+    """Clipped value loss of the critic."""
+
+    float_names = ("values", "returns")
+
+    def __init__(self, config: CriticConfig):
+        self.config = config
+
+    def required_floats(self) -> tuple[str, ...]:
+        return self.float_names
+
+    def loss(
+        self, model: nn.Module, batch: SequenceBatch, counts: MiniBatchCounts
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        mask = batch["response_mask"].float()  # [B, T]
+        values = forward_values(model, batch)  # [B, T]
+        loss, stats = algos.value_loss(
+            values, batch["returns"], batch["values"], mask,
+            clip_range=self.config.cliprange_value, agg=self.config.loss_agg_mode, **counts.aggregation(),
+        )
+        return loss, {"vf_loss": loss.detach(), **{k: _token_weight(v, mask, counts) for k, v in stats.items()}}

@@ -1,0 +1,126 @@
+"""gRPC servicers of the actor, reference and critic roles (thin: proto -> tensors -> await engine -> proto),
+and build_service, which rlfabric.serve calls for these roles.
+
+The weight-sync RPCs of ActorService and ReferenceService (OpenWeightSyncGroup, ..., ReceiveWeights)
+are not implemented here: the generated base methods answer UNIMPLEMENTED.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry
+
+from rlfabric.actor.batch import POSITION_IDS, SEQUENCE
+from rlfabric.actor.engine import TrainerEngine
+from rlfabric.core import codec
+from rlfabric.core.config import RunConfig
+from rlfabric.core.server import ServiceBinding, ServiceDefinition
+from rlfabric.v1 import (
+    actor_pb2,
+    actor_pb2_grpc,
+    critic_pb2,
+    critic_pb2_grpc,
+    reference_pb2,
+    reference_pb2_grpc,
+)
+
+POLICY_UPDATE_TENSORS = (*SEQUENCE, "old_log_probs", "advantages")
+VALUE_UPDATE_TENSORS = (*SEQUENCE, "values", "returns")
+
+
+def _decode_log_probs_input(message: actor_pb2.LogProbsInput) -> tuple[dict, float, bool]:
+    batch = codec.decode_batch(message.batch, required=SEQUENCE, optional=(POSITION_IDS,))
+    temperature = message.temperature if message.temperature != 0 else 1.0  # proto: 0 means 1.0
+    return batch.tensors, temperature, message.compute_entropy
+
+
+class ActorServicer(actor_pb2_grpc.ActorServiceServicer):
+    def __init__(self, engine: TrainerEngine):
+        self.engine = engine
+
+    async def ComputeLogProbs(self, request, context):
+        tensors, temperature, entropy = _decode_log_probs_input(request.input)
+        outputs = await self.engine.compute(tensors, temperature, entropy)
+        return actor_pb2.ComputeLogProbsResponse(outputs=codec.encode_batch(outputs))
+
+    async def UpdatePolicy(self, request, context):
+        batch = codec.decode_batch(request.batch, required=POLICY_UPDATE_TENSORS,
+                                   optional=(POSITION_IDS, "ref_log_probs"))
+        metrics = await self.engine.update(batch.tensors, request.global_step)
+        return actor_pb2.UpdatePolicyResponse(metrics=metrics)
+
+    async def SaveCheckpoint(self, request, context):
+        num_bytes = await self.engine.save_checkpoint(request.location.path)
+        return actor_pb2.SaveCheckpointResponse(num_bytes=num_bytes)
+
+    async def LoadCheckpoint(self, request, context):
+        step = await self.engine.load_checkpoint(request.location.path)
+        return actor_pb2.LoadCheckpointResponse(optimizer_step=step)
+
+    async def ExportHF(self, request, context):
+        num_bytes = await self.engine.export_hf(request.path)
+        return actor_pb2.ExportHFResponse(num_bytes=num_bytes)
+
+    async def GetStatus(self, request, context):
+        status = self.engine.status()
+        return actor_pb2.ActorServiceGetStatusResponse(
+            model=status.model, world_size=status.world_size, optimizer_step=status.optimizer_step,
+            num_parameters=status.num_parameters)
+
+
+class ReferenceServicer(reference_pb2_grpc.ReferenceServiceServicer):
+    def __init__(self, engine: TrainerEngine):
+        self.engine = engine
+
+    async def ComputeLogProbs(self, request, context):
+        tensors, temperature, entropy = _decode_log_probs_input(request.input)
+        outputs = await self.engine.compute(tensors, temperature, entropy)
+        return reference_pb2.ReferenceServiceComputeLogProbsResponse(outputs=codec.encode_batch(outputs))
+
+    async def GetStatus(self, request, context):
+        # weight_version 0: the weights as loaded from the model path (weight sync is not wired yet)
+        return reference_pb2.ReferenceServiceGetStatusResponse(model=self.engine.status().model, weight_version=0)
+
+
+class CriticServicer(critic_pb2_grpc.CriticServiceServicer):
+    def __init__(self, engine: TrainerEngine):
+        self.engine = engine
+
+    async def ComputeValues(self, request, context):
+        batch = codec.decode_batch(request.batch, required=SEQUENCE, optional=(POSITION_IDS,))
+        outputs = await self.engine.compute(batch.tensors)
+        return critic_pb2.ComputeValuesResponse(outputs=codec.encode_batch(outputs))
+
+    async def UpdateValues(self, request, context):
+        batch = codec.decode_batch(request.batch, required=VALUE_UPDATE_TENSORS, optional=(POSITION_IDS,))
+        metrics = await self.engine.update(batch.tensors, request.global_step)
+        return critic_pb2.UpdateValuesResponse(metrics=metrics)
+
+    async def SaveCheckpoint(self, request, context):
+        num_bytes = await self.engine.save_checkpoint(request.location.path)
+        return critic_pb2.CriticServiceSaveCheckpointResponse(num_bytes=num_bytes)
+
+    async def LoadCheckpoint(self, request, context):
+        step = await self.engine.load_checkpoint(request.location.path)
+        return critic_pb2.CriticServiceLoadCheckpointResponse(optimizer_step=step)
+
+    async def GetStatus(self, request, context):
+        status = self.engine.status()
+        return critic_pb2.CriticServiceGetStatusResponse(
+            model=status.model, world_size=status.world_size, optimizer_step=status.optimizer_step)
+
+
+_BINDINGS = {
+    "actor": (ActorServicer, actor_pb2_grpc.add_ActorServiceServicer_to_server, "rlfabric.v1.ActorService"),
+    "reference": (ReferenceServicer, reference_pb2_grpc.add_ReferenceServiceServicer_to_server,
+                  "rlfabric.v1.ReferenceService"),
+    "critic": (CriticServicer, critic_pb2_grpc.add_CriticServiceServicer_to_server, "rlfabric.v1.CriticService"),
+}
+
+
+def build_service(role: str, config: RunConfig) -> ServiceDefinition:
+    """The actor, reference or critic service: its servicer over a TrainerEngine (loaded in start())."""
+    servicer_class, add_to_server, full_name = _BINDINGS[role]
+    registry = CollectorRegistry()
+    engine = TrainerEngine(role, config, registry)
+    binding = ServiceBinding(servicer_class(engine), add_to_server, full_name)
+    return ServiceDefinition(role=role, bindings=[binding], engine=engine, registry=registry)

@@ -1,0 +1,224 @@
+"""One data-parallel rank of the actor, reference or critic: its model (FSDP2-sharded when the role has
+more than one rank), optimizer and LR schedule, and what it computes on its shard of a batch.
+
+The same code runs on every rank, so every FSDP2 collective (parameter all-gathers in each forward,
+gradient reduce-scatters in each backward) lines up: ranks agree on micro-batch counts first.
+Rank 0's RankWorker lives in the service process; the others in the processes dist.py starts.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from rlfabric.actor import models
+from rlfabric.actor.batch import (
+    SequenceBatch,
+    equalize_micro_batches,
+    pad_columns,
+    padding_batch,
+    plan_micro_batches,
+    trim_padding,
+)
+from rlfabric.actor.objectives import (
+    MiniBatchCounts,
+    PolicyObjective,
+    ValueObjective,
+    forward_log_probs,
+    forward_values,
+)
+from rlfabric.core.config import RunConfig
+
+
+def warmup_factor(updates: int, warmup_steps: int) -> float:
+    """Linear warmup then constant: update k (from 0) runs at lr * min(1, (k + 1) / warmup_steps)."""
+    return 1.0 if warmup_steps <= 0 else min(1.0, (updates + 1) / warmup_steps)
+
+
+class RankWorker:
+    """The model and training state of one rank, and the per-rank steps of each command."""
+
+    def __init__(self, role: str, config: RunConfig, rank: int, world_size: int, device: torch.device):
+        self.role, self.config, self.rank, self.world_size, self.device = role, config, rank, world_size, device
+        self.section = {"actor": config.actor, "reference": config.reference, "critic": config.critic}[role]
+        self.trainable = role in models.TRAINABLE
+        self.dtype = models.compute_dtype(config.model.dtype, device)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)  # a new value head is initialised identically on every rank and run
+            model = models.load_model(role, config, device)
+        self.vocab_size = models.vocab_size(model)
+        self.num_parameters = models.num_parameters(model)
+        self.param_shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+        self.keep_logits = role != "critic" and models.accepts_logits_to_keep(model)
+        self.hf_config = model.config
+        self.sharded = world_size > 1
+        self.model = models.shard_model(model, world_size, device, self.dtype) if self.sharded else model.to(device)
+        self.objective = None
+        self.optimizer = None
+        self.updates = 0  # UpdatePolicy / UpdateValues calls: the LR schedule's clock
+        self.optimizer_steps = 0
+        if role == "actor":
+            # The rollout samples from softmax(logits / T); PPO's ratios must use the same distribution.
+            temperature = config.rollout.temperature or 1.0
+            self.objective = PolicyObjective(config.actor, temperature, self.keep_logits)
+        elif role == "critic":
+            self.objective = ValueObjective(config.critic)
+        if self.trainable:
+            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.section.lr, betas=(0.9, 0.999),
+                                               weight_decay=self.section.weight_decay)
+        # VeRL's ppo_mini_batch_size counts prompts; the batch has rollout.n rows per prompt.
+        self.mini_batch_rows = self.section.ppo_mini_batch_size * config.rollout.n if self.trainable else 0
+
+    # -- helpers ----------------------------------------------------------------------------------
+
+    def _all_reduce(self, values: list[float], op=dist.ReduceOp.SUM) -> list[float]:
+        if not self.sharded:
+            return values
+        tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(tensor, op=op)
+        return tensor.tolist()
+
+    def _plan(self, batch: SequenceBatch, max_rows: int) -> list[torch.Tensor]:
+        plan = plan_micro_batches(batch, max_rows, self.section.max_tokens_per_micro_batch)
+        count = int(self._all_reduce([float(len(plan))], op=dist.ReduceOp.MAX)[0])
+        return equalize_micro_batches(plan, count)
+
+    def _micro(self, batch: SequenceBatch, rows: torch.Tensor, float_names=()) -> SequenceBatch:
+        micro = trim_padding(batch.select(rows)) if len(rows) else padding_batch(float_names)
+        return micro.to(self.device)
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    # -- inference --------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def compute(self, shard: SequenceBatch, temperature: float = 1.0, with_entropy: bool = False) -> dict:
+        """log_probs (+ entropy) for the actor and reference, values for the critic: [rows, T], 0 on padding."""
+        rows, response_len = shard.num_rows, shard.response_len
+        names = ["values"] if self.role == "critic" else ["log_probs"] + (["entropy"] if with_entropy else [])
+        outputs = {name: torch.zeros(rows, response_len) for name in names}
+        max_rows = (self.section.forward_micro_batch_size_per_gpu if self.role == "critic"
+                    else self.section.log_prob_micro_batch_size_per_gpu)
+        self.model.eval()
+        try:
+            for index in self._plan(shard, max_rows):
+                micro = self._micro(shard, index)
+                with models.autocast(self.device, self.dtype, self.sharded):
+                    if self.role == "critic":
+                        results = {"values": forward_values(self.model, micro)}
+                    else:
+                        log_probs, entropy = forward_log_probs(self.model, micro, temperature, with_entropy,
+                                                               self.keep_logits)
+                        results = {"log_probs": log_probs, "entropy": entropy}
+                if len(index):
+                    real = micro["response_mask"].bool()
+                    for name in names:  # where(), not *: a NaN on padding must not survive
+                        value = torch.where(real, results[name], 0.0)
+                        outputs[name][index] = pad_columns(value, response_len).cpu()
+        finally:
+            self.model.train(self.trainable)
+        return outputs
+
+    # -- training ---------------------------------------------------------------------------------
+
+    def update(self, shard: SequenceBatch) -> dict[str, float]:
+        """ppo_epochs passes over the shard's mini-batches, one optimizer step each. Metrics are the
+        mini-batch values averaged over the steps, identical on every rank."""
+        section = self.section
+        local_rows = self.mini_batch_rows // self.world_size
+        lr = section.lr * warmup_factor(self.updates, section.lr_warmup_steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        totals: dict[str, float] = {}
+        grad_norms: list[float] = []
+        timings = {"fwd_bwd_s": 0.0, "optimizer_s": 0.0}
+        for _epoch in range(section.ppo_epochs):
+            for start in range(0, shard.num_rows, local_rows):
+                self._accumulate_gradients(shard.select(slice(start, start + local_rows)), totals, timings)
+                started = time.perf_counter()
+                grad_norms.append(self._optimizer_step())
+                self._sync()
+                timings["optimizer_s"] += time.perf_counter() - started
+        self.updates += 1
+        names = sorted(totals)
+        summed = self._all_reduce([totals[name] for name in names])
+        steps = len(grad_norms)
+        metrics = {f"{self.role}/{name}": value / steps for name, value in zip(names, summed, strict=True)}
+        metrics[f"{self.role}/grad_norm"] = sum(grad_norms) / steps
+        metrics[f"{self.role}/lr"] = lr
+        metrics.update({f"{self.role}/{name}": seconds for name, seconds in timings.items()})  # rank 0's
+        return metrics
+
+    def _accumulate_gradients(self, mini: SequenceBatch, totals: dict[str, float], timings: dict[str, float]) -> None:
+        """Forward and backward over the micro-batches of one mini-batch; adds their stats to totals."""
+        mask = mini["response_mask"]
+        tokens, sequences = self._all_reduce([float(mask.sum()), float((mask.sum(1) > 0).sum())])
+        counts = MiniBatchCounts(tokens=tokens, sequences=sequences, response_len=mini.response_len)
+        for index in self._plan(mini, self.section.ppo_micro_batch_size_per_gpu):
+            micro = self._micro(mini, index, self.objective.float_names)
+            started = time.perf_counter()
+            with models.autocast(self.device, self.dtype, self.sharded):
+                loss, stats = self.objective.loss(self.model, micro, counts)
+            # FSDP2 averages gradients over ranks; each rank's loss is already its share of the
+            # mini-batch total, so scale back up to get the sum.
+            (loss * self.world_size).backward()
+            self._sync()
+            timings["fwd_bwd_s"] += time.perf_counter() - started
+            for name, value in stats.items():
+                totals[name] = totals.get(name, 0.0) + float(value)
+
+    def _optimizer_step(self) -> float:
+        """Clips the gradient norm and steps; a non-finite norm (same on every rank) skips the step."""
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.section.grad_clip)
+        if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP2
+            grad_norm = grad_norm.full_tensor()
+        grad_norm = float(grad_norm)
+        if math.isfinite(grad_norm):
+            self.optimizer.step()
+            self.optimizer_steps += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm
+
+    # -- state ------------------------------------------------------------------------------------
+
+    def full_state(self, with_optimizer: bool = True) -> tuple[dict, dict]:
+        """Full (unsharded) model and optimizer state dicts on rank 0, on CPU; empty on other ranks.
+        A collective: every rank calls it. Keys are Hugging Face parameter names. (Weight sync to the
+        rollout can build on this: it is the gathered state dict rank 0 would send.)"""
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        model_state = get_model_state_dict(self.model, options=options)
+        optimizer_state = {}
+        if with_optimizer and self.optimizer is not None:
+            optimizer_state = get_optimizer_state_dict(self.model, self.optimizer, options=options)
+        return model_state, optimizer_state
+
+    def load_full_state(self, model_state: dict, optimizer_state: dict, progress: tuple[int, int]) -> None:
+        """Loads rank 0's full state dicts into every rank's shards (a collective)."""
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=self.sharded)
+        set_model_state_dict(self.model, model_state, options=options)
+        if self.optimizer is not None:
+            set_optimizer_state_dict(self.model, self.optimizer, optimizer_state, options=options)
+        self.updates, self.optimizer_steps = progress
+
+    def rng_state(self) -> dict[str, torch.Tensor]:
+        state = {"cpu_rng": torch.get_rng_state()}
+        if self.device.type == "cuda":
+            state["cuda_rng"] = torch.cuda.get_rng_state(self.device)
+        return state
+
+    def set_rng_state(self, state: dict[str, torch.Tensor]) -> None:
+        torch.set_rng_state(state["cpu_rng"].cpu())
+        if "cuda_rng" in state and self.device.type == "cuda":
+            torch.cuda.set_rng_state(state["cuda_rng"].cpu(), self.device)

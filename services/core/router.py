@@ -1,0 +1,242 @@
+"""Client-side routing over rollout replicas (the coordinator generates through this).
+
+    router = RolloutRouter(["10.0.0.1:50051", "10.0.0.2:50051"])
+    await router.start()                       # optional: probe failed replicas back in
+    samples = await router.generate(prompts, SamplingSpec(n=8, max_tokens=256), chunk_prompts=16)
+
+- Spreading: each request (or chunk of `chunk_prompts` prompts) goes to the healthy replica with
+  the fewest requests this router has outstanding on it, ties broken by the queue depth it last
+  reported, then round-robin.
+- Failover: a replica that fails with UNAVAILABLE, DEADLINE_EXCEEDED or CANCELLED (connection
+  refused, server gone, stuck) is taken out and the work goes to another one. A request streams
+  its samples, so samples that already finished are kept and only the missing ones are sent again
+  (same sampling parameters; with a seed they are drawn again on the new replica).
+- Probing: a background task (start()) health-checks replicas that are out and puts them back
+  when they report readiness SERVING; with no healthy replica left, the router probes once before
+  giving up with UNAVAILABLE.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field, replace
+
+import grpc
+from grpc_health.v1 import health_pb2
+
+from rlfabric.core.client import ChannelOptions, check_health, rpc_error_to_domain
+from rlfabric.core.errors import Unavailable
+from rlfabric.rollout.client import RolloutClient
+from rlfabric.rollout.convert import PromptInput, sample_order
+from rlfabric.rollout.types import EngineStatus, FinishedSample, SamplingSpec
+
+log = logging.getLogger("rlfabric.router")
+FAILOVER_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED})
+
+
+@dataclass
+class _NoRetryOptions(ChannelOptions):
+    """Channel options without gRPC's transparent retries: failover is the router's job. (A retry
+    policy with maxAttempts 1 is an invalid service config, so the policy is left out instead.)"""
+
+    def grpc_options(self):
+        return [(k, v) for k, v in super().grpc_options() if k != "grpc.service_config"]
+
+
+@dataclass(eq=False)
+class Replica:
+    """One rollout replica as the router sees it."""
+
+    address: str
+    client: RolloutClient
+    healthy: bool = True
+    outstanding: int = 0  # requests this router has in flight on it
+    queue_depth: int = 0  # as last reported by GetStatus
+    last_error: str = ""
+    down_since: float = 0.0
+
+
+@dataclass
+class _Part:
+    """A piece of a request: which original prompts, and which of their sample indices are wanted."""
+
+    prompt_indices: list[int]
+    sample_indices: list[int]  # the same for every prompt of the part
+    attempts: int = 0
+
+
+@dataclass
+class _Progress:
+    """What one request has received so far."""
+
+    received: set[tuple[int, int]] = field(default_factory=set)
+
+
+class RolloutRouter:
+    def __init__(self, addresses: Sequence[str], options: ChannelOptions | None = None,
+                 probe_interval_s: float = 2.0, max_attempts: int = 3):
+        if not addresses:
+            raise ValueError("RolloutRouter needs at least one rollout address")
+        options = _NoRetryOptions(**{**vars(options or ChannelOptions()), "retry_max_attempts": 1})
+        self.replicas = [Replica(a, RolloutClient(a, options)) for a in addresses]
+        self.options = options
+        self.probe_interval_s = probe_interval_s
+        self.max_attempts = max_attempts
+        self._round_robin = itertools.count()
+        self._prober: asyncio.Task | None = None
+
+    # -- replica choice ------------------------------------------------------------------------
+
+    def healthy(self) -> list[Replica]:
+        return [r for r in self.replicas if r.healthy]
+
+    async def _pick(self) -> Replica:
+        candidates = self.healthy()
+        if not candidates:
+            await self.probe()
+            candidates = self.healthy()
+        if not candidates:
+            errors = "; ".join(f"{r.address}: {r.last_error}" for r in self.replicas)
+            raise Unavailable(f"no healthy rollout replica ({errors})")
+        turn = next(self._round_robin)
+        return min(candidates, key=lambda r: (r.outstanding, r.queue_depth,
+                                              (self.replicas.index(r) - turn) % len(self.replicas)))
+
+    def _take_out(self, replica: Replica, error: grpc.RpcError) -> None:
+        replica.healthy = False
+        replica.down_since = time.monotonic()
+        replica.last_error = f"{error.code().name}: {error.details()}"
+        log.warning("rollout replica out", extra={"fields": {"address": replica.address, "error": replica.last_error}})
+
+    async def probe(self) -> None:
+        """Health-checks the replicas that are out; those reporting readiness SERVING come back."""
+
+        async def check(replica: Replica) -> None:
+            try:
+                status = await check_health(replica.client.channel, "readiness", timeout_s=2.0)
+            except grpc.RpcError as error:
+                replica.last_error = f"{error.code().name}: {error.details()}"
+                return
+            if status == health_pb2.HealthCheckResponse.SERVING:
+                replica.healthy, replica.last_error = True, ""
+                log.info("rollout replica back", extra={"fields": {"address": replica.address}})
+
+        await asyncio.gather(*(check(r) for r in self.replicas if not r.healthy))
+
+    async def _probe_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.probe_interval_s)
+            await self.probe()
+
+    async def start(self) -> None:
+        """Starts probing failed replicas every probe_interval_s."""
+        if self._prober is None:
+            self._prober = asyncio.create_task(self._probe_forever(), name="rollout-router-prober")
+
+    async def close(self) -> None:
+        if self._prober is not None:
+            self._prober.cancel()
+            self._prober = None
+        await asyncio.gather(*(r.client.close() for r in self.replicas))
+
+    async def __aenter__(self):
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.close()
+
+    # -- generation ----------------------------------------------------------------------------
+
+    async def generate(self, prompts: Sequence[PromptInput], params: SamplingSpec, chunk_prompts: int | None = None,
+                       timeout_s: float | None = None) -> list[FinishedSample]:
+        """Every sample, ordered by (prompt_index, sample_index)."""
+        samples = [s async for s in self.generate_stream(prompts, params, chunk_prompts, timeout_s)]
+        return sorted(samples, key=sample_order)
+
+    async def generate_stream(self, prompts: Sequence[PromptInput], params: SamplingSpec,
+                              chunk_prompts: int | None = None, timeout_s: float | None = None,
+                              ) -> AsyncIterator[FinishedSample]:
+        """Each sample once, as soon as it finishes, with indices of the original request."""
+        size = chunk_prompts or max(1, len(prompts))
+        parts = [_Part(list(range(i, min(i + size, len(prompts)))), list(range(params.n)))
+                 for i in range(0, len(prompts), size)] or [_Part([], list(range(params.n)))]
+        out: asyncio.Queue = asyncio.Queue()
+        progress = _Progress()
+        tasks = {asyncio.create_task(self._run_part(part, prompts, params, timeout_s, progress, out)) for part in parts}
+        running = len(tasks)
+        try:
+            while running:
+                item = await out.get()
+                if item is None:
+                    running -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    async def _run_part(self, part: _Part, prompts, params: SamplingSpec, timeout_s, progress: _Progress,
+                        out: asyncio.Queue) -> None:
+        """Runs one part to completion on some replica, re-sending what a failed replica left unfinished."""
+        try:
+            pending = [part]
+            while pending:
+                part = pending.pop()
+                replica = await self._pick()
+                sub_prompts = [prompts[i] for i in part.prompt_indices]
+                sub_params = replace(params, n=len(part.sample_indices))
+                replica.outstanding += 1
+                try:
+                    async for sample in replica.client.generate_stream(sub_prompts, sub_params, timeout_s):
+                        key = (part.prompt_indices[sample.prompt_index], part.sample_indices[sample.sample_index])
+                        sample.prompt_index, sample.sample_index = key
+                        progress.received.add(key)
+                        out.put_nowait(sample)
+                except grpc.RpcError as error:
+                    if error.code() not in FAILOVER_CODES:
+                        raise rpc_error_to_domain(error, f"rollout {replica.address}") from None
+                    self._take_out(replica, error)
+                    if part.attempts + 1 >= self.max_attempts:
+                        raise Unavailable(f"generation failed on {part.attempts + 1} replicas; last: "
+                                          f"{replica.address}: {replica.last_error}") from None
+                    pending.extend(self._missing(part, progress))
+                finally:
+                    replica.outstanding -= 1
+            out.put_nowait(None)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as error:
+            out.put_nowait(error)
+
+    @staticmethod
+    def _missing(part: _Part, progress: _Progress) -> list[_Part]:
+        """The samples of `part` not received yet, grouped into parts by their missing sample indices."""
+        by_missing: dict[tuple[int, ...], list[int]] = {}
+        for p in part.prompt_indices:
+            missing = tuple(s for s in part.sample_indices if (p, s) not in progress.received)
+            if missing:
+                by_missing.setdefault(missing, []).append(p)
+        return [_Part(ps, list(missing), part.attempts + 1) for missing, ps in by_missing.items()]
+
+    # -- fleet ---------------------------------------------------------------------------------
+
+    async def status(self) -> dict[str, EngineStatus | str]:
+        """Each replica's status (and the queue depth used for routing), or the error it gave."""
+
+        async def one(replica: Replica):
+            try:
+                status = await replica.client.status(timeout_s=5.0)
+            except grpc.RpcError as error:
+                return f"{error.code().name}: {error.details()}"
+            replica.queue_depth = status.queue_depth
+            return status
+
+        results = await asyncio.gather(*(one(r) for r in self.replicas))
+        return {r.address: result for r, result in zip(self.replicas, results, strict=True)}

@@ -1,0 +1,268 @@
+"""An adapter that drives an SGLang server through its HTTP API (the server runs on its own).
+
+HTTP: the stdlib (urllib) on a thread pool of rollout.max_num_seqs threads, one blocking call per
+sample, so each sample is reported as soon as it finishes; every call has a timeout. Requests carry
+an "rid" so a cancelled one is aborted on the server (/abort_request).
+
+The model directory (model.path) must be readable here too: its tokenizer renders chat prompts
+and its config gives the limits requests are validated against.
+
+Log-probs come from SGLang's output_token_logprobs; whether they are taken before or after
+temperature and top-k/top-p depends on the server's settings, so compare them with the actor's
+at top_p = 1, top_k off, temperature 1 unless the server is configured to match.
+
+Weights: SGLang takes them from disk (/update_weights_from_disk) or over a process group
+(/init_weights_update_group + /update_weights_from_distributed, wired up by the weight-sync
+issue); load_weights of in-memory tensors is not possible over HTTP and answers UNIMPLEMENTED.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import AsyncIterator, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+from rlfabric.core.config import RunConfig
+from rlfabric.core.errors import DeadlineExceeded, InvalidArgument, Unavailable, Unimplemented
+from rlfabric.rollout.engine import RolloutEngine, load_tokenizer, trust_remote_code
+from rlfabric.rollout.types import EngineLimits, EngineStatus, Finish, FinishedSample, SamplingSpec, row_seed
+
+log = logging.getLogger("rlfabric.rollout.sglang")
+_FINISH = {"stop": Finish.STOP, "length": Finish.LENGTH, "abort": Finish.ABORT}
+CONTROL_TIMEOUT_S = 60.0
+
+
+class SGLangEngine(RolloutEngine):
+    name = "sglang"
+
+    def __init__(self, config: RunConfig):
+        super().__init__(config.model.path)
+        self.config = config
+        self.url = config.rollout.sglang_url.rstrip("/")
+        self._pool = ThreadPoolExecutor(max_workers=config.rollout.max_num_seqs, thread_name_prefix="sglang-http")
+        self._version = 0
+        self._active = 0
+        self._paused = False
+        self._sleeping = False
+        self._gate = asyncio.Event()  # set while requests may start
+        self._gate.set()
+        self._idle = asyncio.Event()  # set while no request is in flight
+        self._idle.set()
+
+    # -- HTTP --------------------------------------------------------------------------------
+
+    def _http(self, method: str, path: str, payload: dict | None, timeout_s: float) -> dict:
+        """One call (worker thread): the JSON answer, or a domain error naming the endpoint."""
+        body = None if payload is None else json.dumps(payload).encode()
+        request = urllib.request.Request(self.url + path, data=body, method=method,
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=timeout_s) as response:
+                raw = response.read()
+        except urllib.error.HTTPError as error:
+            detail = error.read().decode(errors="replace")[:500]
+            if error.code == 400:
+                raise InvalidArgument(f"sglang {path} rejected the request: {detail}") from None
+            raise Unavailable(f"sglang {path} answered HTTP {error.code}: {detail}") from None
+        except (urllib.error.URLError, OSError) as error:
+            reason = getattr(error, "reason", error)
+            raise Unavailable(f"sglang server {self.url} unreachable ({path}): {reason}") from None
+        if not raw.strip():
+            return {}
+        try:
+            answer = json.loads(raw)
+        except ValueError:
+            return {"text": raw.decode(errors="replace")}
+        return answer if isinstance(answer, dict) else {"result": answer}
+
+    async def call(self, path: str, payload: dict | None = None, method: str = "POST",
+                   timeout_s: float = CONTROL_TIMEOUT_S) -> dict:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, self._http, method, path, payload, timeout_s)
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        from transformers import AutoConfig
+
+        if not self.model:
+            raise ValueError("rollout: model.path is empty; the sglang adapter reads the tokenizer and config there")
+        model_config = await asyncio.to_thread(AutoConfig.from_pretrained, self.model,
+                                               trust_remote_code=trust_remote_code(self.config))
+        self.tokenizer = await asyncio.to_thread(load_tokenizer, self.model, trust_remote_code(self.config))
+        eos = self.tokenizer.eos_token_id
+        max_len = self.config.rollout.max_model_len or model_config.max_position_embeddings
+        self.limits = EngineLimits(model_config.vocab_size, max_len, () if eos is None else (eos,))
+        await self._wait_healthy(self.config.rollout.engine_start_timeout_s)
+        with contextlib.suppress(Unavailable, ValueError, TypeError):
+            self._version = int((await self.call("/get_weight_version", method="GET")).get("weight_version") or 0)
+
+    async def _wait_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                await self.call("/health_generate", method="GET", timeout_s=min(30.0, timeout_s))
+                return
+            except Unavailable as error:
+                if time.monotonic() > deadline:
+                    raise Unavailable(f"sglang server not healthy within {timeout_s:.0f} s: {error}") from None
+            await asyncio.sleep(0.5)
+
+    async def stop(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def status(self) -> EngineStatus:
+        return EngineStatus(engine=self.name, model=self.model, weight_version=self._version,
+                            queue_depth=self._active, paused=self._paused, sleeping=self._sleeping)
+
+    # -- generation ----------------------------------------------------------------------------
+
+    def generate_payload(self, prompt: list[int], params: SamplingSpec, p: int, s: int, rid: str) -> dict:
+        """The /generate body of one sample."""
+        sampling = {
+            "n": 1, "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
+            "max_new_tokens": params.max_tokens, "stop": list(params.stop),
+            "stop_token_ids": list(params.stop_token_ids), "skip_special_tokens": True,
+        }
+        if params.seed is not None:
+            sampling["sampling_seed"] = row_seed(params.seed, p, s)
+        return {"input_ids": prompt, "sampling_params": sampling, "return_logprob": params.logprobs, "rid": rid}
+
+    async def _generate(self, prompts: list[list[int]], params: SamplingSpec) -> AsyncIterator[FinishedSample]:
+        await self._wait_gate()
+        results: asyncio.Queue = asyncio.Queue()
+        base = uuid.uuid4().hex
+        tasks = {f"{base}-{p}-{s}": asyncio.create_task(self._one(prompt, params, p, s, f"{base}-{p}-{s}", results))
+                 for p, prompt in enumerate(prompts) for s in range(params.n)}
+        self._active += 1
+        self._idle.clear()
+        deadline = time.monotonic() + self.config.rollout.request_timeout_s
+        done: set[str] = set()
+        try:
+            for _ in tasks:
+                try:
+                    rid, item = await asyncio.wait_for(results.get(), max(0.0, deadline - time.monotonic()))
+                except TimeoutError:
+                    raise DeadlineExceeded(f"generation took longer than rollout.request_timeout_s="
+                                           f"{self.config.rollout.request_timeout_s}") from None
+                done.add(rid)
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+        finally:
+            self._active -= 1
+            if not self._active:
+                self._idle.set()
+            unfinished = [rid for rid in tasks if rid not in done]
+            for rid in unfinished:
+                tasks[rid].cancel()
+                asyncio.ensure_future(self._abort(rid))
+
+    async def _abort(self, rid: str) -> None:
+        with contextlib.suppress(Exception):
+            await self.call("/abort_request", {"rid": rid}, timeout_s=10.0)
+
+    async def _one(self, prompt, params: SamplingSpec, p: int, s: int, rid: str, results: asyncio.Queue) -> None:
+        version = self._version
+        try:
+            answer = await self.call("/generate", self.generate_payload(prompt, params, p, s, rid),
+                                     timeout_s=self.config.rollout.request_timeout_s)
+            results.put_nowait((rid, self._sample(answer, params, p, s, version)))
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:
+            if not isinstance(error, InvalidArgument | Unavailable):
+                error = Unavailable(f"sglang /generate: unexpected answer: {type(error).__name__}: {error}")
+            results.put_nowait((rid, error))
+
+    def _sample(self, answer: dict, params: SamplingSpec, p: int, s: int, version: int) -> FinishedSample:
+        meta = answer.get("meta_info", {})
+        token_ids = [int(t) for t in answer["output_ids"]]
+        logprobs = [float(entry[0]) for entry in meta.get("output_token_logprobs") or []] if params.logprobs else []
+        finish = meta.get("finish_reason") or {}
+        reason = _FINISH.get(finish.get("type") if isinstance(finish, dict) else finish, Finish.ABORT)
+        return FinishedSample(p, s, token_ids, logprobs, reason, version, answer.get("text", ""))
+
+    async def _wait_gate(self) -> None:
+        """Requests that arrive while paused or asleep wait for Resume / WakeUp."""
+        try:
+            await asyncio.wait_for(self._gate.wait(), self.config.rollout.request_timeout_s)
+        except TimeoutError:
+            raise DeadlineExceeded("the sglang engine stayed paused past rollout.request_timeout_s") from None
+
+    # -- control -------------------------------------------------------------------------------
+
+    async def pause(self, abort: bool) -> int:
+        self._paused = True
+        self._gate.clear()
+        if abort:
+            aborted = self._active
+            await self.call("/pause_generation", {"mode": "abort"})
+            return aborted
+        timeout = self.config.rollout.drain_timeout_s
+        try:  # our in-flight requests finish, then the server holds anything else in place
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except TimeoutError:
+            raise DeadlineExceeded(f"in-flight requests did not finish within rollout.drain_timeout_s={timeout}") from None
+        await self.call("/pause_generation", {"mode": "in_place"})
+        return 0
+
+    async def resume(self) -> None:
+        await self.call("/continue_generation", {})
+        self._paused = False
+        if not self._sleeping:
+            self._gate.set()
+
+    async def sleep(self, level: int) -> None:
+        self._sleeping = True
+        self._gate.clear()
+        await self.call("/release_memory_occupation", {})
+
+    async def wake_up(self, tags: Sequence[str]) -> None:
+        await self.call("/resume_memory_occupation", {"tags": list(tags)} if tags else {})
+        self._sleeping = False
+        if not self._paused:
+            self._gate.set()
+
+    async def flush_cache(self) -> None:
+        await self.call("/flush_cache", {})
+
+    async def load_weights(self, weights: Iterable, version: int | None = None) -> int:
+        raise Unimplemented("the sglang engine cannot take in-memory tensors over HTTP: use "
+                            "update_weights_from_disk or the process-group transport")
+
+    async def update_weights_from_disk(self, model_path: str, version: int | None = None) -> int:
+        """Loads a checkpoint directory the server can read; returns the new weight version."""
+        version = self._version + 1 if version is None else int(version)
+        await self.call("/update_weights_from_disk", {"model_path": model_path, "weight_version": str(version)},
+                        timeout_s=self.config.rollout.drain_timeout_s)
+        await self.flush_cache()
+        self._version = version
+        return version
+
+    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                        world_size: int, group_name: str, backend: str = "nccl") -> None:
+        """Has the server join the trainer's process group (the weight-sync transport)."""
+        await self.call("/init_weights_update_group", {
+            "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
+            "world_size": world_size, "group_name": group_name, "backend": backend,
+        }, timeout_s=self.config.rollout.drain_timeout_s)
+
+    async def update_weights_from_distributed(self, names: Sequence[str], dtypes: Sequence[str],
+                                              shapes: Sequence[Sequence[int]], group_name: str,
+                                              version: int | None = None) -> int:
+        """The server receives one broadcast of these tensors; the trainer broadcasts meanwhile."""
+        version = self._version + 1 if version is None else int(version)
+        await self.call("/update_weights_from_distributed", {
+            "names": list(names), "dtypes": list(dtypes), "shapes": [list(s) for s in shapes],
+            "group_name": group_name, "flush_cache": True, "weight_version": str(version),
+        }, timeout_s=self.config.rollout.drain_timeout_s)
+        self._version = version
+        return version

@@ -1,0 +1,123 @@
+"""Domain types of the rollout service and the request rules every engine shares (no torch here,
+so the coordinator and the router can use them without importing it).
+
+Log-probs, for every engine: the log-prob of each sampled token under the sampling distribution,
+log_softmax(logits / T) after top-k/top-p filtering (removed tokens at -inf; vLLM's
+"processed_logprobs"). With top_p = 1 and top_k off that is exactly what the actor's
+ComputeLogProbs computes for the PPO ratio. With temperature 0 (greedy) T is taken as 1.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+
+from rlfabric.core.errors import InvalidArgument
+
+
+class Finish(str, Enum):
+    """Why a sample ended (the proto's FinishReason)."""
+
+    STOP = "stop"  # EOS, a stop string or a stop token id
+    LENGTH = "length"  # max_tokens or the context length
+    ABORT = "abort"  # Pause(abort=True), a cancelled request, or shutdown
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    """Sampling parameters of one request, vLLM's names and meanings."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # <= 0: off
+    max_tokens: int = 16
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+    logprobs: bool = True
+
+
+@dataclass
+class FinishedSample:
+    """One generated response."""
+
+    prompt_index: int
+    sample_index: int
+    token_ids: list[int]  # (L,) prompt excluded
+    logprobs: list[float]  # (L,) empty unless SamplingSpec.logprobs
+    finish_reason: Finish
+    weight_version: int
+    text: str = ""
+
+
+@dataclass
+class EngineStatus:
+    """What GetStatus reports."""
+
+    engine: str
+    model: str
+    weight_version: int = 0
+    queue_depth: int = 0  # requests waiting or running
+    kv_cache_usage: float = 0.0  # in [0, 1]
+    paused: bool = False
+    sleeping: bool = False
+
+
+@dataclass
+class EngineLimits:
+    """What a request is validated against; known once the engine has started."""
+
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+
+def row_seed(seed: int | None, prompt_index: int, sample_index: int) -> int:
+    """The seed of one sample: fixed by (request seed, prompt index, sample index), so a sample does
+    not depend on what else is batched with it; random when the request has no seed."""
+    if seed is None:
+        return random.SystemRandom().getrandbits(63)
+    mixed = (seed * 0x9E3779B97F4A7C15 + prompt_index * 0xBF58476D1CE4E5B9 + sample_index * 0x94D049BB133111EB)
+    return mixed % (1 << 63)
+
+
+def validate_request(prompts: Sequence[Sequence[int]], params: SamplingSpec, limits: EngineLimits) -> None:
+    """Raises InvalidArgument naming the first problem of a request."""
+    if not prompts:
+        raise InvalidArgument("no prompts: a request needs at least one prompt")
+    if params.n <= 0:
+        raise InvalidArgument(f"sampling_params.n must be >= 1 (got {params.n})")
+    if params.max_tokens <= 0:
+        raise InvalidArgument(f"sampling_params.max_tokens must be >= 1 (got {params.max_tokens})")
+    if params.temperature < 0:
+        raise InvalidArgument(f"sampling_params.temperature must be >= 0 (got {params.temperature})")
+    if not 0 < params.top_p <= 1:
+        raise InvalidArgument(f"sampling_params.top_p must be in (0, 1] (got {params.top_p})")
+    for token in params.stop_token_ids:
+        if not 0 <= token < limits.vocab_size:
+            raise InvalidArgument(f"unknown stop token id {token}: the vocabulary has ids 0..{limits.vocab_size - 1}")
+    if any(not s for s in params.stop):
+        raise InvalidArgument("sampling_params.stop holds an empty string")
+    longest = limits.max_model_len - params.max_tokens
+    if longest < 1:
+        raise InvalidArgument(f"max_tokens {params.max_tokens} leaves no room for a prompt in the engine's "
+                              f"max_model_len {limits.max_model_len}")
+    for i, prompt in enumerate(prompts):
+        if len(prompt) == 0:
+            raise InvalidArgument(f"prompt {i} is empty")
+        if len(prompt) > longest:
+            raise InvalidArgument(f"prompt {i} has {len(prompt)} tokens; with max_tokens {params.max_tokens} the "
+                                  f"engine's max_model_len {limits.max_model_len} allows at most {longest}")
+        low, high = min(prompt), max(prompt)
+        if low < 0 or high >= limits.vocab_size:
+            bad = low if low < 0 else high
+            raise InvalidArgument(f"prompt {i} has token id {bad} outside the vocabulary (0..{limits.vocab_size - 1})")
+
+
+def truncate_at_stop(text: str, stop: Sequence[str]) -> tuple[str, bool]:
+    """Cuts text before the earliest stop string; returns (text, whether one was found)."""
+    cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
+    return (text[:cut], True) if cut >= 0 else (text, False)

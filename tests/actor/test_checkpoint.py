@@ -1,0 +1,99 @@
+"""SaveCheckpoint / LoadCheckpoint (bit-exact resume, atomic writes) and ExportHF."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rlfabric.actor import checkpoint as ckpt
+from rlfabric.core.errors import FailedPrecondition, InvalidArgument, NotFound
+from tests.actor.helpers import Served, hf_log_probs, make_batch, make_config
+
+CONFIG = {"lr": 3e-3, "ppo_mini_batch_size": 2, "lr_warmup_steps": 3}
+
+
+def _update(served, batch, seed):
+    g = torch.Generator().manual_seed(seed)
+    old = served.run(served.client.compute_log_probs(batch))["log_probs"]
+    advantages = torch.randn(batch["responses"].shape, generator=g)
+    return served.run(served.client.update_policy({**batch, "old_log_probs": old + 0.01, "advantages": advantages}))
+
+
+def _saved_state(path):
+    return load_file(path / "model.safetensors"), torch.load(path / "optimizer.pt", weights_only=True)
+
+
+def test_resume_from_checkpoint_equals_uninterrupted_training(tiny_model, tmp_path):
+    config = make_config(tiny_model, actor=CONFIG)
+    batch = make_batch(rows=8)
+    with Served("actor", config) as served:
+        _update(served, batch, seed=0)
+        assert served.run(served.client.save_checkpoint(tmp_path / "step1")) > 0
+        uninterrupted = [_update(served, batch, seed=s) for s in (1, 2)]
+        served.run(served.client.save_checkpoint(tmp_path / "end-a"))
+    with Served("actor", config) as resumed:
+        assert resumed.run(resumed.client.load_checkpoint(tmp_path / "step1")) == 2
+        again = [_update(resumed, batch, seed=s) for s in (1, 2)]
+        resumed.run(resumed.client.save_checkpoint(tmp_path / "end-b"))
+        assert resumed.run(resumed.client.get_status()).optimizer_step == 6
+    for a, b in zip(uninterrupted, again, strict=True):
+        assert {k: v for k, v in a.items() if not k.endswith("_s")} == {k: v for k, v in b.items() if not k.endswith("_s")}
+    weights_a, optimizer_a = _saved_state(tmp_path / "end-a")
+    weights_b, optimizer_b = _saved_state(tmp_path / "end-b")
+    assert weights_a.keys() == weights_b.keys()
+    assert all(torch.equal(weights_a[k], weights_b[k]) for k in weights_a)
+    for name, state in optimizer_a["state"].items():
+        assert all(torch.equal(torch.as_tensor(v), torch.as_tensor(optimizer_b["state"][name][k])) for k, v in state.items())
+
+
+def test_failed_save_keeps_the_previous_checkpoint(tiny_model, tmp_path, monkeypatch):
+    target = tmp_path / "ckpt"
+    with Served("critic", make_config(tiny_model, critic=CONFIG)) as served:
+        served.run(served.client.save_checkpoint(target))
+        before = (target / "model.safetensors").read_bytes()
+        batch = make_batch(rows=4)
+        values = served.run(served.client.compute_values(batch))["values"]
+        served.run(served.client.update_values({**batch, "values": values, "returns": values + 1}))
+
+        def disk_full(*args, **kwargs):
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(ckpt, "save_file", disk_full)
+        with pytest.raises(FailedPrecondition, match="No space left"):
+            served.run(served.client.save_checkpoint(target))
+        monkeypatch.undo()
+        assert (target / "model.safetensors").read_bytes() == before
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no temporary directory left behind
+        assert served.run(served.client.load_checkpoint(target)) == 0
+        with pytest.raises(NotFound, match="no checkpoint"):
+            served.run(served.client.load_checkpoint(tmp_path / "missing"))
+        after_load = served.run(served.client.compute_values(batch))["values"]
+    torch.testing.assert_close(after_load, values, atol=0, rtol=0)
+
+
+def test_checkpoint_of_another_role_is_rejected(tiny_model, tmp_path):
+    with Served("critic", make_config(tiny_model)) as critic:
+        critic.run(critic.client.save_checkpoint(tmp_path / "critic"))
+    with Served("actor", make_config(tiny_model)) as actor:
+        with pytest.raises(InvalidArgument, match="written by the critic"):
+            actor.run(actor.client.load_checkpoint(tmp_path / "critic"))
+        assert actor.run(actor.client.get_status()).optimizer_step == 0
+
+
+def test_export_hf_loads_with_transformers_and_gives_the_same_logits(tiny_model, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    batch = make_batch(rows=6, seed=4)
+    with Served("actor", make_config(tiny_model, actor={"lr": 1e-2, "ppo_mini_batch_size": 3})) as served:
+        _update(served, batch, seed=0)
+        service_log_probs = served.run(served.client.compute_log_probs(batch, temperature=0.6))["log_probs"]
+        assert served.run(served.client.export_hf(tmp_path / "hf")) > 0
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    original = AutoModelForCausalLM.from_pretrained(tiny_model).eval()
+    torch.testing.assert_close(hf_log_probs(exported, batch, 0.6), service_log_probs, atol=1e-5, rtol=0)
+    assert not torch.allclose(hf_log_probs(original, batch, 0.6), service_log_probs, atol=1e-3)  # it trained
+    text = "2 + 2 = 4"
+    assert AutoTokenizer.from_pretrained(tmp_path / "hf")(text) == AutoTokenizer.from_pretrained(tiny_model)(text)
+    assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == (tiny_model / "tokenizer.json").read_bytes()
+    assert exported.config.use_cache

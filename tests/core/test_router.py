@@ -1,0 +1,169 @@
+"""RolloutRouter over real rollout servers (hf engine) on loopback, stopping replicas mid-run."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from rlfabric.actor.tiny_model import make_tiny_model
+from rlfabric.core.config import load_config
+from rlfabric.core.errors import InvalidArgument, Unavailable
+from rlfabric.core.router import RolloutRouter
+from rlfabric.core.server import ServerOptions
+from rlfabric.rollout.servicer import build_service
+from rlfabric.rollout.types import SamplingSpec
+from tests.conftest import ServerThread
+
+PROMPTS = [[1, 90, 88, 74], [1, 70, 88], [40, 41], [7, 8, 9], [12], [30, 31, 32]]
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("router-model") / "tiny")
+
+
+@pytest.fixture
+def replicas(tiny_model):
+    """Starts replicas: replicas(k, port=0) -> [ServerThread, ...]; all stopped at the end."""
+    started: list[ServerThread] = []
+
+    def start(count: int, port: int = 0):
+        config = load_config(None, [f"model.path={tiny_model}"])
+        new = [ServerThread(build_service(config), ServerOptions(port=port, metrics_port=None)) for _ in range(count)]
+        started.extend(new)
+        return new
+
+    yield start
+    for server in started:
+        stop(server)
+
+
+def stop(server: ServerThread) -> None:
+    """Stops a replica once (a test may already have stopped it)."""
+    if not getattr(server, "stopped_by_test", False):
+        server.stopped_by_test = True
+        server.stop()
+
+
+def streams_served(server) -> float:
+    """GenerateStream calls a replica has started (from its grpc_server_started_total)."""
+    value = server.server.service.registry.get_sample_value("grpc_server_started_total", {
+        "grpc_type": "server_stream", "grpc_service": "rlfabric.v1.RolloutService", "grpc_method": "GenerateStream"})
+    return value or 0.0
+
+
+def slow_down(server, seconds: float = 0.01) -> None:
+    """Each forward of the replica's hf engine takes `seconds` longer."""
+    net = server.server.service.engine.net
+    forward = net.forward
+
+    def slow(*args, **kwargs):
+        time.sleep(seconds)
+        return forward(*args, **kwargs)
+
+    net.forward = slow
+
+
+def route(addresses, coroutine_fn, **router_kwargs):
+    """Runs coroutine_fn(router) on a fresh event loop with a router over `addresses`."""
+
+    async def main():
+        async with RolloutRouter(addresses, **{"probe_interval_s": 0.2, **router_kwargs}) as router:
+            return await coroutine_fn(router)
+
+    return asyncio.run(main())
+
+
+def test_spreads_requests_and_chunks_over_replicas(replicas):
+    servers = replicas(3)
+
+    async def run(router):
+        params = SamplingSpec(n=2, max_tokens=6, seed=1)
+        batches = await asyncio.gather(*(router.generate(PROMPTS[:2], params) for _ in range(6)))
+        chunked = await router.generate(PROMPTS, params, chunk_prompts=2)
+        return batches, chunked
+
+    batches, chunked = route([s.address for s in servers], run)
+    assert all(len(b) == 4 for b in batches)
+    assert [(s.prompt_index, s.sample_index) for s in chunked] == [(p, s) for p in range(6) for s in range(2)]
+    assert [streams_served(s) for s in servers] == [3.0, 3.0, 3.0]  # 6 requests + 3 chunks, evenly
+    # Same seed and indices -> same samples, whichever replica served them.
+    assert [s.token_ids for s in batches[0]] == [s.token_ids for s in batches[5]]
+
+
+def test_a_replica_that_is_down_is_taken_out(replicas):
+    servers = replicas(2)
+    stop(servers[1])
+
+    async def run(router):
+        results = [await router.generate(PROMPTS[:2], SamplingSpec(max_tokens=4)) for _ in range(4)]
+        return results, [(r.address, r.healthy, r.last_error) for r in router.replicas]
+
+    results, states = route([s.address for s in servers], run, probe_interval_s=60)
+    assert all(len(r) == 2 for r in results)
+    assert states[0][1] and not states[1][1] and states[1][2].startswith("UNAVAILABLE")
+    assert streams_served(servers[0]) == 4
+
+
+def test_replica_stopped_mid_run_loses_and_repeats_no_sample(replicas):
+    servers = replicas(3)
+    for server in servers:
+        slow_down(server)
+
+    async def run(router):
+        received = []
+        params = SamplingSpec(n=3, max_tokens=60, temperature=1.0)
+        async for sample in router.generate_stream(PROMPTS, params, chunk_prompts=1):
+            received.append(sample)
+            if len(received) == 1:
+                asyncio.get_running_loop().run_in_executor(None, stop, servers[0])
+        return received, [r.healthy for r in router.replicas]
+
+    received, healthy = route([s.address for s in servers], run, probe_interval_s=60)
+    keys = sorted((s.prompt_index, s.sample_index) for s in received)
+    assert keys == [(p, s) for p in range(len(PROMPTS)) for s in range(3)]
+    assert healthy == [False, True, True]
+
+
+def test_probe_brings_a_restarted_replica_back(replicas):
+    first, second = replicas(2)
+    port = first.server.port
+    stop(first)
+
+    async def run(router):
+        await router.generate([[5]], SamplingSpec(max_tokens=2))
+        await router.generate([[5]], SamplingSpec(max_tokens=2))
+        down = [r.healthy for r in router.replicas]
+        restarted = await asyncio.to_thread(replicas, 1, port)
+        for _ in range(50):
+            if all(r.healthy for r in router.replicas):
+                break
+            await asyncio.sleep(0.1)
+        await asyncio.gather(*(router.generate([[5]], SamplingSpec(max_tokens=2)) for _ in range(4)))
+        return down, [r.healthy for r in router.replicas], restarted[0]
+
+    down, back, restarted = route([first.address, second.address], run)
+    assert down == [False, True] and back == [True, True]
+    assert streams_served(restarted) >= 1
+
+
+def test_all_replicas_down_is_unavailable_and_bad_input_is_not_retried(replicas):
+    servers = replicas(2)
+
+    async def bad(router):
+        with pytest.raises(InvalidArgument, match="max_tokens must be >= 1"):
+            await router.generate([[5]], SamplingSpec(max_tokens=0))
+        return [r.healthy for r in router.replicas]
+
+    assert route([s.address for s in servers], bad) == [True, True]
+    assert sum(streams_served(s) for s in servers) == 1
+    for server in servers:
+        stop(server)
+
+    async def down(router):
+        with pytest.raises(Unavailable, match="no healthy rollout replica"):
+            await router.generate([[5]], SamplingSpec(max_tokens=2))
+
+    route([s.address for s in servers], down)

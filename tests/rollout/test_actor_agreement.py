@@ -1,0 +1,61 @@
+"""The rollout's sampled log-probs agree with the actor service's ComputeLogProbs (the PPO ratio's
+denominator and numerator): same model, temperature 0.7, top_p 1, top_k off."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+import torch
+
+from rlfabric.core.server import ServerOptions
+from rlfabric.rollout.servicer import build_service
+from tests.conftest import ServerThread
+
+from .helpers import generate, rollout_config
+
+actor_service = pytest.importorskip("rlfabric.actor.service")
+actor_client = pytest.importorskip("rlfabric.actor.client")
+
+PROMPTS = [[1, 90, 88, 74], [1, 70, 88, 88, 78, 88, 89, 70, 83], [40, 41]]
+
+
+def actor_batch(samples, prompts) -> dict[str, torch.Tensor]:
+    """VeRL's layout: left-padded prompt + right-padded response per row."""
+    prompt_len = max(len(p) for p in prompts)
+    response_len = max(len(s.token_ids) for s in samples)
+    ids, mask, responses, response_mask = [], [], [], []
+    for s in samples:
+        prompt, response = prompts[s.prompt_index], s.token_ids
+        pad_left, pad_right = prompt_len - len(prompt), response_len - len(response)
+        ids.append([0] * pad_left + prompt + response + [0] * pad_right)
+        mask.append([0] * pad_left + [1] * (len(prompt) + len(response)) + [0] * pad_right)
+        responses.append(response + [0] * pad_right)
+        response_mask.append([1] * len(response) + [0] * pad_right)
+    return {name: torch.tensor(value) for name, value in (("input_ids", ids), ("attention_mask", mask),
+                                                           ("responses", responses), ("response_mask", response_mask))}
+
+
+def test_rollout_logprobs_match_the_actor_service(tiny_model):
+    config = rollout_config(tiny_model)
+    rollout = ServerThread(build_service(config), ServerOptions(port=0, metrics_port=None))
+    actor = ServerThread(actor_service.build_service("actor", config), ServerOptions(port=0, metrics_port=None))
+    try:
+        with grpc.insecure_channel(rollout.address) as channel:
+            samples = generate(channel, PROMPTS, n=2, max_tokens=16, temperature=0.7, seed=4)
+        batch = actor_batch(samples, PROMPTS)
+
+        async def compute():
+            async with actor_client.ActorClient(actor.address) as client:
+                return await client.compute_log_probs(batch, temperature=0.7)
+
+        actor_log_probs = asyncio.run(compute())["log_probs"]  # [B, T]
+    finally:
+        actor.stop()
+        rollout.stop()
+    rollout_log_probs = torch.tensor([s.logprobs + [0.0] * (batch["responses"].shape[1] - len(s.logprobs))
+                                      for s in samples])
+    mask = batch["response_mask"].bool()
+    diff = (actor_log_probs[mask] - rollout_log_probs[mask]).abs()
+    assert diff.mean() <= 1e-3, diff.max()

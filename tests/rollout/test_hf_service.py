@@ -1,0 +1,237 @@
+"""The rollout service with the hf engine, on a real loopback gRPC server (one per module)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+import urllib.request
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from rlfabric.core.server import ServerOptions
+from rlfabric.rollout.servicer import build_service
+from rlfabric.rollout.types import Finish
+from rlfabric.v1 import rollout_pb2
+from tests.conftest import ServerThread
+
+from .helpers import (
+    BAD_REQUESTS,
+    generate,
+    invalid_argument,
+    original_weights,
+    reference_logprobs,
+    rollout_config,
+    stream,
+    stub,
+    tampered_weights,
+)
+
+PROMPTS = [[1, 90, 88, 74], [1, 70, 88, 88, 78, 88, 89, 70, 83], [40, 41]]
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model):
+    service = build_service(rollout_config(tiny_model, "rollout.max_num_seqs=16"))
+    server = ServerThread(service, ServerOptions(port=0, metrics_port=0))
+    with grpc.insecure_channel(server.address) as channel:
+        yield server, channel, service.engine
+    server.stop()
+
+
+def test_logprobs_match_a_direct_transformers_forward(served, tiny_model):
+    from transformers import AutoModelForCausalLM
+
+    _, channel, _ = served
+    samples = generate(channel, PROMPTS, n=2, max_tokens=24, temperature=0.7, seed=3)
+    assert [(s.prompt_index, s.sample_index) for s in samples] == [(p, s) for p in range(3) for s in range(2)]
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    diffs = []
+    for sample in samples:
+        assert len(sample.logprobs) == len(sample.token_ids) > 0
+        expected = reference_logprobs(model, PROMPTS[sample.prompt_index], sample.token_ids, 0.7)
+        diffs.append((torch.tensor(sample.logprobs) - expected).abs())
+    assert torch.cat(diffs).mean() <= 1e-3, torch.cat(diffs).max()
+
+
+def test_same_seed_same_samples_whatever_the_batch(served):
+    _, channel, _ = served
+    first = generate(channel, PROMPTS, n=3, max_tokens=12, seed=7)
+    again = generate(channel, PROMPTS, n=3, max_tokens=12, seed=7)
+    other = generate(channel, PROMPTS, n=3, max_tokens=12, seed=8)
+    assert [s.token_ids for s in first] == [s.token_ids for s in again]
+    assert [s.token_ids for s in first] != [s.token_ids for s in other]
+    # Samples of one prompt differ from each other, and do not depend on what they are batched with.
+    assert len({tuple(s.token_ids) for s in first if s.prompt_index == 0}) == 3
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        alone_later = pool.submit(generate, channel, PROMPTS, n=3, max_tokens=12, seed=7)
+        pool.submit(generate, channel, [[9, 9, 9, 9, 9, 9]], n=4, max_tokens=12, seed=1).result()
+    assert [s.token_ids for s in alone_later.result()] == [s.token_ids for s in first]
+
+
+def test_chat_messages_render_the_chat_template(served):
+    _, channel, engine = served
+    messages = [{"role": "user", "content": "hi"}]
+    ids = engine.tokenizer.encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+    assert generate(channel, [messages], seed=1) == generate(channel, [ids], seed=1)
+
+
+def test_stop_token_ids_strings_and_length(served):
+    _, channel, engine = served
+    greedy = generate(channel, [PROMPTS[0]], temperature=0.0, max_tokens=12)[0]
+    assert greedy.finish_reason in (Finish.LENGTH, Finish.STOP) and greedy.text
+    stop_id = greedy.token_ids[3]
+    stopped = generate(channel, [PROMPTS[0]], temperature=0.0, max_tokens=12, stop_token_ids=(stop_id,))[0]
+    cut = greedy.token_ids.index(stop_id) + 1
+    assert stopped.finish_reason == Finish.STOP and stopped.token_ids == greedy.token_ids[:cut]
+    char = engine.decode([stop_id])
+    by_string = generate(channel, [PROMPTS[0]], temperature=0.0, max_tokens=12, stop=(char,))[0]
+    assert by_string.finish_reason == Finish.STOP and char not in by_string.text
+    assert by_string.text == greedy.text[: greedy.text.index(char)]
+    short = generate(channel, [PROMPTS[1]], temperature=0.0, max_tokens=2)[0]
+    assert short.finish_reason in (Finish.LENGTH, Finish.STOP) and len(short.token_ids) <= 2
+
+
+def test_stream_returns_every_sample_exactly_once(served):
+    _, channel, _ = served
+    samples = stream(channel, PROMPTS, n=4, max_tokens=16, seed=5)
+    keys = [(s.prompt_index, s.sample_index) for s in samples]
+    assert sorted(keys) == [(p, s) for p in range(3) for s in range(4)]
+    assert sorted(s.token_ids for s in samples) == sorted(s.token_ids for s in generate(
+        channel, PROMPTS, n=4, max_tokens=16, seed=5))
+
+
+@pytest.mark.parametrize("case", list(BAD_REQUESTS))
+def test_bad_input_is_invalid_argument_and_the_next_request_works(served, case):
+    _, channel, _ = served
+    prompts, params, phrase = BAD_REQUESTS[case]
+    assert phrase in invalid_argument(channel, prompts, **params)
+    assert len(generate(channel, [[5, 6]], max_tokens=2)) == 1
+
+
+def test_load_weights_switches_generation_and_bumps_the_version(served, tiny_model):
+    server, channel, engine = served
+    before = stub(channel).GetStatus(rollout_pb2.RolloutServiceGetStatusRequest(), timeout=10).weight_version
+    try:
+        version = server.run(engine.load_weights(tampered_weights(tiny_model, winner=50).items()))
+        assert version == before + 1
+        samples = generate(channel, PROMPTS, n=2, max_tokens=10, seed=0)
+        assert all(s.token_ids == [50] * 10 and s.weight_version == version for s in samples)
+        with pytest.raises(Exception, match="unknown weight 'nope'"):
+            server.run(engine.load_weights([("nope", torch.zeros(1))]))
+        assert server.run(engine.load_weights(original_weights(tiny_model).items(), version=10)) == 10
+    finally:
+        server.run(engine.load_weights(original_weights(tiny_model).items(), version=10))
+    assert any(t != 50 for s in generate(channel, PROMPTS, max_tokens=10, seed=0) for t in s.token_ids)
+    status = stub(channel).GetStatus(rollout_pb2.RolloutServiceGetStatusRequest(), timeout=10)
+    assert status.weight_version == 10
+
+
+@pytest.fixture
+def slow_decode(served):
+    """Each forward of the hf engine takes 5 ms longer, so a request stays in flight for a while."""
+    engine = served[2]
+    forward = engine.net.forward
+
+    def slow(*args, **kwargs):
+        time.sleep(0.005)
+        return forward(*args, **kwargs)
+
+    engine.net.forward = slow
+    yield
+    del engine.net.forward
+
+
+def wait_for_queue_depth(channel, depth: int, timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while stub(channel).GetStatus(rollout_pb2.RolloutServiceGetStatusRequest(), timeout=5).queue_depth < depth:
+        assert time.monotonic() < deadline, f"queue depth never reached {depth}"
+        time.sleep(0.02)
+
+
+def test_pause_holds_new_requests_until_resume_and_abort_ends_in_flight(served, slow_decode):
+    _, channel, _ = served
+    rollout = stub(channel)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            # 48 samples run as three batches of 16 (>= 0.45 s): Pause returns only once all have finished.
+            accepted = pool.submit(stream, channel, [[5, 6]], n=48, max_tokens=30)
+            wait_for_queue_depth(channel, 1)
+            assert rollout.Pause(rollout_pb2.PauseRequest(), timeout=30).num_aborted == 0
+            finished = accepted.result(timeout=0.2)
+            assert len(finished) == 48 and all(s.finish_reason != Finish.ABORT for s in finished)
+        assert rollout.GetStatus(rollout_pb2.RolloutServiceGetStatusRequest(), timeout=5).paused
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            held = pool.submit(generate, channel, [[5, 6]], max_tokens=4)
+            wait_for_queue_depth(channel, 1)
+            time.sleep(0.2)
+            assert not held.done()
+            rollout.Resume(rollout_pb2.ResumeRequest(), timeout=10)
+            assert len(held.result(timeout=30)) == 1
+            long = pool.submit(stream, channel, [[5, 6]], n=2, max_tokens=500, temperature=1.0)
+            wait_for_queue_depth(channel, 1)
+            assert rollout.Pause(rollout_pb2.PauseRequest(abort=True), timeout=30).num_aborted == 1
+            aborted = long.result(timeout=30)
+    finally:
+        rollout.Resume(rollout_pb2.ResumeRequest(), timeout=10)
+    assert sorted(s.sample_index for s in aborted) == [0, 1]  # each once; one may have hit EOS first
+    assert any(s.finish_reason == Finish.ABORT for s in aborted)
+    assert all(len(s.token_ids) < 500 for s in aborted if s.finish_reason == Finish.ABORT)
+    assert len(generate(channel, [[5, 6]], max_tokens=2)) == 1
+
+
+def test_sleep_and_wake_up(served):
+    _, channel, _ = served
+    rollout = stub(channel)
+    rollout.Sleep(rollout_pb2.SleepRequest(level=1), timeout=30)
+    try:
+        assert rollout.GetStatus(rollout_pb2.RolloutServiceGetStatusRequest(), timeout=5).sleeping
+    finally:
+        rollout.WakeUp(rollout_pb2.WakeUpRequest(), timeout=30)
+    assert not rollout.GetStatus(rollout_pb2.RolloutServiceGetStatusRequest(), timeout=5).sleeping
+    with pytest.raises(grpc.RpcError) as info:
+        rollout.Sleep(rollout_pb2.SleepRequest(level=2), timeout=5)
+    assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED and "level 1" in info.value.details()
+    with pytest.raises(grpc.RpcError) as info:
+        rollout.WakeUp(rollout_pb2.WakeUpRequest(tags=["gpu"]), timeout=5)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert len(generate(channel, [[5, 6]], max_tokens=2)) == 1
+
+
+def test_engine_failure_is_unavailable_and_the_service_recovers(served):
+    _, channel, engine = served
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("simulated kernel failure")
+
+    engine.net.forward = broken
+    try:
+        with pytest.raises(grpc.RpcError) as info:
+            generate(channel, [[5, 6]], max_tokens=2)
+    finally:
+        del engine.net.forward
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "simulated kernel failure" in info.value.details()
+    assert len(generate(channel, [[5, 6]], max_tokens=2)) == 1
+
+
+def test_health_answers_while_generating_and_metrics_count(served, slow_decode):
+    server, channel, _ = served
+    health = health_pb2_grpc.HealthStub(channel)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        busy = pool.submit(generate, channel, PROMPTS, n=8, max_tokens=100, temperature=1.0)
+        wait_for_queue_depth(channel, 1)
+        start = time.perf_counter()
+        response = health.Check(health_pb2.HealthCheckRequest(service="readiness"), timeout=5)
+        assert time.perf_counter() - start < 1.0 and response.status == health_pb2.HealthCheckResponse.SERVING
+        status = stub(channel).GetStatus(rollout_pb2.RolloutServiceGetStatusRequest(), timeout=5)
+        assert status.engine == "hf" and status.queue_depth >= 1 and 0 <= status.kv_cache_usage <= 1
+        busy.result(timeout=60)
+    text = urllib.request.urlopen(f"http://127.0.0.1:{server.server.metrics_port}/metrics", timeout=5).read().decode()
+    counted = [line for line in text.splitlines() if line.startswith("rlfabric_rollout_generated_tokens_total ")]
+    assert counted and float(counted[0].split()[1]) > 0
+    for name in ("rlfabric_rollout_queue_depth", "rlfabric_rollout_weight_version",
+                 "rlfabric_rollout_kv_cache_usage_ratio"):
+        assert f"\n{name} " in text

