@@ -33,7 +33,7 @@ RESULTS = Path(__file__).parent / "results" / "rollout.json"
 MODEL = dict(hidden_size=256, num_layers=4, num_heads=8, intermediate_size=512)  # head_dim 32, ~1.3 M params
 PROMPTS = [[1 + (i * 7 + j) % 90 for j in range(16 + i % 8)] for i in range(32)]  # 32 prompts, 16-23 tokens
 PARAMS = SamplingSpec(n=4, max_tokens=64, temperature=1.0, seed=1234, logprobs=True)
-REPEATS = 5
+REPEATS = 7
 
 
 def progress(message: str) -> None:
@@ -99,6 +99,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--engines", default="hf,vllm")
     args = parser.parse_args(argv)
+    # One intra-op thread: on a small shared machine, OpenMP threads waiting for each other under
+    # load from other processes make single runs swing 10x; the ratio is what this bench is about.
+    torch.set_num_threads(1)
     results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
     results.setdefault("engines", {})
     with tempfile.TemporaryDirectory() as tmp:

@@ -263,8 +263,21 @@ COMMANDS = {
 }
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parses the command line; dotted `key=value` overrides may also follow options
+    (`serve rollout --port 0 rollout.n=4`), which argparse alone does not allow after a subcommand."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    stray = [item for item in extra if item.startswith("-") or "=" not in item]
+    if stray or (extra and not hasattr(args, "overrides")):
+        parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
+    return args
+
+
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     logging.captureWarnings(True)
     try:
         sys.exit(COMMANDS[args.command](args))

@@ -33,6 +33,9 @@ class ServerThread:
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout=timeout)
 
     def stop(self, grace: float = 0.0) -> None:
+        """Stops the server and its loop; calling it again does nothing."""
+        if not self._thread.is_alive():
+            return
         if not self._start.done():
             self._start.cancel()
         self.run(self.server.stop(grace))

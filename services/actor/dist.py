@@ -10,7 +10,7 @@ rank 0 runs `rlfabric serve ROLE` and every other rank runs the command above wi
 
 Commands travel as tensors over the process group, never pickled: rank 0 sends each worker a header
 (command + numeric parameters, float64 [8]), then that rank's shard of the batch as named tensors
-(count, then per tensor an int64 spec [name, dtype, ndim, dims...] and the data). Results come back
+(an int64 manifest of names, dtypes and shapes, then all their bytes in one buffer). Results come back
 the same way. All ranks then run the same code (run_command), so their collectives line up.
 """
 
@@ -37,6 +37,8 @@ MAX_DIMS = 4
 HEADER_LEN = 8
 # Every tensor name that crosses the group, by index: the batch layout, then results and RNG states.
 WIRE_NAMES = (*TENSOR_NAMES, "log_probs", "entropy", "values", "cpu_rng", "cuda_rng")
+SPEC_LEN = 3 + MAX_DIMS  # name index, dtype, ndim, dims
+MANIFEST_LEN = 1 + len(WIRE_NAMES) * SPEC_LEN
 COLLECTIVE_TIMEOUT = timedelta(minutes=30)
 PARENT_PID_ENV = "RLFABRIC_PARENT_PID"
 
@@ -76,27 +78,35 @@ class Channel:
         return buffer
 
     def send_tensors(self, tensors: dict[str, torch.Tensor], dst: int) -> None:
-        self._send(torch.tensor([len(tensors)], dtype=torch.int64), dst)
-        for name, value in tensors.items():
+        """Two messages: a manifest (count, then name/dtype/shape per tensor) and every tensor's bytes
+        packed into one buffer. Each point-to-point message is a rendezvous, so fewer is faster."""
+        manifest = torch.zeros(MANIFEST_LEN, dtype=torch.int64)
+        manifest[0] = len(tensors)
+        chunks = []
+        for i, (name, value) in enumerate(tensors.items()):
             if value.dim() > MAX_DIMS:
                 raise ValueError(f"{name}: {value.dim()} dims, more than the channel's {MAX_DIMS}")
             dims = list(value.shape) + [0] * (MAX_DIMS - value.dim())
             spec = [WIRE_NAMES.index(name), codec.wire_dtype(value.dtype), value.dim(), *dims]
-            self._send(torch.tensor(spec, dtype=torch.int64), dst)
-            if value.numel():
-                self._send(value, dst)
+            manifest[1 + i * SPEC_LEN : 1 + (i + 1) * SPEC_LEN] = torch.tensor(spec)
+            raw = value.detach().contiguous().reshape(-1).view(torch.uint8)
+            chunks.append(torch.nn.functional.pad(raw, (0, _aligned(raw.numel()) - raw.numel())))
+        self._send(manifest, dst)
+        if chunks and sum(c.numel() for c in chunks):
+            self._send(torch.cat([c.to(self.device) for c in chunks]), dst)
 
     def recv_tensors(self, src: int) -> dict[str, torch.Tensor]:
-        count = int(self._recv((1,), torch.int64, src))
-        tensors = {}
-        for _ in range(count):
-            name_index, wire, ndim, *dims = self._recv((3 + MAX_DIMS,), torch.int64, src).tolist()
-            shape, dtype = dims[:ndim], codec.torch_dtype(wire)
-            if math.prod(shape):
-                tensors[WIRE_NAMES[name_index]] = self._recv(shape, dtype, src)
-            else:
-                tensors[WIRE_NAMES[name_index]] = torch.empty(shape, dtype=dtype, device=self.device)
-        return tensors
+        manifest = self._recv((MANIFEST_LEN,), torch.int64, src).tolist()
+        layout, offset = [], 0
+        for i in range(manifest[0]):
+            name_index, wire, ndim, *dims = manifest[1 + i * SPEC_LEN : 1 + (i + 1) * SPEC_LEN]
+            dtype, shape = codec.torch_dtype(wire), dims[:ndim]
+            num_bytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+            layout.append((WIRE_NAMES[name_index], dtype, shape, offset, num_bytes))
+            offset += _aligned(num_bytes)
+        data = self._recv((offset,), torch.uint8, src) if offset else torch.empty(0, dtype=torch.uint8)
+        return {name: data[start : start + size].view(dtype).reshape(shape)
+                for name, dtype, shape, start, size in layout}
 
     def send_command(self, dst: int, command: Command, params: list[float], tensors: dict[str, torch.Tensor]):
         header = [float(command), *params] + [0.0] * (HEADER_LEN - 1 - len(params))
@@ -106,6 +116,11 @@ class Channel:
     def recv_command(self) -> tuple[Command, list[float], dict[str, torch.Tensor]]:
         header = self._recv((HEADER_LEN,), torch.float64, src=0).tolist()
         return Command(int(header[0])), header[1:], self.recv_tensors(src=0)
+
+
+def _aligned(num_bytes: int) -> int:
+    """Tensors start at multiples of 8 bytes inside a packed buffer, so every dtype can view its slice."""
+    return (num_bytes + 7) // 8 * 8
 
 
 def run_command(worker, channel: Channel, command: Command, params: list[float], shard: SequenceBatch, state=None):

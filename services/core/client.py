@@ -51,23 +51,20 @@ class ChannelOptions:
         )
 
     def service_config(self) -> str:
-        """gRPC service config: retry every method on UNAVAILABLE with exponential backoff."""
-        return json.dumps(
-            {
-                "methodConfig": [
-                    {
-                        "name": [{}],
-                        "retryPolicy": {
-                            "maxAttempts": self.retry_max_attempts,
-                            "initialBackoff": f"{self.retry_initial_backoff_s}s",
-                            "maxBackoff": "5s",
-                            "backoffMultiplier": 2,
-                            "retryableStatusCodes": ["UNAVAILABLE"],
-                        },
-                    }
-                ]
+        """gRPC service config: retry every method on UNAVAILABLE with exponential backoff.
+
+        gRPC rejects a retryPolicy with maxAttempts < 2, so one attempt means no policy at all.
+        """
+        method_config: dict = {"name": [{}]}
+        if self.retry_max_attempts >= 2:
+            method_config["retryPolicy"] = {
+                "maxAttempts": self.retry_max_attempts,
+                "initialBackoff": f"{self.retry_initial_backoff_s}s",
+                "maxBackoff": "5s",
+                "backoffMultiplier": 2,
+                "retryableStatusCodes": ["UNAVAILABLE"],
             }
-        )
+        return json.dumps({"methodConfig": [method_config]})
 
     def grpc_options(self) -> list[tuple[str, Any]]:
         options = [

@@ -30,6 +30,15 @@ def test_two_ranks_match_one_rank(tiny_model, tmp_path):
     with Served("actor", make_config(tiny_model, n=2, actor=two_ranks, rollout={"temperature": 0.8})) as two:
         status = two.run(two.client.get_status())
         old_2, metrics_2, weights_2 = _train(two, batch, tmp_path / "two")
+        # A checkpoint gathers the shards and RNG states of both ranks, and loads back into both.
+        two.run(two.client.save_checkpoint(tmp_path / "ckpt"))
+        assert two.run(two.client.load_checkpoint(tmp_path / "ckpt")) == 4
+        trained_2 = two.run(two.client.compute_log_probs(batch))["log_probs"]
+    # Full state dicts do not depend on the world size: one rank resumes what two ranks saved.
+    with Served("actor", make_config(tiny_model, n=2, actor=common)) as resumed:
+        assert resumed.run(resumed.client.load_checkpoint(tmp_path / "ckpt")) == 4
+        torch.testing.assert_close(resumed.run(resumed.client.compute_log_probs(batch))["log_probs"], trained_2,
+                                   atol=1e-6, rtol=0)
     assert status.world_size == 2
     torch.testing.assert_close(old_2, old_1, atol=1e-6, rtol=0)
     for m1, m2 in zip(metrics_1, metrics_2, strict=True):

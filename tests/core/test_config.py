@@ -67,3 +67,14 @@ def test_config_reference_doc_is_current():
 
     doc = Path(__file__).resolve().parents[2] / "docs" / "config-reference.md"
     assert doc.read_text() == config_reference_markdown(), "run `make docs` to regenerate docs/config-reference.md"
+
+
+def test_cli_accepts_overrides_after_options():
+    from rlfabric.cli import _split_config_and_overrides, parse_args
+
+    args = parse_args(["serve", "rollout", "--port", "0", "rollout.n=4", "trainer.total_steps=2"])
+    assert args.port == 0 and args.overrides == ["rollout.n=4", "trainer.total_steps=2"]
+    up = parse_args(["up", "rollout.n=2", "--run-dir", "x", "trainer.total_steps=2"])
+    assert _split_config_and_overrides(up) == (None, ["rollout.n=2", "trainer.total_steps=2"])
+    with pytest.raises(SystemExit):
+        parse_args(["serve", "rollout", "--port", "0", "--bogus"])

@@ -165,3 +165,21 @@ def test_readiness_gates_rpcs_until_engine_is_loaded(serve_in_thread):
         server._start.result(timeout=10)
         assert health(channel, "readiness") == SERVING
         assert score(channel, "ok").results[0].score == 1.0
+
+
+def test_single_attempt_channels_have_a_valid_service_config(serve_in_thread):
+    import asyncio
+    import json as _json
+
+    from rlfabric.core.client import ChannelOptions, open_channel
+
+    options = ChannelOptions(retry_max_attempts=1)
+    assert "retryPolicy" not in _json.loads(options.service_config())["methodConfig"][0]
+    server = serve_in_thread(probe_service(), ServerOptions(port=0, metrics_port=None))
+
+    async def call():
+        async with open_channel(server.address, options) as channel:
+            request = reward_pb2.ScoreRequest(items=[reward_pb2.ScoreItem(data_source="ok")])
+            return await reward_pb2_grpc.RewardServiceStub(channel).Score(request, timeout=5)
+
+    assert asyncio.run(call()).results[0].score == 1.0
