@@ -38,7 +38,7 @@ TARGET_OVERHEAD = 0.05
 CASES = [
     ("tiny", None, 1, 32, 64, 64, 8),
     ("tiny", None, 2, 32, 64, 64, 8),
-    ("qwen2-25m", dict(hidden_size=512, num_layers=8, num_heads=8, intermediate_size=1408), 1, 8, 64, 64, 3),
+    ("qwen2-25m", dict(hidden_size=512, num_layers=8, num_heads=8, intermediate_size=1408), 1, 16, 64, 64, 4),
 ]
 
 
@@ -101,6 +101,7 @@ def start_actor(model: Path, world_size: int, rows: int, work: Path) -> tuple[su
 async def measure(address: str, batch: dict[str, torch.Tensor], updates: int) -> dict:
     await wait_until_serving(address, timeout_s=120)
     async with ActorClient(address, ChannelOptions(timeout_s=600)) as actor:
+        await actor.compute_log_probs(batch)  # warm-up
         started = time.perf_counter()
         old = (await actor.compute_log_probs(batch))["log_probs"]
         log_prob_s = time.perf_counter() - started

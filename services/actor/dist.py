@@ -269,12 +269,15 @@ class WorkerGroup:
                 if p.poll() is not None]
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        if self.world_size == 1 or not dist.is_initialized():
-            return
-        if not self.dead_ranks():
-            self.send(Command.STOP, [], [None] * self.world_size)
-        dist.destroy_process_group()
+        """STOP to every live rank, then waits for the processes it started (killing stragglers)."""
+        formed = self.world_size > 1 and dist.is_initialized()
+        if formed:
+            if not self.dead_ranks():
+                self.send(Command.STOP, [], [None] * self.world_size)
+            dist.destroy_process_group()
         for process in self.processes:
+            if not formed:  # a failed start: the ranks wait for a group that will never form
+                process.kill()
             try:
                 process.wait(timeout_s)
             except subprocess.TimeoutExpired:

@@ -26,7 +26,7 @@ from rlfabric.actor.models import TRAINABLE, model_path, rank_device
 from rlfabric.actor.worker import RankWorker
 from rlfabric.core import algorithms as algos
 from rlfabric.core.config import RunConfig
-from rlfabric.core.errors import InvalidArgument, Unavailable
+from rlfabric.core.errors import FailedPrecondition, InvalidArgument
 from rlfabric.core.metrics import service_counter, service_gauge, service_histogram
 
 log = logging.getLogger("rlfabric.actor")
@@ -109,7 +109,7 @@ class TrainerEngine:
     def _command(self, command: Command, params: list[float], shards: list[SequenceBatch | None], state=None):
         dead = self.group.dead_ranks()
         if dead:
-            raise Unavailable(f"{self.role}: rank(s) {', '.join(dead)} died; restart the service")
+            raise FailedPrecondition(f"{self.role}: rank(s) {', '.join(dead)} died; restart the service")
         self.group.send(command, params, shards)
         return run_command(self.worker, self.group.channel, command, params, shards[0], state)
 

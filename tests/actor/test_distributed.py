@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
+from rlfabric.core.errors import FailedPrecondition
 from tests.actor.helpers import Served, make_batch, make_config
 
 
@@ -34,6 +36,12 @@ def test_two_ranks_match_one_rank(tiny_model, tmp_path):
         two.run(two.client.save_checkpoint(tmp_path / "ckpt"))
         assert two.run(two.client.load_checkpoint(tmp_path / "ckpt")) == 4
         trained_2 = two.run(two.client.compute_log_probs(batch))["log_probs"]
+        # A dead rank is reported, not waited for.
+        rank_1 = two.service.engine.group.processes[0]
+        rank_1.kill()
+        rank_1.wait()
+        with pytest.raises(FailedPrecondition, match="died; restart the service"):
+            two.run(two.client.compute_log_probs(batch))
     # Full state dicts do not depend on the world size: one rank resumes what two ranks saved.
     with Served("actor", make_config(tiny_model, n=2, actor=common)) as resumed:
         assert resumed.run(resumed.client.load_checkpoint(tmp_path / "ckpt")) == 4
