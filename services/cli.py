@@ -140,8 +140,8 @@ def cmd_up(args) -> int:
 def cmd_train(args) -> int:
     import grpc
 
-    from rlfabric.core.client import ChannelOptions, ServiceClient
-    from rlfabric.v1 import coordinator_pb2, coordinator_pb2_grpc
+    from rlfabric.coordinator.client import CoordinatorClient
+    from rlfabric.core.client import ChannelOptions
 
     _raise_on_sigterm()
     mesh = _start_mesh(args)
@@ -150,12 +150,9 @@ def cmd_train(args) -> int:
         print(f"rlfabric: mesh ready; coordinator at {address}", flush=True)
 
         async def start_run() -> int:
-            client = ServiceClient.__new__(ServiceClient)
-            client.stub_class = coordinator_pb2_grpc.CoordinatorServiceStub
-            ServiceClient.__init__(client, address, ChannelOptions.from_config(mesh.config))
-            async with client:
+            async with CoordinatorClient(address, ChannelOptions.from_config(mesh.config)) as client:
                 try:
-                    started = await client.call("StartRun", coordinator_pb2.StartRunRequest())
+                    started = await client.start_run()
                 except grpc.RpcError as error:
                     print(f"rlfabric: the coordinator refused the run: {error.code().name}: {error.details()}",
                           file=sys.stderr)
@@ -171,8 +168,9 @@ def cmd_train(args) -> int:
 
 
 def cmd_status(args) -> int:
-    from rlfabric.core.client import ServiceClient
-    from rlfabric.v1 import coordinator_pb2, coordinator_pb2_grpc
+    from google.protobuf.json_format import MessageToDict
+
+    from rlfabric.coordinator.client import CoordinatorClient
 
     address = args.address
     if address is None:
@@ -181,14 +179,9 @@ def cmd_status(args) -> int:
             return 2
         address = json.loads((args.run_dir / "endpoints.json").read_text())["coordinator"][0]["grpc"]
 
-    class CoordinatorClient(ServiceClient):
-        stub_class = coordinator_pb2_grpc.CoordinatorServiceStub
-
     async def query():
         async with CoordinatorClient(address) as client:
-            return await client.call("GetRunStatus", coordinator_pb2.GetRunStatusRequest(), timeout_s=10)
-
-    from google.protobuf.json_format import MessageToDict
+            return await client.run_status(timeout_s=10)
 
     print(json.dumps(MessageToDict(asyncio.run(query())), indent=2))
     return 0
