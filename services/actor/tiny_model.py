@@ -3,6 +3,11 @@
 Used by tests and the quickstart (no model hub here): `rlfabric make-tiny-model OUT`.
 Every printable ASCII character and newline is one token, plus ChatML specials, so any text
 round-trips exactly. head_dim is 32 so vLLM's CPU attention can load it.
+
+The tokenizer is a byte-level BPE with no merges, the same pipeline as Qwen2's own tokenizer:
+transformers 5 loads any qwen2 directory with `Qwen2Tokenizer`, which rebuilds its pipeline from
+vocab and merges and ignores tokenizer.json's pre-tokenizer. A byte-level vocabulary gives the same
+ids whichever class loads it (AutoTokenizer, PreTrainedTokenizerFast, vLLM).
 """
 
 from __future__ import annotations
@@ -11,8 +16,9 @@ import string
 from pathlib import Path
 
 import torch
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>"]
 PAD, IM_START, IM_END, UNK = SPECIAL_TOKENS
@@ -26,10 +32,12 @@ CHAT_TEMPLATE = (
 def build_tokenizer() -> PreTrainedTokenizerFast:
     """A character-level tokenizer over printable ASCII + newline, with ChatML special tokens."""
     characters = sorted(set(string.printable) - set("\t\r\x0b\x0c"))
-    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + characters)}
-    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
-    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    tokenizer.decoder = decoders.Fuse()
+    byte_symbol = bytes_to_unicode()  # byte -> printable stand-in, as GPT-2/Qwen2 byte-level BPE spells it
+    symbols = [byte_symbol[ord(character)] for character in characters]
+    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + symbols)}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tokenizer.decoder = decoders.ByteLevel()
     tokenizer.add_special_tokens(SPECIAL_TOKENS)
     wrapped = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
