@@ -1,7 +1,7 @@
 """The run config: one YAML file with a section per role, VeRL-style names, validated on load.
 
 Sections: server, client, cluster, model, data, actor, reference, critic, rollout, reward,
-algorithm, trainer. Every field has a default and a docstring (`rlfabric config-reference`
+algorithm, trainer, weight_sync. Every field has a default and a docstring (`rlfabric config-reference`
 prints them). Unknown keys and wrong types are errors that name the dotted key.
 
     config = load_config("my.yaml", overrides=["trainer.total_steps=20", "rollout.n=4"])
@@ -302,6 +302,20 @@ class AlgorithmConfig(Section):
     """Discount factor."""
     lam: float = 1.0
     """GAE lambda."""
+    norm_adv_by_std_in_grpo: bool = True
+    """GRPO: divide by the group's reward std (False = Dr. GRPO's mean-only baseline)."""
+    use_kl_in_reward: bool = False
+    """Subtract kl_coef * KL(policy || reference) from the token rewards (PPO-RLHF style)."""
+    kl_penalty: str = "kl"
+    """KL estimator of the in-reward penalty: kl (k1), abs, mse (k2), low_var_kl (k3)."""
+    kl_ctrl_type: Literal["fixed", "adaptive"] = "fixed"
+    """In-reward KL coefficient: fixed, or adaptive towards kl_target (Ziegler et al. 2019)."""
+    kl_coef: float = Field(0.001, ge=0)
+    """In-reward KL coefficient (the adaptive controller's starting value)."""
+    kl_target: float = Field(0.1, gt=0)
+    """Adaptive controller: the KL it steers towards."""
+    kl_horizon: int = Field(10000, gt=0)
+    """Adaptive controller: horizon in samples of its proportional update."""
 
 
 class TrainerConfig(Section):
@@ -311,6 +325,43 @@ class TrainerConfig(Section):
     """Grouping name for loggers."""
     experiment_name: str = "quickstart"
     """Run name for loggers."""
+    mode: Literal["sync", "async"] = "sync"
+    """sync: on-policy steps; async: step k+1 generates while step k trains (one-step off-policy)."""
+    max_staleness: int = Field(1, ge=0)
+    """async: most weight versions a sample's policy may lag the policy being trained."""
+    colocated: bool = False
+    """Rollout shares devices with training: engines Sleep while the actor trains and WakeUp to generate."""
+    test_freq: int = Field(0, ge=0)
+    """Validate on data.val_files every this many steps (and after the last); 0 = never."""
+    val_before_train: bool = False
+    """Validate once before the first step."""
+    save_freq: int = Field(0, ge=0)
+    """Checkpoint every this many steps (and after the last); 0 = only on request or at the end."""
+    resume: Literal["auto", "disable"] = "auto"
+    """auto: continue from the latest checkpoint in the run dir, if any; disable: always start fresh."""
+    resume_from_path: str = ""
+    """A checkpoint directory (global_step_N) to resume from; overrides resume: auto."""
+    max_checkpoints_to_keep: int = Field(0, ge=0)
+    """Delete older global_step_N directories beyond this many; 0 = keep all."""
+    loggers: list[Literal["console", "jsonl", "tensorboard"]] = ["console", "jsonl", "tensorboard"]
+    """Metric sinks: console lines, RUN_DIR/metrics.jsonl, TensorBoard events in RUN_DIR/tensorboard."""
+    progress_bar: bool = True
+    """Show a progress bar with step, reward and ETA."""
+    plot: bool = True
+    """Write RUN_DIR/curves.png (reward, KL, response length) at the end of the run."""
+    rollout_retries: int = Field(2, ge=0)
+    """Times a failed generation part is retried on another rollout replica before the step fails."""
+
+
+class WeightSyncConfig(Section):
+    """How the actor's weights reach the rollout replicas after every update."""
+
+    transport: Literal["auto", "nccl", "gloo", "grpc"] = "auto"
+    """auto = nccl when the actor is on a GPU, else gloo; grpc = chunked stream (works anywhere)."""
+    bucket_mb: int = Field(512, gt=0)
+    """Weights move in flattened buckets of about this many MiB."""
+    timeout_s: float = Field(120.0, gt=0)
+    """Every collective and stream of a sync fails after this long (a dead peer never hangs the run)."""
 
 
 class LauncherConfig(Section):
@@ -335,6 +386,7 @@ class RunConfig(Section):
     reward: RewardConfig = RewardConfig()
     algorithm: AlgorithmConfig = AlgorithmConfig()
     trainer: TrainerConfig = TrainerConfig()
+    weight_sync: WeightSyncConfig = WeightSyncConfig()
     launcher: LauncherConfig = LauncherConfig()
 
 
