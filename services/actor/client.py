@@ -17,6 +17,10 @@ import torch
 
 from rlfabric.core import codec
 from rlfabric.core.client import ServiceClient, rpc_error_to_domain
+from rlfabric.core.weight_sync import Manifest, SyncGroup
+from rlfabric.core.weight_sync.grpc_stream import PushResult
+from rlfabric.core.weight_sync.manifest import transport_to_proto
+from rlfabric.core.weight_sync.sender import BroadcastResult
 from rlfabric.v1 import (
     actor_pb2,
     actor_pb2_grpc,
@@ -81,6 +85,30 @@ class ActorClient(_TypedClient):
     async def get_status(self) -> actor_pb2.ActorServiceGetStatusResponse:
         return await self._call("GetStatus", actor_pb2.ActorServiceGetStatusRequest())
 
+    async def open_weight_sync_group(self, transport: str, num_receivers: int, bucket_bytes: int = 0,
+                                     target_dtype: torch.dtype | None = None, timeout_s: float = 0.0,
+                                     grpc_receiver_addresses: tuple[str, ...] = ()) -> SyncGroup:
+        """A new weight-sync group with the actor as rank 0 (transport "auto"/"" lets the actor choose)."""
+        request = actor_pb2.OpenWeightSyncGroupRequest(
+            transport=transport_to_proto(transport), num_receivers=num_receivers, bucket_bytes=bucket_bytes,
+            target_dtype=codec.wire_dtype(target_dtype) if target_dtype is not None else 0, timeout_s=timeout_s,
+            grpc_receiver_addresses=list(grpc_receiver_addresses))
+        return SyncGroup.from_proto((await self._call("OpenWeightSyncGroup", request)).group)
+
+    async def prepare_weight_sync(self, group_id: str, version: int, timeout_s: float | None = None) -> Manifest:
+        """Gathers and packs the weights; the manifest to hand to every receiver."""
+        request = actor_pb2.PrepareWeightSyncRequest(group_id=group_id, version=version)
+        return Manifest.from_proto((await self._call("PrepareWeightSync", request, timeout_s)).manifest)
+
+    async def broadcast_weights(self, group_id: str, version: int, timeout_s: float | None = None) -> BroadcastResult:
+        request = actor_pb2.BroadcastWeightsRequest(group_id=group_id, version=version)
+        response = await self._call("BroadcastWeights", request, timeout_s)
+        pushes = tuple(PushResult(p.address, p.version, p.paused_seconds, p.error) for p in response.pushes)
+        return BroadcastResult(response.num_bytes, response.seconds, pushes)
+
+    async def close_weight_sync_group(self, group_id: str, timeout_s: float | None = None) -> None:
+        await self._call("CloseWeightSyncGroup", actor_pb2.CloseWeightSyncGroupRequest(group_id=group_id), timeout_s)
+
 
 class ReferenceClient(_TypedClient):
     stub_class = reference_pb2_grpc.ReferenceServiceStub
@@ -95,6 +123,15 @@ class ReferenceClient(_TypedClient):
 
     async def get_status(self) -> reference_pb2.ReferenceServiceGetStatusResponse:
         return await self._call("GetStatus", reference_pb2.ReferenceServiceGetStatusRequest())
+
+    async def join_weight_sync_group(self, group: SyncGroup, rank: int, timeout_s: float | None = None) -> None:
+        request = reference_pb2.ReferenceServiceJoinWeightSyncGroupRequest(group=group.to_proto(), rank=rank)
+        await self._call("JoinWeightSyncGroup", request, timeout_s)
+
+    async def receive_weights(self, manifest: Manifest, timeout_s: float | None = None) -> tuple[int, float]:
+        """(version now served, paused seconds: 0, the reference serves no generation)."""
+        request = reference_pb2.ReferenceServiceReceiveWeightsRequest(manifest=manifest.to_proto())
+        return (await self._call("ReceiveWeights", request, timeout_s)).version, 0.0
 
 
 class CriticClient(_TypedClient):

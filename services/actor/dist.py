@@ -49,6 +49,7 @@ class Command(IntEnum):
     UPDATE = 2  # PPO epochs over the shard (actor, critic)
     GATHER_STATE = 3  # full model + optimizer state and RNG to rank 0
     SCATTER_STATE = 4  # rank 0's loaded state to every rank
+    LOAD_WEIGHTS = 5  # rank 0's named weights (from a weight sync) into every rank's model
 
 
 def external_launch() -> tuple[int, int] | None:
@@ -155,6 +156,9 @@ def run_command(worker, channel: Channel, command: Command, params: list[float],
             worker.set_rng_state(rng[0])
         else:
             worker.set_rng_state({k: v.cpu() for k, v in channel.recv_tensors(src=0).items()})
+        return None
+    if command == Command.LOAD_WEIGHTS:
+        worker.load_weights(state if rank == 0 else {})
         return None
     raise ValueError(f"unknown command {command}")
 

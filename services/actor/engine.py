@@ -12,6 +12,7 @@ import asyncio
 import logging
 import math
 import os
+import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -25,9 +26,12 @@ from rlfabric.actor.dist import Command, WorkerGroup, run_command
 from rlfabric.actor.models import TRAINABLE, model_path, rank_device
 from rlfabric.actor.worker import RankWorker
 from rlfabric.core import algorithms as algos
+from rlfabric.core.client import ChannelOptions
 from rlfabric.core.config import RunConfig
 from rlfabric.core.errors import FailedPrecondition, InvalidArgument
 from rlfabric.core.metrics import service_counter, service_gauge, service_histogram
+from rlfabric.core.weight_sync import Manifest, Membership, SyncGroup
+from rlfabric.core.weight_sync.sender import BroadcastResult, WeightSender
 
 log = logging.getLogger("rlfabric.actor")
 
@@ -53,7 +57,17 @@ class TrainerEngine:
         self.group: WorkerGroup | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{role}-engine")
         self._threads_before: int | None = None
+        self.weight_version = 0  # the reference's: bumped by each weight sync it receives
+        self._sender: WeightSender | None = None  # the actor's weight-sync groups, made on first use
+        self._membership = Membership()  # the reference's weight-sync group
         registry = registry or CollectorRegistry()
+        self._sync_seconds = service_histogram(
+            registry, "rlfabric_weight_sync_seconds", "Wall time of one weight sync on this service "
+            "(actor: broadcast; reference: receive and load).", ("role",))
+        self._sync_bytes = service_counter(
+            registry, "rlfabric_weight_sync_bytes_total", "Weight bytes moved by weight sync (actor: sent per "
+            "receiver; reference: received).", ("role",))
+        self._sync_bytes.labels(role)
         if role in TRAINABLE:
             self._update_seconds = service_histogram(
                 registry, "rlfabric_train_update_seconds", "Wall time of one update RPC inside the service.", ("role",))
@@ -97,6 +111,9 @@ class TrainerEngine:
             "parameters": self.worker.num_parameters, "seconds": round(time.perf_counter() - started, 2)}})
 
     async def stop(self) -> None:
+        if self._sender is not None:
+            self._sender.close_all()
+        await self._membership.leave()
         if self.group is not None:
             await self._run(self.group.stop)
         if self._threads_before is not None:
@@ -184,11 +201,17 @@ class TrainerEngine:
     def _check_fits(self, model_state: dict[str, torch.Tensor], path: str) -> None:
         expected = self.worker.param_shapes
         missing = sorted(set(expected) - set(model_state))
-        unexpected = sorted(set(model_state) - set(expected))
-        wrong = sorted(n for n in set(expected) & set(model_state) if tuple(model_state[n].shape) != expected[n])
-        if missing or unexpected or wrong:
-            raise InvalidArgument(f"checkpoint {path} does not fit {self.model_path}: missing {missing[:5]}, "
-                                  f"unexpected {unexpected[:5]}, wrong shape {wrong[:5]}")
+        if missing:
+            raise InvalidArgument(f"checkpoint {path} does not fit {self.model_path}: missing {missing[:5]}")
+        self._check_names(model_state, f"checkpoint {path}")
+
+    def _check_names(self, tensors: dict[str, torch.Tensor], what: str) -> None:
+        expected = self.worker.param_shapes
+        unexpected = sorted(set(tensors) - set(expected))
+        wrong = sorted(n for n in set(expected) & set(tensors) if tuple(tensors[n].shape) != expected[n])
+        if unexpected or wrong:
+            raise InvalidArgument(f"{what} does not fit {self.model_path}: unexpected {unexpected[:5]}, "
+                                  f"wrong shape {wrong[:5]}")
 
     async def export_hf(self, path: str) -> int:
         """Bytes written."""
@@ -203,3 +226,70 @@ class TrainerEngine:
         return EngineStatus(model=self.model_path, world_size=self.world_size,
                             optimizer_step=worker.optimizer_steps if worker else 0,
                             num_parameters=worker.num_parameters if worker else 0)
+
+    # -- weight sync: the actor sends (rank 0 of each group), the reference receives ----------------
+
+    def _weight_sender(self) -> WeightSender:
+        if self.role != "actor":
+            raise FailedPrecondition(f"the {self.role} does not send weights; only the actor does")
+        if self._sender is None:
+            sync = self.config.weight_sync
+            self._sender = WeightSender(sync_host(self.config), self.worker.device,
+                                        ChannelOptions.from_config(self.config), timeout_s=sync.timeout_s,
+                                        bucket_bytes=sync.bucket_mb << 20)
+        return self._sender
+
+    async def open_weight_sync(self, transport: str, num_receivers: int, bucket_bytes: int = 0,
+                               dtype: torch.dtype | None = None, timeout_s: float = 0.0,
+                               addresses: tuple[str, ...] = ()) -> SyncGroup:
+        """A new group with this actor as rank 0 (dtype None = the actor's compute dtype)."""
+        return self._weight_sender().open(transport, num_receivers, bucket_bytes, dtype or self.worker.dtype,
+                                          timeout_s, addresses)
+
+    async def prepare_weight_sync(self, group_id: str, version: int) -> Manifest:
+        """Gathers the full weights and packs them for `group_id` (on the torch thread, so no update
+        changes them half-way)."""
+        sender = self._weight_sender()
+        return await self._run(self._prepare_weight_sync, sender, group_id, version)
+
+    def _prepare_weight_sync(self, sender: WeightSender, group_id: str, version: int) -> Manifest:
+        model_state, _, _ = self._command(Command.GATHER_STATE, [0.0], [None] * self.world_size)
+        return sender.prepare(group_id, version, model_state)
+
+    async def broadcast_weights(self, group_id: str, version: int) -> BroadcastResult:
+        result = await self._weight_sender().broadcast(group_id, version)
+        self._sync_seconds.labels(self.role).observe(result.seconds)
+        self._sync_bytes.labels(self.role).inc(result.num_bytes)
+        log.info("weights sent", extra={"fields": {"group_id": group_id, "version": version, "bytes": result.num_bytes,
+                                                   "seconds": round(result.seconds, 3)}})
+        return result
+
+    async def close_weight_sync(self, group_id: str) -> None:
+        self._weight_sender().close(group_id)
+
+    async def join_weight_sync(self, group: SyncGroup, rank: int) -> None:
+        if self.role != "reference":
+            raise FailedPrecondition(f"the {self.role} does not receive weights; the reference and rollout do")
+        await self._membership.join(group, rank)
+
+    async def receive_weights(self, manifest: Manifest) -> int:
+        """Receives and loads one manifest's weights; the version now served."""
+        started = time.perf_counter()
+
+        async def load(weights):
+            named = dict(weights)
+            self._check_names(named, f"weight manifest version {manifest.version}")
+            await self._run(self._command, Command.LOAD_WEIGHTS, [], [None] * self.world_size, named)
+
+        await self._membership.receive(manifest, load)
+        self.weight_version = manifest.version
+        self._sync_seconds.labels(self.role).observe(time.perf_counter() - started)
+        self._sync_bytes.labels(self.role).inc(manifest.num_bytes)
+        return self.weight_version
+
+
+def sync_host(config: RunConfig) -> str:
+    """The address receivers reach the actor's weight-sync store at (weight_sync.host, else server.host,
+    else this machine's hostname when the server binds a wildcard)."""
+    host = config.weight_sync.host or config.server.host
+    return socket.gethostname() if host in ("", "0.0.0.0", "::", "[::]") else host

@@ -1,8 +1,9 @@
 """gRPC servicers of the actor, reference and critic roles (thin: proto -> tensors -> await engine -> proto),
 and build_service, which rlfabric.serve calls for these roles.
 
-The weight-sync RPCs of ActorService and ReferenceService (OpenWeightSyncGroup, ..., ReceiveWeights)
-are not implemented here: the generated base methods answer UNIMPLEMENTED.
+Weight sync (rlfabric.core.weight_sync): the actor is rank 0 of the groups it opens
+(OpenWeightSyncGroup, PrepareWeightSync, BroadcastWeights, CloseWeightSyncGroup); the reference
+joins one and receives (JoinWeightSyncGroup, ReceiveWeights).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from rlfabric.actor.engine import TrainerEngine
 from rlfabric.core import codec
 from rlfabric.core.config import RunConfig
 from rlfabric.core.server import ServiceBinding, ServiceDefinition
+from rlfabric.core.weight_sync import Manifest, SyncGroup
+from rlfabric.core.weight_sync.manifest import transport_from_proto
 from rlfabric.v1 import (
     actor_pb2,
     actor_pb2_grpc,
@@ -60,6 +63,27 @@ class ActorServicer(actor_pb2_grpc.ActorServiceServicer):
         num_bytes = await self.engine.export_hf(request.path)
         return actor_pb2.ExportHFResponse(num_bytes=num_bytes)
 
+    async def OpenWeightSyncGroup(self, request, context):
+        dtype = codec.torch_dtype(request.target_dtype) if request.target_dtype else None
+        group = await self.engine.open_weight_sync(
+            transport_from_proto(request.transport), request.num_receivers, request.bucket_bytes, dtype,
+            request.timeout_s, tuple(request.grpc_receiver_addresses))
+        return actor_pb2.OpenWeightSyncGroupResponse(group=group.to_proto())
+
+    async def PrepareWeightSync(self, request, context):
+        manifest = await self.engine.prepare_weight_sync(request.group_id, request.version)
+        return actor_pb2.PrepareWeightSyncResponse(manifest=manifest.to_proto())
+
+    async def BroadcastWeights(self, request, context):
+        result = await self.engine.broadcast_weights(request.group_id, request.version)
+        return actor_pb2.BroadcastWeightsResponse(num_bytes=result.num_bytes, seconds=result.seconds, pushes=[
+            actor_pb2.WeightPushResult(address=p.address, version=p.version, paused_seconds=p.paused_seconds,
+                                       error=p.error) for p in result.pushes])
+
+    async def CloseWeightSyncGroup(self, request, context):
+        await self.engine.close_weight_sync(request.group_id)
+        return actor_pb2.CloseWeightSyncGroupResponse()
+
     async def GetStatus(self, request, context):
         status = self.engine.status()
         return actor_pb2.ActorServiceGetStatusResponse(
@@ -76,9 +100,18 @@ class ReferenceServicer(reference_pb2_grpc.ReferenceServiceServicer):
         outputs = await self.engine.compute(tensors, temperature, entropy)
         return reference_pb2.ReferenceServiceComputeLogProbsResponse(outputs=codec.encode_batch(outputs))
 
+    async def JoinWeightSyncGroup(self, request, context):
+        await self.engine.join_weight_sync(SyncGroup.from_proto(request.group), request.rank)
+        return reference_pb2.ReferenceServiceJoinWeightSyncGroupResponse()
+
+    async def ReceiveWeights(self, request, context):
+        version = await self.engine.receive_weights(Manifest.from_proto(request.manifest))
+        return reference_pb2.ReferenceServiceReceiveWeightsResponse(version=version)
+
     async def GetStatus(self, request, context):
-        # weight_version 0: the weights as loaded from the model path (weight sync is not wired yet)
-        return reference_pb2.ReferenceServiceGetStatusResponse(model=self.engine.status().model, weight_version=0)
+        # weight_version 0: the weights as loaded from the model path
+        return reference_pb2.ReferenceServiceGetStatusResponse(model=self.engine.status().model,
+                                                               weight_version=self.engine.weight_version)
 
 
 class CriticServicer(critic_pb2_grpc.CriticServiceServicer):

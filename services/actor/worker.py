@@ -206,11 +206,31 @@ class RankWorker:
 
     def load_full_state(self, model_state: dict, optimizer_state: dict, progress: tuple[int, int]) -> None:
         """Loads rank 0's full state dicts into every rank's shards (a collective)."""
+        if self.sharded:  # FSDP2 keeps the root's parameters unsharded after a forward (compute)
+            self.model.reshard()
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=self.sharded)
         set_model_state_dict(self.model, model_state, options=options)
         if self.optimizer is not None:
             set_optimizer_state_dict(self.model, self.optimizer, optimizer_state, options=options)
         self.updates, self.optimizer_steps = progress
+
+    def load_weights(self, named: dict[str, torch.Tensor]) -> None:
+        """Loads rank 0's named tensors into every rank (a collective). A weight sync sends tied weights
+        once (e.g. the embeddings, not lm_head), so rank 0 fills in the other names of each shared
+        parameter first: the sharded load wants every name."""
+        if self.rank == 0:
+            named = dict(named)
+            aliases: dict[int, list[str]] = {}
+            for name, parameter in self.model.named_parameters(remove_duplicate=False):
+                aliases.setdefault(id(parameter), []).append(name)
+            for names in aliases.values():
+                source = next((name for name in names if name in named), None)
+                for name in names if source else ():
+                    named.setdefault(name, named[source])
+        if self.sharded:  # FSDP2 keeps the root's parameters unsharded after a forward (compute)
+            self.model.reshard()
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=self.sharded)
+        set_model_state_dict(self.model, named, options=options)
 
     def rng_state(self) -> dict[str, torch.Tensor]:
         state = {"cpu_rng": torch.get_rng_state()}

@@ -8,7 +8,6 @@ import asyncio
 import json
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -16,10 +15,24 @@ from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rlfabric.core import errors
-from rlfabric.core.config import ClientConfig, RunConfig, TlsConfig
+from rlfabric.core.config import ClientConfig, RunConfig, TlsConfig, read_auth_token, read_named_file
 from rlfabric.core.interceptors import bearer_metadata
 
 MIB = 1024 * 1024
+# Calls never retried on UNAVAILABLE: a failed attempt may have done part of the work (an optimizer
+# step, a run start, a collective that lost a peer, a join), and a repeat would apply it twice or
+# wait for peers that have moved on. Their callers decide what a failure means.
+NO_RETRY_METHODS = (
+    ("rlfabric.v1.ActorService", "UpdatePolicy"),
+    ("rlfabric.v1.CriticService", "UpdateValues"),
+    ("rlfabric.v1.CoordinatorService", "StartRun"),
+    ("rlfabric.v1.ActorService", "BroadcastWeights"),
+    ("rlfabric.v1.RolloutService", "JoinWeightSyncGroup"),
+    ("rlfabric.v1.RolloutService", "ReceiveWeights"),
+    ("rlfabric.v1.RolloutService", "PushWeights"),
+    ("rlfabric.v1.ReferenceService", "JoinWeightSyncGroup"),
+    ("rlfabric.v1.ReferenceService", "ReceiveWeights"),
+)
 
 
 @dataclass
@@ -38,7 +51,6 @@ class ChannelOptions:
     @classmethod
     def from_config(cls, config: RunConfig) -> ChannelOptions:
         client: ClientConfig = config.client
-        token_file = config.server.auth_token_file
         return cls(
             timeout_s=client.timeout_s,
             connect_timeout_s=client.connect_timeout_s,
@@ -47,7 +59,7 @@ class ChannelOptions:
             retry_initial_backoff_s=client.retry_initial_backoff_s,
             keepalive_time_s=config.server.keepalive_time_s,
             tls=config.server.tls,
-            auth_token=Path(token_file).read_text().strip() if token_file else "",
+            auth_token=read_auth_token(config.server),
         )
 
     def service_config(self) -> str:
@@ -64,7 +76,10 @@ class ChannelOptions:
                 "backoffMultiplier": 2,
                 "retryableStatusCodes": ["UNAVAILABLE"],
             }
-        return json.dumps({"methodConfig": [method_config]})
+        configs = [method_config]
+        if self.retry_max_attempts >= 2:  # a method's own entry overrides the catch-all one
+            configs.append({"name": [{"service": service, "method": method} for service, method in NO_RETRY_METHODS]})
+        return json.dumps({"methodConfig": configs})
 
     def grpc_options(self) -> list[tuple[str, Any]]:
         options = [
@@ -82,9 +97,9 @@ class ChannelOptions:
 
 def channel_credentials(tls: TlsConfig) -> grpc.ChannelCredentials:
     """TLS credentials: verify the server with ca_file; present cert/key for mTLS when given."""
-    ca = Path(tls.ca_file).read_bytes() if tls.ca_file else None
-    key = Path(tls.key_file).read_bytes() if tls.key_file else None
-    cert = Path(tls.cert_file).read_bytes() if tls.cert_file else None
+    ca = read_named_file("server.tls.ca_file", tls.ca_file) if tls.ca_file else None
+    key = read_named_file("server.tls.key_file", tls.key_file) if tls.key_file else None
+    cert = read_named_file("server.tls.cert_file", tls.cert_file) if tls.cert_file else None
     return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
 
 

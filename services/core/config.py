@@ -122,6 +122,12 @@ class DataConfig(Section):
     """Longest response in tokens."""
     seed: int = 1
     """Shuffle seed."""
+    truncation: Literal["error", "left", "right"] = "error"
+    """A prompt longer than max_prompt_length (when not filtered): error, or keep its left/right part."""
+    filter_overlong_prompts: bool = True
+    """Drop prompts longer than max_prompt_length when the dataset loads (counted in the log)."""
+    val_batch_size: int = Field(64, gt=0)
+    """Prompts per validation generate request."""
 
 
 class ActorConfig(Section):
@@ -246,6 +252,10 @@ class RolloutConfig(Section):
     """Longest the engine may take to start (vLLM load, SGLang server health)."""
     request_timeout_s: float = Field(1800.0, gt=0)
     """Longest one generate request may wait and run inside the engine."""
+    val_temperature: float = Field(0.0, ge=0)
+    """Sampling temperature of validation (0 = greedy)."""
+    val_n: int = Field(1, ge=1)
+    """Samples per validation prompt."""
     drain_timeout_s: float = Field(300.0, gt=0)
     """Pause, Sleep and shutdown: longest wait for in-flight generation to finish."""
 
@@ -351,6 +361,10 @@ class TrainerConfig(Section):
     """Write RUN_DIR/curves.png (reward, KL, response length) at the end of the run."""
     rollout_retries: int = Field(2, ge=0)
     """Times a failed generation part is retried on another rollout replica before the step fails."""
+    run_dir: str = ""
+    """Where the run writes metrics, rollouts and checkpoints; empty = runs/<name> (the launchers set it)."""
+    dump_rollouts: bool = True
+    """Write every step's prompts, responses, scores and weight versions to RUN_DIR/rollouts/step_N.jsonl."""
 
 
 class WeightSyncConfig(Section):
@@ -362,6 +376,32 @@ class WeightSyncConfig(Section):
     """Weights move in flattened buckets of about this many MiB."""
     timeout_s: float = Field(120.0, gt=0)
     """Every collective and stream of a sync fails after this long (a dead peer never hangs the run)."""
+    host: str = ""
+    """Address receivers use to reach the actor's gloo store; empty = server.host, or this machine's hostname
+    when server.host is a wildcard (0.0.0.0)."""
+
+
+class RayResources(Section):
+    """What one service of a role reserves on the Ray cluster (`--launcher ray`)."""
+
+    num_cpus: float = Field(1.0, ge=0)
+    """CPUs Ray reserves for the service (Ray also sets its OMP_NUM_THREADS to this, at least 1)."""
+    num_gpus: float | None = Field(None, ge=0)
+    """GPUs Ray reserves and makes visible; null = auto: 0 on a cluster without GPUs, else world_size (actor, reference, critic), 1 (rollout replica; reward with a cuda model), 0 (coordinator)."""
+
+
+class RayLauncherConfig(Section):
+    """`rlfabric up --launcher ray`: every service runs under a Ray actor that holds its resources."""
+
+    namespace: str = ""
+    """Ray namespace of the run's actors; empty = rlfabric-<run dir name>."""
+    actor: RayResources = RayResources()
+    reference: RayResources = RayResources()
+    critic: RayResources = RayResources()
+    rollout: RayResources = RayResources()
+    """Per replica."""
+    reward: RayResources = RayResources()
+    coordinator: RayResources = RayResources()
 
 
 class LauncherConfig(Section):
@@ -369,6 +409,8 @@ class LauncherConfig(Section):
     """How long `rlfabric up` waits for every service to report readiness (model loads included)."""
     stop_timeout_s: float = Field(40.0, gt=0)
     """After SIGTERM, how long a service may drain before the launcher kills it."""
+    ray: RayLauncherConfig = RayLauncherConfig()
+    """Resources and namespace of the Ray launcher."""
 
 
 class RunConfig(Section):
@@ -407,7 +449,10 @@ def apply_override(tree: dict[str, Any], override: str) -> None:
         if not isinstance(child, dict):
             raise ConfigError(f"override {override!r}: {'.'.join(parts[: depth + 1])} is not a section")
         node = child
-    node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+    try:
+        node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as error:
+        raise ConfigError(f"override {override!r}: the value of {key.strip()} is not valid YAML: {error}") from None
 
 
 def _describe(error: ValidationError) -> str:
@@ -443,6 +488,28 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Ru
     for override in overrides:
         apply_override(tree, override)
     return config_from_dict(tree)
+
+
+def read_named_file(key: str, path: str | Path) -> bytes:
+    """The bytes of a file a config key names (a token, a certificate); ConfigError naming the key when
+    it cannot be read, so a service refuses to start with a clear message instead of a traceback."""
+    if not str(path):
+        raise ConfigError(f"{key} is empty")
+    try:
+        return Path(path).read_bytes()
+    except OSError as error:
+        raise ConfigError(f"{key}: cannot read {path}: {error.strerror or error}") from None
+
+
+def read_auth_token(server: ServerConfig) -> str:
+    """server.auth_token_file's token ("" when no file is configured). An empty file is an error:
+    it would silently turn authentication off."""
+    if not server.auth_token_file:
+        return ""
+    token = read_named_file("server.auth_token_file", server.auth_token_file).decode().strip()
+    if not token:
+        raise ConfigError(f"server.auth_token_file: {server.auth_token_file} is empty (authentication would be off)")
+    return token
 
 
 def dump_config(config: RunConfig, path: str | Path) -> None:

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Sequence
 import grpc
 
 from rlfabric.core.client import ServiceClient, rpc_error_to_domain
+from rlfabric.core.weight_sync import Manifest, SyncGroup
 from rlfabric.rollout import convert
 from rlfabric.rollout.types import EngineStatus, FinishedSample, SamplingSpec
 from rlfabric.v1 import rollout_pb2, rollout_pb2_grpc
@@ -75,3 +76,14 @@ class RolloutClient(ServiceClient):
 
     async def wake_up(self, tags: Sequence[str] = (), timeout_s: float | None = None) -> None:
         await self._call("WakeUp", rollout_pb2.WakeUpRequest(tags=list(tags)), timeout_s)
+
+    async def join_weight_sync_group(self, group: SyncGroup, rank: int, timeout_s: float | None = None) -> None:
+        """Joins (or rejoins) the actor's weight-sync group as `rank`."""
+        request = rollout_pb2.JoinWeightSyncGroupRequest(group=group.to_proto(), rank=rank)
+        await self._call("JoinWeightSyncGroup", request, timeout_s)
+
+    async def receive_weights(self, manifest: Manifest, timeout_s: float | None = None) -> tuple[int, float]:
+        """Receives the manifest's buckets while the actor broadcasts: (version now served, paused seconds)."""
+        response = await self._call("ReceiveWeights", rollout_pb2.ReceiveWeightsRequest(manifest=manifest.to_proto()),
+                                    timeout_s)
+        return response.version, response.paused_seconds

@@ -9,10 +9,12 @@ to the engine's `_generate`.
 from __future__ import annotations
 
 import abc
+import time
 from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from rlfabric.core.errors import FailedPrecondition, InvalidArgument, Unimplemented
+from rlfabric.core.weight_sync import Manifest, Membership, SyncGroup, WeightSwap
 from rlfabric.rollout.types import EngineLimits, EngineStatus, FinishedSample, SamplingSpec, validate_request
 
 if TYPE_CHECKING:
@@ -33,6 +35,7 @@ class RolloutEngine(abc.ABC):
         self.model = model
         self.limits: EngineLimits | None = None
         self.tokenizer = None  # a Hugging Face tokenizer, for chat templates and text
+        self.weight_sync = Membership()  # the actor's weight-sync group, when joined
 
     @abc.abstractmethod
     async def start(self) -> None: ...
@@ -73,6 +76,26 @@ class RolloutEngine(abc.ABC):
     async def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> int:
         """Swaps in named (Hugging Face names) tensors between requests, all or none; returns the new
         weight version (`version`, or the current one + 1). The weight-sync transports feed this."""
+
+    async def swap_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> WeightSwap:
+        """load_weights, also reporting how long generation was held (here: the whole load)."""
+        started = time.monotonic()
+        version = await self.load_weights(weights, version)
+        return WeightSwap(version, time.monotonic() - started)
+
+    # Weight sync (rlfabric.core.weight_sync). By default the bytes land in this process and are then
+    # swapped in; an engine whose weights live elsewhere (vLLM's workers) receives them there instead.
+
+    async def join_weight_sync(self, group: SyncGroup, rank: int) -> None:
+        """Joins (or rejoins) the actor's weight-sync group as `rank`; blocks until every rank joined."""
+        await self.weight_sync.join(group, rank)
+
+    async def receive_weights(self, manifest: Manifest) -> WeightSwap:
+        """Receives the manifest's buckets while generation goes on, then swaps them in at once."""
+        return await self.weight_sync.receive(manifest, lambda weights: self.swap_weights(weights, manifest.version))
+
+    async def leave_weight_sync(self) -> None:
+        await self.weight_sync.leave()
 
     def render_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
         """Token ids of chat messages through the tokenizer's chat template, with the generation prompt."""

@@ -27,6 +27,7 @@ import torch
 
 from rlfabric.core.config import RunConfig
 from rlfabric.core.errors import DeadlineExceeded, InvalidArgument, Unavailable, Unimplemented
+from rlfabric.core.weight_sync import WeightSwap
 from rlfabric.rollout.engine import RolloutEngine, load_tokenizer, trust_remote_code
 from rlfabric.rollout.sampling import sample_tokens
 from rlfabric.rollout.types import (
@@ -142,6 +143,7 @@ class HFEngine(RolloutEngine):
             self._scheduler.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._scheduler
+        await self.leave_weight_sync()
         self.net = None
 
     def status(self) -> EngineStatus:
@@ -351,12 +353,20 @@ class HFEngine(RolloutEngine):
                 self._admit_all()
 
     async def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> int:
+        return (await self.swap_weights(weights, version)).version
+
+    async def swap_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> WeightSwap:
+        """Copies the weights in under the batch lock: between two batches, so no sample sees a mix;
+        generation is held only while the copy runs."""
         named = list(weights)
         async with self._lock:
+            started = time.monotonic()
             await asyncio.to_thread(self._copy_weights, named)
             self._version = self._version + 1 if version is None else int(version)
-        log.info("weights loaded", extra={"fields": {"tensors": len(named), "version": self._version}})
-        return self._version
+            paused = time.monotonic() - started
+        log.info("weights loaded", extra={"fields": {"tensors": len(named), "version": self._version,
+                                                     "paused_s": round(paused, 4)}})
+        return WeightSwap(self._version, paused)
 
     def _copy_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:
         """Checks every tensor first, then copies all of them: a bad update changes nothing."""

@@ -2,21 +2,24 @@
 
     rlfabric serve rollout --config run.yaml rollout.engine=hf
 
-The engine is chosen once, in build_engine, from rollout.engine. JoinWeightSyncGroup,
-ReceiveWeights and PushWeights belong to the weight-sync transports and still answer
-UNIMPLEMENTED from the generated base class; they will feed `engine.load_weights`.
+The engine is chosen once, in build_engine, from rollout.engine. Weight sync
+(rlfabric.core.weight_sync): JoinWeightSyncGroup and ReceiveWeights (gloo, nccl) and PushWeights
+(grpc) end in the engine swapping in the new version at once; a checksum mismatch rejects it.
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import AsyncIterator, Sequence
 
 from prometheus_client import CollectorRegistry
 
 from rlfabric.core.config import RunConfig
 from rlfabric.core.errors import InvalidArgument, RlfabricError, Unavailable
-from rlfabric.core.metrics import service_counter, service_gauge
+from rlfabric.core.metrics import service_counter, service_gauge, service_histogram
 from rlfabric.core.server import ServiceBinding, ServiceDefinition
+from rlfabric.core.weight_sync import BucketAssembler, Manifest, SyncGroup, WeightSwap
 from rlfabric.rollout import convert
 from rlfabric.rollout.engine import RolloutEngine
 from rlfabric.rollout.types import FinishedSample, SamplingSpec
@@ -36,12 +39,28 @@ class RolloutMetrics:
         }
         for name, (doc, attr) in gauges.items():
             service_gauge(registry, name, doc).set_function(lambda attr=attr: getattr(engine.status(), attr))
+        self.sync_seconds = service_histogram(
+            registry, "rlfabric_weight_sync_seconds", "Wall time of one weight sync on this service "
+            "(rollout: receive and switch).", ("role",))
+        self.paused_seconds = service_histogram(
+            registry, "rlfabric_rollout_paused_seconds", "Seconds generation was held for one weight switch.")
+        self.sync_bytes = service_counter(
+            registry, "rlfabric_weight_sync_bytes_total", "Weight bytes moved by weight sync (rollout: received).",
+            ("role",))
+        self.sync_bytes.labels("rollout")
+
+    def weight_swap(self, swap: WeightSwap, seconds: float, num_bytes: int) -> None:
+        self.sync_seconds.labels("rollout").observe(seconds)
+        self.paused_seconds.observe(swap.paused_seconds)
+        self.sync_bytes.labels("rollout").inc(num_bytes)
 
 
 class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     def __init__(self, engine: RolloutEngine, metrics: RolloutMetrics):
         self.engine = engine
         self.metrics = metrics
+        self._push_lock = asyncio.Lock()  # one PushWeights at a time: they share the buffers below
+        self._push_buffers: list = []  # the last push's bucket buffers, reused by the next one
 
     async def Generate(self, request, context):
         samples = [s async for s in self._generate(request.prompts, request.sampling_params)]
@@ -71,6 +90,37 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     async def WakeUp(self, request, context):
         await self.engine.wake_up(list(request.tags))
         return rollout_pb2.WakeUpResponse()
+
+    async def JoinWeightSyncGroup(self, request, context):
+        await self.engine.join_weight_sync(SyncGroup.from_proto(request.group), request.rank)
+        return rollout_pb2.JoinWeightSyncGroupResponse()
+
+    async def ReceiveWeights(self, request, context):
+        started = time.monotonic()
+        manifest = Manifest.from_proto(request.manifest)
+        swap = await self.engine.receive_weights(manifest)
+        self.metrics.weight_swap(swap, time.monotonic() - started, manifest.num_bytes)
+        return rollout_pb2.ReceiveWeightsResponse(version=swap.version, paused_seconds=swap.paused_seconds)
+
+    async def PushWeights(self, request_iterator, context):
+        started = time.monotonic()
+        first = await anext(aiter(request_iterator), None)
+        if first is None or not first.HasField("manifest"):
+            raise InvalidArgument("PushWeights: the first message must carry the manifest")
+        manifest = Manifest.from_proto(first.manifest)
+        async with self._push_lock:
+            assembler = BucketAssembler(manifest, self._push_buffers)
+            self._push_buffers = assembler.buffers
+            try:
+                async for chunk in request_iterator:
+                    assembler.add(chunk.bucket_index, chunk.offset, chunk.data)
+            except BaseException:
+                assembler.close()
+                raise
+            weights = await asyncio.to_thread(assembler.finish)  # waits for the last bucket's CRC check
+            swap = await self.engine.swap_weights(weights, manifest.version)
+        self.metrics.weight_swap(swap, time.monotonic() - started, manifest.num_bytes)
+        return rollout_pb2.PushWeightsResponse(version=swap.version, paused_seconds=swap.paused_seconds)
 
     def _prompts(self, prompts: Sequence[rollout_pb2.Prompt]) -> list[list[int]]:
         ids = []

@@ -9,6 +9,7 @@ ComputeLogProbs computes for the PPO ratio. With temperature 0 (greedy) T is tak
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -92,7 +93,7 @@ def validate_request(prompts: Sequence[Sequence[int]], params: SamplingSpec, lim
         raise InvalidArgument(f"sampling_params.n must be >= 1 (got {params.n})")
     if params.max_tokens <= 0:
         raise InvalidArgument(f"sampling_params.max_tokens must be >= 1 (got {params.max_tokens})")
-    if params.temperature < 0:
+    if not (math.isfinite(params.temperature) and params.temperature >= 0):
         raise InvalidArgument(f"sampling_params.temperature must be >= 0 (got {params.temperature})")
     if not 0 < params.top_p <= 1:
         raise InvalidArgument(f"sampling_params.top_p must be in (0, 1] (got {params.top_p})")

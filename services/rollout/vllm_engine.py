@@ -12,8 +12,12 @@ prefix caching shares the prompt's KV across its n samples. Log-probs: logprobs_
 "processed_logprobs" (after temperature and top-k/top-p), see rlfabric.rollout.types.
 
 Weights: load_weights stages the tensors as a safetensors file in shared memory and calls the
-workers' rlfabric_load_weights_file (rlfabric.rollout.vllm_worker) through collective_rpc, with
-generation paused ("wait") around it, then resets the prefix cache.
+workers' rlfabric_load_weights_file (rlfabric.rollout.vllm_worker) through collective_rpc. Weight
+sync over gloo or nccl lands in the worker process itself: the worker joins the actor's group
+(rlfabric_sync_join) and receives on a thread of its own (rlfabric_sync_start / _poll) while
+generation goes on. Either way the switch (_switch) holds generation with pause_generation("wait"),
+so in-flight requests finish on the old weights and no request sees a mix, applies the new weights,
+resets the prefix cache (its KV came from the old weights) and resumes.
 """
 
 from __future__ import annotations
@@ -31,13 +35,23 @@ from pathlib import Path
 import torch
 
 from rlfabric.core.config import RunConfig
-from rlfabric.core.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
+from rlfabric.core.errors import (
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    RlfabricError,
+    Unavailable,
+)
+from rlfabric.core.weight_sync import Manifest, SyncGroup, WeightSwap
+from rlfabric.core.weight_sync.receiver import SLACK_S
 from rlfabric.rollout.engine import RolloutEngine, load_tokenizer, trust_remote_code
 from rlfabric.rollout.types import EngineLimits, EngineStatus, Finish, FinishedSample, SamplingSpec, row_seed
 
 log = logging.getLogger("rlfabric.rollout.vllm")
 WORKER_EXTENSION = "rlfabric.rollout.vllm_worker.RlfabricWorkerExtension"
 _FINISH = {"stop": Finish.STOP, "length": Finish.LENGTH, "abort": Finish.ABORT}
+_ERRORS = {cls.code.name: cls for cls in (InvalidArgument, FailedPrecondition, Unavailable, DeadlineExceeded)}
+SYNC_POLL_S = 0.02
 
 
 class VLLMEngine(RolloutEngine):
@@ -53,6 +67,7 @@ class VLLMEngine(RolloutEngine):
         self._paused = False
         self._sleeping = False
         self._update_lock = asyncio.Lock()
+        self._sync_group: SyncGroup | None = None  # joined from inside the worker (gloo, nccl)
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -110,6 +125,8 @@ class VLLMEngine(RolloutEngine):
 
     async def stop(self) -> None:
         if self.llm is not None:
+            with contextlib.suppress(Exception):
+                await self.leave_weight_sync()
             llm, self.llm = self.llm, None
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(asyncio.to_thread(llm.shutdown), self.config.rollout.drain_timeout_s)
@@ -213,28 +230,109 @@ class VLLMEngine(RolloutEngine):
         self._sleeping = False
 
     async def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> int:
+        return (await self.swap_weights(weights, version)).version
+
+    async def swap_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> WeightSwap:
+        """Stages the tensors in shared memory (generation goes on), then switches the workers to them."""
         from safetensors.torch import save_file
 
-        llm = self._alive()
+        self._alive()
         # Clones: safetensors refuses tensors that share memory (tied embeddings).
         named = {name: tensor.detach().to("cpu").contiguous().clone() for name, tensor in weights}
         path = Path(self.config.rollout.weight_staging_dir) / f"rlfabric-weights-{os.getpid()}-{uuid.uuid4().hex}.safetensors"
+        try:
+            await asyncio.to_thread(save_file, named, str(path))
+            timeout = self.config.rollout.drain_timeout_s
+            swap = await self._switch(lambda llm: llm.collective_rpc(
+                "rlfabric_load_weights_file", timeout=timeout, args=(str(path),)), version)
+        finally:
+            path.unlink(missing_ok=True)
+        log.info("weights loaded", extra={"fields": {"tensors": len(named), "version": swap.version,
+                                                     "paused_s": round(swap.paused_seconds, 4)}})
+        return swap
+
+    async def _switch(self, apply, version: int | None) -> WeightSwap:
+        """Holds generation (in-flight requests finish on the old weights, new ones wait), awaits
+        apply(llm), resets the prefix cache and resumes; one switch at a time."""
+        llm = self._alive()
         timeout = self.config.rollout.drain_timeout_s
         async with self._update_lock:
-            await asyncio.to_thread(save_file, named, str(path))
             user_paused = self._paused
+            started = time.monotonic()
             try:
-                if not user_paused:  # finish in-flight requests on the old weights, hold new ones
+                if not user_paused:
                     await asyncio.wait_for(llm.pause_generation(mode="wait"), timeout)
                 try:
-                    await llm.collective_rpc("rlfabric_load_weights_file", timeout=timeout, args=(str(path),))
+                    await apply(llm)
                 except Exception as error:
                     raise InvalidArgument(f"vllm could not load the weights: {type(error).__name__}: {error}") from error
                 await llm.reset_prefix_cache()  # cached KV was computed with the old weights
                 self._version = self._version + 1 if version is None else int(version)
             finally:
-                path.unlink(missing_ok=True)
                 if not user_paused:
                     await llm.resume_generation()
-        log.info("weights loaded", extra={"fields": {"tensors": len(named), "version": self._version}})
-        return self._version
+            return WeightSwap(self._version, time.monotonic() - started)
+
+    # -- weight sync inside the worker process (gloo, nccl) --------------------------------------
+
+    async def join_weight_sync(self, group: SyncGroup, rank: int) -> None:
+        if group.transport == "grpc":  # the bytes arrive in this process (PushWeights)
+            self._sync_group = None
+            return await super().join_weight_sync(group, rank)
+        group.check_rank(rank)
+        llm = self._alive()
+        self._sync_group = None
+        self._raise_for(await self._worker_call(llm, group.timeout_s, "rlfabric_sync_join",
+                                                group.to_proto().SerializeToString(), rank))
+        self._sync_group = group
+
+    async def receive_weights(self, manifest: Manifest) -> WeightSwap:
+        group = self._sync_group
+        if group is None:
+            return await super().receive_weights(manifest)
+        if manifest.group_id != group.group_id:
+            raise FailedPrecondition(f"manifest is for weight-sync group {manifest.group_id!r}, this replica "
+                                     f"joined {group.group_id!r}")
+        llm = self._alive()
+        self._raise_for(await self._worker_call(llm, group.timeout_s, "rlfabric_sync_start",
+                                                manifest.to_proto().SerializeToString()))
+        deadline = time.monotonic() + group.timeout_s + SLACK_S
+        while True:  # the worker receives on its own thread; generation goes on meanwhile
+            outcomes = await self._worker_call(llm, group.timeout_s, "rlfabric_sync_poll")
+            if all(o["state"] == "done" for o in outcomes):
+                break
+            if any(o["state"] == "error" for o in outcomes):
+                if any(o["code"] != "INVALID_ARGUMENT" for o in outcomes if o["state"] == "error"):
+                    self._sync_group = None  # a failed collective: the worker left the group
+                self._raise_for(outcomes)
+            if time.monotonic() > deadline:
+                self._sync_group = None
+                raise DeadlineExceeded(f"weights did not arrive within weight_sync.timeout_s={group.timeout_s:g}")
+            await asyncio.sleep(SYNC_POLL_S)
+        swap = await self._switch(lambda llm: llm.collective_rpc("rlfabric_sync_apply"), manifest.version)
+        log.info("weights received", extra={"fields": {"version": swap.version, "bytes": manifest.num_bytes,
+                                                       "paused_s": round(swap.paused_seconds, 4)}})
+        return swap
+
+    async def leave_weight_sync(self) -> None:
+        if self._sync_group is not None and self.llm is not None:
+            self._sync_group = None
+            await self._worker_call(self.llm, 30.0, "rlfabric_sync_leave")
+        await super().leave_weight_sync()
+
+    @staticmethod
+    def _raise_for(outcomes: list[dict]) -> None:
+        """Raises the domain error of the first worker outcome that failed (rlfabric.rollout.vllm_worker)."""
+        for outcome in outcomes:
+            if outcome["state"] == "error":
+                raise _ERRORS.get(outcome["code"], Unavailable)(f"vllm worker: {outcome['message']}")
+
+    async def _worker_call(self, llm, timeout_s: float, method: str, *args):
+        try:
+            return await asyncio.wait_for(llm.collective_rpc(method, args=args), timeout_s + SLACK_S)
+        except TimeoutError:
+            raise DeadlineExceeded(f"vllm worker call {method} took longer than {timeout_s + SLACK_S:g} s") from None
+        except RlfabricError:
+            raise
+        except Exception as error:
+            raise Unavailable(f"vllm worker call {method} failed: {type(error).__name__}: {error}") from error

@@ -2,15 +2,42 @@
 `collective_rpc`. Imported inside vLLM's worker processes: no vLLM import at module level.
 
 Bulk tensors cannot travel as collective_rpc arguments (on vLLM CPU they arrive as Python lists),
-so weights reach the workers through a safetensors file in shared memory today, and through a
-process group (the weight-sync issue) later; both end in `rlfabric_apply_weights`.
+so weights reach the workers either through a safetensors file in shared memory
+(rlfabric_load_weights_file) or over the actor's weight-sync group, which the worker joins itself
+(rlfabric_sync_*: group and manifest travel as serialized protos). Both end in
+`rlfabric_apply_weights`.
+
+The sync receive runs on a thread of the worker, so the engine keeps stepping while the bytes land:
+rlfabric_sync_start returns at once, rlfabric_sync_poll reports progress, and rlfabric_sync_apply
+(called with generation held) swaps the checked weights in. Outcomes are plain dicts
+{"state": "running" | "done" | "error", "code": gRPC status name, "message": str}.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable
 
 import torch
+
+DONE = {"state": "done", "code": "OK", "message": ""}
+
+
+def _error(error: Exception) -> dict:
+    from rlfabric.core.errors import RlfabricError
+
+    code = error.code.name if isinstance(error, RlfabricError) else "UNAVAILABLE"
+    return {"state": "error", "code": code, "message": f"{type(error).__name__}: {error}"}
+
+
+class _SyncState:
+    """The worker's weight-sync membership and the receive in progress."""
+
+    def __init__(self):
+        self.receiver = None
+        self.thread: threading.Thread | None = None
+        self.outcome: dict = DONE
+        self.staged: list | None = None
 
 
 class RlfabricWorkerExtension:
@@ -42,3 +69,76 @@ class RlfabricWorkerExtension:
             return
         with set_current_vllm_config(self.vllm_config):
             head.quant_method.process_weights_after_loading(head)
+
+    # -- weight sync ------------------------------------------------------------------------------
+
+    def _rlfabric_sync(self) -> _SyncState:
+        if not hasattr(self, "_rlfabric_sync_state"):
+            self._rlfabric_sync_state = _SyncState()
+        return self._rlfabric_sync_state
+
+    def rlfabric_sync_join(self, group: bytes, rank: int) -> dict:
+        """Leaves any earlier group and joins this one (blocks until every rank has joined)."""
+        from rlfabric.core.weight_sync import SyncGroup, WeightReceiver
+        from rlfabric.v1 import weight_sync_pb2
+
+        self.rlfabric_sync_leave()
+        try:
+            sync_group = SyncGroup.from_proto(weight_sync_pb2.WeightSyncGroup.FromString(group))
+            device = getattr(self, "device", None)
+            self._rlfabric_sync().receiver = WeightReceiver(sync_group, rank, torch.device(device or "cpu"))
+        except Exception as error:
+            return _error(error)
+        return DONE
+
+    def rlfabric_sync_start(self, manifest: bytes) -> dict:
+        """Starts receiving a manifest's buckets on a thread; poll with rlfabric_sync_poll."""
+        from rlfabric.core.errors import FailedPrecondition
+        from rlfabric.core.weight_sync import Manifest
+        from rlfabric.v1 import weight_sync_pb2
+
+        sync = self._rlfabric_sync()
+        if sync.receiver is None:
+            return _error(FailedPrecondition("the vllm worker has not joined a weight-sync group"))
+        if sync.thread is not None and sync.thread.is_alive():
+            return _error(FailedPrecondition("a weight sync is already being received"))
+        try:
+            parsed = Manifest.from_proto(weight_sync_pb2.WeightManifest.FromString(manifest))
+            sync.receiver.check(parsed)
+        except Exception as error:
+            return _error(error)
+        sync.staged, sync.outcome = None, {"state": "running", "code": "OK", "message": ""}
+        sync.thread = threading.Thread(target=self._rlfabric_receive, args=(sync, parsed),
+                                       name="rlfabric-weight-sync", daemon=True)
+        sync.thread.start()
+        return sync.outcome
+
+    def _rlfabric_receive(self, sync: _SyncState, manifest) -> None:
+        from rlfabric.core.errors import InvalidArgument
+
+        try:
+            sync.staged = sync.receiver.receive(manifest)
+            sync.outcome = DONE
+        except Exception as error:
+            if not isinstance(error, InvalidArgument):  # a failed collective breaks the group
+                sync.receiver.close()
+                sync.receiver = None
+            sync.outcome = _error(error)
+
+    def rlfabric_sync_poll(self) -> dict:
+        return self._rlfabric_sync().outcome
+
+    def rlfabric_sync_apply(self) -> int:
+        """Swaps the received weights in (the engine holds generation around this call)."""
+        sync = self._rlfabric_sync()
+        staged, sync.staged = sync.staged, None
+        if staged is None:
+            raise RuntimeError("no received weights to apply")
+        self.rlfabric_apply_weights(iter(staged))
+        return len(staged)
+
+    def rlfabric_sync_leave(self) -> None:
+        sync = self._rlfabric_sync()
+        if sync.receiver is not None:
+            sync.receiver.close()
+        sync.receiver, sync.staged = None, None

@@ -155,7 +155,9 @@ class ActorServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def BroadcastWeights(self, request, context):
-        """Sends the prepared buckets to every receiver of the group.
+        """Sends the prepared buckets to every receiver of the group. GLOO/NCCL: fails (UNAVAILABLE or
+        DEADLINE_EXCEEDED) when any receiver fails, within the group's timeout, and the group is then
+        broken (FAILED_PRECONDITION afterwards: open a new one). GRPC: per-receiver results in pushes.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

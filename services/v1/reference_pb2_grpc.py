@@ -76,7 +76,8 @@ class ReferenceServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ReceiveWeights(self, request, context):
-        """Receives the buckets of one manifest while the actor broadcasts them.
+        """Receives the buckets of one manifest while the actor broadcasts them, then loads them as one
+        version (checksum mismatch: INVALID_ARGUMENT, the old weights stay).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -148,14 +148,17 @@ class RolloutServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ReceiveWeights(self, request, context):
-        """Receives the buckets of one manifest over the group's collective while the actor broadcasts.
+        """Receives the buckets of one manifest over the group's collective while the actor broadcasts,
+        then serves them as one version. A bucket whose CRC-32 does not match is INVALID_ARGUMENT and
+        the old weights keep serving; a lost peer is UNAVAILABLE or DEADLINE_EXCEEDED within the timeout.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def PushWeights(self, request_iterator, context):
-        """GRPC transport: the actor streams a manifest and then the bucket bytes.
+        """GRPC transport: the actor streams a manifest and then the bucket bytes (each bucket's chunks in
+        order). Checksum mismatch or an incomplete stream: INVALID_ARGUMENT, the old weights keep serving.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -119,9 +119,9 @@ def test_tensor_with_wrong_byte_length_is_invalid_argument(actor):
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "attention_mask: raw_data has" in details
 
 
-def test_weight_sync_rpcs_are_unimplemented(actor):
-    code, _ = _raw_call(actor, "OpenWeightSyncGroup", actor_pb2.OpenWeightSyncGroupRequest())
-    assert code == grpc.StatusCode.UNIMPLEMENTED
+def test_bad_weight_sync_requests_are_invalid_argument(actor):
+    code, details = _raw_call(actor, "OpenWeightSyncGroup", actor_pb2.OpenWeightSyncGroupRequest())
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "num_receivers must be >= 1" in details
 
 
 def test_kl_loss_needs_ref_log_probs(tiny_model):

