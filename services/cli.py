@@ -2,6 +2,7 @@
 
     rlfabric up [CONFIG] [--run-dir DIR] [key=value ...]       local mesh until Ctrl-C
     rlfabric train [CONFIG] [--run-dir DIR] [key=value ...]    local mesh + training run + teardown
+        (both take --launcher ray [--address ADDR]: each service as a Ray actor on a Ray cluster)
     rlfabric serve ROLE --config C [--port P --metrics-port M] one service (what containers run)
     rlfabric status [--run-dir DIR | --address HOST:PORT]      ask a running coordinator
     rlfabric health ADDRESS [--service readiness]              one health check (probes, helm test)
@@ -29,6 +30,10 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", nargs="?", help="run config YAML (default: the built-in quickstart)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.total_steps=20")
     parser.add_argument("--run-dir", type=Path, help="default: runs/<name>-<timestamp>")
+    parser.add_argument("--launcher", choices=("local", "ray"), default="local",
+                        help="local: processes on this machine; ray: one Ray actor per service")
+    parser.add_argument("--address", help="--launcher ray: the Ray cluster to use (default: RAY_ADDRESS, "
+                                          "else a new local Ray instance)")
 
 
 def _split_config_and_overrides(args) -> tuple[str | None, list[str]]:
@@ -109,6 +114,15 @@ def _start_mesh(args):
     config = load_config(config_path, overrides)
     run_dir = args.run_dir or default_run_dir(config)
     setup_logging("launcher", run_dir.name, config.server.log_level)
+    if args.launcher == "ray":
+        try:
+            from rlfabric.ray_launcher import RayMesh
+        except ImportError as error:
+            raise ConfigError(f"--launcher ray needs Ray ({error}); pip install 'rlfabric[ray]'") from None
+        print(f"rlfabric: starting the mesh on Ray in {run_dir} (logs in {run_dir}/logs)", flush=True)
+        return RayMesh(config, run_dir, address=args.address)
+    if args.address:
+        raise ConfigError("--address is for --launcher ray")
     print(f"rlfabric: starting the local mesh in {run_dir} (logs in {run_dir}/logs)", flush=True)
     return LocalMesh(config, run_dir)
 
@@ -127,12 +141,12 @@ def cmd_up(args) -> int:
         print(json.dumps(mesh.endpoints, indent=2), flush=True)
         print(f"rlfabric: mesh ready; endpoints in {mesh.run_dir / 'endpoints.json'}. Ctrl-C to stop.", flush=True)
         try:
-            while not mesh.failed():
+            while not (failed := mesh.failed()):
                 time.sleep(0.5)
         except KeyboardInterrupt:
             print("rlfabric: stopping the mesh", flush=True)
             return 0
-    dead = ", ".join(f"{p.name} (exit {p.process.returncode}, log {p.log_path})" for p in mesh.failed())
+        dead = ", ".join(f"{p.name} {p.exit_report()}" for p in failed)  # before stop() ends the others
     print(f"rlfabric: service(s) exited: {dead}; mesh stopped", file=sys.stderr)
     return 1
 
@@ -150,6 +164,10 @@ def cmd_train(args) -> int:
         print(f"rlfabric: mesh ready; coordinator at {address}", flush=True)
 
         async def start_run() -> int:
+            from rlfabric.coordinator.tracking import read_metrics, watch_run
+            from rlfabric.v1 import coordinator_pb2
+
+            trainer = mesh.config.trainer
             async with CoordinatorClient(address, ChannelOptions.from_config(mesh.config)) as client:
                 try:
                     started = await client.start_run()
@@ -158,7 +176,21 @@ def cmd_train(args) -> int:
                           file=sys.stderr)
                     return 1
                 print(f"rlfabric: run {started.run_id} started at step {started.start_step}", flush=True)
-                return 0
+                status = await watch_run(client, trainer.total_steps, started.start_step,
+                                         progress_bar=trainer.progress_bar)
+            records = read_metrics(mesh.run_dir / "metrics.jsonl")
+            scores = [r["critic/score/mean"] for r in records if "critic/score/mean" in r]
+            if scores:
+                last = scores[-3:]
+                print(f"rlfabric: critic/score/mean first step {scores[0]:.3f}, mean of the last {len(last)} "
+                      f"steps {sum(last) / len(last):.3f}", flush=True)
+            print(f"rlfabric: metrics in {mesh.run_dir / 'metrics.jsonl'}, curves in {mesh.run_dir / 'curves.png'}, "
+                  f"checkpoints in {mesh.run_dir / 'checkpoints'}", flush=True)
+            if status.state != coordinator_pb2.RUN_STATE_COMPLETED:
+                print(f"rlfabric: the run ended {coordinator_pb2.RunState.Name(status.state)} at step {status.step}: "
+                      f"{status.error}", file=sys.stderr)
+                return 1
+            return 0
 
         try:
             return asyncio.run(start_run())

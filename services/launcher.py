@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
+from typing import Protocol
 
 from rlfabric.core.client import ChannelOptions, wait_until_serving
 from rlfabric.core.config import RunConfig, dump_config
@@ -35,7 +36,8 @@ def default_run_dir(config: RunConfig) -> Path:
     return Path("runs") / f"{config.name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
+def die_with_parent() -> None:
+    """preexec_fn: the child gets SIGTERM when the thread that started it dies."""
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
@@ -50,19 +52,174 @@ class ServiceProcess:
     log_path: Path
     port_file: Path
     ports: dict | None = None
+    host: str = "127.0.0.1"
+
+    @property
+    def grpc_address(self) -> str:
+        return f"{self.host}:{self.ports['grpc']}"
 
     def log_tail(self, lines: int = 20) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except FileNotFoundError:
-            return "(no log)"
+        return log_tail(self.log_path, lines)
+
+    def exit_report(self) -> str | None:
+        """Why the service is gone ("exited with code 1 (log PATH)"), or None while it runs."""
+        if self.process.poll() is None:
+            return None
+        return f"exited with code {self.process.returncode} (log {self.log_path})"
 
 
 class MeshStartError(RuntimeError):
     """A service of the mesh failed to start or to become ready."""
 
 
-class LocalMesh:
+# -- shared by LocalMesh and RayMesh (rlfabric.ray_launcher) ---------------------------------------
+
+
+def log_tail(path: Path, lines: int = 20) -> str:
+    """The last lines of a log file."""
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except FileNotFoundError:
+        return "(no log)"
+
+
+def service_names(config: RunConfig) -> list[tuple[str, str]]:
+    """(service name, role) of every service except the coordinator, in start order."""
+    names = [("actor", "actor")]
+    if config.reference.enable:
+        names.append(("reference", "reference"))
+    names.append(("critic", "critic"))
+    names += [(f"rollout-{i}", "rollout") for i in range(config.rollout.replicas)]
+    names.append(("reward", "reward"))
+    return names
+
+
+def prepare_run_dir(config: RunConfig, run_dir: Path) -> Path:
+    """Creates RUN_DIR/logs, builds the tiny model when model.path is empty, points trainer.run_dir at
+    RUN_DIR, writes RUN_DIR/config.yaml (what every service but the coordinator reads), returns its path."""
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    if not config.trainer.run_dir:
+        config.trainer.run_dir = str(run_dir.resolve())
+    if not config.model.path:
+        config.model.path = str(build_tiny_model(run_dir))
+    worker_config = run_dir / "config.yaml"
+    dump_config(config, worker_config)
+    return worker_config
+
+
+def build_tiny_model(run_dir: Path) -> Path:
+    """The quickstart's model: built once per run dir (no model hub is needed)."""
+    model_dir = run_dir / "model"
+    if not (model_dir / "config.json").exists():
+        subprocess.run(
+            [sys.executable, "-m", "rlfabric", "make-tiny-model", str(model_dir)],
+            check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+    return model_dir.resolve()
+
+
+def serve_command(role: str, config_path: Path, host: str, port_file: Path, run_id: str) -> list[str]:
+    """`rlfabric serve ROLE` on any free ports, which it reports in port_file."""
+    return [
+        sys.executable, "-m", "rlfabric", "serve", role,
+        "--config", str(config_path),
+        "--host", host, "--port", "0", "--metrics-port", "0",
+        "--port-file", str(port_file), "--run-id", run_id,
+    ]
+
+
+def await_port_file(port_file: Path, process: subprocess.Popen, timeout_s: float) -> dict | None:
+    """The ports a `serve --port-file` process reported; None if it exited first, TimeoutError after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while not port_file.exists():
+        if process.poll() is not None:
+            return None
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no port file {port_file} after {timeout_s:g} s")
+        time.sleep(0.05)
+    return json.loads(port_file.read_text())
+
+
+def endpoint(name: str, host: str, ports: dict) -> dict:
+    """One entry of endpoints.json."""
+    return {"name": name, "grpc": f"{host}:{ports['grpc']}", "metrics": f"{host}:{ports['metrics']}",
+            "pid": ports["pid"]}
+
+
+def write_endpoints(run_dir: Path, endpoints: dict[str, list[dict]]) -> None:
+    """RUN_DIR/endpoints.json: role -> [{name, grpc, metrics, pid}], replaced atomically."""
+    tmp = run_dir / "endpoints.json.tmp"
+    tmp.write_text(json.dumps(endpoints, indent=2))
+    tmp.rename(run_dir / "endpoints.json")
+
+
+def write_coordinator_config(config: RunConfig, endpoints: dict[str, list[dict]], run_dir: Path) -> Path:
+    """RUN_DIR/config.resolved.yaml: the config plus every role's addresses in its cluster section."""
+    resolved = config.model_copy(deep=True)
+    for role, entries in endpoints.items():
+        setattr(resolved.cluster, role, [e["grpc"] for e in entries])
+    path = run_dir / "config.resolved.yaml"
+    dump_config(resolved, path)
+    return path
+
+
+class LaunchedService(Protocol):
+    """What the launchers know of a started service (ServiceProcess, RayService)."""
+
+    name: str
+
+    @property
+    def grpc_address(self) -> str: ...
+
+    def exit_report(self) -> str | None: ...
+
+    def log_tail(self, lines: int = 20) -> str: ...
+
+
+async def await_readiness(config: RunConfig, services: list[LaunchedService]) -> None:
+    """Waits until every service answers readiness SERVING over gRPC; a service that exits
+    meanwhile fails the wait at once with an error naming it."""
+    options = ChannelOptions.from_config(config)
+    timeout = config.launcher.startup_timeout_s
+
+    async def one(service: LaunchedService) -> None:
+        waiting = asyncio.create_task(wait_until_serving(service.grpc_address, options, timeout_s=timeout))
+        while not waiting.done():
+            report = service.exit_report()
+            if report is not None:
+                waiting.cancel()
+                raise MeshStartError(f"{service.name} {report} while loading:\n{service.log_tail()}")
+            await asyncio.sleep(0.1)
+        try:
+            waiting.result()
+        except Exception as error:
+            raise MeshStartError(f"{service.name} never became ready: {error}\n{service.log_tail()}") from None
+
+    await asyncio.gather(*(one(s) for s in services))
+
+
+class MeshContext:
+    """`with Mesh(...) as mesh:` starts it, and stops it on the way out (also when start fails)."""
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class LocalMesh(MeshContext):
     """Starts and stops the six roles on this machine."""
 
     def __init__(self, config: RunConfig, run_dir: Path | None = None, host: str = "127.0.0.1"):
@@ -75,51 +232,21 @@ class LocalMesh:
 
     # -- lifecycle ---------------------------------------------------------------------------
 
-    def __enter__(self) -> LocalMesh:
-        try:
-            self.start()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-    def worker_names(self) -> list[tuple[str, str]]:
-        """(process name, role) for every service except the coordinator."""
-        names = [("actor", "actor")]
-        if self.config.reference.enable:
-            names.append(("reference", "reference"))
-        names.append(("critic", "critic"))
-        names += [(f"rollout-{i}", "rollout") for i in range(self.config.rollout.replicas)]
-        names.append(("reward", "reward"))
-        return names
-
     def start(self) -> None:
         """Starts the workers, then the coordinator (configured with their addresses); waits for all."""
-        for sub in ("logs", "ports"):
-            (self.run_dir / sub).mkdir(parents=True, exist_ok=True)
-        if not self.config.model.path:
-            self.config.model.path = str(self._build_tiny_model())
-        worker_config = self.run_dir / "config.yaml"
-        dump_config(self.config, worker_config)
-        for name, role in self.worker_names():
+        worker_config = prepare_run_dir(self.config, self.run_dir)
+        (self.run_dir / "ports").mkdir(exist_ok=True)
+        for name, role in service_names(self.config):
             self._spawn(name, role, worker_config)
         for proc in self.processes:
             self._await_ports(proc)
         self._record_endpoints()
         # The coordinator reads the others' addresses from its config's cluster section.
-        cluster = {role: [e["grpc"] for e in entries] for role, entries in self.endpoints.items()}
-        resolved = self.config.model_copy(deep=True)
-        for role, addresses in cluster.items():
-            setattr(resolved.cluster, role, addresses)
-        coordinator_config = self.run_dir / "config.resolved.yaml"
-        dump_config(resolved, coordinator_config)
+        coordinator_config = write_coordinator_config(self.config, self.endpoints, self.run_dir)
         coordinator = self._spawn("coordinator", "coordinator", coordinator_config)
         self._await_ports(coordinator)
         self._record_endpoints()
-        asyncio.run(self._await_readiness())
+        asyncio.run(await_readiness(self.config, self.processes))
         log.info("mesh ready", extra={"fields": {"run_dir": str(self.run_dir), "services": len(self.processes)}})
 
     def stop(self) -> None:
@@ -142,84 +269,35 @@ class LocalMesh:
 
     # -- helpers -----------------------------------------------------------------------------
 
-    def _build_tiny_model(self) -> Path:
-        """The quickstart's model: built once per run dir (no model hub is needed)."""
-        model_dir = self.run_dir / "model"
-        if not (model_dir / "config.json").exists():
-            subprocess.run(
-                [sys.executable, "-m", "rlfabric", "make-tiny-model", str(model_dir)],
-                check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            )
-        return model_dir.resolve()
-
     def _spawn(self, name: str, role: str, config_path: Path) -> ServiceProcess:
         log_path = self.run_dir / "logs" / f"{name}.log"
         port_file = self.run_dir / "ports" / f"{name}.json"
         port_file.unlink(missing_ok=True)
-        command = [
-            sys.executable, "-m", "rlfabric", "serve", role,
-            "--config", str(config_path),
-            "--host", self.host, "--port", "0", "--metrics-port", "0",
-            "--port-file", str(port_file), "--run-id", self.run_id,
-        ]
+        command = serve_command(role, config_path, self.host, port_file, self.run_id)
         with open(log_path, "ab") as log_file:
             process = subprocess.Popen(
                 command, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent,
             )
-        proc = ServiceProcess(name, role, process, log_path, port_file)
+        proc = ServiceProcess(name, role, process, log_path, port_file, host=self.host)
         self.processes.append(proc)
         return proc
 
     def _await_ports(self, proc: ServiceProcess) -> None:
-        deadline = time.monotonic() + self.config.launcher.startup_timeout_s
-        while not proc.port_file.exists():
-            if proc.process.poll() is not None:
-                raise MeshStartError(
-                    f"{proc.name} exited with code {proc.process.returncode} before binding its ports; "
-                    f"log {proc.log_path}:\n{proc.log_tail()}"
-                )
-            if time.monotonic() > deadline:
-                raise MeshStartError(f"{proc.name} did not bind its ports within the startup timeout")
-            time.sleep(0.05)
-        proc.ports = json.loads(proc.port_file.read_text())
+        try:
+            proc.ports = await_port_file(proc.port_file, proc.process, self.config.launcher.startup_timeout_s)
+        except TimeoutError:
+            raise MeshStartError(f"{proc.name} did not bind its ports within the startup timeout") from None
+        if proc.ports is None:
+            raise MeshStartError(
+                f"{proc.name} exited with code {proc.process.returncode} before binding its ports; "
+                f"log {proc.log_path}:\n{proc.log_tail()}"
+            )
 
     def _record_endpoints(self) -> None:
-        endpoints: dict[str, list[dict[str, str]]] = {}
+        endpoints: dict[str, list[dict]] = {}
         for proc in self.processes:
-            if proc.ports is None:
-                continue
-            endpoints.setdefault(proc.role, []).append(
-                {
-                    "name": proc.name,
-                    "grpc": f"{self.host}:{proc.ports['grpc']}",
-                    "metrics": f"{self.host}:{proc.ports['metrics']}",
-                    "pid": proc.ports["pid"],
-                }
-            )
+            if proc.ports is not None:
+                endpoints.setdefault(proc.role, []).append(endpoint(proc.name, self.host, proc.ports))
         self.endpoints = endpoints
-        tmp = self.run_dir / "endpoints.json.tmp"
-        tmp.write_text(json.dumps(endpoints, indent=2))
-        tmp.rename(self.run_dir / "endpoints.json")
-
-    async def _await_readiness(self) -> None:
-        options = ChannelOptions.from_config(self.config)
-        timeout = self.config.launcher.startup_timeout_s
-
-        async def one(proc: ServiceProcess) -> None:
-            address = f"{self.host}:{proc.ports['grpc']}"
-            waiting = asyncio.create_task(wait_until_serving(address, options, timeout_s=timeout))
-            while not waiting.done():
-                if proc.process.poll() is not None:
-                    waiting.cancel()
-                    raise MeshStartError(
-                        f"{proc.name} exited with code {proc.process.returncode} while loading; "
-                        f"log {proc.log_path}:\n{proc.log_tail()}"
-                    )
-                await asyncio.sleep(0.1)
-            try:
-                waiting.result()
-            except Exception as error:
-                raise MeshStartError(f"{proc.name} never became ready: {error}\n{proc.log_tail()}") from None
-
-        await asyncio.gather(*(one(p) for p in self.processes))
+        write_endpoints(self.run_dir, endpoints)

@@ -2,7 +2,7 @@
 
 Each role module exposes `build_service(config) -> ServiceDefinition` (its servicer(s) and engine);
 this module maps role names to those functions explicitly and imports them lazily, so the reward
-or coordinator process never imports torch.
+process never imports torch.
 """
 
 from __future__ import annotations
@@ -44,16 +44,19 @@ class _NothingToLoad:
 def build_service(role: str, config: RunConfig) -> ServiceDefinition:
     """The ServiceDefinition of `role` for this config."""
     if role == "coordinator":
+        from prometheus_client import CollectorRegistry
+
         from rlfabric.coordinator.servicer import CoordinatorServicer, RunController
         from rlfabric.v1 import coordinator_pb2_grpc
 
-        controller = RunController()
+        registry = CollectorRegistry()
+        controller = RunController(config, registry)
         binding = ServiceBinding(
             CoordinatorServicer(controller),
             coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server,
             "rlfabric.v1.CoordinatorService",
         )
-        return ServiceDefinition(role=role, bindings=[binding], engine=controller)
+        return ServiceDefinition(role=role, bindings=[binding], engine=controller, registry=registry)
     if role in ("actor", "reference", "critic"):
         from rlfabric.actor.service import build_service as build_trainer_service
 

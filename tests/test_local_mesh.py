@@ -97,7 +97,7 @@ def test_status_command_reaches_the_coordinator(mesh):
     out = subprocess.run([sys.executable, "-m", "rlfabric", "status", "--run-dir", str(run_dir)],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert json.loads(out.stdout) == {}  # no run started yet: every field at its default
+    assert json.loads(out.stdout) == {"phase": "idle"}  # no run started yet: the other fields at their defaults
 
 
 def test_sigterm_tears_down_every_service(mesh):

@@ -84,7 +84,7 @@ def _parse_row(path: Path, index: int, row: dict) -> tuple[str, list[dict[str, s
             raise _fail(path, index, "prompt", f"each message needs string 'role' and 'content', got {message!r}")
         messages.append({"role": message["role"], "content": message["content"]})
     reward_model = row["reward_model"]
-    if not isinstance(reward_model, dict) or "ground_truth" not in reward_model:
+    if not isinstance(reward_model, dict) or reward_model.get("ground_truth") is None:
         raise _fail(path, index, "reward_model", "expected a struct with a 'ground_truth' field")
     truth = reward_model["ground_truth"]
     truth = truth if isinstance(truth, str) else json.dumps(truth)

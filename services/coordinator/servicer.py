@@ -1,32 +1,244 @@
-"""CoordinatorService: run control for clients in any language (thin: proto <-> controller)."""
+"""CoordinatorService: run control for clients in any language. The servicer is thin (proto <->
+RunController); the controller owns the run (one at a time) and the PPO loop task behind it."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import time
+import uuid
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry
+
+from rlfabric.coordinator.loop import PPOTrainer, check_roles
+from rlfabric.coordinator.setup import build_trainer, run_dir_of
+from rlfabric.coordinator.tracking import RunTracker
+from rlfabric.core.config import ConfigError, RunConfig, apply_override, config_from_dict
+from rlfabric.core.errors import FailedPrecondition, InvalidArgument
 from rlfabric.v1 import coordinator_pb2, coordinator_pb2_grpc
+
+log = logging.getLogger("rlfabric.coordinator")
+
+# StartRun may change how the loop runs, not how the services were started (their model, dtype,
+# optimizer and sampling temperature are fixed when they start).
+RUN_OVERRIDABLE = ("trainer.", "data.", "algorithm.", "rollout.n=", "rollout.top_p=", "rollout.top_k=",
+                   "rollout.response_length=", "rollout.seed=", "rollout.val_", "weight_sync.timeout_s=")
+ACTIVE = (coordinator_pb2.RUN_STATE_RUNNING, coordinator_pb2.RUN_STATE_PAUSED)
 
 
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
-    """Answers run-status queries; the PPO loop itself lives in the coordinator engine."""
+    """Explicit RPCs over the RunController."""
 
-    def __init__(self, controller):
+    def __init__(self, controller: RunController):
         self.controller = controller
+
+    async def StartRun(self, request, context):
+        run_id, start_step = await self.controller.start_run(list(request.overrides))
+        return coordinator_pb2.StartRunResponse(run_id=run_id, start_step=start_step)
 
     async def GetRunStatus(self, request, context):
         return self.controller.status()
 
+    async def StreamMetrics(self, request, context):
+        async for step, metrics, timestamp in self.controller.metrics_since(request.from_step):
+            yield coordinator_pb2.StreamMetricsResponse(step=step, metrics=metrics, timestamp=timestamp)
+
+    async def PauseRun(self, request, context):
+        self.controller.pause()
+        return coordinator_pb2.PauseRunResponse()
+
+    async def ResumeRun(self, request, context):
+        self.controller.resume()
+        return coordinator_pb2.ResumeRunResponse()
+
+    async def StopRun(self, request, context):
+        await self.controller.stop_run(request.save_checkpoint)
+        return coordinator_pb2.StopRunResponse()
+
+    async def SaveCheckpoint(self, request, context):
+        path, step = await self.controller.save_checkpoint()
+        return coordinator_pb2.CoordinatorServiceSaveCheckpointResponse(path=str(path), step=step)
+
 
 class RunController:
-    """Holds the state of the current run. Until a run is started it reports none."""
+    """One run at a time: starts the PPO loop as a task, reports its state, relays run control."""
 
-    def __init__(self):
+    def __init__(self, config: RunConfig, registry: CollectorRegistry | None = None):
+        self.base_config = config
+        self.registry = registry or CollectorRegistry()
         self.run_id = ""
         self.state = coordinator_pb2.RUN_STATE_UNSPECIFIED
+        self.phase = "idle"
+        self.error = ""
+        self.total_steps = 0
+        self.trainer: PPOTrainer | None = None
+        self.history: list[tuple[int, dict[str, float], float]] = []
+        self._changed = asyncio.Condition()
+        self._resumed = asyncio.Event()
+        self._resumed.set()
+        self._stop_requested = False
+        self._save_on_stop = False
+        self._task: asyncio.Task | None = None
+        self._tracker = None
 
-    def status(self) -> coordinator_pb2.GetRunStatusResponse:
-        return coordinator_pb2.GetRunStatusResponse(run_id=self.run_id, state=self.state)
+    # -- engine protocol (the server calls these) -------------------------------------------------
 
     async def start(self) -> None:
         """Nothing to load: the coordinator holds no model."""
 
     async def stop(self) -> None:
-        """Nothing to release."""
+        """Server shutdown: stop the loop where it is (the last checkpoint stays the resume point)."""
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    # -- run control --------------------------------------------------------------------------------
+
+    async def start_run(self, overrides: list[str]) -> tuple[str, int]:
+        """Builds the run (config, data, connections), resumes if a checkpoint says so, starts the loop."""
+        if self.state in ACTIVE:
+            raise FailedPrecondition(f"run {self.run_id} is {coordinator_pb2.RunState.Name(self.state)}; "
+                                     "StopRun it first")
+        config = self._config_with(overrides)
+        check_roles(config)
+        trainer = await build_trainer(config, self._between_steps, self._set_phase, self._record_metrics)
+        try:
+            start_step = await trainer.prepare(run_dir_of(self.base_config) / "initial_weights")
+        except BaseException:
+            await trainer.peers.close()
+            raise
+        self.trainer = trainer
+        self._tracker = RunTracker(trainer.run_dir, config, self.registry, total_steps=config.trainer.total_steps,
+                                   start_step=start_step)
+        self.run_id = trainer.run_id or uuid.uuid4().hex[:12]
+        self.total_steps = config.trainer.total_steps
+        self.history = []
+        self.error = ""
+        self._stop_requested = self._save_on_stop = False
+        self._resumed.set()
+        self.state = coordinator_pb2.RUN_STATE_RUNNING
+        self._task = asyncio.create_task(self._run(trainer), name=f"run-{self.run_id}")
+        log.info("run %s started at step %d of %d", self.run_id, start_step, self.total_steps)
+        return self.run_id, start_step
+
+    def status(self) -> coordinator_pb2.GetRunStatusResponse:
+        trainer = self.trainer
+        return coordinator_pb2.GetRunStatusResponse(
+            run_id=self.run_id, state=self.state, step=trainer.step if trainer else 0,
+            total_steps=self.total_steps, phase=self.phase,
+            last_metrics=self.history[-1][1] if self.history else {},
+            weight_version=trainer.weight_version if trainer else 0, error=self.error)
+
+    async def metrics_since(self, from_step: int):
+        """Every recorded step >= from_step, then each new one, until the run ends."""
+        sent = 0
+        while True:
+            async with self._changed:
+                await self._changed.wait_for(lambda seen=sent: len(self.history) > seen or self.state not in ACTIVE)
+                fresh = self.history[sent:]
+                sent = len(self.history)
+                finished = self.state not in ACTIVE
+            for step, metrics, timestamp in fresh:
+                if step >= from_step:
+                    yield step, metrics, timestamp
+            if finished and sent == len(self.history):
+                return
+
+    def pause(self) -> None:
+        self._require_active()
+        self._resumed.clear()
+
+    def resume(self) -> None:
+        self._require_active()
+        self._resumed.set()
+
+    async def stop_run(self, save_checkpoint: bool) -> None:
+        """Ends the run at the next step boundary (after saving, if asked); returns once it has ended."""
+        self._require_active()
+        self._stop_requested, self._save_on_stop = True, save_checkpoint
+        self._resumed.set()
+        await asyncio.gather(self._task, return_exceptions=True)
+
+    async def save_checkpoint(self) -> tuple[Path, int]:
+        """A checkpoint now (idle run) or at the next step boundary (running run)."""
+        trainer = self.trainer
+        if trainer is None:
+            raise FailedPrecondition("no run has been started")
+        if self.state in ACTIVE:
+            if trainer.checkpoint_requested is None:
+                trainer.checkpoint_requested = asyncio.get_running_loop().create_future()
+            path = await asyncio.shield(trainer.checkpoint_requested)
+        else:
+            path = await trainer.save_checkpoint()
+        return path, trainer.step
+
+    # -- inside the run -------------------------------------------------------------------------------
+
+    async def _run(self, trainer: PPOTrainer) -> None:
+        try:
+            await trainer.run()
+            self.state, self.phase = coordinator_pb2.RUN_STATE_COMPLETED, "finished"
+        except _StopRun:
+            self.state, self.phase = coordinator_pb2.RUN_STATE_STOPPED, "stopped"
+        except asyncio.CancelledError:
+            self.state, self.phase = coordinator_pb2.RUN_STATE_STOPPED, "stopped"
+            raise
+        except Exception as error:  # the run fails; the service keeps answering
+            log.exception("run %s failed", self.run_id)
+            self.state, self.phase, self.error = coordinator_pb2.RUN_STATE_FAILED, "failed", f"{type(error).__name__}: {error}"
+            if trainer.checkpoint_requested is not None and not trainer.checkpoint_requested.done():
+                trainer.checkpoint_requested.set_exception(FailedPrecondition(f"the run failed: {error}"))
+        finally:
+            if self._tracker is not None:
+                self._tracker.close()
+            await trainer.weight_sync.close()
+            await trainer.peers.close()
+            async with self._changed:
+                self._changed.notify_all()
+
+    async def _between_steps(self) -> None:
+        """Run control at a step boundary: pause waits here, stop ends the run here."""
+        if not self._resumed.is_set():
+            self._set_phase("paused")
+            self.state = coordinator_pb2.RUN_STATE_PAUSED
+            await self._resumed.wait()
+            self.state = coordinator_pb2.RUN_STATE_RUNNING
+        if self._stop_requested:
+            if self._save_on_stop and self.trainer.step > 0:
+                await self.trainer.save_checkpoint()
+            raise _StopRun()
+
+    def _set_phase(self, phase: str) -> None:
+        self.phase = phase
+
+    def _record_metrics(self, step: int, metrics: dict[str, float]) -> None:
+        self.history.append((step, dict(metrics), time.time()))
+        if self._tracker is not None:
+            self._tracker.log(step, metrics)
+        asyncio.get_running_loop().create_task(self._notify())
+
+    async def _notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+    def _config_with(self, overrides: list[str]) -> RunConfig:
+        for override in overrides:
+            if not override.startswith(RUN_OVERRIDABLE):
+                raise InvalidArgument(f"override {override!r} cannot change a running mesh; StartRun accepts "
+                                      f"{', '.join(RUN_OVERRIDABLE)}")
+        tree = self.base_config.model_dump(mode="json")
+        try:
+            for override in overrides:
+                apply_override(tree, override)
+            return config_from_dict(tree)
+        except ConfigError as error:
+            raise InvalidArgument(str(error)) from None
+
+    def _require_active(self) -> None:
+        if self.state not in ACTIVE:
+            raise FailedPrecondition(f"no run is in progress (state {coordinator_pb2.RunState.Name(self.state)})")
+
+
+class _StopRun(Exception):
+    """Raised at a step boundary after StopRun."""

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import grpc
+from google.protobuf import descriptor_pool
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 # Buckets from 1 ms to ~5 min: RPCs here range from health checks to whole PPO updates.
@@ -36,6 +38,19 @@ class GrpcServerMetrics:
             buckets=RPC_SECONDS_BUCKETS,
             registry=registry,
         )
+
+    def initialize(self, service_full_name: str) -> None:
+        """Creates every method's series at 0 (each status code too), as go-grpc-prometheus's
+        InitializeMetrics does: a series born at 1 by the first RPC hides that RPC from rate()."""
+        service = descriptor_pool.Default().FindServiceByName(service_full_name)
+        for method in service.methods:
+            kind = {(False, False): "unary", (False, True): "server_stream", (True, False): "client_stream",
+                    (True, True): "bidi_stream"}[(method.client_streaming, method.server_streaming)]
+            labels = (kind, service_full_name, method.name)
+            self.started.labels(*labels)
+            self.handling_seconds.labels(*labels)
+            for code in grpc.StatusCode:
+                self.handled.labels(*labels, code.name)
 
 
 @dataclass

@@ -58,6 +58,7 @@ class Replica:
     queue_depth: int = 0  # as last reported by GetStatus
     last_error: str = ""
     down_since: float = 0.0
+    excluded: bool = False  # taken out by the coordinator (e.g. stale weights): probing does not bring it back
 
 
 @dataclass
@@ -92,7 +93,31 @@ class RolloutRouter:
     # -- replica choice ------------------------------------------------------------------------
 
     def healthy(self) -> list[Replica]:
-        return [r for r in self.replicas if r.healthy]
+        return [r for r in self.replicas if r.healthy and not r.excluded]
+
+    def exclude(self, address: str) -> None:
+        """Takes a replica out until admit(address), whatever its health says (the coordinator does
+        this to a replica that missed a weight sync, so it never serves stale weights)."""
+        replica = self._replica(address)
+        if not replica.excluded:
+            replica.excluded = True
+            log.warning("rollout replica excluded", extra={"fields": {"address": address}})
+
+    def admit(self, address: str) -> None:
+        """Puts an excluded replica back (it has the current weights again)."""
+        replica = self._replica(address)
+        if replica.excluded:
+            replica.excluded, replica.healthy, replica.last_error = False, True, ""
+            log.info("rollout replica admitted", extra={"fields": {"address": address}})
+
+    def excluded(self) -> list[str]:
+        return [r.address for r in self.replicas if r.excluded]
+
+    def _replica(self, address: str) -> Replica:
+        for replica in self.replicas:
+            if replica.address == address:
+                return replica
+        raise KeyError(f"no rollout replica {address!r} in this router")
 
     async def _pick(self) -> Replica:
         candidates = self.healthy()
@@ -125,7 +150,7 @@ class RolloutRouter:
                 replica.healthy, replica.last_error = True, ""
                 log.info("rollout replica back", extra={"fields": {"address": replica.address}})
 
-        await asyncio.gather(*(check(r) for r in self.replicas if not r.healthy))
+        await asyncio.gather(*(check(r) for r in self.replicas if not r.healthy and not r.excluded))
 
     async def _probe_forever(self) -> None:
         while True:

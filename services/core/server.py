@@ -32,7 +32,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
 from rlfabric.core import interceptors
-from rlfabric.core.config import ServerConfig, TlsConfig
+from rlfabric.core.config import ConfigError, ServerConfig, TlsConfig, read_auth_token, read_named_file
 from rlfabric.core.metrics import GrpcServerMetrics, MetricsEndpoint, start_metrics_endpoint
 
 log = logging.getLogger("rlfabric.server")
@@ -87,7 +87,7 @@ class ServerOptions:
 
     @classmethod
     def from_config(cls, server: ServerConfig, **overrides) -> ServerOptions:
-        token = Path(server.auth_token_file).read_text().strip() if server.auth_token_file else ""
+        token = read_auth_token(server)
         options = cls(
             host=server.host,
             max_receive_bytes=server.max_receive_message_mb * MIB,
@@ -117,11 +117,11 @@ class ServerOptions:
 
 def server_credentials(tls: TlsConfig) -> grpc.ServerCredentials:
     """TLS credentials; with require_client_cert, clients must present a cert signed by ca_file."""
-    key = Path(tls.key_file).read_bytes()
-    cert = Path(tls.cert_file).read_bytes()
-    ca = Path(tls.ca_file).read_bytes() if tls.ca_file else None
+    cert = read_named_file("server.tls.cert_file", tls.cert_file)
+    key = read_named_file("server.tls.key_file", tls.key_file)
+    ca = read_named_file("server.tls.ca_file", tls.ca_file) if tls.ca_file else None
     if tls.require_client_cert and ca is None:
-        raise ValueError("server.tls.require_client_cert needs server.tls.ca_file")
+        raise ConfigError("server.tls.require_client_cert needs server.tls.ca_file")
     return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=tls.require_client_cert)
 
 
@@ -154,7 +154,10 @@ class RlfabricServer:
         return f"{role} service is shutting down"
 
     def _interceptors(self) -> list[aio.ServerInterceptor]:
-        chain: list[aio.ServerInterceptor] = [interceptors.MetricsInterceptor(GrpcServerMetrics(self.service.registry))]
+        rpc_metrics = GrpcServerMetrics(self.service.registry)
+        for name in [b.full_name for b in self.service.bindings] + [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name]:
+            rpc_metrics.initialize(name)
+        chain: list[aio.ServerInterceptor] = [interceptors.MetricsInterceptor(rpc_metrics)]
         if self.options.auth_token:
             chain.append(interceptors.AuthInterceptor(self.options.auth_token))
         chain.append(interceptors.ReadinessInterceptor(lambda: self.ready, self._describe_state))

@@ -1,0 +1,431 @@
+"""The single-controller PPO/GRPO loop. `PPOTrainer.train_step` is one step, top to bottom:
+
+    generate (n samples per prompt over the rollout replicas; scoring starts as samples finish)
+    -> reference log-probs, old log-probs, values            (concurrently, three services)
+    -> KL in the reward (optional) -> advantages             (here, rlfabric.core.algorithms)
+    -> critic update and actor update                        (concurrently, two services)
+    -> weight sync actor -> rollout -> metrics, validation, checkpoint
+
+Modes: `sync` generates each step's batch with the weights trained so far (on-policy). `async`
+generates step k+1's batch while step k trains (one-step off-policy): its samples come from weights
+one version old, bounded by trainer.max_staleness and checked on every sample. The "old" log-probs
+always come from the actor at train time, so the PPO ratio is taken against the right policy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from rlfabric.coordinator.checkpoints import CheckpointWriter, CoordinatorState, latest_checkpoint, read_state
+from rlfabric.coordinator.dataset import DataCursor, PromptRow, RLHFDataset
+from rlfabric.coordinator.peers import Peers, needs_critic, needs_reference
+from rlfabric.coordinator.rollout_batch import RolloutBatch, build_rollout_batch, token_level_scores
+from rlfabric.coordinator.step_metrics import StepTimer, data_metrics
+from rlfabric.coordinator.weight_sync import WeightSyncPlane
+from rlfabric.core import algorithms as algos
+from rlfabric.core.config import RunConfig
+from rlfabric.core.errors import FailedPrecondition, InvalidArgument
+from rlfabric.reward.items import ScoreItem
+from rlfabric.rollout.types import FinishedSample, SamplingSpec
+
+log = logging.getLogger("rlfabric.coordinator")
+
+SCORE_CHUNK = 64  # samples per Score request while generation is still streaming
+
+
+@dataclass
+class PendingRollout:
+    """A step's prompts on their way through generation and scoring."""
+
+    step: int
+    rows: list[PromptRow]
+    cursor_before: DataCursor  # the dataloader position before this batch was drawn
+    task: asyncio.Task  # -> (RolloutBatch, timings)
+
+
+class PPOTrainer:
+    """Drives one run over the services in `peers`. Phase changes and step metrics go to `report`."""
+
+    def __init__(self, config: RunConfig, peers: Peers, tokenizer, run_dir: Path, train_data: RLHFDataset,
+                 val_data: RLHFDataset | None, weight_sync: WeightSyncPlane,
+                 on_phase: Callable[[str], None] = lambda phase: None,
+                 on_metrics: Callable[[int, dict[str, float]], None] = lambda step, metrics: None,
+                 between_steps: Callable[[], Awaitable[None]] | None = None):
+        self.config = config
+        self.peers = peers
+        self.run_dir = run_dir
+        self.train_data = train_data
+        self.val_data = val_data
+        self.weight_sync = weight_sync
+        self.on_phase = on_phase
+        self.on_metrics = on_metrics
+        self.between_steps = between_steps
+        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.step = 0  # steps completed
+        self.weight_version = 0  # version the rollout serves
+        self.version_base = 0  # version of the policy at step 0 of this run (set by prepare())
+        self.cursor = DataCursor()
+        self.kl_ctrl = self._kl_controller(config)
+        self.checkpoint_requested: asyncio.Future | None = None
+        self.run_id = run_dir.name
+
+    # -- the run ---------------------------------------------------------------------------------
+
+    async def prepare(self, initial_dir: Path) -> int:
+        """Puts the actor (and critic) where this run starts; returns the step it continues from.
+
+        A resumed run loads its checkpoint (trainer.resume / resume_from_path). A fresh run starts
+        from the initial weights: the first run on a mesh saves them into `initial_dir`, and a later
+        fresh run on the same (already trained) services loads them back.
+        """
+        trainer = self.config.trainer
+        path = Path(trainer.resume_from_path) if trainer.resume_from_path else (
+            latest_checkpoint(self.run_dir) if trainer.resume == "auto" else None)
+        self.on_phase("resuming" if path else "starting")
+        roles = {"actor": self.peers.actor, "critic": self.peers.critic}
+        for role, client in roles.items():
+            if client is None:
+                continue
+            if path is not None:
+                await client.load_checkpoint(str(path / role))
+            elif (await client.get_status()).optimizer_step == 0:
+                if not (initial_dir / role / "meta.json").exists():
+                    await client.save_checkpoint(str(initial_dir / role))
+            elif (initial_dir / role / "meta.json").exists():
+                await client.load_checkpoint(str(initial_dir / role))
+            else:
+                raise FailedPrecondition(f"the {role} was trained by an earlier run and its initial weights were "
+                                         "not saved: resume that run (trainer.resume_from_path) or restart the mesh")
+        if path is not None:
+            state = read_state(path)
+            self.step = state.step
+            self.cursor = DataCursor(state.data_epoch, state.data_position)
+            self.kl_ctrl.value = state.kl_coef
+            log.info("resumed from %s at step %d", path, self.step)
+        # Weight versions only grow on a replica: this run's versions start above what they serve now.
+        served = [s.weight_version for s in (await self.peers.rollout.status()).values() if not isinstance(s, str)]
+        self.version_base = max(served, default=0) + 1 - self.step
+        return self.step
+
+    async def run(self) -> None:
+        """Steps until trainer.total_steps (or StopRun), with validation and checkpoints on schedule."""
+        trainer = self.config.trainer
+        await self.weight_sync.open()
+        # Every replica starts from the weights this run starts from (fresh, reset or resumed).
+        await self._sync_weights(self._version(self.step))
+        if trainer.val_before_train and self.step == 0:
+            self.on_metrics(0, await self.validate())
+        batches = self.train_data.batches(self.config.data.train_batch_size, self.config.data.seed, self.cursor)
+        prefetch = trainer.mode == "async" and trainer.max_staleness > 0
+        pending: PendingRollout | None = None
+        try:
+            while self.step < trainer.total_steps:
+                await self._between_steps()
+                step = self.step + 1
+                pending = pending or self._start_rollout(step, batches)
+                batch, timer = await pending.task
+                # async: the next batch generates on the current weights while this one trains.
+                upcoming = self._start_rollout(step + 1, batches) if prefetch and step < trainer.total_steps else None
+                metrics = await self.train_step(step, batch, timer, next_rollout=upcoming)
+                self.step, pending = step, upcoming
+                if trainer.test_freq and (step % trainer.test_freq == 0 or step == trainer.total_steps):
+                    metrics.update(await self.validate())
+                self.on_metrics(step, metrics)
+                if self._checkpoint_due(step):
+                    # A prefetched batch is not trained yet: a resume must draw it again.
+                    await self.save_checkpoint(upcoming.cursor_before if upcoming else self.cursor)
+        finally:
+            if pending is not None:
+                pending.task.cancel()
+
+    async def train_step(self, step: int, batch: RolloutBatch, timer: StepTimer,
+                         next_rollout: PendingRollout | None = None) -> dict[str, float]:
+        """One PPO step on a generated and scored batch; returns the step's metrics."""
+        config, peers = self.config, self.peers
+        temperature = config.rollout.temperature or 1.0
+        metrics: dict[str, float] = {}
+        # Versions behind the policy being trained (the one after step - 1 updates).
+        staleness = self._version(step - 1) - batch.weight_versions()
+        if int(staleness.max()) > config.trainer.max_staleness or int(staleness.min()) < 0:
+            raise FailedPrecondition(f"step {step}: samples from weight versions {sorted(set(batch.weight_versions().tolist()))} "
+                                     f"but the actor is at version {self._version(step - 1)} (trainer.max_staleness "
+                                     f"{config.trainer.max_staleness})")
+        metrics["rollout/staleness/mean"] = staleness.float().mean().item()
+        metrics["rollout/staleness/max"] = float(staleness.max())
+
+        # Log-probs under the reference and the current policy, and values: three services at once.
+        self.on_phase("computing")
+        tensors = batch.tensors
+        with timer("old_log_prob"):
+            calls = {"old": peers.actor.compute_log_probs(tensors, temperature, compute_entropy=False)}
+            if peers.reference is not None:
+                calls["ref"] = peers.reference.compute_log_probs(tensors, temperature)
+            if peers.critic is not None:
+                calls["values"] = peers.critic.compute_values(tensors)
+            results = dict(zip(calls, await asyncio.gather(*calls.values()), strict=True))
+        old_log_probs = results["old"]["log_probs"]
+        ref_log_probs = results["ref"]["log_probs"] if "ref" in results else None
+        values = results["values"]["values"] if "values" in results else None
+
+        # Rewards (KL-penalised if configured) and advantages.
+        with timer("adv"):
+            mask = batch.response_mask
+            token_rewards = token_level_scores(batch.extra["scores"], mask)
+            if config.algorithm.use_kl_in_reward:
+                beta = self.kl_ctrl.value
+                token_rewards, current_kl = algos.kl_in_reward(token_rewards, old_log_probs, ref_log_probs, mask,
+                                                               self.kl_ctrl, config.algorithm.kl_penalty)
+                metrics.update({"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": beta})
+            estimator = algos.get_advantage_estimator(config.algorithm.adv_estimator)
+            advantages, returns = estimator(
+                token_rewards=token_rewards, mask=mask, values=values, group_ids=batch.group_ids,
+                baselines=batch.extra.get("baselines"), gamma=config.algorithm.gamma, lam=config.algorithm.lam,
+                norm_by_std=config.algorithm.norm_adv_by_std_in_grpo)
+        batch.extra.update(token_rewards=token_rewards, advantages=advantages, returns=returns)
+        if values is not None:
+            batch.extra["values"] = values
+
+        # Critic and actor updates: two services, at once.
+        self.on_phase("updating")
+        with timer("update"):
+            policy_batch = {**tensors, "old_log_probs": old_log_probs, "advantages": advantages}
+            if config.actor.use_kl_loss:
+                policy_batch["ref_log_probs"] = ref_log_probs
+            updates = [peers.actor.update_policy(policy_batch, global_step=step)]
+            if peers.critic is not None:
+                updates.append(peers.critic.update_values({**tensors, "values": values, "returns": returns},
+                                                          global_step=step))
+            for update_metrics in await asyncio.gather(*updates):
+                metrics.update(update_metrics)
+
+        # New weights to the rollout (in async mode, once the prefetched generation is done with the old ones).
+        if next_rollout is not None:
+            with timer("wait_prefetch"):
+                await asyncio.wait([next_rollout.task])
+        self.on_phase("syncing")
+        with timer("update_weights"):
+            metrics.update(await self._sync_weights(self._version(step)))
+
+        metrics.update(data_metrics(batch, self._max_tokens()))
+        metrics.update(timer.metrics(batch))
+        if config.trainer.dump_rollouts:
+            self._dump_rollouts(step, batch)
+        return metrics
+
+    # -- generation and scoring -----------------------------------------------------------------
+
+    def _start_rollout(self, step: int, batches) -> PendingRollout:
+        cursor_before = DataCursor(self.cursor.epoch, self.cursor.position)
+        rows = next(batches)
+        task = asyncio.create_task(self._rollout(step, rows), name=f"rollout-step-{step}")
+        return PendingRollout(step, rows, cursor_before, task)
+
+    async def _rollout(self, step: int, rows: list[PromptRow]) -> tuple[RolloutBatch, StepTimer]:
+        """Generates n samples per prompt and scores each chunk of samples as it finishes."""
+        timer = StepTimer()
+        rollout = self.config.rollout
+        self.on_phase("generating")
+        params = SamplingSpec(n=rollout.n, temperature=rollout.temperature, top_p=rollout.top_p,
+                              top_k=rollout.top_k, max_tokens=self._max_tokens(), seed=self._step_seed(step))
+        with timer("gen"):
+            if self.config.trainer.colocated:
+                await asyncio.gather(*(r.client.wake_up() for r in self.peers.rollout.healthy()))
+            samples, results = await self._generate_and_score(rows, params)
+            if self.config.trainer.colocated:
+                await asyncio.gather(*(r.client.sleep(1) for r in self.peers.rollout.healthy()))
+        batch = build_rollout_batch(rows, samples, rollout.n, self.pad_token_id)
+        by_key = {key: result for key, result in results}
+        batch.extra["scores"] = torch.tensor([by_key[(s.prompt_index, s.sample_index)].score for s in batch.samples])
+        batch.extra["score_failed"] = torch.tensor([not by_key[(s.prompt_index, s.sample_index)].ok
+                                                    for s in batch.samples])
+        if self.config.algorithm.adv_estimator == "remax":
+            with timer("gen_max"):
+                batch.extra["baselines"] = await self._greedy_baselines(rows, params)
+        return batch, timer
+
+    async def _generate_and_score(self, rows: list[PromptRow], params: SamplingSpec):
+        """(samples, [((prompt_index, sample_index), ItemResult)]): Score requests go out while
+        generation still streams, SCORE_CHUNK samples at a time."""
+        samples: list[FinishedSample] = []
+        chunk: list[FinishedSample] = []
+        scoring: list[asyncio.Task] = []
+        prompts = [row.prompt_ids for row in rows]
+        async for sample in self.peers.rollout.generate_stream(prompts, params, chunk_prompts=self._chunk_prompts()):
+            samples.append(sample)
+            chunk.append(sample)
+            if len(chunk) >= SCORE_CHUNK:
+                scoring.append(asyncio.create_task(self._score(rows, chunk)))
+                chunk = []
+        if chunk:
+            scoring.append(asyncio.create_task(self._score(rows, chunk)))
+        results = [pair for part in await asyncio.gather(*scoring) for pair in part]
+        return samples, results
+
+    async def _score(self, rows: list[PromptRow], samples: list[FinishedSample]):
+        items = [self._score_item(rows[s.prompt_index], s) for s in samples]
+        results = await self.peers.score(items)
+        return [((s.prompt_index, s.sample_index), r) for s, r in zip(samples, results, strict=True)]
+
+    @staticmethod
+    def _score_item(row: PromptRow, sample: FinishedSample) -> ScoreItem:
+        return ScoreItem(data_source=row.data_source, response=sample.text, ground_truth=row.ground_truth,
+                         extra_info=json.loads(row.extra_info_json or "{}"),
+                         prompt=row.messages[-1]["content"] if row.messages else "",
+                         response_length=len(sample.token_ids))
+
+    async def _greedy_baselines(self, rows: list[PromptRow], params: SamplingSpec) -> torch.Tensor:
+        """ReMax's baseline: the score of each prompt's greedy response, repeated for its n samples."""
+        greedy = SamplingSpec(n=1, temperature=0.0, max_tokens=params.max_tokens)
+        samples, results = await self._generate_and_score(rows, greedy)
+        by_prompt = {key[0]: result.score for key, result in results}
+        return torch.tensor([by_prompt[p] for p in range(len(rows))]).repeat_interleave(self.config.rollout.n)
+
+    # -- validation, weights, checkpoints ------------------------------------------------------------
+
+    async def validate(self) -> dict[str, float]:
+        """Mean score on data.val_files: val/score/mean and val-core/<data_source>/reward/mean@<n>."""
+        if self.val_data is None:
+            return {}
+        self.on_phase("validating")
+        rollout = self.config.rollout
+        params = SamplingSpec(n=rollout.val_n, temperature=rollout.val_temperature, top_p=rollout.top_p,
+                              top_k=rollout.top_k, max_tokens=self._max_tokens(), seed=self._step_seed(-1))
+        rows, size = self.val_data.rows, self.config.data.val_batch_size
+        by_source: dict[str, list[float]] = {}
+        for start in range(0, len(rows), size):
+            part = rows[start : start + size]
+            _, results = await self._generate_and_score(part, params)
+            for (prompt_index, _), result in results:
+                by_source.setdefault(part[prompt_index].data_source, []).append(result.score)
+        metrics = {f"val-core/{source}/reward/mean@{rollout.val_n}": sum(s) / len(s) for source, s in by_source.items()}
+        every = [score for scores in by_source.values() for score in scores]
+        metrics["val/score/mean"] = sum(every) / len(every)
+        return metrics
+
+    async def _sync_weights(self, version: int) -> dict[str, float]:
+        """Actor -> every live rollout replica. A replica that misses a sync leaves the router until a
+        later sync reaches it (the plane takes restarted replicas back into the group), so no request
+        is ever served by stale weights."""
+        report = await self.weight_sync.sync(version)
+        if report.failed:
+            # A dead member breaks the collective for every member (gloo, NCCL); the plane rebuilds the
+            # group without the members that do not answer, so one more try reaches the live ones.
+            log.warning("weight sync of version %d failed for %s; retrying once", version, sorted(report.failed))
+            report = await self.weight_sync.sync(version)
+        synced = [name for name in self.weight_sync.receivers if name not in report.failed]
+        for name, error in report.failed.items():
+            log.warning("weight sync of version %d to rollout %s failed: %s", version, name, error)
+            self.peers.rollout.exclude(name)
+        for name in synced:
+            self.peers.rollout.admit(name)
+        if not synced:
+            raise FailedPrecondition(f"weight sync of version {version} reached no rollout replica: {report.failed}")
+        self.weight_version = version
+        return {"weight_sync/seconds": report.seconds, "weight_sync/gbytes": report.num_bytes / 1e9,
+                "weight_sync/paused_s": max(report.paused_seconds.values(), default=0.0),
+                "weight_sync/replicas": float(len(synced)), "rollout/weight_version": float(version)}
+
+    def _checkpoint_due(self, step: int) -> bool:
+        save_freq = self.config.trainer.save_freq
+        if self.checkpoint_requested is not None:
+            return True
+        return bool(save_freq) and (step % save_freq == 0 or step == self.config.trainer.total_steps)
+
+    async def save_checkpoint(self, cursor: DataCursor | None = None) -> Path:
+        """RUN_DIR/checkpoints/global_step_<step>, written atomically (see checkpoints.py)."""
+        self.on_phase("checkpointing")
+        cursor = cursor or self.cursor
+        writer = CheckpointWriter(self.run_dir, keep=self.config.trainer.max_checkpoints_to_keep)
+        tmp = writer.begin(self.step)
+        try:
+            saves = [self.peers.actor.save_checkpoint(str(tmp / "actor"))]
+            if self.peers.critic is not None:
+                saves.append(self.peers.critic.save_checkpoint(str(tmp / "critic")))
+            await asyncio.gather(*saves)
+            state = CoordinatorState(step=self.step, data_epoch=cursor.epoch, data_position=cursor.position,
+                                     kl_coef=self.kl_ctrl.value, weight_version=self.weight_version,
+                                     run_id=self.run_id)
+            path = writer.commit(state)
+        except BaseException as error:
+            writer.abort()
+            if self.checkpoint_requested is not None and not self.checkpoint_requested.done():
+                self.checkpoint_requested.set_exception(error)
+                self.checkpoint_requested = None
+            raise
+        log.info("checkpoint %s written", path)
+        if self.checkpoint_requested is not None and not self.checkpoint_requested.done():
+            self.checkpoint_requested.set_result(path)
+        self.checkpoint_requested = None
+        return path
+
+    # -- helpers -----------------------------------------------------------------------------------
+
+    async def _between_steps(self) -> None:
+        """Run control (pause, stop) gets its turn between steps."""
+        if self.between_steps is not None:
+            await self.between_steps()
+
+    def _version(self, step: int) -> int:
+        """The weight version that holds the policy after `step` steps of this run."""
+        return self.version_base + step
+
+    def _max_tokens(self) -> int:
+        return self.config.rollout.response_length or self.config.data.max_response_length
+
+    def _chunk_prompts(self) -> int:
+        """Prompts per generate request: enough requests to spread over every replica."""
+        replicas = max(1, len(self.peers.rollout.healthy()))
+        return max(1, -(-self.config.data.train_batch_size // (2 * replicas)))
+
+    def _step_seed(self, step: int) -> int | None:
+        seed = self.config.rollout.seed
+        return None if seed is None else random.Random(f"{seed}:{step}").randrange(2**31)
+
+    @staticmethod
+    def _kl_controller(config: RunConfig):
+        algorithm = config.algorithm
+        if algorithm.kl_ctrl_type == "adaptive":
+            return algos.AdaptiveKLController(algorithm.kl_coef, algorithm.kl_target, algorithm.kl_horizon)
+        return algos.FixedKLController(algorithm.kl_coef)
+
+    def _dump_rollouts(self, step: int, batch: RolloutBatch) -> None:
+        """RUN_DIR/rollouts/step_<step>.jsonl: what was generated, from which weights, and its score."""
+        folder = self.run_dir / "rollouts"
+        folder.mkdir(parents=True, exist_ok=True)
+        scores = batch.extra["scores"].tolist()
+        with open(folder / f"step_{step}.jsonl", "w") as out:
+            for row, sample, score in zip(batch.rows, batch.samples, scores, strict=True):
+                out.write(json.dumps({"uid": row.uid, "prompt": row.messages[-1]["content"] if row.messages else "",
+                                      "response": sample.text, "score": score,
+                                      "weight_version": sample.weight_version,
+                                      "ground_truth": row.ground_truth}) + "\n")
+
+
+def check_roles(config: RunConfig) -> None:
+    """Config combinations the loop cannot run, as errors naming the keys."""
+    if config.actor.use_kl_loss and not needs_reference(config):
+        raise FailedPrecondition("actor.use_kl_loss needs reference.enable=true")
+    if config.algorithm.use_kl_in_reward and not config.reference.enable:
+        raise FailedPrecondition("algorithm.use_kl_in_reward needs reference.enable=true")
+    if config.algorithm.adv_estimator not in algos.advantage_estimator_names():
+        raise FailedPrecondition(f"algorithm.adv_estimator {config.algorithm.adv_estimator!r} is not registered; "
+                                 f"known: {', '.join(algos.advantage_estimator_names())}")
+    if needs_critic(config) and not config.cluster.critic:
+        raise FailedPrecondition("algorithm.adv_estimator=gae needs a critic service (cluster.critic)")
+    for role in ("actor", "critic"):
+        mini = getattr(config, role).ppo_mini_batch_size
+        if role == "actor" or needs_critic(config):
+            if config.data.train_batch_size < mini:
+                raise InvalidArgument(f"data.train_batch_size {config.data.train_batch_size} < {role}.ppo_mini_batch_size "
+                                      f"{mini}: a step must hold at least one mini-batch")
+    if config.algorithm.adv_estimator in ("grpo", "rloo") and config.rollout.n < 2:
+        raise FailedPrecondition(f"algorithm.adv_estimator={config.algorithm.adv_estimator} compares samples of "
+                                 "a prompt: set rollout.n >= 2")

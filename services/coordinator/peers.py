@@ -1,0 +1,91 @@
+"""The coordinator's connections to the other services, from the config's cluster section."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+from rlfabric.actor.client import ActorClient, CriticClient, ReferenceClient
+from rlfabric.core.client import ChannelOptions, wait_until_serving
+from rlfabric.core.config import RunConfig
+from rlfabric.core.errors import DeadlineExceeded, FailedPrecondition, Unavailable
+from rlfabric.core.router import RolloutRouter
+from rlfabric.reward.client import ShardedRewardClient
+from rlfabric.reward.items import ItemResult, ScoreItem
+
+log = logging.getLogger("rlfabric.coordinator")
+
+
+def needs_critic(config: RunConfig) -> bool:
+    """Only GAE uses a value model."""
+    return config.algorithm.adv_estimator == "gae"
+
+
+def needs_reference(config: RunConfig) -> bool:
+    return config.reference.enable and (config.actor.use_kl_loss or config.algorithm.use_kl_in_reward)
+
+
+@dataclass
+class Peers:
+    """Typed clients of every role this run uses (None for roles it does not use)."""
+
+    actor: ActorClient
+    rollout: RolloutRouter
+    reward: ShardedRewardClient
+    reference: ReferenceClient | None
+    critic: CriticClient | None
+    rollout_addresses: list[str]
+
+    @classmethod
+    def connect(cls, config: RunConfig) -> Peers:
+        """Clients for config.cluster's addresses; FailedPrecondition names a role the run needs but lacks."""
+        cluster = config.cluster
+        wanted = {"actor": True, "rollout": True, "reward": True,
+                  "reference": needs_reference(config), "critic": needs_critic(config)}
+        missing = [role for role, needed in wanted.items() if needed and not getattr(cluster, role)]
+        if missing:
+            raise FailedPrecondition(f"the run needs cluster.{', cluster.'.join(missing)} (service addresses) "
+                                     "but the config has none")
+        options = ChannelOptions.from_config(config)
+        return cls(
+            actor=ActorClient(cluster.actor[0], options),
+            rollout=RolloutRouter(cluster.rollout, options, max_attempts=config.trainer.rollout_retries + 1),
+            reward=ShardedRewardClient.connect(cluster.reward, options),
+            reference=ReferenceClient(cluster.reference[0], options) if wanted["reference"] else None,
+            critic=CriticClient(cluster.critic[0], options) if wanted["critic"] else None,
+            rollout_addresses=list(cluster.rollout),
+        )
+
+    async def wait_until_ready(self, timeout_s: float) -> None:
+        """Every service answers readiness SERVING (UNAVAILABLE names the one that does not)."""
+        clients = [self.actor, self.reference, self.critic, *self.reward.clients]
+        clients += [replica.client for replica in self.rollout.replicas]
+
+        async def one(client):
+            try:
+                await wait_until_serving(client.address, client.options, timeout_s=timeout_s)
+            except Exception as error:
+                raise Unavailable(f"{type(client).__name__} at {client.address} is not ready: {error}") from None
+
+        await asyncio.gather(*(one(c) for c in clients if c is not None))
+
+    async def score(self, items: list[ScoreItem], attempts: int = 4, backoff_s: float = 1.0) -> list[ItemResult]:
+        """Scores every item exactly once into the batch: a reward service that is restarting
+        (UNAVAILABLE) or stuck (DEADLINE_EXCEEDED) is retried with backoff; results are positional,
+        so a retried request replaces, never duplicates, the lost one."""
+        for attempt in range(attempts):
+            try:
+                return await self.reward.score(items)
+            except (Unavailable, DeadlineExceeded) as error:
+                if attempt == attempts - 1:
+                    raise
+                delay = backoff_s * 2**attempt
+                log.warning("reward scoring failed (%s); retrying in %.1f s", error, delay)
+                await asyncio.sleep(delay)
+        raise AssertionError("unreachable")
+
+    async def close(self) -> None:
+        closers = [self.actor.close(), self.rollout.close(), self.reward.close()]
+        closers += [c.close() for c in (self.reference, self.critic) if c is not None]
+        await asyncio.gather(*closers, return_exceptions=True)

@@ -1,0 +1,100 @@
+"""One step's rollouts as the tensors the actor, reference and critic take (rlfabric.actor.batch layout).
+
+    input_ids      [B, P+T]  the prompt left-padded to P, then the response right-padded to T
+    attention_mask [B, P+T]  1 = real token
+    responses      [B, T]    == input_ids[:, -T:]
+    response_mask  [B, T]    1 = real response token
+
+B = prompts x n samples, ordered prompt by prompt (rows of one prompt form its GRPO group).
+P and T are the longest prompt and response of this batch, not the configured maxima: padding
+costs compute in every service.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from rlfabric.coordinator.dataset import PromptRow
+from rlfabric.rollout.types import Finish, FinishedSample
+
+
+@dataclass
+class RolloutBatch:
+    """The samples of one step plus what the loop needs to score and train on them."""
+
+    tensors: dict[str, torch.Tensor]
+    rows: list[PromptRow]  # one per sample (a prompt's row repeated n times)
+    samples: list[FinishedSample]
+    group_ids: torch.Tensor  # [B] int64, index of the prompt within the step
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)  # scores, advantages, ... as they are computed
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.samples)
+
+    @property
+    def response_mask(self) -> torch.Tensor:
+        return self.tensors["response_mask"]
+
+    def response_lengths(self) -> torch.Tensor:
+        return self.tensors["response_mask"].sum(-1)
+
+    def prompt_lengths(self) -> torch.Tensor:
+        return self.tensors["attention_mask"].sum(-1) - self.response_lengths()
+
+    def weight_versions(self) -> torch.Tensor:
+        return torch.tensor([s.weight_version for s in self.samples], dtype=torch.int64)
+
+    def truncated(self) -> torch.Tensor:
+        """[B] bool: the response hit max_tokens."""
+        return torch.tensor([s.finish_reason == Finish.LENGTH for s in self.samples])
+
+
+def build_rollout_batch(rows: Sequence[PromptRow], samples: Sequence[FinishedSample], n: int,
+                        pad_token_id: int) -> RolloutBatch:
+    """Assembles the samples of `rows` (n each, any order) into a RolloutBatch.
+
+    Raises ValueError when a (prompt, sample) pair is missing or repeated: a batch with a hole
+    would silently train on the wrong rows.
+    """
+    by_key = {(s.prompt_index, s.sample_index): s for s in samples}
+    expected = {(p, i) for p in range(len(rows)) for i in range(n)}
+    if len(by_key) != len(samples) or set(by_key) != expected:
+        missing = sorted(expected - set(by_key))[:5]
+        raise ValueError(f"rollout returned {len(samples)} samples for {len(rows)} prompts x n={n}; "
+                         f"missing {missing}, duplicates {len(samples) - len(by_key)}")
+    ordered = [by_key[(p, i)] for p in range(len(rows)) for i in range(n)]
+    sample_rows = [rows[p] for p in range(len(rows)) for _ in range(n)]
+    prompt_len = max(len(row.prompt_ids) for row in rows)
+    response_len = max(1, max(len(s.token_ids) for s in ordered))
+    batch = len(ordered)
+    input_ids = torch.full((batch, prompt_len + response_len), pad_token_id, dtype=torch.int64)
+    attention_mask = torch.zeros_like(input_ids)
+    for i, (row, sample) in enumerate(zip(sample_rows, ordered, strict=True)):
+        prompt, response = row.prompt_ids, sample.token_ids
+        input_ids[i, prompt_len - len(prompt) : prompt_len] = torch.tensor(prompt)
+        attention_mask[i, prompt_len - len(prompt) : prompt_len] = 1
+        if response:
+            input_ids[i, prompt_len : prompt_len + len(response)] = torch.tensor(response)
+            attention_mask[i, prompt_len : prompt_len + len(response)] = 1
+    tensors = {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "responses": input_ids[:, prompt_len:].clone(),
+        "response_mask": attention_mask[:, prompt_len:].clone(),
+    }
+    group_ids = torch.arange(len(rows)).repeat_interleave(n)
+    return RolloutBatch(tensors, sample_rows, ordered, group_ids)
+
+
+def token_level_scores(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """[B, T]: each sequence's score on its last real response token, 0 elsewhere (VeRL's layout)."""
+    out = torch.zeros(response_mask.shape, dtype=torch.float32)
+    lengths = response_mask.sum(-1)
+    has_tokens = lengths > 0
+    rows = torch.arange(len(scores))[has_tokens]
+    out[rows, lengths[has_tokens] - 1] = scores[has_tokens].to(torch.float32)
+    return out

@@ -1,0 +1,56 @@
+"""Builds a run from its config: tokenizer, datasets, connections, weight sync and metric sinks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rlfabric.coordinator.data_prep import write_synthetic
+from rlfabric.coordinator.dataset import DatasetError, RLHFDataset
+from rlfabric.coordinator.loop import PPOTrainer
+from rlfabric.coordinator.peers import Peers
+from rlfabric.coordinator.weight_sync import WeightSyncPlane
+from rlfabric.core.config import RunConfig
+from rlfabric.core.errors import FailedPrecondition, InvalidArgument
+from rlfabric.rollout.engine import load_tokenizer
+
+
+def run_dir_of(config: RunConfig) -> Path:
+    return Path(config.trainer.run_dir or Path("runs") / config.name).resolve()
+
+
+def load_datasets(config: RunConfig, run_dir: Path, tokenizer) -> tuple[RLHFDataset, RLHFDataset | None]:
+    """data.train_files / val_files, or the synthetic quickstart task written into RUN_DIR/data."""
+    data = config.data
+    train_files, val_files = list(data.train_files), list(data.val_files)
+    if not train_files:
+        paths = write_synthetic(run_dir / "data")
+        train_files, val_files = [str(paths["train"])], val_files or [str(paths["val"])]
+    try:
+        kwargs = dict(tokenizer=tokenizer, max_prompt_length=data.max_prompt_length, truncation=data.truncation,
+                      filter_overlong_prompts=data.filter_overlong_prompts)
+        train = RLHFDataset(train_files, **kwargs)
+        val = RLHFDataset(val_files, **kwargs) if val_files else None
+    except DatasetError as error:
+        raise InvalidArgument(str(error)) from None
+    if data.train_batch_size > len(train):
+        raise InvalidArgument(f"data.train_batch_size {data.train_batch_size} > {len(train)} usable training rows")
+    return train, val
+
+
+async def build_trainer(config: RunConfig, between_steps, on_phase, on_metrics) -> PPOTrainer:
+    """A PPOTrainer for one run, connected to the services in config.cluster (all of them ready)."""
+    if not config.model.path:
+        raise FailedPrecondition("model.path is empty: the coordinator needs the policy's tokenizer")
+    run_dir = run_dir_of(config)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = load_tokenizer(config.model.path, config.model.trust_remote_code)
+    train, val = load_datasets(config, run_dir, tokenizer)
+    peers = Peers.connect(config)
+    try:
+        await peers.wait_until_ready(config.client.connect_timeout_s)
+        plane = WeightSyncPlane(peers.actor, {address: address for address in peers.rollout_addresses}, config)
+    except BaseException:
+        await peers.close()
+        raise
+    return PPOTrainer(config, peers, tokenizer, run_dir, train, val, plane, on_phase=on_phase,
+                      on_metrics=on_metrics, between_steps=between_steps)

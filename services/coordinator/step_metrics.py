@@ -1,0 +1,68 @@
+"""A step's metrics with VeRL's names: data statistics, timings and throughput."""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+
+import torch
+
+from rlfabric.coordinator.rollout_batch import RolloutBatch
+
+
+def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
+    values = values.to(torch.float32)
+    if values.numel() == 0:
+        return {}
+    return {f"{prefix}/mean": values.mean().item(), f"{prefix}/max": values.max().item(),
+            f"{prefix}/min": values.min().item()}
+
+
+def data_metrics(batch: RolloutBatch, max_response_length: int) -> dict[str, float]:
+    """critic/score, critic/rewards, critic/advantages, critic/returns, critic/values, response and
+    prompt lengths: per-sequence values for scores/rewards, per-token values (masked) for the rest."""
+    mask = batch.response_mask.bool()
+    extra = batch.extra
+    metrics: dict[str, float] = {}
+    metrics.update(_stats("critic/score", extra["scores"]))
+    metrics.update(_stats("critic/rewards", extra["token_rewards"].sum(-1)))
+    for name in ("advantages", "returns", "values"):
+        if name in extra:
+            metrics.update(_stats(f"critic/{name}", extra[name][mask]))
+    if "values" in extra and "returns" in extra:
+        returns, values = extra["returns"][mask], extra["values"][mask]
+        variance = returns.var(unbiased=False)
+        metrics["critic/vf_explained_var"] = (1.0 - (returns - values).var(unbiased=False) / (variance + 1e-8)).item()
+    response_lengths = batch.response_lengths()
+    metrics.update(_stats("response_length", response_lengths))
+    metrics["response_length/clip_ratio"] = (response_lengths >= max_response_length).float().mean().item()
+    metrics.update(_stats("prompt_length", batch.prompt_lengths()))
+    return metrics
+
+
+class StepTimer:
+    """Wall time of named phases of one step: `with timer("gen"): ...` -> timing_s/gen."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self.started = time.perf_counter()
+
+    @contextmanager
+    def __call__(self, phase: str):
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - started
+
+    def metrics(self, batch: RolloutBatch | None) -> dict[str, float]:
+        """timing_s/<phase>, timing_s/step, and throughput over the step's tokens."""
+        step_seconds = time.perf_counter() - self.started
+        metrics = {f"timing_s/{phase}": seconds for phase, seconds in self.seconds.items()}
+        metrics["timing_s/step"] = step_seconds
+        if batch is not None:
+            tokens = float(batch.tensors["attention_mask"].sum())
+            metrics["perf/total_num_tokens"] = tokens
+            metrics["perf/time_per_step"] = step_seconds
+            metrics["perf/throughput"] = tokens / step_seconds if step_seconds > 0 else 0.0
+        return metrics

@@ -1,0 +1,288 @@
+"""Where a run's metrics go, and the progress bar `rlfabric train` draws.
+
+    tracker = RunTracker(run_dir, config, server_registry, total_steps=20, start_step=0)
+    tracker.log(step, metrics)     # after every step; VeRL names ("critic/score/mean", "timing_s/gen", ...)
+    tracker.close()                # -> RUN_DIR/curves.png when trainer.plot
+
+Sinks (trainer.loggers): "console" (one compact log line per step), "jsonl" (RUN_DIR/metrics.jsonl),
+"tensorboard" (RUN_DIR/tensorboard); Prometheus gauges whenever a registry is given.
+
+The coordinator's output goes to RUN_DIR/logs/coordinator.log, so the progress bar the user sees is
+drawn in the `rlfabric train` process from StreamMetrics: `status = await watch_run(client, 20)`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import sys
+import time
+import weakref
+from pathlib import Path
+from typing import TextIO
+
+import grpc
+from prometheus_client import CollectorRegistry
+from tqdm import tqdm
+
+from rlfabric.core.config import RunConfig
+from rlfabric.core.logs import log_event
+from rlfabric.core.metrics import service_gauge
+from rlfabric.v1 import coordinator_pb2
+
+log = logging.getLogger("rlfabric.coordinator")
+
+# The few metrics of the per-step console line (the rest are in metrics.jsonl and TensorBoard).
+CONSOLE_KEYS = (
+    "critic/score/mean",
+    "actor/pg_loss",
+    "actor/ppo_kl",
+    "actor/entropy",
+    "response_length/mean",
+    "timing_s/step",
+)
+# KL between the actor and the reference policy: the KL loss, or the KL in the reward (VeRL's
+# current and older name). The first one a step reports is what the dashboard's KL panel shows.
+REFERENCE_KL_KEYS = ("actor/kl_loss", "actor/reward_kl_penalty", "critic/kl")
+# Gauges of the Grafana dashboard (helm/rlfabric/dashboards/rlfabric.json) <- the step metric they show.
+DASHBOARD_GAUGES = {
+    "rlfabric_coordinator_score_mean": ("Mean sequence score of the last step.", ("critic/score/mean",)),
+    "rlfabric_coordinator_kl": ("KL between the actor and the reference policy, last step.", REFERENCE_KL_KEYS),
+    "rlfabric_coordinator_response_length_mean": ("Mean response length of the last step, in tokens.",
+                                                  ("response_length/mean",)),
+    "rlfabric_coordinator_weight_version": ("Weight version the coordinator last synced to the rollout.",
+                                            ("rollout/weight_version",)),
+    "rlfabric_coordinator_staleness": ("Most weight versions a sample of the last step lagged the actor.",
+                                       ("rollout/staleness/max",)),
+}
+# Curves of RUN_DIR/curves.png: (panel title, keys); validation scores join the reward panel.
+PLOT_PANELS = (
+    ("reward (critic/score/mean)", ("critic/score/mean",)),
+    ("KL", ("actor/ppo_kl", *REFERENCE_KL_KEYS)),
+    ("response length (mean)", ("response_length/mean",)),
+)
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """The records of a metrics.jsonl, in file order; a torn last line (a crash mid-write) is skipped."""
+    records = []
+    if not path.exists():
+        return records
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
+def _finite_or_none(value: float) -> float | None:
+    # metrics.jsonl stays strict JSON: NaN and infinities become null.
+    return value if math.isfinite(value) else None
+
+
+class _PrometheusGauges:
+    """The coordinator's gauges; created once per registry (a coordinator may run several runs)."""
+
+    _by_registry: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def __init__(self, registry: CollectorRegistry):
+        self.step = service_gauge(registry, "rlfabric_coordinator_step", "Last finished step of the run.")
+        self.total_steps = service_gauge(registry, "rlfabric_coordinator_total_steps", "Steps the run will take.")
+        self.phase_seconds = service_gauge(
+            registry, "rlfabric_coordinator_phase_seconds", "Wall time of each phase of the last step (timing_s/*).",
+            ("phase",),
+        )
+        self.metric = service_gauge(
+            registry, "rlfabric_coordinator_metric", "Every metric of the last step, by its VeRL name.", ("name",)
+        )
+        self.dashboard = {name: service_gauge(registry, name, doc) for name, (doc, _) in DASHBOARD_GAUGES.items()}
+
+    @classmethod
+    def of(cls, registry: CollectorRegistry) -> _PrometheusGauges:
+        if registry not in cls._by_registry:
+            cls._by_registry[registry] = cls(registry)
+        return cls._by_registry[registry]
+
+    def start_run(self, total_steps: int, start_step: int) -> None:
+        self.total_steps.set(total_steps)
+        self.step.set(start_step)
+        self.phase_seconds.clear()  # no label values left over from a previous run
+        self.metric.clear()
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        self.step.set(step)
+        for key, value in metrics.items():
+            self.metric.labels(name=key).set(value)
+            if key.startswith("timing_s/"):
+                self.phase_seconds.labels(phase=key.removeprefix("timing_s/")).set(value)
+        for name, (_, keys) in DASHBOARD_GAUGES.items():
+            present = [metrics[k] for k in keys if k in metrics]
+            if present:
+                self.dashboard[name].set(present[0])
+
+
+class RunTracker:
+    """Sends each step's metrics to the sinks in trainer.loggers (and to Prometheus)."""
+
+    def __init__(
+        self,
+        run_dir: Path,
+        config: RunConfig,
+        registry: CollectorRegistry | None,
+        total_steps: int,
+        start_step: int = 0,
+    ):
+        trainer = config.trainer
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.total_steps = total_steps
+        self.plot = trainer.plot
+        self.title = f"{trainer.project_name} / {trainer.experiment_name}"
+        self.console = "console" in trainer.loggers
+        self.jsonl_path = self.run_dir / "metrics.jsonl"
+        self.history: list[dict] = []  # this process's steps: what the plot uses without metrics.jsonl
+        self._closed = False
+
+        self._jsonl: TextIO | None = None
+        if "jsonl" in trainer.loggers:
+            self._drop_steps_after(start_step)
+            self._jsonl = self.jsonl_path.open("a")
+
+        self._tensorboard = None
+        if "tensorboard" in trainer.loggers:
+            from torch.utils.tensorboard import SummaryWriter  # torch is slow to import: only when used
+
+            # purge_step hides the events of steps a resumed run is about to take again.
+            self._tensorboard = SummaryWriter(
+                str(self.run_dir / "tensorboard"), purge_step=start_step + 1 if start_step else None
+            )
+
+        self._gauges = _PrometheusGauges.of(registry) if registry is not None else None
+        if self._gauges:
+            self._gauges.start_run(total_steps, start_step)
+        if self.console:
+            log_event(log, f"run {self.title}: steps {start_step + 1}..{total_steps}",
+                      start_step=start_step, total_steps=total_steps, run_dir=str(self.run_dir))
+
+    def _drop_steps_after(self, start_step: int) -> None:
+        """A resumed run continues metrics.jsonl: steps after the checkpoint are about to be redone."""
+        if not self.jsonl_path.exists():
+            return
+        kept = [r for r in read_metrics(self.jsonl_path) if r.get("step", 0) <= start_step]
+        tmp = self.jsonl_path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        tmp.replace(self.jsonl_path)
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        """One finished step's metrics to every enabled sink."""
+        metrics = {key: float(value) for key, value in metrics.items()}
+        record = {"step": step, "timestamp": time.time(), **metrics}
+        self.history.append(record)
+        if self.console:
+            log_event(log, self.console_line(step, metrics), step=step)
+        if self._jsonl:
+            strict = {key: _finite_or_none(v) if isinstance(v, float) else v for key, v in record.items()}
+            self._jsonl.write(json.dumps(strict, allow_nan=False) + "\n")
+            self._jsonl.flush()
+        if self._tensorboard:
+            for key, value in metrics.items():
+                self._tensorboard.add_scalar(key, value, step)
+            self._tensorboard.flush()
+        if self._gauges:
+            self._gauges.log(step, metrics)
+
+    def console_line(self, step: int, metrics: dict[str, float]) -> str:
+        """"step 3/20 critic/score/mean=0.412 actor/pg_loss=-0.0131 ..." (CONSOLE_KEYS and validation)."""
+        keys = [k for k in CONSOLE_KEYS if k in metrics] + sorted(k for k in metrics if k.startswith("val-core/"))
+        return " ".join([f"step {step}/{self.total_steps}", *(f"{k}={metrics[k]:.4g}" for k in keys)])
+
+    def close(self) -> Path | None:
+        """Flushes and closes the sinks; writes RUN_DIR/curves.png when trainer.plot (returns its path)."""
+        if self._closed:
+            return None
+        self._closed = True
+        if self._jsonl:
+            self._jsonl.close()
+        if self._tensorboard:
+            self._tensorboard.close()
+        records = self.run_records()
+        if not self.plot or not records:
+            return None
+        return plot_curves(records, self.run_dir / "curves.png", self.title)
+
+    def run_records(self) -> list[dict]:
+        """Every step of the run so far: from metrics.jsonl when enabled (so a resumed run's earlier
+        steps are included), else the steps logged by this process."""
+        return read_metrics(self.jsonl_path) if self._jsonl is not None else list(self.history)
+
+
+def plot_curves(records: list[dict], path: Path, title: str = "") -> Path:
+    """Reward, KL and response length against step, one panel each, as a PNG."""
+    from matplotlib.figure import Figure  # no pyplot: no global backend state, renders with Agg
+    from matplotlib.ticker import MaxNLocator
+
+    all_keys = {key for record in records for key in record}
+    figure = Figure(figsize=(15, 4.2), layout="constrained")
+    axes = figure.subplots(1, len(PLOT_PANELS))
+    for ax, (panel_title, keys) in zip(axes, PLOT_PANELS, strict=True):
+        if panel_title.startswith("reward"):
+            keys = (*keys, *sorted(k for k in all_keys if k.startswith("val-core/")))
+        drawn = 0
+        for key in keys:
+            points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
+            if points:
+                ax.plot([s for s, _ in points], [v for _, v in points], marker="." if len(points) < 50 else None, label=key)
+                drawn += 1
+        if drawn:
+            ax.legend(fontsize="small")
+        else:
+            ax.text(0.5, 0.5, "not reported", ha="center", va="center", transform=ax.transAxes, color="gray")
+        ax.set_title(panel_title)
+        ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+    if title:
+        figure.suptitle(title)
+    figure.savefig(path, dpi=100)
+    return path
+
+
+async def watch_run(
+    client,
+    total_steps: int,
+    start_step: int = 0,
+    *,
+    progress_bar: bool = True,
+    file: TextIO | None = None,
+) -> coordinator_pb2.GetRunStatusResponse:
+    """Follows a run through StreamMetrics with a tqdm bar (step, reward, ETA); returns its final status.
+
+    `client` is a CoordinatorClient. The stream carries the client's deadline, so a run that outlasts it
+    is followed by reopening the stream from the next step.
+    """
+    running = (coordinator_pb2.RUN_STATE_RUNNING, coordinator_pb2.RUN_STATE_PAUSED)
+    next_step = start_step + 1
+    with tqdm(total=total_steps, initial=start_step, unit="step", desc="training", dynamic_ncols=True,
+              file=file or sys.stderr, disable=not progress_bar) as bar:
+        while True:
+            try:
+                request = coordinator_pb2.StreamMetricsRequest(from_step=next_step)
+                async for message in client.stream("StreamMetrics", request):
+                    if message.step < next_step:
+                        continue
+                    reward = message.metrics.get("critic/score/mean")
+                    if reward is not None:
+                        bar.set_postfix(reward=f"{reward:.3f}", refresh=False)
+                    bar.update(message.step - bar.n)
+                    next_step = message.step + 1
+            except grpc.aio.AioRpcError as error:
+                if error.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                    raise
+                continue
+            status = await client.run_status()
+            if status.state not in running:
+                return status
+            await asyncio.sleep(1.0)  # the stream ended early but the run goes on: reopen it

@@ -1,0 +1,340 @@
+"""The Ray launcher: every service under a Ray actor that holds its resources (`rlfabric up --launcher ray`).
+
+    with RayMesh(config, run_dir, address="ray-head:6379") as mesh:   # same surface as LocalMesh
+        mesh.endpoints["rollout"][0]["grpc"]                          # "10.0.3.7:43121"
+
+Each service is one named Ray actor (a ServiceSupervisor) in the run's namespace. The actor reserves
+the role's `launcher.ray.<role>` num_cpus/num_gpus and runs `rlfabric serve ROLE` as its child process,
+the entry point the local mesh and the containers run, so the services still speak gRPC to each other;
+Ray only places and supervises them. Why a child process rather than the service inside the actor:
+- resources: the child inherits the actor's environment, so it sees exactly the GPUs Ray assigned
+  (CUDA_VISIBLE_DEVICES, emptied when the role reserved none) and the OMP_NUM_THREADS Ray derived from num_cpus;
+- failures: the actor's wait() returns when the child exits, and a dead actor (or node) fails that call,
+  so the launcher sees both; the child gets SIGTERM when the actor dies (PR_SET_PDEATHSIG);
+- the service keeps its own process, signals and graceful drain, unchanged from the other launchers.
+
+Addresses: on a one-node cluster services bind 127.0.0.1; on a multi-node cluster (or through Ray Client)
+each binds and advertises its node's IP. The coordinator is placed on the launcher's node, so RUN_DIR
+(metrics, checkpoints) is where `rlfabric train` ran. With an address (or RAY_ADDRESS) the launcher connects
+to that cluster and leaves it running; otherwise it starts a private local Ray instance and shuts it down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from rlfabric.core.config import RunConfig
+from rlfabric.launcher import (
+    MeshContext,
+    MeshStartError,
+    await_port_file,
+    await_readiness,
+    default_run_dir,
+    die_with_parent,
+    endpoint,
+    log_tail,
+    prepare_run_dir,
+    serve_command,
+    service_names,
+    write_coordinator_config,
+    write_endpoints,
+)
+
+log = logging.getLogger("rlfabric.launcher")
+
+
+@ray.remote(max_concurrency=4)  # stop() and log_tail() answer while wait() blocks
+class ServiceSupervisor:
+    """One `rlfabric serve ROLE` process on this actor's node, holding the role's Ray resources."""
+
+    def __init__(self, name: str, role: str, config_path: str, config_text: str, run_dir: str, run_id: str,
+                 host: str | None, cwd: str):
+        self.name = name
+        self.host = host or ray.util.get_node_ip_address()
+        run_dir_here = Path(run_dir)
+        self.workdir: Path | None = None
+        if (run_dir_here / "logs").is_dir():
+            # One machine or a shared filesystem: the local mesh's layout in RUN_DIR.
+            self.log_path = run_dir_here / "logs" / f"{name}.log"
+            self.port_file = run_dir_here / "ports" / f"{name}.json"
+            self.port_file.parent.mkdir(exist_ok=True)
+        else:
+            # Another node: a private directory; stop() hands the log back to the launcher.
+            self.workdir = Path(tempfile.mkdtemp(prefix=f"rlfabric-{run_id}-{name}-"))
+            config_path = str(self.workdir / Path(config_path).name)
+            Path(config_path).write_text(config_text)
+            self.log_path = self.workdir / f"{name}.log"
+            self.port_file = self.workdir / "ports.json"
+        self.port_file.unlink(missing_ok=True)
+        env = dict(os.environ)
+        if not ray.get_gpu_ids():
+            env["CUDA_VISIBLE_DEVICES"] = ""  # Ray leaves it unset for 0 GPUs; a service uses what it reserved
+        with open(self.log_path, "ab") as log_file:
+            self.process = subprocess.Popen(
+                serve_command(role, Path(config_path), self.host, self.port_file, run_id),
+                stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env=env, cwd=cwd if Path(cwd).is_dir() else None, preexec_fn=die_with_parent,
+            )
+
+    def node_ip(self) -> str:
+        """Answers once the actor is placed and its service process started."""
+        return ray.util.get_node_ip_address()
+
+    def assigned_resources(self) -> dict[str, float]:
+        return ray.get_runtime_context().get_assigned_resources()
+
+    def await_ports(self) -> dict:
+        """{grpc, metrics, pid, host, log} once the service bound its ports, or {exit_code, log} if it exited first."""
+        ports = await_port_file(self.port_file, self.process, timeout_s=float("inf"))
+        if ports is None:
+            return {"exit_code": self.process.returncode, "log": str(self.log_path)}
+        return {**ports, "host": self.host, "log": str(self.log_path)}
+
+    def wait(self) -> int:
+        """Blocks until the service process exits; its exit code."""
+        return self.process.wait()
+
+    def log_tail(self, lines: int = 20) -> str:
+        return log_tail(self.log_path, lines)
+
+    def stop(self, timeout_s: float) -> tuple[int, str | None]:
+        """SIGTERM, up to timeout_s to drain, then SIGKILL. (exit code, the log when it is node-local)."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        node_log = None
+        if self.workdir is not None:
+            node_log = self.log_path.read_text(errors="replace")
+            shutil.rmtree(self.workdir, ignore_errors=True)
+        return self.process.returncode, node_log
+
+
+@dataclass
+class RayService:
+    """The launcher's handle on one service: its Ray actor and what it reported."""
+
+    name: str
+    role: str
+    actor: ray.actor.ActorHandle
+    resources: dict[str, float]  # {"num_cpus": ..., "num_gpus": ...} as requested
+    placed: ray.ObjectRef  # node_ip(): ready once the actor is placed
+    ports: dict | None = None  # {grpc, metrics, pid, host, log}
+    exited: ray.ObjectRef | None = None  # wait(): ready once the service process exits
+    _exit_report: str | None = None
+
+    @property
+    def grpc_address(self) -> str:
+        return f"{self.ports['host']}:{self.ports['grpc']}"
+
+    def exit_report(self) -> str | None:
+        """Why the service is gone, or None while it runs."""
+        if self._exit_report is None and self.exited is not None and ray.is_initialized() \
+                and ray.wait([self.exited], timeout=0)[0]:
+            try:
+                code = ray.get(self.exited)
+                self._exit_report = f"exited with code {code} (log {self.ports['log']} on {self.ports['host']})"
+            except ray.exceptions.RayActorError as error:
+                self._exit_report = f"lost its Ray actor: {_first_line(error)}"
+        return self._exit_report
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            return ray.get(self.actor.log_tail.remote(lines), timeout=10)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            return "(no log: the service's Ray actor is gone)"
+
+    def is_placed(self) -> bool:
+        return bool(ray.wait([self.placed], timeout=0)[0])
+
+
+def _first_line(error: BaseException) -> str:
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+
+
+def default_num_gpus(config: RunConfig, role: str) -> float:
+    """GPUs a role's service uses on a cluster that has GPUs (launcher.ray.<role>.num_gpus: null)."""
+    if role in ("actor", "reference", "critic"):
+        return getattr(config, role).world_size
+    if role == "rollout":
+        return 0 if config.rollout.engine == "sglang" else 1  # SGLang runs as its own server
+    if role == "reward":
+        return 1 if config.reward.model_path and config.reward.model_device.startswith("cuda") else 0
+    return 0
+
+
+class RayMesh(MeshContext):
+    """Starts and stops the six roles as Ray actors; the same surface as LocalMesh."""
+
+    def __init__(self, config: RunConfig, run_dir: Path | None = None, address: str | None = None):
+        self.config = config
+        self.run_dir = Path(run_dir) if run_dir else default_run_dir(config)
+        self.run_id = self.run_dir.name
+        self.address = address or os.environ.get("RAY_ADDRESS") or None
+        self.namespace = config.launcher.ray.namespace or f"rlfabric-{self.run_id}"
+        self.services: list[RayService] = []
+        self.endpoints: dict[str, list[dict]] = {}
+        self._disconnect = False  # this mesh called ray.init, so stop() calls ray.shutdown
+        self._host: str | None = None  # where services bind: 127.0.0.1, or None for each node's IP
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Starts the workers, then the coordinator (configured with their addresses); waits for all."""
+        worker_config = prepare_run_dir(self.config, self.run_dir)
+        self._connect()
+        self._host = self._service_host()
+        for name, role in service_names(self.config):
+            self._launch(name, role, worker_config)
+        self._await_ports(self.services)
+        self._record_endpoints()
+        # The coordinator reads the others' addresses from its config's cluster section.
+        coordinator_config = write_coordinator_config(self.config, self.endpoints, self.run_dir)
+        self._launch("coordinator", "coordinator", coordinator_config)
+        self._await_ports(self.services[-1:])
+        self._record_endpoints()
+        asyncio.run(await_readiness(self.config, self.services))
+        log.info("mesh ready", extra={"fields": {"run_dir": str(self.run_dir), "services": len(self.services),
+                                                 "namespace": self.namespace}})
+
+    def stop(self) -> None:
+        """SIGTERM every service through its actor, wait for them to drain, then kill the actors."""
+        if not ray.is_initialized():
+            return
+        timeout = self.config.launcher.stop_timeout_s
+        placed = [s for s in reversed(self.services) if s.is_placed()]
+        stops = {s.actor.stop.remote(timeout): s for s in placed}
+        ready, _ = ray.wait(list(stops), num_returns=len(stops), timeout=timeout + 10)
+        for ref in ready:
+            try:
+                _, node_log = ray.get(ref)
+            except ray.exceptions.RayActorError:
+                continue
+            if node_log is not None:
+                (self.run_dir / "logs" / f"{stops[ref].name}.log").write_text(node_log)
+        for service in self.services:
+            ray.kill(service.actor)
+        self.services = []
+        self._await_actors_gone(timeout_s=10)
+        if self._disconnect:
+            ray.shutdown()
+            self._disconnect = False
+
+    def failed(self) -> list[RayService]:
+        """Services whose process (or Ray actor) is gone."""
+        return [s for s in self.services if s.exit_report() is not None]
+
+    def resources(self, role: str) -> dict[str, float]:
+        """What one service of `role` asks Ray for (launcher.ray.<role>, null num_gpus resolved)."""
+        spec = getattr(self.config.launcher.ray, role)
+        num_gpus = spec.num_gpus
+        if num_gpus is None:
+            num_gpus = default_num_gpus(self.config, role) if ray.cluster_resources().get("GPU", 0) else 0
+        return {"num_cpus": spec.num_cpus, "num_gpus": num_gpus}
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    def _connect(self) -> None:
+        if ray.is_initialized():
+            return  # the caller's connection (a test, a Ray job's own driver): leave it to them
+        self._disconnect = True
+        # ray.init makes SIGTERM exit the process at once; keep the caller's handler (`rlfabric up` drains).
+        on_sigterm = signal.getsignal(signal.SIGTERM)
+        if self.address:
+            ray.init(address=self.address)
+        else:
+            # A private instance for this mesh only: its logical CPUs are sized so every service fits,
+            # as on one machine the local mesh runs them all too.
+            roles = [role for _, role in service_names(self.config)] + ["coordinator"]
+            needed = math.ceil(sum(getattr(self.config.launcher.ray, role).num_cpus for role in roles))
+            ray.init(address="local", num_cpus=max(os.cpu_count() or 1, needed), include_dashboard=False)
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, on_sigterm)
+
+    def _service_host(self) -> str | None:
+        """127.0.0.1 on a one-node cluster; None (each service's node IP) otherwise."""
+        if self.address and self.address.startswith("ray://"):
+            return None  # Ray Client: the launcher is not on a node
+        alive = [node for node in ray.nodes() if node["Alive"]]
+        return "127.0.0.1" if len(alive) == 1 else None
+
+    def _launch(self, name: str, role: str, config_path: Path) -> None:
+        resources = self.resources(role)
+        options = {"name": name, "namespace": self.namespace, **resources}
+        if role == "coordinator" and not (self.address or "").startswith("ray://"):
+            options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(
+                ray.get_runtime_context().get_node_id(), soft=False)
+        actor = ServiceSupervisor.options(**options).remote(
+            name, role, str(config_path.resolve()), config_path.read_text(), str(self.run_dir.resolve()),
+            self.run_id, self._host, os.getcwd())
+        self.services.append(RayService(name, role, actor, resources, placed=actor.node_ip.remote()))
+
+    def _await_ports(self, services: list[RayService]) -> None:
+        timeout = self.config.launcher.startup_timeout_s
+        deadline = time.monotonic() + timeout
+        pending = {s.actor.await_ports.remote(): s for s in services}
+        while pending:
+            # A service that bound its ports and then exited (while loading) fails the start at once.
+            started = {s.exited: s for s in self.services if s.exited is not None}
+            ready, _ = ray.wait([*pending, *started], num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                raise MeshStartError(self._not_started(list(pending.values()), timeout))
+            if ready[0] in started:
+                service = started[ready[0]]
+                raise MeshStartError(f"{service.name} {service.exit_report()} while loading:\n{service.log_tail()}")
+            service = pending.pop(ready[0])
+            try:
+                info = ray.get(ready[0])
+            except ray.exceptions.RayActorError as error:
+                raise MeshStartError(f"{service.name}: its Ray actor died before the service started: "
+                                     f"{_first_line(error)}") from None
+            if "exit_code" in info:
+                raise MeshStartError(f"{service.name} exited with code {info['exit_code']} before binding its "
+                                     f"ports; log {info['log']}:\n{service.log_tail()}")
+            service.ports = info
+            service.exited = service.actor.wait.remote()
+
+    def _not_started(self, pending: list[RayService], timeout: float) -> str:
+        unplaced = [s for s in pending if not s.is_placed()]
+        if unplaced:
+            service = unplaced[0]
+            free = ray.available_resources()
+            return (f"{service.name} was not placed on the Ray cluster within {timeout:g} s: it asks for "
+                    f"{service.resources}; free now: CPU {free.get('CPU', 0):g}, GPU {free.get('GPU', 0):g}")
+        service = pending[0]
+        return f"{service.name} did not bind its ports within {timeout:g} s; log:\n{service.log_tail()}"
+
+    def _await_actors_gone(self, timeout_s: float) -> None:
+        """ray.kill returns before the cluster has recorded the kill; wait for the run's names to go."""
+        deadline = time.monotonic() + timeout_s
+        while any(a["namespace"] == self.namespace for a in ray.util.list_named_actors(all_namespaces=True)):
+            if time.monotonic() > deadline:
+                log.warning("Ray actors of the run still listed after stop", extra={"fields": {"namespace": self.namespace}})
+                return
+            time.sleep(0.1)
+
+    def _record_endpoints(self) -> None:
+        endpoints: dict[str, list[dict]] = {}
+        for service in self.services:
+            if service.ports is not None:
+                entry = endpoint(service.name, service.ports["host"], service.ports)
+                endpoints.setdefault(service.role, []).append(entry)
+        self.endpoints = endpoints
+        write_endpoints(self.run_dir, endpoints)

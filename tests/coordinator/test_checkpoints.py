@@ -1,0 +1,75 @@
+"""The run's checkpoint directory: atomic writes, the resume point, retention."""
+
+import pytest
+
+from rlfabric.coordinator.checkpoints import (
+    LATEST_FILE,
+    CheckpointError,
+    CheckpointWriter,
+    CoordinatorState,
+    checkpoint_root,
+    latest_checkpoint,
+    read_state,
+)
+
+
+def state(step: int) -> CoordinatorState:
+    return CoordinatorState(step=step, data_epoch=0, data_position=4 * step, kl_coef=0.001, weight_version=step)
+
+
+def save(run_dir, step: int, keep: int = 0):
+    writer = CheckpointWriter(run_dir, keep=keep)
+    tmp = writer.begin(step)
+    (tmp / "actor").mkdir()
+    (tmp / "actor" / "model.safetensors").write_bytes(b"x" * step)
+    return writer.commit(state(step))
+
+
+def test_commit_makes_the_step_the_resume_point(tmp_path):
+    assert latest_checkpoint(tmp_path) is None
+    save(tmp_path, 1)
+    path = save(tmp_path, 2)
+    assert path.name == "global_step_2"
+    assert latest_checkpoint(tmp_path) == path
+    assert read_state(path) == state(2)
+    assert (checkpoint_root(tmp_path) / LATEST_FILE).read_text() == "2"
+    assert not [p for p in checkpoint_root(tmp_path).iterdir() if p.name.startswith(".")]
+
+
+def test_an_aborted_save_leaves_the_previous_checkpoint_as_the_resume_point(tmp_path):
+    save(tmp_path, 1)
+    writer = CheckpointWriter(tmp_path)
+    tmp = writer.begin(2)
+    (tmp / "actor").mkdir()
+    writer.abort()  # e.g. the actor's SaveCheckpoint failed
+    assert latest_checkpoint(tmp_path).name == "global_step_1"
+    assert sorted(p.name for p in checkpoint_root(tmp_path).iterdir()) == ["global_step_1", LATEST_FILE]
+
+
+def test_a_directory_without_state_is_not_a_checkpoint(tmp_path):
+    save(tmp_path, 1)
+    (checkpoint_root(tmp_path) / "global_step_5").mkdir()  # half-copied by hand
+    (checkpoint_root(tmp_path) / LATEST_FILE).write_text("5")
+    assert latest_checkpoint(tmp_path).name == "global_step_1"
+    with pytest.raises(CheckpointError, match="coordinator.json is missing"):
+        read_state(checkpoint_root(tmp_path) / "global_step_5")
+
+
+def test_saving_a_step_again_replaces_it(tmp_path):
+    save(tmp_path, 3)
+    path = save(tmp_path, 3)
+    assert (path / "actor" / "model.safetensors").read_bytes() == b"xxx"
+    assert [p.name for p in checkpoint_root(tmp_path).iterdir() if p.name.startswith(".")] == []
+
+
+def test_keep_prunes_the_oldest(tmp_path):
+    for step in (1, 2, 3, 4):
+        save(tmp_path, step, keep=2)
+    assert sorted(p.name for p in checkpoint_root(tmp_path).glob("global_step_*")) == ["global_step_3",
+                                                                                      "global_step_4"]
+
+
+def test_an_unwritable_checkpoint_dir_is_a_clear_error(tmp_path):
+    (tmp_path / "checkpoints").write_text("not a directory")  # root ignores permissions; this fails for anyone
+    with pytest.raises(CheckpointError, match="cannot write checkpoints under"):
+        CheckpointWriter(tmp_path).begin(1)

@@ -1,0 +1,75 @@
+"""Assembling rollouts into the actor's batch layout, and the per-token score layout."""
+
+import pytest
+import torch
+
+from rlfabric.actor.batch import validate_batch
+from rlfabric.coordinator.dataset import PromptRow
+from rlfabric.coordinator.rollout_batch import build_rollout_batch, token_level_scores
+from rlfabric.coordinator.step_metrics import data_metrics
+from rlfabric.rollout.types import Finish, FinishedSample
+
+PAD = 0
+
+
+def row(uid: str, ids: list[int]) -> PromptRow:
+    return PromptRow(uid, "src", [{"role": "user", "content": uid}], ids, "a", "x", "{}")
+
+
+def sample(p: int, i: int, tokens: list[int], version: int = 0) -> FinishedSample:
+    finish = Finish.LENGTH if len(tokens) == 3 else Finish.STOP
+    return FinishedSample(p, i, tokens, [-0.5] * len(tokens), finish, version, text="t")
+
+
+ROWS = [row("a", [5, 6, 7]), row("b", [8])]
+SAMPLES = [sample(1, 1, [9]), sample(0, 0, [10, 11, 12]), sample(1, 0, [13, 14]), sample(0, 1, [])]
+
+
+def test_layout_left_pads_prompts_right_pads_responses_and_orders_rows_by_prompt():
+    batch = build_rollout_batch(ROWS, SAMPLES, n=2, pad_token_id=PAD)
+    t = batch.tensors
+    assert t["input_ids"].tolist() == [
+        [5, 6, 7, 10, 11, 12],
+        [5, 6, 7, PAD, PAD, PAD],
+        [PAD, PAD, 8, 13, 14, PAD],
+        [PAD, PAD, 8, 9, PAD, PAD],
+    ]
+    assert t["attention_mask"].tolist() == [[1, 1, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0], [0, 0, 1, 1, 1, 0],
+                                            [0, 0, 1, 1, 0, 0]]
+    assert torch.equal(t["responses"], t["input_ids"][:, -3:])
+    assert batch.group_ids.tolist() == [0, 0, 1, 1]
+    assert [r.uid for r in batch.rows] == ["a", "a", "b", "b"]
+    assert batch.response_lengths().tolist() == [3, 0, 2, 1]
+    assert batch.prompt_lengths().tolist() == [3, 3, 1, 1]
+    assert batch.truncated().tolist() == [True, False, False, False]
+    validate_batch(dict(t), vocab_size=100)  # the actor accepts it as is
+
+
+@pytest.mark.parametrize("samples, problem", [
+    (SAMPLES[:3], "missing"),
+    (SAMPLES + [sample(0, 0, [1])], "duplicates 1"),
+])
+def test_missing_or_repeated_samples_are_refused(samples, problem):
+    with pytest.raises(ValueError, match=problem):
+        build_rollout_batch(ROWS, samples, n=2, pad_token_id=PAD)
+
+
+def test_score_sits_on_the_last_real_response_token():
+    mask = torch.tensor([[1, 1, 1], [0, 0, 0], [1, 1, 0], [1, 0, 0]])
+    out = token_level_scores(torch.tensor([1.0, 2.0, 3.0, 4.0]), mask)
+    assert out.tolist() == [[0, 0, 1.0], [0, 0, 0], [0, 3.0, 0], [4.0, 0, 0]]
+
+
+def test_data_metrics_use_verl_names_and_masked_statistics():
+    batch = build_rollout_batch(ROWS, SAMPLES, n=2, pad_token_id=PAD)
+    scores = torch.tensor([1.0, 0.0, 0.5, 0.5])
+    batch.extra["scores"] = scores
+    batch.extra["token_rewards"] = token_level_scores(scores, batch.response_mask)
+    batch.extra["advantages"] = torch.where(batch.response_mask.bool(), 2.0, 100.0)  # padding must not count
+    metrics = data_metrics(batch, max_response_length=3)
+    assert metrics["critic/score/mean"] == pytest.approx(0.5)
+    assert metrics["critic/score/max"] == 1.0
+    assert metrics["critic/advantages/max"] == 2.0
+    assert metrics["response_length/mean"] == pytest.approx(1.5)
+    assert metrics["response_length/clip_ratio"] == pytest.approx(0.25)
+    assert metrics["prompt_length/max"] == 3

@@ -1,0 +1,151 @@
+"""End to end on CPU: the coordinator's PPO/GRPO loop over a live local mesh (one mesh per module,
+two rollout replicas). Each run gets its own trainer.run_dir through StartRun overrides.
+
+Order matters: the last test kills a rollout replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+from pathlib import Path
+
+import grpc
+import pytest
+
+from rlfabric.coordinator.client import CoordinatorClient
+from rlfabric.core.client import ChannelOptions
+from rlfabric.core.config import load_config
+from rlfabric.launcher import LocalMesh
+from rlfabric.v1 import coordinator_pb2
+
+pytestmark = pytest.mark.slow
+
+# Short runs on the quickstart's task; whether the quickstart learns is tests/coordinator/test_quickstart_learns.py.
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory):
+    config = load_config(None, ["rollout.replicas=2", "rollout.seed=3", "trainer.progress_bar=false",
+                                "weight_sync.timeout_s=20"])
+    with LocalMesh(config, tmp_path_factory.mktemp("e2e") / "mesh") as mesh:
+        yield mesh
+
+
+def coordinator(mesh) -> CoordinatorClient:
+    return CoordinatorClient(mesh.endpoints["coordinator"][0]["grpc"], ChannelOptions(timeout_s=300))
+
+
+async def run_to_end(mesh, overrides: list[str], timeout_s: float = 400) -> coordinator_pb2.GetRunStatusResponse:
+    async with coordinator(mesh) as client:
+        await client.start_run(overrides)
+        async with asyncio.timeout(timeout_s):
+            async for _ in client.stream("StreamMetrics", coordinator_pb2.StreamMetricsRequest(), timeout_s):
+                pass
+        return await client.run_status()
+
+
+def metrics_of(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def rollouts_of(run_dir: Path, step: int) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "rollouts" / f"step_{step}.jsonl").read_text().splitlines()]
+
+
+def test_grpo_run_trains_and_syncs_every_step(mesh, tmp_path):
+    status = asyncio.run(run_to_end(mesh, [f"trainer.run_dir={tmp_path}", f"trainer.total_steps={STEPS}"]))
+    assert status.state == coordinator_pb2.RUN_STATE_COMPLETED, status.error
+    records = metrics_of(tmp_path)
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    assert all(0 <= r["critic/score/mean"] <= 1 for r in records)
+    assert any(r["actor/grad_norm"] > 0 for r in records)  # a step whose samples all score 0 has no gradient
+    # Every step synced new weights to both replicas, and the samples came from the policy being trained.
+    versions = [int(r["rollout/weight_version"]) for r in records]
+    assert versions == list(range(versions[0], versions[0] + STEPS))
+    assert all(r["weight_sync/replicas"] == 2 for r in records)
+    for step in (1, STEPS):
+        assert {s["weight_version"] for s in rollouts_of(tmp_path, step)} == {versions[step - 1] - 1}
+    assert {"actor/pg_loss", "actor/grad_norm", "timing_s/gen", "timing_s/update", "perf/throughput"} <= set(records[-1])
+    assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_ppo_with_gae_trains_the_critic_too(mesh, tmp_path):
+    status = asyncio.run(run_to_end(mesh, [f"trainer.run_dir={tmp_path}", f"trainer.total_steps={STEPS}",
+                                           "algorithm.adv_estimator=gae"]))
+    assert status.state == coordinator_pb2.RUN_STATE_COMPLETED, status.error
+    records = metrics_of(tmp_path)
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    assert {"critic/vf_loss", "critic/values/mean", "critic/vf_explained_var"} <= set(records[-1])
+    assert records[0]["critic/values/mean"] != records[-1]["critic/values/mean"]  # the critic was updated
+
+
+def test_async_mode_trains_on_samples_at_most_one_version_old(mesh, tmp_path):
+    steps = 5
+    status = asyncio.run(run_to_end(mesh, [f"trainer.run_dir={tmp_path}", f"trainer.total_steps={steps}",
+                                           "trainer.mode=async", "trainer.max_staleness=1"]))
+    assert status.state == coordinator_pb2.RUN_STATE_COMPLETED, status.error
+    records = metrics_of(tmp_path)
+    synced = [int(r["rollout/weight_version"]) for r in records]  # after step k: the policy of step k + 1
+    start = synced[0] - 1  # the run's starting weights
+    versions = {step: {s["weight_version"] for s in rollouts_of(tmp_path, step)} for step in range(1, steps + 1)}
+    # Step k's batch was generated while step k-1 trained: by the weights before step k-1's update.
+    assert versions == {1: {start}, **{step: {start + step - 2} for step in range(2, steps + 1)}}
+    assert max(r["rollout/staleness/max"] for r in records) == 1
+
+
+def test_run_control_pause_checkpoint_stop_and_bad_requests(mesh, tmp_path):
+    async def scenario():
+        async with coordinator(mesh) as client:
+            for bad, code in ((["actor.lr=1"], grpc.StatusCode.INVALID_ARGUMENT),
+                              (["trainer.total_steps=0"], grpc.StatusCode.INVALID_ARGUMENT),
+                              (["data.train_files=[/nonexistent.parquet]"], grpc.StatusCode.INVALID_ARGUMENT)):
+                with pytest.raises(grpc.RpcError) as error:
+                    await client.start_run(bad)
+                assert error.value.code() == code, bad
+            await client.start_run([f"trainer.run_dir={tmp_path}", "trainer.total_steps=50"])
+            with pytest.raises(grpc.RpcError) as error:  # one run at a time
+                await client.start_run([f"trainer.run_dir={tmp_path}"])
+            assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            await client.call("PauseRun", coordinator_pb2.PauseRunRequest())
+            for _ in range(600):
+                status = await client.run_status()
+                if status.state == coordinator_pb2.RUN_STATE_PAUSED:
+                    break
+                await asyncio.sleep(0.1)
+            assert status.phase == "paused"
+            await asyncio.sleep(1.0)
+            assert (await client.run_status()).step == status.step  # no step while paused
+            await client.call("ResumeRun", coordinator_pb2.ResumeRunRequest())
+            saved = await client.call("SaveCheckpoint", coordinator_pb2.CoordinatorServiceSaveCheckpointRequest())
+            assert Path(saved.path).name == f"global_step_{saved.step}"
+            assert (Path(saved.path) / "actor" / "model.safetensors").exists()
+            await client.call("StopRun", coordinator_pb2.StopRunRequest(save_checkpoint=False))
+            status = await client.run_status()
+            assert status.state == coordinator_pb2.RUN_STATE_STOPPED
+            assert status.step < 50
+
+    asyncio.run(scenario())
+
+
+def test_a_rollout_replica_killed_mid_run_is_dropped_and_the_run_finishes(mesh, tmp_path):
+    steps = 4
+    victim = next(p for p in mesh.processes if p.name == "rollout-1")
+
+    async def scenario():
+        async with coordinator(mesh) as client:
+            await client.start_run([f"trainer.run_dir={tmp_path}", f"trainer.total_steps={steps}"])
+            async with asyncio.timeout(300):
+                async for update in client.stream("StreamMetrics", coordinator_pb2.StreamMetricsRequest(), 300):
+                    if update.step == 1:
+                        os.kill(victim.process.pid, signal.SIGKILL)
+            return await client.run_status()
+
+    status = asyncio.run(scenario())
+    assert status.state == coordinator_pb2.RUN_STATE_COMPLETED, status.error
+    records = metrics_of(tmp_path)
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    assert records[-1]["weight_sync/replicas"] == 1

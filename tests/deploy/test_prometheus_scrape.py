@@ -1,0 +1,326 @@
+"""A real Prometheus scrapes a live local mesh during a short training run.
+
+One mesh and one Prometheus per module (Debian's `prometheus` package; `make system-deps` installs it):
+
+1. LocalMesh starts the six services on loopback and writes RUN_DIR/endpoints.json.
+2. A prometheus.yml gets one static target per service's /metrics address, labelled with its `role`
+   and with `pod` = the service name (the Grafana dashboard groups by pod, which Kubernetes service
+   discovery would set), scraped every second.
+3. One deliberately failing RPC (Score with an unknown data_source -> INVALID_ARGUMENT) gives the
+   dashboard's error panels data, then a short training run.
+4. Once every target has been scraped after the run ended, the tests query Prometheus at that time:
+   the targets are up; reward, step timing and the gRPC metrics have plausible values; every PromQL
+   expression of helm/rlfabric/dashboards/rlfabric.json parses and returns at least one series.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import re
+import shutil
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from rlfabric.coordinator.client import CoordinatorClient
+from rlfabric.core.client import ChannelOptions
+from rlfabric.core.config import load_config
+from rlfabric.core.errors import InvalidArgument
+from rlfabric.launcher import LocalMesh
+from rlfabric.reward.client import RewardClient
+from rlfabric.reward.items import ScoreItem
+from rlfabric.v1 import coordinator_pb2
+
+pytestmark = pytest.mark.slow
+
+DASHBOARD = Path(__file__).resolve().parents[2] / "helm" / "rlfabric" / "dashboards" / "rlfabric.json"
+STEPS = 6
+# The quickstart as PPO with a critic (GAE) and a KL loss against the reference: every role serves RPCs.
+MESH_OVERRIDES = ["trainer.progress_bar=false", "algorithm.adv_estimator=gae", "actor.use_kl_loss=true"]
+SCRAPE_INTERVAL = "1s"
+# The gRPC service each role serves (besides grpc.health.v1.Health).
+GRPC_SERVICES = {
+    "actor": "rlfabric.v1.ActorService",
+    "reference": "rlfabric.v1.ReferenceService",
+    "critic": "rlfabric.v1.CriticService",
+    "rollout": "rlfabric.v1.RolloutService",
+    "reward": "rlfabric.v1.RewardService",
+    "coordinator": "rlfabric.v1.CoordinatorService",
+}
+
+
+# --- a Prometheus process ------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def scrape_config(endpoints: dict[str, list[dict]]) -> dict[str, Any]:
+    """prometheus.yml: one static target per service, labelled like Kubernetes discovery would."""
+    targets = [
+        {"targets": [service["metrics"]], "labels": {"role": role, "pod": service["name"]}}
+        for role, services in endpoints.items()
+        for service in services
+    ]
+    return {
+        "global": {"scrape_interval": SCRAPE_INTERVAL, "scrape_timeout": SCRAPE_INTERVAL},
+        # honor_labels: a metric's own `role` label (rlfabric_train_*{role="critic"}) is kept as it is,
+        # instead of being renamed exported_role because the target has a `role` label too.
+        "scrape_configs": [{"job_name": "rlfabric", "honor_labels": True, "static_configs": targets}],
+    }
+
+
+class Prometheus:
+    """A prometheus process on a free loopback port, with its own TSDB directory."""
+
+    def __init__(self, config: dict[str, Any], workdir: Path):
+        binary = shutil.which("prometheus")
+        assert binary, "prometheus not installed: apt-get install prometheus (`make system-deps` does it as root)"
+        workdir.mkdir(parents=True, exist_ok=True)
+        config_path = workdir / "prometheus.yml"
+        config_path.write_text(yaml.safe_dump(config))
+        self.url = f"http://127.0.0.1:{free_port()}"
+        self.log_path = workdir / "prometheus.log"
+        with open(self.log_path, "wb") as log_file:
+            self.process = subprocess.Popen(
+                [binary, f"--config.file={config_path}", f"--storage.tsdb.path={workdir / 'data'}",
+                 f"--web.listen-address={self.url.removeprefix('http://')}"],
+                stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            )
+
+    def log_tail(self, lines: int = 20) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def wait_until_ready(self, timeout_s: float = 60) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            assert self.process.poll() is None, f"prometheus exited:\n{self.log_tail()}"
+            try:
+                with urllib.request.urlopen(f"{self.url}/-/ready", timeout=5) as response:
+                    if response.status == 200:
+                        return
+            except OSError:  # not listening yet, or 503 while the TSDB opens
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"prometheus not ready after {timeout_s} s:\n{self.log_tail()}")
+
+    def api(self, path: str, **params: Any) -> Any:
+        """GET /api/v1/PATH; the `data` of a success, or AssertionError with Prometheus's error."""
+        url = f"{self.url}/api/v1/{path}?{urllib.parse.urlencode(params)}"
+        try:
+            with urllib.request.urlopen(url, timeout=30) as response:
+                body = json.load(response)
+        except urllib.error.HTTPError as error:  # 400 bad_data (a parse error), 422 execution error
+            body = json.load(error)
+        assert body["status"] == "success", f"{path} {params}: {body.get('errorType')}: {body.get('error')}"
+        return body["data"]
+
+    def query(self, expr: str, at: float) -> list[dict]:
+        """Instant query at time `at`: [{"metric": {labels}, "value": [time, "value"]}, ...]."""
+        data = self.api("query", query=expr, time=at)
+        assert data["resultType"] == "vector", (expr, data["resultType"])
+        return data["result"]
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def values(result: list[dict], label: str) -> dict[str, float]:
+    """{label value: sample value} of an instant query's result."""
+    return {series["metric"].get(label, ""): float(series["value"][1]) for series in result}
+
+
+def single(result: list[dict]) -> float:
+    """The value of an instant query's only series."""
+    assert len(result) == 1, result
+    return float(result[0]["value"][1])
+
+
+# --- the mesh, the run and the scrapes -----------------------------------------------------------
+
+
+@dataclass
+class Scraped:
+    prometheus: Prometheus
+    endpoints: dict[str, list[dict]]
+    status: coordinator_pb2.GetRunStatusResponse
+    last_record: dict  # the run's last line of metrics.jsonl
+    began: float  # a time after the first scrapes, before the first RPC of the test
+    at: float  # a time after the run when every target had been scraped: the queries' evaluation time
+
+    def query(self, expr: str) -> list[dict]:
+        return self.prometheus.query(expr, self.at)
+
+
+async def fail_one_score(address: str) -> None:
+    """A Score the reward service refuses (INVALID_ARGUMENT), for the dashboard's error panels."""
+    async with RewardClient(address, ChannelOptions(timeout_s=60)) as reward:
+        with pytest.raises(InvalidArgument, match="unknown data_source"):
+            await reward.score([ScoreItem("no-such/data-source", "42", "42")])
+
+
+async def train(address: str, run_dir: Path) -> coordinator_pb2.GetRunStatusResponse:
+    async with CoordinatorClient(address, ChannelOptions(timeout_s=300)) as client:
+        await client.start_run([f"trainer.run_dir={run_dir}", f"trainer.total_steps={STEPS}"])
+        async with asyncio.timeout(400):
+            async for _ in client.stream("StreamMetrics", coordinator_pb2.StreamMetricsRequest(), 400):
+                pass
+        return await client.run_status()
+
+
+def wait_for_scrapes_after(prometheus: Prometheus, since: float, targets: int, timeout_s: float = 60) -> float:
+    """Waits until every target has a scrape later than `since`; returns a time after those scrapes."""
+    deadline, scraped_at = time.monotonic() + timeout_s, {}
+    while time.monotonic() < deadline:
+        now = time.time()
+        scraped_at = values(prometheus.query("timestamp(up)", now), "pod")
+        if len(scraped_at) == targets and min(scraped_at.values()) > since:
+            return now
+        time.sleep(0.5)
+    raise TimeoutError(f"not every target scraped after {since} within {timeout_s} s: {scraped_at}")
+
+
+@pytest.fixture(scope="module")
+def scraped(tmp_path_factory) -> Scraped:
+    workdir = tmp_path_factory.mktemp("prometheus_scrape")
+    config = load_config(None, MESH_OVERRIDES)
+    with LocalMesh(config, workdir / "mesh") as mesh:
+        endpoints = json.loads((mesh.run_dir / "endpoints.json").read_text())
+        prometheus = Prometheus(scrape_config(endpoints), workdir / "prometheus")
+        try:
+            prometheus.wait_until_ready()
+            targets = sum(len(services) for services in endpoints.values())
+            # Scrapes from before the first RPC: counters then have a baseline for rate() and increase().
+            began = wait_for_scrapes_after(prometheus, time.time(), targets)
+            asyncio.run(fail_one_score(endpoints["reward"][0]["grpc"]))
+            status = asyncio.run(train(endpoints["coordinator"][0]["grpc"], workdir / "run"))
+            ended = time.time()
+            at = wait_for_scrapes_after(prometheus, ended, targets)
+            last_record = json.loads((workdir / "run" / "metrics.jsonl").read_text().splitlines()[-1])
+            yield Scraped(prometheus, endpoints, status, last_record, began, at)
+        finally:
+            prometheus.stop()
+
+
+# --- the tests -------------------------------------------------------------------------------------
+
+
+def test_the_run_completed(scraped):
+    assert scraped.status.state == coordinator_pb2.RUN_STATE_COMPLETED, scraped.status.error
+    assert scraped.last_record["step"] == STEPS
+
+
+def test_every_service_is_a_target_and_up(scraped):
+    services = {service["name"]: role for role, entries in scraped.endpoints.items() for service in entries}
+    assert set(scraped.endpoints) == set(GRPC_SERVICES)  # the six roles
+    targets = scraped.prometheus.api("targets", state="active")["activeTargets"]
+    assert {t["labels"]["pod"]: t["labels"]["role"] for t in targets} == services
+    assert {t["labels"]["pod"]: t["health"] for t in targets} == dict.fromkeys(services, "up"), \
+        {t["labels"]["pod"]: t["lastError"] for t in targets}
+    assert values(scraped.query("up"), "pod") == dict.fromkeys(services, 1.0)
+
+
+def test_reward_and_step_timing_match_the_run(scraped):
+    last = scraped.last_record
+    assert values(scraped.query("rlfabric_coordinator_step"), "pod") == {"coordinator": STEPS}
+    assert values(scraped.query("rlfabric_coordinator_total_steps"), "pod") == {"coordinator": STEPS}
+    score = single(scraped.query("rlfabric_coordinator_score_mean"))
+    assert score == pytest.approx(last["critic/score/mean"])
+    assert 0.0 <= score <= 1.0
+    kl = single(scraped.query("rlfabric_coordinator_kl"))
+    assert kl == pytest.approx(last["actor/kl_loss"])
+    step_seconds = single(scraped.query('rlfabric_coordinator_phase_seconds{phase="step"}'))
+    assert step_seconds == pytest.approx(last["timing_s/step"])
+    assert step_seconds > 0
+    phases = values(scraped.query('rlfabric_coordinator_phase_seconds{phase!="step"}'), "phase")
+    assert {"gen", "update"} <= set(phases), phases
+    assert 0 < sum(phases.values()) <= step_seconds * 1.01 + 0.01, (phases, step_seconds)
+
+
+def test_grpc_metrics_of_every_service(scraped):
+    handled = scraped.query("sum by (role, grpc_service) (grpc_server_handled_total)")
+    by_role: dict[str, set[str]] = {}
+    for series in handled:
+        if float(series["value"][1]) > 0:
+            by_role.setdefault(series["metric"]["role"], set()).add(series["metric"]["grpc_service"])
+    # Every service answered the launcher's readiness checks and RPCs of its own service.
+    for role, grpc_service in GRPC_SERVICES.items():
+        assert {"grpc.health.v1.Health", grpc_service} <= by_role.get(role, set()), (role, by_role)
+    # The run's RPCs: one StartRun, and at least one successful reward Score per step.
+    started = values(scraped.query('grpc_server_started_total{grpc_method="StartRun"}'), "grpc_type")
+    assert started == {"unary": 1.0}
+    scores = single(scraped.query('sum(grpc_server_handled_total{pod="reward",grpc_method="Score",grpc_code="OK"})'))
+    assert scores >= STEPS
+    # The deliberate failure, and nothing else failed.
+    errors = scraped.query('grpc_server_handled_total{grpc_code!="OK"} > 0')
+    assert [(e["metric"]["pod"], e["metric"]["grpc_method"], e["metric"]["grpc_code"], e["value"][1])
+            for e in errors] == [("reward", "Score", "INVALID_ARGUMENT", "1")]
+    score_count = single(scraped.query('sum(grpc_server_handling_seconds_count{pod="reward",grpc_method="Score"})'))
+    assert score_count == scores + 1  # the latency histogram counts the failed Score too
+
+
+def dashboard_exprs(panels: list[dict]) -> list[tuple[str, str]]:
+    """(panel title, expr) of every target, rows' nested panels included."""
+    found = []
+    for panel in panels:
+        found += [(panel.get("title", ""), target["expr"]) for target in panel.get("targets", []) if "expr" in target]
+        found += dashboard_exprs(panel.get("panels", []))
+    return found
+
+
+def test_every_dashboard_expression_returns_series(scraped):
+    exprs = dashboard_exprs(json.loads(DASHBOARD.read_text())["panels"])
+    assert len(exprs) >= 30
+    empty, only_nan = [], []
+    for title, expr in exprs:
+        result = scraped.query(expr)  # a parse error fails here, with Prometheus's message
+        if not result:
+            empty.append(f"{title}: {expr}")
+        elif all(math.isnan(float(series["value"][1])) for series in result):
+            only_nan.append(f"{title}: {expr}")  # Grafana would draw nothing
+    # Which metrics of the empty expressions no service exports at all (a producer to fix).
+    used = {name for entry in empty for name in re.findall(r"\b(?:rlfabric|grpc_server)_[a-z_]+\b", entry)}
+    never_exported = sorted(name for name in used if not scraped.query(f'count({{__name__="{name}"}})'))
+    assert not empty and not only_nan, (
+        f"metrics no service exports: {never_exported}\n"
+        "expressions with no series:\n  " + "\n  ".join(empty) + "\n"
+        "expressions whose every series is NaN:\n  " + "\n  ".join(only_nan)
+    )
+
+
+def test_rate_and_increase_see_the_first_rpc_of_a_method(scraped):
+    """The dashboard's request and error panels use rate() and increase(), which only see a counter grow
+    between two scrapes: a series created by the first RPC of its method, code included, would be 1 at
+    its first scrape and add nothing. The gRPC metrics must exist at 0 before the first RPC (as
+    go-grpc-prometheus's InitializeMetrics does for every registered method)."""
+    window = f"{math.ceil(scraped.at - scraped.began) + 5}s"  # from before the failed Score to now
+    errors = values(scraped.query(
+        f'sum by (grpc_method) (increase(grpc_server_handled_total{{grpc_code!="OK"}}[{window}]))'), "grpc_method")
+    start_runs = values(scraped.query(
+        f'sum by (grpc_code) (increase(grpc_server_handled_total{{grpc_method="StartRun"}}[{window}]))'), "grpc_code")
+    assert errors.get("Score", 0) > 0.5 and start_runs.get("OK", 0) > 0.5, (
+        "increase() over the whole test misses the failed Score or the StartRun "
+        f"(errors by method {errors}, StartRun by code {start_runs}): grpc_server_* children are created "
+        "by the first RPC; services/core should initialise them to 0 when the server starts, for every "
+        "method (and, for grpc_server_handled_total, every status code)"
+    )

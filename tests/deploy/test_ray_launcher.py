@@ -1,0 +1,310 @@
+"""`rlfabric up --launcher ray`: every role as a Ray actor on a real local Ray instance (CPU).
+
+One Ray instance serves the module. `rlfabric up --launcher ray --address ...` runs against it as a
+subprocess (a KubeRay user's path); RayMesh runs in-process for the failure cases; `rlfabric up` without
+--address starts and stops a private instance of its own.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+# Ray on loopback only: this test cluster is one machine (Ray otherwise uses the host's network address).
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+
+import grpc  # noqa: E402
+import pytest  # noqa: E402
+import ray  # noqa: E402
+import yaml  # noqa: E402
+from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
+
+from rlfabric.core.config import load_config  # noqa: E402
+from rlfabric.launcher import MeshStartError  # noqa: E402
+from rlfabric.ray_launcher import RayMesh  # noqa: E402
+from rlfabric.v1 import reward_pb2, reward_pb2_grpc, rollout_pb2, rollout_pb2_grpc  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+ROLES = {"actor", "reference", "critic", "rollout", "reward", "coordinator"}
+CLUSTER_CPUS = 8
+# Small CPU reservations (they are Ray's logical CPUs): every mesh of the module fits beside another.
+CPUS = {"actor": 1.0, "reference": 0.5, "critic": 0.5, "rollout": 1.0, "reward": 0.25, "coordinator": 0.25}
+SMALL = [f"launcher.ray.{role}.num_cpus={cpus}" for role, cpus in CPUS.items()] + ["launcher.startup_timeout_s=240"]
+
+
+# -- helpers -------------------------------------------------------------------------------------
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie is dead for our purposes
+    except (ProcessLookupError, FileNotFoundError):
+        return False
+
+
+def _descendants(root: int) -> set[int]:
+    """Every process below root (services, Ray's raylet, GCS and workers)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    ppid = int(stat.read().rsplit(")", 1)[1].split()[1])
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = set(), [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def _wait_dead(pids, timeout: float = 30) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return [p for p in pids if _alive(p)]
+
+
+def _services_of(run_dir) -> list[int]:
+    """`rlfabric serve` processes of this run (their --config lies in run_dir)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
+                argv = cmdline.read().decode(errors="replace").split("\0")
+        except (FileNotFoundError, ProcessLookupError, NotADirectoryError, PermissionError):
+            continue
+        if "serve" in argv and any(str(run_dir) in arg for arg in argv) and _alive(int(entry)):
+            found.append(int(entry))
+    return found
+
+
+def _actors_in(namespace: str) -> list[str]:
+    return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == namespace]
+
+
+def _pids(endpoints) -> list[int]:
+    return [e["pid"] for entries in endpoints.values() for e in entries]
+
+
+class Launcher:
+    """`rlfabric up|train --launcher ray ...` as a subprocess, its output collected by a thread."""
+
+    def __init__(self, *args: str):
+        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # only --address says where
+        self.process = subprocess.Popen([sys.executable, "-m", "rlfabric", *args], stdout=subprocess.PIPE,
+                                        stderr=subprocess.STDOUT, text=True, env=env)
+        self.output: list[str] = []
+        self._reader = threading.Thread(target=lambda: self.output.extend(self.process.stdout), daemon=True)
+        self._reader.start()
+
+    def text(self) -> str:
+        return "".join(self.output)
+
+    def wait_ready(self, timeout: float = 300) -> None:
+        deadline = time.monotonic() + timeout
+        while "mesh ready" not in self.text():
+            if self.process.poll() is not None:
+                self._reader.join(5)
+                pytest.fail(f"rlfabric exited {self.process.returncode}:\n{self.text()}")
+            assert time.monotonic() < deadline, f"the mesh did not come up in {timeout} s:\n{self.text()}"
+            time.sleep(0.2)
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+
+# -- fixtures ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ray_address():
+    """A local Ray instance for the module: the cluster `--address` points at."""
+    ray.init(num_cpus=CLUSTER_CPUS, include_dashboard=False, object_store_memory=100 * 1024**2)
+    yield ray.get_runtime_context().gcs_address
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory) -> list[str]:
+    """Overrides for the in-process meshes: small CPU reservations, one tiny model built for the module."""
+    model = tmp_path_factory.mktemp("model") / "tiny"
+    subprocess.run([sys.executable, "-m", "rlfabric", "make-tiny-model", str(model)], check=True,
+                   capture_output=True)
+    return [*SMALL, f"model.path={model}"]
+
+
+@pytest.fixture(scope="module")
+def cli_mesh(ray_address, tmp_path_factory):
+    """`rlfabric up --launcher ray --address ADDR` with the quickstart config, every role."""
+    run_dir = tmp_path_factory.mktemp("ray") / "run"
+    launcher = Launcher("up", "--launcher", "ray", "--address", ray_address, "--run-dir", str(run_dir), *SMALL)
+    started = time.monotonic()
+    launcher.wait_ready()
+    print(f"ray mesh ready in {time.monotonic() - started:.1f} s")
+    yield launcher, run_dir, json.loads((run_dir / "endpoints.json").read_text())
+    launcher.kill()
+
+
+# -- the mesh on an existing Ray cluster ---------------------------------------------------------
+
+
+def test_endpoints_list_every_role_and_the_coordinator_knows_them(cli_mesh):
+    _, run_dir, endpoints = cli_mesh
+    assert set(endpoints) == ROLES
+    for entries in endpoints.values():
+        for entry in entries:
+            assert entry["grpc"].startswith("127.0.0.1:"), entry  # one-node cluster: loopback
+            assert (run_dir / "logs" / f"{entry['name']}.log").exists()
+    resolved = yaml.safe_load((run_dir / "config.resolved.yaml").read_text())
+    for role in ROLES - {"coordinator"}:
+        assert resolved["cluster"][role] == [e["grpc"] for e in endpoints[role]]
+
+
+def test_every_service_is_ready_over_grpc(cli_mesh):
+    _, _, endpoints = cli_mesh
+    for role, entries in endpoints.items():
+        for entry in entries:
+            with grpc.insecure_channel(entry["grpc"]) as channel:
+                status = health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(service="readiness"), timeout=10).status
+            assert status == health_pb2.HealthCheckResponse.SERVING, role
+
+
+def test_reward_scores_and_rollout_generates(cli_mesh):
+    _, _, endpoints = cli_mesh
+    with grpc.insecure_channel(endpoints["reward"][0]["grpc"]) as channel:
+        items = [reward_pb2.ScoreItem(data_source="rlfabric/last_letter", response=r, ground_truth="d")
+                 for r in ("d", "x")]
+        results = reward_pb2_grpc.RewardServiceStub(channel).Score(
+            reward_pb2.ScoreRequest(items=items), timeout=30).results
+    assert [r.score for r in results] == [1.0, 0.0]
+    with grpc.insecure_channel(endpoints["rollout"][0]["grpc"]) as channel:
+        request = rollout_pb2.GenerateRequest(
+            prompts=[rollout_pb2.Prompt(token_ids=[5, 6, 7])],
+            sampling_params=rollout_pb2.SamplingParams(n=2, temperature=1.0, max_tokens=3, seed=0))
+        samples = rollout_pb2_grpc.RolloutServiceStub(channel).Generate(request, timeout=60).samples
+    assert [s.sample_index for s in samples] == [0, 1]
+    assert all(1 <= len(s.token_ids) <= 3 for s in samples)
+
+
+def test_each_role_holds_the_resources_configured(cli_mesh):
+    launcher, run_dir, endpoints = cli_mesh
+    namespace = f"rlfabric-{run_dir.name}"
+    names = {e["name"]: role for role, entries in endpoints.items() for e in entries}
+    assert sorted(_actors_in(namespace)) == sorted(names)
+    for name, role in names.items():
+        actor = ray.get_actor(name, namespace=namespace)
+        assert ray.get(actor.assigned_resources.remote(), timeout=30) == {"CPU": CPUS[role]}, name
+    expected_free = CLUSTER_CPUS - sum(CPUS.values())
+    deadline = time.monotonic() + 10  # the GCS's view of free resources trails a little
+    while ray.available_resources().get("CPU") != expected_free and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ray.available_resources().get("CPU") == expected_free
+
+
+def test_sigterm_stops_every_service_and_actor(cli_mesh):
+    launcher, run_dir, endpoints = cli_mesh
+    pids = _pids(endpoints)
+    assert all(_alive(pid) for pid in pids)
+    launcher.process.send_signal(signal.SIGTERM)  # ray.init's own SIGTERM handler would exit at once
+    assert launcher.process.wait(timeout=90) == 0, launcher.text()
+    assert "stopping the mesh" in launcher.text()
+    assert _wait_dead(pids) == []
+    assert _services_of(run_dir) == []
+    assert _actors_in(f"rlfabric-{run_dir.name}") == []
+    deadline = time.monotonic() + 10
+    while ray.available_resources().get("CPU") != CLUSTER_CPUS and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ray.available_resources().get("CPU") == CLUSTER_CPUS  # every reservation released
+
+
+# -- failures ------------------------------------------------------------------------------------
+
+
+def test_a_service_that_fails_to_load_is_named(ray_address, small, tmp_path):
+    config = load_config(None, [*small, "reward.custom_path=/nonexistent/score.py"])
+    mesh = RayMesh(config, tmp_path / "run")
+    started = time.monotonic()
+    with pytest.raises(MeshStartError, match=r"^reward exited with code 1") as failure:
+        with mesh:
+            pass
+    # It is reported as soon as it exits, not after the startup timeout (240 s) or the others' model loads.
+    assert time.monotonic() - started < 120
+    assert "custom reward file not found: '/nonexistent/score.py'" in str(failure.value)  # its log's tail
+    assert _actors_in(mesh.namespace) == []
+    assert _wait_dead(_services_of(tmp_path)) == []
+
+
+def test_a_service_ray_cannot_place_fails_within_the_startup_timeout(ray_address, small, tmp_path):
+    # No GPU on this cluster: the reward service can never be placed.
+    config = load_config(None, [*small, "launcher.ray.reward.num_gpus=1", "launcher.startup_timeout_s=10"])
+    mesh = RayMesh(config, tmp_path / "run")
+    started = time.monotonic()
+    with pytest.raises(MeshStartError, match=r"reward was not placed on the Ray cluster within 10 s.*'num_gpus': 1"):
+        with mesh:
+            pass
+    assert time.monotonic() - started < 40
+    assert _actors_in(mesh.namespace) == []
+    assert _wait_dead(_services_of(tmp_path)) == []
+
+
+# -- a private local Ray instance ----------------------------------------------------------------
+
+
+def _parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as stat:
+        return int(stat.read().rsplit(")", 1)[1].split()[1])
+
+
+def test_up_without_address_runs_its_own_ray_and_notices_a_lost_actor(ray_address, small, tmp_path):
+    run_dir = tmp_path / "run"
+    launcher = Launcher("up", "--launcher", "ray", "--run-dir", str(run_dir), *small)
+    try:
+        launcher.wait_ready()
+        tree = _descendants(launcher.process.pid)  # its Ray instance (GCS, raylet, workers) and services
+        endpoints = json.loads((run_dir / "endpoints.json").read_text())
+        assert set(endpoints) == ROLES
+        assert set(_pids(endpoints)) <= tree
+        assert _actors_in(f"rlfabric-{run_dir.name}") == []  # not on the module's cluster
+        # The reward's Ray actor dies (as with a lost node): its service goes with it, the launcher
+        # reports it and tears down the rest, its private Ray instance included.
+        reward = endpoints["reward"][0]["pid"]
+        os.kill(_parent(reward), signal.SIGKILL)
+        assert launcher.process.wait(timeout=90) == 1, launcher.text()
+        assert "reward lost its Ray actor" in launcher.text()
+        assert _wait_dead(tree) == []
+    finally:
+        launcher.kill()
+
+
+# -- a short training run ------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(importlib.util.find_spec("rlfabric.coordinator.loop") is None,
+                    reason="the coordinator's training loop (rlfabric.coordinator.loop) has not landed")
+def test_train_runs_two_steps_on_ray(ray_address, small, tmp_path):
+    run_dir = tmp_path / "run"
+    launcher = Launcher("train", "--launcher", "ray", "--address", ray_address, "--run-dir", str(run_dir),
+                        *small, "trainer.total_steps=2")
+    try:
+        assert launcher.process.wait(timeout=540) == 0, launcher.text()
+    finally:
+        launcher.kill()
+    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 2
+    assert _actors_in(f"rlfabric-{run_dir.name}") == []
+    assert _wait_dead(_services_of(run_dir)) == []
