@@ -69,11 +69,12 @@ def torch_dtype(wire: int) -> torch.dtype:
     return _dtype_info(wire).torch_dtype
 
 
-def _dtype_info(wire: int) -> _DTypeInfo:
+def _dtype_info(wire: int, tensor_name: str | None = None) -> _DTypeInfo:
     info = _BY_WIRE.get(wire)
     if info is None:
         name = DataType.Name(wire) if wire in DataType.values() else str(wire)
-        raise InvalidArgument(f"unknown or unspecified tensor dtype {name}")
+        where = f"{tensor_name}: " if tensor_name else ""
+        raise InvalidArgument(f"{where}unknown or unspecified tensor dtype {name}")
     return info
 
 
@@ -110,20 +111,29 @@ def check(message: tensor_pb2.Tensor, name: str = "tensor", raw: bytes | None = 
     field materialises a new copy, so decoders read it exactly once.
     """
     raw = message.raw_data if raw is None else raw
-    info = _dtype_info(message.dtype)
+    info = _dtype_info(message.dtype, name)
     shape = tuple(message.shape)
-    if any(d < 0 for d in shape):
-        raise InvalidArgument(f"{name}: negative dimension in shape {list(shape)}")
-    numel = math.prod(shape)
-    if numel > MAX_ELEMENTS:
-        raise InvalidArgument(f"{name}: shape {list(shape)} has {numel} elements, more than the limit {MAX_ELEMENTS}")
-    expected = numel * info.itemsize
+    expected = _checked_numel(shape, name) * info.itemsize
     if len(raw) != expected:
         raise InvalidArgument(
             f"{name}: raw_data has {len(raw)} bytes but shape {list(shape)} of "
             f"{DataType.Name(info.wire)} needs {expected}"
         )
     return info, shape
+
+
+def _checked_numel(shape: tuple[int, ...], name: str) -> int:
+    """The element count of a wire shape; InvalidArgument for negative or absurd dimensions."""
+    if any(d < 0 for d in shape):
+        raise InvalidArgument(f"{name}: negative dimension in shape {list(shape)}")
+    numel = math.prod(shape)
+    if numel > MAX_ELEMENTS:
+        raise InvalidArgument(f"{name}: shape {list(shape)} has {numel} elements, more than the limit {MAX_ELEMENTS}")
+    # A 0 among huge dimensions makes an empty tensor that numpy cannot even reshape to: refuse those too.
+    if math.prod(d for d in shape if d) > MAX_ELEMENTS:
+        raise InvalidArgument(f"{name}: shape {list(shape)} is too large: its non-zero dimensions multiply to "
+                              f"more than the limit {MAX_ELEMENTS}")
+    return numel
 
 
 def to_numpy(message: tensor_pb2.Tensor, name: str = "tensor", copy: bool = False) -> np.ndarray:
@@ -265,9 +275,8 @@ class ChunkAssembler:
                 raise InvalidArgument(f"chunk stream for {name!r} starts at offset {chunk.offset}, not 0")
             if chunk.total_bytes < 0 or chunk.total_bytes > self.max_total_bytes:
                 raise InvalidArgument(f"chunk stream for {name!r} announces {chunk.total_bytes} bytes")
-            header = tensor_pb2.Tensor(dtype=chunk.dtype, shape=chunk.shape)
-            info = _dtype_info(header.dtype)
-            expected = math.prod(header.shape) * info.itemsize if all(d >= 0 for d in header.shape) else -1
+            info = _dtype_info(chunk.dtype, f"chunk stream for {name!r}")
+            expected = _checked_numel(tuple(chunk.shape), f"chunk stream for {name!r}") * info.itemsize
             if expected != chunk.total_bytes:
                 raise InvalidArgument(
                     f"chunk stream for {name!r}: total_bytes {chunk.total_bytes} does not match shape "

@@ -4,6 +4,8 @@
 2. AuthInterceptor      checks the bearer token (health and reflection exempt), when configured.
 3. ReadinessInterceptor answers UNAVAILABLE while the engine loads or the server drains.
 4. ErrorInterceptor     maps domain errors to status codes; unexpected ones to INTERNAL (logged).
+                        A request that is not a valid protobuf message of the method's type
+                        (random bytes, bad UTF-8 in a string field) is INVALID_ARGUMENT.
 
 Each wraps the method handler's behaviour in an async context manager (`_wrap_handler`), so
 the four RPC kinds (unary/streaming in and out) share one code path.
@@ -20,9 +22,10 @@ from collections.abc import Callable
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc import aio
 
-from rlfabric.core.errors import RlfabricError
+from rlfabric.core.errors import InvalidArgument, RlfabricError
 from rlfabric.core.metrics import GrpcServerMetrics
 
 log = logging.getLogger("rlfabric.rpc")
@@ -53,18 +56,74 @@ async def _maybe_await(value):
     return await value if inspect.isawaitable(value) else value
 
 
-def _wrap_handler(handler: grpc.RpcMethodHandler | None, scope: Scope) -> grpc.RpcMethodHandler | None:
-    """Returns a handler that runs the original behaviour inside `async with scope(context)`."""
+class _Undecodable:
+    """What a request that does not parse as the method's message type deserializes to.
+
+    gRPC runs the deserializer before any interceptor code, and a DecodeError raised there reaches
+    the client as UNKNOWN; the lenient deserializer returns this instead, and the wrapped behaviour
+    raises InvalidArgument for it inside the ErrorInterceptor's scope.
+    """
+
+    def __init__(self, error: DecodeError):
+        self.error = error
+
+    def check(self) -> None:
+        raise InvalidArgument(f"the request is not a valid protobuf message of this method's type: {self.error}")
+
+
+def _lenient(deserializer: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    def deserialize(data: bytes):
+        try:
+            return deserializer(data)
+        except DecodeError as error:
+            return _Undecodable(error)
+
+    return deserialize
+
+
+async def _checked_stream(requests):
+    """A request stream that raises InvalidArgument at the first message that did not parse."""
+    async for request in requests:
+        if isinstance(request, _Undecodable):
+            request.check()
+        yield request
+
+
+def _check_decoded(request_or_iterator, streaming: bool):
+    if streaming:
+        return _checked_stream(request_or_iterator)
+    if isinstance(request_or_iterator, _Undecodable):
+        request_or_iterator.check()
+    return request_or_iterator
+
+
+def _wrap_handler(
+    handler: grpc.RpcMethodHandler | None, scope: Scope, check_decoding: bool = False
+) -> grpc.RpcMethodHandler | None:
+    """Returns a handler that runs the original behaviour inside `async with scope(context)`.
+
+    check_decoding: deserialize leniently and raise InvalidArgument, inside the scope, for a request
+    that is not a valid message (the ErrorInterceptor's job).
+    """
     if handler is None:
         return None
     _, attr, factory = _HANDLER_KINDS[(handler.request_streaming, handler.response_streaming)]
     behaviour = getattr(handler, attr)
+    deserializer = handler.request_deserializer
+    check_decoding = check_decoding and deserializer is not None
+    if check_decoding:
+        deserializer = _lenient(deserializer)
+
+    def request_of(request_or_iterator):
+        if not check_decoding:
+            return request_or_iterator
+        return _check_decoded(request_or_iterator, handler.request_streaming)
 
     if handler.response_streaming:
 
         async def wrapped(request_or_iterator, context):
             async with scope(context):
-                responses = behaviour(request_or_iterator, context)
+                responses = behaviour(request_of(request_or_iterator), context)
                 if hasattr(responses, "__aiter__"):
                     async for response in responses:
                         yield response
@@ -75,11 +134,9 @@ def _wrap_handler(handler: grpc.RpcMethodHandler | None, scope: Scope) -> grpc.R
 
         async def wrapped(request_or_iterator, context):
             async with scope(context):
-                return await _maybe_await(behaviour(request_or_iterator, context))
+                return await _maybe_await(behaviour(request_of(request_or_iterator), context))
 
-    return factory(
-        wrapped, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
-    )
+    return factory(wrapped, request_deserializer=deserializer, response_serializer=handler.response_serializer)
 
 
 def _abort_handler(code: grpc.StatusCode, details: str, like: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
@@ -183,7 +240,7 @@ class ErrorInterceptor(aio.ServerInterceptor):
                 log.exception("unexpected error", extra={"fields": {"method": method}})
                 await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(error).__name__}: {error}")
 
-        return _wrap_handler(handler, map_errors)
+        return _wrap_handler(handler, map_errors, check_decoding=True)
 
 
 def bearer_metadata(token: str | None) -> tuple[tuple[str, Any], ...]:
