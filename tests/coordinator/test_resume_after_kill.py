@@ -1,0 +1,68 @@
+"""Killing the whole mesh mid-run and re-running the same command resumes from the last checkpoint:
+no step is repeated or skipped, and every step trains on the batch an uninterrupted run would draw."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from rlfabric.coordinator.checkpoints import latest_checkpoint
+from rlfabric.coordinator.dataset import RLHFDataset
+from rlfabric.rollout.engine import load_tokenizer
+
+pytestmark = pytest.mark.slow
+
+STEPS, BATCH, SEED = 4, 8, 5
+
+
+def train_command(run_dir: Path) -> list[str]:
+    return [sys.executable, "-m", "rlfabric", "train", "--run-dir", str(run_dir), f"trainer.total_steps={STEPS}",
+            "trainer.save_freq=1", f"data.train_batch_size={BATCH}", f"data.seed={SEED}", "rollout.n=2",
+            "actor.ppo_mini_batch_size=8", "critic.ppo_mini_batch_size=8", "trainer.progress_bar=false",
+            "trainer.plot=false"]
+
+
+def expected_uids(run_dir: Path) -> dict[int, list[str]]:
+    """The prompts of each step in an uninterrupted run: the dataset's seeded order, batch by batch."""
+    data = RLHFDataset([run_dir / "data" / "train.parquet"], load_tokenizer(str(run_dir / "model")),
+                       max_prompt_length=64)
+    order = data.epoch_order(0, SEED)
+    return {step: [data.rows[i].uid for i in order[(step - 1) * BATCH : step * BATCH]] for step in range(1, STEPS + 1)}
+
+
+def test_kill_the_mesh_mid_run_and_rerun_the_same_command(tmp_path):
+    run_dir = tmp_path / "run"
+    first = subprocess.Popen(train_command(run_dir), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             start_new_session=True)
+    try:
+        deadline = time.monotonic() + 400
+        while latest_checkpoint(run_dir) is None or latest_checkpoint(run_dir).name != "global_step_2":
+            assert first.poll() is None, f"the first run ended (exit {first.returncode}) before step 2"
+            assert time.monotonic() < deadline, "no checkpoint of step 2 within 400 s"
+            time.sleep(0.2)
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)  # the launcher and every service: the whole mesh dies at once
+        first.wait()
+    endpoints = json.loads((run_dir / "endpoints.json").read_text())
+    pids = [e["pid"] for entries in endpoints.values() for e in entries]
+    time.sleep(1.0)
+    assert not [pid for pid in pids if Path(f"/proc/{pid}").exists()
+                and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"], "services outlived the launcher"
+
+    second = subprocess.run(train_command(run_dir), capture_output=True, text=True, timeout=600)
+    assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-2000:]
+    assert "started at step 2" in second.stdout or "started at step 3" in second.stdout, second.stdout
+
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, STEPS + 1))  # resumed steps replaced, none twice, none missing
+    expected = expected_uids(run_dir)
+    for step in range(1, STEPS + 1):
+        rows = [json.loads(line) for line in (run_dir / "rollouts" / f"step_{step}.jsonl").read_text().splitlines()]
+        assert [r["uid"] for r in rows[::2]] == expected[step], f"step {step} trained on other prompts"
