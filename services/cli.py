@@ -203,16 +203,19 @@ def cmd_status(args) -> int:
     from google.protobuf.json_format import MessageToDict
 
     from rlfabric.coordinator.client import CoordinatorClient
+    from rlfabric.core.client import ChannelOptions
 
-    address = args.address
+    address, options = args.address, None
     if address is None:
         if args.run_dir is None:
             print("rlfabric status: give --address or --run-dir", file=sys.stderr)
             return 2
         address = json.loads((args.run_dir / "endpoints.json").read_text())["coordinator"][0]["grpc"]
+        # The run's own TLS and token settings, so this works on a mesh that runs mTLS.
+        options = ChannelOptions.from_config(load_config(args.run_dir / "config.yaml"))
 
     async def query():
-        async with CoordinatorClient(address) as client:
+        async with CoordinatorClient(address, options) as client:
             return await client.run_status(timeout_s=10)
 
     print(json.dumps(MessageToDict(asyncio.run(query())), indent=2))

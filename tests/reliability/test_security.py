@@ -518,8 +518,6 @@ def test_the_mesh_runs_under_mtls_and_refuses_outsiders(secure_mesh, pki):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="`rlfabric status` opens a plaintext channel without the token; under mTLS "
-                                       "it cannot reach the coordinator (fix: ChannelOptions from RUN_DIR/config.yaml)")
 def test_status_command_works_under_mtls(secure_mesh):
     run_dir, _ = secure_mesh
     out = subprocess.run([sys.executable, "-m", "rlfabric", "status", "--run-dir", str(run_dir)],
