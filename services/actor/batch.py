@@ -70,6 +70,7 @@ def validate_batch(
     vocab_size: int,
     required_floats: tuple[str, ...] = (),
     optional_floats: tuple[str, ...] = (),
+    max_length: int | None = None,
 ) -> SequenceBatch:
     """Checks the layout above and returns owned, normalised tensors; InvalidArgument names the problem.
 
@@ -89,6 +90,9 @@ def validate_batch(
         raise InvalidArgument("batch is empty (0 rows)")
     if response_len == 0:
         raise InvalidArgument("responses has 0 columns; at least one response token is needed")
+    if max_length is not None and seq_len > max_length:
+        raise InvalidArgument(f"input_ids has {seq_len} columns but the model takes at most {max_length} positions "
+                              "(max_position_embeddings)")
     if response_len >= seq_len:
         raise InvalidArgument(
             f"responses has {response_len} columns but input_ids only {seq_len}: input_ids must hold at "

@@ -140,7 +140,7 @@ class TrainerEngine:
         return await self._run(self._compute, tensors, temperature, with_entropy)
 
     def _compute(self, tensors, temperature, with_entropy):
-        batch = validate_batch(tensors, self.worker.vocab_size)
+        batch = validate_batch(tensors, self.worker.vocab_size, max_length=self.worker.max_length)
         shards = [batch.select(rows) for rows in shard_rows(batch.num_rows, self.world_size)]
         return self._command(Command.COMPUTE, [temperature, float(with_entropy)], shards)
 
@@ -151,7 +151,8 @@ class TrainerEngine:
     def _update(self, tensors, global_step):
         started = time.perf_counter()
         objective = self.worker.objective
-        batch = validate_batch(tensors, self.worker.vocab_size, required_floats=objective.required_floats(),
+        batch = validate_batch(tensors, self.worker.vocab_size, max_length=self.worker.max_length,
+                               required_floats=objective.required_floats(),
                                optional_floats=objective.float_names)
         rows = self.worker.mini_batch_rows
         if batch.num_rows % rows:

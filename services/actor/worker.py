@@ -57,6 +57,7 @@ class RankWorker:
             torch.manual_seed(0)  # a new value head is initialised identically on every rank and run
             model = models.load_model(role, config, device)
         self.vocab_size = models.vocab_size(model)
+        self.max_length = getattr(getattr(model, "config", None), "max_position_embeddings", None)  # longest input
         self.num_parameters = models.num_parameters(model)
         self.param_shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
         self.keep_logits = role != "critic" and models.accepts_logits_to_keep(model)

@@ -457,8 +457,6 @@ def test_trainer_batches_structured_garbage(addresses, method):
     assert_still_works(addresses, method)
 
 
-@pytest.mark.xfail(strict=True, reason="actor validate_batch has no length limit: sequences beyond "
-                                       "max_position_embeddings are computed (fix: InvalidArgument above it)")
 def test_trainer_refuses_sequences_beyond_the_model_positions(addresses):
     """A batch longer than max_position_embeddings is a caller error, and a much longer one would make
     the attention's [S, S] scores exhaust memory."""
