@@ -230,6 +230,8 @@ class RolloutConfig(Section):
     """Seed of generation requests (same seed, same samples); null = random."""
     max_model_len: int = Field(0, ge=0)
     """Longest prompt + response in tokens; 0 = the model's max_position_embeddings."""
+    max_rows_per_request: int = Field(4096, ge=1)
+    """Most samples (prompts x n) one Generate request may ask for; more is RESOURCE_EXHAUSTED."""
     max_num_seqs: int = Field(64, ge=1)
     """Most samples decoded together (the hf engine's batch; vLLM's max_num_seqs)."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"

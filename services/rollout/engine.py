@@ -13,7 +13,7 @@ import time
 from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import TYPE_CHECKING
 
-from rlfabric.core.errors import FailedPrecondition, InvalidArgument, Unimplemented
+from rlfabric.core.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unimplemented
 from rlfabric.core.weight_sync import Manifest, Membership, SyncGroup, WeightSwap
 from rlfabric.rollout.types import EngineLimits, EngineStatus, FinishedSample, SamplingSpec, validate_request
 
@@ -36,6 +36,7 @@ class RolloutEngine(abc.ABC):
         self.limits: EngineLimits | None = None
         self.tokenizer = None  # a Hugging Face tokenizer, for chat templates and text
         self.weight_sync = Membership()  # the actor's weight-sync group, when joined
+        self.max_rows_per_request = 4096  # prompts x n of one request; rollout.max_rows_per_request
 
     @abc.abstractmethod
     async def start(self) -> None: ...
@@ -52,6 +53,10 @@ class RolloutEngine(abc.ABC):
         if self.limits is None:
             raise FailedPrecondition(f"{self.name} engine has not started")
         validate_request(prompts, params, self.limits)
+        if len(prompts) * params.n > self.max_rows_per_request:
+            raise ResourceExhausted(f"{len(prompts)} prompts x n={params.n} = {len(prompts) * params.n} samples in "
+                                    f"one request; this replica takes at most {self.max_rows_per_request} "
+                                    "(rollout.max_rows_per_request): split the request")
         async for sample in self._generate([list(map(int, p)) for p in prompts], params):
             yield sample
 

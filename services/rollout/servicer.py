@@ -163,6 +163,7 @@ def build_engine(config: RunConfig) -> RolloutEngine:
 def build_service(config: RunConfig, engine: RolloutEngine | None = None) -> ServiceDefinition:
     """The rollout role: RolloutService over the configured (or given) engine."""
     engine = engine or build_engine(config)
+    engine.max_rows_per_request = config.rollout.max_rows_per_request
     registry = CollectorRegistry()
     servicer = RolloutServicer(engine, RolloutMetrics(registry, engine))
     binding = ServiceBinding(servicer, rollout_pb2_grpc.add_RolloutServiceServicer_to_server,

@@ -518,8 +518,6 @@ def test_rollout_refuses_non_finite_temperature(addresses, temperature):
     assert answer.code == grpc.StatusCode.INVALID_ARGUMENT and "temperature" in answer.details
 
 
-@pytest.mark.xfail(strict=True, reason="the rollout service accepts any prompts x n rows per request and queues "
-                                       "them without bound (fix: ResourceExhausted above a configured limit)")
 def test_rollout_refuses_requests_with_too_many_rows(addresses):
     request = good_generate_request(max_tokens=1)
     request.sampling_params.n = 10_000
