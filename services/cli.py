@@ -8,7 +8,7 @@
     rlfabric health ADDRESS [--service readiness]              one health check (probes, helm test)
     rlfabric config-reference                                   every config key with default and doc
     rlfabric data synthetic|gsm8k ...                           training data in VeRL's parquet schema
-    rlfabric make-tiny-model OUT                                tiny random Qwen2 model for tests/quickstart
+    rlfabric make-tiny-model OUT [--warm-start]                 tiny Qwen2 model for tests (warm-started: quickstart)
 """
 
 from __future__ import annotations
@@ -91,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     tiny = commands.add_parser("make-tiny-model", help="write a tiny random Qwen2 model + char tokenizer")
     tiny.add_argument("out", type=Path)
     tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--warm-start", action="store_true",
+                      help="the quickstart model: wider init + a few seconds of format SFT (rlfabric.actor.warm_start)")
     return parser
 
 
@@ -274,8 +276,10 @@ def cmd_data(args) -> int:
 
 def cmd_make_tiny_model(args) -> int:
     from rlfabric.actor.tiny_model import make_tiny_model
+    from rlfabric.actor.warm_start import make_quickstart_model
 
-    print(make_tiny_model(args.out, seed=args.seed))
+    build = make_quickstart_model if args.warm_start else make_tiny_model
+    print(build(args.out, seed=args.seed))
     return 0
 
 

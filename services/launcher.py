@@ -108,11 +108,11 @@ def prepare_run_dir(config: RunConfig, run_dir: Path) -> Path:
 
 
 def build_tiny_model(run_dir: Path) -> Path:
-    """The quickstart's model: built once per run dir (no model hub is needed)."""
+    """The quickstart's model, warm-started (rlfabric.actor.warm_start): built once per run dir."""
     model_dir = run_dir / "model"
     if not (model_dir / "config.json").exists():
         subprocess.run(
-            [sys.executable, "-m", "rlfabric", "make-tiny-model", str(model_dir)],
+            [sys.executable, "-m", "rlfabric", "make-tiny-model", str(model_dir), "--warm-start"],
             check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
     return model_dir.resolve()

@@ -57,8 +57,13 @@ def make_tiny_model(
     num_heads: int = 2,
     intermediate_size: int = 128,
     seed: int = 0,
+    initializer_range: float = 0.02,
 ) -> Path:
-    """Writes a random-weight Qwen2ForCausalLM and its tokenizer to out_dir; returns the path."""
+    """Writes a random-weight Qwen2ForCausalLM and its tokenizer to out_dir; returns the path.
+
+    initializer_range is the std of the random weights (Qwen2's default 0.02; the quickstart model
+    uses a wider one, see rlfabric.actor.warm_start).
+    """
     out_dir = Path(out_dir)
     tokenizer = build_tokenizer()
     vocab_size = len(tokenizer)
@@ -71,6 +76,7 @@ def make_tiny_model(
         num_key_value_heads=num_heads,
         head_dim=hidden_size // num_heads,
         max_position_embeddings=512,
+        initializer_range=initializer_range,
         tie_word_embeddings=True,
         bos_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,

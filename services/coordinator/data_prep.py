@@ -41,7 +41,7 @@ def write_synthetic(out_dir: str | Path, train_size: int = 2048, val_size: int =
         rows = []
         for index in range(size):
             prompt, answer = synthetic.make_example(rng)
-            rows.append(_row(synthetic.DATA_SOURCE, prompt, answer, "copy", split, index))
+            rows.append(_row(synthetic.DATA_SOURCE, prompt, answer, "letters", split, index))
         paths[split] = _write(rows, Path(out_dir) / f"{split}.parquet")
     return paths
 

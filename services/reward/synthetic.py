@@ -1,26 +1,47 @@
-"""The quickstart's synthetic task, small enough for the tiny model to learn on CPU in minutes.
+"""The quickstart's synthetic task, small enough for the tiny model to learn on CPU in a minute.
 
-Prompt: "last letter of: c a d" -> the answer is the last letter ("d"), then end of turn.
-The score is shaped so that a random policy gets a little signal and RL can climb:
+Prompt: "find the vowel: K B E D C H" -> the answer is the only vowel ("E"), then end of turn.
+Every prompt holds one of the vowels A E I O U and five of the consonants B C D F G H, shuffled.
     1.0  the response is exactly the answer (whitespace stripped)
     0.5  it starts with the answer but goes on
-    0.1  it starts with one of the task's letters, but the wrong one
     0.0  anything else
+
+The quickstart model is warm-started (rlfabric.actor.warm_start) on `make_warm_start_example`:
+one or two letters among dashes, "any letter of: - K - - E -", answered with one of them picked
+at random. It learns the reply format (one letter, then end of turn) and to copy a letter out of
+the prompt, but not which letter this task wants: its answers are vowels and consonants alike, so
+its first-step score is about 1 in 6. Reinforcement learning has to discover that the vowel scores.
 """
 
 from __future__ import annotations
 
 import random
 
-DATA_SOURCE = "rlfabric/last_letter"
-LETTERS = "abcde"
-INSTRUCTION = "last letter of: "
+DATA_SOURCE = "rlfabric/find_vowel"
+VOWELS = "AEIOU"
+CONSONANTS = "BCDFGH"
+LETTERS = VOWELS + CONSONANTS
+INSTRUCTION = "find the vowel: "
+NUM_LETTERS = 6  # letters in a prompt: one vowel, the rest consonants
+WARM_START_INSTRUCTION = "any letter of: "
 
 
-def make_example(rng: random.Random, length: int = 3) -> tuple[str, str]:
-    """(prompt text, answer) for one example."""
-    letters = [rng.choice(LETTERS) for _ in range(length)]
-    return INSTRUCTION + " ".join(letters), letters[-1]
+def make_example(rng: random.Random, num_letters: int = NUM_LETTERS) -> tuple[str, str]:
+    """(prompt text, answer) for one example of the task."""
+    vowel = rng.choice(VOWELS)
+    letters = [vowel, *rng.sample(CONSONANTS, num_letters - 1)]
+    rng.shuffle(letters)
+    return INSTRUCTION + " ".join(letters), vowel
+
+
+def make_warm_start_example(rng: random.Random, num_slots: int = NUM_LETTERS) -> tuple[str, str]:
+    """(prompt text, answer) for the warm start: one or two distinct letters among dashes, and one of
+    them, picked at random, as the answer."""
+    shown = rng.sample(LETTERS, rng.randint(1, 2))
+    slots = ["-"] * num_slots
+    for position, letter in zip(rng.sample(range(num_slots), len(shown)), shown, strict=True):
+        slots[position] = letter
+    return WARM_START_INSTRUCTION + " ".join(slots), rng.choice(shown)
 
 
 def compute_score(solution_str: str, ground_truth: str, extra_info: dict | None = None, **unused) -> float:
@@ -30,6 +51,4 @@ def compute_score(solution_str: str, ground_truth: str, extra_info: dict | None 
         return 1.0
     if response.startswith(ground_truth):
         return 0.5
-    if response[:1] and response[0] in LETTERS:
-        return 0.1
     return 0.0

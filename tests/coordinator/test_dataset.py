@@ -28,10 +28,10 @@ def test_synthetic_rows_tokenize_with_the_chat_template(synthetic, tokenizer):
     data = RLHFDataset([synthetic["train"]], tokenizer, max_prompt_length=64)
     assert len(data) == 40
     row = data.rows[0]
-    assert row.data_source == "rlfabric/last_letter" and row.uid == "train:0"
+    assert row.data_source == "rlfabric/find_vowel" and row.uid == "train:0"
     text = tokenizer.decode(row.prompt_ids)
-    assert text.startswith("<|im_start|>user\nlast letter of: ") and text.endswith("<|im_start|>assistant\n")
-    assert row.ground_truth == row.messages[0]["content"][-1]
+    assert text.startswith("<|im_start|>user\nfind the vowel: ") and text.endswith("<|im_start|>assistant\n")
+    assert row.ground_truth in row.messages[0]["content"].split(": ")[1].split(" ")
     assert json.loads(row.extra_info_json) == {"split": "train", "index": 0}
 
 

@@ -188,8 +188,8 @@ def test_every_service_is_ready_over_grpc(cli_mesh):
 def test_reward_scores_and_rollout_generates(cli_mesh):
     _, _, endpoints = cli_mesh
     with grpc.insecure_channel(endpoints["reward"][0]["grpc"]) as channel:
-        items = [reward_pb2.ScoreItem(data_source="rlfabric/last_letter", response=r, ground_truth="d")
-                 for r in ("d", "x")]
+        items = [reward_pb2.ScoreItem(data_source="rlfabric/find_vowel", response=r, ground_truth="E")
+                 for r in ("E", "x")]
         results = reward_pb2_grpc.RewardServiceStub(channel).Score(
             reward_pb2.ScoreRequest(items=items), timeout=30).results
     assert [r.score for r in results] == [1.0, 0.0]

@@ -249,7 +249,7 @@ json_values = st.recursive(
 )
 score_items = st.builds(
     reward_pb2.ScoreItem,
-    data_source=st.one_of(st.sampled_from(["openai/gsm8k", "lighteval/MATH", "rlfabric/last_letter"]), texts),
+    data_source=st.one_of(st.sampled_from(["openai/gsm8k", "lighteval/MATH", "rlfabric/find_vowel"]), texts),
     prompt=texts,
     response=st.one_of(texts, st.sampled_from(["#### 42", "\\boxed{42}", "#### " + "9" * 400])),
     response_token_ids=st.lists(st.integers(-(2**63), 2**63 - 1), max_size=4),

@@ -1,24 +1,55 @@
-"""The quickstart task's scorer and example generator."""
+"""The quickstart task's scorer and example generators."""
 
 import random
 
 from rlfabric.reward import compute_score
-from rlfabric.reward.synthetic import DATA_SOURCE, INSTRUCTION, LETTERS, make_example
+from rlfabric.reward.synthetic import (
+    CONSONANTS,
+    DATA_SOURCE,
+    INSTRUCTION,
+    LETTERS,
+    NUM_LETTERS,
+    VOWELS,
+    WARM_START_INSTRUCTION,
+    make_example,
+    make_warm_start_example,
+)
 
 
 def test_shaped_scores():
-    assert compute_score(DATA_SOURCE, "d", "d") == 1.0
-    assert compute_score(DATA_SOURCE, " d\n", "d") == 1.0
-    assert compute_score(DATA_SOURCE, "dd e", "d") == 0.5
-    assert compute_score(DATA_SOURCE, "a", "d") == 0.1
-    assert compute_score(DATA_SOURCE, "z", "d") == 0.0
-    assert compute_score(DATA_SOURCE, "", "d") == 0.0
+    assert compute_score(DATA_SOURCE, "E", "E") == 1.0
+    assert compute_score(DATA_SOURCE, " E\n", "E") == 1.0
+    assert compute_score(DATA_SOURCE, "EB", "E") == 0.5
+    assert compute_score(DATA_SOURCE, "B", "E") == 0.0
+    assert compute_score(DATA_SOURCE, "e", "E") == 0.0
+    assert compute_score(DATA_SOURCE, "", "E") == 0.0
 
 
-def test_examples_answer_with_the_last_letter():
+def test_examples_hold_one_vowel_among_consonants():
     rng = random.Random(0)
-    for _ in range(50):
+    answers = set()
+    for _ in range(200):
         prompt, answer = make_example(rng)
         assert prompt.startswith(INSTRUCTION)
         letters = prompt.removeprefix(INSTRUCTION).split(" ")
-        assert len(letters) == 3 and set(letters) <= set(LETTERS) and answer == letters[-1]
+        assert len(letters) == len(set(letters)) == NUM_LETTERS
+        assert [c for c in letters if c in VOWELS] == [answer]
+        assert set(letters) - {answer} <= set(CONSONANTS)
+        answers.add(answer)
+    assert answers == set(VOWELS)
+
+
+def test_warm_start_examples_answer_with_a_random_shown_letter():
+    """One or two letters among dashes, vowels and consonants alike: no hint of the task's answer."""
+    rng = random.Random(0)
+    answers = []
+    for _ in range(2000):
+        prompt, answer = make_warm_start_example(rng)
+        assert prompt.startswith(WARM_START_INSTRUCTION)
+        slots = prompt.removeprefix(WARM_START_INSTRUCTION).split(" ")
+        shown = [c for c in slots if c != "-"]
+        assert len(slots) == NUM_LETTERS and 1 <= len(shown) <= 2 and answer in shown
+        answers.append(answer)
+    assert set(answers) == set(LETTERS)
+    vowel_share = sum(a in VOWELS for a in answers) / len(answers)
+    assert abs(vowel_share - len(VOWELS) / len(LETTERS)) < 0.05

@@ -1,0 +1,75 @@
+"""The quickstart model's warm start: deterministic, teaches the reply format, leaves the task to RL."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from rlfabric.actor.tiny_model import make_tiny_model
+from rlfabric.actor.warm_start import make_quickstart_model, warm_start
+from rlfabric.reward import synthetic
+
+
+@pytest.fixture(scope="module")
+def quickstart(tmp_path_factory):
+    """(model, tokenizer) of the model `rlfabric up` builds when model.path is empty."""
+    path = make_quickstart_model(tmp_path_factory.mktemp("quickstart") / "model")
+    return AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
+
+
+def task_prompts(tokenizer, count: int, seed: int = 123) -> list[tuple[list[int], list[str], str]]:
+    """(prompt ids, the prompt's letters, answer) of task examples."""
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(count):
+        text, answer = synthetic.make_example(rng)
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                            tokenize=True, return_dict=False)
+        prompts.append((list(ids), text.removeprefix(synthetic.INSTRUCTION).split(" "), answer))
+    return prompts
+
+
+def test_default_tiny_model_keeps_qwen2_init(tmp_path):
+    config = AutoModelForCausalLM.from_pretrained(make_tiny_model(tmp_path / "m")).config
+    assert config.initializer_range == 0.02
+
+
+def test_warm_start_is_deterministic(tmp_path):
+    states = []
+    for name, seed in (("a", 0), ("b", 0), ("c", 1)):
+        path = make_tiny_model(tmp_path / name, initializer_range=0.2)
+        warm_start(path, steps=5, seed=seed)
+        states.append(AutoModelForCausalLM.from_pretrained(path).state_dict())
+    same, other_seed = states[1], states[2]
+    assert all(torch.equal(states[0][k], same[k]) for k in states[0])
+    assert not all(torch.equal(states[0][k], other_seed[k]) for k in states[0])
+
+
+@torch.no_grad()
+def test_greedy_replies_are_one_letter_of_the_prompt_then_end_of_turn(quickstart):
+    model, tokenizer = quickstart
+    prompts = task_prompts(tokenizer, 40)
+    copied = 0
+    for ids, letters, _ in prompts:
+        reply = model.generate(torch.tensor([ids]), max_new_tokens=3, do_sample=False)[0, len(ids):].tolist()
+        assert reply[1:2] == [tokenizer.eos_token_id], tokenizer.decode(reply)
+        copied += tokenizer.decode(reply[:1]) in letters
+    assert copied >= 0.9 * len(prompts)
+
+
+@torch.no_grad()
+def test_warm_started_model_does_not_solve_the_task(quickstart):
+    """The expected first-step score is at most P(first token = answer): below the quickstart's 0.3 bar,
+    while the model still puts most of its mass on the prompt's letters (it copies, RL picks)."""
+    model, tokenizer = quickstart
+    p_answer, p_shown = [], []
+    for ids, letters, answer in task_prompts(tokenizer, 300):
+        probs = model(torch.tensor([ids])).logits[0, -1].softmax(-1)  # [vocab]
+        token = {c: tokenizer.convert_tokens_to_ids(c) for c in letters}
+        p_answer.append(float(probs[token[answer]]))
+        p_shown.append(float(sum(probs[t] for t in token.values())))
+    assert sum(p_answer) / len(p_answer) < 0.2
+    assert sum(p_shown) / len(p_shown) > 0.8
