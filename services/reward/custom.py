@@ -8,7 +8,8 @@ A dict's "score" is the reward; its other numeric entries become metrics. The fu
 the caller's process. An item whose function raises (MemoryError included) gets status "error", one
 that runs past timeout_s gets "timeout", one whose worker dies (segfault, os._exit) gets "crashed";
 each scores 0, and a hung or dead worker (or one that hit MemoryError) is killed and replaced, so the
-next item and batch go on.
+next item and batch go on. Killing a worker kills every process the function started, whatever
+session or process group it moved to (setsid, a double-forked daemon): see custom_worker.
 
     with CustomScorerPool("my_reward.py", "compute_score", num_workers=2, timeout_s=5) as pool:
         results = pool.score_batch(items)
@@ -16,6 +17,7 @@ next item and batch go on.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import selectors
@@ -37,14 +39,20 @@ from rlfabric.reward.items import (
     failed,
     result_from_value,
 )
+from rlfabric.reward.process_tree import kill_descendants
+
+# The supervisor reaps what was killed and exits as its scorer did; this is how long to wait for that.
+_SUPERVISOR_EXIT_S = 2.0
 
 # Why not concurrent.futures.ProcessPoolExecutor or multiprocessing.Pool: neither can kill one hung
 # task (a worker in an infinite loop is stuck there for good), a dead worker breaks the whole
 # executor, and both unpickle in this process whatever the user's code returned. Instead each worker
 # is a fresh interpreter (spawn semantics: nothing of this process, its threads or its CUDA state is
 # forked) running rlfabric.reward.custom_worker, one item at a time, JSON lines over its stdin/stdout
-# pipes; so a hung or dead worker is killed (its whole process group) and only it is replaced, and
+# pipes; so a hung or dead worker is killed (its whole process tree) and only it is replaced, and
 # start-up costs one interpreter plus this package (~0.1 s), paid once per worker, not per batch.
+# A worker is a supervisor (the process started here, a child subreaper running no user code) and
+# its forked scorer; killing every descendant of the supervisor reaches all the user's processes.
 
 _STARTING = "starting"  # process started, function not loaded yet
 _IDLE = "idle"
@@ -95,13 +103,27 @@ class _Worker:
         return self.proc.returncode is not None
 
     def kill(self) -> str:
-        """Kill the worker and anything it started, reap it, and say how it ended."""
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # the worker leads its own session
-        except ProcessLookupError:
-            pass
-        self.proc.kill()
-        returncode = self.proc.wait()
+        """Kill the worker and everything it started, reap it, and say how its scorer ended."""
+        # Every descendant of the supervisor (a child subreaper): the scorer and whatever the user's
+        # code started, in whatever session or process group. The supervisor then reaps them and
+        # exits as the scorer did (SIGKILL here, or the scorer's own exit code or signal if it died first).
+        deadline = time.monotonic() + _SUPERVISOR_EXIT_S
+        while True:  # again until it exits: a supervisor still starting up may fork its scorer meanwhile
+            kill_descendants(self.proc.pid)
+            try:
+                returncode = self.proc.wait(timeout=0.05)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            if time.monotonic() > deadline:  # the supervisor is stuck: freeze it, clear its tree, kill it
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(self.proc.pid, signal.SIGSTOP)
+                kill_descendants(self.proc.pid)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)  # the worker leads its own session
+                self.proc.kill()
+                returncode = self.proc.wait()
+                break
         self.proc.stdin.close()
         self.proc.stdout.close()
         self.state = _DEAD

@@ -1,6 +1,17 @@
 """Worker process of CustomScorerPool: loads one user function and scores the items it is sent.
 
 Started by the pool as ``python -m rlfabric.reward.custom_worker SETTINGS_JSON``, never by hand.
+The process splits in two (one fork, no second interpreter):
+- the supervisor, the process the pool started, runs no user code. On Linux it is a child
+  subreaper (prctl PR_SET_CHILD_SUBREAPER): every process the user's code starts stays its
+  descendant, even one that calls setsid() or double-forks into a daemon, where it would otherwise
+  be reparented to init. When the scorer ends it kills every descendant left, reaps them and exits
+  as the scorer did (same exit code or signal); when the pool's process dies, it does the same.
+- the scorer, its child, loads the function and talks to the pool over the inherited pipes.
+So the pool kills a worker by killing every descendant of the supervisor (kill_descendants), which
+reaches whatever the user's code started, whatever session or process group it moved to.
+Without PR_SET_CHILD_SUBREAPER (not Linux) a process that leaves the tree (its parent exits) escapes.
+
 Protocol on stdin/stdout, one JSON object per line:
   worker -> pool, once:   {"type": "ready"} or {"type": "load_error", "message": ...}
   pool -> worker:         {"data_source", "solution_str", "ground_truth", "extra_info"}
@@ -11,11 +22,13 @@ What the user's function returns is turned into floats here, so the pool only ev
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import numbers
 import os
 import resource
+import signal
 import sys
 import threading
 import time
@@ -23,6 +36,7 @@ from collections.abc import Callable
 from typing import Any
 
 from rlfabric.reward.items import describe_exception
+from rlfabric.reward.process_tree import kill_descendants, set_child_subreaper
 
 
 def load_function(path: str, name: str) -> Callable[..., Any]:
@@ -64,17 +78,60 @@ def _to_float(value: Any) -> float:
     return float(value)
 
 
-def _exit_when_orphaned(parent_pid: int) -> None:
-    # A worker stuck in a user's loop never reads the EOF a dead pool leaves; this thread still runs.
+def _exit_when_orphaned(parent_pid: int, cleanup: Callable[[], object] | None = None) -> None:
+    # A process stuck in a user's loop never reads the EOF a dead parent leaves; this thread still runs.
     while True:
         time.sleep(1.0)
         if os.getppid() != parent_pid:
+            if cleanup is not None:
+                cleanup()
             os._exit(1)
 
 
 def main(settings_json: str) -> int:
     settings = json.loads(settings_json)
+    set_child_subreaper()
+    supervisor = os.getpid()
+    scorer = os.fork()
+    if scorer == 0:
+        return score_items(settings, supervisor)
+    return supervise(scorer, settings["parent_pid"])
 
+
+def supervise(scorer: int, pool_pid: int) -> int:
+    """The supervisor's part: wait for the scorer, kill and reap whatever it left, end as it ended."""
+    # The protocol pipes are the scorer's: without our copies, the pool sees EOF when it dies.
+    devnull = os.open(os.devnull, os.O_RDWR)
+    os.dup2(devnull, 0)
+    os.dup2(devnull, 1)
+    os.close(devnull)
+    me = os.getpid()
+    threading.Thread(
+        target=_exit_when_orphaned, args=(pool_pid, lambda: kill_descendants(me)), daemon=True
+    ).start()
+    while True:  # reaping the orphans that land here meanwhile
+        pid, status = os.waitpid(-1, 0)
+        if pid == scorer:
+            break
+    kill_descendants(me)
+    with contextlib.suppress(ChildProcessError):
+        while True:  # every descendant is dead: each zombie comes to us once its parent is reaped
+            os.waitpid(-1, 0)
+    sys.stderr.flush()
+    if os.WIFSIGNALED(status):  # die of the same signal, so the pool can say how the scorer ended
+        number = os.WTERMSIG(status)
+        with contextlib.suppress(OSError, ValueError):
+            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core file of the supervisor
+        with contextlib.suppress(OSError, ValueError):  # (SIGKILL's cannot be set, nor needs to be)
+            signal.signal(number, signal.SIG_DFL)
+        with contextlib.suppress(OSError, ValueError):
+            signal.raise_signal(number)
+        os._exit(128 + number)
+    os._exit(os.waitstatus_to_exitcode(status))
+
+
+def score_items(settings: dict, supervisor_pid: int) -> int:
+    """The scorer's part: load the user's function and score items until the pool closes the pipe."""
     # 1. Keep the protocol pipes on private descriptors: what the user prints goes to stderr,
     #    and a user read of stdin sees an empty file.
     requests = os.fdopen(os.dup(0), "rb")
@@ -88,7 +145,7 @@ def main(settings_json: str) -> int:
         replies.write(json.dumps(message).encode() + b"\n")
         replies.flush()
 
-    threading.Thread(target=_exit_when_orphaned, args=(settings["parent_pid"],), daemon=True).start()
+    threading.Thread(target=_exit_when_orphaned, args=(supervisor_pid,), daemon=True).start()
 
     # 2. Cap the address space before any user code runs: a hog gets MemoryError, not the host's OOM killer.
     if settings["memory_limit_mb"]:

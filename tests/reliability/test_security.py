@@ -11,12 +11,15 @@ servicers; this runs the real roles, configured the way `rlfabric serve` configu
    file never appears and each answer is OK or a clean refusal.
 3. The custom reward sandbox (tests/reward/test_custom_pool.py has timeouts, memory caps, crashes):
    functions that fork, hold a network connection or write files are still cut off by the timeout,
-   with their children, and the service keeps serving.
+   with their children, even those that left the worker's session (setsid, a double-forked daemon);
+   such a daemon also dies when its worker ends (crash, pool closed, service process killed); and
+   the service keeps serving.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import pickle
@@ -40,7 +43,7 @@ from rlfabric.core.client import ChannelOptions
 from rlfabric.core.config import config_from_dict, default_config_path
 from rlfabric.core.server import ServerOptions
 from rlfabric.reward.client import RewardClient
-from rlfabric.reward.items import ScoreItem
+from rlfabric.reward.items import STATUS_CRASHED, ScoreItem
 from rlfabric.reward.server import build_service as build_reward_service
 from rlfabric.rollout.servicer import build_service as build_rollout_service
 from rlfabric.v1 import actor_pb2, reward_pb2, rollout_pb2, tensor_pb2
@@ -196,16 +199,33 @@ CUSTOM_REWARD = textwrap.dedent(
     import time
 
 
-    def _child(marker_dir, tag, escape=False):
+    def _child(marker_dir, tag, escape=False, ready=None):
         # In a forked child: leave our pid where the test finds it, then never return.
         if escape:
             os.setsid()  # leave the worker's process group
         with open(os.path.join(marker_dir, f"{tag}-{os.getpid()}"), "w"):
             pass
+        if ready is not None:
+            os.write(ready, b"x")
         end = time.monotonic() + 30
         while time.monotonic() < end:
             time.sleep(0.05)
         os._exit(0)
+
+
+    def _daemonize(marker_dir, tag):
+        # The classic double fork: the daemon's parent exits at once, so it is orphaned, in a session of its own.
+        ready_read, ready_write = os.pipe()
+        first = os.fork()
+        if first == 0:
+            os.setsid()
+            if os.fork() == 0:
+                _child(marker_dir, tag, ready=ready_write)
+            os._exit(0)
+        os.waitpid(first, 0)
+        os.read(ready_read, 1)  # the daemon runs and has left its marker
+        os.close(ready_read)
+        os.close(ready_write)
 
 
     def compute_score(data_source, solution_str, ground_truth, extra_info, blob=None, marker_dir=""):
@@ -219,6 +239,13 @@ CUSTOM_REWARD = textwrap.dedent(
                 _child(marker_dir, mode, escape=mode == "escape")
             if mode == "fork_and_return":
                 return 1.0
+            time.sleep(60)
+        if mode in ("daemon", "daemon_and_return", "daemon_and_crash"):
+            _daemonize(marker_dir, mode)
+            if mode == "daemon_and_return":
+                return 1.0
+            if mode == "daemon_and_crash":
+                os._exit(3)
             time.sleep(60)
         if mode == "connect":  # a server that accepts and never answers
             socket.create_connection(("127.0.0.1", extra_info["port"])).recv(1)
@@ -440,21 +467,92 @@ def test_children_of_a_finished_function_die_with_the_pool(tmp_path):
         assert _wait_until(lambda: len(_children(tmp_path, "fork_and_return")) == 1)
         child = _children(tmp_path, "fork_and_return")[0]
         assert _alive(child)  # left running by the function...
-    assert _wait_until(lambda: not _alive(child))  # ...and killed with its worker's process group
+    assert _wait_until(lambda: not _alive(child))  # ...and killed with its worker's process tree
 
 
-@pytest.mark.xfail(strict=True, reason="workers are killed by process group; a child that calls setsid() escapes "
-                                       "the timeout (fix: run each worker in its own cgroup / PID namespace)")
-def test_a_child_that_leaves_the_process_group_is_cut_off_too(custom_reward, custom_dir):
+@contextlib.contextmanager
+def _no_survivors(directory: Path, tag: str):
+    """Kills the tagged children left running, whatever happened (a failed test must not leave any)."""
     try:
-        result, _ = score_one(custom_reward, {"mode": "escape"})
-        assert result.status == reward_pb2.SCORE_STATUS_TIMEOUT
-        assert _wait_until(lambda: _children(custom_dir, "escape"))
-        assert _wait_until(lambda: not any(_alive(pid) for pid in _children(custom_dir, "escape")), timeout=3)
-    finally:  # leave nothing running behind, whatever happened
-        for pid in _children(custom_dir, "escape"):
+        yield
+    finally:
+        for pid in _children(directory, tag):
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_a_child_that_leaves_the_process_group_is_cut_off_too(custom_reward, custom_dir):
+    with _no_survivors(custom_dir, "escape"):
+        result, seconds = score_one(custom_reward, {"mode": "escape"})
+        assert result.status == reward_pb2.SCORE_STATUS_TIMEOUT and seconds < CUSTOM_TIMEOUT_S + 5, result
+        assert _wait_until(lambda: _children(custom_dir, "escape"))
+        assert _wait_until(lambda: not any(_alive(pid) for pid in _children(custom_dir, "escape")), timeout=3)
+        assert_next_item_is_scored(custom_reward)
+
+
+def test_a_double_forked_daemon_is_cut_off_with_the_timeout(custom_reward, custom_dir):
+    with _no_survivors(custom_dir, "daemon"):
+        result, seconds = score_one(custom_reward, {"mode": "daemon"})
+        assert result.status == reward_pb2.SCORE_STATUS_TIMEOUT and seconds < CUSTOM_TIMEOUT_S + 5, result
+        daemons = _children(custom_dir, "daemon")
+        assert len(daemons) == 1
+        assert _wait_until(lambda: not _alive(daemons[0]), timeout=3), "the daemon outlived the timed-out worker"
+        assert_next_item_is_scored(custom_reward)
+
+
+def test_a_double_forked_daemon_dies_with_its_worker(tmp_path):
+    """After a normal return the daemon runs on with its worker (a function may keep a helper process
+    between calls); it dies when the worker does: the pool closes, or the worker crashes."""
+    from rlfabric.reward.custom import CustomScorerPool
+
+    path = tmp_path / "reward_fn.py"
+    path.write_text(CUSTOM_REWARD)
+    with _no_survivors(tmp_path, "daemon_and_return"), _no_survivors(tmp_path, "daemon_and_crash"):
+        with CustomScorerPool(str(path), num_workers=1, timeout_s=5,
+                              function_kwargs={"marker_dir": str(tmp_path)}) as pool:
+            result = pool.score_batch([ScoreItem("x", "r", "g", extra_info={"mode": "daemon_and_return"})])[0]
+            assert result.ok and result.score == 1.0
+            assert _wait_until(lambda: len(_children(tmp_path, "daemon_and_return")) == 1)
+            daemon = _children(tmp_path, "daemon_and_return")[0]
+            assert _alive(daemon)
+
+            crashed = pool.score_batch([ScoreItem("x", "r", "g", extra_info={"mode": "daemon_and_crash"})])[0]
+            assert crashed.status == STATUS_CRASHED and "exited with code 3" in crashed.message, crashed
+            assert _wait_until(lambda: len(_children(tmp_path, "daemon_and_crash")) == 1)
+            # The crash ended the worker, so both daemons are gone, the pool still open.
+            for pid in [daemon, *_children(tmp_path, "daemon_and_crash")]:
+                assert _wait_until(lambda pid=pid: not _alive(pid), timeout=3), pid
+
+            again = pool.score_batch([ScoreItem("x", "r", "g", extra_info={"mode": "daemon_and_return"})])[0]
+            assert again.ok  # a fresh worker
+            assert _wait_until(lambda: len(_children(tmp_path, "daemon_and_return")) == 2)
+            (second,) = [pid for pid in _children(tmp_path, "daemon_and_return") if pid != daemon]
+        assert _wait_until(lambda: not _alive(second), timeout=3), "the daemon outlived the closed pool"
+
+
+def test_a_double_forked_daemon_dies_when_the_pool_process_is_killed(tmp_path):
+    """The service process itself dies (SIGKILL, OOM kill): the orphaned worker kills what its function started."""
+    path = tmp_path / "reward_fn.py"
+    path.write_text(CUSTOM_REWARD)
+    script = textwrap.dedent(f"""
+        import sys, time
+        from rlfabric.reward.custom import CustomScorerPool
+        from rlfabric.reward.items import ScoreItem
+        pool = CustomScorerPool({str(path)!r}, num_workers=1, function_kwargs={{"marker_dir": {str(tmp_path)!r}}})
+        print(pool.score_batch([ScoreItem("x", "r", "g", extra_info={{"mode": "daemon_and_return"}})])[0].status, flush=True)
+        time.sleep(60)
+        """)
+    with _no_survivors(tmp_path, "daemon_and_return"):
+        service = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+        try:
+            assert service.stdout.readline().strip() == "ok"
+            assert _wait_until(lambda: len(_children(tmp_path, "daemon_and_return")) == 1)
+            daemon = _children(tmp_path, "daemon_and_return")[0]
+            assert _alive(daemon)
+        finally:
+            service.kill()
+            service.wait()
+        assert _wait_until(lambda: not _alive(daemon), timeout=5), "the daemon outlived the killed pool process"
 
 
 # --- 1b. the whole local mesh under mTLS + token (slow: six service processes) ---------------------------
