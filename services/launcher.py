@@ -2,6 +2,7 @@
 
     with LocalMesh(config, run_dir) as mesh:    # starts, waits for readiness, writes endpoints.json
         mesh.endpoints["rollout"][0]["grpc"]    # "127.0.0.1:43121"
+        mesh.restart("rollout-1")               # after it died: again, on the same gRPC port
 
 Services bind port 0 and report their ports through RUN_DIR/ports/<name>.json (no port races).
 Logs go to RUN_DIR/logs/<name>.log. Children get SIGTERM if the launcher dies (PR_SET_PDEATHSIG),
@@ -118,12 +119,13 @@ def build_tiny_model(run_dir: Path) -> Path:
     return model_dir.resolve()
 
 
-def serve_command(role: str, config_path: Path, host: str, port_file: Path, run_id: str) -> list[str]:
-    """`rlfabric serve ROLE` on any free ports, which it reports in port_file."""
+def serve_command(role: str, config_path: Path, host: str, port_file: Path, run_id: str,
+                  port: int = 0) -> list[str]:
+    """`rlfabric serve ROLE` on `port` (0: any free port) and any free metrics port, which it reports in port_file."""
     return [
         sys.executable, "-m", "rlfabric", "serve", role,
         "--config", str(config_path),
-        "--host", host, "--port", "0", "--metrics-port", "0",
+        "--host", host, "--port", str(port), "--metrics-port", "0",
         "--port-file", str(port_file), "--run-id", run_id,
     ]
 
@@ -267,13 +269,32 @@ class LocalMesh(MeshContext):
         """Services whose process has exited."""
         return [p for p in self.processes if p.process.poll() is not None]
 
+    def restart(self, name: str) -> ServiceProcess:
+        """Starts the service `name` again after it exited (crashed, killed) on the gRPC port it had, so
+        its peers reach it at the same address (a rollout replica rejoins the run at the next weight
+        sync; see rlfabric.coordinator.weight_sync); returns once it answers readiness SERVING.
+        Call it from a thread that lives as long as the mesh: a child gets SIGTERM when the thread that
+        spawned it ends (PR_SET_PDEATHSIG)."""
+        index, old = next((i, p) for i, p in enumerate(self.processes) if p.name == name)
+        if old.process.poll() is None:
+            raise RuntimeError(f"{name} is still running (pid {old.process.pid}); stop it first")
+        config_path = self.run_dir / ("config.resolved.yaml" if old.role == "coordinator" else "config.yaml")
+        proc = self._spawn(name, old.role, config_path, port=old.ports["grpc"] if old.ports else 0)
+        self.processes.remove(proc)
+        self.processes[index] = proc  # the same place: stop() still ends the coordinator first
+        self._await_ports(proc)
+        self._record_endpoints()
+        asyncio.run(await_readiness(self.config, [proc]))
+        log.info("service restarted", extra={"fields": {"service": name, "address": proc.grpc_address}})
+        return proc
+
     # -- helpers -----------------------------------------------------------------------------
 
-    def _spawn(self, name: str, role: str, config_path: Path) -> ServiceProcess:
+    def _spawn(self, name: str, role: str, config_path: Path, port: int = 0) -> ServiceProcess:
         log_path = self.run_dir / "logs" / f"{name}.log"
         port_file = self.run_dir / "ports" / f"{name}.json"
         port_file.unlink(missing_ok=True)
-        command = serve_command(role, config_path, self.host, port_file, self.run_id)
+        command = serve_command(role, config_path, self.host, port_file, self.run_id, port)
         with open(log_path, "ab") as log_file:
             process = subprocess.Popen(
                 command, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

@@ -24,7 +24,13 @@ from pathlib import Path
 
 import torch
 
-from rlfabric.coordinator.checkpoints import CheckpointWriter, CoordinatorState, latest_checkpoint, read_state
+from rlfabric.coordinator.checkpoints import (
+    CheckpointError,
+    CheckpointWriter,
+    CoordinatorState,
+    latest_checkpoint,
+    read_state,
+)
 from rlfabric.coordinator.dataset import DataCursor, PromptRow, RLHFDataset
 from rlfabric.coordinator.peers import Peers, needs_critic, needs_reference
 from rlfabric.coordinator.rollout_batch import RolloutBatch, build_rollout_batch, token_level_scores
@@ -94,13 +100,14 @@ class PPOTrainer:
         for role, client in roles.items():
             if client is None:
                 continue
+            ask = self.peers.ask
             if path is not None:
-                await client.load_checkpoint(str(path / role))
-            elif (await client.get_status()).optimizer_step == 0:
+                await ask(role, client.load_checkpoint(str(path / role)))
+            elif (await ask(role, client.get_status())).optimizer_step == 0:
                 if not (initial_dir / role / "meta.json").exists():
-                    await client.save_checkpoint(str(initial_dir / role))
+                    await ask(role, client.save_checkpoint(str(initial_dir / role)))
             elif (initial_dir / role / "meta.json").exists():
-                await client.load_checkpoint(str(initial_dir / role))
+                await ask(role, client.load_checkpoint(str(initial_dir / role)))
             else:
                 raise FailedPrecondition(f"the {role} was trained by an earlier run and its initial weights were "
                                          "not saved: resume that run (trainer.resume_from_path) or restart the mesh")
@@ -118,7 +125,7 @@ class PPOTrainer:
     async def run(self) -> None:
         """Steps until trainer.total_steps (or StopRun), with validation and checkpoints on schedule."""
         trainer = self.config.trainer
-        await self.weight_sync.open()
+        await self.peers.ask("actor", self.weight_sync.open())
         # Every replica starts from the weights this run starts from (fresh, reset or resumed).
         await self._sync_weights(self._version(self.step))
         if trainer.val_before_train and self.step == 0:
@@ -165,11 +172,12 @@ class PPOTrainer:
         self.on_phase("computing")
         tensors = batch.tensors
         with timer("old_log_prob"):
-            calls = {"old": peers.actor.compute_log_probs(tensors, temperature, compute_entropy=False)}
+            calls = {"old": peers.ask("actor", peers.actor.compute_log_probs(tensors, temperature,
+                                                                             compute_entropy=False))}
             if peers.reference is not None:
-                calls["ref"] = peers.reference.compute_log_probs(tensors, temperature)
+                calls["ref"] = peers.ask("reference", peers.reference.compute_log_probs(tensors, temperature))
             if peers.critic is not None:
-                calls["values"] = peers.critic.compute_values(tensors)
+                calls["values"] = peers.ask("critic", peers.critic.compute_values(tensors))
             results = dict(zip(calls, await asyncio.gather(*calls.values()), strict=True))
         old_log_probs = results["old"]["log_probs"]
         ref_log_probs = results["ref"]["log_probs"] if "ref" in results else None
@@ -199,10 +207,10 @@ class PPOTrainer:
             policy_batch = {**tensors, "old_log_probs": old_log_probs, "advantages": advantages}
             if config.actor.use_kl_loss:
                 policy_batch["ref_log_probs"] = ref_log_probs
-            updates = [peers.actor.update_policy(policy_batch, global_step=step)]
+            updates = [peers.ask("actor", peers.actor.update_policy(policy_batch, global_step=step))]
             if peers.critic is not None:
-                updates.append(peers.critic.update_values({**tensors, "values": values, "returns": returns},
-                                                          global_step=step))
+                updates.append(peers.ask("critic", peers.critic.update_values(
+                    {**tensors, "values": values, "returns": returns}, global_step=step)))
             for update_metrics in await asyncio.gather(*updates):
                 metrics.update(update_metrics)
 
@@ -314,12 +322,13 @@ class PPOTrainer:
         """Actor -> every live rollout replica. A replica that misses a sync leaves the router until a
         later sync reaches it (the plane takes restarted replicas back into the group), so no request
         is ever served by stale weights."""
-        report = await self.weight_sync.sync(version)
-        if report.failed:
+        report = await self.peers.ask("actor", self.weight_sync.sync(version))  # raises for the actor's failures only
+        if report.failed and self.weight_sync.stale:
             # A dead member breaks the collective for every member (gloo, NCCL); the plane rebuilds the
-            # group without the members that do not answer, so one more try reaches the live ones.
+            # group without the members that do not answer, so one more try reaches the live ones. (A
+            # member already left out and still unreachable broke nothing: no second full transfer.)
             log.warning("weight sync of version %d failed for %s; retrying once", version, sorted(report.failed))
-            report = await self.weight_sync.sync(version)
+            report = await self.peers.ask("actor", self.weight_sync.sync(version))
         synced = [name for name in self.weight_sync.receivers if name not in report.failed]
         for name, error in report.failed.items():
             log.warning("weight sync of version %d to rollout %s failed: %s", version, name, error)
@@ -327,7 +336,8 @@ class PPOTrainer:
         for name in synced:
             self.peers.rollout.admit(name)
         if not synced:
-            raise FailedPrecondition(f"weight sync of version {version} reached no rollout replica: {report.failed}")
+            actor = f"; the actor (at {self.peers.actor.address}) failed: {report.actor_error}" if report.actor_error else ""
+            raise FailedPrecondition(f"weight sync of version {version} reached no rollout replica: {report.failed}{actor}")
         self.weight_version = version
         return {"weight_sync/seconds": report.seconds, "weight_sync/gbytes": report.num_bytes / 1e9,
                 "weight_sync/paused_s": max(report.paused_seconds.values(), default=0.0),
@@ -346,9 +356,9 @@ class PPOTrainer:
         writer = CheckpointWriter(self.run_dir, keep=self.config.trainer.max_checkpoints_to_keep)
         tmp = writer.begin(self.step)
         try:
-            saves = [self.peers.actor.save_checkpoint(str(tmp / "actor"))]
+            saves = [self.peers.ask("actor", self.peers.actor.save_checkpoint(str(tmp / "actor")))]
             if self.peers.critic is not None:
-                saves.append(self.peers.critic.save_checkpoint(str(tmp / "critic")))
+                saves.append(self.peers.ask("critic", self.peers.critic.save_checkpoint(str(tmp / "critic"))))
             await asyncio.gather(*saves)
             state = CoordinatorState(step=self.step, data_epoch=cursor.epoch, data_position=cursor.position,
                                      kl_coef=self.kl_ctrl.value, weight_version=self.weight_version,
@@ -356,9 +366,19 @@ class PPOTrainer:
             path = writer.commit(state)
         except BaseException as error:
             writer.abort()
+            failure = error
+            if isinstance(error, Exception) and not isinstance(error, CheckpointError):
+                # e.g. the actor's disk is full: say which checkpoint failed and what a resume will use.
+                previous = latest_checkpoint(self.run_dir)
+                failure = CheckpointError(
+                    f"saving the checkpoint of step {self.step} failed; "
+                    f"{f'{previous} stays the resume point' if previous else 'there is no earlier checkpoint'}: "
+                    f"{type(error).__name__}: {error}")
             if self.checkpoint_requested is not None and not self.checkpoint_requested.done():
-                self.checkpoint_requested.set_exception(error)
+                self.checkpoint_requested.set_exception(failure)
                 self.checkpoint_requested = None
+            if failure is not error:
+                raise failure from error
             raise
         log.info("checkpoint %s written", path)
         if self.checkpoint_requested is not None and not self.checkpoint_requested.done():
@@ -403,7 +423,9 @@ class PPOTrainer:
         scores = batch.extra["scores"].tolist()
         with open(folder / f"step_{step}.jsonl", "w") as out:
             for row, sample, score in zip(batch.rows, batch.samples, scores, strict=True):
-                out.write(json.dumps({"uid": row.uid, "prompt": row.messages[-1]["content"] if row.messages else "",
+                out.write(json.dumps({"uid": row.uid, "sample_index": sample.sample_index,
+                                      "data_source": row.data_source,
+                                      "prompt": row.messages[-1]["content"] if row.messages else "",
                                       "response": sample.text, "score": score,
                                       "weight_version": sample.weight_version,
                                       "ground_truth": row.ground_truth}) + "\n")

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from rlfabric.actor.client import ActorClient, CriticClient, ReferenceClient
 from rlfabric.core.client import ChannelOptions, wait_until_serving
@@ -15,6 +17,7 @@ from rlfabric.reward.client import ShardedRewardClient
 from rlfabric.reward.items import ItemResult, ScoreItem
 
 log = logging.getLogger("rlfabric.coordinator")
+T = TypeVar("T")
 
 
 def needs_critic(config: RunConfig) -> bool:
@@ -24,6 +27,17 @@ def needs_critic(config: RunConfig) -> bool:
 
 def needs_reference(config: RunConfig) -> bool:
     return config.reference.enable and (config.actor.use_kl_loss or config.algorithm.use_kl_in_reward)
+
+
+def blame(role: str, address: str, timeout_s: float, error: Exception, attempts: int = 1) -> Exception:
+    """A deadline or connection error of a call to `role`, re-worded to name the role, its address and
+    the deadline it missed; other errors unchanged."""
+    tries = f" ({attempts} attempts)" if attempts > 1 else ""
+    if isinstance(error, DeadlineExceeded):
+        return DeadlineExceeded(f"{role} at {address} did not answer within {timeout_s:g} s{tries}: {error}")
+    if isinstance(error, Unavailable):
+        return Unavailable(f"{role} at {address} is unreachable{tries}: {error}")
+    return error
 
 
 @dataclass
@@ -70,6 +84,15 @@ class Peers:
 
         await asyncio.gather(*(one(c) for c in clients if c is not None))
 
+    async def ask(self, role: str, call: Awaitable[T]) -> T:
+        """Awaits a call to the actor, reference or critic; a missed deadline or a lost connection
+        names the role and its address (see blame)."""
+        client = {"actor": self.actor, "reference": self.reference, "critic": self.critic}[role]
+        try:
+            return await call
+        except (DeadlineExceeded, Unavailable) as error:
+            raise blame(role, client.address, client.options.timeout_s, error) from None
+
     async def score(self, items: list[ScoreItem], attempts: int = 4, backoff_s: float = 1.0) -> list[ItemResult]:
         """Scores every item exactly once into the batch: a reward service that is restarting
         (UNAVAILABLE) or stuck (DEADLINE_EXCEEDED) is retried with backoff; results are positional,
@@ -79,7 +102,11 @@ class Peers:
                 return await self.reward.score(items)
             except (Unavailable, DeadlineExceeded) as error:
                 if attempt == attempts - 1:
-                    raise
+                    clients = [c for c in self.reward.clients if hasattr(c, "address")]
+                    if not clients:
+                        raise
+                    address = ", ".join(c.address for c in clients)
+                    raise blame("reward", address, clients[0].options.timeout_s, error, attempts) from None
                 delay = backoff_s * 2**attempt
                 log.warning("reward scoring failed (%s); retrying in %.1f s", error, delay)
                 await asyncio.sleep(delay)

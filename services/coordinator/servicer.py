@@ -186,7 +186,9 @@ class RunController:
             raise
         except Exception as error:  # the run fails; the service keeps answering
             log.exception("run %s failed", self.run_id)
-            self.state, self.phase, self.error = coordinator_pb2.RUN_STATE_FAILED, "failed", f"{type(error).__name__}: {error}"
+            where = f"while {self.phase} after step {trainer.step}"  # e.g. "while computing after step 2"
+            self.state, self.phase = coordinator_pb2.RUN_STATE_FAILED, "failed"
+            self.error = f"{type(error).__name__} {where}: {error}"
             if trainer.checkpoint_requested is not None and not trainer.checkpoint_requested.done():
                 trainer.checkpoint_requested.set_exception(FailedPrecondition(f"the run failed: {error}"))
         finally:

@@ -28,6 +28,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+import grpc
 import torch
 
 from rlfabric.actor.client import ActorClient, ReferenceClient
@@ -76,6 +77,11 @@ class _Member:
             self._client = (ReferenceClient(self.address, self.options) if self.is_reference
                             else RolloutClient(self.address, self.options, domain_errors=True))
         return self._client
+
+    def connected(self) -> bool:
+        """The channel to the member is up (no RPC needed: a dead peer's connection is gone)."""
+        return self._client is not None and (
+            self._client.channel.get_state(try_to_connect=False) == grpc.ChannelConnectivity.READY)
 
     async def close(self) -> None:
         if self._client is not None:
@@ -129,6 +135,12 @@ class WeightSyncPlane:
     @property
     def receivers(self) -> dict[str, str]:
         return {name: m.address for name, m in self._members.items()}
+
+    @property
+    def stale(self) -> bool:
+        """True when the group must be rebuilt before the next sync (membership changed, or a member of
+        the group or the actor failed); a member that stays unreachable outside the group leaves it False."""
+        return self._stale or self.group is None
 
     # -- lifecycle --------------------------------------------------------------------------------
 
@@ -190,11 +202,14 @@ class WeightSyncPlane:
         return failed
 
     async def _needs_rebuild(self) -> bool:
-        """True when membership changed, the last sync failed, or a left-out member answers again."""
+        """True when membership changed, the last sync failed, a left-out member answers again, or a
+        member's connection dropped since the last sync and it does not answer (a killed replica: a
+        collective would wait for it until weight_sync.timeout_s; a rebuild leaves it out at once)."""
         if self._stale or self.group is None:
             return True
-        outside = [m for m in self._members.values() if m.name not in self.ranks]
-        return any(not reason for reason in await asyncio.gather(*map(self._probe, outside)))
+        suspects = [m for m in self._members.values() if m.name not in self.ranks or not m.connected()]
+        reasons = await asyncio.gather(*map(self._probe, suspects))
+        return any(bool(reason) == (m.name in self.ranks) for m, reason in zip(suspects, reasons, strict=True))
 
     # -- one sync ---------------------------------------------------------------------------------
 
