@@ -279,7 +279,7 @@ class PPOTrainer:
 
     async def _score(self, rows: list[PromptRow], samples: list[FinishedSample]):
         items = [self._score_item(rows[s.prompt_index], s) for s in samples]
-        results = await self.peers.score(items)
+        results = await self.peers.score(items, self.config.trainer.reward_retry_window_s)
         return [((s.prompt_index, s.sample_index), r) for s, r in zip(samples, results, strict=True)]
 
     @staticmethod

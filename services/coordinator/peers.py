@@ -93,24 +93,34 @@ class Peers:
         except (DeadlineExceeded, Unavailable) as error:
             raise blame(role, client.address, client.options.timeout_s, error) from None
 
-    async def score(self, items: list[ScoreItem], attempts: int = 4, backoff_s: float = 1.0) -> list[ItemResult]:
-        """Scores every item exactly once into the batch: a reward service that is restarting
-        (UNAVAILABLE) or stuck (DEADLINE_EXCEEDED) is retried with backoff; results are positional,
-        so a retried request replaces, never duplicates, the lost one."""
-        for attempt in range(attempts):
+    async def score(self, items: list[ScoreItem], retry_window_s: float = 120.0,
+                    backoff_s: float = 1.0) -> list[ItemResult]:
+        """Scores every item exactly once into the batch; results are positional, so a retried request
+        replaces, never duplicates, the lost one.
+
+        A reward service that is unreachable (restarting: UNAVAILABLE) is retried with backoff (1, 2, 4,
+        8, 8... s) for up to retry_window_s; one that missed a deadline (stuck: DEADLINE_EXCEEDED) is
+        retried once, since a second full deadline rarely helps and a frozen service must fail the run
+        in bounded time.
+        """
+        loop = asyncio.get_running_loop()
+        give_up_at = loop.time() + retry_window_s
+        attempt, deadlines_missed = 0, 0
+        while True:
+            attempt += 1
             try:
                 return await self.reward.score(items)
             except (Unavailable, DeadlineExceeded) as error:
-                if attempt == attempts - 1:
+                deadlines_missed += isinstance(error, DeadlineExceeded)
+                delay = backoff_s * 2 ** min(attempt - 1, 3)
+                if deadlines_missed > 1 or loop.time() + delay > give_up_at:
                     clients = [c for c in self.reward.clients if hasattr(c, "address")]
                     if not clients:
                         raise
                     address = ", ".join(c.address for c in clients)
-                    raise blame("reward", address, clients[0].options.timeout_s, error, attempts) from None
-                delay = backoff_s * 2**attempt
+                    raise blame("reward", address, clients[0].options.timeout_s, error, attempt) from None
                 log.warning("reward scoring failed (%s); retrying in %.1f s", error, delay)
                 await asyncio.sleep(delay)
-        raise AssertionError("unreachable")
 
     async def close(self) -> None:
         closers = [self.actor.close(), self.rollout.close(), self.reward.close()]

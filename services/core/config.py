@@ -60,6 +60,8 @@ class ServerConfig(Section):
     """HTTP/2 keepalive ping interval, so dead peers are noticed on idle connections."""
     keepalive_timeout_s: float = Field(10.0, gt=0)
     """A keepalive ping unanswered this long closes the connection."""
+    max_concurrent_rpcs: int = Field(256, ge=0)
+    """Most RPCs a service runs at once; more get RESOURCE_EXHAUSTED (health/reflection exempt); 0 = no limit."""
     tls: TlsConfig = TlsConfig()
     """TLS / mTLS for every service and client."""
     auth_token_file: str = ""
@@ -232,6 +234,8 @@ class RolloutConfig(Section):
     """Longest prompt + response in tokens; 0 = the model's max_position_embeddings."""
     max_rows_per_request: int = Field(4096, ge=1)
     """Most samples (prompts x n) one Generate request may ask for; more is RESOURCE_EXHAUSTED."""
+    max_pending_requests: int = Field(128, ge=0)
+    """Most Generate/GenerateStream requests a replica holds (waiting or running); more get RESOURCE_EXHAUSTED; 0 = no limit."""
     max_num_seqs: int = Field(64, ge=1)
     """Most samples decoded together (the hf engine's batch; vLLM's max_num_seqs)."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
@@ -363,6 +367,9 @@ class TrainerConfig(Section):
     """Write RUN_DIR/curves.png (reward, KL, response length) at the end of the run."""
     rollout_retries: int = Field(2, ge=0)
     """Times a failed generation part is retried on another rollout replica before the step fails."""
+    reward_retry_window_s: float = Field(120.0, ge=0)
+    """How long scoring keeps retrying an unreachable (e.g. restarting) reward service, with backoff,
+    before the step fails; a missed deadline (client.timeout_s) is retried once."""
     run_dir: str = ""
     """Where the run writes metrics, rollouts and checkpoints; empty = runs/<name> (the launchers set it)."""
     dump_rollouts: bool = True
