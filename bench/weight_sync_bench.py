@@ -1,14 +1,19 @@
 """Weight sync throughput: 1 GiB of actor weights to 1 and 2 hf rollout replicas over gloo and grpc on
 loopback, next to a raw TCP loopback transfer of the same bytes (socket sendall / recv_into between
 processes) measured right before each configuration, so both see the same machine load. The grpc
-rows also carry a bare gRPC stream of the same bytes (no parsing, copying or checking): the
-library's own share. Writes bench/results/weight_sync.json.
+rows also carry bare gRPC streams of the same bytes in the transport's layout (CHUNK_BYTES
+messages over STREAMS_PER_RECEIVER connections per receiver; no parsing, copying or checking):
+the library's own share. Writes bench/results/weight_sync.json.
 
     python -m bench.weight_sync_bench [--gib 1.0] [--repeats 3]
 
 Every service is its own process (`rlfabric serve`), as in a deployment; the coordinator's
 WeightSyncPlane drives the syncs. Figures per (transport, receivers):
-- transfer GB/s: bytes per receiver / the actor's BroadcastWeights time (the bytes on the wire);
+- transfer GB/s: bytes per receiver / the transfer time. gloo: the actor's BroadcastWeights time
+  (the bytes on the wire; each receiver checks and switches after it). grpc: BroadcastWeights waits
+  for every PushWeights answer, which comes after the receiver's switch, so the transfer is that time
+  less the smallest paused_seconds a receiver reports (an upper bound of the time until every
+  receiver had every byte in and checked); push_gb_s keeps the switch in.
 - sync seconds: the whole plane.sync (gather + pack + CRC, transfer, each receiver's CRC and switch);
 - paused seconds: how long each replica held generation for the switch.
 Targets (issue 7): gloo >= 70% of raw TCP, grpc >= 40%.
@@ -104,24 +109,28 @@ def _grpc_receiver() -> None:
 
 
 def bare_grpc_gb_s(size: int, receivers: int) -> float:
-    """GB/s per receiver of the same bytes as bare 16 MiB gRPC messages to each receiver at once, best of 2:
-    what gRPC itself costs before any parsing, copying or checking."""
+    """GB/s per receiver of the same bytes as bare gRPC messages to each receiver at once, in the grpc
+    transport's layout (CHUNK_BYTES messages over STREAMS_PER_RECEIVER connections per receiver), best
+    of 2: what gRPC itself costs before any parsing, copying or checking."""
     from grpc import aio
+
+    from rlfabric.core.weight_sync.grpc_stream import CHUNK_BYTES, STREAMS_PER_RECEIVER
 
     children = [subprocess.Popen([sys.executable, "-m", "bench.weight_sync_bench", "--grpc-receiver"],
                                  stdout=subprocess.PIPE, text=True) for _ in range(receivers)]
     ports = [int(child.stdout.readline()) for child in children]
-    chunk = os.urandom(1 << 20) * 16
-    chunks = [chunk] * (size // len(chunk))
+    chunk = os.urandom(1 << 20) * (CHUNK_BYTES >> 20)
+    per_stream = size // len(chunk) // STREAMS_PER_RECEIVER
 
     async def push_all() -> float:
-        channels = [aio.insecure_channel(f"127.0.0.1:{p}", options=[("grpc.max_send_message_length", 256 << 20)])
-                    for p in ports]
+        options = [("grpc.max_send_message_length", 256 << 20), ("grpc.use_local_subchannel_pool", 1)]
+        channels = [aio.insecure_channel(f"127.0.0.1:{p}", options=options)
+                    for p in ports for _ in range(STREAMS_PER_RECEIVER)]
         calls = [c.stream_unary("/bench.Sink/Push") for c in channels]
         best = float("inf")
         for _ in range(TCP_REPEATS):
             started = time.perf_counter()
-            await asyncio.gather(*(call(iter(chunks)) for call in calls))
+            await asyncio.gather(*(call(iter([chunk] * per_stream)) for call in calls))
             best = min(best, time.perf_counter() - started)
         for channel in channels:
             await channel.close()
@@ -133,7 +142,7 @@ def bare_grpc_gb_s(size: int, receivers: int) -> float:
         for child in children:
             child.kill()
             child.wait()
-    return len(chunks) * len(chunk) / seconds / 1e9
+    return per_stream * STREAMS_PER_RECEIVER * len(chunk) / seconds / 1e9
 
 
 # -- the services ------------------------------------------------------------------------------------
@@ -149,6 +158,13 @@ def serve(role: str, config_path: Path, workdir: Path, name: str) -> tuple[subpr
             raise RuntimeError(f"{name} exited; see {workdir / f'{name}.log'}")
         time.sleep(0.1)
     return process, f"127.0.0.1:{json.loads(port_file.read_text())['grpc']}"
+
+
+def transfer_seconds(report, transport: str) -> float:
+    """The transfer of one sync (see the module doc): grpc's BroadcastWeights less the switch."""
+    if transport != "grpc":
+        return report.broadcast_seconds
+    return report.broadcast_seconds - min(report.paused_seconds.values(), default=0.0)
 
 
 async def measure_syncs(actor_address: str, rollouts: dict[str, str], config, repeats: int, size: int) -> list[dict]:
@@ -181,13 +197,16 @@ async def measure_syncs(actor_address: str, rollouts: dict[str, str], config, re
                         raise RuntimeError(f"sync failed: {report.failed} {report.actor_error}")
                     reports.append(report)
                 await plane.close()
-                best = min(reports, key=lambda r: r.broadcast_seconds)
-                gb_s = best.num_bytes / best.broadcast_seconds / 1e9
+                transfers = [transfer_seconds(r, transport) for r in reports]
+                best = min(range(len(reports)), key=transfers.__getitem__)
+                gb_s = reports[best].num_bytes / transfers[best] / 1e9
                 row = {
-                    "transport": transport, "receivers": count, "bytes": best.num_bytes,
+                    "transport": transport, "receivers": count, "bytes": reports[best].num_bytes,
                     "transfer_gb_s": round(gb_s, 3), "raw_tcp_gb_s": round(tcp, 3), "vs_raw_tcp": round(gb_s / tcp, 3),
                     "target_vs_raw_tcp": 0.7 if transport == "gloo" else 0.4,
-                    **({"bare_grpc_gb_s": round(bare, 3), "bare_grpc_vs_raw_tcp": round(bare / tcp, 3)} if bare else {}),
+                    **({"push_gb_s": round(reports[best].num_bytes / reports[best].broadcast_seconds / 1e9, 3),
+                        "bare_grpc_gb_s": round(bare, 3), "bare_grpc_vs_raw_tcp": round(bare / tcp, 3)} if bare else {}),
+                    "transfer_seconds": [round(t, 3) for t in transfers],
                     "broadcast_seconds": [round(r.broadcast_seconds, 3) for r in reports],
                     "sync_seconds": [round(r.seconds, 3) for r in reports],
                     "paused_seconds": [{k: round(v, 4) for k, v in r.paused_seconds.items()} for r in reports],
@@ -240,9 +259,14 @@ def main() -> None:
         shutil.rmtree(workdir, ignore_errors=True)
     import torch
 
+    from rlfabric.core.weight_sync.buckets import CRC32_IMPLEMENTATION
+    from rlfabric.core.weight_sync.grpc_stream import CHUNK_BYTES, STREAMS_PER_RECEIVER
+
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps({
         "weights_bytes": size, "bucket_mb": config.weight_sync.bucket_mb, "results": rows,
+        "grpc_chunk_bytes": CHUNK_BYTES, "grpc_streams_per_receiver": STREAMS_PER_RECEIVER,
+        "crc32": CRC32_IMPLEMENTATION,
         "machine": platform.machine(), "cpus": os.cpu_count(), "load_average": os.getloadavg(),
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "torch": torch.__version__,
     }, indent=2) + "\n")

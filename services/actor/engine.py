@@ -30,7 +30,7 @@ from rlfabric.core.client import ChannelOptions
 from rlfabric.core.config import RunConfig
 from rlfabric.core.errors import FailedPrecondition, InvalidArgument
 from rlfabric.core.metrics import service_counter, service_gauge, service_histogram
-from rlfabric.core.weight_sync import Manifest, Membership, SyncGroup
+from rlfabric.core.weight_sync import Manifest, Membership, SyncGroup, WeightLimits
 from rlfabric.core.weight_sync.sender import BroadcastResult, WeightSender
 
 log = logging.getLogger("rlfabric.actor")
@@ -59,7 +59,7 @@ class TrainerEngine:
         self._threads_before: int | None = None
         self.weight_version = 0  # the reference's: bumped by each weight sync it receives
         self._sender: WeightSender | None = None  # the actor's weight-sync groups, made on first use
-        self._membership = Membership()  # the reference's weight-sync group
+        self._membership = Membership(limits=self._weight_limits)  # the reference's weight-sync group
         registry = registry or CollectorRegistry()
         self._sync_seconds = service_histogram(
             registry, "rlfabric_weight_sync_seconds", "Wall time of one weight sync on this service "
@@ -267,6 +267,10 @@ class TrainerEngine:
 
     async def close_weight_sync(self, group_id: str) -> None:
         self._weight_sender().close(group_id)
+
+    def _weight_limits(self) -> WeightLimits | None:
+        """The model's own weights, which a manifest must fit before its buckets are allocated."""
+        return WeightLimits(self.worker.param_shapes, what=f"model {self.model_path}") if self.worker else None
 
     async def join_weight_sync(self, group: SyncGroup, rank: int) -> None:
         if self.role != "reference":

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from rlfabric.core.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unimplemented
-from rlfabric.core.weight_sync import Manifest, Membership, SyncGroup, WeightSwap
+from rlfabric.core.weight_sync import Manifest, Membership, SyncGroup, WeightLimits, WeightSwap
 from rlfabric.rollout.types import EngineLimits, EngineStatus, FinishedSample, SamplingSpec, validate_request
 
 if TYPE_CHECKING:
@@ -35,7 +35,8 @@ class RolloutEngine(abc.ABC):
         self.model = model
         self.limits: EngineLimits | None = None
         self.tokenizer = None  # a Hugging Face tokenizer, for chat templates and text
-        self.weight_sync = Membership()  # the actor's weight-sync group, when joined
+        self.weight_sync = Membership(limits=self.weight_limits)  # the actor's weight-sync group, when joined
+        self._checkpoint_limits: tuple[WeightLimits | None] | None = None
         self.max_rows_per_request = 4096  # prompts x n of one request; rollout.max_rows_per_request
 
     @abc.abstractmethod
@@ -90,6 +91,14 @@ class RolloutEngine(abc.ABC):
 
     # Weight sync (rlfabric.core.weight_sync). By default the bytes land in this process and are then
     # swapped in; an engine whose weights live elsewhere (vLLM's workers) receives them there instead.
+
+    def weight_limits(self) -> WeightLimits | None:
+        """The weights this engine serves (Hugging Face names), which every weight manifest must fit
+        before anything is allocated for it: by default the model checkpoint's tensors, read from its
+        safetensors headers once (None for a model that is not a local directory)."""
+        if self._checkpoint_limits is None:
+            self._checkpoint_limits = (WeightLimits.from_checkpoint(self.model),)
+        return self._checkpoint_limits[0]
 
     async def join_weight_sync(self, group: SyncGroup, rank: int) -> None:
         """Joins (or rejoins) the actor's weight-sync group as `rank`; blocks until every rank joined."""

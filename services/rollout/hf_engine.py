@@ -27,7 +27,7 @@ import torch
 
 from rlfabric.core.config import RunConfig
 from rlfabric.core.errors import DeadlineExceeded, InvalidArgument, Unavailable, Unimplemented
-from rlfabric.core.weight_sync import WeightSwap
+from rlfabric.core.weight_sync import WeightLimits, WeightSwap
 from rlfabric.rollout.engine import RolloutEngine, load_tokenizer, trust_remote_code
 from rlfabric.rollout.sampling import sample_tokens
 from rlfabric.rollout.types import (
@@ -354,6 +354,14 @@ class HFEngine(RolloutEngine):
 
     async def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> int:
         return (await self.swap_weights(weights, version)).version
+
+    def weight_limits(self) -> WeightLimits | None:
+        """The loaded model's own parameters and buffers (tied names included)."""
+        if self.net is None:
+            return super().weight_limits()
+        named = dict(self.net.named_parameters(remove_duplicate=False))
+        named.update(self.net.named_buffers(remove_duplicate=False))
+        return WeightLimits.of(named, f"model {self.model}")
 
     async def swap_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> WeightSwap:
         """Copies the weights in under the batch lock: between two batches, so no sample sees a mix;

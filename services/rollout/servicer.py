@@ -9,17 +9,17 @@ The engine is chosen once, in build_engine, from rollout.engine. Weight sync
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator, Sequence
 
 from prometheus_client import CollectorRegistry
 
 from rlfabric.core.config import RunConfig
-from rlfabric.core.errors import InvalidArgument, RlfabricError, Unavailable
+from rlfabric.core.errors import InvalidArgument, ResourceExhausted, RlfabricError, Unavailable
 from rlfabric.core.metrics import service_counter, service_gauge, service_histogram
 from rlfabric.core.server import ServiceBinding, ServiceDefinition
-from rlfabric.core.weight_sync import BucketAssembler, Manifest, SyncGroup, WeightSwap
+from rlfabric.core.weight_sync import Manifest, SyncGroup, WeightSwap
+from rlfabric.core.weight_sync.grpc_stream import PushReceiver, add_rollout_service
 from rlfabric.rollout import convert
 from rlfabric.rollout.engine import RolloutEngine
 from rlfabric.rollout.types import FinishedSample, SamplingSpec
@@ -56,11 +56,12 @@ class RolloutMetrics:
 
 
 class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
-    def __init__(self, engine: RolloutEngine, metrics: RolloutMetrics):
+    def __init__(self, engine: RolloutEngine, metrics: RolloutMetrics, max_pending_requests: int = 0):
         self.engine = engine
         self.metrics = metrics
-        self._push_lock = asyncio.Lock()  # one PushWeights at a time: they share the buffers below
-        self._push_buffers: list = []  # the last push's bucket buffers, reused by the next one
+        self.max_pending_requests = max_pending_requests  # rollout.max_pending_requests; 0 = no limit
+        self._pending_requests = 0  # Generate/GenerateStream requests admitted and not finished
+        self._pushes = PushReceiver()  # PushWeights: one push at a time, over one or more streams
 
     async def Generate(self, request, context):
         samples = [s async for s in self._generate(request.prompts, request.sampling_params)]
@@ -103,23 +104,14 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         return rollout_pb2.ReceiveWeightsResponse(version=swap.version, paused_seconds=swap.paused_seconds)
 
     async def PushWeights(self, request_iterator, context):
+        """Raw request bytes (add_rollout_service): the manifest, checked against the engine's own
+        weights before anything is allocated, then chunks, possibly over several streams per push."""
         started = time.monotonic()
-        first = await anext(aiter(request_iterator), None)
-        if first is None or not first.HasField("manifest"):
-            raise InvalidArgument("PushWeights: the first message must carry the manifest")
-        manifest = Manifest.from_proto(first.manifest)
-        async with self._push_lock:
-            assembler = BucketAssembler(manifest, self._push_buffers)
-            self._push_buffers = assembler.buffers
-            try:
-                async for chunk in request_iterator:
-                    assembler.add(chunk.bucket_index, chunk.offset, chunk.data)
-            except BaseException:
-                assembler.close()
-                raise
-            weights = await asyncio.to_thread(assembler.finish)  # waits for the last bucket's CRC check
-            swap = await self.engine.swap_weights(weights, manifest.version)
-        self.metrics.weight_swap(swap, time.monotonic() - started, manifest.num_bytes)
+        outcome = await self._pushes.receive(request_iterator, context, self.engine.weight_limits(),
+                                             self.engine.swap_weights)
+        swap = outcome.swap
+        if outcome.applied_here:  # once per push, however many streams carried it
+            self.metrics.weight_swap(swap, time.monotonic() - started, outcome.manifest.num_bytes)
         return rollout_pb2.PushWeightsResponse(version=swap.version, paused_seconds=swap.paused_seconds)
 
     def _prompts(self, prompts: Sequence[rollout_pb2.Prompt]) -> list[list[int]]:
@@ -130,8 +122,19 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         return ids
 
     async def _generate(self, prompts, params: rollout_pb2.SamplingParams) -> AsyncIterator[FinishedSample]:
-        """The engine's samples; a failure that is not a domain error becomes UNAVAILABLE with its cause."""
+        """The engine's samples; a failure that is not a domain error becomes UNAVAILABLE with its cause.
+
+        Admission: with rollout.max_pending_requests requests already held (waiting or running), a new
+        one is refused with RESOURCE_EXHAUSTED before it is queued, so the engine's queue stays bounded.
+        """
         spec: SamplingSpec = convert.sampling_from_proto(params)
+        limit = self.max_pending_requests
+        if limit and self._pending_requests >= limit:
+            raise ResourceExhausted(
+                f"this rollout replica holds {self._pending_requests} generation requests, its limit "
+                f"(rollout.max_pending_requests={limit}): retry with backoff, send fewer, larger requests, "
+                "add replicas, or raise rollout.max_pending_requests (0 = no limit)")
+        self._pending_requests += 1
         try:
             async for sample in self.engine.generate(self._prompts(prompts), spec):
                 self.metrics.generated_tokens.inc(len(sample.token_ids))
@@ -140,6 +143,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             raise
         except Exception as error:
             raise Unavailable(f"{self.engine.name} engine failed: {type(error).__name__}: {error}") from error
+        finally:
+            self._pending_requests -= 1
 
 
 def build_engine(config: RunConfig) -> RolloutEngine:
@@ -165,7 +170,7 @@ def build_service(config: RunConfig, engine: RolloutEngine | None = None) -> Ser
     engine = engine or build_engine(config)
     engine.max_rows_per_request = config.rollout.max_rows_per_request
     registry = CollectorRegistry()
-    servicer = RolloutServicer(engine, RolloutMetrics(registry, engine))
-    binding = ServiceBinding(servicer, rollout_pb2_grpc.add_RolloutServiceServicer_to_server,
+    servicer = RolloutServicer(engine, RolloutMetrics(registry, engine), config.rollout.max_pending_requests)
+    binding = ServiceBinding(servicer, add_rollout_service,  # PushWeights takes raw bytes
                              "rlfabric.v1.RolloutService")
     return ServiceDefinition(role="rollout", bindings=[binding], engine=engine, registry=registry)

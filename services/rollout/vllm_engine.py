@@ -293,6 +293,9 @@ class VLLMEngine(RolloutEngine):
         if manifest.group_id != group.group_id:
             raise FailedPrecondition(f"manifest is for weight-sync group {manifest.group_id!r}, this replica "
                                      f"joined {group.group_id!r}")
+        limits = self.weight_limits()
+        if limits is not None:  # before the worker allocates the manifest's buckets
+            limits.check(manifest)
         llm = self._alive()
         self._raise_for(await self._worker_call(llm, group.timeout_s, "rlfabric_sync_start",
                                                 manifest.to_proto().SerializeToString()))

@@ -527,14 +527,17 @@ def test_rollout_refuses_requests_with_too_many_rows(addresses):
     assert_still_works(addresses, GENERATE)
 
 
-@pytest.mark.xfail(strict=True, reason="BucketAssembler allocates every bucket the manifest announces before any "
-                                       "data arrives: 2**45 bytes is an allocation failure, INTERNAL (fix: refuse "
-                                       "buckets beyond the model's size with ResourceExhausted/InvalidArgument)")
-def test_push_weights_refuses_a_manifest_announcing_huge_buckets(addresses):
-    manifest, chunk = push_weights_payload()
+@pytest.mark.parametrize("announce", ["bucket", "tensor"])
+def test_push_weights_refuses_a_manifest_announcing_huge_buckets(addresses, announce):
+    """The manifest is checked before anything is allocated: a bucket larger than its tensors, or a
+    tensor the model does not have (or of another shape), however large, is refused at once."""
+    manifest, chunk = push_weights_payload(name="model.embed_tokens.weight")
     message = rollout_pb2.PushWeightsRequest.FromString(manifest)
     message.manifest.buckets[0].num_bytes = 2**45  # 32 TiB
+    if announce == "tensor":  # a real weight's name, announced as 32 TiB of bytes
+        message.manifest.buckets[0].tensors[0].shape[:] = [2**45]
     with grpc.insecure_channel(addresses["rollout"]) as channel:
-        answer = call_raw(channel, PUSH_WEIGHTS, [message.SerializeToString(), chunk])
+        answer = call_raw(channel, PUSH_WEIGHTS, [message.SerializeToString(), chunk], timeout=10)
     assert answer.code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INVALID_ARGUMENT), answer
+    assert ("announces 35184372088832 bytes" if announce == "bucket" else "shape (35184372088832,)") in answer.details
     assert_still_works(addresses, PUSH_WEIGHTS)

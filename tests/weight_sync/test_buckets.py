@@ -1,15 +1,29 @@
-"""Bucket planning, packing, checksums and manifests: the parts every transport shares."""
+"""Bucket planning, packing, checksums, manifests and their limits, the grpc chunk format: the parts
+every transport shares."""
 
 from __future__ import annotations
+
+import dataclasses
+import random
+import zlib
 
 import pytest
 import torch
 
-from rlfabric.core.errors import InvalidArgument
-from rlfabric.core.weight_sync import BucketAssembler, ChecksumMismatch, Manifest, pack, plan_buckets, unpack
-from rlfabric.core.weight_sync.buckets import checksum, dedupe_shared, verify
+from rlfabric.core.errors import InvalidArgument, ResourceExhausted
+from rlfabric.core.weight_sync import (
+    BucketAssembler,
+    ChecksumMismatch,
+    Manifest,
+    WeightLimits,
+    pack,
+    plan_buckets,
+    unpack,
+)
+from rlfabric.core.weight_sync.buckets import checksum, crc32, crc32_combine, dedupe_shared, verify
+from rlfabric.core.weight_sync.grpc_stream import PushPayload, decode_chunk, encode_chunk, serialize_chunks
 from rlfabric.core.weight_sync.manifest import ALIGNMENT, SyncGroup
-from rlfabric.v1 import weight_sync_pb2
+from rlfabric.v1 import rollout_pb2, weight_sync_pb2
 
 MIB = 1 << 20
 
@@ -95,31 +109,101 @@ def test_tied_tensors_travel_once():
     assert list(dedupe_shared(state)) == ["model.embed_tokens.weight", "norm.weight"]
 
 
-def test_assembler_takes_ordered_chunks_and_checks_the_result():
+def test_assembler_takes_chunks_in_any_order_and_checks_each_bucket_as_it_completes():
     manifest, buffers = pack(weights(), 50_000, version=1, group_id="g")
+    pieces = [(index, offset, buffer.numpy().tobytes()[offset : offset + 7000])
+              for index, buffer in enumerate(buffers) for offset in range(0, buffer.numel(), 7000)]
     assembler = BucketAssembler(manifest)
-    for index, buffer in enumerate(buffers):
-        raw = buffer.numpy().tobytes()
-        for offset in range(0, len(raw), 7000):
-            assembler.add(index, offset, raw[offset : offset + 7000])
+    for piece in pieces[1::2] + pieces[::2]:  # as two streams would deliver them, one after the other
+        assert not assembler.complete
+        assembler.add(*piece)
+    assert assembler.complete
     assert torch.equal(dict(assembler.finish())["c.weight"], weights()["c.weight"])
 
     assembler = BucketAssembler(manifest)
-    with pytest.raises(InvalidArgument, match="expected the next"):
-        assembler.add(0, 64, b"x" * 64)  # a gap
+    assembler.add(0, 64, b"x" * 64)  # a gap before it is fine: another stream fills it
+    with pytest.raises(InvalidArgument, match="overlapping"):
+        assembler.add(0, 0, b"x" * 65)
+    with pytest.raises(InvalidArgument, match="overlapping"):
+        assembler.add(0, 64, b"x")  # the same bytes twice
+    with pytest.raises(InvalidArgument, match="outside the bucket"):
+        assembler.add(2, 60, b"x" * 8)
     with pytest.raises(InvalidArgument, match="bucket 7"):
         assembler.add(7, 0, b"x")
-    assembler.add(0, 0, buffers[0].numpy().tobytes())
-    with pytest.raises(InvalidArgument, match=r"before bucket\(s\) \[1, 2\]"):
+    assembler.add(1, 0, buffers[1].numpy().tobytes())
+    with pytest.raises(InvalidArgument, match=r"before bucket\(s\) \[0, 2\]"):
         assembler.finish()
 
     bad = BucketAssembler(manifest)
-    for index, buffer in enumerate(buffers):
-        raw = bytearray(buffer.numpy().tobytes())
-        raw[-1] ^= 0xFF if index == 1 else 0
-        bad.add(index, 0, bytes(raw))
-    with pytest.raises(ChecksumMismatch, match="bucket 1"):
-        bad.finish()
+    bad.add(0, 0, buffers[0].numpy().tobytes())
+    raw = bytearray(buffers[1].numpy().tobytes())
+    raw[-1] ^= 0xFF
+    bad.add(1, 40_000, bytes(raw[40_000:]))
+    with pytest.raises(ChecksumMismatch, match="bucket 1"):  # as soon as its last chunk lands
+        bad.add(1, 0, bytes(raw[:40_000]))
+
+
+def test_crc32_combine_matches_zlib():
+    rng = random.Random(0)
+    for _ in range(50):
+        a, b = rng.randbytes(rng.randrange(0, 300)), rng.randbytes(rng.randrange(0, 5000))
+        assert crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
+        assert crc32(a + b) == zlib.crc32(a + b)  # the fast CRC-32, when installed, is zlib's
+
+
+def test_chunks_encode_as_protobuf_does_and_decode_as_it_reads():
+    for index, offset, data in [(0, 0, b"abc"), (3, 1 << 33, b"\x00" * 300), (0, 5, b""), (2**31 - 1, 0, b"z")]:
+        expected = rollout_pb2.PushWeightsRequest(bucket_index=index, offset=offset, data=data).SerializeToString()
+        assert encode_chunk(index, offset, memoryview(data)) == expected
+        assert decode_chunk(expected)[:2] == (index, offset) and bytes(decode_chunk(expected)[2]) == data
+    # fields in another order, repeated (the last wins), unknown ones skipped, negative int32
+    message = rollout_pb2.PushWeightsRequest(data=b"first").SerializeToString() + \
+        rollout_pb2.PushWeightsRequest(bucket_index=-2, offset=7, data=b"last").SerializeToString() + \
+        b"\x28\x05" + b"\x3a\x02hi" + b"\x45\x00\x00\x00\x00"  # field 5 varint, 7 bytes, 8 fixed32
+    parsed = rollout_pb2.PushWeightsRequest.FromString(message)
+    index, offset, data = decode_chunk(message)
+    assert (index, offset, bytes(data)) == (parsed.bucket_index, parsed.offset, parsed.data) == (-2, 7, b"last")
+    manifest, _ = pack(weights(), 50_000, version=1, group_id="g")
+    for bad, phrase in [(b"\x22\x05ab", "past the message"), (b"\x10", "varint"), (b"\x13", "wire type 3"),
+                        (b"\x00\x01", "field number 0"), (b"\x45\x00", "truncated field"),
+                        (rollout_pb2.PushWeightsRequest(manifest=manifest.to_proto()).SerializeToString(), "manifest")]:
+        with pytest.raises(InvalidArgument, match=phrase):
+            decode_chunk(bad)
+
+
+def test_a_bucket_larger_than_its_tensors_is_refused():
+    manifest, _ = pack(weights(), 50_000, version=1, group_id="g")
+    message = manifest.to_proto()
+    message.buckets[2].num_bytes = 2**45  # "steps": 24 bytes, aligned 64
+    with pytest.raises(InvalidArgument, match="bucket 2 announces 35184372088832 bytes but its 1 tensor"):
+        Manifest.from_proto(message)
+
+
+def test_weight_limits_hold_a_manifest_to_the_receivers_own_weights():
+    state = weights()
+    manifest, _ = pack(state, 50_000, version=1, group_id="g", dtype=torch.bfloat16)
+    limits = WeightLimits.of(state, "the test model")
+    limits.check(manifest)  # floats may arrive cast
+    with pytest.raises(InvalidArgument, match="'big.weight': the test model has no weight of that name"):
+        WeightLimits.of({k: v for k, v in state.items() if k != "big.weight"}, "the test model").check(manifest)
+    with pytest.raises(InvalidArgument, match=r"'c.weight': shape \(100, 100\), the test model's is \(10, 1000\)"):
+        WeightLimits.of({**state, "c.weight": torch.zeros(10, 1000)}, "the test model").check(manifest)
+    with pytest.raises(InvalidArgument, match="'steps': dtype torch.int64 where the test model has torch.float32"):
+        WeightLimits.of({**state, "steps": torch.zeros(3)}, "the test model").check(manifest)
+    with pytest.raises(ResourceExhausted, match="weights take at most 416960"):
+        WeightLimits({name: tuple(t.shape) for name, t in state.items()}).check(
+            dataclasses.replace(manifest, buckets=manifest.buckets * 40))  # the same names again and again
+    assert limits.max_bytes >= sum(t.numel() * 8 for t in state.values())
+
+
+def test_weight_limits_from_a_checkpoint_read_its_headers(tmp_path):
+    from safetensors.torch import save_file
+
+    save_file({"a": torch.zeros(2, 3), "n": torch.arange(4)}, str(tmp_path / "model.safetensors"))
+    limits = WeightLimits.from_checkpoint(str(tmp_path))
+    assert limits.shapes == {"a": (2, 3), "n": (4,)} and limits.dtypes == {"a": torch.float32, "n": torch.int64}
+    assert WeightLimits.from_checkpoint(str(tmp_path / "missing")) is None
+    assert WeightLimits.from_checkpoint("org/hub-model") is None
 
 
 def test_a_second_pack_of_the_same_plan_reuses_the_buffers():
@@ -132,3 +216,16 @@ def test_a_second_pack_of_the_same_plan_reuses_the_buffers():
     assert [b.crc32 for b in second.buckets] != [b.crc32 for b in first.buckets]
     other, fresh = pack({"x": torch.ones(3)}, 50_000, version=3, group_id="g", reuse=second, buffers=again)
     assert fresh[0] is not again[0] and dict(unpack(fresh, other))["x"].tolist() == [1.0, 1.0, 1.0]
+
+
+def test_a_push_payload_encodes_each_chunk_once_for_all_receivers():
+    manifest, buffers = pack(weights(), 50_000, version=1, group_id="g")
+    whole = serialize_chunks(manifest, buffers, chunk_bytes=7000)
+    assert [decode_chunk(m)[:2] for m in whole[1:3]] == [(0, 0), (0, 7000)]
+    payload = PushPayload(manifest, buffers, chunk_bytes=7000, receivers=2)
+    first = [list(payload.stream(lane, 3)) for lane in range(3)]  # one receiver's three streams
+    assert all(stream[0] == whole[0] for stream in first)
+    assert sorted(m for stream in first for m in stream[1:]) == sorted(whole[1:])
+    assert len(payload._encoded) == len(whole) - 1  # held for the other receiver
+    assert [list(payload.stream(lane, 3)) for lane in range(3)] == first
+    assert not payload._encoded  # dropped once both took them

@@ -11,13 +11,19 @@ import dataclasses
 import grpc
 import pytest
 import torch
+from grpc import aio
 from prometheus_client import generate_latest
 
 from rlfabric.actor.client import ReferenceClient
 from rlfabric.coordinator.weight_sync import WeightSyncPlane
 from rlfabric.core.errors import FailedPrecondition, InvalidArgument, NotFound
 from rlfabric.core.weight_sync import pack
-from rlfabric.core.weight_sync.grpc_stream import push_weights, serialize_chunks
+from rlfabric.core.weight_sync.grpc_stream import (
+    PUSH_METHOD,
+    STREAMS_METADATA,
+    push_weights,
+    serialize_chunks,
+)
 from rlfabric.rollout.client import RolloutClient
 from rlfabric.v1 import rollout_pb2, rollout_pb2_grpc
 from tests.actor.helpers import make_batch
@@ -143,3 +149,49 @@ def test_misuse_is_a_clear_error(mesh):
         mesh.run(client.open_weight_sync_group("gloo", 0))
     with pytest.raises(FailedPrecondition, match="needs the actor on a CUDA device"):
         mesh.run(client.open_weight_sync_group("nccl", 1))
+
+
+def test_a_manifest_that_does_not_fit_the_replica_is_refused_before_anything_is_allocated(mesh, tiny_model):
+    mesh, plane = mesh
+    assert mesh.run(plane.sync(6)).ok
+    manifest, buffers = pack(original_weights(tiny_model), 1 << 20, version=7, group_id=plane.group.group_id)
+    first = manifest.buckets[0]
+    renamed = dataclasses.replace(first.tensors[0], name="not.a.weight")
+    alien = dataclasses.replace(manifest, buckets=(dataclasses.replace(first, tensors=(renamed, *first.tensors[1:])),
+                                                   *manifest.buckets[1:]))
+    if plane.group.transport == "grpc":
+        result = mesh.run(push_weights(mesh.addresses["r0"], serialize_chunks(alien, buffers), timeout_s=10))
+        assert result.error.startswith("INVALID_ARGUMENT") and "'not.a.weight'" in result.error, result.error
+    else:  # refused before the receiver allocates its buckets or joins the collective: no broadcast needed
+        with pytest.raises(InvalidArgument, match="'not.a.weight': model .* has no weight of that name"):
+            mesh.run(_receive(mesh.addresses["r0"], alien))
+    assert rollout_version(mesh.addresses["r0"]) == 6
+    assert mesh.run(plane.sync(8)).ok  # the group and the service are fine
+
+
+async def _receive(address: str, manifest):
+    async with RolloutClient(address, domain_errors=True) as client:
+        return await client.receive_weights(manifest, 10)
+
+
+def test_a_push_whose_other_streams_never_come_fails_at_its_deadline(mesh, tiny_model):
+    mesh, plane = mesh
+    if plane.group.transport != "grpc":
+        pytest.skip("PushWeights streams: the grpc transport")
+    manifest, buffers = pack(original_weights(tiny_model), 1 << 20, version=9, group_id=plane.group.group_id)
+    chunks = serialize_chunks(manifest, buffers, chunk_bytes=64 << 10)
+    code, elapsed = mesh.run(_first_of_two_streams(mesh.addresses["r0"], chunks, timeout_s=2.0))
+    assert code == grpc.StatusCode.DEADLINE_EXCEEDED and elapsed < 6
+    assert mesh.run(plane.sync(10)).ok  # the half push was dropped; the next one goes through
+
+
+async def _first_of_two_streams(address: str, chunks: list[bytes], timeout_s: float):
+    started = asyncio.get_running_loop().time()
+    async with aio.insecure_channel(address) as channel:
+        call = channel.stream_unary(PUSH_METHOD, request_serializer=None,
+                                    response_deserializer=rollout_pb2.PushWeightsResponse.FromString)
+        try:
+            await call(iter([chunks[0], *chunks[1::2]]), timeout=timeout_s, metadata=((STREAMS_METADATA, "2"),))
+        except grpc.RpcError as error:
+            return error.code(), asyncio.get_running_loop().time() - started
+    return grpc.StatusCode.OK, asyncio.get_running_loop().time() - started

@@ -8,18 +8,21 @@ gRPC carries the control messages; the bytes move over a collective:
 3. Per sync the actor gathers its full weights, casts them to the receivers' dtype and packs them
    into flat buckets (~weight_sync.bucket_mb each, CRC-32 per bucket), and returns the manifest
    (PrepareWeightSync). Then BroadcastWeights on the actor and ReceiveWeights on every receiver run
-   together; over grpc the actor streams the buckets itself (PushWeights).
-4. A receiver checks every bucket as it lands and switches its served weights to the new version
-   in one step between requests; a checksum mismatch rejects the whole update (INVALID_ARGUMENT)
-   and the old version keeps serving.
+   together; over grpc the actor streams the buckets itself (PushWeights, several streams per
+   receiver, see grpc_stream).
+4. A receiver checks the manifest against its own weights (WeightLimits: names, shapes, total
+   bytes) before it allocates anything, checks every bucket as it lands and switches its served
+   weights to the new version in one step between requests; a checksum mismatch rejects the whole
+   update (INVALID_ARGUMENT) and the old version keeps serving.
 
-Modules: manifest (dataclasses, proto conversion), buckets (plan, pack, check, unpack), gloo, nccl
-(transports), grpc_stream (PushWeights sender), receiver (receiving side), sender (actor side).
+Modules: manifest (dataclasses, proto conversion, WeightLimits), buckets (plan, pack, check, unpack,
+CRC-32), gloo, nccl (transports), grpc_stream (PushWeights, both ends), receiver (receiving side),
+sender (actor side).
 The coordinator drives all of it through rlfabric.coordinator.weight_sync.WeightSyncPlane.
 """
 
 from rlfabric.core.weight_sync.buckets import ChecksumMismatch, pack, plan_buckets, unpack
-from rlfabric.core.weight_sync.manifest import BucketSpec, Manifest, SyncGroup, TensorSpec
+from rlfabric.core.weight_sync.manifest import BucketSpec, Manifest, SyncGroup, TensorSpec, WeightLimits
 from rlfabric.core.weight_sync.receiver import BucketAssembler, Membership, WeightReceiver, WeightSwap
 
 __all__ = [
@@ -31,6 +34,7 @@ __all__ = [
     "SyncGroup",
     "TensorSpec",
     "WeightReceiver",
+    "WeightLimits",
     "WeightSwap",
     "pack",
     "plan_buckets",

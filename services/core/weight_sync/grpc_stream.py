@@ -1,25 +1,68 @@
-"""The grpc transport's sending side: one PushWeights client stream per receiver, over the mesh's
-ordinary channels (TLS and auth included), so it works wherever gRPC does, across clusters too.
+"""The grpc transport, both ends: the actor's PushWeights client streams and the rollout's handler.
+It runs over the mesh's ordinary channels (TLS and auth included), so it works wherever gRPC does,
+across clusters too.
 
-The stream is the manifest, then every bucket in chunks of CHUNK_BYTES; the whole stream has one
-deadline (the group's timeout per bucket). The receiver assembles and checks the buckets
-(BucketAssembler) and answers with the version it now serves.
+The wire contract is rlfabric.v1.PushWeightsRequest, unchanged: the first message of a stream
+carries the manifest, every later one a chunk (bucket_index, offset, data). What this module adds:
+
+- Several streams per push. One HTTP/2 connection moves about a third of what a raw TCP socket does
+  on loopback (one connection's reads and writes run on one transport thread); the actor splits a
+  push over STREAMS_PER_RECEIVER streams, each on its own connection, and says how many in the
+  request metadata `rlfabric-push-streams` (absent = 1). Each stream carries the whole manifest, then
+  every STREAMS-th chunk; chunks of a bucket may therefore arrive in any order, and the receiver
+  takes each exactly once (no gap, no overlap, checked) and checks every bucket's CRC-32 from its
+  chunks' CRC-32s as they land. The streams of a push share one outcome: the receiver swaps the
+  weights in once, when every bucket is complete and checked, and every stream answers with it.
+- Chunks as raw bytes. The receiver's PushWeights handler takes the serialized messages (no
+  request deserializer): the first is parsed with protobuf, the chunks by decode_chunk, a reader of
+  protobuf's wire format for this one message that returns `data` as a view into the received
+  bytes, so a chunk is copied once, into its bucket. encode_chunk writes what protobuf writes.
+- Chunks encoded on demand (PushPayload): each once for all receivers, while their streams ask for
+  it, and dropped when the last one took it; the packed buffers are the only copy of the weights.
+- The manifest is checked against the receiver's own weights (WeightLimits) before any bucket is
+  allocated.
+- 4 MiB messages stay in the heap on both ends (_keep_message_memory) instead of being page-faulted
+  in afresh for every message.
+
+The whole push has one deadline (the group's timeout per bucket); a stream that ended waits for
+the others of its push at most until its own deadline.
 """
 
 from __future__ import annotations
 
+import asyncio
+import ctypes
+import math
+import platform
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 
 import grpc
 import torch
+from google.protobuf.message import DecodeError
+from grpc import aio
 
-from rlfabric.core.client import ChannelOptions, open_channel
+from rlfabric.core.client import ChannelOptions, channel_credentials
+from rlfabric.core.errors import DeadlineExceeded, InvalidArgument, RlfabricError, Unavailable
 from rlfabric.core.interceptors import bearer_metadata
-from rlfabric.core.weight_sync.manifest import Manifest
+from rlfabric.core.weight_sync.manifest import Manifest, WeightLimits
+from rlfabric.core.weight_sync.receiver import BucketAssembler, Weights, WeightSwap
 from rlfabric.v1 import rollout_pb2
 
-CHUNK_BYTES = 16 * 1024 * 1024
-PUSH_METHOD = "/rlfabric.v1.RolloutService/PushWeights"
+# 4 MiB chunks: large enough that per-message costs vanish, small enough that a message is a
+# reused heap block on both sides (16 MiB and larger ones are fresh mappings, page-faulted per message).
+CHUNK_BYTES = 4 << 20
+STREAMS_PER_RECEIVER = 4
+MAX_STREAMS = 16
+STREAMS_METADATA = "rlfabric-push-streams"
+SERVICE = "rlfabric.v1.RolloutService"
+PUSH_METHOD = f"/{SERVICE}/PushWeights"
+DEFAULT_WAIT_S = 120.0  # how long a stream waits for the rest of its push when the client set no deadline
+
+# PushWeightsRequest field numbers and wire types (rollout.proto).
+_MANIFEST, _BUCKET_INDEX, _OFFSET, _DATA = 1, 2, 3, 4
+_VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
 
 
 @dataclass(frozen=True)
@@ -32,30 +75,386 @@ class PushResult:
     error: str = ""
 
 
+# -- the wire format of a chunk -----------------------------------------------------------------------
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def encode_chunk(bucket_index: int, offset: int, data) -> bytes:
+    """PushWeightsRequest(bucket_index, offset, data).SerializeToString(), byte for byte, with one
+    copy of `data` (any buffer: bytes, memoryview, a numpy slice)."""
+    view = memoryview(data).cast("B")
+    header = bytearray()
+    if bucket_index:
+        header += _varint(_BUCKET_INDEX << 3 | _VARINT) + _varint(bucket_index)
+    if offset:
+        header += _varint(_OFFSET << 3 | _VARINT) + _varint(offset)
+    if len(view):
+        header += _varint(_DATA << 3 | _LEN) + _varint(len(view))
+    return b"".join((header, view))
+
+
+def _read_varint(raw: bytes, position: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if position >= len(raw) or shift > 63:
+            raise InvalidArgument("PushWeights chunk is not a valid PushWeightsRequest: truncated or overlong varint")
+        byte = raw[position]
+        position += 1
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, position
+        shift += 7
+
+
+def _signed(value: int, bits: int) -> int:
+    """A varint as protobuf reads an int32 / int64 field (two's complement, truncated)."""
+    value &= (1 << bits) - 1
+    return value - (1 << bits) if value >> (bits - 1) else value
+
+
+def decode_chunk(raw: bytes) -> tuple[int, int, memoryview]:
+    """(bucket_index, offset, data) of a serialized PushWeightsRequest chunk, as protobuf would read
+    it (fields in any order, the last of a repeated scalar wins, unknown fields skipped); data is a
+    view into `raw`. InvalidArgument for malformed bytes, or a chunk that carries a manifest."""
+    bucket_index = offset = 0
+    data = memoryview(b"")
+    position, end = 0, len(raw)
+    while position < end:
+        key, position = _read_varint(raw, position)
+        field, wire = key >> 3, key & 7
+        if field == 0:
+            raise InvalidArgument("PushWeights chunk is not a valid PushWeightsRequest: field number 0")
+        if wire == _VARINT:
+            value, position = _read_varint(raw, position)
+            if field == _BUCKET_INDEX:
+                bucket_index = _signed(value, 32)
+            elif field == _OFFSET:
+                offset = _signed(value, 64)
+        elif wire == _LEN:
+            length, position = _read_varint(raw, position)
+            if position + length > end:
+                raise InvalidArgument(f"PushWeights chunk is not a valid PushWeightsRequest: field {field} runs "
+                                      f"{position + length - end} bytes past the message")
+            if field == _MANIFEST:
+                raise InvalidArgument("PushWeights: only the first message of a stream may carry the manifest")
+            if field == _DATA:
+                data = memoryview(raw)[position : position + length]
+            position += length
+        elif wire in (_I64, _I32):
+            position += 8 if wire == _I64 else 4
+        else:
+            raise InvalidArgument(f"PushWeights chunk is not a valid PushWeightsRequest: wire type {wire}")
+    if position != end:
+        raise InvalidArgument("PushWeights chunk is not a valid PushWeightsRequest: truncated field")
+    return bucket_index, offset, data
+
+
+class PushPayload:
+    """One push's messages, encoded as the streams ask for them: message 0 is the manifest, then every
+    bucket in chunks of `chunk_bytes` (CPU uint8 buffers, which must not change until the push is
+    over). A chunk is encoded once for all `receivers` and dropped when the last of them took it, so
+    the pushes hold a few chunks at a time, not a second copy of the weights."""
+
+    def __init__(self, manifest: Manifest, buffers: list[torch.Tensor], chunk_bytes: int = CHUNK_BYTES,
+                 receivers: int = 1):
+        self.manifest_message = rollout_pb2.PushWeightsRequest(manifest=manifest.to_proto()).SerializeToString()
+        self._views = [memoryview(buffer.numpy()) for buffer in buffers]
+        self._chunks = [(index, offset, min(chunk_bytes, len(view) - offset))
+                        for index, view in enumerate(self._views) for offset in range(0, len(view), chunk_bytes)]
+        self._receivers = receivers
+        self._encoded: dict[int, list] = {}  # chunk -> [message, receivers that have not taken it yet]
+
+    def __len__(self) -> int:
+        """Messages in one receiver's push: the manifest and every chunk."""
+        return 1 + len(self._chunks)
+
+    def message(self, number: int) -> bytes:
+        """Message `number` (0: the manifest); each receiver takes each message once."""
+        if number == 0:
+            return self.manifest_message
+        held = self._encoded.get(number)
+        if held is None:
+            index, offset, length = self._chunks[number - 1]
+            held = [encode_chunk(index, offset, self._views[index][offset : offset + length]), self._receivers]
+            self._encoded[number] = held
+        held[1] -= 1
+        if held[1] <= 0:
+            del self._encoded[number]
+        return held[0]
+
+    def stream(self, lane: int, streams: int) -> Iterator[bytes]:
+        """The messages of stream `lane` of `streams`: the manifest, then every `streams`-th chunk."""
+        yield self.message(0)
+        for number in range(1 + lane, len(self), streams):
+            yield self.message(number)
+
+
 def serialize_chunks(manifest: Manifest, buffers: list[torch.Tensor], chunk_bytes: int = CHUNK_BYTES) -> list[bytes]:
-    """The whole PushWeights stream as serialized messages: the manifest, then every bucket in chunks.
-    Serialized once per sync, then written as-is to every receiver's stream, so a second receiver
-    costs no second serialization."""
-    chunks = [rollout_pb2.PushWeightsRequest(manifest=manifest.to_proto()).SerializeToString()]
-    for index, buffer in enumerate(buffers):
-        data = buffer.numpy()
-        for offset in range(0, len(data), chunk_bytes):
-            message = rollout_pb2.PushWeightsRequest(bucket_index=index, offset=offset,
-                                                     data=data[offset : offset + chunk_bytes].tobytes())
-            chunks.append(message.SerializeToString())
-    return chunks
+    """The whole push as a list of serialized messages: the manifest, then every bucket in chunks."""
+    payload = PushPayload(manifest, buffers, chunk_bytes)
+    return [payload.message(number) for number in range(len(payload))]
 
 
-async def push_weights(address: str, chunks: list[bytes], timeout_s: float,
-                       options: ChannelOptions | None = None) -> PushResult:
-    """Streams serialized PushWeights messages to one RolloutService; never raises: failures come
-    back in PushResult.error."""
-    options = options or ChannelOptions()
+_malloc_tuned = False
+
+
+def _keep_message_memory() -> None:
+    """gRPC Python copies every message it sends into a new block, and hands every message it
+    receives over as a new bytes object. glibc serves a 4 MiB block from a fresh mapping, or from
+    heap memory it gave back to the kernel when the previous one was freed: either way every page of
+    every chunk is faulted in again (about 0.3 s of system time per GiB on each side). A fixed mmap
+    threshold above the chunk size and a trim threshold of 64 MiB keep those blocks in the heap for
+    the next messages. Done once per process, by its first push (glibc only)."""
+    global _malloc_tuned
+    if _malloc_tuned:
+        return
+    _malloc_tuned = True
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return
     try:
-        async with open_channel(address, options) as channel:
-            push = channel.stream_unary(PUSH_METHOD, request_serializer=None,  # already bytes
-                                        response_deserializer=rollout_pb2.PushWeightsResponse.FromString)
-            response = await push(iter(chunks), timeout=timeout_s, metadata=bearer_metadata(options.auth_token))
-        return PushResult(address, response.version, response.paused_seconds)
-    except grpc.RpcError as error:
-        return PushResult(address, error=f"{error.code().name}: {error.details()}")
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return
+    m_trim_threshold, m_mmap_threshold = -1, -3  # malloc.h
+    mallopt(m_mmap_threshold, 2 * CHUNK_BYTES)
+    mallopt(m_trim_threshold, 64 << 20)
+
+
+# -- the sending side -----------------------------------------------------------------------------------
+
+def _push_channel(address: str, options: ChannelOptions) -> aio.Channel:
+    """A channel with a connection of its own (a local subchannel pool: channels to one address
+    otherwise share one TCP connection)."""
+    args = [*options.grpc_options(), ("grpc.use_local_subchannel_pool", 1)]
+    if options.tls.ca_file or options.tls.cert_file:
+        return aio.secure_channel(address, channel_credentials(options.tls), options=args)
+    return aio.insecure_channel(address, options=args)
+
+
+def _describe(error: BaseException) -> str:
+    if isinstance(error, grpc.RpcError):
+        return f"{error.code().name}: {error.details()}"
+    return f"{type(error).__name__}: {error}"
+
+
+def _first_cause(errors: list[BaseException]) -> BaseException:
+    """The error that says what went wrong: a stream cut short because another one failed reports
+    CANCELLED or UNAVAILABLE, so any other code comes first."""
+    secondary = (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE)
+    for error in errors:
+        if not (isinstance(error, grpc.RpcError) and error.code() in secondary):
+            return error
+    return errors[0]
+
+
+async def push_weights(address: str, chunks: PushPayload | list[bytes], timeout_s: float,
+                       options: ChannelOptions | None = None, streams: int = STREAMS_PER_RECEIVER) -> PushResult:
+    """Streams a push (a PushPayload, or serialized PushWeights messages, the manifest first) to one
+    RolloutService over `streams` connections; never raises for a failed push: failures come back in
+    PushResult.error."""
+    _keep_message_memory()  # gRPC copies every message it sends into a new block too
+    options = options or ChannelOptions()
+    streams = max(1, min(streams, MAX_STREAMS, len(chunks) - 1))
+    if isinstance(chunks, PushPayload):
+        lanes = [chunks.stream(lane, streams) for lane in range(streams)]
+    else:
+        lanes = [iter([chunks[0], *chunks[1 + lane :: streams]]) for lane in range(streams)]
+    metadata = (*bearer_metadata(options.auth_token), (STREAMS_METADATA, str(streams)))
+    channels = [_push_channel(address, options) for _ in range(streams)]
+    try:
+        calls = [channel.stream_unary(PUSH_METHOD, request_serializer=None,  # already bytes
+                                      response_deserializer=rollout_pb2.PushWeightsResponse.FromString)
+                 for channel in channels]
+        outcomes = await asyncio.gather(*(call(lane, timeout=timeout_s, metadata=metadata)
+                                          for lane, call in zip(lanes, calls, strict=True)), return_exceptions=True)
+        errors = [o for o in outcomes if isinstance(o, BaseException)]
+        if errors:
+            cause = _first_cause(errors)
+            if not isinstance(cause, grpc.RpcError | RlfabricError | OSError):
+                raise cause
+            return PushResult(address, error=_describe(cause))
+        return PushResult(address, outcomes[0].version, outcomes[0].paused_seconds)
+    finally:
+        for channel in channels:
+            await channel.close()
+
+
+# -- the receiving side ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class PushOutcome:
+    """What one PushWeights stream reports: the push's manifest and swap; `applied_here` is true for
+    the one stream of the push that ran the swap (so it is counted once)."""
+
+    manifest: Manifest
+    swap: WeightSwap
+    applied_here: bool
+
+
+class _Push:
+    """One push in progress: its manifest, its buckets, and the streams that carry it."""
+
+    def __init__(self, manifest: Manifest, streams: int, assembler: BucketAssembler):
+        self.manifest, self.streams, self.assembler = manifest, streams, assembler
+        self.joined = self.attached = self.ended = 0
+        self.applying = False
+        self.done: asyncio.Future = asyncio.get_running_loop().create_future()
+        self.done.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: no "never retrieved" log
+
+    def accepts(self, manifest: Manifest, streams: int) -> bool:
+        return (not self.done.done() and self.joined < self.streams and streams == self.streams
+                and manifest == self.manifest)
+
+    def fail(self, error: BaseException) -> None:
+        if not self.done.done():
+            self.done.set_exception(error)
+
+    def raise_if_failed(self) -> None:
+        if self.done.done() and not self.done.cancelled() and self.done.exception() is not None:
+            raise self.done.exception()
+
+
+def _streams_of(context) -> int:
+    for key, value in context.invocation_metadata() or ():
+        if key == STREAMS_METADATA:
+            try:
+                streams = int(value)
+            except ValueError:
+                streams = 0
+            if not 1 <= streams <= MAX_STREAMS:
+                raise InvalidArgument(f"PushWeights metadata {STREAMS_METADATA}={value!r}: must be 1..{MAX_STREAMS}")
+            return streams
+    return 1
+
+
+def _wait_s(context) -> float:
+    remaining = context.time_remaining()
+    return DEFAULT_WAIT_S if remaining is None or not math.isfinite(remaining) else max(0.0, remaining)
+
+
+class PushReceiver:
+    """The receiving end of PushWeights: assembles every push from its streams, one push at a time
+    (they share the bucket buffers, which the next push of the same sizes reuses)."""
+
+    def __init__(self):
+        self._push: _Push | None = None
+        self._changed: asyncio.Condition | None = None
+        self._buffers: list[torch.Tensor] = []
+
+    async def receive(self, requests: AsyncIterator[bytes], context, limits: WeightLimits | None,
+                      apply: Callable[[Weights, int], Awaitable[WeightSwap]]) -> PushOutcome:
+        """Takes one stream (raw messages); returns once its push is swapped in (by `apply(weights,
+        version)`, run once per push) or failed. Raises InvalidArgument for a bad manifest, chunk or
+        checksum, ResourceExhausted for a manifest beyond this receiver's weights."""
+        started = time.monotonic()
+        _keep_message_memory()
+        wait_s = _wait_s(context)
+        streams = _streams_of(context)
+        first = await anext(aiter(requests), None)
+        try:
+            message = rollout_pb2.PushWeightsRequest.FromString(first) if first is not None else None
+        except DecodeError as error:
+            raise InvalidArgument(f"PushWeights: the first message is not a valid PushWeightsRequest: {error}") from None
+        if message is None or not message.HasField("manifest"):
+            raise InvalidArgument("PushWeights: the first message must carry the manifest")
+        manifest = Manifest.from_proto(message.manifest)
+        if limits is not None:
+            limits.check(manifest)  # before a single byte is allocated for it
+        push = await self._join(manifest, streams, wait_s - (time.monotonic() - started))
+        try:
+            try:  # this stream's chunks; any failure here fails the whole push
+                async for raw in requests:
+                    push.raise_if_failed()
+                    push.assembler.add(*decode_chunk(raw))
+                push.raise_if_failed()
+                push.ended += 1
+                if push.ended == push.streams and not push.assembler.complete:
+                    push.assembler.finish()  # raises, naming the incomplete buckets
+            except asyncio.CancelledError:
+                push.fail(Unavailable(f"PushWeights: a stream of version {manifest.version} was cancelled"))
+                raise
+            except BaseException as error:
+                push.fail(error)
+                raise
+            if push.assembler.complete and not push.applying:  # the first stream to end on a complete push
+                push.applying = True
+                try:
+                    swap = await apply(push.assembler.finish(), manifest.version)
+                except asyncio.CancelledError:
+                    push.fail(Unavailable(f"PushWeights: the stream switching to version {manifest.version} was "
+                                          "cancelled"))
+                    raise
+                except BaseException as error:
+                    push.fail(error)
+                    raise
+                if not push.done.done():
+                    push.done.set_result(swap)
+                return PushOutcome(manifest, swap, True)
+            remaining = wait_s - (time.monotonic() - started)
+            try:
+                swap = await asyncio.wait_for(asyncio.shield(push.done), max(0.0, remaining))
+            except TimeoutError:
+                raise DeadlineExceeded(f"PushWeights: the other stream(s) of version {manifest.version} did not "
+                                       "finish within the deadline") from None
+            return PushOutcome(manifest, swap, False)
+        finally:
+            await self._leave(push)
+
+    def _condition(self) -> asyncio.Condition:
+        if self._changed is None:
+            self._changed = asyncio.Condition()
+        return self._changed
+
+    async def _join(self, manifest: Manifest, streams: int, wait_s: float) -> _Push:
+        """Joins the push in progress when this stream is one of its streams, else waits for it to end
+        (bounded by the stream's deadline) and starts a new one."""
+        changed = self._condition()
+        async with changed:
+            try:
+                await asyncio.wait_for(changed.wait_for(lambda: self._push is None or
+                                                        self._push.accepts(manifest, streams)), max(0.0, wait_s))
+            except TimeoutError:
+                raise DeadlineExceeded(f"PushWeights version {manifest.version}: another push was still being "
+                                       "received at the deadline") from None
+            if self._push is None:
+                sizes = [b.num_bytes for b in manifest.buckets]
+                reuse = self._buffers if [b.numel() for b in self._buffers] == sizes else None
+                self._buffers = []  # the old buffers go before new ones are mapped
+                assembler = BucketAssembler(manifest, reuse)
+                self._buffers = assembler.buffers
+                self._push = _Push(manifest, streams, assembler)
+            push = self._push
+            push.joined += 1
+            push.attached += 1
+            return push
+
+    async def _leave(self, push: _Push) -> None:
+        changed = self._condition()
+        async with changed:
+            push.attached -= 1
+            if push.attached == 0:
+                if not push.done.done():
+                    push.fail(InvalidArgument("PushWeights: every stream of the push ended before it was complete"))
+                if self._push is push:
+                    self._push = None
+                changed.notify_all()
+
+
+def add_rollout_service(servicer, server: aio.Server) -> None:
+    """Registers a RolloutServiceServicer like the generated add_RolloutServiceServicer_to_server,
+    except that PushWeights gets the raw request bytes (see the module doc). A registered method
+    handler takes precedence over the generated generic one of the same method."""
+    from rlfabric.v1 import rollout_pb2_grpc
+
+    rollout_pb2_grpc.add_RolloutServiceServicer_to_server(servicer, server)
+    server.add_registered_method_handlers(SERVICE, {"PushWeights": grpc.stream_unary_rpc_method_handler(
+        servicer.PushWeights, request_deserializer=None,
+        response_serializer=rollout_pb2.PushWeightsResponse.SerializeToString)})
+

@@ -1,16 +1,24 @@
 """What a weight sync sends, as plain dataclasses: the group's rendezvous info and the manifest of
 flattened buckets. Conversion to and from the rlfabric.v1 messages lives here too, with the checks
-a receiver runs on a manifest it did not build (InvalidArgument naming what is wrong)."""
+a receiver runs on a manifest it did not build (InvalidArgument naming what is wrong), and
+WeightLimits: the receiver's own weights, which every manifest is checked against before a single
+bucket is allocated (a manifest decides how much memory the receiver maps).
+
+The checksum of a bucket (WeightBucket.crc32) is the CRC-32 of zlib (ISO-HDLC: polynomial
+0x04C11DB7 reflected, initial value and final xor 0xFFFFFFFF) over the bucket's bytes, padding
+included; every transport checks it the same way.
+"""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
 
 from rlfabric.core import codec
-from rlfabric.core.errors import InvalidArgument
+from rlfabric.core.errors import InvalidArgument, ResourceExhausted
 from rlfabric.v1 import weight_sync_pb2
 
 TRANSPORTS = ("nccl", "gloo", "grpc")
@@ -22,6 +30,11 @@ _TRANSPORT_WIRE = {
 _TRANSPORT_NAME = {wire: name for name, wire in _TRANSPORT_WIRE.items()}
 # Tensors start at multiples of this many bytes inside a bucket, so every dtype can view its slice.
 ALIGNMENT = 64
+
+
+def aligned(num_bytes: int) -> int:
+    """`num_bytes` rounded up to the next multiple of ALIGNMENT."""
+    return (num_bytes + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
 
 
 def transport_to_proto(name: str) -> int:
@@ -144,5 +157,82 @@ class Manifest:
                                           f"outside the bucket's {bucket.num_bytes}")
                 names.add(spec.name)
                 tensors.append(tensor)
+            # A bucket is its tensors packed at aligned offsets, nothing more: without this, one
+            # announced number would decide how much memory the receiver maps.
+            packed = sum(aligned(t.num_bytes) for t in tensors)
+            if bucket.num_bytes > packed:
+                raise InvalidArgument(f"weight manifest bucket {position} announces {bucket.num_bytes} bytes but its "
+                                      f"{len(tensors)} tensor(s) fill only {packed} (aligned)")
             buckets.append(BucketSpec(bucket.index, bucket.num_bytes, tuple(tensors), bucket.crc32))
         return cls(message.version, message.group_id, tuple(buckets))
+
+
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+                       "U8": torch.uint8, "BOOL": torch.bool}
+
+
+@dataclass(frozen=True)
+class WeightLimits:
+    """The weights a receiver holds, by Hugging Face name: what a manifest may announce to it.
+
+    check() runs before any bucket is allocated: every announced tensor must be one of the
+    receiver's own with the same shape (and, where `dtypes` names it, a floating-point dtype exactly
+    when the receiver's is one: floats may arrive cast), and the whole manifest must fit in
+    `max_bytes`. Together with the manifest's own checks (a bucket is its tensors packed, no more)
+    this bounds what a sync can make the receiver map by the size of its own model."""
+
+    shapes: Mapping[str, tuple[int, ...]]
+    dtypes: Mapping[str, torch.dtype] = field(default_factory=dict)
+    what: str = "this model"  # how error messages name the receiver's model
+
+    @classmethod
+    def of(cls, named: Mapping[str, torch.Tensor], what: str = "this model") -> WeightLimits:
+        """The limits of named tensors (a model's parameters and buffers)."""
+        return cls({n: tuple(t.shape) for n, t in named.items()}, {n: t.dtype for n, t in named.items()}, what)
+
+    @classmethod
+    def from_checkpoint(cls, path: str) -> WeightLimits | None:
+        """The limits of a Hugging Face checkpoint directory, from its safetensors headers (nothing is
+        loaded); None when `path` is not a local directory with safetensors files (a hub name)."""
+        from pathlib import Path
+
+        from safetensors import safe_open
+
+        files = sorted(Path(path).glob("*.safetensors")) if Path(path).is_dir() else []
+        if not files:
+            return None
+        shapes, dtypes = {}, {}
+        for file in files:
+            with safe_open(str(file), framework="pt") as checkpoint:
+                for name in checkpoint.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    tensor = checkpoint.get_slice(name)
+                    shapes[name] = tuple(tensor.get_shape())
+                    dtype = _SAFETENSORS_DTYPES.get(tensor.get_dtype())
+                    if dtype is not None:
+                        dtypes[name] = dtype
+        return cls(shapes, dtypes, f"checkpoint {path}")
+
+    @property
+    def max_bytes(self) -> int:
+        """The most a manifest may carry: every weight at 8 bytes an element (the widest dtype a
+        weight travels in), aligned."""
+        return sum(aligned(math.prod(shape) * 8) for shape in self.shapes.values())
+
+    def check(self, manifest: Manifest) -> None:
+        """InvalidArgument for a tensor this receiver does not have (or of another shape or kind);
+        ResourceExhausted for a manifest larger than this receiver's weights can be."""
+        for bucket in manifest.buckets:
+            for tensor in bucket.tensors:
+                where = f"weight manifest version {manifest.version} bucket {bucket.index} tensor {tensor.name!r}"
+                shape = self.shapes.get(tensor.name)
+                if shape is None:
+                    raise InvalidArgument(f"{where}: {self.what} has no weight of that name")
+                if tuple(tensor.shape) != tuple(shape):
+                    raise InvalidArgument(f"{where}: shape {tuple(tensor.shape)}, {self.what}'s is {tuple(shape)}")
+                own = self.dtypes.get(tensor.name)
+                if own is not None and own.is_floating_point != tensor.dtype.is_floating_point:
+                    raise InvalidArgument(f"{where}: dtype {tensor.dtype} where {self.what} has {own}")
+        if manifest.num_bytes > self.max_bytes:
+            raise ResourceExhausted(f"weight manifest version {manifest.version} announces {manifest.num_bytes} bytes; "
+                                    f"{self.what}'s weights take at most {self.max_bytes}")

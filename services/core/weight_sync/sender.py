@@ -28,7 +28,7 @@ import torch
 from rlfabric.core.client import ChannelOptions
 from rlfabric.core.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound
 from rlfabric.core.weight_sync.buckets import dedupe_shared, pack
-from rlfabric.core.weight_sync.grpc_stream import PushResult, push_weights, serialize_chunks
+from rlfabric.core.weight_sync.grpc_stream import PushPayload, PushResult, push_weights
 from rlfabric.core.weight_sync.manifest import Manifest, SyncGroup
 from rlfabric.core.weight_sync.receiver import SLACK_S
 
@@ -38,7 +38,7 @@ log = logging.getLogger("rlfabric.weight_sync")
 @dataclass(frozen=True)
 class BroadcastResult:
     num_bytes: int  # per receiver
-    seconds: float
+    seconds: float  # gloo, nccl: the collective; grpc: the pushes, each receiver's checks and switch included
     pushes: tuple[PushResult, ...] = ()  # grpc transport: one per receiver
 
 
@@ -50,7 +50,7 @@ class _Group:
     addresses: tuple[str, ...] = ()  # grpc
     connecting: Future | None = None  # rank 0's transport, once every receiver joined
     store: object = None  # gloo: the TCPStore must outlive the process group
-    prepared: tuple[Manifest, list] | None = None  # manifest + buffers (gloo, nccl) or serialized chunks (grpc)
+    prepared: tuple[Manifest, list[torch.Tensor]] | None = None  # the manifest and its packed buffers
     last: tuple[Manifest, list[torch.Tensor]] | None = None  # the packed buffers, kept for the next pack
     broken: str = ""
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one broadcast at a time
@@ -127,9 +127,7 @@ class WeightSender:
             manifest, buffers = pack(dedupe_shared(state), entry.bucket_bytes, version, group_id, entry.dtype,
                                      reuse, buffers)
             entry.last = (manifest, buffers)
-            # grpc sends the serialized stream (made once for every receiver), the collectives the buffers
-            payload = serialize_chunks(manifest, buffers) if entry.group.transport == "grpc" else buffers
-            entry.prepared = (manifest, payload)
+            entry.prepared = (manifest, buffers)
         return manifest
 
     async def broadcast(self, group_id: str, version: int) -> BroadcastResult:
@@ -143,10 +141,8 @@ class WeightSender:
             (manifest, payload), entry.prepared = entry.prepared, None
             started = time.perf_counter()
             if entry.group.transport == "grpc":
-                deadline = entry.group.timeout_s * len(manifest.buckets)  # the group's timeout per bucket
-                pushes = await asyncio.gather(*(push_weights(a, payload, deadline, self.options)
-                                                for a in entry.addresses))
-                return BroadcastResult(manifest.num_bytes, time.perf_counter() - started, tuple(pushes))
+                pushes = await self._push(entry, manifest, payload)
+                return BroadcastResult(manifest.num_bytes, time.perf_counter() - started, pushes)
             try:
                 await self._wait(entry, len(payload), asyncio.get_running_loop().run_in_executor(
                     self._threads, self._send, entry, payload))
@@ -155,6 +151,25 @@ class WeightSender:
                 self._drop(entry)
                 raise
             return BroadcastResult(manifest.num_bytes, time.perf_counter() - started)
+
+    async def _push(self, entry: _Group, manifest: Manifest, buffers: list[torch.Tensor]) -> tuple[PushResult, ...]:
+        """grpc: PushWeights to every receiver at once, each chunk encoded once for all of them while
+        the streams ask for it (no pack may refill the buffers meanwhile)."""
+        deadline = entry.group.timeout_s * len(manifest.buckets)  # the group's timeout per bucket
+        lock = entry.buffers_lock
+        if not lock.acquire(blocking=False):  # a pack is running (on the actor's torch thread)
+            acquiring = asyncio.get_running_loop().run_in_executor(self._threads, lock.acquire)
+            try:
+                await asyncio.shield(acquiring)
+            except asyncio.CancelledError:
+                acquiring.add_done_callback(lambda _: lock.release())
+                raise
+        try:
+            payload = PushPayload(manifest, buffers, receivers=len(entry.addresses))
+            return tuple(await asyncio.gather(*(push_weights(a, payload, deadline, self.options)
+                                                for a in entry.addresses)))
+        finally:
+            lock.release()
 
     def _send(self, entry: _Group, buffers: list[torch.Tensor]) -> None:
         try:
