@@ -3,7 +3,9 @@
 1. MetricsInterceptor   records grpc_server_* metrics for every RPC, rejected ones included.
 2. AuthInterceptor      checks the bearer token (health and reflection exempt), when configured.
 3. ReadinessInterceptor answers UNAVAILABLE while the engine loads or the server drains.
-4. ErrorInterceptor     maps domain errors to status codes; unexpected ones to INTERNAL (logged).
+4. ConcurrencyLimitInterceptor answers RESOURCE_EXHAUSTED while server.max_concurrent_rpcs RPCs run
+                        (health and reflection exempt), when a limit is set.
+5. ErrorInterceptor     maps domain errors to status codes; unexpected ones to INTERNAL (logged).
                         A request that is not a valid protobuf message of the method's type
                         (random bytes, bad UTF-8 in a string field) is INVALID_ARGUMENT.
 
@@ -216,6 +218,46 @@ class ReadinessInterceptor(aio.ServerInterceptor):
         if handler is None or _is_open(handler_call_details.method) or self.is_ready():
             return handler
         return _abort_handler(grpc.StatusCode.UNAVAILABLE, self.describe(), handler)
+
+
+class ConcurrencyLimitInterceptor(aio.ServerInterceptor):
+    """Refuses an RPC with RESOURCE_EXHAUSTED while `limit` others run (server.max_concurrent_rpcs).
+
+    Health and reflection are exempt and not counted, so probes answer under any load. Why not
+    grpc.aio.server(maximum_concurrent_rpcs=...): it counts and refuses health checks too (a
+    saturated service would fail its liveness probe and be restarted), it refuses before any
+    interceptor runs (grpc_server_* metrics never see those calls), and its message names no
+    setting. The price: a refused unary call's request has been received by then (not handled).
+    """
+
+    def __init__(self, limit: int, role: str):
+        if limit < 1:
+            raise ValueError(f"ConcurrencyLimitInterceptor needs a limit >= 1 (got {limit})")
+        self.limit = limit
+        self.role = role
+        self.active = 0  # RPCs running now; the event loop's thread alone changes it
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or _is_open(handler_call_details.method):
+            return handler
+
+        @contextlib.asynccontextmanager
+        async def admit(context):
+            if self.active >= self.limit:
+                await context.abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"the {self.role} service is running {self.active} RPCs, its limit "
+                    f"(server.max_concurrent_rpcs={self.limit}): retry with backoff, spread the load over "
+                    "more replicas, or raise server.max_concurrent_rpcs (0 = no limit)",
+                )
+            self.active += 1
+            try:
+                yield
+            finally:
+                self.active -= 1
+
+        return _wrap_handler(handler, admit)
 
 
 class ErrorInterceptor(aio.ServerInterceptor):

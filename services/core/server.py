@@ -8,6 +8,8 @@ Lifecycle:
 - start(): bind ports, serve health ("liveness" SERVING, "readiness" NOT_SERVING) and reflection,
   start /metrics, then `await engine.start()` (model load); readiness flips to SERVING after it.
   RPCs that arrive before that get UNAVAILABLE from the readiness interceptor.
+- back-pressure: past server.max_concurrent_rpcs RPCs at once, more get RESOURCE_EXHAUSTED
+  (interceptors.ConcurrencyLimitInterceptor); health and reflection always answer.
 - stop(): health NOT_SERVING everywhere, new RPCs refused, in-flight RPCs get `grace_period_s`
   to finish, then the engine stops. SIGTERM/SIGINT trigger it; `serve()` then returns, exit 0.
 """
@@ -82,6 +84,7 @@ class ServerOptions:
     grace_period_s: float = 30.0
     keepalive_time_s: float = 30.0
     keepalive_timeout_s: float = 10.0
+    max_concurrent_rpcs: int = 256  # 0 = no limit; health and reflection are not counted
     tls: TlsConfig = field(default_factory=TlsConfig)
     auth_token: str = ""
 
@@ -95,6 +98,7 @@ class ServerOptions:
             grace_period_s=server.grace_period_s,
             keepalive_time_s=server.keepalive_time_s,
             keepalive_timeout_s=server.keepalive_timeout_s,
+            max_concurrent_rpcs=server.max_concurrent_rpcs,
             tls=server.tls,
             auth_token=token,
         )
@@ -140,6 +144,7 @@ class RlfabricServer:
         self._health_server: aio.Server | None = None
         self._metrics: MetricsEndpoint | None = None
         self._engine_task: asyncio.Task | None = None
+        self.concurrency_limit: interceptors.ConcurrencyLimitInterceptor | None = None
         self.bound = asyncio.Event()  # set once every port is bound (before the engine loads)
         self.stopped = asyncio.Event()
 
@@ -161,6 +166,11 @@ class RlfabricServer:
         if self.options.auth_token:
             chain.append(interceptors.AuthInterceptor(self.options.auth_token))
         chain.append(interceptors.ReadinessInterceptor(lambda: self.ready, self._describe_state))
+        if self.options.max_concurrent_rpcs:
+            # Back-pressure in an interceptor, not grpc's maximum_concurrent_rpcs, which refuses health checks too.
+            self.concurrency_limit = interceptors.ConcurrencyLimitInterceptor(
+                self.options.max_concurrent_rpcs, self.service.role)
+            chain.append(self.concurrency_limit)
         chain.append(interceptors.ErrorInterceptor())
         return chain
 
