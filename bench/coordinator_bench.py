@@ -4,7 +4,7 @@ time for the same steps. Writes bench/results/coordinator.json.
     python -m bench.coordinator_bench
 
 One local mesh (the quickstart config: tiny model, hf rollout, every role its own process) runs the
-same number of steps in `sync` and then in `async` mode, side by side in one run. Per step:
+same number of steps in `sync` and in `async` mode, alternated over ROUNDS rounds in one run (medians). Per step:
     overhead  = timing_s/step - (gen + old_log_prob + adv + update + update_weights)
                 (the loop's own bookkeeping: batch assembly, metrics, run control)
     rpc_share = timing_s/update - actor/update_s
@@ -33,6 +33,7 @@ from rlfabric.v1 import coordinator_pb2
 
 RESULTS = Path(__file__).parent / "results" / "coordinator.json"
 STEPS = 8
+ROUNDS = 2
 PHASES = ("gen", "old_log_prob", "adv", "update", "update_weights")
 
 
@@ -78,11 +79,15 @@ def main() -> None:
     results: dict = {"steps": STEPS, "machine": {"cpus": os.cpu_count(), "platform": platform.platform()}}
     with LocalMesh(config, root / "mesh") as mesh:
         address = mesh.endpoints["coordinator"][0]["grpc"]
-        for mode in ("sync", "async"):
-            run_dir = root / mode
-            wall = asyncio.run(run(address, run_dir, mode))
-            results[mode] = {"wall_s": wall, **summarize(read_metrics(run_dir / "metrics.jsonl"))}
-            log(f"{mode}: {wall:.1f} s for {STEPS} steps")
+        walls: dict[str, list[float]] = {"sync": [], "async": []}
+        for round_index in range(ROUNDS):  # alternated, so machine noise hits both modes alike
+            for mode in ("sync", "async"):
+                run_dir = root / f"{mode}-{round_index}"
+                wall = asyncio.run(run(address, run_dir, mode))
+                walls[mode].append(wall)
+                results[mode] = {"wall_s": statistics.median(walls[mode]), "wall_s_per_round": walls[mode],
+                                 **summarize(read_metrics(run_dir / "metrics.jsonl"))}
+                log(f"{mode} round {round_index + 1}/{ROUNDS}: {wall:.1f} s for {STEPS} steps")
     results["async_speedup"] = results["sync"]["wall_s"] / results["async"]["wall_s"]
     results["load_average"] = os.getloadavg()
     RESULTS.parent.mkdir(exist_ok=True)
