@@ -1,18 +1,25 @@
-"""The quickstart model: the tiny model plus a few seconds of supervised warm start.
+"""The quickstart model: the tiny model plus a quarter of a minute of supervised warm start.
 
     rlfabric make-tiny-model OUT --warm-start        # what `rlfabric up` builds when model.path is empty
 
 The warm start teaches the reply format, not the task. It trains on
-rlfabric.reward.synthetic.make_warm_start_example ("any letter of: - K - - E -" -> "K" or "E", picked
-at random) and never sees a task prompt, so the model learns to answer with one letter copied from
-the prompt and then end its turn, with no preference for vowels: on the task ("find the vowel")
-it scores about 1 in 6 until reinforcement learning finds out that the vowel is what scores.
+rlfabric.reward.synthetic.make_warm_start_example ("any letter of: - K - - E -", up to six letters
+with no dashes) with every shown letter as a target, and never sees a task prompt, so the model
+learns to answer with one letter copied from the prompt and then end its turn, with no preference
+for vowels: on the task ("find the vowel") it scores about 1 in 6 until reinforcement learning finds
+out that the vowel is what scores.
 
-Two choices make the minutes-long RL run possible on CPU:
-- The weights start wider than Qwen2's default (initializer_range 0.2 instead of 0.02). At 0.02 the
-  64-wide model's attention is flat and needs hundreds of steps to start copying from the prompt.
+What makes the minutes-long RL run possible (and reliable) on CPU:
+- The weights start wider than Qwen2's default (initializer_range 0.1 instead of 0.02). At 0.02 the
+  64-wide model's attention is flat and needs hundreds of steps to start copying from the prompt;
+  at 0.2 some seeds never learn to copy six letters cleanly (they spread mass over absent letters).
 - A model that has learned to copy needs only a preference (vowels over consonants) from RL, which
   policy gradients find in tens of steps; learning to read the prompt from rewards alone takes far more.
+- The copy is even: every letter of a six-letter prompt gets about the same chance. Prompts of up to
+  six letters (the task's length), every shown letter as a target (the loss is the cross-entropy to
+  the uniform choice, with no sampling noise) and a learning rate that decays to 0 leave no letter
+  favoured or shunned. A model that (by chance) almost never copies, say, "E" gives RL nothing to
+  reward on E prompts: it then settles on answering another vowel there and plateaus near 0.8.
 
 Deterministic: fixed seeds and one CPU thread while training, so the same seed gives the same weights.
 """
@@ -30,7 +37,7 @@ import torch
 from rlfabric.actor.tiny_model import make_tiny_model
 from rlfabric.reward import synthetic
 
-QUICKSTART_INIT_RANGE = 0.2
+QUICKSTART_INIT_RANGE = 0.1
 
 
 @dataclass
@@ -65,9 +72,10 @@ def _collate(examples: list[tuple[list[int], list[int]]], pad_id: int) -> dict[s
             "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0)}
 
 
-def warm_start(model_dir: str | Path, steps: int = 150, batch_size: int = 32, lr: float = 3e-3,
+def warm_start(model_dir: str | Path, steps: int = 400, batch_size: int = 16, lr: float = 3e-3,
                seed: int = 0) -> WarmStartResult:
-    """Fine-tunes the model in model_dir in place on the warm-start examples (see the module docstring)."""
+    """Fine-tunes the model in model_dir in place on the warm-start examples (see the module docstring):
+    `batch_size` prompts per step, each once per right answer; the learning rate decays linearly to 0."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     started = time.perf_counter()
@@ -75,7 +83,7 @@ def warm_start(model_dir: str | Path, steps: int = 150, batch_size: int = 32, lr
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     rng = random.Random(seed)
-    prompt_ids: dict[str, list[int]] = {}  # a few hundred distinct prompts: render each once
+    prompt_ids: dict[str, list[int]] = {}  # short prompts repeat often: render each once
 
     def encode(prompt: str, answer: str) -> tuple[list[int], list[int]]:
         if prompt not in prompt_ids:
@@ -87,8 +95,11 @@ def warm_start(model_dir: str | Path, steps: int = 150, batch_size: int = 32, lr
         torch.manual_seed(seed)
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
         model.train()
-        for _ in range(steps):
-            batch = _collate([encode(*synthetic.make_warm_start_example(rng)) for _ in range(batch_size)],
+        for step in range(steps):
+            for group in optimizer.param_groups:
+                group["lr"] = lr * (1 - step / steps)
+            examples = [synthetic.make_warm_start_example(rng) for _ in range(batch_size)]
+            batch = _collate([encode(prompt, answer) for prompt, answers in examples for answer in answers],
                              tokenizer.pad_token_id)
             loss = model(**batch, use_cache=False).loss
             optimizer.zero_grad(set_to_none=True)

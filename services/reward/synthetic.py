@@ -7,10 +7,11 @@ Every prompt holds one of the vowels A E I O U and five of the consonants B C D 
     0.0  anything else
 
 The quickstart model is warm-started (rlfabric.actor.warm_start) on `make_warm_start_example`:
-one or two letters among dashes, "any letter of: - K - - E -", answered with one of them picked
-at random. It learns the reply format (one letter, then end of turn) and to copy a letter out of
-the prompt, but not which letter this task wants: its answers are vowels and consonants alike, so
-its first-step score is about 1 in 6. Reinforcement learning has to discover that the vowel scores.
+one to six letters among dashes, "any letter of: - K - - E -" or "any letter of: K B E D C H", where
+every shown letter is a right answer. It learns the reply format (one letter, then end of turn) and
+to copy any one letter out of the prompt with equal chance, but not which letter this task wants:
+its answers are vowels and consonants alike, so its first-step score is about 1 in 6.
+Reinforcement learning has to discover that the vowel scores.
 """
 
 from __future__ import annotations
@@ -34,14 +35,15 @@ def make_example(rng: random.Random, num_letters: int = NUM_LETTERS) -> tuple[st
     return INSTRUCTION + " ".join(letters), vowel
 
 
-def make_warm_start_example(rng: random.Random, num_slots: int = NUM_LETTERS) -> tuple[str, str]:
-    """(prompt text, answer) for the warm start: one or two distinct letters among dashes, and one of
-    them, picked at random, as the answer."""
-    shown = rng.sample(LETTERS, rng.randint(1, 2))
+def make_warm_start_example(rng: random.Random, num_slots: int = NUM_LETTERS) -> tuple[str, list[str]]:
+    """(prompt text, right answers) for the warm start: 1 to num_slots distinct letters (vowels and
+    consonants alike) among dashes; every shown letter is a right answer. With num_slots letters there
+    are no dashes and the prompt looks like a task prompt, minus the instruction and the one-vowel rule."""
+    shown = rng.sample(LETTERS, rng.randint(1, num_slots))
     slots = ["-"] * num_slots
     for position, letter in zip(rng.sample(range(num_slots), len(shown)), shown, strict=True):
         slots[position] = letter
-    return WARM_START_INSTRUCTION + " ".join(slots), rng.choice(shown)
+    return WARM_START_INSTRUCTION + " ".join(slots), shown
 
 
 def compute_score(solution_str: str, ground_truth: str, extra_info: dict | None = None, **unused) -> float:

@@ -39,17 +39,20 @@ def test_examples_hold_one_vowel_among_consonants():
     assert answers == set(VOWELS)
 
 
-def test_warm_start_examples_answer_with_a_random_shown_letter():
-    """One or two letters among dashes, vowels and consonants alike: no hint of the task's answer."""
+def test_warm_start_examples_accept_every_shown_letter():
+    """One to six letters among dashes, vowels and consonants alike: no hint of the task's answer."""
     rng = random.Random(0)
-    answers = []
+    shown_letters, counts = [], set()
     for _ in range(2000):
-        prompt, answer = make_warm_start_example(rng)
+        prompt, answers = make_warm_start_example(rng)
         assert prompt.startswith(WARM_START_INSTRUCTION)
         slots = prompt.removeprefix(WARM_START_INSTRUCTION).split(" ")
         shown = [c for c in slots if c != "-"]
-        assert len(slots) == NUM_LETTERS and 1 <= len(shown) <= 2 and answer in shown
-        answers.append(answer)
-    assert set(answers) == set(LETTERS)
-    vowel_share = sum(a in VOWELS for a in answers) / len(answers)
+        assert len(slots) == NUM_LETTERS and 1 <= len(shown) <= NUM_LETTERS
+        assert len(set(shown)) == len(shown) and sorted(answers) == sorted(shown)
+        shown_letters += shown
+        counts.add(len(shown))
+    assert counts == set(range(1, NUM_LETTERS + 1))
+    assert set(shown_letters) == set(LETTERS)
+    vowel_share = sum(c in VOWELS for c in shown_letters) / len(shown_letters)
     assert abs(vowel_share - len(VOWELS) / len(LETTERS)) < 0.05
