@@ -157,8 +157,14 @@ class RolloutServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def PushWeights(self, request_iterator, context):
-        """GRPC transport: the actor streams a manifest and then the bucket bytes (each bucket's chunks in
-        order). Checksum mismatch or an incomplete stream: INVALID_ARGUMENT, the old weights keep serving.
+        """GRPC transport: the actor streams a manifest and then the bucket bytes. A push may run over
+        several concurrent streams (request metadata `rlfabric-push-streams: N`, default 1), each
+        starting with the same manifest and carrying its share of the chunks; chunks may arrive in any
+        order but must cover every bucket exactly once, and every stream answers with the one outcome.
+        The manifest must fit the replica's own weights (names, shapes, total bytes) before anything is
+        allocated: INVALID_ARGUMENT or RESOURCE_EXHAUSTED. Checksum mismatch, overlapping chunks or an
+        incomplete push: INVALID_ARGUMENT; a stream of the push missing at the deadline: DEADLINE_EXCEEDED.
+        Either way the old weights keep serving.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
