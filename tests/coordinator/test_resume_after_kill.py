@@ -3,6 +3,7 @@ no step is repeated or skipped, and every step trains on the batch an uninterrup
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -55,7 +56,8 @@ def test_kill_the_mesh_mid_run_and_rerun_the_same_command(tmp_path):
             assert time.monotonic() < deadline, "no checkpoint of step 2 within 400 s"
             time.sleep(0.05)
     finally:
-        os.killpg(first.pid, signal.SIGKILL)  # the launcher and every service: the whole mesh dies at once
+        with contextlib.suppress(ProcessLookupError):  # the launcher and every service: the whole mesh dies at once
+            os.killpg(first.pid, signal.SIGKILL)
         first.wait()
     endpoints = json.loads((run_dir / "endpoints.json").read_text())
     pids = [e["pid"] for entries in endpoints.values() for e in entries]

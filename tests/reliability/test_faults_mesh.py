@@ -184,9 +184,10 @@ def assert_like_an_uninterrupted_run(mesh: LocalMesh, run_dir: Path, steps: int,
 def stall_mid_generation(coordinator: Coordinator, victim: ServiceProcess, other: ServiceProcess) -> int:
     """Freezes `victim` (SIGSTOP) while it holds an unfinished generate request of a step after the
     first; returns that step. A freeze that came too late (the step moved on) is undone and tried again."""
-    for _ in range(20):
-        step = coordinator.wait("the replica generating", lambda s: s.step >= 1 and s.phase == "generating"
-                                and generating(victim)).step + 1
+    # Generation takes well under a second here: freeze as soon as a step starts generating (one
+    # GetRunStatus per poll, nothing slower), then check that the step is waiting for the victim alone.
+    for _ in range(60):
+        step = coordinator.wait("a step generating", lambda s: s.step >= 1 and s.phase == "generating").step + 1
         os.kill(victim.process.pid, signal.SIGSTOP)
         time.sleep(1.0)  # a step's generation takes well under a second here
         status = coordinator.status()
