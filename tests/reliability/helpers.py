@@ -66,6 +66,23 @@ class Method:
         return f"{self.service.removeprefix('rlfabric.v1.')}.{self.name}"
 
 
+# The RPCs the reliability tests call by wire path.
+SCORE = Method("rlfabric.v1.RewardService", "Score", "unary")
+GENERATE = Method("rlfabric.v1.RolloutService", "Generate", "unary")
+GENERATE_STREAM = Method("rlfabric.v1.RolloutService", "GenerateStream", "server_stream")
+GET_STATUS = Method("rlfabric.v1.RolloutService", "GetStatus", "unary")
+PAUSE = Method("rlfabric.v1.RolloutService", "Pause", "unary")
+RESUME = Method("rlfabric.v1.RolloutService", "Resume", "unary")
+PUSH_WEIGHTS = Method("rlfabric.v1.RolloutService", "PushWeights", "client_stream")
+ACTOR_LOG_PROBS = Method("rlfabric.v1.ActorService", "ComputeLogProbs", "unary")
+UPDATE_POLICY = Method("rlfabric.v1.ActorService", "UpdatePolicy", "unary")
+LOAD_CHECKPOINT = Method("rlfabric.v1.ActorService", "LoadCheckpoint", "unary")
+REFERENCE_LOG_PROBS = Method("rlfabric.v1.ReferenceService", "ComputeLogProbs", "unary")
+COMPUTE_VALUES = Method("rlfabric.v1.CriticService", "ComputeValues", "unary")
+UPDATE_VALUES = Method("rlfabric.v1.CriticService", "UpdateValues", "unary")
+START_RUN = Method("rlfabric.v1.CoordinatorService", "StartRun", "unary")
+
+
 @dataclass
 class Answer:
     code: grpc.StatusCode

@@ -26,6 +26,12 @@ from rlfabric.rollout.servicer import build_service as build_rollout_service
 from rlfabric.v1 import reward_pb2, rollout_pb2
 
 from .helpers import (
+    GENERATE,
+    GENERATE_STREAM,
+    GET_STATUS,
+    PAUSE,
+    RESUME,
+    SCORE,
     SERVING,
     Answer,
     Method,
@@ -35,13 +41,6 @@ from .helpers import (
     health,
     trainer_config,
 )
-
-SCORE = Method("rlfabric.v1.RewardService", "Score", "unary")
-GENERATE = Method("rlfabric.v1.RolloutService", "Generate", "unary")
-GENERATE_STREAM = Method("rlfabric.v1.RolloutService", "GenerateStream", "server_stream")
-GET_STATUS = Method("rlfabric.v1.RolloutService", "GetStatus", "unary")
-PAUSE = Method("rlfabric.v1.RolloutService", "Pause", "unary")
-RESUME = Method("rlfabric.v1.RolloutService", "Resume", "unary")
 
 SLOW_S = 2.0  # how long the slow reward function takes per item
 SLOW_REWARD = textwrap.dedent(

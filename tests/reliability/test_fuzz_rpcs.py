@@ -44,7 +44,17 @@ from rlfabric.v1 import (
 )
 
 from .helpers import (
+    ACTOR_LOG_PROBS,
+    COMPUTE_VALUES,
+    GENERATE,
+    GENERATE_STREAM,
+    PUSH_WEIGHTS,
+    REFERENCE_LOG_PROBS,
+    SCORE,
     SERVING,
+    START_RUN,
+    UPDATE_POLICY,
+    UPDATE_VALUES,
     Method,
     assert_clean,
     call_raw,
@@ -62,16 +72,6 @@ from .helpers import (
 VOCAB = 100  # the tiny model's
 MAX_LEN = 512  # its max_position_embeddings
 
-SCORE = Method("rlfabric.v1.RewardService", "Score", "unary")
-GENERATE = Method("rlfabric.v1.RolloutService", "Generate", "unary")
-GENERATE_STREAM = Method("rlfabric.v1.RolloutService", "GenerateStream", "server_stream")
-PUSH_WEIGHTS = Method("rlfabric.v1.RolloutService", "PushWeights", "client_stream")
-ACTOR_LOG_PROBS = Method("rlfabric.v1.ActorService", "ComputeLogProbs", "unary")
-UPDATE_POLICY = Method("rlfabric.v1.ActorService", "UpdatePolicy", "unary")
-REFERENCE_LOG_PROBS = Method("rlfabric.v1.ReferenceService", "ComputeLogProbs", "unary")
-COMPUTE_VALUES = Method("rlfabric.v1.CriticService", "ComputeValues", "unary")
-UPDATE_VALUES = Method("rlfabric.v1.CriticService", "UpdateValues", "unary")
-START_RUN = Method("rlfabric.v1.CoordinatorService", "StartRun", "unary")
 
 TRAINER_METHODS = [ACTOR_LOG_PROBS, UPDATE_POLICY, REFERENCE_LOG_PROBS, COMPUTE_VALUES, UPDATE_VALUES]
 ALL_METHODS = [SCORE, GENERATE, GENERATE_STREAM, PUSH_WEIGHTS, *TRAINER_METHODS, START_RUN]

@@ -49,6 +49,11 @@ from rlfabric.rollout.servicer import build_service as build_rollout_service
 from rlfabric.v1 import actor_pb2, reward_pb2, rollout_pb2, tensor_pb2
 
 from .helpers import (
+    ACTOR_LOG_PROBS,
+    GENERATE,
+    LOAD_CHECKPOINT,
+    PUSH_WEIGHTS,
+    SCORE,
     SERVING,
     Answer,
     Method,
@@ -64,11 +69,6 @@ from .helpers import (
 )
 
 TOKEN = "s3cret-token"
-SCORE = Method("rlfabric.v1.RewardService", "Score", "unary")
-GENERATE = Method("rlfabric.v1.RolloutService", "Generate", "unary")
-PUSH_WEIGHTS = Method("rlfabric.v1.RolloutService", "PushWeights", "client_stream")
-LOG_PROBS = Method("rlfabric.v1.ActorService", "ComputeLogProbs", "unary")
-LOAD_CHECKPOINT = Method("rlfabric.v1.ActorService", "LoadCheckpoint", "unary")
 
 
 def credentials(pki, client: str | None = "client") -> grpc.ChannelCredentials:
@@ -116,7 +116,7 @@ def secured(serve_module, secure_config):
 GOOD = {
     "reward": (SCORE, lambda: good_score_request().SerializeToString()),
     "rollout": (GENERATE, lambda: good_generate_request().SerializeToString()),
-    "actor": (LOG_PROBS, lambda: trainer_request(LOG_PROBS, sequence_batch()).SerializeToString()),
+    "actor": (ACTOR_LOG_PROBS, lambda: trainer_request(ACTOR_LOG_PROBS, sequence_batch()).SerializeToString()),
 }
 
 
@@ -291,7 +291,7 @@ def send(address: str, method: Method, payload) -> Answer:
 
 
 def test_pickles_as_whole_requests(plain, pickles, marker):
-    for role, method in (("reward", SCORE), ("rollout", GENERATE), ("actor", LOG_PROBS), ("rollout", PUSH_WEIGHTS)):
+    for role, method in (("reward", SCORE), ("rollout", GENERATE), ("actor", ACTOR_LOG_PROBS), ("rollout", PUSH_WEIGHTS)):
         payload = [pickles["binary"]] if method.kind == "client_stream" else pickles["binary"]
         answer = send(plain[role], method, payload)
         assert answer.code == grpc.StatusCode.INVALID_ARGUMENT, (method, answer.code, answer.details)
@@ -307,11 +307,11 @@ def test_pickles_in_tensor_bytes_and_string_columns(plain, pickles, marker):
             bad = tensor_pb2.Batch()
             bad.CopyFrom(batch)
             bad.tensors[name].CopyFrom(tensor)
-            answer = send(plain["actor"], LOG_PROBS, trainer_request(LOG_PROBS, bad).SerializeToString())
+            answer = send(plain["actor"], ACTOR_LOG_PROBS, trainer_request(ACTOR_LOG_PROBS, bad).SerializeToString())
             assert answer.code == grpc.StatusCode.INVALID_ARGUMENT, answer.details
     # A string column rides along untouched (the actor reads tensors only).
     batch.columns["note"].values.extend([pickles["text"]] * 2)
-    answer = send(plain["actor"], LOG_PROBS, trainer_request(LOG_PROBS, batch).SerializeToString())
+    answer = send(plain["actor"], ACTOR_LOG_PROBS, trainer_request(ACTOR_LOG_PROBS, batch).SerializeToString())
     assert answer.code == grpc.StatusCode.OK, answer.details
     assert not marker.exists()
 
@@ -381,7 +381,7 @@ def test_a_checkpoint_holding_a_pickle_bomb_runs_nothing(plain, tiny_model, mark
     answer = _load_checkpoint(plain, _checkpoint_with_a_pickle(tmp_path / "ckpt", Path(tiny_model), marker))
     assert answer.code != grpc.StatusCode.OK
     assert not marker.exists()  # torch.load(weights_only=True) refused the pickle
-    assert_clean(send(plain["actor"], LOG_PROBS, GOOD["actor"][1]()), "ComputeLogProbs after")
+    assert_clean(send(plain["actor"], ACTOR_LOG_PROBS, GOOD["actor"][1]()), "ComputeLogProbs after")
 
 
 def test_a_checkpoint_holding_a_pickle_bomb_is_a_clean_refusal(plain, tiny_model, marker, tmp_path):
