@@ -12,8 +12,15 @@ from collections.abc import Mapping
 
 import torch
 
+# ISA-L's CRC-32 is zlib's (the same values), 4-5x faster; its crc32_combine gives crc32(a + b) from
+# the parts' CRCs, so a bucket whose chunks arrive out of order (several PushWeights streams) is
+# checked chunk by chunk as they land, with no second pass over the whole bucket.
+from isal.isal_zlib import crc32, crc32_combine  # noqa: F401 - crc32_combine: the receivers'
+
 from rlfabric.core.errors import InvalidArgument
 from rlfabric.core.weight_sync.manifest import BucketSpec, Manifest, TensorSpec, aligned
+
+CRC32_IMPLEMENTATION = "isal"  # recorded by the weight-sync bench
 
 
 def plan_buckets(tensors: Mapping[str, torch.Tensor], bucket_bytes: int,
@@ -53,70 +60,9 @@ def tensor_view(buffer: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
     return buffer[spec.offset : spec.offset + spec.num_bytes].view(spec.dtype).view(spec.shape)
 
 
-try:  # ISA-L's CRC-32: the same function as zlib's (same values), 4-5x faster with carry-less multiply
-    from isal.isal_zlib import crc32
-    CRC32_IMPLEMENTATION = "isal"
-except ImportError:  # pragma: no cover - isal is a dependency; zlib computes the same checksum
-    from zlib import crc32
-    CRC32_IMPLEMENTATION = "zlib"
-
-
 def checksum(buffer: torch.Tensor) -> int:
     """zlib's CRC-32 of a bucket's bytes (GPU buffers are copied to the host first)."""
     return crc32(buffer.detach().cpu().contiguous().view(torch.uint8).numpy())
-
-
-# CRC-32 of concatenated pieces from the pieces' own CRCs, so a bucket whose chunks arrive out of
-# order (several PushWeights streams) is checked chunk by chunk as they land, with no pass over the
-# whole bucket at the end. Appending n bytes to a message multiplies its CRC register by x^(8n)
-# modulo the CRC polynomial (zlib's initial and final xor cancel out); that multiplication is
-# linear over GF(2), so it is a 32x32 bit matrix, kept as 32 column words and built by squaring.
-_CRC32_POLY = 0xEDB88320  # the polynomial, bit-reversed as zlib's CRC-32 works on reflected bits
-
-
-def _gf2_apply(matrix: tuple[int, ...], vector: int) -> int:
-    result, column = 0, 0
-    while vector:
-        if vector & 1:
-            result ^= matrix[column]
-        vector >>= 1
-        column += 1
-    return result
-
-
-def _gf2_square(matrix: tuple[int, ...]) -> tuple[int, ...]:
-    return tuple(_gf2_apply(matrix, matrix[column]) for column in range(32))
-
-
-def _shift_one_bit() -> tuple[int, ...]:
-    """The register after one more zero bit: shift right, xor the polynomial if a one fell out."""
-    return (_CRC32_POLY, *(1 << (column - 1) for column in range(1, 32)))
-
-
-_SHIFTS: dict[int, tuple[int, ...]] = {}  # n -> the matrix appending n zero bytes (chunk sizes repeat)
-
-
-def _shift_bytes(num_bytes: int) -> tuple[int, ...]:
-    matrix = _SHIFTS.get(num_bytes)
-    if matrix is None:
-        power = _gf2_square(_gf2_square(_gf2_square(_shift_one_bit())))  # 8 bits: one zero byte
-        matrix, remaining = None, num_bytes
-        while remaining:
-            if remaining & 1:
-                matrix = power if matrix is None else tuple(_gf2_apply(power, column) for column in matrix)
-            remaining >>= 1
-            if remaining:
-                power = _gf2_square(power)
-        if len(_SHIFTS) < 64:
-            _SHIFTS[num_bytes] = matrix
-    return matrix
-
-
-def crc32_combine(crc_a: int, crc_b: int, length_b: int) -> int:
-    """zlib.crc32(a + b) from zlib.crc32(a), zlib.crc32(b) and len(b)."""
-    if length_b <= 0:
-        return crc_a
-    return _gf2_apply(_shift_bytes(length_b), crc_a) ^ crc_b
 
 
 def pack(tensors: Mapping[str, torch.Tensor], bucket_bytes: int, version: int, group_id: str,

@@ -177,9 +177,6 @@ class BucketAssembler:
             raise InvalidArgument(f"PushWeights stream ended before bucket(s) {missing} were complete")
         return unpack(self.buffers, self.manifest)
 
-    def close(self) -> None:
-        """Nothing to release (kept for callers of the earlier interface)."""
-
 
 class Membership:
     """A service's place in at most one weight-sync group. Joining a new group leaves the old one;
