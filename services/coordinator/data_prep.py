@@ -1,4 +1,4 @@
-"""Writes training data in VeRL's parquet schema: `rlfabric data synthetic` and `rlfabric data gsm8k`."""
+"""Writes training data in VeRL's parquet schema: `rlfabric data synthetic|arithmetic|gsm8k`."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from rlfabric.reward import synthetic
+from rlfabric.reward import arithmetic, synthetic
 
 # VeRL's GSM8K preprocessing appends this instruction to every question.
 GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
@@ -42,6 +42,17 @@ def write_synthetic(out_dir: str | Path, train_size: int = 2048, val_size: int =
         for index in range(size):
             prompt, answer = synthetic.make_example(rng)
             rows.append(_row(synthetic.DATA_SOURCE, prompt, answer, "letters", split, index))
+        paths[split] = _write(rows, Path(out_dir) / f"{split}.parquet")
+    return paths
+
+
+def write_arithmetic(out_dir: str | Path, train_size: int = 1024, val_size: int = 64, seed: int = 0) -> dict:
+    """The real-model task (see rlfabric.reward.arithmetic) as train.parquet and val.parquet."""
+    rng = random.Random(seed)
+    paths = {}
+    for split, size in (("train", train_size), ("val", val_size)):
+        rows = [_row(arithmetic.DATA_SOURCE, *arithmetic.make_example(rng), "math", split, index)
+                for index in range(size)]
         paths[split] = _write(rows, Path(out_dir) / f"{split}.parquet")
     return paths
 

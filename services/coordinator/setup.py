@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rlfabric.coordinator.data_prep import write_synthetic
+from rlfabric.coordinator.data_prep import write_arithmetic, write_synthetic
 from rlfabric.coordinator.dataset import DatasetError, RLHFDataset
 from rlfabric.coordinator.loop import PPOTrainer
 from rlfabric.coordinator.peers import Peers
@@ -19,11 +19,12 @@ def run_dir_of(config: RunConfig) -> Path:
 
 
 def load_datasets(config: RunConfig, run_dir: Path, tokenizer) -> tuple[RLHFDataset, RLHFDataset | None]:
-    """data.train_files / val_files, or the synthetic quickstart task written into RUN_DIR/data."""
+    """data.train_files / val_files, or data.builtin_task written into RUN_DIR/data."""
     data = config.data
     train_files, val_files = list(data.train_files), list(data.val_files)
     if not train_files:
-        paths = write_synthetic(run_dir / "data")
+        write = write_arithmetic if data.builtin_task == "arithmetic" else write_synthetic
+        paths = write(run_dir / "data" / data.builtin_task)
         train_files, val_files = [str(paths["train"])], val_files or [str(paths["val"])]
     try:
         kwargs = dict(tokenizer=tokenizer, max_prompt_length=data.max_prompt_length, truncation=data.truncation,

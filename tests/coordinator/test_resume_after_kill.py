@@ -38,7 +38,7 @@ def checkpoint_step(run_dir: Path) -> int:
 
 def expected_uids(run_dir: Path) -> dict[int, list[str]]:
     """The prompts of each step in an uninterrupted run: the dataset's seeded order, batch by batch."""
-    data = RLHFDataset([run_dir / "data" / "train.parquet"], load_tokenizer(str(run_dir / "model")),
+    data = RLHFDataset([run_dir / "data" / "find_vowel" / "train.parquet"], load_tokenizer(str(run_dir / "model")),
                        max_prompt_length=64)
     order = data.epoch_order(0, SEED)
     return {step: [data.rows[i].uid for i in order[(step - 1) * BATCH : step * BATCH]] for step in range(1, STEPS + 1)}

@@ -91,7 +91,7 @@ class Coordinator:
     def stop_if_running(self) -> None:
         try:
             if self.status().state in ACTIVE:
-                self.stub.StopRun(coordinator_pb2.StopRunRequest(save_checkpoint=False), timeout=120)
+                self.stub.StopRun(coordinator_pb2.StopRunRequest(skip_checkpoint=True), timeout=120)
         except grpc.RpcError:
             pass
 
@@ -166,7 +166,7 @@ def assert_every_sample_once(run_dir: Path, step: int) -> list[dict]:
 
 def expected_uids(mesh: LocalMesh, run_dir: Path, steps: int, seed: int) -> dict[int, list[str]]:
     """The prompts of each step in an uninterrupted run: the dataset's seeded order, batch by batch."""
-    data = RLHFDataset([run_dir / "data" / "train.parquet"], load_tokenizer(mesh.config.model.path),
+    data = RLHFDataset([run_dir / "data" / "find_vowel" / "train.parquet"], load_tokenizer(mesh.config.model.path),
                        max_prompt_length=mesh.config.data.max_prompt_length)
     order = data.epoch_order(0, seed)
     return {step: [data.rows[i].uid for i in order[(step - 1) * BATCH : step * BATCH]] for step in range(1, steps + 1)}
@@ -255,7 +255,7 @@ def test_a_rollout_replica_killed_mid_generation_rejoins_when_restarted(mesh, co
     # It serves the current weights, and the router sends it work again.
     assert rollout_weight_version(address) == paused.weight_version == rollout_weight_version(other)
     assert rpc_counts(restarted, "GenerateStream")[0] > 0, "the restarted replica never generated"
-    coordinator.stub.StopRun(coordinator_pb2.StopRunRequest(save_checkpoint=False), timeout=60)
+    coordinator.stub.StopRun(coordinator_pb2.StopRunRequest(skip_checkpoint=True), timeout=60)
 
     records = metrics_of(tmp_path)
     assert [r["step"] for r in records] == list(range(1, len(records) + 1))
