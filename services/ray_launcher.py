@@ -181,7 +181,7 @@ def default_num_gpus(config: RunConfig, role: str) -> float:
 
 
 class RayMesh(MeshContext):
-    """Starts and stops the six roles as Ray actors; the same surface as LocalMesh."""
+    """Starts and stops the roles the config uses as Ray actors; the same surface as LocalMesh."""
 
     def __init__(self, config: RunConfig, run_dir: Path | None = None, address: str | None = None):
         self.config = config

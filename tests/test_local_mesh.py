@@ -1,5 +1,7 @@
-"""`rlfabric up` with the built-in default: six services on loopback, each SERVING, listing its
-services through reflection and exposing RPC metrics; SIGTERM tears it all down (no orphans)."""
+"""`rlfabric up` with the built-in default: the lean quickstart mesh (actor, rollout, reward,
+coordinator: GRPO without a KL term needs no critic and no reference) on loopback, each SERVING,
+listing its services through reflection and exposing RPC metrics; a run that needs a role the mesh
+lacks is refused naming it; SIGTERM tears it all down (no orphans)."""
 
 from __future__ import annotations
 
@@ -64,9 +66,10 @@ def mesh(tmp_path_factory):
         launcher.kill()
 
 
-def test_six_roles_are_ready_and_reflect_their_services(mesh):
+def test_the_quickstart_roles_are_ready_and_reflect_their_services(mesh):
     _, run_dir, endpoints = mesh
-    assert set(endpoints) == set(SERVICE_OF_ROLE)
+    assert set(endpoints) == {"actor", "rollout", "reward", "coordinator"}
+    assert not (run_dir / "logs" / "critic.log").exists() and not (run_dir / "logs" / "reference.log").exists()
     for role, entries in endpoints.items():
         for entry in entries:
             with grpc.insecure_channel(entry["grpc"]) as channel:
@@ -88,8 +91,28 @@ def test_coordinator_knows_every_role_address(mesh):
 
     _, run_dir, endpoints = mesh
     resolved = yaml.safe_load((run_dir / "config.resolved.yaml").read_text())
-    for role in ("actor", "reference", "critic", "rollout", "reward"):
+    for role in ("actor", "rollout", "reward"):
         assert resolved["cluster"][role] == [e["grpc"] for e in endpoints[role]]
+    assert resolved["cluster"]["critic"] == [] and resolved["cluster"]["reference"] == []
+
+
+@pytest.mark.parametrize("overrides, role, key", [
+    (["algorithm.adv_estimator=gae"], "critic", "algorithm.adv_estimator=gae"),
+    (["algorithm.use_kl_in_reward=true"], "reference", "algorithm.use_kl_in_reward=true"),
+])
+def test_a_run_that_needs_a_role_the_mesh_lacks_is_refused_naming_it(mesh, overrides, role, key):
+    from rlfabric.v1 import coordinator_pb2, coordinator_pb2_grpc
+
+    _, run_dir, endpoints = mesh
+    with grpc.insecure_channel(endpoints["coordinator"][0]["grpc"]) as channel:
+        stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.StartRun(coordinator_pb2.StartRunRequest(overrides=[*overrides, f"trainer.run_dir={run_dir}/x"]),
+                          timeout=60)
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert f"{key} needs a {role} service" in refused.value.details()
+        status = stub.GetRunStatus(coordinator_pb2.GetRunStatusRequest(), timeout=10)
+        assert status.state == coordinator_pb2.RUN_STATE_UNSPECIFIED  # nothing started
 
 
 def test_status_command_reaches_the_coordinator(mesh):

@@ -160,6 +160,11 @@ class TrainerEngine:
                 f"batch has {batch.num_rows} rows; {self.role} updates need a multiple of the mini-batch of {rows} "
                 f"rows ({self.role}.ppo_mini_batch_size {self.section.ppo_mini_batch_size} x rollout.n "
                 f"{self.config.rollout.n})")
+        if self.role == "actor" and "old_log_probs" not in batch and (batch.num_rows > rows or self.section.ppo_epochs > 1):
+            raise InvalidArgument(
+                f"old_log_probs is missing; it may be left out only when the update is one optimizer step "
+                f"(one mini-batch of {rows} rows and actor.ppo_epochs 1), not {batch.num_rows} rows x "
+                f"{self.section.ppo_epochs} epochs")
         shards = [batch.select(index) for index in shard_rows(batch.num_rows, self.world_size, rows)]
         metrics = self._command(Command.UPDATE, [], shards)
         seconds = time.perf_counter() - started

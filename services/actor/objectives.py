@@ -83,8 +83,8 @@ class PolicyObjective:
         self.keep_logits = keep_logits
 
     def required_floats(self) -> tuple[str, ...]:
-        return ("old_log_probs", "advantages", "ref_log_probs") if self.config.use_kl_loss else (
-            "old_log_probs", "advantages")
+        """old_log_probs may be left out when the update is a single optimizer step (see loss)."""
+        return ("advantages", "ref_log_probs") if self.config.use_kl_loss else ("advantages",)
 
     def loss(
         self, model: nn.Module, batch: SequenceBatch, counts: MiniBatchCounts
@@ -100,8 +100,11 @@ class PolicyObjective:
             with torch.no_grad():  # for the metric only: no softmax copies kept for backward
                 entropy = algos.entropy_from_logits(logits.detach())
         agg = counts.aggregation()
+        # Without old_log_probs the update is one optimizer step on the policy that sampled the batch
+        # (TrainerEngine checks), so the old policy is the current one: its log-probs, detached.
+        old_log_probs = batch["old_log_probs"] if "old_log_probs" in batch else log_probs.detach()
         pg_loss, pg_stats = algos.policy_loss(
-            batch["old_log_probs"], log_probs, batch["advantages"], mask,
+            old_log_probs, log_probs, batch["advantages"], mask,
             clip_low=cfg.clip_ratio_low, clip_high=cfg.clip_ratio_high, clip_ratio_c=cfg.clip_ratio_c,
             agg=cfg.loss_agg_mode, mode=cfg.loss_mode, **agg,
         )

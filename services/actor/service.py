@@ -26,7 +26,7 @@ from rlfabric.v1 import (
     reference_pb2_grpc,
 )
 
-POLICY_UPDATE_TENSORS = (*SEQUENCE, "old_log_probs", "advantages")
+POLICY_UPDATE_TENSORS = (*SEQUENCE, "advantages")  # + old_log_probs, unless the update is one optimizer step
 VALUE_UPDATE_TENSORS = (*SEQUENCE, "values", "returns")
 
 
@@ -47,7 +47,7 @@ class ActorServicer(actor_pb2_grpc.ActorServiceServicer):
 
     async def UpdatePolicy(self, request, context):
         batch = codec.decode_batch(request.batch, required=POLICY_UPDATE_TENSORS,
-                                   optional=(POSITION_IDS, "ref_log_probs"))
+                                   optional=(POSITION_IDS, "old_log_probs", "ref_log_probs"))
         metrics = await self.engine.update(batch.tensors, request.global_step)
         return actor_pb2.UpdatePolicyResponse(metrics=metrics)
 

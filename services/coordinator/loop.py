@@ -9,7 +9,10 @@
 Modes: `sync` generates each step's batch with the weights trained so far (on-policy). `async`
 generates step k+1's batch while step k trains (one-step off-policy): its samples come from weights
 one version old, bounded by trainer.max_staleness and checked on every sample. The "old" log-probs
-always come from the actor at train time, so the PPO ratio is taken against the right policy.
+always come from the actor at train time, so the PPO ratio is taken against the right policy; when
+the update is one optimizer step they are the updated policy's own, taken inside that step.
+
+The end of a run keeps the policy: a checkpoint of the last step and RUN_DIR/final_model.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from rlfabric.coordinator.checkpoints import (
     read_state,
 )
 from rlfabric.coordinator.dataset import DataCursor, PromptRow, RLHFDataset
-from rlfabric.coordinator.peers import Peers, needs_critic, needs_reference
+from rlfabric.coordinator.peers import Peers
 from rlfabric.coordinator.rollout_batch import RolloutBatch, build_rollout_batch, token_level_scores
 from rlfabric.coordinator.step_metrics import StepTimer, data_metrics
 from rlfabric.coordinator.weight_sync import WeightSyncPlane
@@ -81,6 +84,10 @@ class PPOTrainer:
         self.cursor = DataCursor()
         self.kl_ctrl = self._kl_controller(config)
         self.checkpoint_requested: asyncio.Future | None = None
+        # Where a resume continues: the first batch not trained yet. In async mode a prefetched batch
+        # is drawn but not trained, so this lags self.cursor between steps.
+        self.untrained_cursor = DataCursor()
+        self.last_checkpoint_step: int | None = None
         self.run_id = run_dir.name
 
     # -- the run ---------------------------------------------------------------------------------
@@ -115,6 +122,8 @@ class PPOTrainer:
             state = read_state(path)
             self.step = state.step
             self.cursor = DataCursor(state.data_epoch, state.data_position)
+            self.untrained_cursor = self._copy(self.cursor)
+            self.last_checkpoint_step = self.step
             self.kl_ctrl.value = state.kl_coef
             log.info("resumed from %s at step %d", path, self.step)
         # Weight versions only grow on a replica: this run's versions start above what they serve now.
@@ -135,6 +144,7 @@ class PPOTrainer:
         pending: PendingRollout | None = None
         try:
             while self.step < trainer.total_steps:
+                self.untrained_cursor = pending.cursor_before if pending else self._copy(self.cursor)
                 await self._between_steps()
                 step = self.step + 1
                 pending = pending or self._start_rollout(step, batches)
@@ -146,12 +156,30 @@ class PPOTrainer:
                 if trainer.test_freq and (step % trainer.test_freq == 0 or step == trainer.total_steps):
                     metrics.update(await self.validate())
                 self.on_metrics(step, metrics)
+                self.untrained_cursor = upcoming.cursor_before if upcoming else self._copy(self.cursor)
                 if self._checkpoint_due(step):
-                    # A prefetched batch is not trained yet: a resume must draw it again.
-                    await self.save_checkpoint(upcoming.cursor_before if upcoming else self.cursor)
+                    await self.save_checkpoint()
         finally:
             if pending is not None:
                 pending.task.cancel()
+        await self.keep_policy(checkpoint=trainer.save_final)
+
+    async def keep_policy(self, checkpoint: bool) -> None:
+        """The end of a run (completed, or stopped with a save): a checkpoint of the last step unless
+        one was just written, and the policy as a Hugging Face directory in RUN_DIR/final_model
+        (trainer.export_final)."""
+        trainer = self.config.trainer
+        if self.step == 0:
+            return
+        if checkpoint and self.last_checkpoint_step != self.step:
+            await self.save_checkpoint()
+        if trainer.export_final:
+            self.on_phase("exporting")
+            await self.peers.ask("actor", self.peers.actor.export_hf(str(self.final_model_dir())))
+            log.info("final policy exported to %s", self.final_model_dir())
+
+    def final_model_dir(self) -> Path:
+        return self.run_dir / "final_model"
 
     async def train_step(self, step: int, batch: RolloutBatch, timer: StepTimer,
                          next_rollout: PendingRollout | None = None) -> dict[str, float]:
@@ -168,18 +196,22 @@ class PPOTrainer:
         metrics["rollout/staleness/mean"] = staleness.float().mean().item()
         metrics["rollout/staleness/max"] = float(staleness.max())
 
-        # Log-probs under the reference and the current policy, and values: three services at once.
+        # Log-probs under the reference and the current policy, and values: three services at once. When
+        # the update is one optimizer step, the "old" policy is the one being updated: the actor takes its
+        # own log-probs in that step, and the separate forward pass is skipped.
         self.on_phase("computing")
         tensors = batch.tensors
         with timer("old_log_prob"):
-            calls = {"old": peers.ask("actor", peers.actor.compute_log_probs(tensors, temperature,
-                                                                             compute_entropy=False))}
+            calls = {}
+            if self._needs_old_log_probs():
+                calls["old"] = peers.ask("actor", peers.actor.compute_log_probs(tensors, temperature,
+                                                                                compute_entropy=False))
             if peers.reference is not None:
                 calls["ref"] = peers.ask("reference", peers.reference.compute_log_probs(tensors, temperature))
             if peers.critic is not None:
                 calls["values"] = peers.ask("critic", peers.critic.compute_values(tensors))
             results = dict(zip(calls, await asyncio.gather(*calls.values()), strict=True))
-        old_log_probs = results["old"]["log_probs"]
+        old_log_probs = results["old"]["log_probs"] if "old" in results else None
         ref_log_probs = results["ref"]["log_probs"] if "ref" in results else None
         values = results["values"]["values"] if "values" in results else None
 
@@ -204,7 +236,9 @@ class PPOTrainer:
         # Critic and actor updates: two services, at once.
         self.on_phase("updating")
         with timer("update"):
-            policy_batch = {**tensors, "old_log_probs": old_log_probs, "advantages": advantages}
+            policy_batch = {**tensors, "advantages": advantages}
+            if old_log_probs is not None:
+                policy_batch["old_log_probs"] = old_log_probs
             if config.actor.use_kl_loss:
                 policy_batch["ref_log_probs"] = ref_log_probs
             updates = [peers.ask("actor", peers.actor.update_policy(policy_batch, global_step=step))]
@@ -344,15 +378,17 @@ class PPOTrainer:
                 "weight_sync/replicas": float(len(synced)), "rollout/weight_version": float(version)}
 
     def _checkpoint_due(self, step: int) -> bool:
-        save_freq = self.config.trainer.save_freq
+        trainer = self.config.trainer
         if self.checkpoint_requested is not None:
             return True
-        return bool(save_freq) and (step % save_freq == 0 or step == self.config.trainer.total_steps)
+        last = step == trainer.total_steps
+        return (last and trainer.save_final) or bool(trainer.save_freq) and (step % trainer.save_freq == 0 or last)
 
-    async def save_checkpoint(self, cursor: DataCursor | None = None) -> Path:
-        """RUN_DIR/checkpoints/global_step_<step>, written atomically (see checkpoints.py)."""
+    async def save_checkpoint(self) -> Path:
+        """RUN_DIR/checkpoints/global_step_<step>, written atomically (see checkpoints.py); a resume from
+        it continues with the first batch not trained yet."""
         self.on_phase("checkpointing")
-        cursor = cursor or self.cursor
+        cursor = self.untrained_cursor
         writer = CheckpointWriter(self.run_dir, keep=self.config.trainer.max_checkpoints_to_keep)
         tmp = writer.begin(self.step)
         try:
@@ -380,6 +416,7 @@ class PPOTrainer:
             if failure is not error:
                 raise failure from error
             raise
+        self.last_checkpoint_step = self.step
         log.info("checkpoint %s written", path)
         if self.checkpoint_requested is not None and not self.checkpoint_requested.done():
             self.checkpoint_requested.set_result(path)
@@ -392,6 +429,17 @@ class PPOTrainer:
         """Run control (pause, stop) gets its turn between steps."""
         if self.between_steps is not None:
             await self.between_steps()
+
+    def _needs_old_log_probs(self) -> bool:
+        """False when the actor's update is a single optimizer step (one mini-batch, one epoch) and no KL
+        in the reward reads them before it."""
+        actor, config = self.config.actor, self.config
+        one_step = actor.ppo_epochs == 1 and actor.ppo_mini_batch_size >= config.data.train_batch_size
+        return not one_step or config.algorithm.use_kl_in_reward
+
+    @staticmethod
+    def _copy(cursor: DataCursor) -> DataCursor:
+        return DataCursor(cursor.epoch, cursor.position)
 
     def _version(self, step: int) -> int:
         """The weight version that holds the policy after `step` steps of this run."""
@@ -432,19 +480,25 @@ class PPOTrainer:
 
 
 def check_roles(config: RunConfig) -> None:
-    """Config combinations the loop cannot run, as errors naming the keys."""
-    if config.actor.use_kl_loss and not needs_reference(config):
-        raise FailedPrecondition("actor.use_kl_loss needs reference.enable=true")
-    if config.algorithm.use_kl_in_reward and not config.reference.enable:
-        raise FailedPrecondition("algorithm.use_kl_in_reward needs reference.enable=true")
+    """Config combinations the loop cannot run, as errors naming the keys. A run that needs a role the
+    mesh was started without (the launchers start only the roles of the config they were given) is
+    FAILED_PRECONDITION naming the role and the key that needs it."""
+    kl_keys = [key for key, on in (("actor.use_kl_loss", config.actor.use_kl_loss),
+                                   ("algorithm.use_kl_in_reward", config.algorithm.use_kl_in_reward)) if on]
+    if kl_keys and not config.reference.enable:
+        raise FailedPrecondition(f"{kl_keys[0]}=true needs reference.enable=true")
     if config.algorithm.adv_estimator not in algos.advantage_estimator_names():
         raise FailedPrecondition(f"algorithm.adv_estimator {config.algorithm.adv_estimator!r} is not registered; "
                                  f"known: {', '.join(algos.advantage_estimator_names())}")
-    if needs_critic(config) and not config.cluster.critic:
-        raise FailedPrecondition("algorithm.adv_estimator=gae needs a critic service (cluster.critic)")
+    needed = {"critic": f"algorithm.adv_estimator={config.algorithm.adv_estimator}" if config.uses_critic() else "",
+              "reference": f"{kl_keys[0]}=true" if config.uses_reference() else ""}
+    for role, key in needed.items():
+        if key and not getattr(config.cluster, role):
+            raise FailedPrecondition(f"{key} needs a {role} service, and this mesh runs none (cluster.{role} is "
+                                     f"empty): start the mesh with a config that sets {key}")
     for role in ("actor", "critic"):
         mini = getattr(config, role).ppo_mini_batch_size
-        if role == "actor" or needs_critic(config):
+        if role == "actor" or config.uses_critic():
             if config.data.train_batch_size < mini:
                 raise InvalidArgument(f"data.train_batch_size {config.data.train_batch_size} < {role}.ppo_mini_batch_size "
                                       f"{mini}: a step must hold at least one mini-batch")

@@ -20,15 +20,6 @@ log = logging.getLogger("rlfabric.coordinator")
 T = TypeVar("T")
 
 
-def needs_critic(config: RunConfig) -> bool:
-    """Only GAE uses a value model."""
-    return config.algorithm.adv_estimator == "gae"
-
-
-def needs_reference(config: RunConfig) -> bool:
-    return config.reference.enable and (config.actor.use_kl_loss or config.algorithm.use_kl_in_reward)
-
-
 def blame(role: str, address: str, timeout_s: float, error: Exception, attempts: int = 1) -> Exception:
     """A deadline or connection error of a call to `role`, re-worded to name the role, its address and
     the deadline it missed; other errors unchanged."""
@@ -56,7 +47,7 @@ class Peers:
         """Clients for config.cluster's addresses; FailedPrecondition names a role the run needs but lacks."""
         cluster = config.cluster
         wanted = {"actor": True, "rollout": True, "reward": True,
-                  "reference": needs_reference(config), "critic": needs_critic(config)}
+                  "reference": config.uses_reference(), "critic": config.uses_critic()}
         missing = [role for role, needed in wanted.items() if needed and not getattr(cluster, role)]
         if missing:
             raise FailedPrecondition(f"the run needs cluster.{', cluster.'.join(missing)} (service addresses) "

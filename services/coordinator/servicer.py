@@ -53,7 +53,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         return coordinator_pb2.ResumeRunResponse()
 
     async def StopRun(self, request, context):
-        await self.controller.stop_run(request.save_checkpoint)
+        # A checkpoint unless the caller says skip_checkpoint (save_checkpoint is the older, explicit form).
+        await self.controller.stop_run(request.save_checkpoint or not request.skip_checkpoint)
         return coordinator_pb2.StopRunResponse()
 
     async def SaveCheckpoint(self, request, context):
@@ -154,11 +155,14 @@ class RunController:
         self._resumed.set()
 
     async def stop_run(self, save_checkpoint: bool) -> None:
-        """Ends the run at the next step boundary (after saving, if asked); returns once it has ended."""
+        """Ends the run at the next step boundary, after a checkpoint and the final-model export unless
+        save_checkpoint is false; returns once it has ended, with an error if the save failed."""
         self._require_active()
         self._stop_requested, self._save_on_stop = True, save_checkpoint
         self._resumed.set()
         await asyncio.gather(self._task, return_exceptions=True)
+        if self.state == coordinator_pb2.RUN_STATE_FAILED:
+            raise FailedPrecondition(f"the run failed while stopping: {self.error}")
 
     async def save_checkpoint(self) -> tuple[Path, int]:
         """A checkpoint now (idle run) or at the next step boundary (running run)."""
@@ -207,8 +211,8 @@ class RunController:
             await self._resumed.wait()
             self.state = coordinator_pb2.RUN_STATE_RUNNING
         if self._stop_requested:
-            if self._save_on_stop and self.trainer.step > 0:
-                await self.trainer.save_checkpoint()
+            if self._save_on_stop:
+                await self.trainer.keep_policy(checkpoint=True)
             raise _StopRun()
 
     def _set_phase(self, phase: str) -> None:

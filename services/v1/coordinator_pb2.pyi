@@ -107,10 +107,12 @@ class ResumeRunResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class StopRunRequest(_message.Message):
-    __slots__ = ("save_checkpoint",)
+    __slots__ = ("save_checkpoint", "skip_checkpoint")
     SAVE_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    SKIP_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     save_checkpoint: bool
-    def __init__(self, save_checkpoint: _Optional[bool] = ...) -> None: ...
+    skip_checkpoint: bool
+    def __init__(self, save_checkpoint: _Optional[bool] = ..., skip_checkpoint: _Optional[bool] = ...) -> None: ...
 
 class StopRunResponse(_message.Message):
     __slots__ = ()

@@ -112,7 +112,8 @@ class CoordinatorServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def StopRun(self, request, context):
-        """Stops the run after the current phase; checkpoints first if asked.
+        """Stops the run at the next step boundary, after a checkpoint and the final-model export unless
+        skip_checkpoint is set; fails if that save failed.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -41,6 +41,38 @@ def test_positive_advantages_raise_the_log_probs_of_their_tokens(tiny_model):
         assert f'{name}{{role="actor"}}' in exposition
 
 
+def test_a_single_step_update_without_old_log_probs_is_the_same_update(tiny_model):
+    """One mini-batch, one epoch: left out, the old log-probs are the policy's own, taken in the step;
+    the weights end where an update given the separately computed ones puts them."""
+    import pytest
+
+    from rlfabric.core.errors import InvalidArgument
+
+    config = make_config(tiny_model, n=2, actor={"lr": 1e-2, "ppo_mini_batch_size": 4})
+    batch = make_batch(rows=8)
+    advantages = torch.linspace(-1, 1, 40).reshape(8, 5)
+    results = []
+    for give_old in (True, False):
+        with Served("actor", config) as served:
+            update = {**batch, "advantages": advantages}
+            if give_old:
+                update["old_log_probs"] = served.run(served.client.compute_log_probs(batch))["log_probs"]
+            metrics = served.run(served.client.update_policy(update))
+            results.append((weights(served), metrics))
+    (with_old, metrics_with), (without, metrics_without) = results
+    for name in with_old:
+        torch.testing.assert_close(without[name], with_old[name], rtol=1e-5, atol=1e-6)
+    assert metrics_without["actor/ppo_kl"] == 0 and metrics_without["actor/pg_clipfrac"] == 0
+    assert abs(metrics_without["actor/pg_loss"] - metrics_with["actor/pg_loss"]) < 1e-5
+
+    # Two mini-batches: the second's "old" policy would be the updated one, so the actor refuses.
+    two_steps = make_config(tiny_model, n=2, actor={"lr": 1e-2, "ppo_mini_batch_size": 2})
+    with Served("actor", two_steps) as served:
+        with pytest.raises(InvalidArgument, match="old_log_probs is missing"):  # INVALID_ARGUMENT on the wire
+            served.run(served.client.update_policy({**batch, "advantages": advantages}))
+        assert served.run(served.client.get_status()).optimizer_step == 0
+
+
 def test_zero_advantages_give_zero_gradient(tiny_model):
     config = make_config(tiny_model, n=2, actor={"lr": 1e-2, "ppo_mini_batch_size": 2, "weight_decay": 0.0})
     batch = make_batch(rows=8)

@@ -28,10 +28,16 @@ pytestmark = pytest.mark.slow
 STEPS = 4
 
 
+# The mesh starts as PPO (GAE) so that it runs a critic for the PPO test; the others run GRPO, the
+# quickstart's estimator, through this StartRun override.
+GRPO = "algorithm.adv_estimator=grpo"
+
+
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory):
     # The critic (used by the PPO test only) learns faster than its LLM-sized defaults allow.
-    config = load_config(None, ["rollout.replicas=2", "rollout.seed=3", "trainer.progress_bar=false",
+    config = load_config(None, ["algorithm.adv_estimator=gae", "rollout.replicas=2", "rollout.seed=3",
+                                "trainer.progress_bar=false",
                                 "weight_sync.timeout_s=20", "critic.lr=1e-3", "critic.ppo_micro_batch_size_per_gpu=512",
                                 "critic.forward_micro_batch_size_per_gpu=512"])
     with LocalMesh(config, tmp_path_factory.mktemp("e2e") / "mesh") as mesh:
@@ -43,6 +49,8 @@ def coordinator(mesh) -> CoordinatorClient:
 
 
 async def run_to_end(mesh, overrides: list[str], timeout_s: float = 400) -> coordinator_pb2.GetRunStatusResponse:
+    if not any(o.startswith("algorithm.adv_estimator=") for o in overrides):
+        overrides = [GRPO, *overrides]
     async with coordinator(mesh) as client:
         await client.start_run(overrides)
         async with asyncio.timeout(timeout_s):
@@ -120,7 +128,7 @@ def test_run_control_pause_checkpoint_stop_and_bad_requests(mesh, tmp_path):
                 with pytest.raises(grpc.RpcError) as error:
                     await client.start_run(bad)
                 assert error.value.code() == code, bad
-            await client.start_run([f"trainer.run_dir={tmp_path}", "trainer.total_steps=50"])
+            await client.start_run([GRPO, f"trainer.run_dir={tmp_path}", "trainer.total_steps=50"])
             with pytest.raises(grpc.RpcError) as error:  # one run at a time
                 await client.start_run([f"trainer.run_dir={tmp_path}"])
             assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
@@ -137,7 +145,7 @@ def test_run_control_pause_checkpoint_stop_and_bad_requests(mesh, tmp_path):
             saved = await client.call("SaveCheckpoint", coordinator_pb2.CoordinatorServiceSaveCheckpointRequest())
             assert Path(saved.path).name == f"global_step_{saved.step}"
             assert (Path(saved.path) / "actor" / "model.safetensors").exists()
-            await client.call("StopRun", coordinator_pb2.StopRunRequest(save_checkpoint=False))
+            await client.call("StopRun", coordinator_pb2.StopRunRequest(skip_checkpoint=True))
             status = await client.run_status()
             assert status.state == coordinator_pb2.RUN_STATE_STOPPED
             assert status.step < 50
@@ -151,7 +159,7 @@ def test_a_rollout_replica_killed_mid_run_is_dropped_and_the_run_finishes(mesh, 
 
     async def scenario():
         async with coordinator(mesh) as client:
-            await client.start_run([f"trainer.run_dir={tmp_path}", f"trainer.total_steps={steps}"])
+            await client.start_run([GRPO, f"trainer.run_dir={tmp_path}", f"trainer.total_steps={steps}"])
             async with asyncio.timeout(300):
                 async for update in client.stream("StreamMetrics", coordinator_pb2.StreamMetricsRequest(), 300):
                     if update.step == 1:

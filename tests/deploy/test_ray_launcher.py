@@ -33,6 +33,8 @@ from rlfabric.v1 import reward_pb2, reward_pb2_grpc, rollout_pb2, rollout_pb2_gr
 pytestmark = pytest.mark.slow
 
 ROLES = {"actor", "reference", "critic", "rollout", "reward", "coordinator"}
+LEAN_ROLES = {"actor", "rollout", "reward", "coordinator"}  # the quickstart (GRPO, no KL term)
+EVERY_ROLE = ["algorithm.adv_estimator=gae", "actor.use_kl_loss=true"]  # PPO with a KL loss: all six
 CLUSTER_CPUS = 8
 # Small CPU reservations (they are Ray's logical CPUs): every mesh of the module fits beside another.
 CPUS = {"actor": 1.0, "reference": 0.5, "critic": 0.5, "rollout": 1.0, "reward": 0.25, "coordinator": 0.25}
@@ -150,9 +152,10 @@ def small(tmp_path_factory) -> list[str]:
 
 @pytest.fixture(scope="module")
 def cli_mesh(ray_address, tmp_path_factory):
-    """`rlfabric up --launcher ray --address ADDR` with the quickstart config, every role."""
+    """`rlfabric up --launcher ray --address ADDR` with the quickstart config as PPO with a KL loss: every role."""
     run_dir = tmp_path_factory.mktemp("ray") / "run"
-    launcher = Launcher("up", "--launcher", "ray", "--address", ray_address, "--run-dir", str(run_dir), *SMALL)
+    launcher = Launcher("up", "--launcher", "ray", "--address", ray_address, "--run-dir", str(run_dir), *SMALL,
+                        *EVERY_ROLE)
     started = time.monotonic()
     launcher.wait_ready()
     print(f"ray mesh ready in {time.monotonic() - started:.1f} s")
@@ -278,7 +281,7 @@ def test_up_without_address_runs_its_own_ray_and_notices_a_lost_actor(ray_addres
         launcher.wait_ready()
         tree = _descendants(launcher.process.pid)  # its Ray instance (GCS, raylet, workers) and services
         endpoints = json.loads((run_dir / "endpoints.json").read_text())
-        assert set(endpoints) == ROLES
+        assert set(endpoints) == LEAN_ROLES  # the quickstart starts no critic and no reference
         assert set(_pids(endpoints)) <= tree
         assert _actors_in(f"rlfabric-{run_dir.name}") == []  # not on the module's cluster
         # The reward's Ray actor dies (as with a lost node): its service goes with it, the launcher

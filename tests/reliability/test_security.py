@@ -569,7 +569,8 @@ STATUS_OF_ROLE = {
 
 @pytest.fixture(scope="module")
 def secure_mesh(pki, tmp_path_factory):
-    """`rlfabric up` with the quickstart plus server.tls (mTLS) and server.auth_token_file."""
+    """`rlfabric up` with the quickstart plus server.tls (mTLS) and server.auth_token_file, as PPO with a KL
+    loss so that every role runs (a critic for GAE, a reference for the KL term)."""
     d = tmp_path_factory.mktemp("secure-mesh")
     (d / "token").write_text(TOKEN + "\n")
     config = d / "mesh.yaml"
@@ -580,7 +581,8 @@ def secure_mesh(pki, tmp_path_factory):
           auth_token_file: {d / 'token'}
         """))
     run_dir = d / "run"
-    launcher = subprocess.Popen([sys.executable, "-m", "rlfabric", "up", str(config), "--run-dir", str(run_dir)],
+    launcher = subprocess.Popen([sys.executable, "-m", "rlfabric", "up", str(config), "--run-dir", str(run_dir),
+                                 "algorithm.adv_estimator=gae", "actor.use_kl_loss=true"],
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     output: list[str] = []
     threading.Thread(target=lambda: output.extend(launcher.stdout), daemon=True).start()
