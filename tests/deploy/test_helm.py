@@ -23,6 +23,8 @@ import pytest
 import yaml
 from helm_python import _native  # noqa: E402  (render options the public wrapper lacks)
 
+from rlfabric.core.config import config_from_dict, load_config
+
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "helm" / "rlfabric"
 DOCKERFILE = REPO / "docker" / "Dockerfile"
@@ -114,7 +116,7 @@ class Rendered:
         return self.get(kind, f"{FULLNAME}-{role}")
 
     def enabled(self) -> list[str]:
-        return [r for r in ROLES if self.values["roles"][r]["enabled"]]
+        return [r for r in ROLES if deployed(self.values, r)]
 
     def run_config(self) -> dict[str, Any]:
         cm = self.get("ConfigMap", f"{FULLNAME}-config")
@@ -129,6 +131,19 @@ class Rendered:
             elif d["kind"] == "Pod":
                 out.append((d["metadata"]["name"], d["spec"]))
         return out
+
+
+def deployed(values: dict[str, Any], role: str) -> bool:
+    """roles.<role>.enabled, with "auto" decided as the launchers decide: by RunConfig.roles_in_use of
+    the keys of `config` that choose the roles."""
+    enabled = values["roles"][role]["enabled"]
+    if enabled != "auto":
+        return bool(enabled)
+    config = values.get("config") or {}
+    deciding = {section: {key: config[section][key] for key in keys if key in config.get(section, {})}
+                for section, keys in (("algorithm", ("adv_estimator", "use_kl_in_reward")),
+                                      ("actor", ("use_kl_loss",)), ("reference", ("enable",)))}
+    return role in config_from_dict(deciding).roles_in_use()
 
 
 def container(workload: dict[str, Any]) -> dict[str, Any]:
@@ -489,7 +504,7 @@ def test_run_config_cluster_addresses(rendered):
     assert set(cluster) == set(CLUSTER_ROLES)
     for role in CLUSTER_ROLES:
         spec = rendered.values["roles"][role]
-        want = expected_addresses(role, spec["replicas"]) if spec["enabled"] else []
+        want = expected_addresses(role, spec["replicas"]) if deployed(rendered.values, role) else []
         assert cluster[role] == want, role
     rollout = cluster["rollout"]
     assert len(rollout) == rendered.values["roles"]["rollout"]["replicas"] >= 1
@@ -800,3 +815,24 @@ def test_dockerfile_lints():
         [hadolint, "--no-color", str(DOCKERFILE)], capture_output=True, text=True, timeout=60
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+# --- a lean mesh: only the roles the run config uses -----------------------------------------------
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+@pytest.mark.parametrize("example", sorted(p.name for p in EXAMPLES.glob("*.yaml")))
+def test_the_chart_deploys_the_roles_the_config_uses(chart, example):
+    """Each example config as the chart's `config`, roles left at their defaults (critic and
+    reference: auto): the workloads are exactly the roles the launchers would start."""
+    config = yaml.safe_load((EXAMPLES / example).read_text())
+    docs = parse_manifests(render_chart(chart, {"config": config}))
+    components = {d["metadata"]["labels"]["app.kubernetes.io/component"]
+                  for d in docs if d["kind"] in ("StatefulSet", "Deployment")}
+    assert components == set(load_config(EXAMPLES / example).roles_in_use())
+    # The coordinator's cluster section lists no address for a role that is not deployed.
+    cluster = yaml.safe_load(next(d for d in docs if d["kind"] == "ConfigMap")["data"]["config.yaml"])["cluster"]
+    for role in ("critic", "reference"):
+        assert bool(cluster[role]) == (role in components), role
+

@@ -110,6 +110,27 @@ Images and ports
 {{- end }}
 
 {{/*
+"true" when the role is deployed, else "": roles.<role>.enabled true, or "auto" and the run config
+uses the role, as the launchers decide (rlfabric RunConfig.roles_in_use): a critic only for GAE, a
+reference only when reference.enable (default true) and a KL term reads it. Args: dict ctx role.
+*/}}
+{{- define "rlfabric.roleEnabled" -}}
+{{- $r := index .ctx.Values.roles .role }}
+{{- if eq (toString $r.enabled) "auto" }}
+{{- $config := .ctx.Values.config | default dict }}
+{{- $algorithm := $config.algorithm | default dict }}
+{{- $actor := $config.actor | default dict }}
+{{- $reference := $config.reference | default dict }}
+{{- if eq .role "critic" }}
+{{- if eq (toString ($algorithm.adv_estimator | default "grpo")) "gae" }}true{{ end }}
+{{- else if eq .role "reference" }}
+{{- $on := or (not (hasKey $reference "enable")) $reference.enable }}
+{{- if and $on (or $actor.use_kl_loss $algorithm.use_kl_in_reward) }}true{{ end }}
+{{- else }}true{{ end }}
+{{- else if $r.enabled }}true{{ end }}
+{{- end }}
+
+{{/*
 gRPC addresses of a role as a YAML list of "host:port" strings. Args: dict ctx role port.
 StatefulSet roles list every replica through the headless Service
 (<name>-<i>.<headless>.<ns>.svc); multi-rank roles list rank 0 only; the
@@ -120,7 +141,7 @@ coordinator is listed through its Service. Disabled roles give [].
 {{- $r := index $ctx.Values.roles .role }}
 {{- $ns := $ctx.Release.Namespace }}
 {{- $addrs := list }}
-{{- if $r.enabled }}
+{{- if include "rlfabric.roleEnabled" . }}
 {{- if eq .role "coordinator" }}
 {{- $addrs = append $addrs (printf "%s.%s.svc:%d" (include "rlfabric.roleFullname" .) $ns (int .port)) }}
 {{- else }}
@@ -195,7 +216,7 @@ Pod template
 {{- if or (eq . $.role) (not (hasKey $.ctx.Values.roles .)) }}
 {{- fail (printf "roles.%s.colocateWith: %q must name another role" $.role .) }}
 {{- end }}
-{{- if not (index $.ctx.Values.roles .).enabled }}
+{{- if not (include "rlfabric.roleEnabled" (dict "ctx" $.ctx "role" .)) }}
 {{- fail (printf "roles.%s.colocateWith: role %q is not enabled" $.role .) }}
 {{- end }}
 {{- end }}
