@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Protocol
 
 from rlfabric.core.client import ChannelOptions, wait_until_serving
-from rlfabric.core.config import RunConfig, dump_config
+from rlfabric.core.config import ConfigError, RunConfig, dump_config
 
 log = logging.getLogger("rlfabric.launcher")
 
@@ -110,9 +110,20 @@ def prepare_run_dir(config: RunConfig, run_dir: Path) -> Path:
         from rlfabric.actor.pretrained import cached_model
 
         config.model.path = str(cached_model(config.model.path.removeprefix(REGISTRY_PREFIX)))
+    check_model(config)
     worker_config = run_dir / "config.yaml"
     dump_config(config, worker_config)
     return worker_config
+
+
+def check_model(config: RunConfig) -> None:
+    """A model directory the services cannot use is a ConfigError naming it, before any service starts."""
+    from rlfabric.actor.models import check_policy_model
+
+    try:
+        check_policy_model(config.model.path, config.model.trust_remote_code)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
 
 
 def build_tiny_model(run_dir: Path) -> Path:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import os
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -120,3 +121,36 @@ def vocab_size(model: nn.Module) -> int:
 
 def num_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
+
+
+CAUSAL_LM_SUFFIXES = ("ForCausalLM", "LMHeadModel")
+
+
+def check_policy_model(path: str, trust_remote_code: bool = False) -> None:
+    """Checks, before any service loads it, that `path` holds what the mesh needs from the policy: a
+    causal LM, a tokenizer whose ids fit its embedding, and a chat template (prompts in VeRL's schema
+    are chat messages). ValueError names the path and what is wrong."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    directory = Path(path)
+    if not (directory / "config.json").is_file():
+        raise ValueError(f"model.path {path}: no config.json there; point it at a local Hugging Face model directory")
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, KeyError) as error:
+        raise ValueError(f"model.path {path}: config.json does not load: {error}") from None
+    architectures = list(getattr(config, "architectures", None) or [])
+    if architectures and not any(name.endswith(CAUSAL_LM_SUFFIXES) for name in architectures):
+        raise ValueError(f"model.path {path} holds a {', '.join(architectures)} (model_type {config.model_type}), "
+                         f"not a causal language model (an architecture ending in {' or '.join(CAUSAL_LM_SUFFIXES)})")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise ValueError(f"model.path {path}: the tokenizer does not load: {error}") from None
+    embedding_rows = getattr(config, "vocab_size", None)
+    if embedding_rows is not None and len(tokenizer) > embedding_rows:
+        raise ValueError(f"model.path {path}: the tokenizer has {len(tokenizer)} tokens but the model's embedding "
+                         f"only {embedding_rows} rows (vocab_size): the tokenizer belongs to another model")
+    if not tokenizer.chat_template:
+        raise ValueError(f"model.path {path}: the tokenizer has no chat template, and prompts are chat messages "
+                         "(VeRL's schema); add one (tokenizer_config.json chat_template or chat_template.jinja)")

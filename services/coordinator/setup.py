@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from rlfabric.actor.models import check_policy_model
 from rlfabric.coordinator.data_prep import write_arithmetic, write_synthetic
 from rlfabric.coordinator.dataset import DatasetError, RLHFDataset
 from rlfabric.coordinator.loop import PPOTrainer
@@ -42,6 +43,10 @@ async def build_trainer(config: RunConfig, between_steps, on_phase, on_metrics) 
     """A PPOTrainer for one run, connected to the services in config.cluster (all of them ready)."""
     if not config.model.path:
         raise FailedPrecondition("model.path is empty: the coordinator needs the policy's tokenizer")
+    try:
+        check_policy_model(config.model.path, config.model.trust_remote_code)
+    except ValueError as error:
+        raise FailedPrecondition(str(error)) from None
     run_dir = run_dir_of(config)
     run_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = load_tokenizer(config.model.path, config.model.trust_remote_code)
