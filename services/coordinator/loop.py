@@ -21,6 +21,7 @@ import asyncio
 import json
 import logging
 import random
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,6 +89,7 @@ class PPOTrainer:
         # is drawn but not trained, so this lags self.cursor between steps.
         self.untrained_cursor = DataCursor()
         self.last_checkpoint_step: int | None = None
+        self._last_step_end: float | None = None  # perf_counter() at the end of the previous step
         self.run_id = run_dir.name
 
     # -- the run ---------------------------------------------------------------------------------
@@ -257,7 +259,8 @@ class PPOTrainer:
             metrics.update(await self._sync_weights(self._version(step)))
 
         metrics.update(data_metrics(batch, self._max_tokens()))
-        metrics.update(timer.metrics(batch))
+        metrics.update(timer.metrics(batch, previous_step_end=self._last_step_end))
+        self._last_step_end = time.perf_counter()
         if config.trainer.dump_rollouts:
             self._dump_rollouts(step, batch)
         return metrics

@@ -55,9 +55,14 @@ class StepTimer:
         finally:
             self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - started
 
-    def metrics(self, batch: RolloutBatch | None) -> dict[str, float]:
-        """timing_s/<phase>, timing_s/step, and throughput over the step's tokens."""
-        step_seconds = time.perf_counter() - self.started
+    def metrics(self, batch: RolloutBatch | None, previous_step_end: float | None = None) -> dict[str, float]:
+        """timing_s/<phase>, timing_s/step, and throughput over the step's tokens.
+
+        timing_s/step is wall time between step ends: from the previous step's end (or this step's
+        start, if later) to now. In async mode a batch's generation starts while the previous step
+        trains; counting from there would count the overlapped time twice."""
+        started = max(self.started, previous_step_end or 0.0)
+        step_seconds = time.perf_counter() - started
         metrics = {f"timing_s/{phase}": seconds for phase, seconds in self.seconds.items()}
         metrics["timing_s/step"] = step_seconds
         if batch is not None:

@@ -10,6 +10,7 @@ import asyncio
 import json
 import os
 import signal
+import time
 from pathlib import Path
 
 import grpc
@@ -107,8 +108,10 @@ def test_a_short_ppo_run_with_gae_trains_the_critic_and_improves_reward(mesh, tm
 
 def test_async_mode_trains_on_samples_at_most_one_version_old(mesh, tmp_path):
     steps = 5
+    started = time.monotonic()
     status = asyncio.run(run_to_end(mesh, [f"trainer.run_dir={tmp_path}", f"trainer.total_steps={steps}",
                                            "trainer.mode=async", "trainer.max_staleness=1"]))
+    wall = time.monotonic() - started
     assert status.state == coordinator_pb2.RUN_STATE_COMPLETED, status.error
     records = metrics_of(tmp_path)
     synced = [int(r["rollout/weight_version"]) for r in records]  # after step k: the policy of step k + 1
@@ -117,6 +120,8 @@ def test_async_mode_trains_on_samples_at_most_one_version_old(mesh, tmp_path):
     # Step k's batch was generated while step k-1 trained: by the weights before step k-1's update.
     assert versions == {1: {start}, **{step: {start + step - 2} for step in range(2, steps + 1)}}
     assert max(r["rollout/staleness/max"] for r in records) == 1
+    # Step times are wall time between step ends: the overlapped generation is not counted twice.
+    assert sum(r["timing_s/step"] for r in records) < wall
 
 
 def test_run_control_pause_checkpoint_stop_and_bad_requests(mesh, tmp_path):
