@@ -1,0 +1,90 @@
+"""TRL's GRPOTrainer on a workload of bench.peer_trl_bench, run by the bench inside its own venv
+(TRL is never a dependency of rlfabric). Standalone: it imports neither rlfabric nor torch's extras.
+
+    python bench/trl_grpo.py SPEC.json OUT.json
+
+SPEC: {"model", "train_parquet", "reward_file", "prompts_per_step", "n", "max_tokens", "lr", "steps",
+       "temperature", "max_prompt_length", "seed"}. The reward is the same function rlfabric's reward
+service runs (compute_score of a file in services/reward/, loaded by path). OUT: per step the wall
+time between step ends and the mean reward.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+import time
+
+
+def load_score(path: str):
+    spec = importlib.util.spec_from_file_location("task_reward", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.compute_score
+
+
+def main() -> None:
+    spec = json.loads(open(sys.argv[1]).read())
+    out_path = sys.argv[2]
+    import datasets
+    import torch
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    torch.manual_seed(spec["seed"])
+    score = load_score(spec["reward_file"])
+    table = datasets.load_dataset("parquet", data_files=spec["train_parquet"], split="train")
+    # The conversational form TRL applies the chat template to; the ground truth rides along as a column.
+    train = table.map(lambda row: {"prompt": row["prompt"], "ground_truth": row["reward_model"]["ground_truth"]},
+                      remove_columns=[c for c in table.column_names if c not in ("prompt",)])
+
+    def reward(completions, ground_truth, **unused):
+        return [score(c[-1]["content"] if isinstance(c, list) else c, truth)
+                for c, truth in zip(completions, ground_truth, strict=True)]
+
+    rows = spec["prompts_per_step"] * spec["n"]
+    config = GRPOConfig(
+        output_dir=spec["output_dir"], max_steps=spec["steps"], learning_rate=spec["lr"],
+        lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.01, max_grad_norm=1.0,
+        per_device_train_batch_size=rows, gradient_accumulation_steps=1, num_generations=spec["n"],
+        max_completion_length=spec["max_tokens"], temperature=spec["temperature"], top_p=1.0,
+        num_iterations=1, beta=0.0, loss_type="dapo", scale_rewards="group",
+        logging_steps=1, save_strategy="no", report_to=[], seed=spec["seed"], bf16=False, fp16=False,
+        use_cpu=True, dataloader_num_workers=0, disable_tqdm=True,
+    )
+    tokenizer = AutoTokenizer.from_pretrained(spec["model"])
+    tokenizer.padding_side = "left"
+
+    steps: list[dict] = []
+
+    class StepClock(TrainerCallback):
+        def __init__(self):
+            self.last = None
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.last = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            now = time.perf_counter()
+            steps.append({"step": state.global_step, "seconds": now - self.last})
+            self.last = now
+            print(f"[trl] step {state.global_step}: {steps[-1]['seconds']:.2f} s", flush=True)
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "reward" in logs and steps:
+                steps[-1]["reward"] = float(logs["reward"])
+
+    trainer = GRPOTrainer(model=spec["model"], reward_funcs=reward, args=config, train_dataset=train,
+                          processing_class=tokenizer, callbacks=[StepClock()])
+    trainer.train()
+    import trl
+    import transformers
+
+    with open(out_path, "w") as out:
+        json.dump({"steps": steps, "trl": trl.__version__, "transformers": transformers.__version__,
+                   "torch": torch.__version__}, out, indent=2)
+
+
+if __name__ == "__main__":
+    main()
