@@ -78,8 +78,8 @@ def main() -> None:
     trainer = GRPOTrainer(model=spec["model"], reward_funcs=reward, args=config, train_dataset=train,
                           processing_class=tokenizer, callbacks=[StepClock()])
     trainer.train()
-    import trl
     import transformers
+    import trl
 
     with open(out_path, "w") as out:
         json.dump({"steps": steps, "trl": trl.__version__, "transformers": transformers.__version__,
