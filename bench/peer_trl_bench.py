@@ -20,6 +20,7 @@ import asyncio
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -89,6 +90,8 @@ def run_workload(name: str, spec: dict, workdir: Path) -> dict:
         run_dir = workdir / f"{name}-rlfabric"
         ours = asyncio.run(rlfabric_run(mesh.endpoints["coordinator"][0]["grpc"], run_dir, steps))
         model = mesh.config.model.path  # resolved by the launcher (built tiny model, cached registry model)
+    if (run_dir / "curves.png").exists():  # rlfabric's own curves of the run (reward, KL, length)
+        shutil.copy(run_dir / "curves.png", RESULTS / f"peer_trl_{name}_rlfabric_curves.png")
     train_parquet = run_dir / "data" / spec["task"] / "train.parquet"
     trl_spec = {"model": model, "train_parquet": str(train_parquet), "reward_file": str(spec["reward_file"]),
                 "prompts_per_step": config.data.train_batch_size, "n": config.rollout.n,
