@@ -8,9 +8,11 @@ actor's (and critic's) checkpoint directories, VeRL's layout:
             actor/             the actor service's checkpoint (model, optimizer, scheduler, RNG)
             critic/            the critic's, when the run has one
 
-A checkpoint is written into a hidden temporary directory and renamed into place, and the
-"latest" file is replaced only after that, so a crash or a full disk mid-save leaves the previous
-checkpoint complete and still the one a resume picks.
+A checkpoint is written into a hidden temporary directory, fsynced and renamed into place, and the
+"latest" file is replaced (temp file, fsync, rename) only after that, so a crash, a power loss or a
+full disk mid-save leaves the previous checkpoint complete and still the one a resume picks.
+Retention (trainer.max_checkpoints_to_keep) counts checkpoints in the order they were written, not by
+step: a run resumed from an older step keeps what it has just written, and the newest is never pruned.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import json
 import os
 import re
 import shutil
+import time
 import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -42,6 +45,7 @@ class CoordinatorState:
     kl_coef: float
     weight_version: int
     run_id: str = ""
+    saved_at: float = 0.0  # time.time() of the commit: retention keeps the newest written
 
 
 def checkpoint_root(run_dir: str | Path) -> Path:
@@ -101,20 +105,25 @@ class CheckpointWriter:
         assert self.tmp is not None, "begin() first"
         final = step_dir(self.run_dir, self.step)
         try:
+            state.saved_at = time.time()
             (self.tmp / STATE_FILE).write_text(json.dumps(asdict(state), indent=2))
+            _fsync_tree(self.tmp)
             if final.exists():  # a resumed run saving a step again: swap, then drop the old one
                 old = final.with_name(f".{final.name}.old-{uuid.uuid4().hex[:8]}")
                 final.rename(old)
                 shutil.rmtree(old, ignore_errors=True)
             self.tmp.rename(final)
             self.tmp = None
+            _fsync(final.parent)
             latest_tmp = final.parent / f".{LATEST_FILE}.tmp"
             latest_tmp.write_text(str(self.step))
+            _fsync(latest_tmp)
             os.replace(latest_tmp, final.parent / LATEST_FILE)
+            _fsync(final.parent)
         except OSError as error:
             self.abort()
             raise CheckpointError(f"cannot write checkpoint {final}: {error}") from None
-        self._prune()
+        self._prune(keep_path=final)
         return final
 
     def abort(self) -> None:
@@ -122,10 +131,40 @@ class CheckpointWriter:
             shutil.rmtree(self.tmp, ignore_errors=True)
             self.tmp = None
 
-    def _prune(self) -> None:
+    def _prune(self, keep_path: Path) -> None:
+        """Removes the complete checkpoints beyond the `keep` most recently written; never keep_path."""
         if self.keep <= 0:
             return
         root = checkpoint_root(self.run_dir)
-        steps = sorted((int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)))
-        for _, path in steps[: -self.keep]:
-            shutil.rmtree(path, ignore_errors=True)
+        complete = [p for p in root.iterdir() if _STEP_DIR.match(p.name) and (p / STATE_FILE).exists()]
+        by_age = sorted(complete, key=_saved_at)
+        for path in by_age[: -self.keep]:
+            if path != keep_path:
+                shutil.rmtree(path, ignore_errors=True)
+
+
+def _saved_at(path: Path) -> float:
+    """When a checkpoint was committed (its state's saved_at; the state file's mtime for older ones)."""
+    try:
+        return float(json.loads((path / STATE_FILE).read_text()).get("saved_at") or 0.0) or \
+            (path / STATE_FILE).stat().st_mtime
+    except (OSError, ValueError):
+        return 0.0
+
+
+def _fsync(path: Path) -> None:
+    """Flushes a file's or a directory's entries to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    """fsync of every file and directory below root, then root: the checkpoint is on disk before it is
+    renamed into place."""
+    for directory, _, names in os.walk(root, topdown=False):
+        for name in names:
+            _fsync(Path(directory) / name)
+        _fsync(Path(directory))

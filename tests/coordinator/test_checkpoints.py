@@ -1,5 +1,8 @@
 """The run's checkpoint directory: atomic writes, the resume point, retention."""
 
+import dataclasses
+import time
+
 import pytest
 
 from rlfabric.coordinator.checkpoints import (
@@ -31,7 +34,8 @@ def test_commit_makes_the_step_the_resume_point(tmp_path):
     path = save(tmp_path, 2)
     assert path.name == "global_step_2"
     assert latest_checkpoint(tmp_path) == path
-    assert read_state(path) == state(2)
+    assert dataclasses.replace(read_state(path), saved_at=0.0) == state(2)
+    assert abs(read_state(path).saved_at - time.time()) < 60
     assert (checkpoint_root(tmp_path) / LATEST_FILE).read_text() == "2"
     assert not [p for p in checkpoint_root(tmp_path).iterdir() if p.name.startswith(".")]
 
@@ -67,6 +71,19 @@ def test_keep_prunes_the_oldest(tmp_path):
         save(tmp_path, step, keep=2)
     assert sorted(p.name for p in checkpoint_root(tmp_path).glob("global_step_*")) == ["global_step_3",
                                                                                       "global_step_4"]
+
+
+def test_a_run_resumed_from_an_older_step_keeps_what_it_writes(tmp_path):
+    """Retention counts checkpoints in the order they were written: a run resumed from step 10 after
+    20 and 30 were written keeps its step-11 checkpoint (the newest), and `latest` names it."""
+    for step in (10, 20, 30):
+        save(tmp_path, step, keep=3)
+    path = save(tmp_path, 11, keep=3)
+    assert path.exists() and latest_checkpoint(tmp_path) == path
+    assert sorted(p.name for p in checkpoint_root(tmp_path).glob("global_step_*")) == [
+        "global_step_11", "global_step_20", "global_step_30"]  # the oldest written (10) went
+    save(tmp_path, 12, keep=1)
+    assert [p.name for p in checkpoint_root(tmp_path).glob("global_step_*")] == ["global_step_12"]
 
 
 def test_an_unwritable_checkpoint_dir_is_a_clear_error(tmp_path):
