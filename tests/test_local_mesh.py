@@ -123,6 +123,47 @@ def test_status_command_reaches_the_coordinator(mesh):
     assert json.loads(out.stdout) == {"phase": "idle"}  # no run started yet: the other fields at their defaults
 
 
+def test_one_run_at_a_time_and_an_async_stop_keeps_every_trained_step(mesh, tmp_path):
+    """Two StartRuns at once: one runs, the other is FAILED_PRECONDITION. StopRun (which saves by
+    default) in async mode, where the next batch is already drawn: the checkpoint's data position is
+    that of the first untrained batch, and the final model is exported."""
+    import concurrent.futures
+
+    from rlfabric.v1 import coordinator_pb2, coordinator_pb2_grpc
+
+    _, _, endpoints = mesh
+    batch = 16
+    overrides = [f"trainer.run_dir={tmp_path}", "trainer.total_steps=200", "trainer.mode=async",
+                 f"data.train_batch_size={batch}", f"actor.ppo_mini_batch_size={batch}", "trainer.plot=false"]
+    with grpc.insecure_channel(endpoints["coordinator"][0]["grpc"]) as channel:
+        stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
+
+        def start():
+            try:
+                stub.StartRun(coordinator_pb2.StartRunRequest(overrides=overrides), timeout=120)
+                return "started"
+            except grpc.RpcError as error:
+                return error.code(), error.details()
+
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            outcomes = list(pool.map(lambda _: start(), range(2)))
+        assert outcomes.count("started") == 1, outcomes
+        refused = next(o for o in outcomes if o != "started")
+        assert refused[0] == grpc.StatusCode.FAILED_PRECONDITION and "one run at a time" in refused[1]
+
+        for update in stub.StreamMetrics(coordinator_pb2.StreamMetricsRequest(), timeout=300):
+            if update.step >= 2:
+                break
+        stub.StopRun(coordinator_pb2.StopRunRequest(), timeout=300)
+        status = stub.GetRunStatus(coordinator_pb2.GetRunStatusRequest(), timeout=10)
+    assert status.state == coordinator_pb2.RUN_STATE_STOPPED and status.step >= 2
+    latest = tmp_path / "checkpoints" / f"global_step_{status.step}"
+    state = json.loads((latest / "coordinator.json").read_text())
+    assert state["step"] == status.step
+    assert state["data_position"] == status.step * batch  # the prefetched batch is drawn again on resume
+    assert (tmp_path / "final_model" / "model.safetensors").exists()
+
+
 def test_sigterm_tears_down_every_service(mesh):
     launcher, _, endpoints = mesh
     pids = [e["pid"] for entries in endpoints.values() for e in entries]

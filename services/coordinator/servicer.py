@@ -82,6 +82,7 @@ class RunController:
         self._save_on_stop = False
         self._task: asyncio.Task | None = None
         self._tracker = None
+        self._starting = False  # a StartRun is building its run (the awaits before state RUNNING)
 
     # -- engine protocol (the server calls these) -------------------------------------------------
 
@@ -98,9 +99,19 @@ class RunController:
 
     async def start_run(self, overrides: list[str]) -> tuple[str, int]:
         """Builds the run (config, data, connections), resumes if a checkpoint says so, starts the loop."""
+        # Checked and claimed with no await in between: a second StartRun sees the first one at once.
+        if self._starting:
+            raise FailedPrecondition("another StartRun is starting a run on this mesh; one run at a time")
         if self.state in ACTIVE:
             raise FailedPrecondition(f"run {self.run_id} is {coordinator_pb2.RunState.Name(self.state)}; "
                                      "StopRun it first")
+        self._starting = True
+        try:
+            return await self._start_run(overrides)
+        finally:
+            self._starting = False
+
+    async def _start_run(self, overrides: list[str]) -> tuple[str, int]:
         config = self._config_with(overrides)
         check_roles(config)
         trainer = await build_trainer(config, self._between_steps, self._set_phase, self._record_metrics)
@@ -193,9 +204,14 @@ class RunController:
             where = f"while {self.phase} after step {trainer.step}"  # e.g. "while computing after step 2"
             self.state, self.phase = coordinator_pb2.RUN_STATE_FAILED, "failed"
             self.error = f"{type(error).__name__} {where}: {error}"
-            if trainer.checkpoint_requested is not None and not trainer.checkpoint_requested.done():
-                trainer.checkpoint_requested.set_exception(FailedPrecondition(f"the run failed: {error}"))
         finally:
+            # A SaveCheckpoint still waiting for a step boundary gets an answer: the run ended first.
+            pending = trainer.checkpoint_requested
+            if pending is not None and not pending.done():
+                ended = coordinator_pb2.RunState.Name(self.state)
+                pending.set_exception(FailedPrecondition(
+                    f"the run ended ({ended}) before the requested checkpoint was taken"
+                    f"{': ' + self.error if self.error else ''}"))
             if self._tracker is not None:
                 self._tracker.close()
             await trainer.weight_sync.close()
