@@ -132,9 +132,8 @@ def test_one_run_at_a_time_and_an_async_stop_keeps_every_trained_step(mesh, tmp_
     from rlfabric.v1 import coordinator_pb2, coordinator_pb2_grpc
 
     _, _, endpoints = mesh
-    batch = 16
-    overrides = [f"trainer.run_dir={tmp_path}", "trainer.total_steps=200", "trainer.mode=async",
-                 f"data.train_batch_size={batch}", f"actor.ppo_mini_batch_size={batch}", "trainer.plot=false"]
+    batch = 64  # the quickstart's
+    overrides = [f"trainer.run_dir={tmp_path}", "trainer.total_steps=200", "trainer.mode=async", "trainer.plot=false"]
     with grpc.insecure_channel(endpoints["coordinator"][0]["grpc"]) as channel:
         stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
 

@@ -123,7 +123,10 @@ def num_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-CAUSAL_LM_SUFFIXES = ("ForCausalLM", "LMHeadModel")
+# Heads that do not generate text: a checkpoint whose architectures all end in one of these is no policy.
+NOT_GENERATIVE_SUFFIXES = ("ForSequenceClassification", "ForTokenClassification", "ForMaskedLM",
+                           "ForQuestionAnswering", "ForMultipleChoice", "ForNextSentencePrediction",
+                           "ForPreTraining", "Model")
 
 
 def check_policy_model(path: str, trust_remote_code: bool = False) -> None:
@@ -139,10 +142,14 @@ def check_policy_model(path: str, trust_remote_code: bool = False) -> None:
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, KeyError) as error:
         raise ValueError(f"model.path {path}: config.json does not load: {error}") from None
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
     architectures = list(getattr(config, "architectures", None) or [])
-    if architectures and not any(name.endswith(CAUSAL_LM_SUFFIXES) for name in architectures):
-        raise ValueError(f"model.path {path} holds a {', '.join(architectures)} (model_type {config.model_type}), "
-                         f"not a causal language model (an architecture ending in {' or '.join(CAUSAL_LM_SUFFIXES)})")
+    causal_type = config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or trust_remote_code
+    if not causal_type or (architectures and all(a.endswith(NOT_GENERATIVE_SUFFIXES) for a in architectures)):
+        held = ", ".join(architectures) or "model"
+        raise ValueError(f"model.path {path} holds a {held} (model_type {config.model_type}), not a causal language "
+                         "model (one AutoModelForCausalLM loads with a text-generating head)")
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, KeyError, TypeError) as error:

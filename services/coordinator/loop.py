@@ -89,6 +89,10 @@ class PPOTrainer:
         # is drawn but not trained, so this lags self.cursor between steps.
         self.untrained_cursor = DataCursor()
         self.last_checkpoint_step: int | None = None
+        self.save_at_end = False  # StopRun asked for a checkpoint: the end of the run saves one in any case
+        # Rows of one actor optimizer step, as the actor was started (RunController sets it from the mesh's
+        # config; StartRun may override rollout.n but not the actor's mini-batch).
+        self.actor_mini_batch_rows = config.actor.ppo_mini_batch_size * config.rollout.n
         self._last_step_end: float | None = None  # perf_counter() at the end of the previous step
         self.run_id = run_dir.name
 
@@ -164,7 +168,7 @@ class PPOTrainer:
         finally:
             if pending is not None:
                 pending.task.cancel()
-        await self.keep_policy(checkpoint=trainer.save_final)
+        await self.keep_policy(checkpoint=trainer.save_final or self.save_at_end)
 
     async def keep_policy(self, checkpoint: bool) -> None:
         """The end of a run (completed, or stopped with a save): a checkpoint of the last step unless
@@ -402,7 +406,7 @@ class PPOTrainer:
             state = CoordinatorState(step=self.step, data_epoch=cursor.epoch, data_position=cursor.position,
                                      kl_coef=self.kl_ctrl.value, weight_version=self.weight_version,
                                      run_id=self.run_id)
-            path = writer.commit(state)
+            path = await asyncio.to_thread(writer.commit, state)  # fsyncs: off the event loop
         except BaseException as error:
             writer.abort()
             failure = error
@@ -436,8 +440,9 @@ class PPOTrainer:
     def _needs_old_log_probs(self) -> bool:
         """False when the actor's update is a single optimizer step (one mini-batch, one epoch) and no KL
         in the reward reads them before it."""
-        actor, config = self.config.actor, self.config
-        one_step = actor.ppo_epochs == 1 and actor.ppo_mini_batch_size >= config.data.train_batch_size
+        config = self.config
+        rows = config.data.train_batch_size * config.rollout.n
+        one_step = config.actor.ppo_epochs == 1 and rows <= self.actor_mini_batch_rows
         return not one_step or config.algorithm.use_kl_in_reward
 
     @staticmethod

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
+from rlfabric.coordinator.checkpoints import step_dir
 from rlfabric.coordinator.loop import PPOTrainer, check_roles
 from rlfabric.coordinator.setup import build_trainer, run_dir_of
 from rlfabric.coordinator.tracking import RunTracker
@@ -103,8 +104,8 @@ class RunController:
         if self._starting:
             raise FailedPrecondition("another StartRun is starting a run on this mesh; one run at a time")
         if self.state in ACTIVE:
-            raise FailedPrecondition(f"run {self.run_id} is {coordinator_pb2.RunState.Name(self.state)}; "
-                                     "StopRun it first")
+            raise FailedPrecondition(f"run {self.run_id} is {coordinator_pb2.RunState.Name(self.state)}; one run "
+                                     "at a time: StopRun it first")
         self._starting = True
         try:
             return await self._start_run(overrides)
@@ -115,6 +116,10 @@ class RunController:
         config = self._config_with(overrides)
         check_roles(config)
         trainer = await build_trainer(config, self._between_steps, self._set_phase, self._record_metrics)
+        # The actor was started with the mesh's config: its mini-batch (in rows) does not follow a StartRun
+        # override of rollout.n.
+        base = self.base_config
+        trainer.actor_mini_batch_rows = base.actor.ppo_mini_batch_size * base.rollout.n
         try:
             start_step = await trainer.prepare(run_dir_of(self.base_config) / "initial_weights")
         except BaseException:
@@ -169,9 +174,13 @@ class RunController:
         """Ends the run at the next step boundary, after a checkpoint and the final-model export unless
         save_checkpoint is false; returns once it has ended, with an error if the save failed."""
         self._require_active()
-        self._stop_requested, self._save_on_stop = True, save_checkpoint
+        # Two StopRuns: either asking for the checkpoint gets it (nothing trained is dropped silently).
+        self._stop_requested, self._save_on_stop = True, self._save_on_stop or save_checkpoint
+        self.trainer.save_at_end = self.trainer.save_at_end or save_checkpoint  # a stop during the last step
         self._resumed.set()
-        await asyncio.gather(self._task, return_exceptions=True)
+        # wait(), not gather(): a StopRun that is cancelled (deadline, client gone) must not cancel the run
+        # (and its checkpoint) with it.
+        await asyncio.wait({self._task})
         if self.state == coordinator_pb2.RUN_STATE_FAILED:
             raise FailedPrecondition(f"the run failed while stopping: {self.error}")
 
@@ -207,7 +216,9 @@ class RunController:
         finally:
             # A SaveCheckpoint still waiting for a step boundary gets an answer: the run ended first.
             pending = trainer.checkpoint_requested
-            if pending is not None and not pending.done():
+            if pending is not None and not pending.done() and trainer.step and trainer.last_checkpoint_step == trainer.step:
+                pending.set_result(step_dir(trainer.run_dir, trainer.step))  # the end's own checkpoint has it all
+            elif pending is not None and not pending.done():
                 ended = coordinator_pb2.RunState.Name(self.state)
                 pending.set_exception(FailedPrecondition(
                     f"the run ended ({ended}) before the requested checkpoint was taken"
