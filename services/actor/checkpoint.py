@@ -28,6 +28,7 @@ from rlfabric.core.errors import FailedPrecondition, InvalidArgument, NotFound
 
 FORMAT_VERSION = 1
 WEIGHTS = "model.safetensors"
+EXPORT_MARKER = ".rlfabric-export.json"  # in every ExportHF directory: what marks it as ours to replace
 
 
 @dataclass
@@ -44,9 +45,30 @@ def _target(path: str) -> Path:
     return Path(path).expanduser()
 
 
-def write_atomically(path: str, write: Callable[[Path], None]) -> int:
-    """Runs write(tmp_dir), then swaps tmp_dir in for `path`; returns the bytes written."""
+def is_checkpoint(directory: Path) -> bool:
+    """An rlfabric checkpoint directory (meta.json naming the role that wrote it)."""
+    try:
+        return "role" in json.loads((directory / "meta.json").read_text())
+    except (OSError, ValueError, TypeError):
+        return False
+
+
+def is_export(directory: Path) -> bool:
+    return (directory / EXPORT_MARKER).is_file()
+
+
+def write_atomically(path: str, write: Callable[[Path], None], replaceable: Callable[[Path], bool]) -> int:
+    """Runs write(tmp_dir), then swaps tmp_dir in for `path`; returns the bytes written.
+
+    An existing `path` is replaced only when it is empty or `replaceable` says it is what this write
+    makes (an rlfabric checkpoint, an rlfabric export): anything else there is the user's, and the
+    write is FAILED_PRECONDITION with nothing touched."""
     target = _target(path)
+    if target.is_symlink() or (target.exists() and not target.is_dir()):
+        raise FailedPrecondition(f"{target} exists and is not a directory; refusing to replace it")
+    if target.is_dir() and any(target.iterdir()) and not replaceable(target):
+        raise FailedPrecondition(f"{target} exists and is not an rlfabric directory of this kind; refusing to "
+                                 "replace it (choose a new path, or remove it yourself)")
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex[:8]}"
@@ -93,7 +115,7 @@ def save_checkpoint(path: str, checkpoint: Checkpoint) -> int:
         torch.save(checkpoint.trainer_state, directory / "trainer_state.pt")
         (directory / "meta.json").write_text(json.dumps(meta, indent=2))
 
-    return write_atomically(path, write)
+    return write_atomically(path, write, replaceable=is_checkpoint)
 
 
 def load_checkpoint(path: str, role: str) -> Checkpoint:
@@ -128,15 +150,17 @@ def export_hf(path: str, model_state: dict[str, torch.Tensor], hf_config, source
     weights, _aliases = _split_aliases(model_state)
     config = copy.deepcopy(hf_config)
     config.use_cache = True  # the service turns the KV cache off for training; generation wants it
-    extras = [f for f in Path(source).iterdir() if f.is_file() and not _is_weights_or_config(f.name)]
+    extras = [f for f in Path(source).iterdir()
+              if f.is_file() and not _is_weights_or_config(f.name) and f.name != EXPORT_MARKER]
 
     def write(directory: Path) -> None:
         config.save_pretrained(directory)
         save_file(weights, directory / WEIGHTS, metadata={"format": "pt"})
         for extra in extras:
             shutil.copy(extra, directory / extra.name)
+        (directory / EXPORT_MARKER).write_text(json.dumps({"kind": "hf-export", "source": str(source)}))
 
-    return write_atomically(path, write)
+    return write_atomically(path, write, replaceable=is_export)
 
 
 def _is_weights_or_config(name: str) -> bool:

@@ -97,3 +97,36 @@ def test_export_hf_loads_with_transformers_and_gives_the_same_logits(tiny_model,
     assert AutoTokenizer.from_pretrained(tmp_path / "hf")(text) == AutoTokenizer.from_pretrained(tiny_model)(text)
     assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == (tiny_model / "tokenizer.json").read_bytes()
     assert exported.config.use_cache
+
+
+def test_a_write_never_replaces_a_directory_that_is_not_its_own(tiny_model, tmp_path):
+    """ExportHF and SaveCheckpoint replace only an rlfabric export / checkpoint (or an empty
+    directory); a user's directory at that path is FAILED_PRECONDITION and stays byte for byte."""
+    projects = tmp_path / "projects"
+    (projects / "src").mkdir(parents=True)
+    (projects / "src" / "main.py").write_text("print('mine')\n")
+    (tmp_path / "notes.txt").write_text("a file, not a directory")
+    (tmp_path / "empty").mkdir()
+    with Served("actor", make_config(tiny_model)) as served:
+        for call in (served.client.export_hf, served.client.save_checkpoint):
+            with pytest.raises(FailedPrecondition, match="is not an rlfabric directory of this kind"):
+                served.run(call(projects))
+            with pytest.raises(FailedPrecondition, match="is not a directory"):
+                served.run(call(tmp_path / "notes.txt"))
+        assert (projects / "src" / "main.py").read_text() == "print('mine')\n"
+        assert sorted(p.name for p in projects.rglob("*")) == ["main.py", "src"]
+        assert (tmp_path / "notes.txt").read_text() == "a file, not a directory"
+
+        # Its own kind is replaced (a re-export, a re-saved checkpoint), an empty directory is used,
+        # and one kind never replaces the other.
+        served.run(served.client.export_hf(tmp_path / "empty"))
+        served.run(served.client.export_hf(tmp_path / "empty"))
+        served.run(served.client.save_checkpoint(tmp_path / "ckpt"))
+        served.run(served.client.save_checkpoint(tmp_path / "ckpt"))
+        with pytest.raises(FailedPrecondition):
+            served.run(served.client.save_checkpoint(tmp_path / "empty"))
+        with pytest.raises(FailedPrecondition):
+            served.run(served.client.export_hf(tmp_path / "ckpt"))
+        assert served.run(served.client.load_checkpoint(tmp_path / "ckpt")) == 0
+    assert ckpt.is_export(tmp_path / "empty") and ckpt.is_checkpoint(tmp_path / "ckpt")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "empty", "notes.txt", "projects"]
