@@ -125,8 +125,9 @@ def test_status_command_reaches_the_coordinator(mesh):
 
 def test_one_run_at_a_time_and_an_async_stop_keeps_every_trained_step(mesh, tmp_path):
     """Two StartRuns at once: one runs, the other is FAILED_PRECONDITION. StopRun (which saves by
-    default) in async mode, where the next batch is already drawn: the checkpoint's data position is
-    that of the first untrained batch, and the final model is exported."""
+    default) in async mode, where the next batch is already drawn, from a caller that gives up at once:
+    the run still stops with a checkpoint whose data position is that of the first untrained batch, and
+    the final model is exported."""
     import concurrent.futures
 
     from rlfabric.v1 import coordinator_pb2, coordinator_pb2_grpc
@@ -153,7 +154,14 @@ def test_one_run_at_a_time_and_an_async_stop_keeps_every_trained_step(mesh, tmp_
         for update in stub.StreamMetrics(coordinator_pb2.StreamMetricsRequest(), timeout=300):
             if update.step >= 2:
                 break
-        stub.StopRun(coordinator_pb2.StopRunRequest(), timeout=300)
+        # A StopRun whose caller gives up at once: the stop and its checkpoint still happen.
+        # (A step, its checkpoint and the export take longer than the 0.5 s it waits.)
+        try:
+            stub.StopRun(coordinator_pb2.StopRunRequest(), timeout=0.5)
+        except grpc.RpcError as gave_up:
+            assert gave_up.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        for update in stub.StreamMetrics(coordinator_pb2.StreamMetricsRequest(from_step=10**6), timeout=300):
+            pass  # the stream ends when the run does
         status = stub.GetRunStatus(coordinator_pb2.GetRunStatusRequest(), timeout=10)
     assert status.state == coordinator_pb2.RUN_STATE_STOPPED and status.step >= 2
     latest = tmp_path / "checkpoints" / f"global_step_{status.step}"
