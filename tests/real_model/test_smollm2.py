@@ -10,6 +10,8 @@ Order matters: the tests before the update check the initial weights.
 
 from __future__ import annotations
 
+import os
+
 import grpc
 import pytest
 import torch
@@ -86,9 +88,16 @@ class RealModelMesh:
 
 @pytest.fixture(scope="module")
 def mesh(smollm2, tmp_path_factory):
+    # vLLM's CPU platform sets LD_PRELOAD (torch's libgomp, tcmalloc) in this process's environment;
+    # put it back afterwards so that later tests' subprocesses start as they would elsewhere.
+    environment = dict(os.environ)
     mesh = RealModelMesh(smollm2, tmp_path_factory.mktemp("smollm2"))
-    yield mesh
-    mesh.stop()
+    try:
+        yield mesh
+    finally:
+        mesh.stop()
+        os.environ.clear()
+        os.environ.update(environment)
 
 
 def sample(mesh: RealModelMesh, engine: str, prompts, **params):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -46,7 +47,10 @@ def served(tmp_path):
         "--port-file",
         str(port_file),
     ]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # Without an LD_PRELOAD an in-process vLLM engine of an earlier test may have left in os.environ
+    # (vLLM's CPU platform preloads torch's libgomp): the light image's process has none.
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     deadline = time.monotonic() + 60
     while not port_file.exists():
         assert process.poll() is None, f"serve exited {process.returncode}: {process.stdout.read()}"
