@@ -160,7 +160,7 @@ def test_one_run_at_a_time_and_an_async_stop_keeps_every_trained_step(mesh, tmp_
             stub.StopRun(coordinator_pb2.StopRunRequest(), timeout=0.5)
         except grpc.RpcError as gave_up:
             assert gave_up.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        for update in stub.StreamMetrics(coordinator_pb2.StreamMetricsRequest(from_step=10**6), timeout=300):
+        for _ in stub.StreamMetrics(coordinator_pb2.StreamMetricsRequest(from_step=10**6), timeout=300):
             pass  # the stream ends when the run does
         status = stub.GetRunStatus(coordinator_pb2.GetRunStatusRequest(), timeout=10)
     assert status.state == coordinator_pb2.RUN_STATE_STOPPED and status.step >= 2
