@@ -173,15 +173,5 @@ async def wait_until_serving(
 
 
 def rpc_error_to_domain(error: grpc.RpcError, what: str) -> Exception:
-    """Turns a client-side RpcError into the matching domain error, naming the call."""
-    by_code = {
-        grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidArgument,
-        grpc.StatusCode.FAILED_PRECONDITION: errors.FailedPrecondition,
-        grpc.StatusCode.RESOURCE_EXHAUSTED: errors.ResourceExhausted,
-        grpc.StatusCode.UNAVAILABLE: errors.Unavailable,
-        grpc.StatusCode.DEADLINE_EXCEEDED: errors.DeadlineExceeded,
-        grpc.StatusCode.NOT_FOUND: errors.NotFound,
-        grpc.StatusCode.UNIMPLEMENTED: errors.Unimplemented,
-    }
-    cls = by_code.get(error.code(), errors.RlfabricError)
-    return cls(f"{what}: {error.code().name}: {error.details()}")
+    """Turns a client-side RpcError into the matching domain error (same status code), naming the call."""
+    return errors.error_for_code(error.code(), f"{what}: {error.code().name}: {error.details()}")

@@ -55,3 +55,31 @@ class Unimplemented(RlfabricError):
     """The engine behind this service does not support the call."""
 
     code = grpc.StatusCode.UNIMPLEMENTED
+
+
+class Unauthenticated(RlfabricError):
+    """The call carried no valid credentials (bearer token, client certificate)."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class PermissionDenied(RlfabricError):
+    """The caller is known but not allowed to do this (e.g. a path outside the storage root)."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
+def error_for_code(code: grpc.StatusCode, message: str) -> RlfabricError:
+    """The domain error of a gRPC status code (the inverse of each class's `code`): a code with no class
+    of its own keeps its code on a plain RlfabricError, so it is never reported as INTERNAL."""
+    by_code = {cls.code: cls for cls in _all_subclasses(RlfabricError)}
+    error_class = by_code.get(code)
+    if error_class is not None:
+        return error_class(message)
+    error = RlfabricError(message)
+    error.code = code
+    return error
+
+
+def _all_subclasses(cls: type) -> list[type]:
+    return [sub for direct in cls.__subclasses__() for sub in (direct, *_all_subclasses(direct))]

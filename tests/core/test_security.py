@@ -92,6 +92,31 @@ def test_bearer_token_required_except_for_health(serve_in_thread):
         assert _health(channel) == health_pb2.HealthCheckResponse.SERVING
 
 
+def test_typed_clients_see_auth_failures_as_unauthenticated(serve_in_thread):
+    """A typed client with no or a wrong token gets errors.Unauthenticated (code UNAUTHENTICATED), not
+    an error that reads as INTERNAL; a status code without a class of its own keeps its code."""
+    import asyncio
+
+    from rlfabric.core import errors
+    from rlfabric.reward import ScoreItem
+    from rlfabric.reward.client import RewardClient
+
+    server = serve_in_thread(probe_service(), ServerOptions(port=0, metrics_port=None, auth_token="s3cret"))
+
+    async def score_with(token: str | None):
+        async with RewardClient(server.address, ChannelOptions(auth_token=token or "", timeout_s=5)) as client:
+            return await client.score([ScoreItem("openai/gsm8k", "1", "1")])
+
+    for token in (None, "nope"):
+        with pytest.raises(errors.Unauthenticated, match="UNAUTHENTICATED") as refused:
+            asyncio.run(score_with(token))
+        assert refused.value.code == grpc.StatusCode.UNAUTHENTICATED
+    assert [r.score for r in asyncio.run(score_with("s3cret"))] == [1.0]
+    aborted = errors.error_for_code(grpc.StatusCode.ABORTED, "x")
+    assert type(aborted) is errors.RlfabricError and aborted.code == grpc.StatusCode.ABORTED
+    assert isinstance(errors.error_for_code(grpc.StatusCode.PERMISSION_DENIED, "x"), errors.PermissionDenied)
+
+
 def test_mtls_refuses_clients_without_a_trusted_cert(serve_in_thread, pki):
     tls = TlsConfig(cert_file=pki["server"], key_file=pki["server_key"], ca_file=pki["ca"], require_client_cert=True)
     server = serve_in_thread(probe_service(), ServerOptions(port=0, metrics_port=None, tls=tls, health_port=0))
