@@ -150,7 +150,6 @@ class PPOTrainer:
         pending: PendingRollout | None = None
         try:
             while self.step < trainer.total_steps:
-                self.untrained_cursor = pending.cursor_before if pending else self._copy(self.cursor)
                 await self._between_steps()
                 step = self.step + 1
                 pending = pending or self._start_rollout(step, batches)
@@ -272,7 +271,7 @@ class PPOTrainer:
     # -- generation and scoring -----------------------------------------------------------------
 
     def _start_rollout(self, step: int, batches) -> PendingRollout:
-        cursor_before = DataCursor(self.cursor.epoch, self.cursor.position)
+        cursor_before = self._copy(self.cursor)
         rows = next(batches)
         task = asyncio.create_task(self._rollout(step, rows), name=f"rollout-step-{step}")
         return PendingRollout(step, rows, cursor_before, task)
