@@ -7,6 +7,8 @@ Start-up: by default rank 0 opens a TCP store on a free port and starts N-1 work
 which join a gloo (CPU) or NCCL (GPU) process group through it. When RANK / WORLD_SIZE / MASTER_ADDR /
 MASTER_PORT are already set (one pod per rank, e.g. a Kubernetes StatefulSet), nothing is started:
 rank 0 runs `rlfabric serve ROLE` and every other rank runs the command above with --config run.yaml.
+Either way rank 0's store listens on the rendezvous address only (127.0.0.1, or MASTER_ADDR, which
+must then be an address of rank 0's machine), not on every interface as torch's own would.
 
 Commands travel as tensors over the process group, never pickled: rank 0 sends each worker a header
 (command + numeric parameters, float64 [8]), then that rank's shard of the batch as named tensors
@@ -32,6 +34,7 @@ import torch.distributed as dist
 from rlfabric.actor.batch import TENSOR_NAMES, SequenceBatch
 from rlfabric.core import codec
 from rlfabric.core.config import RunConfig, load_config
+from rlfabric.core.weight_sync.gloo import master_store
 
 MAX_DIMS = 4
 HEADER_LEN = 8
@@ -224,12 +227,13 @@ class WorkerGroup:
             if launch != (0, self.world_size):
                 raise ValueError(f"{self.role}: the service is rank 0 of world_size {self.world_size}, but the "
                                  f"environment says RANK={launch[0]}, WORLD_SIZE={launch[1]}")
-            init_group(self.device, 0, self.world_size)
+            self._store = master_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), self.world_size,
+                                       COLLECTIVE_TIMEOUT)
+            init_group(self.device, 0, self.world_size, self._store)
             return
         # A fresh interpreter per rank (not multiprocessing): nothing of the parent's __main__ is re-run,
         # and a spawned rank is started exactly like a rank of a cluster, through main() below.
-        store = dist.TCPStore("127.0.0.1", 0, self.world_size, is_master=True, wait_for_workers=False,
-                              timeout=COLLECTIVE_TIMEOUT)
+        store = master_store("127.0.0.1", 0, self.world_size, COLLECTIVE_TIMEOUT)
         config_json = self.config.model_dump_json()
         for rank in range(1, self.world_size):
             env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(self.world_size), "MASTER_ADDR": "127.0.0.1",

@@ -396,8 +396,8 @@ class WeightSyncConfig(Section):
     timeout_s: float = Field(120.0, gt=0)
     """Every collective and stream of a sync fails after this long (a dead peer never hangs the run)."""
     host: str = ""
-    """Address receivers use to reach the actor's gloo store; empty = server.host, or this machine's hostname
-    when server.host is a wildcard (0.0.0.0)."""
+    """Address receivers use to reach the actor's gloo store, which listens on it only; empty = server.host, or
+    this machine's hostname when server.host is a wildcard (0.0.0.0)."""
 
 
 class RayResources(Section):

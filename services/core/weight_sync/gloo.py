@@ -45,6 +45,22 @@ def _device(host: str):
     return ProcessGroupGloo.create_default_device()
 
 
+def master_store(host: str, port: int, world_size: int, timeout: timedelta) -> dist.TCPStore:
+    """A TCPStore server listening on `host` only (port 0 = a free one).
+
+    TCPStore's own socket listens on every interface whatever host it is given (torch 2.13, both
+    backends), so the store would take connections on any network the machine is on. Here the socket
+    is bound to `host` and handed over (the store owns and closes it)."""
+    try:
+        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        listener = socket.create_server(address, family=family)
+    except OSError as error:
+        raise OSError(error.errno, f"cannot listen on {host}:{port} for a TCPStore ({error.strerror}); "
+                                   "the host must name an address of this machine") from error
+    return dist.TCPStore(host, listener.getsockname()[1], world_size, is_master=True, wait_for_workers=False,
+                         timeout=timeout, master_listen_fd=listener.detach())
+
+
 def collective_error(error: Exception, what: str, timeout_s: float) -> Exception:
     """A gloo RuntimeError as the domain error a caller can act on."""
     text = str(error).split("\n")[0]
@@ -77,9 +93,8 @@ class GlooTransport:
 
     @classmethod
     def host_store(cls, host: str, world_size: int, timeout_s: float) -> dist.TCPStore:
-        """Rank 0's store on a free port (it does not wait for the receivers here)."""
-        return dist.TCPStore(host, 0, world_size, is_master=True, wait_for_workers=False,
-                             timeout=timedelta(seconds=timeout_s))
+        """Rank 0's store on a free port of `host` (it does not wait for the receivers here)."""
+        return master_store(host, 0, world_size, timedelta(seconds=timeout_s))
 
     def broadcast(self, buffer: torch.Tensor) -> None:
         """Rank 0 sends `buffer`; every other rank receives into its `buffer` (same size). Blocking.
