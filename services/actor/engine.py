@@ -242,7 +242,8 @@ class TrainerEngine:
             sync = self.config.weight_sync
             self._sender = WeightSender(sync_host(self.config), self.worker.device,
                                         ChannelOptions.from_config(self.config), timeout_s=sync.timeout_s,
-                                        bucket_bytes=sync.bucket_mb << 20)
+                                        bucket_bytes=sync.bucket_mb << 20, max_timeout_s=sync.max_timeout_s,
+                                        max_open_groups=sync.max_open_groups)
         return self._sender
 
     async def open_weight_sync(self, transport: str, num_receivers: int, bucket_bytes: int = 0,

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 ROLES = ("actor", "reference", "critic", "rollout", "reward", "coordinator")
 DEFAULT_CONFIG_NAME = "quickstart.yaml"
@@ -395,9 +395,20 @@ class WeightSyncConfig(Section):
     """Weights move in flattened buckets of about this many MiB."""
     timeout_s: float = Field(120.0, gt=0)
     """Every collective and stream of a sync fails after this long (a dead peer never hangs the run)."""
+    max_timeout_s: float = Field(600.0, gt=0, validate_default=True)
+    """Longest timeout_s the actor accepts in OpenWeightSyncGroup (more is INVALID_ARGUMENT); >= timeout_s."""
+    max_open_groups: int = Field(4, ge=1)
+    """Weight-sync groups the actor keeps open; one more evicts the longest-unused one not mid-sync."""
     host: str = ""
     """Address receivers use to reach the actor's gloo store, which listens on it only; empty = server.host, or
     this machine's hostname when server.host is a wildcard (0.0.0.0)."""
+
+    @field_validator("max_timeout_s")
+    @classmethod
+    def _at_least_timeout(cls, value: float, info: ValidationInfo) -> float:
+        if value < info.data.get("timeout_s", 0):
+            raise ValueError(f"must be >= weight_sync.timeout_s ({info.data['timeout_s']:g})")
+        return value
 
 
 class RayResources(Section):

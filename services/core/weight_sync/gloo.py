@@ -3,7 +3,8 @@
 The group is stateless with respect to torch.distributed: it is not the default process group (the
 actor's FSDP ranks already use that), so any number of them can come and go in one process, and a
 vLLM worker can join one from a worker-extension method. Rank 0 (the sender) hosts the TCPStore;
-receivers connect to it, then gloo connects every pair of ranks.
+every rank, rank 0 included, connects to it, then gloo connects every pair of ranks. Closing the
+store ends a rendezvous still waiting for a rank: its joins fail at once.
 
 Every operation is bounded by the group's timeout: a peer that dies makes the others fail with an
 error (at once for the sender, which sees the connection close; within the timeout for the others).
@@ -75,14 +76,14 @@ class GlooTransport:
     device = torch.device("cpu")
 
     def __init__(self, group: SyncGroup, rank: int, store: dist.TCPStore | None = None):
-        """Joins the group: blocks until every rank has joined, or fails after group.timeout_s."""
+        """Joins the group: blocks until every rank has joined, or fails after group.timeout_s.
+        `store`: this rank's connection to the group's store, if made already (else made here)."""
         from torch.distributed import PrefixStore, ProcessGroupGloo
 
         self.group, self.rank = group, rank
         timeout = timedelta(seconds=group.timeout_s)
         try:
-            self._store = store or dist.TCPStore(group.store_host, group.store_port, group.world_size,
-                                                 is_master=False, timeout=timeout)
+            self._store = store or self.connect_store(group)
             options = ProcessGroupGloo._Options()
             options._timeout = timeout
             options._devices = [_device(group.store_host)]
@@ -90,6 +91,12 @@ class GlooTransport:
         except RuntimeError as error:
             raise collective_error(error, f"joining weight-sync group {group.group_id} as rank {rank}",
                                    group.timeout_s) from error
+
+    @staticmethod
+    def connect_store(group: SyncGroup) -> dist.TCPStore:
+        """A client connection to the group's store (rank 0's server included)."""
+        return dist.TCPStore(group.store_host, group.store_port, group.world_size, is_master=False,
+                             timeout=timedelta(seconds=group.timeout_s))
 
     @classmethod
     def host_store(cls, host: str, world_size: int, timeout_s: float) -> dist.TCPStore:

@@ -5,10 +5,18 @@
     manifest = sender.prepare(group.group_id, 7, state)    # packs; -> receivers' ReceiveWeights
     result = await sender.broadcast(group.group_id, 7)     # while the receivers receive
 
-open() returns at once: rank 0's half of the rendezvous runs on a helper thread and completes when
-every receiver has joined; broadcast() waits for it. A group whose collective failed is broken
+open() returns at once: rank 0's half of the rendezvous runs on a thread of its own and completes
+when every receiver has joined; broadcast() waits for it. A group whose collective failed is broken
 (gloo and NCCL cannot resume after a peer is lost): later calls get FAILED_PRECONDITION naming
 the first failure, and the caller opens a new group.
+
+Bounds, so no caller can use the sender up: a group's timeout is at most max_timeout_s (more is
+INVALID_ARGUMENT), and at most max_open_groups are open. Opening one more evicts the open group
+unused for longest that is not moving bytes (one still connecting, or idle between syncs): its
+rendezvous is abandoned (gloo: closing its store makes rank 0's join fail at once, so its thread
+ends), its buffers are freed, and later calls on it get NOT_FOUND saying it was evicted. When every
+group is mid-sync, open() is RESOURCE_EXHAUSTED. An NCCL rendezvous cannot be abandoned: its thread
+gives up after the group's timeout.
 """
 
 from __future__ import annotations
@@ -19,20 +27,29 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
 
 from rlfabric.core.client import ChannelOptions
-from rlfabric.core.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound
+from rlfabric.core.errors import (
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+)
 from rlfabric.core.weight_sync.buckets import dedupe_shared, pack
 from rlfabric.core.weight_sync.grpc_stream import PushPayload, PushResult, push_weights
 from rlfabric.core.weight_sync.manifest import Manifest, SyncGroup
 from rlfabric.core.weight_sync.receiver import SLACK_S
 
 log = logging.getLogger("rlfabric.weight_sync")
+
+REMEMBERED_EVICTIONS = 256  # evicted group ids kept to explain a later call on one
 
 
 @dataclass(frozen=True)
@@ -53,19 +70,29 @@ class _Group:
     prepared: tuple[Manifest, list[torch.Tensor]] | None = None  # the manifest and its packed buffers
     last: tuple[Manifest, list[torch.Tensor]] | None = None  # the packed buffers, kept for the next pack
     broken: str = ""
+    evicted: str = ""  # why, once evicted
+    last_used: float = field(default_factory=time.monotonic)  # opened, or a prepare or broadcast ended
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one broadcast at a time
     buffers_lock: threading.Lock = field(default_factory=threading.Lock)  # no pack into buffers being sent
+
+    @property
+    def busy(self) -> bool:
+        """Packing, or broadcasting over a connected transport: not to be evicted."""
+        connected = self.connecting is None or (self.connecting.done() and self.connecting.exception() is None)
+        return self.buffers_lock.locked() or (connected and self.lock.locked())
 
 
 class WeightSender:
     """Rank 0 of the weight-sync groups of one actor."""
 
     def __init__(self, host: str, device: torch.device, options: ChannelOptions | None = None,
-                 timeout_s: float = 120.0, bucket_bytes: int = 512 << 20):
+                 timeout_s: float = 120.0, bucket_bytes: int = 512 << 20, max_timeout_s: float = 600.0,
+                 max_open_groups: int = 4):
         self.host, self.device, self.options = host, device, options or ChannelOptions()
         self.timeout_s, self.bucket_bytes = timeout_s, bucket_bytes
+        self.max_timeout_s, self.max_open_groups = max_timeout_s, max_open_groups
         self._groups: dict[str, _Group] = {}
-        self._threads = ThreadPoolExecutor(max_workers=8, thread_name_prefix="weight-sync")
+        self._evicted: OrderedDict[str, str] = OrderedDict()  # group id -> why (the latest few)
 
     def default_transport(self) -> str:
         return "nccl" if self.device.type == "cuda" else "gloo"
@@ -77,11 +104,20 @@ class WeightSender:
         timeout_s = timeout_s or self.timeout_s
         if num_receivers < 1:
             raise InvalidArgument(f"num_receivers must be >= 1, got {num_receivers}")
-        if bucket_bytes < 0 or timeout_s < 0:
-            raise InvalidArgument("bucket_bytes and timeout_s must be >= 0 (0 = the default)")
+        if bucket_bytes < 0:
+            raise InvalidArgument(f"bucket_bytes must be >= 0 (0 = the default), got {bucket_bytes}")
+        if not 0 < timeout_s <= self.max_timeout_s:
+            raise InvalidArgument(f"timeout_s must be > 0 and at most weight_sync.max_timeout_s="
+                                  f"{self.max_timeout_s:g} (0 = the default, {self.timeout_s:g}), got {timeout_s:g}")
         if transport == "grpc" and len(addresses) != num_receivers:
             raise InvalidArgument(f"the grpc transport needs one receiver address per receiver: got {len(addresses)} "
                                   f"for num_receivers {num_receivers}")
+        if transport not in ("gloo", "nccl", "grpc"):
+            raise InvalidArgument(f"unknown weight-sync transport {transport!r}")
+        if transport == "nccl" and self.device.type != "cuda":
+            raise FailedPrecondition("the nccl weight-sync transport needs the actor on a CUDA device; "
+                                     "this actor runs on CPU (use gloo or grpc)")
+        self._make_room()
         group_id = f"ws-{uuid.uuid4().hex[:12]}"
         world_size = num_receivers + 1
         entry = _Group(SyncGroup(group_id, transport, world_size, timeout_s), bucket_bytes or self.bucket_bytes,
@@ -92,29 +128,55 @@ class WeightSender:
             entry.store = GlooTransport.host_store(self.host, world_size, timeout_s)
             entry.group = SyncGroup(group_id, transport, world_size, timeout_s, store_host=self.host,
                                     store_port=entry.store.port)
-            entry.connecting = self._threads.submit(GlooTransport, entry.group, 0, entry.store)
+            # Rank 0 joins through a client connection of its own, made here: closing the store
+            # (entry.store, the only reference to the server) then fails an abandoned rendezvous at
+            # once, where a client still connecting would retry until the timeout.
+            client = GlooTransport.connect_store(entry.group)
+            entry.connecting = _in_thread(f"weight-sync-{group_id}", GlooTransport, entry.group, 0, client)
         elif transport == "nccl":
             from rlfabric.core.weight_sync.nccl import NcclTransport, new_unique_id
 
-            if self.device.type != "cuda":
-                raise FailedPrecondition("the nccl weight-sync transport needs the actor on a CUDA device; "
-                                         "this actor runs on CPU (use gloo or grpc)")
             entry.group = SyncGroup(group_id, transport, world_size, timeout_s, nccl_unique_id=new_unique_id())
-            entry.connecting = self._threads.submit(NcclTransport, entry.group, 0, self.device)
-        elif transport != "grpc":
-            raise InvalidArgument(f"unknown weight-sync transport {transport!r}")
+            entry.connecting = _in_thread(f"weight-sync-{group_id}", NcclTransport, entry.group, 0, self.device)
         self._groups[group_id] = entry
         log.info("weight-sync group opened", extra={"fields": {
             "group_id": group_id, "transport": transport, "world_size": world_size, "timeout_s": timeout_s}})
         return entry.group
 
+    def _make_room(self) -> None:
+        """Evicts the group unused for longest, unless it is busy, when max_open_groups are open."""
+        if len(self._groups) < self.max_open_groups:
+            return
+        idle = [entry for entry in self._groups.values() if not entry.busy]
+        if not idle:
+            raise ResourceExhausted(f"{len(self._groups)} weight-sync groups are open and all are mid-sync "
+                                    f"(weight_sync.max_open_groups={self.max_open_groups}): close one, or retry "
+                                    "when a sync has finished")
+        victim = min(idle, key=lambda entry: entry.last_used)
+        victim.evicted = (f"evicted to make room for a newer group (weight_sync.max_open_groups="
+                          f"{self.max_open_groups}; it was the one unused for longest)")
+        self._evicted[victim.group.group_id] = victim.evicted
+        while len(self._evicted) > REMEMBERED_EVICTIONS:
+            self._evicted.popitem(last=False)
+        del self._groups[victim.group.group_id]
+        self._drop(victim)
+        log.warning("weight-sync group evicted", extra={"fields": {
+            "group_id": victim.group.group_id, "idle_s": round(time.monotonic() - victim.last_used, 3)}})
+
     def _entry(self, group_id: str) -> _Group:
         entry = self._groups.get(group_id)
         if entry is None:
+            if group_id in self._evicted:
+                raise NotFound(f"weight-sync group {group_id} was {self._evicted[group_id]}; open a new one")
             raise NotFound(f"no weight-sync group {group_id!r} (closed, or opened by an earlier actor process)")
         if entry.broken:
             raise FailedPrecondition(f"weight-sync group {group_id} is broken ({entry.broken}); open a new one")
         return entry
+
+    def _check_not_evicted(self, entry: _Group) -> None:
+        """For a call that found the group before an open() evicted it meanwhile."""
+        if entry.evicted:
+            raise NotFound(f"weight-sync group {entry.group.group_id} was {entry.evicted}; open a new one")
 
     def prepare(self, group_id: str, version: int, state: Mapping[str, torch.Tensor]) -> Manifest:
         """Packs `state` (CPU tensors) into the group's buckets; they stay until broadcast()."""
@@ -128,12 +190,15 @@ class WeightSender:
                                      reuse, buffers)
             entry.last = (manifest, buffers)
             entry.prepared = (manifest, buffers)
+        entry.last_used = time.monotonic()
+        self._check_not_evicted(entry)
         return manifest
 
     async def broadcast(self, group_id: str, version: int) -> BroadcastResult:
         """Sends the prepared buckets to every receiver (the packed buffers stay for the next pack)."""
         entry = self._entry(group_id)
         async with entry.lock:
+            self._check_not_evicted(entry)  # while it waited for the broadcast before
             if entry.prepared is None or entry.prepared[0].version != version:
                 prepared = "nothing" if entry.prepared is None else f"version {entry.prepared[0].version}"
                 raise FailedPrecondition(f"weight-sync group {group_id} has {prepared} prepared, not version "
@@ -141,15 +206,21 @@ class WeightSender:
             (manifest, payload), entry.prepared = entry.prepared, None
             started = time.perf_counter()
             if entry.group.transport == "grpc":
-                pushes = await self._push(entry, manifest, payload)
+                try:
+                    pushes = await self._push(entry, manifest, payload)
+                finally:
+                    entry.last_used = time.monotonic()
                 return BroadcastResult(manifest.num_bytes, time.perf_counter() - started, pushes)
             try:
-                await self._wait(entry, len(payload), asyncio.get_running_loop().run_in_executor(
-                    self._threads, self._send, entry, payload))
+                await self._wait(entry, len(payload), asyncio.wrap_future(
+                    _in_thread(f"weight-sync-send-{group_id}", self._send, entry, payload)))
             except Exception as error:
+                self._check_not_evicted(entry)  # its rendezvous was abandoned under this broadcast
                 entry.broken = f"{type(error).__name__}: {error}"
                 self._drop(entry)
                 raise
+            finally:
+                entry.last_used = time.monotonic()
             return BroadcastResult(manifest.num_bytes, time.perf_counter() - started)
 
     async def _push(self, entry: _Group, manifest: Manifest, buffers: list[torch.Tensor]) -> tuple[PushResult, ...]:
@@ -158,7 +229,7 @@ class WeightSender:
         deadline = entry.group.timeout_s * len(manifest.buckets)  # the group's timeout per bucket
         lock = entry.buffers_lock
         if not lock.acquire(blocking=False):  # a pack is running (on the actor's torch thread)
-            acquiring = asyncio.get_running_loop().run_in_executor(self._threads, lock.acquire)
+            acquiring = asyncio.wrap_future(_in_thread(f"weight-sync-wait-{entry.group.group_id}", lock.acquire))
             try:
                 await asyncio.shield(acquiring)
             except asyncio.CancelledError:
@@ -207,4 +278,20 @@ class WeightSender:
     def close_all(self) -> None:
         for group_id in list(self._groups):
             self.close(group_id)
-        self._threads.shutdown(wait=False, cancel_futures=True)
+
+
+def _in_thread(name: str, fn: Callable, *args) -> Future:
+    """fn(*args) on a new daemon thread: a rendezvous or send blocks only its own group's thread, and
+    an abandoned one cannot hold up another group."""
+    future: Future = Future()
+
+    def run() -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(fn(*args))
+        except BaseException as error:  # handed to whoever waits on the future
+            future.set_exception(error)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return future
