@@ -8,14 +8,19 @@ One scorer kind per service, chosen by the config, as VeRL chooses:
 
 A request is validated as a whole before anything is scored (a bad item fails the request with
 InvalidArgument naming it); a scorer that fails fails only its item (status error/timeout/crashed).
+A request whose caller goes away (cancelled, or past its deadline) stops: the items not started by
+then are never scored, so the workers and threads are free for the next one.
 torch is imported only when a reward model or a tokenizer is configured.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import importlib
+import logging
+import threading
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
@@ -29,9 +34,16 @@ from rlfabric.reward.custom import CustomScorerPool
 from rlfabric.reward.items import STATUS_CRASHED, STATUS_ERROR, STATUS_TIMEOUT, ItemResult, ScoreItem
 from rlfabric.reward.overlong import OverlongConfig
 from rlfabric.reward.registry import UnknownDataSourceError, registered_data_sources
-from rlfabric.reward.scoring import ScoringConfig, add_overlong_penalty, score_items
+from rlfabric.reward.scoring import (
+    ScoringCancelled,
+    ScoringConfig,
+    add_overlong_penalty,
+    score_items,
+)
 
 FAILURE_REASONS = (STATUS_ERROR, STATUS_TIMEOUT, STATUS_CRASHED)
+
+log = logging.getLogger("rlfabric.reward")
 
 
 @dataclasses.dataclass
@@ -65,6 +77,7 @@ class RewardEngine:
                 buffer_length=config.overlong_buffer_length,
                 penalty_factor=config.overlong_penalty_factor,
             ),
+            custom_chunk=config.num_workers,  # a cancelled request stops after one item per worker
         )
         self.custom_pool: CustomScorerPool | None = None
         self.reward_model: Any = None  # RewardModelScorer, typed loosely to keep torch out of this module
@@ -144,10 +157,10 @@ class RewardEngine:
         # 2. Score: reward model, custom function pool, or rule-based scorers; never on the event loop.
         if self.reward_model is not None:
             async with self._model_lock:  # one forward at a time; batches are already batched
-                results = await asyncio.to_thread(self._score_with_model, items)
+                results = await _until_cancelled(self._score_with_model, items)
         else:
             try:
-                results = await asyncio.to_thread(score_items, items, self.scoring, self.custom_pool)
+                results = await _until_cancelled(score_items, items, self.scoring, self.custom_pool)
             except UnknownDataSourceError as error:  # the registry changed since step 1
                 raise InvalidArgument(str(error)) from None
 
@@ -158,8 +171,13 @@ class RewardEngine:
     def status(self) -> RewardStatus:
         return RewardStatus(registered_data_sources(), self.items_scored, self.items_failed)
 
-    def _score_with_model(self, items: Sequence[ScoreItem]) -> list[ItemResult]:
-        results = self.reward_model.score_items(items)
+    def _score_with_model(self, items: Sequence[ScoreItem], cancelled: threading.Event) -> list[ItemResult]:
+        results: list[ItemResult] = []
+        step = self.config.model_batch_size
+        for start in range(0, len(items), step):
+            if cancelled.is_set():
+                raise ScoringCancelled(f"scoring cancelled after {start} of {len(items)} items")
+            results += self.reward_model.score_items(items[start : start + step])
         add_overlong_penalty(items, results, self.scoring.overlong)
         return results
 
@@ -227,6 +245,22 @@ class RewardEngine:
         self._items_total.inc(len(results))
         for reason, count in failures.items():
             self._failures_total.labels(reason=reason).inc(count)
+
+
+async def _until_cancelled(fn, *args, **kwargs):
+    """fn(*args, cancelled=event, **kwargs) on a thread. When the caller is cancelled, the event tells
+    fn to stop at its next item, and the caller waits for that, so a lock it holds (one forward at a
+    time) is not released while fn still runs."""
+    cancelled = threading.Event()
+    work = asyncio.ensure_future(asyncio.to_thread(fn, *args, cancelled=cancelled, **kwargs))
+    try:
+        return await asyncio.shield(work)
+    except asyncio.CancelledError:
+        cancelled.set()
+        log.info("Score cancelled: its caller went away; the items not started are not scored")
+        with contextlib.suppress(BaseException):  # ScoringCancelled, or a second cancellation
+            await work
+        raise
 
 
 def _load_tokenizer(path: str) -> Any:

@@ -1,7 +1,12 @@
-"""Batch scoring: the one entry point the reward service calls, plus VeRL's compute_score."""
+"""Batch scoring: the one entry point the reward service calls, plus VeRL's compute_score.
+
+A batch can be stopped half-way (a `cancelled` event, set when the caller gave up): the items not
+started yet are never scored.
+"""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -51,12 +56,20 @@ class ScoringConfig:
     """Score for a data_source with no scorer; None makes such a batch fail with UnknownDataSourceError."""
     overlong: OverlongConfig = field(default_factory=OverlongConfig)
     """DAPO overlong penalty, added to every successfully scored item when enabled."""
+    custom_chunk: int = 0
+    """With a custom pool and a `cancelled` event: items per pool call, so a cancelled batch stops
+    within one chunk (0 = the whole batch in one call)."""
+
+
+class ScoringCancelled(Exception):
+    """The caller gave up on the batch; the items not started by then were not scored."""
 
 
 def score_items(
     items: Sequence[ScoreItem],
     config: ScoringConfig | None = None,
     custom_pool: CustomScorerPool | None = None,
+    cancelled: threading.Event | None = None,
 ) -> list[ItemResult]:
     """Score a batch, one ItemResult per item in order.
 
@@ -65,12 +78,13 @@ def score_items(
     A scorer that raises gives that item status "error" and score 0. The overlong penalty is
     added to "ok" items only (failed items keep score 0) and logged as metrics
     "overlong_reward" and "overlong" (1.0 when penalised), as VeRL's DAPO reward manager does.
+    Raises ScoringCancelled, leaving the items not started unscored, once `cancelled` is set.
     """
     config = config or ScoringConfig()
     if custom_pool is not None:
-        results = custom_pool.score_batch(items)
+        results = _score_with_pool(items, custom_pool, config.custom_chunk, cancelled)
     else:
-        results = _score_in_process(items, config)
+        results = _score_in_process(items, config, cancelled)
 
     add_overlong_penalty(items, results, config.overlong)
     return results
@@ -91,7 +105,20 @@ def add_overlong_penalty(
         result.metrics["overlong"] = float(penalty < 0)
 
 
-def _score_in_process(items: Sequence[ScoreItem], config: ScoringConfig) -> list[ItemResult]:
+def _score_with_pool(items: Sequence[ScoreItem], pool: CustomScorerPool, chunk: int,
+                     cancelled: threading.Event | None) -> list[ItemResult]:
+    if cancelled is None or chunk <= 0:
+        return pool.score_batch(items)
+    results: list[ItemResult] = []
+    for start in range(0, len(items), chunk):
+        if cancelled.is_set():
+            raise ScoringCancelled(f"scoring cancelled after {start} of {len(items)} items")
+        results += pool.score_batch(items[start : start + chunk])
+    return results
+
+
+def _score_in_process(items: Sequence[ScoreItem], config: ScoringConfig,
+                      cancelled: threading.Event | None) -> list[ItemResult]:
     # Resolve each data_source once, so an unknown one fails the batch before anything runs.
     scorers: dict[str, Scorer | None] = {}
     for data_source in sorted({item.data_source for item in items}):
@@ -103,17 +130,21 @@ def _score_in_process(items: Sequence[ScoreItem], config: ScoringConfig) -> list
             scorers[data_source] = None
 
     kwargs = config.compute_score_kwargs
-    results = []
-    for item in items:
+
+    def score_one(item: ScoreItem) -> ItemResult:
         scorer = scorers[item.data_source]
         if scorer is None:
             message = f"no scorer for data_source {item.data_source!r}; default score used"
-            results.append(ItemResult(score=float(config.default_score_for_unknown), message=message))
-            continue
+            return ItemResult(score=float(config.default_score_for_unknown), message=message)
         try:
             value = scorer(item.response, item.ground_truth, item.extra_info, **kwargs)
         except Exception as exc:  # a scorer's bug fails its item, not the batch
-            results.append(failed(STATUS_ERROR, describe_exception(exc)))
-            continue
-        results.append(result_from_value(value))
+            return failed(STATUS_ERROR, describe_exception(exc))
+        return result_from_value(value)
+
+    results = []
+    for index, item in enumerate(items):
+        if cancelled is not None and cancelled.is_set():
+            raise ScoringCancelled(f"scoring cancelled after {index} of {len(items)} items")
+        results.append(score_one(item))
     return results

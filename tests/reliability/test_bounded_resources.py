@@ -1,20 +1,25 @@
-"""Bounded resources: no caller can use up the actor's weight-sync groups, and no TCPStore listens
-beyond the address it advertises.
+"""Bounded resources: no caller can use up the actor's weight-sync groups or the reward service's
+scorers, and no TCPStore listens beyond the address it advertises.
 
 - TCPStores (weight sync, the actor's ranks) listen on their host only, never on a wildcard;
 - weight sync: a capped timeout, at most max_open_groups open (the one unused for longest is evicted,
-  its rendezvous abandoned), RESOURCE_EXHAUSTED only while every group is mid-sync.
+  its rendezvous abandoned), RESOURCE_EXHAUSTED only while every group is mid-sync;
+- reward: a Score whose caller went away stops scoring.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
+import os
 import socket
+import textwrap
 import threading
 import time
 from collections.abc import Mapping
 
+import grpc
 import psutil
 import pytest
 import torch
@@ -24,10 +29,13 @@ from rlfabric.actor.dist import WorkerGroup
 from rlfabric.actor.service import build_service as build_trainer
 from rlfabric.core.config import RunConfig, config_from_dict
 from rlfabric.core.errors import InvalidArgument, NotFound, ResourceExhausted
+from rlfabric.core.server import ServerOptions
 from rlfabric.core.weight_sync.manifest import SyncGroup
 from rlfabric.core.weight_sync.receiver import WeightReceiver
 from rlfabric.core.weight_sync.sender import WeightSender
-from rlfabric.v1 import reward_pb2
+from rlfabric.reward import register_scorer
+from rlfabric.reward.server import build_service as build_reward
+from rlfabric.v1 import reward_pb2, reward_pb2_grpc
 
 from .helpers import trainer_config
 
@@ -210,3 +218,123 @@ def test_the_config_keeps_max_timeout_at_least_the_timeout():
     with pytest.raises(ValueError, match="max_timeout_s: .*must be >= weight_sync.timeout_s"):
         config_from_dict({"weight_sync": {"timeout_s": 700}})
     assert RunConfig().weight_sync.max_timeout_s >= RunConfig().weight_sync.timeout_s
+
+
+# --- reward: a Score whose caller went away stops ------------------------------------------------------
+
+
+SLOW_FUNCTION = textwrap.dedent(
+    """
+    import os
+    import time
+
+
+    def compute_score(data_source, solution_str, ground_truth, extra_info, log="", fifo="", hold_s=0.0):
+        if data_source == "slow":
+            with open(log, "a") as f:
+                f.write(solution_str + "\\n")
+            fd = os.open(fifo, os.O_WRONLY)
+            os.write(fd, b"s")  # tells the test this item started
+            os.close(fd)
+            time.sleep(hold_s)
+        return 1.0
+    """
+)
+HOLD_S = 2.0  # how long each slow item scores; a request of 20 would take 40 s
+
+
+def serve_reward(serve_in_thread, **reward):
+    return serve_in_thread(build_reward(config_from_dict({"reward": reward})),
+                           ServerOptions(port=0, metrics_port=None))
+
+
+def score_stub(server):
+    channel = grpc.insecure_channel(server.address)
+    return channel, reward_pb2_grpc.RewardServiceStub(channel)
+
+
+def request(data_source: str, count: int) -> reward_pb2.ScoreRequest:
+    return reward_pb2.ScoreRequest(items=[
+        reward_pb2.ScoreItem(data_source=data_source, response=str(i), ground_truth="") for i in range(count)])
+
+
+@pytest.mark.parametrize("give_up", ["cancel", "deadline"])
+def test_a_score_whose_caller_went_away_stops_and_frees_the_workers(give_up, serve_in_thread, tmp_path):
+    path, log, fifo = tmp_path / "slow.py", tmp_path / "started.log", tmp_path / "started.fifo"
+    path.write_text(SLOW_FUNCTION)
+    os.mkfifo(fifo)
+    started = os.open(fifo, os.O_RDWR)  # read end held open: the workers' writes never block
+    server = serve_reward(serve_in_thread, custom_path=str(path), num_workers=1, timeout_s=30.0,
+                          custom_kwargs={"log": str(log), "fifo": str(fifo), "hold_s": HOLD_S})
+    channel, stub = score_stub(server)
+    try:
+        if give_up == "cancel":
+            call = stub.Score.future(request("slow", 20), timeout=60)
+            assert os.read(started, 1) == b"s"  # the first item is being scored
+            call.cancel()
+            assert call.cancelled()
+        else:
+            with pytest.raises(grpc.RpcError) as error:
+                stub.Score(request("slow", 20), timeout=HOLD_S / 4)
+            assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+        began = time.monotonic()
+        answer = stub.Score(request("fast", 1), timeout=HOLD_S * 5)  # waits for the item in flight only
+        assert time.monotonic() - began < HOLD_S + 5
+        assert [r.score for r in answer.results] == [1.0]
+        assert log.read_text().split() == ["0"]  # items 1..19 never started
+        assert server.server.service.engine.items_scored == 1  # the given-up batch is not counted
+    finally:
+        channel.close()
+        os.close(started)
+
+
+class _Heard(logging.Handler):
+    """Sets `event` when a log record's message contains `text`."""
+
+    def __init__(self, text: str):
+        super().__init__()
+        self.text, self.event = text, threading.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.text in record.getMessage():
+            self.event.set()
+
+
+@pytest.fixture
+def heard_cancel():
+    handler = _Heard("Score cancelled")
+    logger = logging.getLogger("rlfabric.reward")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    yield handler.event
+    logger.removeHandler(handler)
+    logger.setLevel(level)
+
+
+def test_a_cancelled_score_of_in_process_scorers_stops_after_the_current_item(serve_in_thread, heard_cancel):
+    source = f"test/gate-{time.monotonic_ns()}"
+    entered, release, calls = threading.Event(), threading.Event(), []
+
+    def gated(solution_str, ground_truth, extra_info=None, **kwargs):
+        calls.append(solution_str)
+        entered.set()
+        release.wait(30)
+        return 1.0
+
+    register_scorer(source, gated)
+    server = serve_reward(serve_in_thread)
+    channel, stub = score_stub(server)
+    try:
+        call = stub.Score.future(request(source, 50), timeout=60)
+        assert entered.wait(30)
+        call.cancel()
+        assert heard_cancel.wait(30)  # the engine was told before the first item returns
+        release.set()
+        answer = stub.Score(request("openai/gsm8k", 1), timeout=30)
+        assert len(answer.results) == 1
+        assert calls == ["0"]
+    finally:
+        release.set()
+        channel.close()
