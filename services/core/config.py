@@ -287,6 +287,9 @@ class RewardConfig(Section):
     """Keyword arguments of every built-in scorer call, e.g. {method: flexible} for GSM8K."""
     scorer_modules: list[str] = []
     """Modules the reward service imports at start, so their register_scorer calls add data sources."""
+    max_stuck_scorer_threads: int = Field(4, ge=1)
+    """In-process scorers (built-in, scorer_modules) past timeout_s give their item TIMEOUT, but their thread
+    cannot be killed; while this many are still running, every in-process item gets TIMEOUT at once."""
     default_score_for_unknown: float | None = None
     """Score of an item whose data_source has no scorer; null = such a request is INVALID_ARGUMENT."""
     max_items_per_request: int = Field(100_000, ge=1)

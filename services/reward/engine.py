@@ -35,6 +35,7 @@ from rlfabric.reward.items import STATUS_CRASHED, STATUS_ERROR, STATUS_TIMEOUT, 
 from rlfabric.reward.overlong import OverlongConfig
 from rlfabric.reward.registry import UnknownDataSourceError, registered_data_sources
 from rlfabric.reward.scoring import (
+    ScorerThreads,
     ScoringCancelled,
     ScoringConfig,
     add_overlong_penalty,
@@ -79,6 +80,7 @@ class RewardEngine:
             ),
             custom_chunk=config.num_workers,  # a cancelled request stops after one item per worker
         )
+        self.scorer_threads = ScorerThreads(config.timeout_s, config.max_stuck_scorer_threads)
         self.custom_pool: CustomScorerPool | None = None
         self.reward_model: Any = None  # RewardModelScorer, typed loosely to keep torch out of this module
         self.tokenizer: Any = None  # transformers tokenizer decoding response_token_ids
@@ -160,7 +162,8 @@ class RewardEngine:
                 results = await _until_cancelled(self._score_with_model, items)
         else:
             try:
-                results = await _until_cancelled(score_items, items, self.scoring, self.custom_pool)
+                results = await _until_cancelled(score_items, items, self.scoring, self.custom_pool,
+                                                 threads=self.scorer_threads)
             except UnknownDataSourceError as error:  # the registry changed since step 1
                 raise InvalidArgument(str(error)) from None
 

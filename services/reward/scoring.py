@@ -1,18 +1,21 @@
 """Batch scoring: the one entry point the reward service calls, plus VeRL's compute_score.
 
 A batch can be stopped half-way (a `cancelled` event, set when the caller gave up): the items not
-started yet are never scored.
+started yet are never scored. Rule-based scorers can run on watched threads (ScorerThreads), so a
+scorer that hangs costs its item a "timeout", not the batch.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from rlfabric.reward.items import (
     STATUS_ERROR,
+    STATUS_TIMEOUT,
     ItemResult,
     ScoreItem,
     describe_exception,
@@ -65,16 +68,108 @@ class ScoringCancelled(Exception):
     """The caller gave up on the batch; the items not started by then were not scored."""
 
 
+class ScorerThreads:
+    """Runs rule-based scorers off the caller's thread, each call bounded by timeout_s.
+
+    A batch's items run one after another on a thread of its own that the caller watches. Python
+    cannot kill a thread: a scorer still running after timeout_s gets status "timeout", its thread is
+    abandoned (it runs on until the scorer returns, and what it returns is dropped) and the rest of
+    the batch goes on on a new thread. While max_stuck abandoned threads are still running, every
+    item gets "timeout" at once instead of another thread: they hold memory and maybe a core each,
+    and only their scorers returning, or a restart of the service, gets them back.
+    """
+
+    def __init__(self, timeout_s: float, max_stuck: int):
+        self.timeout_s, self.max_stuck = timeout_s, max_stuck
+        self._lock = threading.Lock()
+        self.stuck = 0  # abandoned threads still running a scorer
+
+    def score(self, items: Sequence[ScoreItem], score_one: Callable[[ScoreItem], ItemResult],
+              cancelled: threading.Event | None = None) -> list[ItemResult]:
+        """One result per item, in order; ScoringCancelled once `cancelled` is set."""
+        results: list[ItemResult | None] = [None] * len(items)
+        start = 0
+        while start < len(items):
+            with self._lock:
+                stuck = self.stuck
+            if stuck >= self.max_stuck:
+                message = (f"not scored: {stuck} scorer threads are still stuck in calls that timed out "
+                           "(reward.max_stuck_scorer_threads), until they return or the service restarts")
+                results[start:] = [failed(STATUS_TIMEOUT, message) for _ in items[start:]]
+                break
+            run = _Run(start)
+            threading.Thread(target=self._run, args=(run, items, results, score_one, cancelled),
+                             name=f"scorer-{id(run):x}", daemon=True).start()
+            start = self._watch(run)
+            if run.abandoned:  # its scorer overran
+                results[start] = failed(STATUS_TIMEOUT, f"the scorer did not return within reward.timeout_s="
+                                                        f"{self.timeout_s:g} s; its thread was abandoned")
+                start += 1
+            if start < len(items) and cancelled is not None and cancelled.is_set():
+                raise ScoringCancelled(f"scoring cancelled after {start} of {len(items)} items")
+        return results  # type: ignore[return-value]  (every slot is filled by now)
+
+    def _run(self, run: _Run, items, results, score_one, cancelled) -> None:
+        index = run.index
+        try:
+            while index < len(items) and not (cancelled is not None and cancelled.is_set()):
+                try:
+                    result = score_one(items[index])
+                except BaseException as exc:  # even SystemExit from a scorer fails only its item
+                    result = failed(STATUS_ERROR, describe_exception(exc))
+                with run.changed:
+                    if run.abandoned:
+                        return
+                    results[index] = result
+                    index += 1
+                    run.index, run.started = index, time.monotonic()
+        finally:
+            with run.changed:
+                run.done = True
+                run.changed.notify()
+                if run.abandoned:
+                    with self._lock:
+                        self.stuck -= 1
+
+    def _watch(self, run: _Run) -> int:
+        """Waits until the run ends or its current item overruns (then abandons it); the index where
+        it stopped."""
+        with run.changed:
+            while not run.done:
+                # run.started moves on without a notify: waking once per timeout_s is enough
+                remaining = run.started + self.timeout_s - time.monotonic()
+                if remaining <= 0:
+                    run.abandoned = True
+                    with self._lock:
+                        self.stuck += 1
+                    break
+                run.changed.wait(remaining)
+            return run.index
+
+
+class _Run:
+    """What a ScorerThreads thread has done, shared with its watcher under `changed`."""
+
+    def __init__(self, start: int):
+        self.changed = threading.Condition()
+        self.index = start  # the item being scored (or the next one)
+        self.started = time.monotonic()  # when that item started
+        self.done = False
+        self.abandoned = False
+
+
 def score_items(
     items: Sequence[ScoreItem],
     config: ScoringConfig | None = None,
     custom_pool: CustomScorerPool | None = None,
     cancelled: threading.Event | None = None,
+    threads: ScorerThreads | None = None,
 ) -> list[ItemResult]:
     """Score a batch, one ItemResult per item in order.
 
     With a custom_pool every item goes to the user's function (as VeRL's custom_reward_function
-    replaces default_compute_score); otherwise each item's registered scorer runs in this process.
+    replaces default_compute_score); otherwise each item's registered scorer runs in this process,
+    on `threads` when given (each call bounded by its timeout), else on the caller's thread.
     A scorer that raises gives that item status "error" and score 0. The overlong penalty is
     added to "ok" items only (failed items keep score 0) and logged as metrics
     "overlong_reward" and "overlong" (1.0 when penalised), as VeRL's DAPO reward manager does.
@@ -84,7 +179,7 @@ def score_items(
     if custom_pool is not None:
         results = _score_with_pool(items, custom_pool, config.custom_chunk, cancelled)
     else:
-        results = _score_in_process(items, config, cancelled)
+        results = _score_in_process(items, config, cancelled, threads)
 
     add_overlong_penalty(items, results, config.overlong)
     return results
@@ -117,8 +212,8 @@ def _score_with_pool(items: Sequence[ScoreItem], pool: CustomScorerPool, chunk: 
     return results
 
 
-def _score_in_process(items: Sequence[ScoreItem], config: ScoringConfig,
-                      cancelled: threading.Event | None) -> list[ItemResult]:
+def _score_in_process(items: Sequence[ScoreItem], config: ScoringConfig, cancelled: threading.Event | None,
+                      threads: ScorerThreads | None) -> list[ItemResult]:
     # Resolve each data_source once, so an unknown one fails the batch before anything runs.
     scorers: dict[str, Scorer | None] = {}
     for data_source in sorted({item.data_source for item in items}):
@@ -142,6 +237,8 @@ def _score_in_process(items: Sequence[ScoreItem], config: ScoringConfig,
             return failed(STATUS_ERROR, describe_exception(exc))
         return result_from_value(value)
 
+    if threads is not None:
+        return threads.score(items, score_one, cancelled)
     results = []
     for index, item in enumerate(items):
         if cancelled is not None and cancelled.is_set():

@@ -1,10 +1,11 @@
 """Bounded resources: no caller can use up the actor's weight-sync groups or the reward service's
 scorers, and no TCPStore listens beyond the address it advertises.
 
-- TCPStores (weight sync, the actor's ranks) listen on their host only, never on a wildcard;
 - weight sync: a capped timeout, at most max_open_groups open (the one unused for longest is evicted,
   its rendezvous abandoned), RESOURCE_EXHAUSTED only while every group is mid-sync;
-- reward: a Score whose caller went away stops scoring.
+- TCPStores (weight sync, the actor's ranks) listen on their host only, never on a wildcard;
+- reward: a Score whose caller went away stops scoring, and a hung in-process scorer costs its item
+  a "timeout", not the service.
 """
 
 from __future__ import annotations
@@ -335,6 +336,49 @@ def test_a_cancelled_score_of_in_process_scorers_stops_after_the_current_item(se
         answer = stub.Score(request("openai/gsm8k", 1), timeout=30)
         assert len(answer.results) == 1
         assert calls == ["0"]
+    finally:
+        release.set()
+        channel.close()
+
+
+# --- reward: a hung in-process scorer times out -------------------------------------------------------
+
+
+def mixed(*data_sources: str) -> reward_pb2.ScoreRequest:
+    return reward_pb2.ScoreRequest(items=[reward_pb2.ScoreItem(data_source=s, response="x", ground_truth="")
+                                          for s in data_sources])
+
+
+def test_a_hung_in_process_scorer_times_out_its_item_and_later_requests_go_on(serve_in_thread):
+    hang, fast = f"test/hang-{time.monotonic_ns()}", f"test/fast-{time.monotonic_ns()}"
+    release = threading.Event()
+    register_scorer(hang, lambda *args, **kwargs: release.wait(60) and 1.0)
+    register_scorer(fast, lambda *args, **kwargs: 1.0)
+    server = serve_reward(serve_in_thread, timeout_s=0.5, max_stuck_scorer_threads=2)
+    channel, stub = score_stub(server)
+    before = {t for t in threading.enumerate() if t.name.startswith("scorer-")}
+    try:
+        began = time.monotonic()
+        answer = stub.Score(mixed(hang, fast, fast), timeout=30)  # leaves one thread stuck in `hang`
+        assert time.monotonic() - began < 5
+        assert [r.status for r in answer.results] == [TIMEOUT, OK, OK]
+        assert "timeout_s=0.5" in answer.results[0].message
+
+        # A second stuck thread reaches reward.max_stuck_scorer_threads: from then on every item
+        # fails at once, the fast one after it included, instead of queueing behind them.
+        answer = stub.Score(mixed(hang, fast), timeout=30)
+        assert [r.status for r in answer.results] == [TIMEOUT, TIMEOUT]
+        began = time.monotonic()
+        answer = stub.Score(mixed(fast, fast, fast), timeout=30)
+        assert time.monotonic() - began < 1
+        assert {r.status for r in answer.results} == {TIMEOUT}
+        assert "max_stuck_scorer_threads" in answer.results[0].message
+
+        release.set()  # the stuck scorers return; their threads end and are counted free again
+        for thread in {t for t in threading.enumerate() if t.name.startswith("scorer-")} - before:
+            thread.join(30)
+        answer = stub.Score(mixed(fast, fast, fast), timeout=30)
+        assert [r.status for r in answer.results] == [OK] * 3
     finally:
         release.set()
         channel.close()
