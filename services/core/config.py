@@ -270,6 +270,29 @@ class RolloutConfig(Section):
     """Pause, Sleep and shutdown: longest wait for in-flight generation to finish."""
 
 
+class CustomSandboxConfig(Section):
+    uid: int = Field(65534, ge=1)
+    """User code runs as this uid when the service runs as root (65534 = nobody); best one no other process uses: RLIMIT_NPROC counts every process of the uid, and processes of one uid may signal each other."""
+    gid: int = Field(65534, ge=1)
+    """Group of user code when the service runs as root (65534 = nogroup); no supplementary groups."""
+    allow_network: bool = False
+    """Let user code use this host's network (e.g. to call an API); it then reaches every service here too. false = a network namespace of its own: no network at all."""
+    require_network_isolation: bool = False
+    """Fail start-up where the kernel refuses user code a network namespace (not root and no unprivileged user namespaces); false = log a warning and run it with this host's network."""
+    env: dict[str, str] = {}
+    """Environment variables of user code besides PATH, HOME and TMPDIR; the service's own environment is not passed on."""
+    env_passthrough: list[str] = []
+    """Names of the service's environment variables passed on to user code (e.g. an API key's)."""
+    max_processes: int = Field(128, ge=8)
+    """RLIMIT_NPROC of user code (root only): most processes and threads of the sandbox uid, all workers' together."""
+    max_file_mb: int = Field(64, ge=1)
+    """RLIMIT_FSIZE of user code: largest file it may write (MiB); writing more fails with EFBIG."""
+    max_open_files: int = Field(256, ge=16)
+    """RLIMIT_NOFILE of user code: most file descriptors one of its processes may hold."""
+    cpu_limit_s: int = Field(60, ge=1)
+    """RLIMIT_CPU of user code: CPU seconds (all threads together) one item may use, renewed before each item; a hard limit only where the worker has CAP_SYS_RESOURCE."""
+
+
 class RewardConfig(Section):
     num_workers: int = Field(1, ge=1)
     """Worker processes for custom reward functions."""
@@ -283,6 +306,8 @@ class RewardConfig(Section):
     """A custom function call running longer is killed; its item gets status TIMEOUT and score 0."""
     memory_limit_mb: int = Field(4096, ge=0)
     """Address-space cap of each custom-function worker (MiB; 0 = none); a hog gets MemoryError."""
+    custom_sandbox: CustomSandboxConfig = CustomSandboxConfig()
+    """How the custom function is confined: network, uid, environment and resource limits."""
     compute_score_kwargs: dict[str, Any] = {}
     """Keyword arguments of every built-in scorer call, e.g. {method: flexible} for GSM8K."""
     scorer_modules: list[str] = []
