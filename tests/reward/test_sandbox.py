@@ -1,6 +1,7 @@
 """The custom reward sandbox as a security boundary: each attack a user's function (or code it runs)
 could make, made for real against a pool running as root, and the pool scoring the next batch after it."""
 
+import asyncio
 import errno
 import os
 import shutil
@@ -13,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from rlfabric.core.config import CustomSandboxConfig
+from rlfabric.core.config import CustomSandboxConfig, RewardConfig
 from rlfabric.reward import (
     STATUS_CRASHED,
     STATUS_ERROR,
@@ -22,6 +23,7 @@ from rlfabric.reward import (
     CustomScorerPool,
     ScoreItem,
 )
+from rlfabric.reward.engine import RewardEngine
 from rlfabric.reward.sandbox import INTERPRETER_VARIABLES
 
 pytestmark = pytest.mark.skipif(
@@ -355,3 +357,14 @@ def test_cpu_limit_is_renewed_per_item(user_file):
         result = score(pool, "spin")
         assert result.status == STATUS_CRASHED and "SIGXCPU" in result.message  # well before the timeout
         assert_next_batch_works(pool)
+
+
+@pytest.mark.xfail(strict=True, reason="RewardEngine does not pass reward.custom_sandbox to the pool yet")
+def test_the_reward_service_confines_as_its_config_says(user_file):
+    config = RewardConfig(custom_path=user_file, custom_sandbox=sandbox_config())
+    engine = RewardEngine(config)
+    asyncio.run(engine.start())
+    try:
+        assert score(engine.custom_pool, "identity").metrics["uid"] == SANDBOX_UID
+    finally:
+        asyncio.run(engine.stop())
