@@ -35,9 +35,8 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rlfabric.core.config import CustomSandboxConfig
 from rlfabric.reward.items import (
     STATUS_CRASHED,
     STATUS_ERROR,
@@ -49,6 +48,9 @@ from rlfabric.reward.items import (
 )
 from rlfabric.reward.process_tree import kill_descendants
 from rlfabric.reward.sandbox import user_variables, worker_environment
+
+if TYPE_CHECKING:  # (not at run time: each worker imports this package, and pydantic costs it ~0.3 s)
+    from rlfabric.core.config import CustomSandboxConfig
 
 logger = logging.getLogger(__name__)
 
@@ -178,7 +180,10 @@ class CustomScorerPool:
         self.name = name
         self.timeout_s = timeout_s
         self.start_timeout_s = start_timeout_s
-        sandbox = sandbox or CustomSandboxConfig()
+        if sandbox is None:
+            from rlfabric.core.config import CustomSandboxConfig
+
+            sandbox = CustomSandboxConfig()
         variables = user_variables(sandbox.env, sandbox.env_passthrough)
         # Sent on each worker's stdin: keyword arguments and variables may hold secrets.
         self._settings = (
