@@ -348,14 +348,15 @@ def test_file_size_limit(pool):
 
 
 def test_cpu_limit_is_renewed_per_item(user_file):
+    # The wall-clock timeout is far off: on a busy machine a CPU second takes longer than a second.
     with CustomScorerPool(
-        user_file, num_workers=1, timeout_s=10, sandbox=sandbox_config(cpu_limit_s=1)
+        user_file, num_workers=1, timeout_s=60, sandbox=sandbox_config(cpu_limit_s=1)
     ) as pool:
         # 1.2 CPU seconds in all, 0.4 per item: each item gets its own second.
         results = pool.score_batch([item("burn", cpu_s=0.4)] * 3)
         assert [r.status for r in results] == [STATUS_OK] * 3
         result = score(pool, "spin")
-        assert result.status == STATUS_CRASHED and "SIGXCPU" in result.message  # well before the timeout
+        assert result.status == STATUS_CRASHED and "SIGXCPU" in result.message  # not the timeout
         assert_next_batch_works(pool)
 
 
