@@ -35,7 +35,9 @@ so the pool only ever parses JSON of numbers.
 
 from __future__ import annotations
 
+import ast
 import contextlib
+import importlib.util
 import json
 import linecache
 import numbers
@@ -75,6 +77,42 @@ _UCRED = struct.Struct("iII")  # struct ucred of SCM_CREDENTIALS: pid, uid, gid
 _LOADING = "loading"
 _IDLE = "idle"
 _BUSY = "busy"  # scoring the item sent with `nonce`
+
+
+def import_installed_modules(source: bytes, path: str) -> list[str]:
+    """Imports the installed modules (standard library, site-packages) that the file's import statements
+    name, before the sandbox drops privileges: the sandbox uid may not be able to read the interpreter's
+    own files (e.g. Python under /root, mode 0700), and an import inside the sandbox would then fail.
+    Never a module beside the user's file: that is user code, and runs only confined. Returns the names."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return []  # load_function reports it, confined
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)  # submodules, if they are
+    user_dir = os.path.dirname(os.path.abspath(path)) + os.sep
+    imported = []
+    for name in sorted(names):
+        try:
+            spec = importlib.util.find_spec(name.split(".")[0])
+        except (ImportError, ValueError):
+            continue
+        if spec is None:
+            continue
+        places = [spec.origin or "", *(spec.submodule_search_locations or ())]
+        if any(place.startswith(user_dir) for place in places):
+            continue
+        try:
+            importlib.import_module(name)
+        except Exception:  # not a module (a function's name), or broken: the user's import says so, confined
+            continue
+        imported.append(name)
+    return imported
 
 
 def load_function(path: str, source: bytes, name: str) -> Callable[..., Any]:
@@ -353,7 +391,9 @@ def score_items(
     def send(message: dict) -> None:
         channel.sendall(_line(message))
 
-    # 2. Confine this process before any user code runs (see rlfabric.reward.sandbox).
+    # 2. Confine this process before any user code runs (see rlfabric.reward.sandbox); what it may no
+    # longer read, the installed modules the file imports, is imported first.
+    import_installed_modules(source, settings["path"])
     try:
         warnings = confine(settings["sandbox"], settings["memory_limit_mb"], workdir, hard_cpu_limit)
     except SandboxError as exc:

@@ -369,3 +369,24 @@ def test_the_reward_service_confines_as_its_config_says(user_file):
         assert score(engine.custom_pool, "identity").metrics["uid"] == SANDBOX_UID
     finally:
         asyncio.run(engine.stop())
+
+
+def test_installed_modules_the_file_imports_work_in_the_sandbox(tmp_path):
+    """The sandbox uid may be unable to read the interpreter's own files (on this machine Python lives
+    under /root, mode 0700): the installed modules the file names are imported before the drop."""
+    path = tmp_path / "uses_the_standard_library.py"
+    path.write_text(textwrap.dedent(
+        """
+        import difflib
+        from fractions import Fraction
+
+
+        def compute_score(data_source, solution_str, ground_truth, extra_info):
+            import statistics
+
+            same = difflib.SequenceMatcher(None, solution_str, ground_truth).ratio()
+            return float(same * Fraction(1, 2) * 2 * statistics.mean([1, 1]))
+        """))
+    with CustomScorerPool(str(path), num_workers=1, sandbox=sandbox_config()) as pool:
+        result = pool.score_batch([ScoreItem("my/task", "42", "42")])[0]
+    assert (result.status, result.score) == (STATUS_OK, 1.0), result.message
