@@ -116,6 +116,7 @@ def cmd_serve(args) -> int:
     options = ServerOptions.from_config(
         config.server, host=args.host, port=args.port, metrics_port=args.metrics_port, health_port=args.health_port
     )
+    options.check_exposure()  # before the engine loads a model
     run_service(args.role, config, options, port_file=args.port_file)
     return 0
 
@@ -169,15 +170,17 @@ def cmd_train(args) -> int:
     SIGTERM) stops the run at the next step boundary after a checkpoint and the final-model export;
     a second Ctrl-C stops at once."""
     from rlfabric.core.client import ChannelOptions
+    from rlfabric.core.config import run_dir_of
 
     _raise_on_sigterm()
     mesh = _start_mesh(args)
     with mesh:
+        run_dir = run_dir_of(mesh.config)  # the mesh's folder, or its experiments/<trainer.experiment_name>
         address = mesh.endpoints["coordinator"][0]["grpc"]
         options = ChannelOptions.from_config(mesh.config)
         print(f"rlfabric: mesh ready; coordinator at {address}", flush=True)
         try:
-            code = asyncio.run(_run_training(address, options, mesh.config, mesh.run_dir))
+            code = asyncio.run(_run_training(address, options, mesh.config, run_dir))
         except KeyboardInterrupt:
             print("rlfabric: interrupted; stopping after the current step with a checkpoint "
                   "(Ctrl-C again to stop without one)", flush=True)
@@ -186,7 +189,7 @@ def cmd_train(args) -> int:
             except KeyboardInterrupt:
                 print("rlfabric: stopping the mesh without a checkpoint", flush=True)
             code = 130
-        _print_outputs(mesh.run_dir)
+        _print_outputs(run_dir)
         return code
 
 
