@@ -7,10 +7,14 @@ A caller holding the token still must not make a service read or write anywhere 
 ExportHF to "~/projects" or "../../etc" is refused, not attempted. Paths are resolved with symlinks
 followed, so a link inside the root that points out of it is refused too. What this cannot stop: a
 symlink created under the root between the check and the write by someone who can write there.
+
+fsync and fsync_tree: what the services write (checkpoints, exports) reaches the disk before it is
+renamed into place.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from rlfabric.core.config import RunConfig
@@ -37,3 +41,21 @@ class StorageRoot:
             raise PermissionDenied(f"{what} {str(path)!r} resolves to {resolved}, outside the storage root "
                                    f"{self.root} (storage.root): services read and write only under it")
         return resolved
+
+
+def fsync(path: Path) -> None:
+    """Flushes a file's or a directory's entries to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: Path) -> None:
+    """fsync of every file and directory below root, then root: so that what was written
+    there is on disk before it is renamed into place."""
+    for directory, _, names in os.walk(root, topdown=False):
+        for name in names:
+            fsync(Path(directory) / name)
+        fsync(Path(directory))
