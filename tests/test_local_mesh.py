@@ -124,6 +124,14 @@ def test_status_command_reaches_the_coordinator(mesh):
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout) == {"phase": "idle"}  # no run started yet: the other fields at their defaults
+    # By address: with the token file it answers; without, the coordinator refuses and status says so.
+    address = json.loads((run_dir / "endpoints.json").read_text())["coordinator"][0]["grpc"]
+    status = [sys.executable, "-m", "rlfabric", "status", "--address", address]
+    out = subprocess.run([*status, "--token-file", str(run_dir / "auth_token")], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0 and json.loads(out.stdout) == {"phase": "idle"}, out.stderr
+    out = subprocess.run(status, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and out.stderr.startswith("rlfabric status: UNAUTHENTICATED"), out.stderr
 
 
 def test_every_rpc_needs_the_mesh_token_which_only_its_user_can_read(mesh):
