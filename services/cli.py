@@ -4,7 +4,7 @@
     rlfabric train [CONFIG] [--run-dir DIR] [key=value ...]    local mesh + training run + teardown
         (both take --launcher ray [--address ADDR]: each service as a Ray actor on a Ray cluster)
     rlfabric serve ROLE --config C [--port P --metrics-port M] one service (what containers run)
-    rlfabric status [--run-dir DIR | --address HOST:PORT]      ask a running coordinator
+    rlfabric status [--run-dir DIR | --address HOST:PORT --token-file F]   ask a running coordinator
     rlfabric health ADDRESS [--service readiness]              one health check (probes, helm test)
     rlfabric config-reference                                   every config key with default and doc
     rlfabric data synthetic|arithmetic|gsm8k ...                training data in VeRL's parquet schema
@@ -69,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     status = commands.add_parser("status", help="show the coordinator's run status")
     status.add_argument("--run-dir", type=Path, help="read the coordinator address from RUN_DIR/endpoints.json")
     status.add_argument("--address", help="coordinator address host:port")
+    status.add_argument("--token-file", help="with --address: the mesh's bearer token (RUN_DIR/auth_token)")
 
     health = commands.add_parser("health", help="one gRPC health check; exit 0 when SERVING")
     health.add_argument("address")
@@ -116,6 +117,7 @@ def cmd_serve(args) -> int:
     options = ServerOptions.from_config(
         config.server, host=args.host, port=args.port, metrics_port=args.metrics_port, health_port=args.health_port
     )
+    options.check_exposure()  # before the engine loads a model
     run_service(args.role, config, options, port_file=args.port_file)
     return 0
 
@@ -169,15 +171,17 @@ def cmd_train(args) -> int:
     SIGTERM) stops the run at the next step boundary after a checkpoint and the final-model export;
     a second Ctrl-C stops at once."""
     from rlfabric.core.client import ChannelOptions
+    from rlfabric.core.config import run_dir_of
 
     _raise_on_sigterm()
     mesh = _start_mesh(args)
     with mesh:
+        run_dir = run_dir_of(mesh.config)  # the mesh's folder, or its experiments/<trainer.experiment_name>
         address = mesh.endpoints["coordinator"][0]["grpc"]
         options = ChannelOptions.from_config(mesh.config)
         print(f"rlfabric: mesh ready; coordinator at {address}", flush=True)
         try:
-            code = asyncio.run(_run_training(address, options, mesh.config, mesh.run_dir))
+            code = asyncio.run(_run_training(address, options, mesh.config, run_dir))
         except KeyboardInterrupt:
             print("rlfabric: interrupted; stopping after the current step with a checkpoint "
                   "(Ctrl-C again to stop without one)", flush=True)
@@ -186,7 +190,7 @@ def cmd_train(args) -> int:
             except KeyboardInterrupt:
                 print("rlfabric: stopping the mesh without a checkpoint", flush=True)
             code = 130
-        _print_outputs(mesh.run_dir)
+        _print_outputs(run_dir)
         return code
 
 
@@ -243,12 +247,14 @@ def _print_outputs(run_dir: Path) -> None:
 
 
 def cmd_status(args) -> int:
+    import grpc
     from google.protobuf.json_format import MessageToDict
 
     from rlfabric.coordinator.client import CoordinatorClient
     from rlfabric.core.client import ChannelOptions
+    from rlfabric.core.config import ServerConfig, read_auth_token
 
-    address, options = args.address, None
+    address = args.address
     if address is None:
         if args.run_dir is None:
             print("rlfabric status: give --address or --run-dir", file=sys.stderr)
@@ -256,12 +262,20 @@ def cmd_status(args) -> int:
         address = json.loads((args.run_dir / "endpoints.json").read_text())["coordinator"][0]["grpc"]
         # The run's own TLS and token settings, so this works on a mesh that runs mTLS.
         options = ChannelOptions.from_config(load_config(args.run_dir / "config.yaml"))
+    else:
+        token = read_auth_token(ServerConfig(auth_token_file=args.token_file or ""))
+        options = ChannelOptions(auth_token=token)
 
     async def query():
         async with CoordinatorClient(address, options) as client:
             return await client.run_status(timeout_s=10)
 
-    print(json.dumps(MessageToDict(asyncio.run(query())), indent=2))
+    try:
+        status = asyncio.run(query())
+    except grpc.RpcError as error:
+        print(f"rlfabric status: {error.code().name}: {error.details()}", file=sys.stderr)
+        return 1
+    print(json.dumps(MessageToDict(status), indent=2))
     return 0
 
 

@@ -1,7 +1,7 @@
 """The run config: one YAML file with a section per role, VeRL-style names, validated on load.
 
 Sections: server, client, cluster, model, data, actor, reference, critic, rollout, reward,
-algorithm, trainer, weight_sync. Every field has a default and a docstring (`rlfabric config-reference`
+algorithm, trainer, weight_sync, storage, launcher. Every field has a default and a docstring (`rlfabric config-reference`
 prints them). Unknown keys and wrong types are errors that name the dotted key.
 
     config = load_config("my.yaml", overrides=["trainer.total_steps=20", "rollout.n=4"])
@@ -65,7 +65,11 @@ class ServerConfig(Section):
     tls: TlsConfig = TlsConfig()
     """TLS / mTLS for every service and client."""
     auth_token_file: str = ""
-    """File holding a bearer token every RPC must carry (health/reflection exempt); empty = no auth."""
+    """File holding a bearer token every RPC must carry (health/reflection exempt); empty = no auth.
+    `rlfabric up`/`train` create one per mesh (RUN_DIR/auth_token, mode 0600) when this is empty."""
+    allow_insecure: bool = False
+    """Serve on a non-loopback address without TLS and a token. Off, `rlfabric serve` refuses to: anyone
+    who reaches the port could drive the service, and a token would cross the network in clear."""
     log_level: str = "INFO"
     """Python logging level of the services."""
 
@@ -407,6 +411,10 @@ class TrainerConfig(Section):
     before the step fails; a missed deadline (client.timeout_s) is retried once."""
     run_dir: str = ""
     """Where the run writes metrics, rollouts and checkpoints; empty = runs/<name> (the launchers set it)."""
+    experiment_name: str = Field("", pattern=r"^([A-Za-z0-9][A-Za-z0-9._-]{0,99})?$")
+    """Keeps runs on one mesh apart: non-empty = this run's metrics, rollouts and checkpoints go to
+    RUN_DIR/experiments/<name> (a new name starts fresh, the same name resumes). StartRun may set it,
+    not trainer.run_dir."""
     dump_rollouts: bool = True
     """Write every step's prompts, responses, scores and weight versions to RUN_DIR/rollouts/step_N.jsonl."""
 
@@ -448,6 +456,19 @@ class RayLauncherConfig(Section):
     coordinator: RayResources = RayResources()
 
 
+class StorageConfig(Section):
+    root: str = ""
+    """Every path that arrives over RPC (the actor's checkpoint and export paths, StartRun's data files and
+    trainer.resume_from_path) must resolve, symlinks included, under this directory (relative ones are
+    taken from it); others are PERMISSION_DENIED. Empty = the folder holding trainer.run_dir (the launchers'
+    runs/), or ./runs."""
+
+    def resolved_root(self, run_dir: str) -> Path:
+        if self.root:
+            return Path(self.root).resolve()
+        return Path(run_dir).resolve().parent if run_dir else Path("runs").resolve()
+
+
 class LauncherConfig(Section):
     startup_timeout_s: float = Field(300.0, gt=0)
     """How long `rlfabric up` waits for every service to report readiness (model loads included)."""
@@ -473,6 +494,7 @@ class RunConfig(Section):
     algorithm: AlgorithmConfig = AlgorithmConfig()
     trainer: TrainerConfig = TrainerConfig()
     weight_sync: WeightSyncConfig = WeightSyncConfig()
+    storage: StorageConfig = StorageConfig()
     launcher: LauncherConfig = LauncherConfig()
 
     def uses_critic(self) -> bool:
@@ -556,6 +578,13 @@ def read_named_file(key: str, path: str | Path) -> bytes:
         return Path(path).read_bytes()
     except OSError as error:
         raise ConfigError(f"{key}: cannot read {path}: {error.strerror or error}") from None
+
+
+def run_dir_of(config: RunConfig) -> Path:
+    """trainer.run_dir (default runs/<name>), or its experiments/<trainer.experiment_name>."""
+    run_dir = Path(config.trainer.run_dir or Path("runs") / config.name).resolve()
+    name = config.trainer.experiment_name
+    return run_dir / "experiments" / name if name else run_dir
 
 
 def read_auth_token(server: ServerConfig) -> str:

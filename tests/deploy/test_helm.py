@@ -8,6 +8,7 @@ Each values case is rendered once per module.
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 import shutil
@@ -199,7 +200,6 @@ def test_helm_lint_strict(case):
         {"replicas": 3},
         {"tls": {"enabled": True}},
         {"tls": {"mtls": True}},
-        {"auth": {"enabled": True}},
         {"ports": {"grpc": 70000}},
         {"persistence": {"accessModes": ["ReadWriteSometimes"]}},
         {"roles": {"rollout": {"colocateWith": "nobody"}}},
@@ -520,20 +520,21 @@ def test_run_config_passes_values_through(rendered):
     for section, body in user.items():
         for key, value in body.items():
             assert cfg[section][key] == value, (section, key)
-    assert cfg["trainer"]["default_local_dir"] == "/data/checkpoints"
+    assert cfg["trainer"]["run_dir"] == f"/data/runs/{RELEASE}"
+    assert cfg["storage"]["root"] == "/data"  # every path an RPC names stays on the data volume
     # Helm writes 1e-6 as 1e-06, which YAML 1.1 reads as a string; the chart must fix that.
     assert isinstance(cfg["actor"]["optim"]["lr"], float)
     assert "n" in cfg["rollout"] and False not in cfg["rollout"]
 
 
-def test_run_config_keeps_user_checkpoint_dir_and_big_numbers(chart):
+def test_run_config_keeps_user_run_dir_and_big_numbers(chart):
     values = {
-        "config": {"trainer": {"default_local_dir": "/data/ckpt/run7", "max_steps": 1000000, "eps": 1.0e-8}}
+        "config": {"trainer": {"run_dir": "/data/ckpt/run7", "max_steps": 1000000, "eps": 1.0e-8}}
     }
     docs = parse_manifests(render_chart(chart, values))
     cm = next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == f"{FULLNAME}-config")
     trainer = yaml.safe_load(cm["data"]["config.yaml"])["trainer"]
-    assert trainer["default_local_dir"] == "/data/ckpt/run7"
+    assert trainer["run_dir"] == "/data/ckpt/run7"
     assert trainer["max_steps"] == 1000000 and trainer["eps"] == pytest.approx(1e-8)
 
 
@@ -564,7 +565,22 @@ def test_tls_and_auth_from_named_secrets(by_case):
         mounts = {m["name"]: m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}
         assert mounts["tls"] == "/etc/rlfabric/tls" and mounts["auth"] == "/etc/rlfabric/auth"
     assert not r.of_kind("Secret"), "the chart must only reference user-named Secrets"
-    assert "server" not in by_case["default"].run_config()
+    assert "allow_insecure" not in server  # TLS on: nothing to allow
+
+
+def test_auth_is_on_by_default_with_a_generated_token(by_case):
+    """No Secret named: the chart creates one with a random token, mounts it, and the services require it;
+    without TLS, plaintext is allowed explicitly (tls.allowPlaintext), or `rlfabric serve` would refuse."""
+    r = by_case["default"]
+    server = r.run_config()["server"]
+    assert server["auth_token_file"] == "/etc/rlfabric/auth/token"
+    assert server["allow_insecure"] is True
+    (secret,) = r.of_kind("Secret")
+    assert secret["metadata"]["name"] == f"{FULLNAME}-auth"
+    assert len(base64.b64decode(secret["data"]["token"])) == 48
+    for role in r.enabled():
+        pod = r.workload(role)["spec"]["template"]["spec"]
+        assert {"name": "auth", "secret": {"secretName": f"{FULLNAME}-auth", "defaultMode": 288}} in pod["volumes"]
 
 
 # --- topologies ----------------------------------------------------------------------------
