@@ -79,6 +79,10 @@ _IDLE = "idle"
 _BUSY = "busy"  # scoring the item sent with `nonce`
 
 
+# Codecs the standard library loads lazily behind the user's back (idna: any host name given to socket).
+LAZY_STANDARD_MODULES = ("encodings.idna", "encodings.punycode", "encodings.unicode_escape", "encodings.latin_1")
+
+
 def import_installed_modules(source: bytes, path: str) -> list[str]:
     """Imports the installed modules (standard library, site-packages) that the file's import statements
     name, before the sandbox drops privileges: the sandbox uid may not be able to read the interpreter's
@@ -97,7 +101,7 @@ def import_installed_modules(source: bytes, path: str) -> list[str]:
             names.update(f"{node.module}.{alias.name}" for alias in node.names)  # submodules, if they are
     user_dir = os.path.dirname(os.path.abspath(path)) + os.sep
     imported = []
-    for name in sorted(names):
+    for name in [*LAZY_STANDARD_MODULES, *sorted(names)]:
         try:
             spec = importlib.util.find_spec(name.split(".")[0])
         except (ImportError, ValueError):

@@ -360,7 +360,6 @@ def test_cpu_limit_is_renewed_per_item(user_file):
         assert_next_batch_works(pool)
 
 
-@pytest.mark.xfail(strict=True, reason="RewardEngine does not pass reward.custom_sandbox to the pool yet")
 def test_the_reward_service_confines_as_its_config_says(user_file):
     config = RewardConfig(custom_path=user_file, custom_sandbox=sandbox_config())
     engine = RewardEngine(config)
