@@ -207,6 +207,42 @@ def test_one_run_at_a_time_and_an_async_stop_keeps_every_trained_step(mesh):
     assert (experiment / "final_model" / "model.safetensors").exists()
 
 
+def test_train_attaches_to_a_running_mesh_and_stop_ends_its_run(mesh):
+    """What the Helm chart's run Job and a laptop through a port-forward run: `rlfabric train --coordinator`
+    with the mesh's config (addresses, token) waits for every service, starts the run and prints a line per
+    step; `rlfabric stop --coordinator --token-file` ends a run with a checkpoint."""
+    _, run_dir, endpoints = mesh
+    address = endpoints["coordinator"][0]["grpc"]
+    attach = [sys.executable, "-m", "rlfabric", "train", "--coordinator", address, str(run_dir / "config.resolved.yaml")]
+    done = subprocess.run([*attach, "trainer.total_steps=2", "trainer.experiment_name=attached", "trainer.plot=false"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "rlfabric: waiting for 4 services to be ready"  # coordinator, actor, rollout, reward
+    assert [line.split()[1] for line in lines if line.startswith("step ")] == ["1/2", "2/2"], lines
+    assert "critic/score/mean=" in lines[-2] and lines[-1].endswith("RUN_STATE_COMPLETED at step 2")
+    assert (run_dir / "experiments" / "attached" / "checkpoints" / "global_step_2").is_dir()
+
+    long_run = subprocess.Popen([*attach, "trainer.total_steps=500", "trainer.experiment_name=stopped",
+                                 "trainer.plot=false"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in long_run.stdout:
+            if line.startswith("step 1/500"):
+                break
+        stop = [sys.executable, "-m", "rlfabric", "stop", "--coordinator", address]
+        refused = subprocess.run(stop, capture_output=True, text=True, timeout=60)  # no token
+        assert refused.returncode == 1 and "UNAUTHENTICATED" in refused.stderr, refused.stderr
+        stopped = subprocess.run([*stop, "--token-file", str(run_dir / "auth_token")], capture_output=True,
+                                 text=True, timeout=300)
+        assert stopped.returncode == 0, stopped.stderr
+        assert "RUN_STATE_STOPPED" in stopped.stdout
+        assert long_run.wait(120) == 1  # the attached train reports a run that did not complete
+    finally:
+        long_run.kill()
+    step = int(stopped.stdout.split()[-1])
+    assert (run_dir / "experiments" / "stopped" / "checkpoints" / f"global_step_{step}").is_dir()
+
+
 def test_sigterm_tears_down_every_service(mesh):
     launcher, _, endpoints = mesh
     pids = [e["pid"] for entries in endpoints.values() for e in entries]

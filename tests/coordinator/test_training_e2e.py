@@ -131,7 +131,8 @@ def test_run_control_pause_checkpoint_stop_and_bad_requests(mesh, experiment_dir
         async with coordinator(mesh) as client:
             for bad, code in ((["actor.lr=1"], grpc.StatusCode.INVALID_ARGUMENT),
                               (["trainer.total_steps=0"], grpc.StatusCode.INVALID_ARGUMENT),
-                              (["data.train_files=[/nonexistent.parquet]"], grpc.StatusCode.INVALID_ARGUMENT)):
+                              (["data.train_files=[nonexistent.parquet]"], grpc.StatusCode.INVALID_ARGUMENT),
+                              (["data.train_files=[/etc/passwd]"], grpc.StatusCode.PERMISSION_DENIED)):
                 with pytest.raises(grpc.RpcError) as error:
                     await client.start_run(bad)
                 assert error.value.code() == code, bad
