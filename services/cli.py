@@ -129,6 +129,8 @@ def cmd_serve(args) -> int:
     from rlfabric.serve import run_service
 
     config = load_config(args.config, args.overrides)
+    if args.host:
+        config.server.host = args.host  # what the service binds, for everything derived from it
     setup_logging(args.role, args.run_id, config.server.log_level)
     options = ServerOptions.from_config(
         config.server, host=args.host, port=args.port, metrics_port=args.metrics_port, health_port=args.health_port

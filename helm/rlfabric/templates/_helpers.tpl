@@ -342,9 +342,10 @@ spec:
         - {{ int $ports.health | quote }}
         {{- end }}
         {{- if and $multiRank (gt (int $r.replicas) 1) }}
-        - --world-size
-        - {{ int $r.replicas | quote }}
+        - {{ printf "%s.world_size=%d" $role (int $r.replicas) | quote }}
         {{- end }}
+        # Peers reach this pod's weight-sync stores at its IP, not at the bind address.
+        - weight_sync.host=$(POD_IP)
         {{- range $r.extraArgs }}
         - {{ . | quote }}
         {{- end }}
@@ -359,6 +360,10 @@ spec:
           valueFrom:
             fieldRef:
               fieldPath: metadata.namespace
+        - name: POD_IP
+          valueFrom:
+            fieldRef:
+              fieldPath: status.podIP
         {{- if $multiRank }}
         - name: MASTER_ADDR
           value: {{ printf "%s-0.%s.%s.svc" (include "rlfabric.roleFullname" .) (include "rlfabric.headlessName" .) $ctx.Release.Namespace }}
