@@ -4,7 +4,9 @@
     rlfabric train [CONFIG] [--run-dir DIR] [key=value ...]    local mesh + training run + teardown
         (both take --launcher ray [--address ADDR]: each service as a Ray actor on a Ray cluster)
     rlfabric serve ROLE --config C [--port P --metrics-port M] one service (what containers run)
-    rlfabric status [--run-dir DIR | --address HOST:PORT]      ask a running coordinator
+    rlfabric train --coordinator HOST:PORT [CONFIG] [key=value ...]   a run on a mesh that is already up
+    rlfabric status [--run-dir DIR | --coordinator HOST:PORT --token-file F]   ask a running coordinator
+    rlfabric stop [--run-dir DIR | --coordinator HOST:PORT --token-file F]     stop its run (with a checkpoint)
     rlfabric health ADDRESS [--service readiness]              one health check (probes, helm test)
     rlfabric config-reference                                   every config key with default and doc
     rlfabric data synthetic|arithmetic|gsm8k ...                training data in VeRL's parquet schema
@@ -37,6 +39,12 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
                                           "else a new local Ray instance)")
 
 
+def _add_coordinator_args(parser: argparse.ArgumentParser, help_text: str, *aliases: str) -> None:
+    parser.add_argument("--coordinator", *aliases, dest="coordinator", metavar="HOST:PORT", help=help_text)
+    parser.add_argument("--token-file", help="the mesh's bearer token (RUN_DIR/auth_token; in the chart, "
+                                             "the auth Secret); default: the config's server.auth_token_file")
+
+
 def _split_config_and_overrides(args) -> tuple[str | None, list[str]]:
     # `rlfabric up trainer.total_steps=3` has no config file: its first positional is an override.
     config, overrides = args.config, list(args.overrides)
@@ -63,12 +71,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     up = commands.add_parser("up", help="start the local mesh and keep it up until Ctrl-C")
     _add_config_args(up)
-    train = commands.add_parser("train", help="start the local mesh, run training, tear down")
+    train = commands.add_parser("train", help="start the local mesh, run training, tear down; or, with "
+                                             "--coordinator, run it on a mesh that is already up")
     _add_config_args(train)
+    _add_coordinator_args(train, "attach: start the run on this running mesh's coordinator (CONFIG is the "
+                                 "mesh's config: its services' addresses and TLS; the overrides go to StartRun)")
+    train.add_argument("--wait-timeout", type=float, default=900.0,
+                       help="--coordinator: how long to wait for every service of the mesh to be ready (s)")
 
     status = commands.add_parser("status", help="show the coordinator's run status")
     status.add_argument("--run-dir", type=Path, help="read the coordinator address from RUN_DIR/endpoints.json")
-    status.add_argument("--address", help="coordinator address host:port")
+    _add_coordinator_args(status, "coordinator address host:port", "--address")
+    stop = commands.add_parser("stop", help="stop the run at the next step boundary, with a checkpoint")
+    stop.add_argument("--run-dir", type=Path, help="read the coordinator address from RUN_DIR/endpoints.json")
+    _add_coordinator_args(stop, "coordinator address host:port")
+    stop.add_argument("--no-checkpoint", action="store_true", help="stop without a checkpoint or export")
 
     health = commands.add_parser("health", help="one gRPC health check; exit 0 when SERVING")
     health.add_argument("address")
@@ -112,10 +129,13 @@ def cmd_serve(args) -> int:
     from rlfabric.serve import run_service
 
     config = load_config(args.config, args.overrides)
+    if args.host:
+        config.server.host = args.host  # what the service binds, for everything derived from it
     setup_logging(args.role, args.run_id, config.server.log_level)
     options = ServerOptions.from_config(
         config.server, host=args.host, port=args.port, metrics_port=args.metrics_port, health_port=args.health_port
     )
+    options.check_exposure()  # before the engine loads a model
     run_service(args.role, config, options, port_file=args.port_file)
     return 0
 
@@ -169,15 +189,19 @@ def cmd_train(args) -> int:
     SIGTERM) stops the run at the next step boundary after a checkpoint and the final-model export;
     a second Ctrl-C stops at once."""
     from rlfabric.core.client import ChannelOptions
+    from rlfabric.core.config import run_dir_of
 
     _raise_on_sigterm()
+    if args.coordinator:
+        return _train_attached(args)
     mesh = _start_mesh(args)
     with mesh:
+        run_dir = run_dir_of(mesh.config)  # the mesh's folder, or its experiments/<trainer.experiment_name>
         address = mesh.endpoints["coordinator"][0]["grpc"]
         options = ChannelOptions.from_config(mesh.config)
         print(f"rlfabric: mesh ready; coordinator at {address}", flush=True)
         try:
-            code = asyncio.run(_run_training(address, options, mesh.config, mesh.run_dir))
+            code = asyncio.run(_run_training(address, options, mesh.config, run_dir))
         except KeyboardInterrupt:
             print("rlfabric: interrupted; stopping after the current step with a checkpoint "
                   "(Ctrl-C again to stop without one)", flush=True)
@@ -186,7 +210,7 @@ def cmd_train(args) -> int:
             except KeyboardInterrupt:
                 print("rlfabric: stopping the mesh without a checkpoint", flush=True)
             code = 130
-        _print_outputs(mesh.run_dir)
+        _print_outputs(run_dir)
         return code
 
 
@@ -219,6 +243,59 @@ async def _run_training(address: str, options, config, run_dir: Path) -> int:
     return 0
 
 
+def _train_attached(args) -> int:
+    """`rlfabric train --coordinator HOST:PORT [CONFIG] [key=value ...]`: waits until every service of the
+    running mesh (CONFIG's cluster section and the coordinator) is ready, starts a run with the overrides,
+    prints a line per step and exits 0 when the run completes, 1 when it fails or is refused. What the
+    chart's run Job runs, and what a laptop runs through a port-forward."""
+    if args.launcher != "local" or args.address or args.run_dir:
+        raise ConfigError("--coordinator attaches to a running mesh: --launcher, --address and --run-dir do not apply")
+    config_path, overrides = _split_config_and_overrides(args)
+    config = load_config(config_path)
+    address, options = _coordinator_target(args, config_path)
+    try:
+        return asyncio.run(_attached_run(address, options, config, overrides, args.wait_timeout))
+    except KeyboardInterrupt:
+        print("rlfabric: interrupted; stopping after the current step with a checkpoint", flush=True)
+        asyncio.run(_stop_with_checkpoint(address, options))
+        return 130
+
+
+async def _attached_run(address: str, options, config, overrides: list[str], wait_timeout_s: float) -> int:
+    import grpc
+
+    from rlfabric.coordinator.client import CoordinatorClient
+    from rlfabric.coordinator.tracking import watch_run
+    from rlfabric.core.client import wait_until_serving
+    from rlfabric.core.errors import DeadlineExceeded
+    from rlfabric.v1 import coordinator_pb2
+
+    services = [address, *(a for role in ROLES if role != "coordinator" for a in getattr(config.cluster, role))]
+    print(f"rlfabric: waiting for {len(services)} services to be ready", flush=True)
+    try:
+        await asyncio.gather(*(wait_until_serving(a, options, timeout_s=wait_timeout_s) for a in services))
+    except DeadlineExceeded as error:
+        print(f"rlfabric: the mesh is not ready: {error}", file=sys.stderr)
+        return 1
+    async with CoordinatorClient(address, options) as client:
+        try:
+            started = await client.start_run(overrides)
+        except grpc.RpcError as error:
+            print(f"rlfabric: the coordinator refused the run: {error.code().name}: {error.details()}",
+                  file=sys.stderr)
+            return 1
+        total = (await client.run_status(timeout_s=30)).total_steps
+        print(f"rlfabric: run {started.run_id} started at step {started.start_step} of {total}", flush=True)
+        status = await watch_run(client, total, started.start_step, progress_bar=sys.stderr.isatty(),
+                                 step_lines=not sys.stderr.isatty())
+    state = coordinator_pb2.RunState.Name(status.state)
+    if status.state != coordinator_pb2.RUN_STATE_COMPLETED:
+        print(f"rlfabric: the run ended {state} at step {status.step}: {status.error}", file=sys.stderr)
+        return 1
+    print(f"rlfabric: run {status.run_id} {state} at step {status.step}", flush=True)
+    return 0
+
+
 async def _stop_with_checkpoint(address: str, options) -> None:
     import grpc
 
@@ -242,27 +319,68 @@ def _print_outputs(run_dir: Path) -> None:
         print(f"rlfabric: {', '.join(shown)}", flush=True)
 
 
+def _coordinator_target(args, config_path: str | None = None):
+    """(address, ChannelOptions) of the coordinator named by --run-dir or --coordinator (with --token-file
+    or the token and TLS settings of config_path); (None, message) when neither was given."""
+    from dataclasses import replace
+
+    from rlfabric.core.client import ChannelOptions
+    from rlfabric.core.config import ServerConfig, read_auth_token
+
+    run_dir = getattr(args, "run_dir", None)
+    if args.coordinator is None and run_dir is not None:
+        address = json.loads((run_dir / "endpoints.json").read_text())["coordinator"][0]["grpc"]
+        # The run's own TLS and token settings, so this works on a mesh that runs mTLS.
+        return address, ChannelOptions.from_config(load_config(run_dir / "config.yaml"))
+    if args.coordinator is None:
+        return None, "give --coordinator HOST:PORT or --run-dir"
+    options = ChannelOptions.from_config(load_config(config_path)) if config_path else ChannelOptions()
+    if args.token_file:
+        options = replace(options, auth_token=read_auth_token(ServerConfig(auth_token_file=args.token_file)))
+    return args.coordinator, options
+
+
+def _ask_coordinator(args, ask) -> int:
+    """Runs ask(client) against the coordinator the arguments name; a refusal is one line, exit 1."""
+    import grpc
+
+    from rlfabric.coordinator.client import CoordinatorClient
+
+    address, options = _coordinator_target(args)
+    if address is None:
+        print(f"rlfabric {args.command}: {options}", file=sys.stderr)
+        return 2
+
+    async def call():
+        async with CoordinatorClient(address, options) as client:
+            return await ask(client)
+
+    try:
+        asyncio.run(call())
+    except grpc.RpcError as error:
+        print(f"rlfabric {args.command}: {error.code().name}: {error.details()}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def cmd_status(args) -> int:
     from google.protobuf.json_format import MessageToDict
 
-    from rlfabric.coordinator.client import CoordinatorClient
-    from rlfabric.core.client import ChannelOptions
+    async def show(client):
+        print(json.dumps(MessageToDict(await client.run_status(timeout_s=10)), indent=2))
 
-    address, options = args.address, None
-    if address is None:
-        if args.run_dir is None:
-            print("rlfabric status: give --address or --run-dir", file=sys.stderr)
-            return 2
-        address = json.loads((args.run_dir / "endpoints.json").read_text())["coordinator"][0]["grpc"]
-        # The run's own TLS and token settings, so this works on a mesh that runs mTLS.
-        options = ChannelOptions.from_config(load_config(args.run_dir / "config.yaml"))
+    return _ask_coordinator(args, show)
 
-    async def query():
-        async with CoordinatorClient(address, options) as client:
-            return await client.run_status(timeout_s=10)
 
-    print(json.dumps(MessageToDict(asyncio.run(query())), indent=2))
-    return 0
+def cmd_stop(args) -> int:
+    from rlfabric.v1 import coordinator_pb2
+
+    async def stop(client):
+        await client.stop_run(skip_checkpoint=args.no_checkpoint, timeout_s=1800)
+        status = await client.run_status(timeout_s=10)
+        print(f"rlfabric: run {status.run_id} {coordinator_pb2.RunState.Name(status.state)} at step {status.step}")
+
+    return _ask_coordinator(args, stop)
 
 
 def cmd_health(args) -> int:
@@ -337,6 +455,7 @@ COMMANDS = {
     "up": cmd_up,
     "train": cmd_train,
     "status": cmd_status,
+    "stop": cmd_stop,
     "health": cmd_health,
     "config-reference": cmd_config_reference,
     "make-tiny-model": cmd_make_tiny_model,

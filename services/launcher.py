@@ -5,7 +5,8 @@
         mesh.restart("rollout-1")               # after it died: again, on the same gRPC port
 
 Services bind port 0 and report their ports through RUN_DIR/ports/<name>.json (no port races).
-Logs go to RUN_DIR/logs/<name>.log. Children get SIGTERM if the launcher dies (PR_SET_PDEATHSIG),
+Logs go to RUN_DIR/logs/<name>.log. Every RPC needs the mesh's token (RUN_DIR/auth_token, 0600)
+unless server.auth_token_file names another. Children get SIGTERM if the launcher dies (PR_SET_PDEATHSIG),
 and stop() terminates, then kills, every child: no orphans.
 """
 
@@ -15,6 +16,8 @@ import asyncio
 import ctypes
 import json
 import logging
+import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -98,12 +101,16 @@ def service_names(config: RunConfig) -> list[tuple[str, str]]:
 
 
 def prepare_run_dir(config: RunConfig, run_dir: Path) -> Path:
-    """Creates RUN_DIR/logs, builds the tiny model when model.path is empty (or the cached registry model
+    """Creates RUN_DIR/logs and the mesh's token, sets the storage root to the runs folder, builds the tiny model when model.path is empty (or the cached registry model
     for "pypi:NAME"), points trainer.run_dir at
     RUN_DIR, writes RUN_DIR/config.yaml (what every service but the coordinator reads), returns its path."""
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    if not config.server.auth_token_file:
+        config.server.auth_token_file = str(write_mesh_token(run_dir).resolve())
     if not config.trainer.run_dir:
         config.trainer.run_dir = str(run_dir.resolve())
+    if not config.storage.root:
+        config.storage.root = str(run_dir.resolve().parent)  # the runs folder: RPC paths stay inside it
     if not config.model.path:
         config.model.path = str(build_tiny_model(run_dir))
     elif config.model.path.startswith(REGISTRY_PREFIX):
@@ -114,6 +121,19 @@ def prepare_run_dir(config: RunConfig, run_dir: Path) -> Path:
     worker_config = run_dir / "config.yaml"
     dump_config(config, worker_config)
     return worker_config
+
+
+def write_mesh_token(run_dir: Path) -> Path:
+    """RUN_DIR/auth_token: a new random bearer token, readable by this user only (0600), that every
+    service of the mesh requires and every client of it (the CLI, `rlfabric status`) sends."""
+    path = run_dir / "auth_token"
+    tmp = run_dir / f".auth_token.{os.getpid()}.tmp"
+    tmp.unlink(missing_ok=True)
+    descriptor = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(descriptor, "w") as file:
+        file.write(secrets.token_urlsafe(32))
+    tmp.replace(path)
+    return path
 
 
 def check_model(config: RunConfig) -> None:

@@ -35,9 +35,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import ray
+import yaml
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from rlfabric.core.config import RunConfig
+from rlfabric.core.config import RunConfig, read_auth_token
 from rlfabric.launcher import (
     MeshContext,
     MeshStartError,
@@ -57,12 +58,25 @@ from rlfabric.launcher import (
 log = logging.getLogger("rlfabric.launcher")
 
 
+def with_local_token(config_text: str, token: str, workdir: Path) -> str:
+    """The config text with server.auth_token_file pointing at a 0600 copy of the mesh's token in
+    workdir: on another node the launcher's RUN_DIR/auth_token does not exist."""
+    if not token:
+        return config_text
+    path = workdir / "auth_token"
+    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as file:
+        file.write(token)
+    config = yaml.safe_load(config_text)
+    config.setdefault("server", {})["auth_token_file"] = str(path)
+    return yaml.safe_dump(config, sort_keys=False)
+
+
 @ray.remote(max_concurrency=4)  # stop() and log_tail() answer while wait() blocks
 class ServiceSupervisor:
     """One `rlfabric serve ROLE` process on this actor's node, holding the role's Ray resources."""
 
     def __init__(self, name: str, role: str, config_path: str, config_text: str, run_dir: str, run_id: str,
-                 host: str | None, cwd: str):
+                 host: str | None, cwd: str, token: str = ""):
         self.name = name
         self.host = host or ray.util.get_node_ip_address()
         run_dir_here = Path(run_dir)
@@ -76,7 +90,7 @@ class ServiceSupervisor:
             # Another node: a private directory; stop() hands the log back to the launcher.
             self.workdir = Path(tempfile.mkdtemp(prefix=f"rlfabric-{run_id}-{name}-"))
             config_path = str(self.workdir / Path(config_path).name)
-            Path(config_path).write_text(config_text)
+            Path(config_path).write_text(with_local_token(config_text, token, self.workdir))
             self.log_path = self.workdir / f"{name}.log"
             self.port_file = self.workdir / "ports.json"
         self.port_file.unlink(missing_ok=True)
@@ -283,7 +297,7 @@ class RayMesh(MeshContext):
                 ray.get_runtime_context().get_node_id(), soft=False)
         actor = ServiceSupervisor.options(**options).remote(
             name, role, str(config_path.resolve()), config_path.read_text(), str(self.run_dir.resolve()),
-            self.run_id, self._host, os.getcwd())
+            self.run_id, self._host, os.getcwd(), read_auth_token(self.config.server))
         self.services.append(RayService(name, role, actor, resources, placed=actor.node_ip.remote()))
 
     def _await_ports(self, services: list[RayService]) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 
 import pytest
@@ -65,3 +66,13 @@ def smollm2():
     from rlfabric.actor.pretrained import cached_model
 
     return cached_model("smollm2")
+
+
+@pytest.fixture
+def experiment_dir(request):
+    """Where this test's run on the module's shared `mesh` (a LocalMesh) writes: StartRun may not set
+    trainer.run_dir, so a run keeps apart with trainer.experiment_name={experiment_dir.name}, which puts
+    it in RUN_DIR/experiments/<name>."""
+    mesh = request.getfixturevalue("mesh")
+    name = re.sub(r"[^A-Za-z0-9._-]", "-", request.node.name)[:100]
+    return mesh.run_dir.resolve() / "experiments" / name

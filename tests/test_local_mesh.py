@@ -1,7 +1,8 @@
 """`rlfabric up` with the built-in default: the lean quickstart mesh (actor, rollout, reward,
 coordinator: GRPO without a KL term needs no critic and no reference) on loopback, each SERVING,
 listing its services through reflection and exposing RPC metrics; a run that needs a role the mesh
-lacks is refused naming it; SIGTERM tears it all down (no orphans)."""
+lacks is refused naming it; every RPC needs the mesh's token (RUN_DIR/auth_token, 0600); SIGTERM
+tears it all down (no orphans)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from tests.mesh_access import mesh_channel
 
 SERVICE_OF_ROLE = {
     "actor": "rlfabric.v1.ActorService",
@@ -104,10 +107,10 @@ def test_a_run_that_needs_a_role_the_mesh_lacks_is_refused_naming_it(mesh, overr
     from rlfabric.v1 import coordinator_pb2, coordinator_pb2_grpc
 
     _, run_dir, endpoints = mesh
-    with grpc.insecure_channel(endpoints["coordinator"][0]["grpc"]) as channel:
+    with mesh_channel(endpoints["coordinator"][0]["grpc"], run_dir) as channel:
         stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
         with pytest.raises(grpc.RpcError) as refused:
-            stub.StartRun(coordinator_pb2.StartRunRequest(overrides=[*overrides, f"trainer.run_dir={run_dir}/x"]),
+            stub.StartRun(coordinator_pb2.StartRunRequest(overrides=[*overrides, "trainer.experiment_name=x"]),
                           timeout=60)
         assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert f"{key} needs a {role} service" in refused.value.details()
@@ -121,9 +124,40 @@ def test_status_command_reaches_the_coordinator(mesh):
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout) == {"phase": "idle"}  # no run started yet: the other fields at their defaults
+    # By address: with the token file it answers; without, the coordinator refuses and status says so.
+    address = json.loads((run_dir / "endpoints.json").read_text())["coordinator"][0]["grpc"]
+    status = [sys.executable, "-m", "rlfabric", "status", "--address", address]
+    out = subprocess.run([*status, "--token-file", str(run_dir / "auth_token")], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0 and json.loads(out.stdout) == {"phase": "idle"}, out.stderr
+    out = subprocess.run(status, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and out.stderr.startswith("rlfabric status: UNAUTHENTICATED"), out.stderr
 
 
-def test_one_run_at_a_time_and_an_async_stop_keeps_every_trained_step(mesh, tmp_path):
+def test_every_rpc_needs_the_mesh_token_which_only_its_user_can_read(mesh):
+    from rlfabric.v1 import coordinator_pb2, coordinator_pb2_grpc
+
+    _, run_dir, endpoints = mesh
+    token_file = run_dir / "auth_token"
+    assert token_file.stat().st_mode & 0o777 == 0o600
+    assert len(token_file.read_text().strip()) >= 32
+    for role, entries in endpoints.items():
+        with grpc.insecure_channel(entries[0]["grpc"]) as channel:
+            # Health stays open (probes); every service of the role refuses a call without the token.
+            health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service="readiness"),
+                                                                timeout=10)
+            assert health.status == health_pb2.HealthCheckResponse.SERVING
+            method = f"/{SERVICE_OF_ROLE[role]}/GetStatus" if role != "coordinator" else \
+                "/rlfabric.v1.CoordinatorService/GetRunStatus"
+            with pytest.raises(grpc.RpcError) as refused:
+                channel.unary_unary(method)(b"", timeout=10)
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED, role
+    with mesh_channel(endpoints["coordinator"][0]["grpc"], run_dir) as channel:
+        stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
+        assert stub.GetRunStatus(coordinator_pb2.GetRunStatusRequest(), timeout=10).phase == "idle"
+
+
+def test_one_run_at_a_time_and_an_async_stop_keeps_every_trained_step(mesh):
     """Two StartRuns at once: one runs, the other is FAILED_PRECONDITION. StopRun (which saves by
     default) in async mode, where the next batch is already drawn, from a caller that gives up at once:
     the run still stops with a checkpoint whose data position is that of the first untrained batch, and
@@ -132,10 +166,12 @@ def test_one_run_at_a_time_and_an_async_stop_keeps_every_trained_step(mesh, tmp_
 
     from rlfabric.v1 import coordinator_pb2, coordinator_pb2_grpc
 
-    _, _, endpoints = mesh
+    _, run_dir, endpoints = mesh
     batch = 64  # the quickstart's
-    overrides = [f"trainer.run_dir={tmp_path}", "trainer.total_steps=200", "trainer.mode=async", "trainer.plot=false"]
-    with grpc.insecure_channel(endpoints["coordinator"][0]["grpc"]) as channel:
+    experiment = run_dir / "experiments" / "async-stop"
+    overrides = ["trainer.experiment_name=async-stop", "trainer.total_steps=200", "trainer.mode=async",
+                 "trainer.plot=false"]
+    with mesh_channel(endpoints["coordinator"][0]["grpc"], run_dir) as channel:
         stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
 
         def start():
@@ -164,11 +200,47 @@ def test_one_run_at_a_time_and_an_async_stop_keeps_every_trained_step(mesh, tmp_
             pass  # the stream ends when the run does
         status = stub.GetRunStatus(coordinator_pb2.GetRunStatusRequest(), timeout=10)
     assert status.state == coordinator_pb2.RUN_STATE_STOPPED and status.step >= 2
-    latest = tmp_path / "checkpoints" / f"global_step_{status.step}"
+    latest = experiment / "checkpoints" / f"global_step_{status.step}"
     state = json.loads((latest / "coordinator.json").read_text())
     assert state["step"] == status.step
     assert state["data_position"] == status.step * batch  # the prefetched batch is drawn again on resume
-    assert (tmp_path / "final_model" / "model.safetensors").exists()
+    assert (experiment / "final_model" / "model.safetensors").exists()
+
+
+def test_train_attaches_to_a_running_mesh_and_stop_ends_its_run(mesh):
+    """What the Helm chart's run Job and a laptop through a port-forward run: `rlfabric train --coordinator`
+    with the mesh's config (addresses, token) waits for every service, starts the run and prints a line per
+    step; `rlfabric stop --coordinator --token-file` ends a run with a checkpoint."""
+    _, run_dir, endpoints = mesh
+    address = endpoints["coordinator"][0]["grpc"]
+    attach = [sys.executable, "-m", "rlfabric", "train", "--coordinator", address, str(run_dir / "config.resolved.yaml")]
+    done = subprocess.run([*attach, "trainer.total_steps=2", "trainer.experiment_name=attached", "trainer.plot=false"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "rlfabric: waiting for 4 services to be ready"  # coordinator, actor, rollout, reward
+    assert [line.split()[1] for line in lines if line.startswith("step ")] == ["1/2", "2/2"], lines
+    assert "critic/score/mean=" in lines[-2] and lines[-1].endswith("RUN_STATE_COMPLETED at step 2")
+    assert (run_dir / "experiments" / "attached" / "checkpoints" / "global_step_2").is_dir()
+
+    long_run = subprocess.Popen([*attach, "trainer.total_steps=500", "trainer.experiment_name=stopped",
+                                 "trainer.plot=false"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in long_run.stdout:
+            if line.startswith("step 1/500"):
+                break
+        stop = [sys.executable, "-m", "rlfabric", "stop", "--coordinator", address]
+        refused = subprocess.run(stop, capture_output=True, text=True, timeout=60)  # no token
+        assert refused.returncode == 1 and "UNAUTHENTICATED" in refused.stderr, refused.stderr
+        stopped = subprocess.run([*stop, "--token-file", str(run_dir / "auth_token")], capture_output=True,
+                                 text=True, timeout=300)
+        assert stopped.returncode == 0, stopped.stderr
+        assert "RUN_STATE_STOPPED" in stopped.stdout
+        assert long_run.wait(120) == 1  # the attached train reports a run that did not complete
+    finally:
+        long_run.kill()
+    step = int(stopped.stdout.split()[-1])
+    assert (run_dir / "experiments" / "stopped" / "checkpoints" / f"global_step_{step}").is_dir()
 
 
 def test_sigterm_tears_down_every_service(mesh):

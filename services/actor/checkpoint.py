@@ -25,6 +25,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from rlfabric.core.errors import FailedPrecondition, InvalidArgument, NotFound
+from rlfabric.core.storage import fsync, fsync_tree
 
 FORMAT_VERSION = 1
 WEIGHTS = "model.safetensors"
@@ -75,11 +76,13 @@ def write_atomically(path: str, write: Callable[[Path], None], replaceable: Call
         tmp.mkdir()
         try:
             write(tmp)
+            fsync_tree(tmp)  # on disk before it takes the name: a crash leaves the old one or the new one
             num_bytes = sum(f.stat().st_size for f in tmp.rglob("*") if f.is_file())
             old = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:8]}"
             if target.exists():
                 target.rename(old)
             tmp.rename(target)
+            fsync(target.parent)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

@@ -30,6 +30,7 @@ from rlfabric.core.client import ChannelOptions
 from rlfabric.core.config import RunConfig
 from rlfabric.core.errors import FailedPrecondition, InvalidArgument
 from rlfabric.core.metrics import service_counter, service_gauge, service_histogram
+from rlfabric.core.storage import StorageRoot
 from rlfabric.core.weight_sync import Manifest, Membership, SyncGroup, WeightLimits
 from rlfabric.core.weight_sync.sender import BroadcastResult, WeightSender
 
@@ -53,6 +54,7 @@ class TrainerEngine:
         self.section = {"actor": config.actor, "reference": config.reference, "critic": config.critic}[role]
         self.world_size = self.section.world_size
         self.model_path = model_path(role, config)
+        self.storage = StorageRoot.from_config(config)  # where RPC-given checkpoint and export paths may point
         self.worker: RankWorker | None = None
         self.group: WorkerGroup | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{role}-engine")
@@ -178,7 +180,7 @@ class TrainerEngine:
 
     async def save_checkpoint(self, path: str) -> int:
         """Bytes written."""
-        return await self._run(self._save_checkpoint, path)
+        return await self._run(self._save_checkpoint, self.storage.resolve(path, "checkpoint path"))
 
     def _save_checkpoint(self, path):
         model_state, optimizer_state, rng = self._command(Command.GATHER_STATE, [1.0], [None] * self.world_size)
@@ -188,7 +190,7 @@ class TrainerEngine:
 
     async def load_checkpoint(self, path: str) -> int:
         """The optimizer step count restored."""
-        return await self._run(self._load_checkpoint, path)
+        return await self._run(self._load_checkpoint, self.storage.resolve(path, "checkpoint path"))
 
     def _load_checkpoint(self, path):
         checkpoint = ckpt.load_checkpoint(path, self.role)  # every check before any collective
@@ -221,7 +223,7 @@ class TrainerEngine:
 
     async def export_hf(self, path: str) -> int:
         """Bytes written."""
-        return await self._run(self._export_hf, path)
+        return await self._run(self._export_hf, self.storage.resolve(path, "export path"))
 
     def _export_hf(self, path):
         model_state, _, _ = self._command(Command.GATHER_STATE, [0.0], [None] * self.world_size)

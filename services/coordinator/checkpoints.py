@@ -26,6 +26,8 @@ import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from rlfabric.core.storage import fsync, fsync_tree
+
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 STATE_FILE = "coordinator.json"
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
@@ -107,19 +109,19 @@ class CheckpointWriter:
         try:
             state.saved_at = time.time()
             (self.tmp / STATE_FILE).write_text(json.dumps(asdict(state), indent=2))
-            _fsync_tree(self.tmp)
+            fsync_tree(self.tmp)
             if final.exists():  # a resumed run saving a step again: swap, then drop the old one
                 old = final.with_name(f".{final.name}.old-{uuid.uuid4().hex[:8]}")
                 final.rename(old)
                 shutil.rmtree(old, ignore_errors=True)
             self.tmp.rename(final)
             self.tmp = None
-            _fsync(final.parent)
+            fsync(final.parent)
             latest_tmp = final.parent / f".{LATEST_FILE}.tmp"
             latest_tmp.write_text(str(self.step))
-            _fsync(latest_tmp)
+            fsync(latest_tmp)
             os.replace(latest_tmp, final.parent / LATEST_FILE)
-            _fsync(final.parent)
+            fsync(final.parent)
         except OSError as error:
             self.abort()
             raise CheckpointError(f"cannot write checkpoint {final}: {error}") from None
@@ -150,21 +152,3 @@ def _saved_at(path: Path) -> float:
             (path / STATE_FILE).stat().st_mtime
     except (OSError, ValueError):
         return 0.0
-
-
-def _fsync(path: Path) -> None:
-    """Flushes a file's or a directory's entries to disk."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_tree(root: Path) -> None:
-    """fsync of every file and directory below root, then root: the checkpoint is on disk before it is
-    renamed into place."""
-    for directory, _, names in os.walk(root, topdown=False):
-        for name in names:
-            _fsync(Path(directory) / name)
-        _fsync(Path(directory))

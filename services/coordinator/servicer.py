@@ -13,10 +13,11 @@ from prometheus_client import CollectorRegistry
 
 from rlfabric.coordinator.checkpoints import step_dir
 from rlfabric.coordinator.loop import PPOTrainer, check_roles
-from rlfabric.coordinator.setup import build_trainer, run_dir_of
+from rlfabric.coordinator.setup import build_trainer
 from rlfabric.coordinator.tracking import RunTracker
-from rlfabric.core.config import ConfigError, RunConfig, apply_override, config_from_dict
+from rlfabric.core.config import ConfigError, RunConfig, apply_override, config_from_dict, run_dir_of
 from rlfabric.core.errors import FailedPrecondition, InvalidArgument
+from rlfabric.core.storage import StorageRoot
 from rlfabric.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 log = logging.getLogger("rlfabric.coordinator")
@@ -257,6 +258,10 @@ class RunController:
 
     def _config_with(self, overrides: list[str]) -> RunConfig:
         for override in overrides:
+            if override.startswith("trainer.run_dir="):
+                raise InvalidArgument("StartRun cannot set trainer.run_dir (a run must not write into another's "
+                                      "folder); set trainer.experiment_name to keep this run in "
+                                      "RUN_DIR/experiments/<name>")
             if not override.startswith(RUN_OVERRIDABLE):
                 raise InvalidArgument(f"override {override!r} cannot change a running mesh; StartRun accepts "
                                       f"{', '.join(RUN_OVERRIDABLE)}")
@@ -264,9 +269,24 @@ class RunController:
         try:
             for override in overrides:
                 apply_override(tree, override)
-            return config_from_dict(tree)
+            config = config_from_dict(tree)
         except ConfigError as error:
             raise InvalidArgument(str(error)) from None
+        self._confine_paths(config)
+        return config
+
+    def _confine_paths(self, config: RunConfig) -> None:
+        """Paths a StartRun changed must lie under the storage root (PermissionDenied naming it) and are
+        replaced by their resolved form; the mesh's own config, written by its operator, may name data
+        anywhere."""
+        storage, base = StorageRoot.from_config(self.base_config), self.base_config
+        for what in ("train_files", "val_files"):
+            paths = getattr(config.data, what)
+            if paths != getattr(base.data, what):
+                setattr(config.data, what, [str(storage.resolve(path, f"data.{what}")) for path in paths])
+        resume = config.trainer.resume_from_path
+        if resume and resume != base.trainer.resume_from_path:
+            config.trainer.resume_from_path = str(storage.resolve(resume, "trainer.resume_from_path"))
 
     def _require_active(self) -> None:
         if self.state not in ACTIVE:

@@ -10,13 +10,9 @@ from rlfabric.coordinator.dataset import DatasetError, RLHFDataset
 from rlfabric.coordinator.loop import PPOTrainer
 from rlfabric.coordinator.peers import Peers
 from rlfabric.coordinator.weight_sync import WeightSyncPlane
-from rlfabric.core.config import RunConfig
+from rlfabric.core.config import RunConfig, run_dir_of
 from rlfabric.core.errors import FailedPrecondition, InvalidArgument
 from rlfabric.rollout.engine import load_tokenizer
-
-
-def run_dir_of(config: RunConfig) -> Path:
-    return Path(config.trainer.run_dir or Path("runs") / config.name).resolve()
 
 
 def load_datasets(config: RunConfig, run_dir: Path, tokenizer) -> tuple[RLHFDataset, RLHFDataset | None]:

@@ -250,15 +250,24 @@ def plot_curves(records: list[dict], path: Path, title: str = "") -> Path:
     return path
 
 
+def step_line(message: coordinator_pb2.StreamMetricsResponse, total_steps: int) -> str:
+    """"step 3/10 critic/score/mean=0.41 actor/pg_loss=-0.02 ...": a few of the step's metrics."""
+    keys = ("critic/score/mean", "actor/pg_loss", "actor/ppo_kl", "response_length/mean", "timing_s/step")
+    shown = [f"{key}={message.metrics[key]:.4g}" for key in keys if key in message.metrics]
+    return " ".join([f"step {message.step}/{total_steps}", *shown])
+
+
 async def watch_run(
     client,
     total_steps: int,
     start_step: int = 0,
     *,
     progress_bar: bool = True,
+    step_lines: bool = False,
     file: TextIO | None = None,
 ) -> coordinator_pb2.GetRunStatusResponse:
-    """Follows a run through StreamMetrics with a tqdm bar (step, reward, ETA); returns its final status.
+    """Follows a run through StreamMetrics with a tqdm bar (step, reward, ETA), or a printed line per step
+    (step_lines: for logs, e.g. a Kubernetes Job's); returns its final status.
 
     `client` is a CoordinatorClient. The stream carries the client's deadline, so a run that outlasts it
     is followed by reopening the stream from the next step.
@@ -276,6 +285,8 @@ async def watch_run(
                     reward = message.metrics.get("critic/score/mean")
                     if reward is not None:
                         bar.set_postfix(reward=f"{reward:.3f}", refresh=False)
+                    if step_lines:
+                        print(step_line(message, total_steps), flush=True)
                     bar.update(message.step - bar.n)
                     next_step = message.step + 1
             except grpc.aio.AioRpcError as error:

@@ -1,7 +1,7 @@
 """The run config: one YAML file with a section per role, VeRL-style names, validated on load.
 
 Sections: server, client, cluster, model, data, actor, reference, critic, rollout, reward,
-algorithm, trainer, weight_sync. Every field has a default and a docstring (`rlfabric config-reference`
+algorithm, trainer, weight_sync, storage, launcher. Every field has a default and a docstring (`rlfabric config-reference`
 prints them). Unknown keys and wrong types are errors that name the dotted key.
 
     config = load_config("my.yaml", overrides=["trainer.total_steps=20", "rollout.n=4"])
@@ -65,7 +65,11 @@ class ServerConfig(Section):
     tls: TlsConfig = TlsConfig()
     """TLS / mTLS for every service and client."""
     auth_token_file: str = ""
-    """File holding a bearer token every RPC must carry (health/reflection exempt); empty = no auth."""
+    """File holding a bearer token every RPC must carry (health/reflection exempt); empty = no auth.
+    `rlfabric up`/`train` create one per mesh (RUN_DIR/auth_token, mode 0600) when this is empty."""
+    allow_insecure: bool = False
+    """Serve on a non-loopback address without TLS and a token. Off, `rlfabric serve` refuses to: anyone
+    who reaches the port could drive the service, and a token would cross the network in clear."""
     log_level: str = "INFO"
     """Python logging level of the services."""
 
@@ -270,6 +274,29 @@ class RolloutConfig(Section):
     """Pause, Sleep and shutdown: longest wait for in-flight generation to finish."""
 
 
+class CustomSandboxConfig(Section):
+    uid: int = Field(65534, ge=1)
+    """User code runs as this uid when the service runs as root (65534 = nobody); best one no other process uses: RLIMIT_NPROC counts every process of the uid, and processes of one uid may signal each other."""
+    gid: int = Field(65534, ge=1)
+    """Group of user code when the service runs as root (65534 = nogroup); no supplementary groups."""
+    allow_network: bool = False
+    """Let user code use this host's network (e.g. to call an API); it then reaches every service here too. false = a network namespace of its own: no network at all."""
+    require_network_isolation: bool = False
+    """Fail start-up where the kernel refuses user code a network namespace (not root and no unprivileged user namespaces); false = log a warning and run it with this host's network."""
+    env: dict[str, str] = {}
+    """Environment variables of user code besides PATH, HOME and TMPDIR; the service's own environment is not passed on."""
+    env_passthrough: list[str] = []
+    """Names of the service's environment variables passed on to user code (e.g. an API key's)."""
+    max_processes: int = Field(128, ge=8)
+    """RLIMIT_NPROC of user code (root only): most processes and threads of the sandbox uid, all workers' together."""
+    max_file_mb: int = Field(64, ge=1)
+    """RLIMIT_FSIZE of user code: largest file it may write (MiB); writing more fails with EFBIG."""
+    max_open_files: int = Field(256, ge=16)
+    """RLIMIT_NOFILE of user code: most file descriptors one of its processes may hold."""
+    cpu_limit_s: int = Field(60, ge=1)
+    """RLIMIT_CPU of user code: CPU seconds (all threads together) one item may use, renewed before each item; a hard limit only where the worker has CAP_SYS_RESOURCE."""
+
+
 class RewardConfig(Section):
     num_workers: int = Field(1, ge=1)
     """Worker processes for custom reward functions."""
@@ -283,6 +310,8 @@ class RewardConfig(Section):
     """A custom function call running longer is killed; its item gets status TIMEOUT and score 0."""
     memory_limit_mb: int = Field(4096, ge=0)
     """Address-space cap of each custom-function worker (MiB; 0 = none); a hog gets MemoryError."""
+    custom_sandbox: CustomSandboxConfig = CustomSandboxConfig()
+    """How the custom function is confined: network, uid, environment and resource limits."""
     compute_score_kwargs: dict[str, Any] = {}
     """Keyword arguments of every built-in scorer call, e.g. {method: flexible} for GSM8K."""
     scorer_modules: list[str] = []
@@ -385,6 +414,10 @@ class TrainerConfig(Section):
     before the step fails; a missed deadline (client.timeout_s) is retried once."""
     run_dir: str = ""
     """Where the run writes metrics, rollouts and checkpoints; empty = runs/<name> (the launchers set it)."""
+    experiment_name: str = Field("", pattern=r"^([A-Za-z0-9][A-Za-z0-9._-]{0,99})?$")
+    """Keeps runs on one mesh apart: non-empty = this run's metrics, rollouts and checkpoints go to
+    RUN_DIR/experiments/<name> (a new name starts fresh, the same name resumes). StartRun may set it,
+    not trainer.run_dir."""
     dump_rollouts: bool = True
     """Write every step's prompts, responses, scores and weight versions to RUN_DIR/rollouts/step_N.jsonl."""
 
@@ -437,6 +470,19 @@ class RayLauncherConfig(Section):
     coordinator: RayResources = RayResources()
 
 
+class StorageConfig(Section):
+    root: str = ""
+    """Every path that arrives over RPC (the actor's checkpoint and export paths, StartRun's data files and
+    trainer.resume_from_path) must resolve, symlinks included, under this directory (relative ones are
+    taken from it); others are PERMISSION_DENIED. Empty = the folder holding trainer.run_dir (the launchers'
+    runs/), or ./runs."""
+
+    def resolved_root(self, run_dir: str) -> Path:
+        if self.root:
+            return Path(self.root).resolve()
+        return Path(run_dir).resolve().parent if run_dir else Path("runs").resolve()
+
+
 class LauncherConfig(Section):
     startup_timeout_s: float = Field(300.0, gt=0)
     """How long `rlfabric up` waits for every service to report readiness (model loads included)."""
@@ -462,6 +508,7 @@ class RunConfig(Section):
     algorithm: AlgorithmConfig = AlgorithmConfig()
     trainer: TrainerConfig = TrainerConfig()
     weight_sync: WeightSyncConfig = WeightSyncConfig()
+    storage: StorageConfig = StorageConfig()
     launcher: LauncherConfig = LauncherConfig()
 
     def uses_critic(self) -> bool:
@@ -545,6 +592,13 @@ def read_named_file(key: str, path: str | Path) -> bytes:
         return Path(path).read_bytes()
     except OSError as error:
         raise ConfigError(f"{key}: cannot read {path}: {error.strerror or error}") from None
+
+
+def run_dir_of(config: RunConfig) -> Path:
+    """trainer.run_dir (default runs/<name>), or its experiments/<trainer.experiment_name>."""
+    run_dir = Path(config.trainer.run_dir or Path("runs") / config.name).resolve()
+    name = config.trainer.experiment_name
+    return run_dir / "experiments" / name if name else run_dir
 
 
 def read_auth_token(server: ServerConfig) -> str:

@@ -21,6 +21,7 @@ import inspect
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -47,6 +48,8 @@ Scope = Callable[[aio.ServicerContext], contextlib.AbstractAsyncContextManager]
 
 def rpc_type(handler: grpc.RpcMethodHandler) -> str:
     """"unary", "server_stream", "client_stream" or "bidi_stream", as go-grpc-prometheus names them."""
+    if isinstance(handler, _Refusal):
+        return handler.kind
     return _HANDLER_KINDS[(handler.request_streaming, handler.response_streaming)][0]
 
 
@@ -141,15 +144,36 @@ def _wrap_handler(
     return factory(wrapped, request_deserializer=deserializer, response_serializer=handler.response_serializer)
 
 
-def _abort_handler(code: grpc.StatusCode, details: str, like: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    """A handler of the same kind as `like` that fails every call with code/details."""
+@dataclass(frozen=True)
+class _Refusal(grpc.RpcMethodHandler):
+    """A handler that fails every call with code/details without reading its request.
 
-    @contextlib.asynccontextmanager
-    async def refuse(context):
-        await context.abort(code, details)
+    It takes the request as a stream it never iterates (the wire format is the same for every kind),
+    so a refused caller, one without a token say, cannot make the server receive and decode a message
+    of up to server.max_receive_message_mb first: HTTP/2 flow control stops the sender after one window.
+    """
+
+    code: grpc.StatusCode
+    details: str
+    kind: str  # the refused method's own kind ("unary", ...), for the metrics labels
+    response_streaming: bool
+    request_streaming: bool = True
+    request_deserializer: None = None
+    response_serializer: None = None
+    unary_unary: None = None
+    unary_stream: None = None
+
+    async def stream_unary(self, requests, context):
+        await context.abort(self.code, self.details)
+
+    async def stream_stream(self, requests, context):
+        await context.abort(self.code, self.details)
         yield  # pragma: no cover - abort always raises
 
-    return _wrap_handler(like, refuse)
+
+def _abort_handler(code: grpc.StatusCode, details: str, like: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """A handler for the method of `like` that fails every call with code/details, unread (_Refusal)."""
+    return _Refusal(code, details, rpc_type(like), like.response_streaming)
 
 
 class MetricsInterceptor(aio.ServerInterceptor):

@@ -17,6 +17,7 @@ Lifecycle:
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import logging
 import os
@@ -87,6 +88,7 @@ class ServerOptions:
     max_concurrent_rpcs: int = 256  # 0 = no limit; health and reflection are not counted
     tls: TlsConfig = field(default_factory=TlsConfig)
     auth_token: str = ""
+    allow_insecure: bool = False
 
     @classmethod
     def from_config(cls, server: ServerConfig, **overrides) -> ServerOptions:
@@ -101,11 +103,24 @@ class ServerOptions:
             max_concurrent_rpcs=server.max_concurrent_rpcs,
             tls=server.tls,
             auth_token=token,
+            allow_insecure=server.allow_insecure,
         )
         for key, value in overrides.items():
             if value is not None:
                 setattr(options, key, value)
         return options
+
+    def check_exposure(self) -> None:
+        """A ConfigError when the service would listen beyond this machine without TLS and a token."""
+        if is_loopback(self.host) or (self.tls.enabled and self.auth_token) or self.allow_insecure:
+            return
+        missing = " and ".join(what for what, there in (("TLS (server.tls.cert_file)", self.tls.enabled),
+                                                        ("a token (server.auth_token_file)", self.auth_token))
+                               if not there)
+        raise ConfigError(
+            f"refusing to serve on {self.host} without {missing}: anyone who can reach the port could drive "
+            "the service, and a token would cross the network in clear. Configure both, bind 127.0.0.1, or "
+            "set server.allow_insecure: true to accept the risk (e.g. a private network with a NetworkPolicy)")
 
     def grpc_options(self) -> list[tuple[str, Any]]:
         return [
@@ -117,6 +132,16 @@ class ServerOptions:
             ("grpc.http2.min_ping_interval_without_data_ms", 5000),
             ("grpc.so_reuseport", 0),
         ]
+
+
+def is_loopback(host: str) -> bool:
+    """True for 127.0.0.0/8, ::1 and localhost: addresses only this machine reaches."""
+    if host.strip("[]") == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name: it may resolve to any interface
+        return False
 
 
 def server_credentials(tls: TlsConfig) -> grpc.ServerCredentials:
@@ -177,6 +202,7 @@ class RlfabricServer:
     async def start(self) -> None:
         """Binds, serves health/reflection/metrics, loads the engine, then reports ready."""
         opts = self.options
+        opts.check_exposure()
         self._server = aio.server(interceptors=self._interceptors(), options=opts.grpc_options())
         for binding in self.service.bindings:
             binding.add_to_server(binding.servicer, self._server)

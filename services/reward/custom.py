@@ -11,6 +11,12 @@ each scores 0, and a hung or dead worker (or one that hit MemoryError) is killed
 next item and batch go on. Killing a worker kills every process the function started, whatever
 session or process group it moved to (setsid, a double-forked daemon): see custom_worker.
 
+The function is confined (rlfabric.reward.sandbox, settings in reward.custom_sandbox): as root, no
+network, another uid, an empty environment plus what the config lists, limits on processes, file
+size, descriptors and CPU time; its keyword arguments reach it over a pipe, not the command line,
+and only its worker's supervisor, which runs no user code, writes results to the pool.
+What cannot be done here (not root, no network namespace) is logged once as a warning.
+
     with CustomScorerPool("my_reward.py", "compute_score", num_workers=2, timeout_s=5) as pool:
         results = pool.score_batch(items)
 """
@@ -19,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import selectors
 import signal
@@ -28,7 +35,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlfabric.reward.items import (
     STATUS_CRASHED,
@@ -40,6 +47,12 @@ from rlfabric.reward.items import (
     result_from_value,
 )
 from rlfabric.reward.process_tree import kill_descendants
+from rlfabric.reward.sandbox import user_variables, worker_environment
+
+if TYPE_CHECKING:  # (not at run time: each worker imports this package, and pydantic costs it ~0.3 s)
+    from rlfabric.core.config import CustomSandboxConfig
+
+logger = logging.getLogger(__name__)
 
 # The supervisor reaps what was killed and exits as its scorer did; this is how long to wait for that.
 _SUPERVISOR_EXIT_S = 2.0
@@ -147,12 +160,14 @@ class CustomScorerPool:
         memory_limit_mb: int | None = 4096,
         function_kwargs: dict[str, Any] | None = None,
         start_timeout_s: float = 60.0,
+        sandbox: CustomSandboxConfig | None = None,
     ):
         """Start the workers and wait until each has loaded the function.
 
         memory_limit_mb caps each worker's address space (RLIMIT_AS; None = no cap); it counts
         virtual memory, so a function that imports torch needs a few GB. function_kwargs (JSON
         values) are passed to every call, as VeRL's custom_reward_function.reward_kwargs.
+        sandbox confines the function (None = the defaults of reward.custom_sandbox).
         Raises FileNotFoundError or CustomFunctionLoadError when the function cannot be loaded.
         """
         if not os.path.isfile(path):
@@ -165,15 +180,27 @@ class CustomScorerPool:
         self.name = name
         self.timeout_s = timeout_s
         self.start_timeout_s = start_timeout_s
-        self._settings = json.dumps(
-            {
-                "path": self.path,
-                "name": name,
-                "memory_limit_mb": memory_limit_mb,
-                "function_kwargs": function_kwargs or {},
-                "parent_pid": os.getpid(),
-            }
+        if sandbox is None:
+            from rlfabric.core.config import CustomSandboxConfig
+
+            sandbox = CustomSandboxConfig()
+        variables = user_variables(sandbox.env, sandbox.env_passthrough)
+        # Sent on each worker's stdin: keyword arguments and variables may hold secrets.
+        self._settings = (
+            json.dumps(
+                {
+                    "path": self.path,
+                    "name": name,
+                    "memory_limit_mb": memory_limit_mb,
+                    "function_kwargs": function_kwargs or {},
+                    "sandbox": {**sandbox.model_dump(), "variables": variables},
+                    "parent_pid": os.getpid(),
+                }
+            ).encode()
+            + b"\n"
         )
+        self.sandbox_warnings: list[str] = []
+        """What the sandbox could not do (e.g. no network namespace), as the workers reported it."""
         self._lock = threading.Lock()  # one batch at a time
         self._closed = False
         self._selector = selectors.DefaultSelector()
@@ -247,14 +274,16 @@ class CustomScorerPool:
 
     def _start_worker(self) -> _Worker:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "rlfabric.reward.custom_worker", self._settings],
+            [sys.executable, "-m", "rlfabric.reward.custom_worker"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             bufsize=0,
             start_new_session=True,  # own process group: killpg reaches its children; no terminal signals
+            env=worker_environment(),  # none of this service's secrets
         )
         worker = _Worker(proc, deadline=time.monotonic() + self.start_timeout_s)
         self._selector.register(proc.stdout.fileno(), selectors.EVENT_READ, worker)
+        worker.send(self._settings)  # if it died already, its closed stdout says so
         return worker
 
     def _kill(self, worker: _Worker) -> str:
@@ -320,6 +349,10 @@ class CustomScorerPool:
         kind = message.get("type")
         if worker.state == _STARTING and kind == "ready":
             worker.state = _IDLE
+            for warning in message["warnings"]:
+                if warning not in self.sandbox_warnings:
+                    self.sandbox_warnings.append(warning)
+                    logger.warning("custom reward sandbox: %s", warning)
         elif worker.state == _STARTING and kind == "load_error":
             self._load_failed(worker, message["message"])
         elif worker.state == _BUSY and kind == "result":

@@ -1,55 +1,138 @@
 """Worker process of CustomScorerPool: loads one user function and scores the items it is sent.
 
-Started by the pool as ``python -m rlfabric.reward.custom_worker SETTINGS_JSON``, never by hand.
-The process splits in two (one fork, no second interpreter):
-- the supervisor, the process the pool started, runs no user code. On Linux it is a child
-  subreaper (prctl PR_SET_CHILD_SUBREAPER): every process the user's code starts stays its
-  descendant, even one that calls setsid() or double-forks into a daemon, where it would otherwise
-  be reparented to init. When the scorer ends it kills every descendant left, reaps them and exits
-  as the scorer did (same exit code or signal); when the pool's process dies, it does the same.
-- the scorer, its child, loads the function and talks to the pool over the inherited pipes.
+Started by the pool as ``python -m rlfabric.reward.custom_worker``, never by hand; its settings
+(function_kwargs included, which may hold API keys) come as the first line on stdin, never on the
+command line, where `ps` would show them. The process splits in two (one fork, no second interpreter):
+- the supervisor, the process the pool started, runs no user code and is the only one holding the
+  pool's pipes. It relays each item to the scorer over a private socket with a fresh random nonce,
+  checks the reply (sent by the scorer's own pid, per SO_PASSCRED, for that nonce, numbers only) and
+  only then writes a result to the pool; a reply out of protocol fails the item and ends the worker.
+  It is a child subreaper (prctl PR_SET_CHILD_SUBREAPER): every process the user's code starts stays
+  its descendant, even one that calls setsid() or double-forks into a daemon. When the scorer ends
+  it kills every descendant left, reaps them and exits as the scorer did (same exit code or signal);
+  when the pool's process dies, it does the same.
+- the scorer, its child, confines itself (rlfabric.reward.sandbox: own network namespace, another
+  uid, empty environment, resource limits) before it runs any user code, then loads the function
+  from the source the supervisor read and scores items. Its stdin is /dev/null, its stdout goes to
+  stderr: what the user's code prints or writes to any descriptor it has reaches no result channel.
 So the pool kills a worker by killing every descendant of the supervisor (kill_descendants), which
 reaches whatever the user's code started, whatever session or process group it moved to.
 Without PR_SET_CHILD_SUBREAPER (not Linux) a process that leaves the tree (its parent exits) escapes.
+Code running inside the scorer's own process is the function itself: it can return any score for
+the item it is given, so what the checks stop is the forging of results by anything else (a
+process the function starts, an earlier item's leftovers), and by naive writes from the function.
 
-Protocol on stdin/stdout, one JSON object per line:
-  worker -> pool, once:   {"type": "ready"} or {"type": "load_error", "message": ...}
-  pool -> worker:         {"data_source", "solution_str", "ground_truth", "extra_info"}
+Protocol with the pool on stdin/stdout, one JSON object per line:
+  pool -> worker, once:     settings (see CustomScorerPool._start_worker)
+  worker -> pool, once:     {"type": "ready", "warnings": [...]} or {"type": "load_error", "message": ...}
+  pool -> worker:           {"data_source", "solution_str", "ground_truth", "extra_info"}
   worker -> pool, per item: {"type": "result", "value": float | {str: float}}
                             or {"type": "error", "message": ..., "recycle": bool}
-What the user's function returns is turned into floats here, so the pool only ever parses JSON.
+Scorer and supervisor speak the same messages, each item and reply carrying the item's "nonce".
+What the user's function returns is turned into floats in the scorer and checked in the supervisor,
+so the pool only ever parses JSON of numbers.
 """
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import importlib.util
 import json
+import linecache
 import numbers
 import os
 import resource
+import secrets
+import selectors
+import shutil
 import signal
+import socket
+import struct
 import sys
 import threading
 import time
+import types
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
-from rlfabric.reward.items import describe_exception
+import psutil
+
+from rlfabric.reward.items import describe_exception, short_message
 from rlfabric.reward.process_tree import kill_descendants, set_child_subreaper
+from rlfabric.reward.sandbox import (
+    SandboxError,
+    can_renew_hard_cpu_limit,
+    confine,
+    make_workdir,
+    renew_cpu_limit,
+    renew_own_cpu_limit,
+)
+
+# A reply longer than this without a newline is out of protocol (the supervisor holds it in memory).
+MAX_REPLY_BYTES = 1 << 20
+_UCRED = struct.Struct("iII")  # struct ucred of SCM_CREDENTIALS: pid, uid, gid
+
+# The supervisor's view of its scorer.
+_LOADING = "loading"
+_IDLE = "idle"
+_BUSY = "busy"  # scoring the item sent with `nonce`
 
 
-def load_function(path: str, name: str) -> Callable[..., Any]:
-    """Import the Python file at path as a module and return its attribute name."""
+# Codecs the standard library loads lazily behind the user's back (idna: any host name given to socket).
+LAZY_STANDARD_MODULES = ("encodings.idna", "encodings.punycode", "encodings.unicode_escape", "encodings.latin_1")
+
+
+def import_installed_modules(source: bytes, path: str) -> list[str]:
+    """Imports the installed modules (standard library, site-packages) that the file's import statements
+    name, before the sandbox drops privileges: the sandbox uid may not be able to read the interpreter's
+    own files (e.g. Python under /root, mode 0700), and an import inside the sandbox would then fail.
+    Never a module beside the user's file: that is user code, and runs only confined. Returns the names."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return []  # load_function reports it, confined
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)  # submodules, if they are
+    user_dir = os.path.dirname(os.path.abspath(path)) + os.sep
+    imported = []
+    for name in [*LAZY_STANDARD_MODULES, *sorted(names)]:
+        try:
+            spec = importlib.util.find_spec(name.split(".")[0])
+        except (ImportError, ValueError):
+            continue
+        if spec is None:
+            continue
+        places = [spec.origin or "", *(spec.submodule_search_locations or ())]
+        if any(place.startswith(user_dir) for place in places):
+            continue
+        try:
+            importlib.import_module(name)
+        except Exception:  # not a module (a function's name), or broken: the user's import says so, confined
+            continue
+        imported.append(name)
+    return imported
+
+
+def load_function(path: str, source: bytes, name: str) -> Callable[..., Any]:
+    """Run the source of the Python file at path as a module and return its attribute name.
+
+    The supervisor read the source: the sandbox uid may not be allowed to read the file.
+    """
     directory = os.path.dirname(os.path.abspath(path))
     if directory not in sys.path:
         sys.path.append(directory)  # let the file import its neighbours (appended: never shadows stdlib)
-    spec = importlib.util.spec_from_file_location("custom_reward_module", path)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"cannot import {path!r} as a Python module")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
+    module = types.ModuleType("custom_reward_module")
+    module.__file__ = path
+    sys.modules[module.__name__] = module
+    lines = source.decode(errors="replace").splitlines(True)
+    linecache.cache[path] = (len(source), None, lines, path)  # tracebacks show its lines
+    exec(compile(source, path, "exec", dont_inherit=True), module.__dict__)
     if not hasattr(module, name):
         raise AttributeError(f"{path!r} has no function {name!r}")
     fn = getattr(module, name)
@@ -88,35 +171,62 @@ def _exit_when_orphaned(parent_pid: int, cleanup: Callable[[], object] | None = 
             os._exit(1)
 
 
-def main(settings_json: str) -> int:
-    settings = json.loads(settings_json)
+def main() -> int:
+    settings = _read_settings()
     set_child_subreaper()
+    try:  # read here, as root: the sandbox uid may not be allowed to
+        with open(settings["path"], "rb") as file:
+            source = file.read()
+    except OSError as exc:
+        _write_all(1, _line({"type": "load_error", "message": describe_exception(exc)}))
+        return 1
+    sandbox = settings["sandbox"]
+    workdir = make_workdir(sandbox["uid"], sandbox["gid"])
+    hard_cpu_limit = can_renew_hard_cpu_limit()
+    channel, scorer_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    channel.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)  # each read says which process wrote it
     supervisor = os.getpid()
     scorer = os.fork()
     if scorer == 0:
-        return score_items(settings, supervisor)
-    return supervise(scorer, settings["parent_pid"])
+        channel.close()
+        return score_items(scorer_end, source, settings, workdir, hard_cpu_limit, supervisor)
+    scorer_end.close()
+    supervise(scorer, channel, settings, workdir, hard_cpu_limit)
 
 
-def supervise(scorer: int, pool_pid: int) -> int:
-    """The supervisor's part: wait for the scorer, kill and reap whatever it left, end as it ended."""
-    # The protocol pipes are the scorer's: without our copies, the pool sees EOF when it dies.
-    devnull = os.open(os.devnull, os.O_RDWR)
-    os.dup2(devnull, 0)
-    os.dup2(devnull, 1)
-    os.close(devnull)
+def _read_settings() -> dict:
+    """The settings line on stdin (the pool sends nothing more before the worker is ready)."""
+    data = b""
+    while not data.endswith(b"\n"):
+        chunk = os.read(0, 1 << 16)
+        if not chunk:
+            sys.exit(1)  # the pool went away before sending them
+        data += chunk
+    return json.loads(data)
+
+
+def supervise(
+    scorer: int, channel: socket.socket, settings: dict, workdir: str, hard_cpu_limit: bool
+) -> NoReturn:
+    """The supervisor's part: relay items and checked replies until the scorer ends or breaks the
+    protocol, or the pool goes; then kill and reap whatever is left and end as the scorer ended."""
     me = os.getpid()
-    threading.Thread(
-        target=_exit_when_orphaned, args=(pool_pid, lambda: kill_descendants(me)), daemon=True
-    ).start()
-    while True:  # reaping the orphans that land here meanwhile
-        pid, status = os.waitpid(-1, 0)
-        if pid == scorer:
-            break
+
+    def clean_up() -> None:
+        kill_descendants(me)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+    threading.Thread(target=_exit_when_orphaned, args=(settings["parent_pid"], clean_up), daemon=True).start()
+    cpu_limit_s = settings["sandbox"]["cpu_limit_s"] if hard_cpu_limit else None  # else the scorer's job
+    relay = _Relay(psutil.Process(scorer), channel, cpu_limit_s)
+    reaper = _Reaper(scorer)
+    relay.run(reaper.exited_fd)
     kill_descendants(me)
+    status = reaper.wait()
     with contextlib.suppress(ChildProcessError):
         while True:  # every descendant is dead: each zombie comes to us once its parent is reaped
             os.waitpid(-1, 0)
+    shutil.rmtree(workdir, ignore_errors=True)
     sys.stderr.flush()
     if os.WIFSIGNALED(status):  # die of the same signal, so the pool can say how the scorer ended
         number = os.WTERMSIG(status)
@@ -130,43 +240,190 @@ def supervise(scorer: int, pool_pid: int) -> int:
     os._exit(os.waitstatus_to_exitcode(status))
 
 
-def score_items(settings: dict, supervisor_pid: int) -> int:
-    """The scorer's part: load the user's function and score items until the pool closes the pipe."""
-    # 1. Keep the protocol pipes on private descriptors: what the user prints goes to stderr,
-    #    and a user read of stdin sees an empty file.
-    requests = os.fdopen(os.dup(0), "rb")
-    replies = os.fdopen(os.dup(1), "wb")
+class _Reaper:
+    """Reaps the supervisor's children (orphans land here) in a thread until the scorer ends.
+
+    The scorer itself is left a zombie until wait(): its pid cannot name another process meanwhile.
+    """
+
+    def __init__(self, scorer: int):
+        self.scorer = scorer
+        self.exited_fd, self._exited_signal = os.pipe()  # readable once the scorer has ended
+        self._thread = threading.Thread(target=self._reap, daemon=True)
+        self._thread.start()
+
+    def _reap(self) -> None:
+        while True:
+            ended = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOWAIT)
+            if ended.si_pid == self.scorer:
+                os.write(self._exited_signal, b"x")
+                return
+            os.waitpid(ended.si_pid, 0)
+
+    def wait(self) -> int:
+        """Reap the scorer once it has ended; its wait status."""
+        self._thread.join()
+        return os.waitpid(self.scorer, 0)[1]
+
+
+class _OutOfProtocol(Exception):
+    """What the scorer sent is not a reply the supervisor expects now."""
+
+
+class _Relay:
+    """The supervisor's side of both protocols: items from the pool to the scorer, checked replies back."""
+
+    def __init__(self, scorer: psutil.Process, channel: socket.socket, cpu_limit_s: int | None):
+        self.scorer = scorer
+        self.channel = channel
+        self.cpu_limit_s = cpu_limit_s
+        self.state = _LOADING
+        self.nonce = ""
+        self.from_pool = b""
+        self.from_scorer = b""
+        self.selector = selectors.DefaultSelector()
+
+    def run(self, scorer_exited_fd: int) -> None:
+        """Relay until the scorer ends, the pool closes its pipe or the scorer breaks the protocol."""
+        self.selector.register(0, selectors.EVENT_READ, self._on_pool)
+        self.selector.register(self.channel, selectors.EVENT_READ, self._on_scorer)
+        self.selector.register(scorer_exited_fd, selectors.EVENT_READ, None)
+        try:
+            while True:
+                for key, _ in self.selector.select():
+                    if key.data is None or not key.data():
+                        return
+        finally:
+            self.selector.close()
+
+    def _on_pool(self) -> bool:
+        data = os.read(0, 1 << 16)
+        if not data:
+            return False  # the pool closed the pipe (or died)
+        *lines, self.from_pool = (self.from_pool + data).split(b"\n")
+        for line in lines:
+            if self.state != _IDLE:
+                return False  # the pool sends one item at a time, and only to a ready worker
+            item = json.loads(line)
+            self.nonce = item["nonce"] = secrets.token_hex(16)
+            if self.cpu_limit_s:
+                with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
+                    renew_cpu_limit(self.scorer, self.cpu_limit_s)
+            self.state = _BUSY
+            with contextlib.suppress(OSError):  # the scorer is gone: the reaper says so next
+                self.channel.sendall(_line(item))
+        return True
+
+    def _on_scorer(self) -> bool:
+        try:
+            data, ancdata, _, _ = self.channel.recvmsg(1 << 16, socket.CMSG_SPACE(_UCRED.size))
+        except OSError:
+            data = b""
+        if not data:  # the scorer closed its end: it is ending, the reaper says when
+            self.selector.unregister(self.channel)
+            return True
+        try:
+            sender = _sender_pid(ancdata)
+            if sender != self.scorer.pid:
+                raise _OutOfProtocol(f"process {sender} wrote on the result channel, not the scorer")
+            *lines, self.from_scorer = (self.from_scorer + data).split(b"\n")
+            if len(self.from_scorer) > MAX_REPLY_BYTES:
+                raise _OutOfProtocol(f"a reply longer than {MAX_REPLY_BYTES} bytes")
+            for line in lines:
+                _write_all(1, _line(self._checked(line)))
+        except _OutOfProtocol as exc:
+            return self._broken(str(exc))
+        return True
+
+    def _checked(self, line: bytes) -> dict:
+        """The message for the pool that a reply line of the scorer stands for."""
+        try:
+            reply = json.loads(line)
+        except ValueError:
+            raise _OutOfProtocol("a reply that is not JSON") from None
+        kind = reply.get("type") if isinstance(reply, dict) else None
+        if self.state == _LOADING and kind == "ready" and _strings(reply.get("warnings")):
+            self.state = _IDLE
+            return {"type": "ready", "warnings": reply["warnings"]}
+        if self.state == _LOADING and kind == "load_error" and isinstance(reply.get("message"), str):
+            self.state = _IDLE  # it exits next: anything more is out of protocol
+            return {"type": "load_error", "message": short_message(reply["message"])}
+        if self.state != _BUSY:
+            raise _OutOfProtocol(f"a {kind!r} reply while no item was being scored")
+        if reply.get("nonce") != self.nonce:
+            raise _OutOfProtocol("a reply without the item's nonce")
+        if kind == "result" and _is_score(reply.get("value")):
+            self.state = _IDLE
+            return {"type": "result", "value": reply["value"]}
+        if (
+            kind == "error"
+            and isinstance(reply.get("message"), str)
+            and isinstance(reply.get("recycle"), bool)
+        ):
+            self.state = _IDLE
+            return {"type": "error", "message": short_message(reply["message"]), "recycle": reply["recycle"]}
+        raise _OutOfProtocol(f"a malformed {kind!r} reply")
+
+    def _broken(self, reason: str) -> bool:
+        """Fail what the scorer was doing and stop relaying: nothing it sends is trusted any more."""
+        message = f"the scorer broke the result protocol ({reason}); no score was taken from it"
+        if self.state == _BUSY:
+            _write_all(1, _line({"type": "error", "message": message, "recycle": True}))
+        elif self.state == _LOADING:
+            _write_all(1, _line({"type": "load_error", "message": message}))
+        return False
+
+
+def score_items(
+    channel: socket.socket,
+    source: bytes,
+    settings: dict,
+    workdir: str,
+    hard_cpu_limit: bool,
+    supervisor_pid: int,
+) -> int:
+    """The scorer's part: confine itself, load the user's function and score the items the
+    supervisor sends until it closes the channel."""
+    # 1. Keep no descriptor of the pool's: stdin is /dev/null, what the user prints goes to stderr.
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.close(devnull)
     os.dup2(2, 1)
+    os.closerange(3, channel.fileno())
+    os.closerange(channel.fileno() + 1, os.sysconf("SC_OPEN_MAX"))
 
     def send(message: dict) -> None:
-        replies.write(json.dumps(message).encode() + b"\n")
-        replies.flush()
+        channel.sendall(_line(message))
 
+    # 2. Confine this process before any user code runs (see rlfabric.reward.sandbox); what it may no
+    # longer read, the installed modules the file imports, is imported first.
+    import_installed_modules(source, settings["path"])
+    try:
+        warnings = confine(settings["sandbox"], settings["memory_limit_mb"], workdir, hard_cpu_limit)
+    except SandboxError as exc:
+        send({"type": "load_error", "message": str(exc)})
+        return 1
+    except Exception as exc:
+        send({"type": "load_error", "message": f"cannot confine the function: {describe_exception(exc)}"})
+        return 1
     threading.Thread(target=_exit_when_orphaned, args=(supervisor_pid,), daemon=True).start()
-
-    # 2. Cap the address space before any user code runs: a hog gets MemoryError, not the host's OOM killer.
-    if settings["memory_limit_mb"]:
-        limit = settings["memory_limit_mb"] * 1024 * 1024
-        _, hard = resource.getrlimit(resource.RLIMIT_AS)
-        if hard != resource.RLIM_INFINITY:
-            limit = min(limit, hard)
-        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))  # hard too: user code cannot raise it back
 
     # 3. Load the user's function.
     try:
-        fn = load_function(settings["path"], settings["name"])
+        fn = load_function(settings["path"], source, settings["name"])
     except Exception as exc:
         send({"type": "load_error", "message": describe_exception(exc)})
         return 1
-    send({"type": "ready"})
+    send({"type": "ready", "warnings": warnings})
     kwargs = settings["function_kwargs"]
+    cpu_limit_s = settings["sandbox"]["cpu_limit_s"]
 
-    # 4. Score items until the pool closes the pipe.
-    for line in requests:
+    # 4. Score items until the supervisor closes the channel.
+    for line in channel.makefile("rb"):
         item = json.loads(line)
+        nonce = item.pop("nonce")
+        if not hard_cpu_limit:  # else the supervisor renewed it
+            renew_own_cpu_limit(cpu_limit_s)
         try:
             value = fn(
                 item["data_source"], item["solution_str"], item["ground_truth"], item["extra_info"], **kwargs
@@ -180,9 +437,43 @@ def score_items(settings: dict, supervisor_pid: int) -> int:
                 "recycle": isinstance(exc, MemoryError),
             }
         # Sent after the except block, so the traceback and the user's locals are freed by now.
+        reply["nonce"] = nonce
         send(reply)
     return 0
 
 
+def _line(message: dict) -> bytes:
+    # json.dumps escapes newlines inside strings, so one message is one line.
+    return json.dumps(message).encode() + b"\n"
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def _sender_pid(ancdata: list[tuple[int, int, bytes]]) -> int | None:
+    for level, kind, data in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS and len(data) >= _UCRED.size:
+            return _UCRED.unpack_from(data)[0]
+    return None
+
+
+def _is_score(value: Any) -> bool:
+    """A number, or a dict of numbers with a "score" (what to_plain makes); bools are not numbers here."""
+    if isinstance(value, dict):
+        return "score" in value and all(_is_number(item) for item in value.values())
+    return _is_number(value)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _strings(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(item, str) for item in value)
+
+
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    sys.exit(main())

@@ -120,6 +120,7 @@ class RewardEngine:
                 timeout_s=config.timeout_s,
                 memory_limit_mb=config.memory_limit_mb or None,
                 function_kwargs=dict(config.custom_kwargs),
+                sandbox=config.custom_sandbox,
             )
         if config.model_path:
             self.reward_model = await asyncio.to_thread(_load_reward_model, config)

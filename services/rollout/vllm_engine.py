@@ -54,6 +54,16 @@ _ERRORS = {cls.code.name: cls for cls in (InvalidArgument, FailedPrecondition, U
 SYNC_POLL_S = 0.02
 
 
+def stage_weights(named: dict[str, torch.Tensor], path: Path) -> None:
+    """Writes the tensors to a new file only this user can read (0600): /dev/shm is shared by every
+    user of the machine, and the weights are the policy being trained. O_EXCL: never through a file or
+    link someone placed there first."""
+    from safetensors.torch import save_file
+
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    save_file(named, str(path))  # truncates and writes the file just made, keeping its mode
+
+
 class VLLMEngine(RolloutEngine):
     name = "vllm"
 
@@ -234,14 +244,12 @@ class VLLMEngine(RolloutEngine):
 
     async def swap_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> WeightSwap:
         """Stages the tensors in shared memory (generation goes on), then switches the workers to them."""
-        from safetensors.torch import save_file
-
         self._alive()
         # Clones: safetensors refuses tensors that share memory (tied embeddings).
         named = {name: tensor.detach().to("cpu").contiguous().clone() for name, tensor in weights}
         path = Path(self.config.rollout.weight_staging_dir) / f"rlfabric-weights-{os.getpid()}-{uuid.uuid4().hex}.safetensors"
         try:
-            await asyncio.to_thread(save_file, named, str(path))
+            await asyncio.to_thread(stage_weights, named, path)
             timeout = self.config.rollout.drain_timeout_s
             swap = await self._switch(lambda llm: llm.collective_rpc(
                 "rlfabric_load_weights_file", timeout=timeout, args=(str(path),)), version)

@@ -4,6 +4,7 @@ actor's layout, and a direct transformers forward to compare against."""
 from __future__ import annotations
 
 import asyncio
+import tempfile
 import threading
 
 import torch
@@ -18,8 +19,9 @@ PAD = 0  # the tiny tokenizer's pad token id
 
 
 def make_config(model_path, n: int = 2, **sections) -> RunConfig:
-    """A run config for the tiny model; sections: {"actor": {...}, "critic": {...}, ...}."""
-    tree = {"model": {"path": str(model_path)}, "rollout": {"n": n}}
+    """A run config for the tiny model; sections: {"actor": {...}, "critic": {...}, ...}. The storage root
+    is the temp folder, where the tests' checkpoint and export paths (tmp_path) lie."""
+    tree = {"model": {"path": str(model_path)}, "rollout": {"n": n}, "storage": {"root": tempfile.gettempdir()}}
     for name, values in sections.items():
         tree.setdefault(name, {}).update(values)
     return config_from_dict(tree)

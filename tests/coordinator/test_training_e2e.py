@@ -7,6 +7,7 @@ Order matters: the last test kills a rollout replica.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import signal
@@ -46,7 +47,8 @@ def mesh(tmp_path_factory):
 
 
 def coordinator(mesh) -> CoordinatorClient:
-    return CoordinatorClient(mesh.endpoints["coordinator"][0]["grpc"], ChannelOptions(timeout_s=300))
+    options = dataclasses.replace(ChannelOptions.from_config(mesh.config), timeout_s=300)
+    return CoordinatorClient(mesh.endpoints["coordinator"][0]["grpc"], options)
 
 
 async def run_to_end(mesh, overrides: list[str], timeout_s: float = 400) -> coordinator_pb2.GetRunStatusResponse:
@@ -68,12 +70,12 @@ def rollouts_of(run_dir: Path, step: int) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "rollouts" / f"step_{step}.jsonl").read_text().splitlines()]
 
 
-def test_the_quickstart_grpo_run_learns_the_task_and_syncs_every_step(mesh, tmp_path):
+def test_the_quickstart_grpo_run_learns_the_task_and_syncs_every_step(mesh, experiment_dir):
     """`make run`'s training (the built-in config, all its steps) on this mesh: the warm-started model
     copies a random letter of the prompt (score ~1/6); GRPO must teach it to pick the vowel."""
-    status = asyncio.run(run_to_end(mesh, [f"trainer.run_dir={tmp_path}"]))
+    status = asyncio.run(run_to_end(mesh, [f"trainer.experiment_name={experiment_dir.name}"]))
     assert status.state == coordinator_pb2.RUN_STATE_COMPLETED, status.error
-    records = metrics_of(tmp_path)
+    records = metrics_of(experiment_dir)
     steps = load_config(None).trainer.total_steps
     assert [r["step"] for r in records] == list(range(1, steps + 1))
     scores = [r["critic/score/mean"] for r in records]
@@ -86,17 +88,17 @@ def test_the_quickstart_grpo_run_learns_the_task_and_syncs_every_step(mesh, tmp_
     assert versions == list(range(versions[0], versions[0] + steps))
     assert all(r["weight_sync/replicas"] == 2 for r in records)
     for step in (1, steps):
-        assert {s["weight_version"] for s in rollouts_of(tmp_path, step)} == {versions[step - 1] - 1}
+        assert {s["weight_version"] for s in rollouts_of(experiment_dir, step)} == {versions[step - 1] - 1}
     assert {"actor/pg_loss", "actor/grad_norm", "timing_s/gen", "timing_s/update", "perf/throughput"} <= set(records[-1])
-    assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (experiment_dir / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_a_short_ppo_run_with_gae_trains_the_critic_and_improves_reward(mesh, tmp_path):
+def test_a_short_ppo_run_with_gae_trains_the_critic_and_improves_reward(mesh, experiment_dir):
     steps = 12
     status = asyncio.run(run_to_end(mesh, [
-        f"trainer.run_dir={tmp_path}", f"trainer.total_steps={steps}", "algorithm.adv_estimator=gae"]))
+        f"trainer.experiment_name={experiment_dir.name}", f"trainer.total_steps={steps}", "algorithm.adv_estimator=gae"]))
     assert status.state == coordinator_pb2.RUN_STATE_COMPLETED, status.error
-    records = metrics_of(tmp_path)
+    records = metrics_of(experiment_dir)
     assert [r["step"] for r in records] == list(range(1, steps + 1))
     scores = [r["critic/score/mean"] for r in records]
     last3 = sum(scores[-3:]) / 3
@@ -106,17 +108,17 @@ def test_a_short_ppo_run_with_gae_trains_the_critic_and_improves_reward(mesh, tm
     assert records[0]["critic/values/mean"] != records[-1]["critic/values/mean"]  # the critic was updated
 
 
-def test_async_mode_trains_on_samples_at_most_one_version_old(mesh, tmp_path):
+def test_async_mode_trains_on_samples_at_most_one_version_old(mesh, experiment_dir):
     steps = 5
     started = time.monotonic()
-    status = asyncio.run(run_to_end(mesh, [f"trainer.run_dir={tmp_path}", f"trainer.total_steps={steps}",
+    status = asyncio.run(run_to_end(mesh, [f"trainer.experiment_name={experiment_dir.name}", f"trainer.total_steps={steps}",
                                            "trainer.mode=async", "trainer.max_staleness=1"]))
     wall = time.monotonic() - started
     assert status.state == coordinator_pb2.RUN_STATE_COMPLETED, status.error
-    records = metrics_of(tmp_path)
+    records = metrics_of(experiment_dir)
     synced = [int(r["rollout/weight_version"]) for r in records]  # after step k: the policy of step k + 1
     start = synced[0] - 1  # the run's starting weights
-    versions = {step: {s["weight_version"] for s in rollouts_of(tmp_path, step)} for step in range(1, steps + 1)}
+    versions = {step: {s["weight_version"] for s in rollouts_of(experiment_dir, step)} for step in range(1, steps + 1)}
     # Step k's batch was generated while step k-1 trained: by the weights before step k-1's update.
     assert versions == {1: {start}, **{step: {start + step - 2} for step in range(2, steps + 1)}}
     assert max(r["rollout/staleness/max"] for r in records) == 1
@@ -124,18 +126,19 @@ def test_async_mode_trains_on_samples_at_most_one_version_old(mesh, tmp_path):
     assert sum(r["timing_s/step"] for r in records) < wall
 
 
-def test_run_control_pause_checkpoint_stop_and_bad_requests(mesh, tmp_path):
+def test_run_control_pause_checkpoint_stop_and_bad_requests(mesh, experiment_dir):
     async def scenario():
         async with coordinator(mesh) as client:
             for bad, code in ((["actor.lr=1"], grpc.StatusCode.INVALID_ARGUMENT),
                               (["trainer.total_steps=0"], grpc.StatusCode.INVALID_ARGUMENT),
-                              (["data.train_files=[/nonexistent.parquet]"], grpc.StatusCode.INVALID_ARGUMENT)):
+                              (["data.train_files=[nonexistent.parquet]"], grpc.StatusCode.INVALID_ARGUMENT),
+                              (["data.train_files=[/etc/passwd]"], grpc.StatusCode.PERMISSION_DENIED)):
                 with pytest.raises(grpc.RpcError) as error:
                     await client.start_run(bad)
                 assert error.value.code() == code, bad
-            await client.start_run([GRPO, f"trainer.run_dir={tmp_path}", "trainer.total_steps=50"])
+            await client.start_run([GRPO, f"trainer.experiment_name={experiment_dir.name}", "trainer.total_steps=50"])
             with pytest.raises(grpc.RpcError) as error:  # one run at a time
-                await client.start_run([f"trainer.run_dir={tmp_path}"])
+                await client.start_run([f"trainer.experiment_name={experiment_dir.name}"])
             assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
             await client.call("PauseRun", coordinator_pb2.PauseRunRequest())
             for _ in range(600):
@@ -158,13 +161,13 @@ def test_run_control_pause_checkpoint_stop_and_bad_requests(mesh, tmp_path):
     asyncio.run(scenario())
 
 
-def test_a_rollout_replica_killed_mid_run_is_dropped_and_the_run_finishes(mesh, tmp_path):
+def test_a_rollout_replica_killed_mid_run_is_dropped_and_the_run_finishes(mesh, experiment_dir):
     steps = 4
     victim = next(p for p in mesh.processes if p.name == "rollout-1")
 
     async def scenario():
         async with coordinator(mesh) as client:
-            await client.start_run([GRPO, f"trainer.run_dir={tmp_path}", f"trainer.total_steps={steps}"])
+            await client.start_run([GRPO, f"trainer.experiment_name={experiment_dir.name}", f"trainer.total_steps={steps}"])
             async with asyncio.timeout(300):
                 async for update in client.stream("StreamMetrics", coordinator_pb2.StreamMetricsRequest(), 300):
                     if update.step == 1:
@@ -173,6 +176,6 @@ def test_a_rollout_replica_killed_mid_run_is_dropped_and_the_run_finishes(mesh, 
 
     status = asyncio.run(scenario())
     assert status.state == coordinator_pb2.RUN_STATE_COMPLETED, status.error
-    records = metrics_of(tmp_path)
+    records = metrics_of(experiment_dir)
     assert [r["step"] for r in records] == list(range(1, steps + 1))
     assert records[-1]["weight_sync/replicas"] == 1

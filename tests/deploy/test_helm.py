@@ -8,6 +8,7 @@ Each values case is rendered once per module.
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 import shutil
@@ -199,7 +200,6 @@ def test_helm_lint_strict(case):
         {"replicas": 3},
         {"tls": {"enabled": True}},
         {"tls": {"mtls": True}},
-        {"auth": {"enabled": True}},
         {"ports": {"grpc": 70000}},
         {"persistence": {"accessModes": ["ReadWriteSometimes"]}},
         {"roles": {"rollout": {"colocateWith": "nobody"}}},
@@ -520,20 +520,21 @@ def test_run_config_passes_values_through(rendered):
     for section, body in user.items():
         for key, value in body.items():
             assert cfg[section][key] == value, (section, key)
-    assert cfg["trainer"]["default_local_dir"] == "/data/checkpoints"
+    assert cfg["trainer"]["run_dir"] == f"/data/runs/{RELEASE}"
+    assert cfg["storage"]["root"] == "/data"  # every path an RPC names stays on the data volume
     # Helm writes 1e-6 as 1e-06, which YAML 1.1 reads as a string; the chart must fix that.
-    assert isinstance(cfg["actor"]["optim"]["lr"], float)
+    assert isinstance(cfg["actor"]["lr"], float)
     assert "n" in cfg["rollout"] and False not in cfg["rollout"]
 
 
-def test_run_config_keeps_user_checkpoint_dir_and_big_numbers(chart):
+def test_run_config_keeps_user_run_dir_and_big_numbers(chart):
     values = {
-        "config": {"trainer": {"default_local_dir": "/data/ckpt/run7", "max_steps": 1000000, "eps": 1.0e-8}}
+        "config": {"trainer": {"run_dir": "/data/ckpt/run7", "max_steps": 1000000, "eps": 1.0e-8}}
     }
     docs = parse_manifests(render_chart(chart, values))
     cm = next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == f"{FULLNAME}-config")
     trainer = yaml.safe_load(cm["data"]["config.yaml"])["trainer"]
-    assert trainer["default_local_dir"] == "/data/ckpt/run7"
+    assert trainer["run_dir"] == "/data/ckpt/run7"
     assert trainer["max_steps"] == 1000000 and trainer["eps"] == pytest.approx(1e-8)
 
 
@@ -564,7 +565,69 @@ def test_tls_and_auth_from_named_secrets(by_case):
         mounts = {m["name"]: m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}
         assert mounts["tls"] == "/etc/rlfabric/tls" and mounts["auth"] == "/etc/rlfabric/auth"
     assert not r.of_kind("Secret"), "the chart must only reference user-named Secrets"
-    assert "server" not in by_case["default"].run_config()
+    assert "allow_insecure" not in server  # TLS on: nothing to allow
+
+
+def test_auth_is_on_by_default_with_a_generated_token(by_case):
+    """No Secret named: the chart creates one with a random token, mounts it, and the services require it;
+    without TLS, plaintext is allowed explicitly (tls.allowPlaintext), or `rlfabric serve` would refuse."""
+    r = by_case["default"]
+    server = r.run_config()["server"]
+    assert server["auth_token_file"] == "/etc/rlfabric/auth/token"
+    assert server["allow_insecure"] is True
+    (secret,) = r.of_kind("Secret")
+    assert secret["metadata"]["name"] == f"{FULLNAME}-auth"
+    assert len(base64.b64decode(secret["data"]["token"])) == 48
+    for role in r.enabled():
+        pod = r.workload(role)["spec"]["template"]["spec"]
+        assert {"name": "auth", "secret": {"secretName": f"{FULLNAME}-auth", "defaultMode": 288}} in pod["volumes"]
+
+
+# --- one config language: what the pods read, through the project's own loader and parser -----------
+
+
+def pod_view(rendered: Rendered, args: list[str], tmp_path: Path) -> list[str]:
+    """The container's args as the pod runs them: the ConfigMap's config.yaml where it is mounted
+    (here a file), $(POD_IP) expanded by the kubelet from the downward API (here loopback)."""
+    config = tmp_path / f"{rendered.name}-config.yaml"
+    config.write_text(rendered.get("ConfigMap", f"{FULLNAME}-config")["data"]["config.yaml"])
+    return [str(config) if a == rendered.values["configPath"] else a.replace("$(POD_IP)", "10.0.0.7")
+            for a in args]
+
+
+def test_every_container_command_is_one_rlfabric_accepts_with_the_config_it_mounts(rendered, tmp_path):
+    """Each workload's command line goes through the real argument parser of `rlfabric`, and the config it
+    names (the rendered ConfigMap) and its dotted overrides through the real config loader."""
+    from rlfabric.cli import parse_args
+    from rlfabric.core.config import load_config
+
+    for role in rendered.enabled():
+        c = container(rendered.workload(role))
+        assert c["command"] == ["rlfabric"]
+        args = parse_args(pod_view(rendered, c["args"], tmp_path))
+        assert (args.command, args.role) == ("serve", role)
+        config = load_config(args.config, args.overrides)
+        assert config.weight_sync.host == "10.0.0.7"  # the pod IP, not the bind address
+        assert config.storage.root == rendered.values["persistence"]["mountPath"]
+        assert config.server.auth_token_file.startswith(rendered.values["auth"]["mountPath"])
+
+
+@pytest.mark.parametrize("example", sorted(p.name for p in (REPO / "examples").glob("*.yaml")))
+def test_an_example_config_given_as_the_chart_config_loads(chart, example, tmp_path):
+    """The chart's `config` value is the YAML `rlfabric train` takes: every example works as values."""
+    from rlfabric.core.config import load_config
+
+    values = {"config": yaml.safe_load((REPO / "examples" / example).read_text())}
+    docs = parse_manifests(render_chart(chart, values))
+    cm = next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == f"{FULLNAME}-config")
+    path = tmp_path / "config.yaml"
+    path.write_text(cm["data"]["config.yaml"])
+    config = load_config(path)
+    for section, body in values["config"].items():
+        if isinstance(body, dict):
+            for key, value in body.items():
+                if not isinstance(value, dict):
+                    assert getattr(getattr(config, section), key) == value, (section, key)
 
 
 # --- topologies ----------------------------------------------------------------------------
@@ -575,7 +638,7 @@ def test_multi_rank_actor(by_case):
     sts = r.workload("actor")
     assert sts["spec"]["replicas"] == 2
     c = container(sts)
-    assert c["args"][c["args"].index("--world-size") + 1] == "2"
+    assert "actor.world_size=2" in c["args"]
     env = env_of(c)
     assert env["MASTER_ADDR"]["value"] == f"{FULLNAME}-actor-0.{FULLNAME}-actor-headless.{NAMESPACE}.svc"
     assert env["MASTER_PORT"]["value"] == "29500"
@@ -587,9 +650,9 @@ def test_multi_rank_actor(by_case):
     rendezvous = {"name": "rendezvous", "port": 29500, "targetPort": "rendezvous", "protocol": "TCP"}
     assert rendezvous in headless["spec"]["ports"]
     assert r.run_config()["cluster"]["actor"] == expected_addresses("actor", 1)
-    # Single-rank roles get no --world-size.
-    assert "--world-size" not in container(r.workload("critic"))["args"]
-    assert "--world-size" not in container(r.workload("rollout"))["args"]
+    # Single-rank roles keep world_size 1.
+    assert not any("world_size" in a for a in container(r.workload("critic"))["args"])
+    assert not any("world_size" in a for a in container(r.workload("rollout"))["args"])
 
 
 def test_gpu_pools_schedule_roles(by_case):

@@ -16,6 +16,7 @@ One mesh and one Prometheus per module (Debian's `prometheus` package; `make sys
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 import re
@@ -172,16 +173,16 @@ class Scraped:
         return self.prometheus.query(expr, self.at)
 
 
-async def fail_one_score(address: str) -> None:
+async def fail_one_score(address: str, options: ChannelOptions) -> None:
     """A Score the reward service refuses (INVALID_ARGUMENT), for the dashboard's error panels."""
-    async with RewardClient(address, ChannelOptions(timeout_s=60)) as reward:
+    async with RewardClient(address, options) as reward:
         with pytest.raises(InvalidArgument, match="unknown data_source"):
             await reward.score([ScoreItem("no-such/data-source", "42", "42")])
 
 
-async def train(address: str, run_dir: Path) -> coordinator_pb2.GetRunStatusResponse:
-    async with CoordinatorClient(address, ChannelOptions(timeout_s=300)) as client:
-        await client.start_run([f"trainer.run_dir={run_dir}", f"trainer.total_steps={STEPS}"])
+async def train(address: str, options: ChannelOptions) -> coordinator_pb2.GetRunStatusResponse:
+    async with CoordinatorClient(address, options) as client:
+        await client.start_run([f"trainer.total_steps={STEPS}"])
         async with asyncio.timeout(400):
             async for _ in client.stream("StreamMetrics", coordinator_pb2.StreamMetricsRequest(), 400):
                 pass
@@ -212,11 +213,12 @@ def scraped(tmp_path_factory) -> Scraped:
             targets = sum(len(services) for services in endpoints.values())
             # Scrapes from before the first RPC: counters then have a baseline for rate() and increase().
             began = wait_for_scrapes_after(prometheus, time.time(), targets)
-            asyncio.run(fail_one_score(endpoints["reward"][0]["grpc"]))
-            status = asyncio.run(train(endpoints["coordinator"][0]["grpc"], workdir / "run"))
+            options = dataclasses.replace(ChannelOptions.from_config(mesh.config), timeout_s=300)
+            asyncio.run(fail_one_score(endpoints["reward"][0]["grpc"], options))
+            status = asyncio.run(train(endpoints["coordinator"][0]["grpc"], options))
             ended = time.time()
             at = wait_for_scrapes_after(prometheus, ended, targets)
-            last_record = json.loads((workdir / "run" / "metrics.jsonl").read_text().splitlines()[-1])
+            last_record = json.loads((mesh.run_dir / "metrics.jsonl").read_text().splitlines()[-1])
             yield Scraped(prometheus, endpoints, status, last_record, began, at)
         finally:
             prometheus.stop()

@@ -29,6 +29,7 @@ from rlfabric.core.config import load_config  # noqa: E402
 from rlfabric.launcher import MeshStartError  # noqa: E402
 from rlfabric.ray_launcher import RayMesh  # noqa: E402
 from rlfabric.v1 import reward_pb2, reward_pb2_grpc, rollout_pb2, rollout_pb2_grpc  # noqa: E402
+from tests.mesh_access import mesh_channel  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -189,14 +190,14 @@ def test_every_service_is_ready_over_grpc(cli_mesh):
 
 
 def test_reward_scores_and_rollout_generates(cli_mesh):
-    _, _, endpoints = cli_mesh
-    with grpc.insecure_channel(endpoints["reward"][0]["grpc"]) as channel:
+    _, run_dir, endpoints = cli_mesh
+    with mesh_channel(endpoints["reward"][0]["grpc"], run_dir) as channel:
         items = [reward_pb2.ScoreItem(data_source="rlfabric/find_vowel", response=r, ground_truth="E")
                  for r in ("E", "x")]
         results = reward_pb2_grpc.RewardServiceStub(channel).Score(
             reward_pb2.ScoreRequest(items=items), timeout=30).results
     assert [r.score for r in results] == [1.0, 0.0]
-    with grpc.insecure_channel(endpoints["rollout"][0]["grpc"]) as channel:
+    with mesh_channel(endpoints["rollout"][0]["grpc"], run_dir) as channel:
         request = rollout_pb2.GenerateRequest(
             prompts=[rollout_pb2.Prompt(token_ids=[5, 6, 7])],
             sampling_params=rollout_pb2.SamplingParams(n=2, temperature=1.0, max_tokens=3, seed=0))

@@ -11,6 +11,7 @@ Order matters: the tests before the update check the initial weights.
 from __future__ import annotations
 
 import os
+import tempfile
 
 import grpc
 import pytest
@@ -44,7 +45,7 @@ def config(model_path, *overrides: str):
     return load_config(None, [f"model.path={model_path}", "actor.lr=1e-4", "rollout.n=2", "actor.ppo_mini_batch_size=4",
                               "actor.ppo_micro_batch_size_per_gpu=8", "actor.log_prob_micro_batch_size_per_gpu=16",
                               "rollout.max_num_seqs=16", "rollout.kv_cache_space_gb=1", "weight_sync.timeout_s=60",
-                              "weight_sync.transport=gloo", *overrides])
+                              "weight_sync.transport=gloo", f"storage.root={tempfile.gettempdir()}", *overrides])
 
 
 @pytest.fixture(scope="module")

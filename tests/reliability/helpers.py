@@ -4,6 +4,7 @@ RPC to check a service still works after a batch of bad ones."""
 
 from __future__ import annotations
 
+import tempfile
 import time
 import zlib
 from dataclasses import dataclass
@@ -39,8 +40,9 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 
 
 def trainer_config(model_path, **sections) -> RunConfig:
-    """Actor, reference, critic: mini-batches of 1 prompt x rollout.n 2 = 2 rows."""
-    tree = {"model": {"path": str(model_path)}, "rollout": {"n": 2},
+    """Actor, reference, critic: mini-batches of 1 prompt x rollout.n 2 = 2 rows; the storage root is the
+    temp folder, where the tests' checkpoint paths lie."""
+    tree = {"model": {"path": str(model_path)}, "rollout": {"n": 2}, "storage": {"root": tempfile.gettempdir()},
             "actor": {"ppo_mini_batch_size": 1}, "critic": {"ppo_mini_batch_size": 1}}
     for name, values in sections.items():
         tree.setdefault(name, {}).update(values)

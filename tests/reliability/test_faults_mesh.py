@@ -41,6 +41,7 @@ from rlfabric.reward import compute_score
 from rlfabric.rollout.engine import load_tokenizer
 from rlfabric.serve import build_service
 from rlfabric.v1 import coordinator_pb2, coordinator_pb2_grpc, rollout_pb2, rollout_pb2_grpc
+from tests.mesh_access import mesh_channel
 
 pytestmark = pytest.mark.slow
 
@@ -62,9 +63,9 @@ class Coordinator:
     """Blocking CoordinatorService calls: the test's main thread also kills and starts processes
     (a child of the launcher dies with the thread that started it)."""
 
-    def __init__(self, address: str):
+    def __init__(self, address: str, run_dir: Path):
         self.address = address
-        self.channel = grpc.insecure_channel(address)
+        self.channel = mesh_channel(address, run_dir)
         self.stub = coordinator_pb2_grpc.CoordinatorServiceStub(self.channel)
 
     def start(self, *overrides: str) -> coordinator_pb2.StartRunResponse:
@@ -118,11 +119,11 @@ def heal(mesh: LocalMesh) -> None:
 def coordinator(mesh):
     """The mesh's coordinator with every service up and no run in progress, before and after the test."""
     heal(mesh)
-    client = Coordinator(service(mesh, "coordinator").grpc_address)
+    client = Coordinator(service(mesh, "coordinator").grpc_address, mesh.run_dir)
     yield client
     client.close()
     heal(mesh)
-    after = Coordinator(service(mesh, "coordinator").grpc_address)
+    after = Coordinator(service(mesh, "coordinator").grpc_address, mesh.run_dir)
     after.stop_if_running()
     after.close()
 
@@ -143,7 +144,7 @@ def kill(proc: ServiceProcess) -> None:
 
 
 def run_overrides(run_dir: Path, steps: int, *more: str) -> list[str]:
-    return [f"trainer.run_dir={run_dir}", f"trainer.total_steps={steps}", "trainer.loggers=[jsonl]", *more]
+    return [f"trainer.experiment_name={run_dir.name}", f"trainer.total_steps={steps}", "trainer.loggers=[jsonl]", *more]
 
 
 def metrics_of(run_dir: Path) -> list[dict]:
@@ -203,8 +204,8 @@ def checkpointed(run_dir: Path) -> int:
     return read_state(path).step if path else 0
 
 
-def rollout_weight_version(address: str) -> int:
-    with grpc.insecure_channel(address) as channel:
+def rollout_weight_version(address: str, run_dir: Path) -> int:
+    with mesh_channel(address, run_dir) as channel:
         stub = rollout_pb2_grpc.RolloutServiceStub(channel)
         return stub.GetStatus(rollout_pb2.RolloutServiceGetStatusRequest(), timeout=10).weight_version
 
@@ -235,12 +236,12 @@ def log_since(path: Path, offset: int) -> str:
 # --- rollout --------------------------------------------------------------------------------------
 
 
-def test_a_rollout_replica_killed_mid_generation_rejoins_when_restarted(mesh, coordinator, tmp_path):
+def test_a_rollout_replica_killed_mid_generation_rejoins_when_restarted(mesh, coordinator, experiment_dir):
     victim = service(mesh, "rollout-1")
     address, other = victim.grpc_address, service(mesh, "rollout-0").grpc_address
     log = mesh.run_dir / "logs" / "coordinator.log"
     offset = log.stat().st_size
-    coordinator.start(*run_overrides(tmp_path, 100))
+    coordinator.start(*run_overrides(experiment_dir, 100))
     killed_in = stall_mid_generation(coordinator, victim, service(mesh, "rollout-0"))
     kill(victim)
     # The run goes on with the other replica: the killed step's samples are generated there.
@@ -253,11 +254,11 @@ def test_a_rollout_replica_killed_mid_generation_rejoins_when_restarted(mesh, co
     coordinator.stub.PauseRun(coordinator_pb2.PauseRunRequest(), timeout=10)
     paused = coordinator.wait("pause", lambda s: s.state == coordinator_pb2.RUN_STATE_PAUSED)
     # It serves the current weights, and the router sends it work again.
-    assert rollout_weight_version(address) == paused.weight_version == rollout_weight_version(other)
+    assert rollout_weight_version(address, mesh.run_dir) == paused.weight_version == rollout_weight_version(other, mesh.run_dir)
     assert rpc_counts(restarted, "GenerateStream")[0] > 0, "the restarted replica never generated"
     coordinator.stub.StopRun(coordinator_pb2.StopRunRequest(skip_checkpoint=True), timeout=60)
 
-    records = metrics_of(tmp_path)
+    records = metrics_of(experiment_dir)
     assert [r["step"] for r in records] == list(range(1, len(records) + 1))
     replicas = {r["step"]: r["weight_sync/replicas"] for r in records}
     assert replicas[killed_in - 1] == 2 and replicas[killed_in] == replicas[killed_in + 1] == 1
@@ -265,17 +266,17 @@ def test_a_rollout_replica_killed_mid_generation_rejoins_when_restarted(mesh, co
     # Its unfinished requests went to the other replica: the killed step has every sample.
     assert f'"rollout replica out", "address": "{address}"' in log_since(log, offset)
     for step in (killed_in, back + 1):
-        assert_every_sample_once(tmp_path, step)
+        assert_every_sample_once(experiment_dir, step)
 
 
 # --- reward ---------------------------------------------------------------------------------------
 
 
-def test_the_reward_service_restarted_mid_step_loses_and_repeats_no_sample(mesh, coordinator, tmp_path):
+def test_the_reward_service_restarted_mid_step_loses_and_repeats_no_sample(mesh, coordinator, experiment_dir):
     steps = 4
     log = mesh.run_dir / "logs" / "coordinator.log"
     offset = log.stat().st_size
-    coordinator.start(*run_overrides(tmp_path, steps))
+    coordinator.start(*run_overrides(experiment_dir, steps))
     coordinator.wait("step 2+ generating", lambda s: s.step >= 1 and s.phase == "generating")
     kill(service(mesh, "reward"))
     deadline = time.monotonic() + 60
@@ -285,24 +286,24 @@ def test_the_reward_service_restarted_mid_step_loses_and_repeats_no_sample(mesh,
     mesh.restart("reward")
     status = coordinator.wait_end()
     assert status.state == coordinator_pb2.RUN_STATE_COMPLETED, status.error
-    assert [r["step"] for r in metrics_of(tmp_path)] == list(range(1, steps + 1))
+    assert [r["step"] for r in metrics_of(experiment_dir)] == list(range(1, steps + 1))
     for step in range(1, steps + 1):
-        for row in assert_every_sample_once(tmp_path, step):
+        for row in assert_every_sample_once(experiment_dir, step):
             assert row["score"] == compute_score(row["data_source"], row["response"], row["ground_truth"]), row
 
 
 # --- a slow service -------------------------------------------------------------------------------
 
 
-def test_a_frozen_reward_service_fires_deadlines_and_the_run_names_it(mesh, coordinator, tmp_path, serve_in_thread):
+def test_a_frozen_reward_service_fires_deadlines_and_the_run_names_it(mesh, coordinator, experiment_dir, serve_in_thread):
     timeout_s = 4.0
     # A second coordinator on this mesh whose calls have a short deadline (client.timeout_s is fixed
     # when a coordinator starts; StartRun cannot change it).
     config = load_config(mesh.run_dir / "config.resolved.yaml", [f"client.timeout_s={timeout_s}"])
     fast = Coordinator(serve_in_thread(build_service("coordinator", config),
-                                       ServerOptions(port=0, metrics_port=None)).address)
+                                       ServerOptions(port=0, metrics_port=None)).address, mesh.run_dir)
     reward = service(mesh, "reward")
-    fast.start(*run_overrides(tmp_path, 3))
+    fast.start(*run_overrides(experiment_dir, 3))
     os.kill(reward.process.pid, signal.SIGSTOP)
     frozen = time.monotonic()
     try:
@@ -322,12 +323,12 @@ def test_a_frozen_reward_service_fires_deadlines_and_the_run_names_it(mesh, coor
 # --- the actor and the coordinator ----------------------------------------------------------------
 
 
-def test_a_killed_actor_fails_the_run_clearly_and_the_rerun_resumes(mesh, coordinator, tmp_path):
+def test_a_killed_actor_fails_the_run_clearly_and_the_rerun_resumes(mesh, coordinator, experiment_dir):
     steps, seed = 6, 5
-    overrides = run_overrides(tmp_path, steps, "trainer.save_freq=1", f"data.seed={seed}")
+    overrides = run_overrides(experiment_dir, steps, "trainer.save_freq=1", f"data.seed={seed}")
     actor = service(mesh, "actor")
     coordinator.start(*overrides)
-    coordinator.wait("a checkpoint of step 2+", lambda s: checkpointed(tmp_path) >= 2)
+    coordinator.wait("a checkpoint of step 2+", lambda s: checkpointed(experiment_dir) >= 2)
     kill(actor)
     killed = time.monotonic()
     status = coordinator.wait_end(timeout_s=120)
@@ -338,38 +339,38 @@ def test_a_killed_actor_fails_the_run_clearly_and_the_rerun_resumes(mesh, coordi
 
     mesh.restart("actor")
     resumed = coordinator.start(*overrides)
-    assert resumed.start_step == read_state(latest_checkpoint(tmp_path)).step >= 2
+    assert resumed.start_step == read_state(latest_checkpoint(experiment_dir)).step >= 2
     status = coordinator.wait_end()
     assert status.state == coordinator_pb2.RUN_STATE_COMPLETED, status.error
-    assert_like_an_uninterrupted_run(mesh, tmp_path, steps, seed)
+    assert_like_an_uninterrupted_run(mesh, experiment_dir, steps, seed)
 
 
-def test_a_killed_coordinator_restarts_and_the_rerun_resumes(mesh, coordinator, tmp_path):
+def test_a_killed_coordinator_restarts_and_the_rerun_resumes(mesh, coordinator, experiment_dir):
     steps, seed = 6, 6
-    overrides = run_overrides(tmp_path, steps, "trainer.save_freq=1", f"data.seed={seed}")
+    overrides = run_overrides(experiment_dir, steps, "trainer.save_freq=1", f"data.seed={seed}")
     coordinator.start(*overrides)
-    coordinator.wait("a checkpoint of step 2+", lambda s: checkpointed(tmp_path) >= 2)
+    coordinator.wait("a checkpoint of step 2+", lambda s: checkpointed(experiment_dir) >= 2)
     kill(service(mesh, "coordinator"))
     assert [p.name for p in mesh.failed()] == ["coordinator"]  # the services keep running
 
-    restarted = Coordinator(mesh.restart("coordinator").grpc_address)
+    restarted = Coordinator(mesh.restart("coordinator").grpc_address, mesh.run_dir)
     try:
         resumed = restarted.start(*overrides)
-        assert resumed.start_step == read_state(latest_checkpoint(tmp_path)).step >= 2
+        assert resumed.start_step == read_state(latest_checkpoint(experiment_dir)).step >= 2
         status = restarted.wait_end()
     finally:
         restarted.close()
     assert status.state == coordinator_pb2.RUN_STATE_COMPLETED, status.error
-    assert_like_an_uninterrupted_run(mesh, tmp_path, steps, seed)
+    assert_like_an_uninterrupted_run(mesh, experiment_dir, steps, seed)
 
 
 # --- checkpoints ----------------------------------------------------------------------------------
 
 
-def test_a_full_disk_during_a_checkpoint_is_a_clear_error_and_keeps_the_previous_one(mesh, coordinator, tmp_path):
-    coordinator.start(*run_overrides(tmp_path, 1, "trainer.save_freq=1"))
+def test_a_full_disk_during_a_checkpoint_is_a_clear_error_and_keeps_the_previous_one(mesh, coordinator, experiment_dir):
+    coordinator.start(*run_overrides(experiment_dir, 1, "trainer.save_freq=1"))
     assert coordinator.wait_end().state == coordinator_pb2.RUN_STATE_COMPLETED
-    previous = latest_checkpoint(tmp_path)
+    previous = latest_checkpoint(experiment_dir)
     files = {p: p.read_bytes() for p in previous.rglob("*") if p.is_file()}
     assert previous.name == "global_step_1" and previous / "actor" / "model.safetensors" in files
 
@@ -379,20 +380,20 @@ def test_a_full_disk_during_a_checkpoint_is_a_clear_error_and_keeps_the_previous
     assert len(files[previous / "actor" / "model.safetensors"]) > limit
     limit_file_size(actor, limit)
     try:
-        coordinator.start(*run_overrides(tmp_path, 3, "trainer.save_freq=1"))
+        coordinator.start(*run_overrides(experiment_dir, 3, "trainer.save_freq=1"))
         status = coordinator.wait_end()
     finally:
         lift_file_size_limit(actor)
     assert status.state == coordinator_pb2.RUN_STATE_FAILED and status.step == 2
     assert "checkpoint" in status.error and "File too large" in status.error, status.error
     # The previous checkpoint is intact and still the resume point; nothing half-written is left.
-    assert latest_checkpoint(tmp_path) == previous
+    assert latest_checkpoint(experiment_dir) == previous
     assert {p: p.read_bytes() for p in previous.rglob("*") if p.is_file()} == files
-    assert sorted(p.name for p in checkpoint_root(tmp_path).iterdir()) == ["global_step_1",
+    assert sorted(p.name for p in checkpoint_root(experiment_dir).iterdir()) == ["global_step_1",
                                                                            "latest_checkpointed_iteration.txt"]
 
-    resumed = coordinator.start(*run_overrides(tmp_path, 3, "trainer.save_freq=1"))
+    resumed = coordinator.start(*run_overrides(experiment_dir, 3, "trainer.save_freq=1"))
     assert resumed.start_step == 1
     assert coordinator.wait_end().state == coordinator_pb2.RUN_STATE_COMPLETED
-    assert [r["step"] for r in metrics_of(tmp_path)] == [1, 2, 3]
-    assert latest_checkpoint(tmp_path).name == "global_step_3"
+    assert [r["step"] for r in metrics_of(experiment_dir)] == [1, 2, 3]
+    assert latest_checkpoint(experiment_dir).name == "global_step_3"

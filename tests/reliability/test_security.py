@@ -28,6 +28,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -260,9 +261,25 @@ CUSTOM_REWARD = textwrap.dedent(
 CUSTOM_TIMEOUT_S = 1.0
 
 
+def _shared_directory() -> Path:
+    """A directory the sandbox uid may write its markers into (pytest's are root's alone, mode 0700)."""
+    directory = Path(tempfile.mkdtemp(prefix="rlfabric-sandbox-markers-"))
+    directory.chmod(0o1777)
+    return directory
+
+
 @pytest.fixture(scope="module")
-def custom_dir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("custom-reward")
+def custom_dir():
+    directory = _shared_directory()
+    yield directory
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.fixture
+def marker_dir():
+    directory = _shared_directory()
+    yield directory
+    shutil.rmtree(directory, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -437,35 +454,40 @@ def test_a_function_that_forks_and_hangs_is_cut_off_with_its_child(custom_reward
     assert_next_item_is_scored(custom_reward)
 
 
-def test_a_function_blocked_on_the_network_is_cut_off(custom_reward):
+def test_a_function_cannot_reach_the_network(custom_reward):
+    """User code runs in a network namespace of its own: a listening service on this machine is unreachable
+    (ENETUNREACH at once), not merely slow to answer."""
     with socket.socket() as server:  # accepts connections (the kernel does), never answers
         server.bind(("127.0.0.1", 0))
         server.listen()
+        server.setblocking(False)
         result, seconds = score_one(custom_reward, {"mode": "connect", "port": server.getsockname()[1]})
-    assert result.status == reward_pb2.SCORE_STATUS_TIMEOUT and seconds < CUSTOM_TIMEOUT_S + 5, result
+        with pytest.raises(BlockingIOError):
+            server.accept()  # nothing reached it
+    assert result.status == reward_pb2.SCORE_STATUS_ERROR and "unreachable" in result.message, result
+    assert seconds < CUSTOM_TIMEOUT_S + 5
     assert_next_item_is_scored(custom_reward)
 
 
-def test_a_function_writing_without_end_is_cut_off(custom_reward, tmp_path):
-    out = tmp_path / "flood"
+def test_a_function_writing_without_end_hits_the_file_size_limit(custom_reward, custom_dir):
+    out = custom_dir / "flood"
     result, seconds = score_one(custom_reward, {"mode": "write", "path": str(out)})
-    assert result.status == reward_pb2.SCORE_STATUS_TIMEOUT and seconds < CUSTOM_TIMEOUT_S + 5, result
-    size = out.stat().st_size
-    time.sleep(0.3)
-    assert out.stat().st_size == size  # the writer is gone, not running on in the background
+    assert result.status == reward_pb2.SCORE_STATUS_ERROR and "File too large" in result.message, result
+    assert seconds < CUSTOM_TIMEOUT_S + 5
+    assert out.stat().st_size <= 64 << 20  # reward.custom_sandbox.max_file_mb
     assert_next_item_is_scored(custom_reward)
 
 
-def test_children_of_a_finished_function_die_with_the_pool(tmp_path):
+def test_children_of_a_finished_function_die_with_the_pool(tmp_path, marker_dir):
     from rlfabric.reward.custom import CustomScorerPool
 
     path = tmp_path / "reward_fn.py"
     path.write_text(CUSTOM_REWARD)
-    with CustomScorerPool(str(path), num_workers=1, timeout_s=5, function_kwargs={"marker_dir": str(tmp_path)}) as pool:
+    with CustomScorerPool(str(path), num_workers=1, timeout_s=5, function_kwargs={"marker_dir": str(marker_dir)}) as pool:
         result = pool.score_batch([ScoreItem("x", "r", "g", extra_info={"mode": "fork_and_return"})])[0]
         assert result.ok and result.score == 1.0
-        assert _wait_until(lambda: len(_children(tmp_path, "fork_and_return")) == 1)
-        child = _children(tmp_path, "fork_and_return")[0]
+        assert _wait_until(lambda: len(_children(marker_dir, "fork_and_return")) == 1)
+        child = _children(marker_dir, "fork_and_return")[0]
         assert _alive(child)  # left running by the function...
     assert _wait_until(lambda: not _alive(child))  # ...and killed with its worker's process tree
 
@@ -500,37 +522,37 @@ def test_a_double_forked_daemon_is_cut_off_with_the_timeout(custom_reward, custo
         assert_next_item_is_scored(custom_reward)
 
 
-def test_a_double_forked_daemon_dies_with_its_worker(tmp_path):
+def test_a_double_forked_daemon_dies_with_its_worker(tmp_path, marker_dir):
     """After a normal return the daemon runs on with its worker (a function may keep a helper process
     between calls); it dies when the worker does: the pool closes, or the worker crashes."""
     from rlfabric.reward.custom import CustomScorerPool
 
     path = tmp_path / "reward_fn.py"
     path.write_text(CUSTOM_REWARD)
-    with _no_survivors(tmp_path, "daemon_and_return"), _no_survivors(tmp_path, "daemon_and_crash"):
+    with _no_survivors(marker_dir, "daemon_and_return"), _no_survivors(marker_dir, "daemon_and_crash"):
         with CustomScorerPool(str(path), num_workers=1, timeout_s=5,
-                              function_kwargs={"marker_dir": str(tmp_path)}) as pool:
+                              function_kwargs={"marker_dir": str(marker_dir)}) as pool:
             result = pool.score_batch([ScoreItem("x", "r", "g", extra_info={"mode": "daemon_and_return"})])[0]
             assert result.ok and result.score == 1.0
-            assert _wait_until(lambda: len(_children(tmp_path, "daemon_and_return")) == 1)
-            daemon = _children(tmp_path, "daemon_and_return")[0]
+            assert _wait_until(lambda: len(_children(marker_dir, "daemon_and_return")) == 1)
+            daemon = _children(marker_dir, "daemon_and_return")[0]
             assert _alive(daemon)
 
             crashed = pool.score_batch([ScoreItem("x", "r", "g", extra_info={"mode": "daemon_and_crash"})])[0]
             assert crashed.status == STATUS_CRASHED and "exited with code 3" in crashed.message, crashed
-            assert _wait_until(lambda: len(_children(tmp_path, "daemon_and_crash")) == 1)
+            assert _wait_until(lambda: len(_children(marker_dir, "daemon_and_crash")) == 1)
             # The crash ended the worker, so both daemons are gone, the pool still open.
-            for pid in [daemon, *_children(tmp_path, "daemon_and_crash")]:
+            for pid in [daemon, *_children(marker_dir, "daemon_and_crash")]:
                 assert _wait_until(lambda pid=pid: not _alive(pid), timeout=3), pid
 
             again = pool.score_batch([ScoreItem("x", "r", "g", extra_info={"mode": "daemon_and_return"})])[0]
             assert again.ok  # a fresh worker
-            assert _wait_until(lambda: len(_children(tmp_path, "daemon_and_return")) == 2)
-            (second,) = [pid for pid in _children(tmp_path, "daemon_and_return") if pid != daemon]
+            assert _wait_until(lambda: len(_children(marker_dir, "daemon_and_return")) == 2)
+            (second,) = [pid for pid in _children(marker_dir, "daemon_and_return") if pid != daemon]
         assert _wait_until(lambda: not _alive(second), timeout=3), "the daemon outlived the closed pool"
 
 
-def test_a_double_forked_daemon_dies_when_the_pool_process_is_killed(tmp_path):
+def test_a_double_forked_daemon_dies_when_the_pool_process_is_killed(tmp_path, marker_dir):
     """The service process itself dies (SIGKILL, OOM kill): the orphaned worker kills what its function started."""
     path = tmp_path / "reward_fn.py"
     path.write_text(CUSTOM_REWARD)
@@ -538,16 +560,16 @@ def test_a_double_forked_daemon_dies_when_the_pool_process_is_killed(tmp_path):
         import sys, time
         from rlfabric.reward.custom import CustomScorerPool
         from rlfabric.reward.items import ScoreItem
-        pool = CustomScorerPool({str(path)!r}, num_workers=1, function_kwargs={{"marker_dir": {str(tmp_path)!r}}})
+        pool = CustomScorerPool({str(path)!r}, num_workers=1, function_kwargs={{"marker_dir": {str(marker_dir)!r}}})
         print(pool.score_batch([ScoreItem("x", "r", "g", extra_info={{"mode": "daemon_and_return"}})])[0].status, flush=True)
         time.sleep(60)
         """)
-    with _no_survivors(tmp_path, "daemon_and_return"):
+    with _no_survivors(marker_dir, "daemon_and_return"):
         service = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
         try:
             assert service.stdout.readline().strip() == "ok"
-            assert _wait_until(lambda: len(_children(tmp_path, "daemon_and_return")) == 1)
-            daemon = _children(tmp_path, "daemon_and_return")[0]
+            assert _wait_until(lambda: len(_children(marker_dir, "daemon_and_return")) == 1)
+            daemon = _children(marker_dir, "daemon_and_return")[0]
             assert _alive(daemon)
         finally:
             service.kill()

@@ -139,3 +139,23 @@ def test_pause_abort_ends_in_flight_samples_with_abort(served, tiny_model):
     assert all(s.finish_reason == Finish.ABORT and len(s.token_ids) < 500 for s in samples), \
         [(s.finish_reason, len(s.token_ids)) for s in samples]
     assert len(generate(channel, [[5, 6]], max_tokens=2)) == 1
+
+
+def test_staged_weights_are_readable_by_this_user_only_and_never_written_through_a_planted_link(tmp_path):
+    """/dev/shm is shared by every user of the machine: the staging file is 0600 and made with O_EXCL."""
+    from safetensors.torch import load_file
+
+    from rlfabric.rollout.vllm_engine import stage_weights
+
+    weights = {"w": torch.arange(6.0).reshape(2, 3)}
+    path = tmp_path / "staged.safetensors"
+    stage_weights(weights, path)
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert torch.equal(load_file(str(path))["w"], weights["w"])
+    victim = tmp_path / "victim"
+    victim.write_text("someone's file")
+    planted = tmp_path / "planted.safetensors"
+    planted.symlink_to(victim)
+    with pytest.raises(FileExistsError):
+        stage_weights(weights, planted)
+    assert victim.read_text() == "someone's file"

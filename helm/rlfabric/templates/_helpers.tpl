@@ -62,6 +62,11 @@ actor reference critic rollout reward coordinator
 {{- printf "%s-config" (include "rlfabric.fullname" .) }}
 {{- end }}
 
+{{/* The Secret holding the bearer token: auth.secretName, or the one the chart creates. */}}
+{{- define "rlfabric.authSecretName" -}}
+{{- .Values.auth.secretName | default (printf "%s-auth" (include "rlfabric.fullname" .)) }}
+{{- end }}
+
 {{- define "rlfabric.dataClaimName" -}}
 {{- default (printf "%s-data" (include "rlfabric.fullname" .)) .Values.persistence.existingClaim }}
 {{- end }}
@@ -167,12 +172,19 @@ Run config
 {{- define "rlfabric.config" -}}
 {{- $cfg := deepCopy (.Values.config | default dict) }}
 {{- $trainer := get $cfg "trainer" | default dict }}
-{{- if not (hasKey $trainer "default_local_dir") }}
-{{- $_ := set $trainer "default_local_dir" (printf "%s/checkpoints" .Values.persistence.mountPath) }}
+{{- if not (hasKey $trainer "run_dir") }}
+{{- $_ := set $trainer "run_dir" (printf "%s/runs/%s" .Values.persistence.mountPath .Release.Name) }}
 {{- end }}
 {{- $_ := set $cfg "trainer" $trainer }}
-{{- if or .Values.tls.enabled .Values.auth.enabled }}
+{{- $storage := get $cfg "storage" | default dict }}
+{{- if not (hasKey $storage "root") }}
+{{- $_ := set $storage "root" .Values.persistence.mountPath }}
+{{- end }}
+{{- $_ := set $cfg "storage" $storage }}
 {{- $server := get $cfg "server" | default dict }}
+{{- if and (not .Values.tls.enabled) .Values.tls.allowPlaintext }}
+{{- $_ := set $server "allow_insecure" true }}
+{{- end }}
 {{- with .Values.tls }}
 {{- if .enabled }}
 {{- $_ := set $server "tls" (dict
@@ -188,7 +200,6 @@ Run config
 {{- end }}
 {{- end }}
 {{- $_ := set $cfg "server" $server }}
-{{- end }}
 {{- $cluster := dict }}
 {{- range $role := list "actor" "reference" "critic" "rollout" "reward" }}
 {{- $addrs := include "rlfabric.addresses" (dict "ctx" $ "role" $role "port" $.Values.ports.grpc) | fromYamlArray }}
@@ -331,9 +342,10 @@ spec:
         - {{ int $ports.health | quote }}
         {{- end }}
         {{- if and $multiRank (gt (int $r.replicas) 1) }}
-        - --world-size
-        - {{ int $r.replicas | quote }}
+        - {{ printf "%s.world_size=%d" $role (int $r.replicas) | quote }}
         {{- end }}
+        # Peers reach this pod's weight-sync stores at its IP, not at the bind address.
+        - weight_sync.host=$(POD_IP)
         {{- range $r.extraArgs }}
         - {{ . | quote }}
         {{- end }}
@@ -348,6 +360,10 @@ spec:
           valueFrom:
             fieldRef:
               fieldPath: metadata.namespace
+        - name: POD_IP
+          valueFrom:
+            fieldRef:
+              fieldPath: status.podIP
         {{- if $multiRank }}
         - name: MASTER_ADDR
           value: {{ printf "%s-0.%s.%s.svc" (include "rlfabric.roleFullname" .) (include "rlfabric.headlessName" .) $ctx.Release.Namespace }}
@@ -449,7 +465,7 @@ spec:
     {{- if $ctx.Values.auth.enabled }}
     - name: auth
       secret:
-        secretName: {{ $ctx.Values.auth.secretName }}
+        secretName: {{ include "rlfabric.authSecretName" $ctx }}
         defaultMode: 288  # 0440
     {{- end }}
 {{- end }}
@@ -461,9 +477,6 @@ spec:
 {{- end }}
 {{- if and .Values.tls.enabled (not .Values.tls.secretName) }}
 {{- fail "tls.enabled requires tls.secretName (a Secret with the certificate, key and CA)" }}
-{{- end }}
-{{- if and .Values.auth.enabled (not .Values.auth.secretName) }}
-{{- fail "auth.enabled requires auth.secretName (a Secret holding the bearer token)" }}
 {{- end }}
 {{- if and .Values.tls.enabled (eq (int .Values.ports.health) (int .Values.ports.grpc)) }}
 {{- fail "ports.health must differ from ports.grpc when TLS is on" }}

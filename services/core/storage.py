@@ -1,0 +1,61 @@
+"""The storage root: where paths that arrive over RPC may point.
+
+    storage = StorageRoot.from_config(config)
+    path = storage.resolve(request.path, "ExportHF path")   # PermissionDenied outside the root
+
+A caller holding the token still must not make a service read or write anywhere its uid can: an
+ExportHF to "~/projects" or "../../etc" is refused, not attempted. Paths are resolved with symlinks
+followed, so a link inside the root that points out of it is refused too. What this cannot stop: a
+symlink created under the root between the check and the write by someone who can write there.
+
+fsync and fsync_tree: what the services write (checkpoints, exports) reaches the disk before it is
+renamed into place.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from rlfabric.core.config import RunConfig
+from rlfabric.core.errors import InvalidArgument, PermissionDenied
+
+
+class StorageRoot:
+    """A directory that RPC-supplied paths must resolve into (config storage.root)."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root).resolve()
+
+    @classmethod
+    def from_config(cls, config: RunConfig) -> StorageRoot:
+        return cls(config.storage.resolved_root(config.trainer.run_dir))
+
+    def resolve(self, path: str | Path, what: str) -> Path:
+        """The absolute, symlink-free form of path (relative paths start at the root), or PermissionDenied
+        naming the root when it lies outside."""
+        if not str(path):
+            raise InvalidArgument(f"{what} is empty")
+        resolved = (self.root / path).resolve()
+        if resolved != self.root and self.root not in resolved.parents:
+            raise PermissionDenied(f"{what} {str(path)!r} resolves to {resolved}, outside the storage root "
+                                   f"{self.root} (storage.root): services read and write only under it")
+        return resolved
+
+
+def fsync(path: Path) -> None:
+    """Flushes a file's or a directory's entries to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: Path) -> None:
+    """fsync of every file and directory below root, then root: so that what was written
+    there is on disk before it is renamed into place."""
+    for directory, _, names in os.walk(root, topdown=False):
+        for name in names:
+            fsync(Path(directory) / name)
+        fsync(Path(directory))
