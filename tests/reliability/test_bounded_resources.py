@@ -14,11 +14,14 @@ import asyncio
 import logging
 import math
 import os
+import shutil
 import socket
+import tempfile
 import textwrap
 import threading
 import time
 from collections.abc import Mapping
+from pathlib import Path
 
 import grpc
 import psutil
@@ -259,11 +262,23 @@ def request(data_source: str, count: int) -> reward_pb2.ScoreRequest:
         reward_pb2.ScoreItem(data_source=data_source, response=str(i), ground_truth="") for i in range(count)])
 
 
+@pytest.fixture
+def shared_dir():
+    """A folder the reward sandbox's uid may write to (pytest's are root's alone, mode 0700)."""
+    directory = Path(tempfile.mkdtemp(prefix="rlfabric-bounded-"))
+    directory.chmod(0o1777)
+    yield directory
+    shutil.rmtree(directory, ignore_errors=True)
+
+
 @pytest.mark.parametrize("give_up", ["cancel", "deadline"])
-def test_a_score_whose_caller_went_away_stops_and_frees_the_workers(give_up, serve_in_thread, tmp_path):
-    path, log, fifo = tmp_path / "slow.py", tmp_path / "started.log", tmp_path / "started.fifo"
+def test_a_score_whose_caller_went_away_stops_and_frees_the_workers(give_up, serve_in_thread, shared_dir):
+    path, log, fifo = shared_dir / "slow.py", shared_dir / "started.log", shared_dir / "started.fifo"
     path.write_text(SLOW_FUNCTION)
-    os.mkfifo(fifo)
+    log.touch(mode=0o666)
+    log.chmod(0o666)
+    os.mkfifo(fifo, 0o666)
+    fifo.chmod(0o666)
     started = os.open(fifo, os.O_RDWR)  # read end held open: the workers' writes never block
     server = serve_reward(serve_in_thread, custom_path=str(path), num_workers=1, timeout_s=30.0,
                           custom_kwargs={"log": str(log), "fifo": str(fifo), "hold_s": HOLD_S})
