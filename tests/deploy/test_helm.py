@@ -612,6 +612,48 @@ def test_every_container_command_is_one_rlfabric_accepts_with_the_config_it_moun
         assert config.server.auth_token_file.startswith(rendered.values["auth"]["mountPath"])
 
 
+def test_the_run_job_attaches_to_the_coordinator_with_the_services_config(rendered, tmp_path):
+    """The Job runs `rlfabric train --coordinator <coordinator Service>:<grpc> <the ConfigMap>`, which the
+    real parser accepts; it mounts the config and the token the services use, in the image that holds torch."""
+    from rlfabric.cli import parse_args
+    from rlfabric.core.config import load_config
+
+    (job,) = rendered.of_kind("Job")
+    pod = job["spec"]["template"]["spec"]
+    assert pod["restartPolicy"] == "Never"
+    (c,) = pod["containers"]
+    args = parse_args(pod_view(rendered, c["args"], tmp_path))
+    assert args.command == "train"
+    assert args.coordinator == f"{FULLNAME}-coordinator.{NAMESPACE}.svc:50051"
+    config = load_config(args.config)
+    assert config.cluster == load_config(tmp_path / f"{rendered.name}-config.yaml").cluster
+    mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+    assert mounts["config"] == rendered.values["configPath"]
+    assert mounts["auth"] == rendered.values["auth"]["mountPath"]  # server.auth_token_file of the config
+    assert c["image"] == container(rendered.workload("coordinator"))["image"]
+    assert c["image"].endswith("-train")  # the coordinator imports torch
+
+
+def test_a_network_policy_admits_the_mesh_and_metrics_scrapes_only(rendered):
+    (policy,) = rendered.of_kind("NetworkPolicy")
+    release = {"app.kubernetes.io/name": "rlfabric", "app.kubernetes.io/instance": RELEASE}
+    assert policy["spec"]["podSelector"]["matchLabels"] == release
+    mesh, metrics = policy["spec"]["ingress"]
+    assert mesh == {"from": [{"podSelector": {"matchLabels": release}}]}  # any port: gloo/NCCL pick theirs
+    assert metrics["ports"] == [{"port": "metrics", "protocol": "TCP"}]
+    assert metrics["from"][0]["namespaceSelector"] == {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}
+    # Every pod it guards, and the run Job that must reach them, carries the release labels.
+    for kind in ("StatefulSet", "Deployment", "Job"):
+        for workload in rendered.of_kind(kind):
+            labels = workload["spec"]["template"]["metadata"]["labels"]
+            assert release.items() <= labels.items(), workload["metadata"]["name"]
+
+
+def test_run_enabled_false_renders_no_job(chart):
+    docs = parse_manifests(render_chart(chart, {"run": {"enabled": False}}))
+    assert not [d for d in docs if d["kind"] == "Job"]
+
+
 @pytest.mark.parametrize("example", sorted(p.name for p in (REPO / "examples").glob("*.yaml")))
 def test_an_example_config_given_as_the_chart_config_loads(chart, example, tmp_path):
     """The chart's `config` value is the YAML `rlfabric train` takes: every example works as values."""
@@ -861,6 +903,7 @@ def test_dockerfile_targets_match_chart():
     defaults = yaml.safe_load((CHART / "values.yaml").read_text())
     variants = {spec["image"]["variant"] for spec in defaults["roles"].values()}
     assert variants == {"train", "rollout", "light"}
+    assert defaults["roles"]["coordinator"]["image"]["variant"] == "train"  # it imports torch
     for target in variants:
         body = stages[target]
         assert "USER 10001:10001" in body, target
