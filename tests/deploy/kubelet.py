@@ -1,0 +1,96 @@
+"""A stand-in kubelet for the chart's acceptance test: runs a plan of pods and a Job as local processes.
+
+    unshare --mount --net python -m tests.deploy.kubelet PLAN.json RESULT.json
+
+Run in a network and mount namespace of its own, it brings up the loopback interface, bind-mounts the
+plan's hosts file on /etc/hosts (so the Services' DNS names resolve to the pods' addresses, each pod its
+own 127.0.1.x address, as each pod has its own IP in a cluster), starts every pod's container command,
+probes each pod as the kubelet does (grpc.health.v1 Check with the probe's service name, on the probe's
+port) until all are SERVING, runs the Job to its end, stops the pods with SIGTERM and writes what
+happened to RESULT.json. The plan (argv and env already resolved from the rendered manifests) is made by
+tests/deploy/test_chart_runs.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+
+def start_pod(pod: dict, logs: Path) -> subprocess.Popen:
+    log = open(logs / f"{pod['name']}.log", "wb")  # noqa: SIM115 - the pod's lifetime
+    return subprocess.Popen(pod["argv"], env=pod["env"], stdout=log, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+def serving(address: str, service: str) -> bool:
+    with grpc.insecure_channel(address) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
+                                                               timeout=2)
+        except grpc.RpcError:
+            return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def await_readiness(pods: list[dict], processes: dict[str, subprocess.Popen], timeout_s: float) -> dict:
+    """Seconds until each pod's readiness probe answered SERVING; raises if a pod exits or time runs out."""
+    started, ready = time.monotonic(), {}
+    while len(ready) < len(pods):
+        for pod in pods:
+            if pod["name"] in ready:
+                continue
+            if processes[pod["name"]].poll() is not None:
+                raise RuntimeError(f"pod {pod['name']} exited with {processes[pod['name']].returncode}")
+            probe = pod["probe"]
+            if serving(f"{pod['ip']}:{probe['port']}", probe["service"]):
+                ready[pod["name"]] = round(time.monotonic() - started, 2)
+        if time.monotonic() - started > timeout_s:
+            raise RuntimeError(f"not ready after {timeout_s} s: {sorted({p['name'] for p in pods} - set(ready))}")
+        time.sleep(0.2)
+    return ready
+
+
+def main() -> None:
+    plan = json.loads(Path(sys.argv[1]).read_text())
+    result_path = Path(sys.argv[2])
+    logs = Path(plan["workdir"]) / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
+    subprocess.run(["mount", "--bind", plan["hosts_file"], "/etc/hosts"], check=True)
+    processes: dict[str, subprocess.Popen] = {}
+    result: dict = {}
+    try:
+        for pod in plan["pods"]:
+            processes[pod["name"]] = start_pod(pod, logs)
+        result["ready_s"] = await_readiness(plan["pods"], processes, plan["ready_timeout_s"])
+        job = plan["job"]
+        done = subprocess.run(job["argv"], env=job["env"], capture_output=True, text=True,
+                              timeout=plan["job_timeout_s"])
+        result["job"] = {"returncode": done.returncode, "stdout": done.stdout, "stderr": done.stderr}
+    except Exception as error:  # reported to the test, with the pods' logs
+        result["error"] = f"{type(error).__name__}: {error}"
+    finally:
+        for process in processes.values():
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGTERM)
+        for name, process in processes.items():
+            try:
+                process.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+            result.setdefault("exit_codes", {})[name] = process.returncode
+        result_path.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
