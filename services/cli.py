@@ -67,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--health-port", type=int, help="extra plaintext health-only port (for probes under mTLS)")
     serve.add_argument("--port-file", type=Path, help="write the bound ports here as JSON")
     serve.add_argument("--run-id", default="", help="run id for log lines")
+    serve.add_argument("--check", action="store_true",
+                       help="build the role's service from the config (importing all it loads) and exit 0: "
+                            "the image holds what the role needs")
     serve.add_argument("overrides", nargs="*", help="dotted overrides")
 
     up = commands.add_parser("up", help="start the local mesh and keep it up until Ctrl-C")
@@ -132,6 +135,12 @@ def cmd_serve(args) -> int:
     if args.host:
         config.server.host = args.host  # what the service binds, for everything derived from it
     setup_logging(args.role, args.run_id, config.server.log_level)
+    if args.check:  # the imports and the service, not the mounts (token, TLS files) of a pod
+        from rlfabric.serve import build_service
+
+        service = build_service(args.role, config)
+        print(f"rlfabric serve {args.role}: {type(service.engine).__name__} builds; ready to serve")
+        return 0
     options = ServerOptions.from_config(
         config.server, host=args.host, port=args.port, metrics_port=args.metrics_port, health_port=args.health_port
     )

