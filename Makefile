@@ -62,6 +62,7 @@ protos: setup
 ## Regenerate docs/config-reference.md from the config classes.
 docs: setup
 	$(VENV)/bin/rlfabric config-reference > docs/config-reference.md
+	$(PY) -m rlfabric.core.config_schema helm/rlfabric/values.schema.json
 
 lint: setup
 	$(VENV)/bin/ruff check services tests bench

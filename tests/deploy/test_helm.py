@@ -218,8 +218,30 @@ def test_lint_reports_schema_violation():
     assert any("/roles/rollout/replicas" in e for e in report["errors"]), report
 
 
-def test_schema_accepts_free_form_config(chart):
-    chart.validate_schema({"config": {"anything": {"nested": [1, 2]}, "algorithm": {"kl_ctrl": None}}})
+def test_values_schema_checks_config_with_the_config_model_and_is_current():
+    """values.schema.json's config definitions are generated from RunConfig (`make docs`)."""
+    from rlfabric.core.config_schema import with_config_schema
+
+    on_disk = json.loads((CHART / "values.schema.json").read_text())
+    assert on_disk == with_config_schema(on_disk), "values.schema.json is stale: run `make docs`"
+
+
+@pytest.mark.parametrize(("config", "named"), [
+    ({"trainer": {"total_epochs": 1}}, "total_epochs"),
+    ({"actor": {"optim": {"lr": 1.0e-6}}}, "optim"),
+    ({"data": {"train_files": "/data/train.parquet"}}, "train_files"),
+    ({"rollout": {"engine": "tensorrt"}}, "engine"),
+    ({"data": {"train_batch_size": 0}}, "train_batch_size"),
+])
+def test_a_bad_config_fails_helm_template_naming_the_key(chart, config, named):
+    with pytest.raises(helm.HelmValuesError, match=named):
+        chart.render({"config": config}, name=RELEASE, namespace=NAMESPACE)
+
+
+def test_the_schema_accepts_every_key_the_loader_accepts(chart):
+    from rlfabric.core.config import RunConfig
+
+    chart.validate_schema({"config": RunConfig().model_dump(mode="json")})
 
 
 @pytest.mark.parametrize(
@@ -529,13 +551,13 @@ def test_run_config_passes_values_through(rendered):
 
 def test_run_config_keeps_user_run_dir_and_big_numbers(chart):
     values = {
-        "config": {"trainer": {"run_dir": "/data/ckpt/run7", "max_steps": 1000000, "eps": 1.0e-8}}
+        "config": {"trainer": {"run_dir": "/data/ckpt/run7", "total_steps": 1000000}, "actor": {"lr": 1.0e-8}}
     }
     docs = parse_manifests(render_chart(chart, values))
     cm = next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == f"{FULLNAME}-config")
-    trainer = yaml.safe_load(cm["data"]["config.yaml"])["trainer"]
-    assert trainer["run_dir"] == "/data/ckpt/run7"
-    assert trainer["max_steps"] == 1000000 and trainer["eps"] == pytest.approx(1e-8)
+    config = yaml.safe_load(cm["data"]["config.yaml"])
+    assert config["trainer"]["run_dir"] == "/data/ckpt/run7"
+    assert config["trainer"]["total_steps"] == 1000000 and config["actor"]["lr"] == pytest.approx(1e-8)
 
 
 def test_config_mounted_and_rolled_on_change(rendered):
