@@ -75,6 +75,15 @@ def build_service(role: str, config: RunConfig) -> ServiceDefinition:
 
 
 def run_service(role: str, config: RunConfig, options: ServerOptions, port_file: Path | None = None) -> None:
-    """Serves `role` until SIGTERM/SIGINT."""
+    """Serves `role` until SIGTERM/SIGINT; a rank >= 1 of a role launched one process per rank (RANK etc.
+    set, e.g. a StatefulSet pod) runs that rank instead, with only health on its port (the pod's probes)."""
+    if role in ("actor", "reference", "critic"):
+        from rlfabric.actor.dist import external_launch, serve_rank
+
+        launch = external_launch()
+        if launch is not None and launch[0] > 0:
+            port = options.health_port if options.health_port is not None else options.port
+            serve_rank(role, config, f"{options.host}:{port}", *launch)
+            return
     service = build_service(role, config)
     asyncio.run(serve(service, options, port_file=port_file))

@@ -186,8 +186,8 @@ def _exit_when_parent_dies(parent_pid: int) -> None:
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
-def run_worker(role: str, config: RunConfig, rank: int, world_size: int, store=None) -> None:
-    """Joins the group as `rank`, loads the model, and serves rank 0's commands until STOP."""
+def run_worker(role: str, config: RunConfig, rank: int, world_size: int, store=None, on_ready=None) -> None:
+    """Joins the group as `rank`, loads the model (then calls on_ready), and serves rank 0's commands until STOP."""
     from rlfabric.actor.models import rank_device
     from rlfabric.actor.worker import RankWorker
 
@@ -197,9 +197,45 @@ def run_worker(role: str, config: RunConfig, rank: int, world_size: int, store=N
     init_group(device, rank, world_size, store)
     try:
         worker = RankWorker(role, config, rank, world_size, device)
+        if on_ready is not None:
+            on_ready()
         serve_commands(worker, Channel(device))
     finally:
         dist.destroy_process_group()
+
+
+def serve_rank(role: str, config: RunConfig, probe_address: str, rank: int, world_size: int) -> None:
+    """`rlfabric serve ROLE` as rank >= 1 in a pod of its own (a StatefulSet with one pod per rank: RANK,
+    WORLD_SIZE, MASTER_ADDR, MASTER_PORT set): the rank's command loop, driven by rank 0 over the group,
+    and at probe_address a health-only gRPC server for the pod's probes: "liveness" SERVING from the start,
+    "readiness" once the rank has joined its group and loaded the model. The role's RPCs go to rank 0."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import grpc
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+    probes = health.HealthServicer()
+    server = grpc.server(ThreadPoolExecutor(max_workers=2))
+    health_pb2_grpc.add_HealthServicer_to_server(probes, server)
+    if server.add_insecure_port(probe_address) == 0:
+        raise OSError(f"cannot bind the probe port {probe_address}")
+    server.start()
+    probes.set("liveness", serving)
+    for service in ("readiness", ""):
+        probes.set(service, not_serving)
+
+    def ready() -> None:
+        for service in ("readiness", ""):
+            probes.set(service, serving)
+
+    try:
+        # A client of rank 0's store, as the ranks rank 0 starts itself use (rank 0 holds it, not env://'s).
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                              is_master=False, timeout=COLLECTIVE_TIMEOUT)
+        run_worker(role, config, rank, world_size, store=store, on_ready=ready)
+    finally:
+        server.stop(0)
 
 
 def init_group(device: torch.device, rank: int, world_size: int, store=None) -> None:

@@ -56,3 +56,61 @@ def test_two_ranks_match_one_rank(tiny_model, tmp_path):
     assert set(weights_1) <= set(weights_2)
     for name, value in weights_1.items():
         torch.testing.assert_close(weights_2[name], value, atol=2e-6, rtol=0, msg=name)
+
+
+def test_one_process_per_rank_as_a_statefulset_runs_it(tiny_model, tmp_path):
+    """What the chart's multi-rank StatefulSet runs: `rlfabric serve actor` in every pod, with RANK,
+    WORLD_SIZE, MASTER_ADDR and MASTER_PORT set. Rank 0 serves the role; rank 1 runs its command loop and
+    answers only health on its port (the pod's probes), readiness once it joined the group."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from rlfabric.actor.client import ActorClient
+    from rlfabric.core.config import dump_config
+
+    def free_port() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    config = tmp_path / "config.yaml"
+    dump_config(make_config(tiny_model, n=2, actor={"world_size": 2}), config)
+    master, ports = free_port(), [free_port(), free_port()]
+    ranks = [subprocess.Popen(
+        [sys.executable, "-m", "rlfabric", "serve", "actor", "--config", str(config), "--port", str(ports[rank]),
+         "--metrics-port", "0"],
+        env={**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+             "MASTER_PORT": str(master)}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for rank in (0, 1)]
+    try:
+        for port in ports:  # both pods become ready, as their readiness probes see it
+            with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+                reply = health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(service="readiness"), timeout=120, wait_for_ready=True)
+                while reply.status != health_pb2.HealthCheckResponse.SERVING:
+                    assert all(r.poll() is None for r in ranks), "a rank exited"
+                    reply = health_pb2_grpc.HealthStub(channel).Check(
+                        health_pb2.HealthCheckRequest(service="readiness"), timeout=10)
+        batch = make_batch(rows=4, prompt_len=6, response_len=4)
+
+        async def log_probs():
+            async with ActorClient(f"127.0.0.1:{ports[0]}") as client:
+                return (await client.get_status()).world_size, (await client.compute_log_probs(batch))["log_probs"]
+
+        import asyncio
+
+        world_size, two = asyncio.run(log_probs())
+        assert world_size == 2
+        with Served("actor", make_config(tiny_model, n=2)) as one:
+            single = one.run(one.client.compute_log_probs(batch))["log_probs"]
+        torch.testing.assert_close(two, single, atol=1e-6, rtol=0)
+    finally:
+        for rank in ranks:
+            rank.terminate()
+        for rank in ranks:
+            rank.wait(60)
