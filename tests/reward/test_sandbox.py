@@ -275,15 +275,18 @@ def test_cannot_read_root_only_files(pool, open_directory):
     assert_next_batch_works(pool)
 
 
+def supervisor_pids() -> list[int]:
+    # Only the pool's workers: earlier tests of the session may leave other children (a resource tracker).
+    return [child.pid for child in psutil.Process().children() if "custom_worker" in " ".join(child.cmdline())]
+
+
 def test_cannot_signal_the_supervisor_or_the_service(pool):
-    supervisors = [
-        child.pid for child in psutil.Process().children() if "custom_worker" in " ".join(child.cmdline())
-    ]
+    supervisors = supervisor_pids()
     assert len(supervisors) == NUM_WORKERS
     for pid in [*supervisors, os.getpid()]:
         result = score(pool, "signal", pid=pid)
         assert (result.score, result.metrics["errno"]) == (0.0, errno.EPERM)
-    assert [child.pid for child in psutil.Process().children()] == supervisors  # all alive, none replaced
+    assert supervisor_pids() == supervisors  # all alive, none replaced
 
 
 def test_environment_is_empty_but_for_the_configured(pool):
