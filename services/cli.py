@@ -129,22 +129,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cmd_serve(args) -> int:
     from rlfabric.core.server import ServerOptions
-    from rlfabric.serve import run_service
+    from rlfabric.serve import build_service, run_service
 
     config = load_config(args.config, args.overrides)
     if args.host:
         config.server.host = args.host  # what the service binds, for everything derived from it
     setup_logging(args.role, args.run_id, config.server.log_level)
     if args.check:  # the imports and the service, not the mounts (token, TLS files) of a pod
-        from rlfabric.serve import build_service
-
         service = build_service(args.role, config)
         print(f"rlfabric serve {args.role}: {type(service.engine).__name__} builds; ready to serve")
         return 0
     options = ServerOptions.from_config(
         config.server, host=args.host, port=args.port, metrics_port=args.metrics_port, health_port=args.health_port
     )
-    options.check_exposure()  # before the engine loads a model
     run_service(args.role, config, options, port_file=args.port_file)
     return 0
 
@@ -223,33 +220,49 @@ def cmd_train(args) -> int:
         return code
 
 
-async def _run_training(address: str, options, config, run_dir: Path) -> int:
+async def _start_and_watch(client, overrides: list[str], progress_bar: bool, step_lines: bool = False):
+    """StartRun, then follow the run to its end (watch_run); its final status, or None, after saying why,
+    when the coordinator refuses the run."""
     import grpc
 
-    from rlfabric.coordinator.client import CoordinatorClient
-    from rlfabric.coordinator.tracking import read_metrics, watch_run
+    from rlfabric.coordinator.tracking import watch_run
+
+    try:
+        started = await client.start_run(overrides)
+    except grpc.RpcError as error:
+        print(f"rlfabric: the coordinator refused the run: {error.code().name}: {error.details()}", file=sys.stderr)
+        return None
+    total = (await client.run_status(timeout_s=30)).total_steps
+    print(f"rlfabric: run {started.run_id} started at step {started.start_step} of {total}", flush=True)
+    return await watch_run(client, total, started.start_step, progress_bar=progress_bar, step_lines=step_lines)
+
+
+def _exit_code(status) -> int:
+    """0 for a run that completed; else 1, after saying how it ended."""
     from rlfabric.v1 import coordinator_pb2
 
+    state = coordinator_pb2.RunState.Name(status.state)
+    if status.state != coordinator_pb2.RUN_STATE_COMPLETED:
+        print(f"rlfabric: the run ended {state} at step {status.step}: {status.error}", file=sys.stderr)
+        return 1
+    print(f"rlfabric: run {status.run_id} {state} at step {status.step}", flush=True)
+    return 0
+
+
+async def _run_training(address: str, options, config, run_dir: Path) -> int:
+    from rlfabric.coordinator.client import CoordinatorClient
+    from rlfabric.coordinator.tracking import read_metrics
+
     async with CoordinatorClient(address, options) as client:
-        try:
-            started = await client.start_run()
-        except grpc.RpcError as error:
-            print(f"rlfabric: the coordinator refused the run: {error.code().name}: {error.details()}",
-                  file=sys.stderr)
-            return 1
-        print(f"rlfabric: run {started.run_id} started at step {started.start_step}", flush=True)
-        status = await watch_run(client, config.trainer.total_steps, started.start_step,
-                                 progress_bar=config.trainer.progress_bar)
+        status = await _start_and_watch(client, [], progress_bar=config.trainer.progress_bar)
+    if status is None:
+        return 1
     scores = [r["critic/score/mean"] for r in read_metrics(run_dir / "metrics.jsonl") if "critic/score/mean" in r]
     if scores:
         last = scores[-3:]
         print(f"rlfabric: critic/score/mean first step {scores[0]:.3f}, mean of the last {len(last)} "
               f"steps {sum(last) / len(last):.3f}", flush=True)
-    if status.state != coordinator_pb2.RUN_STATE_COMPLETED:
-        print(f"rlfabric: the run ended {coordinator_pb2.RunState.Name(status.state)} at step {status.step}: "
-              f"{status.error}", file=sys.stderr)
-        return 1
-    return 0
+    return _exit_code(status)
 
 
 def _train_attached(args) -> int:
@@ -261,7 +274,7 @@ def _train_attached(args) -> int:
         raise ConfigError("--coordinator attaches to a running mesh: --launcher, --address and --run-dir do not apply")
     config_path, overrides = _split_config_and_overrides(args)
     config = load_config(config_path)
-    address, options = _coordinator_target(args, config_path)
+    address, options = _coordinator_target(args, config)
     try:
         return asyncio.run(_attached_run(address, options, config, overrides, args.wait_timeout))
     except KeyboardInterrupt:
@@ -271,13 +284,9 @@ def _train_attached(args) -> int:
 
 
 async def _attached_run(address: str, options, config, overrides: list[str], wait_timeout_s: float) -> int:
-    import grpc
-
     from rlfabric.coordinator.client import CoordinatorClient
-    from rlfabric.coordinator.tracking import watch_run
     from rlfabric.core.client import wait_until_serving
     from rlfabric.core.errors import DeadlineExceeded
-    from rlfabric.v1 import coordinator_pb2
 
     services = [address, *(a for role in ROLES if role != "coordinator" for a in getattr(config.cluster, role))]
     print(f"rlfabric: waiting for {len(services)} services to be ready", flush=True)
@@ -287,22 +296,9 @@ async def _attached_run(address: str, options, config, overrides: list[str], wai
         print(f"rlfabric: the mesh is not ready: {error}", file=sys.stderr)
         return 1
     async with CoordinatorClient(address, options) as client:
-        try:
-            started = await client.start_run(overrides)
-        except grpc.RpcError as error:
-            print(f"rlfabric: the coordinator refused the run: {error.code().name}: {error.details()}",
-                  file=sys.stderr)
-            return 1
-        total = (await client.run_status(timeout_s=30)).total_steps
-        print(f"rlfabric: run {started.run_id} started at step {started.start_step} of {total}", flush=True)
-        status = await watch_run(client, total, started.start_step, progress_bar=sys.stderr.isatty(),
-                                 step_lines=not sys.stderr.isatty())
-    state = coordinator_pb2.RunState.Name(status.state)
-    if status.state != coordinator_pb2.RUN_STATE_COMPLETED:
-        print(f"rlfabric: the run ended {state} at step {status.step}: {status.error}", file=sys.stderr)
-        return 1
-    print(f"rlfabric: run {status.run_id} {state} at step {status.step}", flush=True)
-    return 0
+        interactive = sys.stderr.isatty()
+        status = await _start_and_watch(client, overrides, progress_bar=interactive, step_lines=not interactive)
+    return 1 if status is None else _exit_code(status)
 
 
 async def _stop_with_checkpoint(address: str, options) -> None:
@@ -328,9 +324,9 @@ def _print_outputs(run_dir: Path) -> None:
         print(f"rlfabric: {', '.join(shown)}", flush=True)
 
 
-def _coordinator_target(args, config_path: str | None = None):
+def _coordinator_target(args, config=None):
     """(address, ChannelOptions) of the coordinator named by --run-dir or --coordinator (with --token-file
-    or the token and TLS settings of config_path); (None, message) when neither was given."""
+    or the token and TLS settings of the mesh's config); (None, message) when neither was given."""
     from dataclasses import replace
 
     from rlfabric.core.client import ChannelOptions
@@ -343,7 +339,7 @@ def _coordinator_target(args, config_path: str | None = None):
         return address, ChannelOptions.from_config(load_config(run_dir / "config.yaml"))
     if args.coordinator is None:
         return None, "give --coordinator HOST:PORT or --run-dir"
-    options = ChannelOptions.from_config(load_config(config_path)) if config_path else ChannelOptions()
+    options = ChannelOptions.from_config(config) if config is not None else ChannelOptions()
     if args.token_file:
         options = replace(options, auth_token=read_auth_token(ServerConfig(auth_token_file=args.token_file)))
     return args.coordinator, options

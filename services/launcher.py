@@ -29,6 +29,7 @@ from typing import Protocol
 
 from rlfabric.core.client import ChannelOptions, wait_until_serving
 from rlfabric.core.config import ConfigError, RunConfig, dump_config
+from rlfabric.core.storage import create_private_file
 
 log = logging.getLogger("rlfabric.launcher")
 
@@ -129,10 +130,7 @@ def write_mesh_token(run_dir: Path) -> Path:
     path = run_dir / "auth_token"
     tmp = run_dir / f".auth_token.{os.getpid()}.tmp"
     tmp.unlink(missing_ok=True)
-    descriptor = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(descriptor, "w") as file:
-        file.write(secrets.token_urlsafe(32))
-    tmp.replace(path)
+    create_private_file(tmp, secrets.token_urlsafe(32)).replace(path)
     return path
 
 

@@ -39,6 +39,7 @@ import yaml
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from rlfabric.core.config import RunConfig, read_auth_token
+from rlfabric.core.storage import create_private_file
 from rlfabric.launcher import (
     MeshContext,
     MeshStartError,
@@ -63,9 +64,7 @@ def with_local_token(config_text: str, token: str, workdir: Path) -> str:
     workdir: on another node the launcher's RUN_DIR/auth_token does not exist."""
     if not token:
         return config_text
-    path = workdir / "auth_token"
-    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as file:
-        file.write(token)
+    path = create_private_file(workdir / "auth_token", token)
     config = yaml.safe_load(config_text)
     config.setdefault("server", {})["auth_token_file"] = str(path)
     return yaml.safe_dump(config, sort_keys=False)

@@ -9,7 +9,7 @@ followed, so a link inside the root that points out of it is refused too. What t
 symlink created under the root between the check and the write by someone who can write there.
 
 fsync and fsync_tree: what the services write (checkpoints, exports) reaches the disk before it is
-renamed into place.
+renamed into place. create_private_file: a new file only this user can read (tokens, staged weights).
 """
 
 from __future__ import annotations
@@ -59,3 +59,11 @@ def fsync_tree(root: Path) -> None:
         for name in names:
             fsync(Path(directory) / name)
         fsync(Path(directory))
+
+
+def create_private_file(path: Path, text: str = "") -> Path:
+    """Creates path (mode 0600) holding text. O_EXCL: never through a file or link someone placed there
+    first; an existing path is FileExistsError."""
+    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as file:
+        file.write(text)
+    return path

@@ -42,6 +42,7 @@ from rlfabric.core.errors import (
     RlfabricError,
     Unavailable,
 )
+from rlfabric.core.storage import create_private_file
 from rlfabric.core.weight_sync import Manifest, SyncGroup, WeightSwap
 from rlfabric.core.weight_sync.receiver import SLACK_S
 from rlfabric.rollout.engine import RolloutEngine, load_tokenizer, trust_remote_code
@@ -55,12 +56,11 @@ SYNC_POLL_S = 0.02
 
 
 def stage_weights(named: dict[str, torch.Tensor], path: Path) -> None:
-    """Writes the tensors to a new file only this user can read (0600): /dev/shm is shared by every
-    user of the machine, and the weights are the policy being trained. O_EXCL: never through a file or
-    link someone placed there first."""
+    """Writes the tensors to a new file only this user can read (create_private_file): /dev/shm is shared
+    by every user of the machine, and the weights are the policy being trained."""
     from safetensors.torch import save_file
 
-    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    create_private_file(path)
     save_file(named, str(path))  # truncates and writes the file just made, keeping its mode
 
 
