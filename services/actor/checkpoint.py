@@ -5,7 +5,9 @@ A checkpoint directory:
     model.safetensors   full weights under Hugging Face names (float32 master weights of trained roles)
     optimizer.pt        full AdamW state keyed by parameter name (torch.save; loaded with weights_only)
     trainer_state.pt    update and optimizer-step counters, the torch RNG state of every rank
-    meta.json           role, model, world size, counters, tied-weight aliases, format version
+    meta.json           role, model, world size, counters, tied-weight aliases, format version, and
+                        the size of every other file: written last, it is what makes the part complete
+                        for a reader on another machine (rlfabric.coordinator.checkpoints.part_problem)
 Full (gathered) state dicts make a checkpoint independent of the world size: it loads into any number
 of ranks (the RNG states are restored only into the same world size).
 """
@@ -116,7 +118,8 @@ def save_checkpoint(path: str, checkpoint: Checkpoint) -> int:
         save_file(weights, directory / WEIGHTS, metadata={"format": "pt"})
         torch.save(checkpoint.optimizer_state, directory / "optimizer.pt")
         torch.save(checkpoint.trainer_state, directory / "trainer_state.pt")
-        (directory / "meta.json").write_text(json.dumps(meta, indent=2))
+        files = {f.name: f.stat().st_size for f in sorted(directory.iterdir())}
+        (directory / "meta.json").write_text(json.dumps({**meta, "files": files}, indent=2))
 
     return write_atomically(path, write, replaceable=is_checkpoint)
 

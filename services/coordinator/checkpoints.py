@@ -11,6 +11,12 @@ actor's (and critic's) checkpoint directories, VeRL's layout:
 A checkpoint is written into a hidden temporary directory, fsynced and renamed into place, and the
 "latest" file is replaced (temp file, fsync, rename) only after that, so a crash, a power loss or a
 full disk mid-save leaves the previous checkpoint complete and still the one a resume picks.
+
+The actor and critic write their parts from their own machines (pods), so the run directory must be
+storage they all share (a ReadWriteMany volume in Kubernetes). A checkpoint is complete only when every
+part its state lists is there in full (each part's meta.json, written last, gives every file's size):
+the coordinator checks before it commits, and a resume only picks a complete checkpoint. A part that
+the coordinator cannot see (the actor wrote it to a disk of its own) fails the save, naming the path.
 Retention (trainer.max_checkpoints_to_keep) counts checkpoints in the order they were written, not by
 step: a run resumed from an older step keeps what it has just written, and the newest is never pruned.
 """
@@ -23,7 +29,7 @@ import re
 import shutil
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from rlfabric.core.storage import fsync, fsync_tree
@@ -48,6 +54,7 @@ class CoordinatorState:
     weight_version: int
     run_id: str = ""
     saved_at: float = 0.0  # time.time() of the commit: retention keeps the newest written
+    parts: list[str] = field(default_factory=list)  # the services' directories (e.g. actor, critic)
 
 
 def checkpoint_root(run_dir: str | Path) -> Path:
@@ -64,11 +71,46 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     latest = root / LATEST_FILE
     if latest.exists():
         path = step_dir(run_dir, int(latest.read_text().strip()))
-        if (path / STATE_FILE).exists():
+        if checkpoint_problem(path) is None:
             return path
     # The "latest" file is written last; fall back to the highest complete directory.
-    complete = [p for p in root.glob("global_step_*") if _STEP_DIR.match(p.name) and (p / STATE_FILE).exists()]
+    complete = [p for p in root.glob("global_step_*") if _STEP_DIR.match(p.name) and checkpoint_problem(p) is None]
     return max(complete, key=lambda p: int(_STEP_DIR.match(p.name).group(1)), default=None)
+
+
+def part_problem(directory: Path) -> str | None:
+    """Why a service's checkpoint directory is not complete here, or None when it is: its meta.json
+    (written last) lists every other file with its size, and each must be there with that size."""
+    try:
+        files = json.loads((directory / "meta.json").read_text())["files"]
+    except FileNotFoundError:
+        return f"{directory} is missing" if not directory.exists() else f"{directory}/meta.json is missing"
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        return f"{directory}/meta.json is unreadable: {type(error).__name__}: {error}"
+    for name, size in files.items():
+        try:
+            found = (directory / name).stat().st_size
+        except OSError:
+            return f"{directory / name} is missing"
+        if found != size:
+            return f"{directory / name} has {found} bytes, not the {size} written"
+    return None
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """Why global_step_N is not a complete checkpoint, or None: the coordinator state and every part it lists."""
+    try:
+        state = read_state(path)
+    except CheckpointError as error:
+        return str(error)
+    return next(filter(None, (part_problem(path / part) for part in state.parts)), None)
+
+
+def require_complete(path: Path) -> None:
+    """Raises CheckpointError, saying what is missing, unless `path` is a complete checkpoint."""
+    problem = checkpoint_problem(path)
+    if problem is not None:
+        raise CheckpointError(f"{path} is not a complete checkpoint: {problem}")
 
 
 def read_state(path: str | Path) -> CoordinatorState:
@@ -104,8 +146,18 @@ class CheckpointWriter:
         return self.tmp
 
     def commit(self, state: CoordinatorState) -> Path:
+        """Checks that every part in state.parts is complete in the temporary directory, then writes
+        the state and moves the checkpoint into place; CheckpointError (and nothing kept) otherwise."""
         assert self.tmp is not None, "begin() first"
         final = step_dir(self.run_dir, self.step)
+        for part in state.parts:
+            problem = part_problem(self.tmp / part)
+            if problem is not None:
+                self.abort()
+                raise CheckpointError(
+                    f"the {part}'s part of checkpoint {final.name} is not where the coordinator reads it ({problem}): "
+                    f"the {part} and the coordinator must share the run directory {self.run_dir} "
+                    "(in Kubernetes: one ReadWriteMany volume mounted by both)")
         try:
             state.saved_at = time.time()
             (self.tmp / STATE_FILE).write_text(json.dumps(asdict(state), indent=2))
@@ -138,7 +190,7 @@ class CheckpointWriter:
         if self.keep <= 0:
             return
         root = checkpoint_root(self.run_dir)
-        complete = [p for p in root.iterdir() if _STEP_DIR.match(p.name) and (p / STATE_FILE).exists()]
+        complete = [p for p in root.iterdir() if _STEP_DIR.match(p.name) and checkpoint_problem(p) is None]
         by_age = sorted(complete, key=_saved_at)
         for path in by_age[: -self.keep]:
             if path != keep_path:

@@ -34,6 +34,7 @@ from rlfabric.coordinator.checkpoints import (
     CoordinatorState,
     latest_checkpoint,
     read_state,
+    require_complete,
 )
 from rlfabric.coordinator.dataset import DataCursor, PromptRow, RLHFDataset
 from rlfabric.coordinator.peers import Peers
@@ -109,6 +110,8 @@ class PPOTrainer:
         path = Path(trainer.resume_from_path) if trainer.resume_from_path else (
             latest_checkpoint(self.run_dir) if trainer.resume == "auto" else None)
         self.on_phase("resuming" if path else "starting")
+        if path is not None:
+            require_complete(path)
         roles = {"actor": self.peers.actor, "critic": self.peers.critic}
         for role, client in roles.items():
             if client is None:
@@ -404,7 +407,7 @@ class PPOTrainer:
             await asyncio.gather(*saves)
             state = CoordinatorState(step=self.step, data_epoch=cursor.epoch, data_position=cursor.position,
                                      kl_coef=self.kl_ctrl.value, weight_version=self.weight_version,
-                                     run_id=self.run_id)
+                                     run_id=self.run_id, parts=["actor"] + ["critic"] * (self.peers.critic is not None))
             path = await asyncio.to_thread(writer.commit, state)  # fsyncs: off the event loop
         except BaseException as error:
             writer.abort()
