@@ -145,13 +145,50 @@ def is_loopback(host: str) -> bool:
 
 
 def server_credentials(tls: TlsConfig) -> grpc.ServerCredentials:
-    """TLS credentials; with require_client_cert, clients must present a cert signed by ca_file."""
-    cert = read_named_file("server.tls.cert_file", tls.cert_file)
-    key = read_named_file("server.tls.key_file", tls.key_file)
-    ca = read_named_file("server.tls.ca_file", tls.ca_file) if tls.ca_file else None
-    if tls.require_client_cert and ca is None:
+    """TLS credentials; with require_client_cert, clients must present a cert signed by ca_file.
+
+    A renewed certificate (cert-manager rewrites the mounted Secret) is picked up without a restart:
+    gRPC asks the fetcher before every new connection's handshake, and it rereads the files when they
+    changed. Open connections keep the certificate they were set up with."""
+    if tls.require_client_cert and not tls.ca_file:
         raise ConfigError("server.tls.require_client_cert needs server.tls.ca_file")
-    return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=tls.require_client_cert)
+    files = CertificateFiles(tls)
+    return grpc.dynamic_ssl_server_credentials(files.initial, files.changed_configuration,
+                                               require_client_authentication=tls.require_client_cert)
+
+
+class CertificateFiles:
+    """The certificate, key and CA files of a server, reread when any of them changes."""
+
+    def __init__(self, tls: TlsConfig):
+        self.tls = tls
+        self.initial = self.configuration()
+        self.signature = self._signature()
+
+    def configuration(self) -> grpc.ServerCertificateConfiguration:
+        tls = self.tls
+        cert = read_named_file("server.tls.cert_file", tls.cert_file)
+        key = read_named_file("server.tls.key_file", tls.key_file)
+        ca = read_named_file("server.tls.ca_file", tls.ca_file) if tls.ca_file else None
+        return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=ca)
+
+    def changed_configuration(self) -> grpc.ServerCertificateConfiguration | None:
+        """The new configuration when a file changed since the last read, else None (keep the current)."""
+        try:
+            signature = self._signature()
+            if signature == self.signature:
+                return None
+            configuration = self.configuration()
+        except (OSError, ConfigError) as error:  # mid-rewrite, or removed: keep serving the current one
+            log.warning("TLS files unreadable, keeping the current certificate: %s", error)
+            return None
+        self.signature = signature
+        log.info("TLS certificate reloaded", extra={"fields": {"cert_file": self.tls.cert_file}})
+        return configuration
+
+    def _signature(self) -> tuple:
+        paths = [p for p in (self.tls.cert_file, self.tls.key_file, self.tls.ca_file) if p]
+        return tuple((s.st_ino, s.st_mtime_ns, s.st_size) for s in map(os.stat, paths))
 
 
 class RlfabricServer:
@@ -230,7 +267,9 @@ class RlfabricServer:
         await self._server.start()
         self.bound.set()
         log.info("serving", extra={"fields": {"role": self.service.role, "port": self.port,
-                                              "metrics_port": self.metrics_port, "services": names}})
+                                              "metrics_port": self.metrics_port, "services": names,
+                                              "tls": opts.tls.enabled, "client_certs": opts.tls.require_client_cert,
+                                              "auth": bool(opts.auth_token)}})
         await self.service.engine.start()
         if self._state == "starting":
             self._state = "ready"

@@ -2,75 +2,35 @@
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
-from pathlib import Path
+import os
 
 import grpc
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rlfabric.core.client import ChannelOptions, open_channel
 from rlfabric.core.config import TlsConfig
 from rlfabric.core.server import ServerOptions
 from rlfabric.v1 import reward_pb2, reward_pb2_grpc
+from tests.pki import TestCA
 
 from .probe_services import probe_service
 
 REQUEST = reward_pb2.ScoreRequest(items=[reward_pb2.ScoreItem(data_source="ok")])
 
 
-def _key():
-    return ec.generate_private_key(ec.SECP256R1())
-
-
-def _cert(subject: str, key, issuer_key, issuer_name, is_ca: bool, san: bool) -> x509.Certificate:
-    now = datetime.datetime.now(datetime.timezone.utc)
-    builder = (
-        x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
-        .issuer_name(issuer_name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.BasicConstraints(ca=is_ca, path_length=None), critical=True)
-    )
-    if san:
-        names = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
-        builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
-    return builder.sign(issuer_key, hashes.SHA256())
-
-
-def _write(path: Path, cert=None, key=None) -> str:
-    if cert is not None:
-        path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    else:
-        path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
-    return str(path)
-
-
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory):
     """A CA, a server cert (SAN 127.0.0.1/localhost), a client cert, and a rogue client cert."""
     d = tmp_path_factory.mktemp("pki")
-    ca_key = _key()
-    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "rlfabric-test-ca")])
-    ca = _cert("rlfabric-test-ca", ca_key, ca_key, ca_name, is_ca=True, san=False)
-    files = {"ca": _write(d / "ca.pem", cert=ca)}
-    for name, issuer_key, issuer_name in (("server", ca_key, ca_name), ("client", ca_key, ca_name)):
-        key = _key()
-        files[name] = _write(d / f"{name}.pem", cert=_cert(name, key, issuer_key, issuer_name, False, True))
-        files[f"{name}_key"] = _write(d / f"{name}.key", key=key)
-    rogue_key = _key()
-    rogue_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "rogue")])
-    files["rogue"] = _write(d / "rogue.pem", cert=_cert("rogue", rogue_key, rogue_key, rogue_name, False, True))
-    files["rogue_key"] = _write(d / "rogue.key", key=rogue_key)
+    ca = TestCA()
+    (d / "ca.pem").write_bytes(ca.pem)
+    files = {"ca": str(d / "ca.pem")}
+    for name, issuer in (("server", ca), ("client", ca), ("rogue", TestCA("rogue"))):
+        cert, key = issuer.issue(["localhost", "127.0.0.1"], subject=name)
+        (d / f"{name}.pem").write_bytes(cert)
+        (d / f"{name}.key").write_bytes(key)
+        files[name], files[f"{name}_key"] = str(d / f"{name}.pem"), str(d / f"{name}.key")
     return files
 
 
@@ -140,3 +100,36 @@ def test_mtls_refuses_clients_without_a_trusted_cert(serve_in_thread, pki):
         with pytest.raises(grpc.RpcError) as only_health:
             reward_pb2_grpc.RewardServiceStub(probe).Score(REQUEST, timeout=3)
         assert only_health.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_a_renewed_certificate_is_served_without_a_restart(serve_in_thread, tmp_path):
+    """cert-manager renews the mounted Secret (each file replaced whole): new connections get the new
+    certificate; clients that trust only the old CA are refused from then on."""
+    old_ca, new_ca = TestCA("old-ca"), TestCA("new-ca")
+    mounted = tmp_path / "tls"
+    mounted.mkdir()
+
+    def install(ca: TestCA) -> None:
+        cert, key = ca.issue(["localhost", "127.0.0.1"])
+        for name, data in (("tls.crt", cert), ("tls.key", key), ("ca.crt", ca.pem)):
+            (mounted / f".{name}.new").write_bytes(data)
+            os.replace(mounted / f".{name}.new", mounted / name)
+
+    def trusting(ca: TestCA) -> TlsConfig:
+        (tmp_path / f"{id(ca)}.pem").write_bytes(ca.pem)
+        return TlsConfig(ca_file=str(tmp_path / f"{id(ca)}.pem"))
+
+    async def score_with(client_tls: TlsConfig):
+        async with open_channel(server.address, ChannelOptions(tls=client_tls)) as channel:
+            return await reward_pb2_grpc.RewardServiceStub(channel).Score(REQUEST, timeout=5)
+
+    install(old_ca)
+    tls = TlsConfig(cert_file=str(mounted / "tls.crt"), key_file=str(mounted / "tls.key"),
+                    ca_file=str(mounted / "ca.crt"))
+    server = serve_in_thread(probe_service(), ServerOptions(port=0, metrics_port=None, tls=tls, health_port=0))
+    assert server.run(score_with(trusting(old_ca))).results[0].score == 1.0
+    install(new_ca)
+    assert server.run(score_with(trusting(new_ca))).results[0].score == 1.0
+    with pytest.raises(grpc.RpcError) as refused:
+        server.run(score_with(trusting(old_ca)))
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
