@@ -32,6 +32,7 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from rlfabric.core.errors import FailedPrecondition
 from rlfabric.core.storage import fsync, fsync_tree
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
@@ -39,8 +40,9 @@ STATE_FILE = "coordinator.json"
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint could not be written or read; the message says which and why."""
+class CheckpointError(FailedPrecondition):
+    """A checkpoint could not be written or read; the message says which and why (FAILED_PRECONDITION:
+    the storage, not the request, has to change)."""
 
 
 @dataclass
@@ -97,6 +99,17 @@ def part_problem(directory: Path) -> str | None:
     return None
 
 
+def require_part_visible(role: str, directory: Path, run_dir: Path) -> None:
+    """Raises CheckpointError unless the part `role` just wrote into `directory` is complete where the
+    coordinator reads it: the error names the storage the role and the coordinator must share."""
+    problem = part_problem(directory)
+    if problem is not None:
+        raise CheckpointError(
+            f"the {role}'s part {directory.name} is not where the coordinator reads it ({problem}): "
+            f"the {role} and the coordinator must share the run directory {run_dir} "
+            "(in Kubernetes: one ReadWriteMany volume mounted by both)")
+
+
 def checkpoint_problem(path: Path) -> str | None:
     """Why global_step_N is not a complete checkpoint, or None: the coordinator state and every part it lists."""
     try:
@@ -151,13 +164,11 @@ class CheckpointWriter:
         assert self.tmp is not None, "begin() first"
         final = step_dir(self.run_dir, self.step)
         for part in state.parts:
-            problem = part_problem(self.tmp / part)
-            if problem is not None:
+            try:
+                require_part_visible(part, self.tmp / part, self.run_dir)
+            except CheckpointError:
                 self.abort()
-                raise CheckpointError(
-                    f"the {part}'s part of checkpoint {final.name} is not where the coordinator reads it ({problem}): "
-                    f"the {part} and the coordinator must share the run directory {self.run_dir} "
-                    "(in Kubernetes: one ReadWriteMany volume mounted by both)")
+                raise
         try:
             state.saved_at = time.time()
             (self.tmp / STATE_FILE).write_text(json.dumps(asdict(state), indent=2))

@@ -35,6 +35,7 @@ from rlfabric.coordinator.checkpoints import (
     latest_checkpoint,
     read_state,
     require_complete,
+    require_part_visible,
 )
 from rlfabric.coordinator.dataset import DataCursor, PromptRow, RLHFDataset
 from rlfabric.coordinator.peers import Peers
@@ -122,6 +123,8 @@ class PPOTrainer:
             elif (await ask(role, client.get_status())).optimizer_step == 0:
                 if not (initial_dir / role / "meta.json").exists():
                     await ask(role, client.save_checkpoint(str(initial_dir / role)))
+                    # Storage the coordinator and this role do not share fails here, not at the first checkpoint.
+                    require_part_visible(role, initial_dir / role, self.run_dir)
             elif (initial_dir / role / "meta.json").exists():
                 await ask(role, client.load_checkpoint(str(initial_dir / role)))
             else:

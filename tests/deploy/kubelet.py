@@ -4,7 +4,8 @@
 
 Run in a network and mount namespace of its own, it brings up the loopback interface, bind-mounts the
 plan's hosts file on /etc/hosts (so the Services' DNS names resolve to the pods' addresses, each pod its
-own 127.0.1.x address, as each pod has its own IP in a cluster), starts every pod's container command,
+own 127.0.1.x address, as each pod has its own IP in a cluster), starts every pod's container command in
+a mount namespace of the pod's own where its volumes are mounted as the pod spec says (see pod_command),
 probes each pod as the kubelet does (grpc.health.v1 Check with the probe's service name, on the probe's
 port) until all are SERVING, runs the Job to its end, stops the pods with SIGTERM and writes what
 happened to RESULT.json. The plan (argv and env already resolved from the rendered manifests) is made by
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -25,9 +27,31 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 
-def start_pod(pod: dict, logs: Path) -> subprocess.Popen:
+def pod_command(pod: dict, mount_root: str) -> list[str]:
+    """The pod's argv wrapped so it runs in a mount namespace of its own: a fresh tmpfs on mount_root (the
+    folder every mountPath of the test's values lies in) hides whatever other pods mounted there, then
+    each of the pod's volumes is bind-mounted at its mountPath (read-only where the spec says). A pod sees
+    the shared "PVC" only if its spec mounts it; without it, it writes into its own tmpfs, as a pod writes
+    into its container's filesystem. Mounts outside mount_root (/tmp, /dev/shm) are left as they are."""
+    steps = ["set -e", f"mount -t tmpfs -o mode=0755 pod {shlex.quote(mount_root)}"]
+    for mount in pod["mounts"]:
+        if not mount["target"].startswith(mount_root + "/"):
+            continue  # e.g. /tmp: the test's own files live there
+        target, source = shlex.quote(mount["target"]), shlex.quote(mount["source"])
+        if mount["file"]:
+            steps.append(f"mkdir -p $(dirname {target}) && touch {target}")
+        else:
+            steps.append(f"mkdir -p {target}")
+        steps.append(f"mount --bind {source} {target}")
+        if mount["read_only"]:
+            steps.append(f"mount -o remount,bind,ro {target}")
+    steps.append('exec "$@"')
+    return ["unshare", "--mount", "--propagation", "private", "sh", "-c", "\n".join(steps), pod["name"], *pod["argv"]]
+
+
+def start_pod(pod: dict, mount_root: str, logs: Path) -> subprocess.Popen:
     log = open(logs / f"{pod['name']}.log", "wb")  # noqa: SIM115 - the pod's lifetime
-    return subprocess.Popen(pod["argv"], env=pod["env"], stdout=log, stderr=subprocess.STDOUT,
+    return subprocess.Popen(pod_command(pod, mount_root), env=pod["env"], stdout=log, stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL, start_new_session=True)
 
 
@@ -70,10 +94,10 @@ def main() -> None:
     result: dict = {}
     try:
         for pod in plan["pods"]:
-            processes[pod["name"]] = start_pod(pod, logs)
+            processes[pod["name"]] = start_pod(pod, plan["mount_root"], logs)
         result["ready_s"] = await_readiness(plan["pods"], processes, plan["ready_timeout_s"])
         job = plan["job"]
-        done = subprocess.run(job["argv"], env=job["env"], capture_output=True, text=True,
+        done = subprocess.run(pod_command(job, plan["mount_root"]), env=job["env"], capture_output=True, text=True,
                               timeout=plan["job_timeout_s"])
         result["job"] = {"returncode": done.returncode, "stdout": done.stdout, "stderr": done.stderr}
     except Exception as error:  # reported to the test, with the pods' logs

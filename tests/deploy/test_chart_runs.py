@@ -3,8 +3,14 @@
 No Kubernetes runs on this machine, so the test plays the rendered chart:
 - it renders ci/cpu-values.yaml with the config pointed at what exists here (the tiny model instead of a
   hub model, the built-in task instead of GSM8K files on a volume, the transformers engine, 2 steps) and
-  the mount paths (configPath, auth.mountPath, persistence.mountPath) pointed at a temp folder;
-- writes each rendered ConfigMap and Secret where the pods mount them, and uses one folder as the PVC;
+  the mount paths (configPath, auth.mountPath, persistence.mountPath, tls.mountPath) pointed into one
+  temp folder, the mount root;
+- writes each rendered ConfigMap and Secret into a folder of its own and uses one folder as the PVC; each
+  pod runs in a mount namespace of its own with exactly the volumes its spec mounts bind-mounted at their
+  mountPaths on a fresh tmpfs over the mount root (tests/deploy/kubelet.py), so a pod that does not mount
+  the PVC does not see it;
+- plays cert-manager when the chart asks for a Certificate: a test CA issues it for the names it lists
+  into the Secret it names;
 - turns every StatefulSet/Deployment replica into a pod: its container's command, args and env as the
   kubelet resolves them (downward API: pod name, namespace, IP, pod index; $(VAR) in args), each pod on
   its own loopback address 127.0.1.N, as each pod has its own IP (so `--host 0.0.0.0` binds that address);
@@ -14,7 +20,9 @@ No Kubernetes runs on this machine, so the test plays the rendered chart:
 - probes every pod as the kubelet does (its readinessProbe: grpc.health.v1 Check of that service name)
   and runs the run Job's command to its end.
 Pass: the Job exits 0 after both steps, a complete checkpoint (actor and coordinator parts) and the final
-model are on the "PVC", and every pod drains and exits 0 on SIGTERM.
+model are on the "PVC", and every pod drains and exits 0 on SIGTERM. The same with TLS from cert-manager
+and mutual TLS; and a mesh whose actor does not mount the shared volume fails its run at the start with
+a message naming the storage requirement.
 """
 
 from __future__ import annotations
@@ -32,7 +40,9 @@ import pytest
 import yaml
 
 from rlfabric.actor.tiny_model import make_tiny_model
+from rlfabric.coordinator.checkpoints import latest_checkpoint, read_state
 from tests.deploy.test_helm import CHART, NAMESPACE, RELEASE, helm, parse_manifests, render_chart
+from tests.pki import TestCA
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"),
                                 reason="the stand-in kubelet needs root for its mount and network namespace")
@@ -46,9 +56,16 @@ def cpu_values(workdir: Path, model: Path) -> dict:
     config["data"].update(train_files=[], val_files=[], max_response_length=8)
     config["rollout"]["engine"] = "hf"
     config["trainer"].update(total_steps=2, save_freq=0, progress_bar=False)
-    values["configPath"] = str(workdir / "etc" / "config.yaml")
-    values["auth"] = {"mountPath": str(workdir / "auth")}
-    values["persistence"]["mountPath"] = str(workdir / "data")
+    mount_root = workdir / "mnt"
+    values["configPath"] = str(mount_root / "etc" / "config.yaml")
+    values["auth"] = {"mountPath": str(mount_root / "auth")}
+    values["persistence"]["mountPath"] = str(mount_root / "data")
+    values["tls"] = {"mountPath": str(mount_root / "tls")}
+    return values
+
+
+def with_cert_manager_tls(values: dict) -> dict:
+    values["tls"].update(enabled=True, mtls=True, certManager={"enabled": True, "issuerRef": {"name": "mesh-ca"}})
     return values
 
 
@@ -71,17 +88,53 @@ def resolve(container: dict, pod: dict) -> tuple[list[str], dict[str, str]]:
     return [str(VENV_BIN / container["command"][0]), *container["command"][1:], *args], env
 
 
-def plan_of(docs: list[dict], values: dict, workdir: Path) -> dict:
-    """Pods, hosts and the Job of the rendered manifests; ConfigMaps and Secrets written where mounted."""
-    config_path, auth_dir = Path(values["configPath"]), Path(values["auth"]["mountPath"])
+def write_volume_sources(docs: list[dict], volumes: Path) -> None:
+    """ConfigMaps and Secrets (and, playing cert-manager, each Certificate's Secret) as folders of files."""
+    ca = TestCA("mesh-ca")
     for doc in docs:
-        if doc["kind"] == "ConfigMap" and "config.yaml" in doc["data"]:
-            config_path.parent.mkdir(parents=True, exist_ok=True)
-            config_path.write_text(doc["data"]["config.yaml"])
-        if doc["kind"] == "Secret":
-            auth_dir.mkdir(parents=True, exist_ok=True)
-            for key, encoded in doc["data"].items():
-                (auth_dir / key).write_bytes(base64.b64decode(encoded))
+        if doc["kind"] == "ConfigMap":
+            files = {key: value.encode() for key, value in doc["data"].items()}
+        elif doc["kind"] == "Secret":
+            files = {key: base64.b64decode(value) for key, value in doc["data"].items()}
+        elif doc["kind"] == "Certificate":
+            cert, key = ca.issue(doc["spec"]["dnsNames"], subject=doc["spec"]["commonName"])
+            doc = {"kind": "Secret", "metadata": {"name": doc["spec"]["secretName"]}}
+            files = {"tls.crt": cert, "tls.key": key, "ca.crt": ca.pem}
+        else:
+            continue
+        folder = volumes / f"{doc['kind'].lower()}-{doc['metadata']['name']}"
+        folder.mkdir(parents=True)
+        for key, data in files.items():
+            (folder / key).write_bytes(data)
+
+
+def mounts_of(pod_spec: dict, container: dict, pod_name: str, volumes: Path) -> list[dict]:
+    """Each volumeMount of the container with the folder that backs it."""
+    sources = {}
+    for volume in pod_spec["volumes"]:
+        if "configMap" in volume:
+            sources[volume["name"]] = volumes / f"configmap-{volume['configMap']['name']}"
+        elif "secret" in volume:
+            sources[volume["name"]] = volumes / f"secret-{volume['secret']['secretName']}"
+        elif "persistentVolumeClaim" in volume:
+            sources[volume["name"]] = volumes / f"pvc-{volume['persistentVolumeClaim']['claimName']}"
+        elif "emptyDir" in volume:
+            sources[volume["name"]] = volumes / "emptydir" / pod_name / volume["name"]
+    mounts = []
+    for mount in container["volumeMounts"]:
+        source = sources[mount["name"]]
+        source.mkdir(parents=True, exist_ok=True)
+        if mount.get("subPath"):
+            source = source / mount["subPath"]
+        mounts.append({"source": str(source), "target": mount["mountPath"], "file": bool(mount.get("subPath")),
+                       "read_only": bool(mount.get("readOnly"))})
+    return mounts
+
+
+def plan_of(docs: list[dict], workdir: Path) -> dict:
+    """Pods (argv, env, probe, mounts), hosts and the Job of the rendered manifests."""
+    volumes = workdir / "volumes"
+    write_volume_sources(docs, volumes)
     pods, hosts, by_component = [], {}, {}
     for doc in docs:
         if doc["kind"] not in ("StatefulSet", "Deployment"):
@@ -91,6 +144,7 @@ def plan_of(docs: list[dict], values: dict, workdir: Path) -> dict:
             pod = {"name": f"{name}-{index}", "index": index, "ip": f"127.0.1.{len(pods) + 1}"}
             (container,) = spec["template"]["spec"]["containers"]
             pod["argv"], pod["env"] = resolve(container, pod)
+            pod["mounts"] = mounts_of(spec["template"]["spec"], container, pod["name"], volumes)
             probe = container["readinessProbe"]["grpc"]
             pod["probe"] = {"port": probe["port"], "service": probe.get("service", "")}
             pods.append(pod)
@@ -106,22 +160,20 @@ def plan_of(docs: list[dict], values: dict, workdir: Path) -> dict:
     (container,) = job["spec"]["template"]["spec"]["containers"]
     job_pod = {"name": f"{job['metadata']['name']}-0", "index": 0, "ip": "127.0.1.250"}
     argv, env = resolve(container, job_pod)
+    job_mounts = mounts_of(job["spec"]["template"]["spec"], container, job_pod["name"], volumes)
     hosts_file = workdir / "hosts"
     hosts_file.write_text("127.0.0.1 localhost\n" + "".join(f"{ip} {name}\n" for name, ip in hosts.items()))
-    return {"workdir": str(workdir), "hosts_file": str(hosts_file), "pods": pods,
-            "job": {"argv": argv, "env": env}, "ready_timeout_s": 300, "job_timeout_s": 600}
+    mount_root = workdir / "mnt"
+    mount_root.mkdir(parents=True, exist_ok=True)
+    return {"workdir": str(workdir), "hosts_file": str(hosts_file), "mount_root": str(mount_root), "pods": pods,
+            "job": {"name": job_pod["name"], "argv": argv, "env": env, "mounts": job_mounts},
+            "ready_timeout_s": 300, "job_timeout_s": 600}
 
 
-def test_helm_install_of_the_cpu_values_runs_a_training_to_the_end(tmp_path):
-    model = make_tiny_model(tmp_path / "model")
-    workdir = tmp_path / "cluster"
-    values = cpu_values(workdir, model)
-    with helm.Chart.load(CHART) as chart:
-        docs = parse_manifests(render_chart(chart, values))
-    plan = plan_of(docs, values, workdir)
-    assert {p["name"].removeprefix(f"{RELEASE}-rlfabric-") for p in plan["pods"]} == {
-        "actor-0", "rollout-0", "reward-0", "coordinator-0"}  # GRPO: no critic, no reference
-    plan_file, result_file = tmp_path / "plan.json", tmp_path / "result.json"
+def play(docs: list[dict], workdir: Path) -> tuple[dict, str]:
+    """Runs the rendered chart under the stand-in kubelet; returns its result and the pods' logs."""
+    plan = plan_of(docs, workdir)
+    plan_file, result_file = workdir / "plan.json", workdir / "result.json"
     plan_file.write_text(json.dumps(plan))
     repo = CHART.parents[1]
     python_path = os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(repo)]))
@@ -130,14 +182,78 @@ def test_helm_install_of_the_cpu_values_runs_a_training_to_the_end(tmp_path):
     result = json.loads(result_file.read_text())
     logs = "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted((workdir / "logs").glob("*.log")))
     assert "error" not in result, f"{result['error']}\n{logs}"
+    return result, logs
+
+
+def render(values: dict) -> list[dict]:
+    with helm.Chart.load(CHART) as chart:
+        return parse_manifests(render_chart(chart, values))
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("model"))
+
+
+def check_run_completed(result: dict, logs: str, workdir: Path) -> None:
     job = result["job"]
     assert job["returncode"] == 0, f"{job['stdout']}\n{job['stderr']}\n{logs}"
     lines = job["stdout"].splitlines()
     assert [line.split()[1] for line in lines if line.startswith("step ")] == ["1/2", "2/2"], lines
     assert lines[-1].endswith("RUN_STATE_COMPLETED at step 2")
-    run_dir = workdir / "data" / "runs" / RELEASE  # the chart's trainer.run_dir on the "PVC"
+    run_dir = workdir / "volumes" / f"pvc-{RELEASE}-rlfabric-data" / "runs" / RELEASE  # trainer.run_dir on the "PVC"
     checkpoint = run_dir / "checkpoints" / "global_step_2"
-    assert (checkpoint / "actor" / "model.safetensors").exists() and (checkpoint / "coordinator.json").exists()
-    assert (run_dir / "checkpoints" / "latest_checkpointed_iteration.txt").read_text() == "2"
+    assert latest_checkpoint(run_dir) == checkpoint  # complete: coordinator state and the actor's part
+    assert read_state(checkpoint).parts == ["actor"] and (checkpoint / "actor" / "model.safetensors").exists()
     assert (run_dir / "final_model" / "model.safetensors").exists()
     assert set(result["exit_codes"].values()) == {0}, result["exit_codes"]  # every pod drained on SIGTERM
+
+
+def pod_names(docs: list[dict]) -> set[str]:
+    return {f"{d['metadata']['name'].removeprefix(f'{RELEASE}-rlfabric-')}-{i}"
+            for d in docs if d["kind"] in ("StatefulSet", "Deployment") for i in range(d["spec"]["replicas"])}
+
+
+def test_helm_install_of_the_cpu_values_runs_a_training_to_the_end(tmp_path, model):
+    workdir = tmp_path / "cluster"
+    docs = render(cpu_values(workdir, model))
+    assert pod_names(docs) == {"actor-0", "rollout-0", "reward-0", "coordinator-0"}  # GRPO: no critic, no reference
+    result, logs = play(docs, workdir)
+    check_run_completed(result, logs, workdir)
+
+
+def test_with_tls_from_cert_manager_and_client_certificates(tmp_path, model):
+    """tls.certManager: the chart's Certificate, issued here by a test CA for exactly the names it lists,
+    carries every connection of the run (services, weight-sync control, the Job) over mutual TLS."""
+    workdir = tmp_path / "cluster"
+    docs = render(with_cert_manager_tls(cpu_values(workdir, model)))
+    (certificate,) = [d for d in docs if d["kind"] == "Certificate"]
+    assert certificate["spec"]["issuerRef"]["name"] == "mesh-ca"
+    result, logs = play(docs, workdir)
+    check_run_completed(result, logs, workdir)
+    for pod in pod_names(docs):
+        (serving,) = [event for event in log_events(workdir, pod) if event["event"] == "serving"]
+        assert (serving["tls"], serving["client_certs"], serving["auth"]) == (True, True, True), (pod, serving)
+
+
+def log_events(workdir: Path, pod: str) -> list[dict]:
+    """The JSON log lines of a pod."""
+    lines = (workdir / "logs" / f"{RELEASE}-rlfabric-{pod}.log").read_text().splitlines()
+    return [json.loads(line) for line in lines if line.startswith("{")]
+
+
+def test_an_actor_without_the_shared_volume_fails_the_run_at_its_start(tmp_path, model):
+    """A chart edited (or a volume misconfigured) so the actor writes checkpoints to a disk of its own:
+    the run fails before its first step, naming the storage the actor and coordinator must share."""
+    workdir = tmp_path / "cluster"
+    docs = render(cpu_values(workdir, model))
+    (actor,) = [d for d in docs if d["kind"] == "StatefulSet" and d["metadata"]["name"].endswith("-actor")]
+    (container,) = actor["spec"]["template"]["spec"]["containers"]
+    container["volumeMounts"] = [m for m in container["volumeMounts"] if m["name"] != "data"]
+    result, logs = play(docs, workdir)
+    job = result["job"]
+    assert job["returncode"] != 0, job["stdout"]
+    output = job["stdout"] + job["stderr"]
+    assert "FAILED_PRECONDITION" in output and "must share the run directory" in output, output
+    assert "ReadWriteMany" in output, output
+    assert not [line for line in job["stdout"].splitlines() if line.startswith("step ")], job["stdout"]

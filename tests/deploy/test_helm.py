@@ -62,6 +62,12 @@ CASES: dict[str, dict[str, Any]] = {
     "gpu-separate": yaml.safe_load((CHART / "ci" / "gpu-separate-values.yaml").read_text()),
     "colocated": yaml.safe_load((CHART / "ci" / "colocated-values.yaml").read_text()),
     "mtls": TLS_VALUES,
+    # TLS from a cert-manager Certificate, critic and reference on (every name the certificate must cover).
+    "cert-manager": {
+        "tls": {"enabled": True, "mtls": True, "certManager": {"enabled": True,
+                                                               "issuerRef": {"name": "mesh-ca", "kind": "ClusterIssuer"}}},
+        "roles": {"rollout": {"replicas": 2}, "critic": {"enabled": True}, "reference": {"enabled": True}},
+    },
 }
 
 
@@ -278,6 +284,18 @@ def check_service_monitor(sm: dict[str, Any]) -> None:
         assert re.fullmatch(r"[0-9]+(ms|s|m|h)", ep["interval"])
 
 
+def check_certificate(cert: dict[str, Any]) -> None:
+    """Structural check of cert-manager's Certificate (a CRD kind kubernetes-validate has no schema for)."""
+    assert cert["apiVersion"] == "cert-manager.io/v1"
+    spec = cert["spec"]
+    assert set(spec) <= {"secretName", "issuerRef", "commonName", "dnsNames", "duration", "renewBefore",
+                         "privateKey", "usages"}
+    assert spec["secretName"] and spec["issuerRef"]["name"] and spec["dnsNames"]
+    assert set(spec["issuerRef"]) <= {"name", "kind", "group"}
+    assert {"server auth", "client auth"} <= set(spec["usages"])
+    assert all(re.fullmatch(r"[0-9]+h", spec[key]) for key in ("duration", "renewBefore"))
+
+
 def test_manifests_valid_for_kubernetes_1_30(rendered):
     assert rendered.docs
     for doc in rendered.docs:
@@ -287,6 +305,11 @@ def test_manifests_valid_for_kubernetes_1_30(rendered):
             with pytest.raises(kv.SchemaNotFoundError):
                 kv.validate(doc, KUBE_VERSION, strict=True)
             check_service_monitor(doc)
+            continue
+        if doc["kind"] == "Certificate":
+            with pytest.raises(kv.SchemaNotFoundError):
+                kv.validate(doc, KUBE_VERSION, strict=True)
+            check_certificate(doc)
             continue
         try:
             kv.validate(doc, KUBE_VERSION, strict=True)
@@ -588,6 +611,33 @@ def test_tls_and_auth_from_named_secrets(by_case):
         assert mounts["tls"] == "/etc/rlfabric/tls" and mounts["auth"] == "/etc/rlfabric/auth"
     assert not r.of_kind("Secret"), "the chart must only reference user-named Secrets"
     assert "allow_insecure" not in server  # TLS on: nothing to allow
+
+
+def test_a_cert_manager_certificate_names_every_address_the_mesh_dials(by_case):
+    """Every address in the services' cluster config and the Job's coordinator address is a name of the
+    Certificate (directly or by a one-label wildcard), whose Secret every pod and the Job mount."""
+    r = by_case["cert-manager"]
+    (cert,) = r.of_kind("Certificate")
+    names = cert["spec"]["dnsNames"]
+    assert cert["spec"]["issuerRef"] == {"name": "mesh-ca", "kind": "ClusterIssuer", "group": "cert-manager.io"}
+
+    def covered(host: str) -> bool:
+        return host in names or f"*.{host.split('.', 1)[1]}" in names
+
+    (job,) = r.of_kind("Job")
+    dialed = [a for addrs in r.run_config()["cluster"].values() for a in addrs]
+    dialed.append(job["spec"]["template"]["spec"]["containers"][0]["args"][2])  # train --coordinator HOST:PORT
+    assert len(dialed) == 1 + 1 + 1 + 2 + 1 + 1  # actor, reference, critic, 2 rollouts, reward, coordinator
+    for address in dialed:
+        assert covered(address.rsplit(":", 1)[0]), address
+    for workload in [*(r.workload(role) for role in r.enabled()), job]:
+        volumes = workload["spec"]["template"]["spec"]["volumes"]
+        assert {"name": "tls", "secret": {"secretName": cert["spec"]["secretName"], "defaultMode": 0o440}} in volumes
+
+
+def test_cert_manager_needs_an_issuer(chart):
+    with pytest.raises(helm.HelmError, match="issuerRef"):
+        render_chart(chart, {"tls": {"enabled": True, "certManager": {"enabled": True}}})
 
 
 def test_auth_is_on_by_default_with_a_generated_token(by_case):

@@ -67,6 +67,14 @@ actor reference critic rollout reward coordinator
 {{- .Values.auth.secretName | default (printf "%s-auth" (include "rlfabric.fullname" .)) }}
 {{- end }}
 
+{{/* The Secret holding the TLS certificate: tls.secretName, or the one the chart's cert-manager
+Certificate writes. */}}
+{{- define "rlfabric.tlsSecretName" -}}
+{{- if .Values.tls.secretName }}{{ .Values.tls.secretName }}
+{{- else if .Values.tls.certManager.enabled }}{{ printf "%s-tls" (include "rlfabric.fullname" .) }}
+{{- end }}
+{{- end }}
+
 {{- define "rlfabric.dataClaimName" -}}
 {{- default (printf "%s-data" (include "rlfabric.fullname" .)) .Values.persistence.existingClaim }}
 {{- end }}
@@ -459,7 +467,7 @@ spec:
     {{- if $ctx.Values.tls.enabled }}
     - name: tls
       secret:
-        secretName: {{ $ctx.Values.tls.secretName }}
+        secretName: {{ include "rlfabric.tlsSecretName" $ctx }}
         defaultMode: 288  # 0440
     {{- end }}
     {{- if $ctx.Values.auth.enabled }}
@@ -475,8 +483,11 @@ spec:
 {{- if and .Values.tls.mtls (not .Values.tls.enabled) }}
 {{- fail "tls.mtls requires tls.enabled" }}
 {{- end }}
-{{- if and .Values.tls.enabled (not .Values.tls.secretName) }}
-{{- fail "tls.enabled requires tls.secretName (a Secret with the certificate, key and CA)" }}
+{{- if and .Values.tls.enabled (not (include "rlfabric.tlsSecretName" .)) }}
+{{- fail "tls.enabled requires tls.secretName (a Secret with the certificate, key and CA) or tls.certManager.enabled" }}
+{{- end }}
+{{- if and .Values.tls.certManager.enabled (not .Values.tls.certManager.issuerRef.name) }}
+{{- fail "tls.certManager.enabled requires tls.certManager.issuerRef.name (a cert-manager Issuer or ClusterIssuer)" }}
 {{- end }}
 {{- if and .Values.tls.enabled (eq (int .Values.ports.health) (int .Values.ports.grpc)) }}
 {{- fail "ports.health must differ from ports.grpc when TLS is on" }}
