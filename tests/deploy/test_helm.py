@@ -259,6 +259,9 @@ def test_the_schema_accepts_every_key_the_loader_accepts(chart):
             "is not enabled",
         ),
         ({"roles": {"rollout": {"colocateWith": "rollout"}}}, "must name another role"),
+        ({"persistence": {"enabled": False}}, "write one run folder together"),
+        ({"roles": {"actor": {"mountData": False}}}, "roles.actor.mountData=false"),
+        ({"roles": {"critic": {"enabled": True, "mountData": False}}}, "roles.critic.mountData=false"),
     ],
 )
 def test_template_guards(chart, values, message):

@@ -480,6 +480,14 @@ spec:
 
 {{/* Release-wide checks the schema cannot express. */}}
 {{- define "rlfabric.validate" -}}
+{{- if not .Values.persistence.enabled }}
+{{- fail "persistence.enabled=false gives every pod an emptyDir of its own, but the coordinator, actor and critic write one run folder together (initial weights, checkpoints, final model): keep persistence on (ReadWriteMany, or ReadWriteOnce when every pod runs on one node)" }}
+{{- end }}
+{{- range $role := list "coordinator" "actor" "critic" }}
+{{- if and (include "rlfabric.roleEnabled" (dict "ctx" $ "role" $role)) (not (index $.Values.roles $role).mountData) }}
+{{- fail (printf "roles.%s.mountData=false: the %s writes its part of every checkpoint into the run folder on the data volume, which it must mount" $role $role) }}
+{{- end }}
+{{- end }}
 {{- if and .Values.tls.mtls (not .Values.tls.enabled) }}
 {{- fail "tls.mtls requires tls.enabled" }}
 {{- end }}
