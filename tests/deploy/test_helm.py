@@ -260,6 +260,7 @@ def test_the_schema_accepts_every_key_the_loader_accepts(chart):
         ),
         ({"roles": {"rollout": {"colocateWith": "rollout"}}}, "must name another role"),
         ({"persistence": {"enabled": False}}, "write one run folder together"),
+        ({"config": {"reward": {"model_path": "/data/rm"}}}, "set roles.reward.image.variant: train"),
         ({"roles": {"actor": {"mountData": False}}}, "roles.actor.mountData=false"),
         ({"roles": {"critic": {"enabled": True, "mountData": False}}}, "roles.critic.mountData=false"),
     ],
@@ -989,8 +990,9 @@ def test_dockerfile_targets_match_chart():
 
 
 # What each image leaves out (docker/Dockerfile): light = the project's dependencies without torch;
-# train = the project without the vllm extra; rollout = the project with it.
-IMAGE_LACKS = {"light": ("torch", "vllm"), "train": ("vllm",), "rollout": ()}
+# train = the project without the vllm extra; rollout = the project with it. (tests/deploy/test_images.py
+# builds the light image's venv for real.)
+IMAGE_LACKS = {"light": ("torch", "accelerate", "vllm"), "train": ("vllm",), "rollout": ()}
 WITHOUT = """
 import importlib.abc, sys
 class Missing(importlib.abc.MetaPathFinder):

@@ -480,6 +480,10 @@ spec:
 
 {{/* Release-wide checks the schema cannot express. */}}
 {{- define "rlfabric.validate" -}}
+{{- $reward := get (.Values.config | default dict) "reward" | default dict }}
+{{- if and (get $reward "model_path") (eq .Values.roles.reward.image.variant "light") }}
+{{- fail "config.reward.model_path: a reward model runs on torch, which the light image lacks: set roles.reward.image.variant: train" }}
+{{- end }}
 {{- if not .Values.persistence.enabled }}
 {{- fail "persistence.enabled=false gives every pod an emptyDir of its own, but the coordinator, actor and critic write one run folder together (initial weights, checkpoints, final model): keep persistence on (ReadWriteMany, or ReadWriteOnce when every pod runs on one node)" }}
 {{- end }}
