@@ -14,10 +14,11 @@ import pytest
 from rlfabric import cli
 from rlfabric.actor.client import ActorClient, CriticClient, ReferenceClient
 from rlfabric.coordinator.client import CoordinatorClient
+from rlfabric.coordinator.peers import Peers
 from rlfabric.core import errors
 from rlfabric.core.client import ChannelOptions
 from rlfabric.core.server import ServerOptions, ServiceBinding, ServiceDefinition
-from rlfabric.reward.client import RewardClient
+from rlfabric.reward.client import RewardClient, ShardedRewardClient
 from rlfabric.reward.items import ScoreItem
 from rlfabric.rollout.client import RolloutClient
 from rlfabric.v1 import (
@@ -137,6 +138,25 @@ def test_a_missed_deadline_names_the_deadline_and_a_refused_connection_is_unavai
 class SlowCoordinator(coordinator_pb2_grpc.CoordinatorServiceServicer):
     async def GetRunStatus(self, request, context):
         await asyncio.sleep(30)
+
+
+def test_reward_scoring_that_gives_up_names_the_service_and_the_attempts():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        closed = f"127.0.0.1:{probe.getsockname()[1]}"
+
+    async def scenario():
+        reward = ShardedRewardClient([RewardClient(closed, NO_RETRIES)])
+        peers = Peers(actor=None, rollout=None, reward=reward, reference=None, critic=None, rollout_addresses=[])
+        try:
+            await peers.score([ScoreItem("openai/gsm8k", "1", "1")], retry_window_s=0.0)
+        finally:
+            await reward.close()
+
+    with pytest.raises(errors.Unavailable) as gave_up:
+        asyncio.run(scenario())
+    message = str(gave_up.value)
+    assert f"UNAVAILABLE: reward at {closed} (Score)" in message and "gave up at attempt 1" in message, message
 
 
 # -- the coordinator's typed methods, and the CLI over them ---------------------------------------------
