@@ -55,6 +55,13 @@ class AbortingCoordinator(coordinator_pb2_grpc.CoordinatorServiceServicer):
         await context.abort(code, f"scripted {code.name}")
 
 
+class SlowCoordinator(coordinator_pb2_grpc.CoordinatorServiceServicer):
+    """GetRunStatus answers after 30 s."""
+
+    async def GetRunStatus(self, request, context):
+        await asyncio.sleep(30)
+
+
 async def serve_plain(*servicers) -> tuple[grpc.aio.Server, str]:
     """A bare grpc.aio server (no rlfabric interceptors: the statuses are exactly what the servicers set)."""
     server = grpc.aio.server()
@@ -133,11 +140,6 @@ def test_a_missed_deadline_names_the_deadline_and_a_refused_connection_is_unavai
     address, late, refused = asyncio.run(scenario())
     assert str(late).startswith(f"DEADLINE_EXCEEDED: coordinator at {address} (GetRunStatus, deadline 0.2 s): ")
     assert str(refused).startswith(f"UNAVAILABLE: coordinator at {closed} (GetRunStatus): ")
-
-
-class SlowCoordinator(coordinator_pb2_grpc.CoordinatorServiceServicer):
-    async def GetRunStatus(self, request, context):
-        await asyncio.sleep(30)
 
 
 def test_reward_scoring_that_gives_up_names_the_service_and_the_attempts():
