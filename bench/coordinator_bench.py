@@ -46,7 +46,7 @@ async def run(address: str, run_dir: Path, mode: str) -> float:
         started = time.perf_counter()
         await client.start_run([f"trainer.run_dir={run_dir}", f"trainer.total_steps={STEPS}", f"trainer.mode={mode}",
                                 "trainer.resume=disable"])
-        async for update in client.stream("StreamMetrics", coordinator_pb2.StreamMetricsRequest()):
+        async for update in client.stream_metrics():
             log(f"{mode} step {update.step}: {update.metrics['timing_s/step']:.2f} s")
         status = await client.run_status()
         if status.state != coordinator_pb2.RUN_STATE_COMPLETED:

@@ -70,7 +70,7 @@ async def rlfabric_run(address: str, run_dir: Path, steps: int) -> list[dict]:
         started = time.time()
         await client.start_run([f"trainer.run_dir={run_dir}", "trainer.resume=disable"])
         out, previous = [], started
-        async for update in client.stream("StreamMetrics", coordinator_pb2.StreamMetricsRequest(), 3600):
+        async for update in client.stream_metrics(timeout_s=3600):
             out.append({"step": update.step, "seconds": update.timestamp - previous,
                         "reward": update.metrics["critic/score/mean"],
                         "timing_s/step": update.metrics["timing_s/step"]})

@@ -223,14 +223,13 @@ def cmd_train(args) -> int:
 async def _start_and_watch(client, overrides: list[str], progress_bar: bool, step_lines: bool = False):
     """StartRun, then follow the run to its end (watch_run); its final status, or None, after saying why,
     when the coordinator refuses the run."""
-    import grpc
-
     from rlfabric.coordinator.tracking import watch_run
+    from rlfabric.core.errors import RlfabricError
 
     try:
         started = await client.start_run(overrides)
-    except grpc.RpcError as error:
-        print(f"rlfabric: the coordinator refused the run: {error.code().name}: {error.details()}", file=sys.stderr)
+    except RlfabricError as error:
+        print(f"rlfabric: the coordinator refused the run: {error}", file=sys.stderr)
         return None
     total = (await client.run_status(timeout_s=30)).total_steps
     print(f"rlfabric: run {started.run_id} started at step {started.start_step} of {total}", flush=True)
@@ -302,15 +301,14 @@ async def _attached_run(address: str, options, config, overrides: list[str], wai
 
 
 async def _stop_with_checkpoint(address: str, options) -> None:
-    import grpc
-
     from rlfabric.coordinator.client import CoordinatorClient
+    from rlfabric.core.errors import RlfabricError
 
     async with CoordinatorClient(address, options) as client:
         try:
             await client.stop_run(timeout_s=1800)
-        except grpc.RpcError as error:  # e.g. no run had started yet, or the save failed
-            print(f"rlfabric: stopping the run: {error.code().name}: {error.details()}", file=sys.stderr)
+        except RlfabricError as error:  # e.g. no run had started yet, or the save failed
+            print(f"rlfabric: stopping the run: {error}", file=sys.stderr)
 
 
 def _print_outputs(run_dir: Path) -> None:
@@ -347,9 +345,8 @@ def _coordinator_target(args, config=None):
 
 def _ask_coordinator(args, ask) -> int:
     """Runs ask(client) against the coordinator the arguments name; a refusal is one line, exit 1."""
-    import grpc
-
     from rlfabric.coordinator.client import CoordinatorClient
+    from rlfabric.core.errors import RlfabricError
 
     address, options = _coordinator_target(args)
     if address is None:
@@ -362,8 +359,8 @@ def _ask_coordinator(args, ask) -> int:
 
     try:
         asyncio.run(call())
-    except grpc.RpcError as error:
-        print(f"rlfabric {args.command}: {error.code().name}: {error.details()}", file=sys.stderr)
+    except RlfabricError as error:
+        print(f"rlfabric {args.command}: {error}", file=sys.stderr)
         return 1
     return 0
 

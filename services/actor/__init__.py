@@ -4,7 +4,7 @@ One implementation serves the three roles (`rlfabric serve actor|reference|criti
 process boundaries:
 
     service.py     gRPC servicers (proto <-> tensors) and build_service(role, config)
-    client.py      ActorClient, ReferenceClient, CriticClient: typed clients taking/returning tensors
+    client.py      the three roles' interfaces (tensors in, tensors out) and their gRPC clients
     engine.py      TrainerEngine: rank 0; validates, shards requests over the ranks, runs them on one thread
     dist.py        the data-parallel group: starting ranks 1..N-1, commands as tensors over gloo/NCCL
     worker.py      RankWorker: one rank's model (FSDP2), optimizer and per-rank compute

@@ -1,22 +1,24 @@
-"""Typed clients of the actor, reference and critic services: torch tensors in, torch tensors out.
+"""Clients of the actor, reference and critic services: torch tensors in, torch tensors out.
 
     async with ActorClient("127.0.0.1:50051") as actor:
         out = await actor.compute_log_probs(batch, temperature=0.7)        # {"log_probs": [B, T]}
         metrics = await actor.update_policy({**batch, "old_log_probs": out["log_probs"], "advantages": adv})
 
-`batch` is a dict of tensors in the layout of rlfabric.actor.batch. Failed calls raise the domain
-error of their status code (InvalidArgument, Unavailable, ...), naming the call.
+Each role has one interface (ActorInterface, ReferenceInterface, CriticInterface: what the coordinator
+calls) and a gRPC implementation of it (ActorClient, ReferenceClient, CriticClient). `batch` is a dict of
+tensors in the layout of rlfabric.actor.batch. Failed calls raise the domain error of their status code
+(InvalidArgument, Unavailable, ...), naming the role, its address and the call.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Mapping
 
-import grpc
 import torch
 
 from rlfabric.core import codec
-from rlfabric.core.client import ServiceClient, rpc_error_to_domain
+from rlfabric.core.client import ServiceClient
 from rlfabric.core.weight_sync import Manifest, SyncGroup
 from rlfabric.core.weight_sync.grpc_stream import PushResult
 from rlfabric.core.weight_sync.manifest import transport_to_proto
@@ -33,14 +35,122 @@ from rlfabric.v1 import (
 Tensors = Mapping[str, torch.Tensor]
 
 
-class _TypedClient(ServiceClient):
-    service_name = ""
+# -- the interfaces ----------------------------------------------------------------------------------
 
-    async def _call(self, method: str, request, timeout_s: float | None = None):
-        try:
-            return await self.call(method, request, timeout_s)
-        except grpc.RpcError as error:
-            raise rpc_error_to_domain(error, f"{self.service_name}.{method}") from error
+
+class ActorInterface(ABC):
+    """The policy being trained: log-probs, PPO updates, checkpoints, and the sending side of weight sync."""
+
+    role = "actor"
+
+    @abstractmethod
+    async def compute_log_probs(self, batch: Tensors, temperature: float = 1.0, compute_entropy: bool = False,
+                                timeout_s: float | None = None) -> dict[str, torch.Tensor]:
+        """{"log_probs": [B, T]} (+ "entropy" [B, T]), float32, 0 on response padding."""
+
+    @abstractmethod
+    async def update_policy(self, batch: Tensors, global_step: int = 0,
+                            timeout_s: float | None = None) -> dict[str, float]:
+        """PPO update on the batch (+ old_log_probs, advantages[, ref_log_probs]); VeRL-named metrics."""
+
+    @abstractmethod
+    async def save_checkpoint(self, path: str, timeout_s: float | None = None) -> int:
+        """Bytes written."""
+
+    @abstractmethod
+    async def load_checkpoint(self, path: str, timeout_s: float | None = None) -> int:
+        """The optimizer step restored."""
+
+    @abstractmethod
+    async def export_hf(self, path: str, timeout_s: float | None = None) -> int:
+        """The policy as a Hugging Face directory; bytes written."""
+
+    @abstractmethod
+    async def get_status(self) -> actor_pb2.ActorServiceGetStatusResponse:
+        """Model, ranks, optimizer step."""
+
+    @abstractmethod
+    async def open_weight_sync_group(self, transport: str, num_receivers: int, bucket_bytes: int = 0,
+                                     target_dtype: torch.dtype | None = None, timeout_s: float = 0.0,
+                                     grpc_receiver_addresses: tuple[str, ...] = ()) -> SyncGroup:
+        """A new weight-sync group with the actor as rank 0 (transport "auto"/"" lets the actor choose)."""
+
+    @abstractmethod
+    async def prepare_weight_sync(self, group_id: str, version: int, timeout_s: float | None = None) -> Manifest:
+        """Gathers and packs the weights; the manifest to hand to every receiver."""
+
+    @abstractmethod
+    async def broadcast_weights(self, group_id: str, version: int, timeout_s: float | None = None) -> BroadcastResult:
+        """Sends the prepared weights to the group (the receivers are in ReceiveWeights meanwhile)."""
+
+    @abstractmethod
+    async def close_weight_sync_group(self, group_id: str, timeout_s: float | None = None) -> None:
+        """Drops the group and what it holds."""
+
+    @abstractmethod
+    async def close(self) -> None:
+        """Releases the connection (or whatever the implementation holds)."""
+
+
+class ReferenceInterface(ABC):
+    """The frozen reference policy: log-probs, and the receiving side of weight sync."""
+
+    role = "reference"
+
+    @abstractmethod
+    async def compute_log_probs(self, batch: Tensors, temperature: float = 1.0, compute_entropy: bool = False,
+                                timeout_s: float | None = None) -> dict[str, torch.Tensor]:
+        """{"log_probs": [B, T]} under the reference weights."""
+
+    @abstractmethod
+    async def get_status(self) -> reference_pb2.ReferenceServiceGetStatusResponse:
+        """Model, ranks, weight version."""
+
+    @abstractmethod
+    async def join_weight_sync_group(self, group: SyncGroup, rank: int, timeout_s: float | None = None) -> None:
+        """Joins (or rejoins) the actor's weight-sync group as `rank`."""
+
+    @abstractmethod
+    async def receive_weights(self, manifest: Manifest, timeout_s: float | None = None) -> tuple[int, float]:
+        """(version now served, paused seconds: 0, the reference serves no generation)."""
+
+    @abstractmethod
+    async def close(self) -> None:
+        """Releases the connection (or whatever the implementation holds)."""
+
+
+class CriticInterface(ABC):
+    """The value model: values, value-loss updates, checkpoints."""
+
+    role = "critic"
+
+    @abstractmethod
+    async def compute_values(self, batch: Tensors, timeout_s: float | None = None) -> dict[str, torch.Tensor]:
+        """{"values": [B, T]}, 0 on response padding."""
+
+    @abstractmethod
+    async def update_values(self, batch: Tensors, global_step: int = 0,
+                            timeout_s: float | None = None) -> dict[str, float]:
+        """Value-loss update on the batch (+ values, returns); critic/* metrics."""
+
+    @abstractmethod
+    async def save_checkpoint(self, path: str, timeout_s: float | None = None) -> int:
+        """Bytes written."""
+
+    @abstractmethod
+    async def load_checkpoint(self, path: str, timeout_s: float | None = None) -> int:
+        """The optimizer step restored."""
+
+    @abstractmethod
+    async def get_status(self) -> critic_pb2.CriticServiceGetStatusResponse:
+        """Model, ranks, optimizer step."""
+
+    @abstractmethod
+    async def close(self) -> None:
+        """Releases the connection (or whatever the implementation holds)."""
+
+
+# -- over gRPC ---------------------------------------------------------------------------------------
 
 
 def _log_probs_input(batch: Tensors, temperature: float, compute_entropy: bool) -> actor_pb2.LogProbsInput:
@@ -52,110 +162,102 @@ def _tensors(batch) -> dict[str, torch.Tensor]:
     return codec.decode_batch(batch, allow_empty=True, copy=True).tensors
 
 
-class ActorClient(_TypedClient):
+class ActorClient(ServiceClient, ActorInterface):
+    """ActorInterface over gRPC."""
+
     stub_class = actor_pb2_grpc.ActorServiceStub
-    service_name = "ActorService"
 
     async def compute_log_probs(self, batch: Tensors, temperature: float = 1.0, compute_entropy: bool = False,
                                 timeout_s: float | None = None) -> dict[str, torch.Tensor]:
-        """{"log_probs": [B, T]} (+ "entropy" [B, T]), float32, 0 on response padding."""
         request = actor_pb2.ComputeLogProbsRequest(input=_log_probs_input(batch, temperature, compute_entropy))
-        return _tensors((await self._call("ComputeLogProbs", request, timeout_s)).outputs)
+        return _tensors((await self.call("ComputeLogProbs", request, timeout_s)).outputs)
 
     async def update_policy(self, batch: Tensors, global_step: int = 0,
                             timeout_s: float | None = None) -> dict[str, float]:
-        """PPO update on the batch (+ old_log_probs, advantages[, ref_log_probs]); VeRL-named metrics."""
         request = actor_pb2.UpdatePolicyRequest(batch=codec.encode_batch(batch), global_step=global_step)
-        return dict((await self._call("UpdatePolicy", request, timeout_s)).metrics)
+        return dict((await self.call("UpdatePolicy", request, timeout_s)).metrics)
 
     async def save_checkpoint(self, path: str, timeout_s: float | None = None) -> int:
-        """Bytes written."""
         request = actor_pb2.SaveCheckpointRequest(location=actor_pb2.CheckpointLocation(path=str(path)))
-        return (await self._call("SaveCheckpoint", request, timeout_s)).num_bytes
+        return (await self.call("SaveCheckpoint", request, timeout_s)).num_bytes
 
     async def load_checkpoint(self, path: str, timeout_s: float | None = None) -> int:
-        """The optimizer step restored."""
         request = actor_pb2.LoadCheckpointRequest(location=actor_pb2.CheckpointLocation(path=str(path)))
-        return (await self._call("LoadCheckpoint", request, timeout_s)).optimizer_step
+        return (await self.call("LoadCheckpoint", request, timeout_s)).optimizer_step
 
     async def export_hf(self, path: str, timeout_s: float | None = None) -> int:
-        """Bytes written."""
-        return (await self._call("ExportHF", actor_pb2.ExportHFRequest(path=str(path)), timeout_s)).num_bytes
+        return (await self.call("ExportHF", actor_pb2.ExportHFRequest(path=str(path)), timeout_s)).num_bytes
 
     async def get_status(self) -> actor_pb2.ActorServiceGetStatusResponse:
-        return await self._call("GetStatus", actor_pb2.ActorServiceGetStatusRequest())
+        return await self.call("GetStatus", actor_pb2.ActorServiceGetStatusRequest())
 
     async def open_weight_sync_group(self, transport: str, num_receivers: int, bucket_bytes: int = 0,
                                      target_dtype: torch.dtype | None = None, timeout_s: float = 0.0,
                                      grpc_receiver_addresses: tuple[str, ...] = ()) -> SyncGroup:
-        """A new weight-sync group with the actor as rank 0 (transport "auto"/"" lets the actor choose)."""
         request = actor_pb2.OpenWeightSyncGroupRequest(
             transport=transport_to_proto(transport), num_receivers=num_receivers, bucket_bytes=bucket_bytes,
             target_dtype=codec.wire_dtype(target_dtype) if target_dtype is not None else 0, timeout_s=timeout_s,
             grpc_receiver_addresses=list(grpc_receiver_addresses))
-        return SyncGroup.from_proto((await self._call("OpenWeightSyncGroup", request)).group)
+        return SyncGroup.from_proto((await self.call("OpenWeightSyncGroup", request)).group)
 
     async def prepare_weight_sync(self, group_id: str, version: int, timeout_s: float | None = None) -> Manifest:
-        """Gathers and packs the weights; the manifest to hand to every receiver."""
         request = actor_pb2.PrepareWeightSyncRequest(group_id=group_id, version=version)
-        return Manifest.from_proto((await self._call("PrepareWeightSync", request, timeout_s)).manifest)
+        return Manifest.from_proto((await self.call("PrepareWeightSync", request, timeout_s)).manifest)
 
     async def broadcast_weights(self, group_id: str, version: int, timeout_s: float | None = None) -> BroadcastResult:
         request = actor_pb2.BroadcastWeightsRequest(group_id=group_id, version=version)
-        response = await self._call("BroadcastWeights", request, timeout_s)
+        response = await self.call("BroadcastWeights", request, timeout_s)
         pushes = tuple(PushResult(p.address, p.version, p.paused_seconds, p.error) for p in response.pushes)
         return BroadcastResult(response.num_bytes, response.seconds, pushes)
 
     async def close_weight_sync_group(self, group_id: str, timeout_s: float | None = None) -> None:
-        await self._call("CloseWeightSyncGroup", actor_pb2.CloseWeightSyncGroupRequest(group_id=group_id), timeout_s)
+        await self.call("CloseWeightSyncGroup", actor_pb2.CloseWeightSyncGroupRequest(group_id=group_id), timeout_s)
 
 
-class ReferenceClient(_TypedClient):
+class ReferenceClient(ServiceClient, ReferenceInterface):
+    """ReferenceInterface over gRPC."""
+
     stub_class = reference_pb2_grpc.ReferenceServiceStub
-    service_name = "ReferenceService"
 
     async def compute_log_probs(self, batch: Tensors, temperature: float = 1.0, compute_entropy: bool = False,
                                 timeout_s: float | None = None) -> dict[str, torch.Tensor]:
-        """{"log_probs": [B, T]} under the reference weights."""
         request = reference_pb2.ReferenceServiceComputeLogProbsRequest(
             input=_log_probs_input(batch, temperature, compute_entropy))
-        return _tensors((await self._call("ComputeLogProbs", request, timeout_s)).outputs)
+        return _tensors((await self.call("ComputeLogProbs", request, timeout_s)).outputs)
 
     async def get_status(self) -> reference_pb2.ReferenceServiceGetStatusResponse:
-        return await self._call("GetStatus", reference_pb2.ReferenceServiceGetStatusRequest())
+        return await self.call("GetStatus", reference_pb2.ReferenceServiceGetStatusRequest())
 
     async def join_weight_sync_group(self, group: SyncGroup, rank: int, timeout_s: float | None = None) -> None:
         request = reference_pb2.ReferenceServiceJoinWeightSyncGroupRequest(group=group.to_proto(), rank=rank)
-        await self._call("JoinWeightSyncGroup", request, timeout_s)
+        await self.call("JoinWeightSyncGroup", request, timeout_s)
 
     async def receive_weights(self, manifest: Manifest, timeout_s: float | None = None) -> tuple[int, float]:
-        """(version now served, paused seconds: 0, the reference serves no generation)."""
         request = reference_pb2.ReferenceServiceReceiveWeightsRequest(manifest=manifest.to_proto())
-        return (await self._call("ReceiveWeights", request, timeout_s)).version, 0.0
+        return (await self.call("ReceiveWeights", request, timeout_s)).version, 0.0
 
 
-class CriticClient(_TypedClient):
+class CriticClient(ServiceClient, CriticInterface):
+    """CriticInterface over gRPC."""
+
     stub_class = critic_pb2_grpc.CriticServiceStub
-    service_name = "CriticService"
 
     async def compute_values(self, batch: Tensors, timeout_s: float | None = None) -> dict[str, torch.Tensor]:
-        """{"values": [B, T]}, 0 on response padding."""
         request = critic_pb2.ComputeValuesRequest(batch=codec.encode_batch(batch))
-        return _tensors((await self._call("ComputeValues", request, timeout_s)).outputs)
+        return _tensors((await self.call("ComputeValues", request, timeout_s)).outputs)
 
     async def update_values(self, batch: Tensors, global_step: int = 0,
                             timeout_s: float | None = None) -> dict[str, float]:
-        """Value-loss update on the batch (+ values, returns); critic/* metrics."""
         request = critic_pb2.UpdateValuesRequest(batch=codec.encode_batch(batch), global_step=global_step)
-        return dict((await self._call("UpdateValues", request, timeout_s)).metrics)
+        return dict((await self.call("UpdateValues", request, timeout_s)).metrics)
 
     async def save_checkpoint(self, path: str, timeout_s: float | None = None) -> int:
         request = critic_pb2.CriticServiceSaveCheckpointRequest(location=actor_pb2.CheckpointLocation(path=str(path)))
-        return (await self._call("SaveCheckpoint", request, timeout_s)).num_bytes
+        return (await self.call("SaveCheckpoint", request, timeout_s)).num_bytes
 
     async def load_checkpoint(self, path: str, timeout_s: float | None = None) -> int:
         request = critic_pb2.CriticServiceLoadCheckpointRequest(location=actor_pb2.CheckpointLocation(path=str(path)))
-        return (await self._call("LoadCheckpoint", request, timeout_s)).optimizer_step
+        return (await self.call("LoadCheckpoint", request, timeout_s)).optimizer_step
 
     async def get_status(self) -> critic_pb2.CriticServiceGetStatusResponse:
-        return await self._call("GetStatus", critic_pb2.CriticServiceGetStatusRequest())
+        return await self.call("GetStatus", critic_pb2.CriticServiceGetStatusRequest())

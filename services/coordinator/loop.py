@@ -113,20 +113,19 @@ class PPOTrainer:
         self.on_phase("resuming" if path else "starting")
         if path is not None:
             require_complete(path)
-        roles = {"actor": self.peers.actor, "critic": self.peers.critic}
-        for role, client in roles.items():
+        for client in (self.peers.actor, self.peers.critic):
             if client is None:
                 continue
-            ask = self.peers.ask
+            role = client.role
             if path is not None:
-                await ask(role, client.load_checkpoint(str(path / role)))
-            elif (await ask(role, client.get_status())).optimizer_step == 0:
+                await client.load_checkpoint(str(path / role))
+            elif (await client.get_status()).optimizer_step == 0:
                 if not (initial_dir / role / "meta.json").exists():
-                    await ask(role, client.save_checkpoint(str(initial_dir / role)))
+                    await client.save_checkpoint(str(initial_dir / role))
                     # Storage the coordinator and this role do not share fails here, not at the first checkpoint.
                     require_part_visible(role, initial_dir / role, self.run_dir)
             elif (initial_dir / role / "meta.json").exists():
-                await ask(role, client.load_checkpoint(str(initial_dir / role)))
+                await client.load_checkpoint(str(initial_dir / role))
             else:
                 raise FailedPrecondition(f"the {role} was trained by an earlier run and its initial weights were "
                                          "not saved: resume that run (trainer.resume_from_path) or restart the mesh")
@@ -146,7 +145,7 @@ class PPOTrainer:
     async def run(self) -> None:
         """Steps until trainer.total_steps (or StopRun), with validation and checkpoints on schedule."""
         trainer = self.config.trainer
-        await self.peers.ask("actor", self.weight_sync.open())
+        await self.weight_sync.open()
         # Every replica starts from the weights this run starts from (fresh, reset or resumed).
         await self._sync_weights(self._version(self.step))
         if trainer.val_before_train and self.step == 0:
@@ -186,7 +185,7 @@ class PPOTrainer:
             await self.save_checkpoint()
         if trainer.export_final:
             self.on_phase("exporting")
-            await self.peers.ask("actor", self.peers.actor.export_hf(str(self.final_model_dir())))
+            await self.peers.actor.export_hf(str(self.final_model_dir()))
             log.info("final policy exported to %s", self.final_model_dir())
 
     def final_model_dir(self) -> Path:
@@ -215,12 +214,11 @@ class PPOTrainer:
         with timer("old_log_prob"):
             calls = {}
             if self._needs_old_log_probs():
-                calls["old"] = peers.ask("actor", peers.actor.compute_log_probs(tensors, temperature,
-                                                                                compute_entropy=False))
+                calls["old"] = peers.actor.compute_log_probs(tensors, temperature, compute_entropy=False)
             if peers.reference is not None:
-                calls["ref"] = peers.ask("reference", peers.reference.compute_log_probs(tensors, temperature))
+                calls["ref"] = peers.reference.compute_log_probs(tensors, temperature)
             if peers.critic is not None:
-                calls["values"] = peers.ask("critic", peers.critic.compute_values(tensors))
+                calls["values"] = peers.critic.compute_values(tensors)
             results = dict(zip(calls, await asyncio.gather(*calls.values()), strict=True))
         old_log_probs = results["old"]["log_probs"] if "old" in results else None
         ref_log_probs = results["ref"]["log_probs"] if "ref" in results else None
@@ -252,10 +250,10 @@ class PPOTrainer:
                 policy_batch["old_log_probs"] = old_log_probs
             if config.actor.use_kl_loss:
                 policy_batch["ref_log_probs"] = ref_log_probs
-            updates = [peers.ask("actor", peers.actor.update_policy(policy_batch, global_step=step))]
+            updates = [peers.actor.update_policy(policy_batch, global_step=step)]
             if peers.critic is not None:
-                updates.append(peers.ask("critic", peers.critic.update_values(
-                    {**tensors, "values": values, "returns": returns}, global_step=step)))
+                updates.append(peers.critic.update_values({**tensors, "values": values, "returns": returns},
+                                                          global_step=step))
             for update_metrics in await asyncio.gather(*updates):
                 metrics.update(update_metrics)
 
@@ -368,13 +366,13 @@ class PPOTrainer:
         """Actor -> every live rollout replica. A replica that misses a sync leaves the router until a
         later sync reaches it (the plane takes restarted replicas back into the group), so no request
         is ever served by stale weights."""
-        report = await self.peers.ask("actor", self.weight_sync.sync(version))  # raises for the actor's failures only
+        report = await self.weight_sync.sync(version)  # raises for the actor's failures only
         if report.failed and self.weight_sync.stale:
             # A dead member breaks the collective for every member (gloo, NCCL); the plane rebuilds the
             # group without the members that do not answer, so one more try reaches the live ones. (A
             # member already left out and still unreachable broke nothing: no second full transfer.)
             log.warning("weight sync of version %d failed for %s; retrying once", version, sorted(report.failed))
-            report = await self.peers.ask("actor", self.weight_sync.sync(version))
+            report = await self.weight_sync.sync(version)
         synced = [name for name in self.weight_sync.receivers if name not in report.failed]
         for name, error in report.failed.items():
             log.warning("weight sync of version %d to rollout %s failed: %s", version, name, error)
@@ -382,7 +380,7 @@ class PPOTrainer:
         for name in synced:
             self.peers.rollout.admit(name)
         if not synced:
-            actor = f"; the actor (at {self.peers.actor.address}) failed: {report.actor_error}" if report.actor_error else ""
+            actor = f"; the actor failed: {report.actor_error}" if report.actor_error else ""  # names its address
             raise FailedPrecondition(f"weight sync of version {version} reached no rollout replica: {report.failed}{actor}")
         self.weight_version = version
         return {"weight_sync/seconds": report.seconds, "weight_sync/gbytes": report.num_bytes / 1e9,
@@ -404,9 +402,9 @@ class PPOTrainer:
         writer = CheckpointWriter(self.run_dir, keep=self.config.trainer.max_checkpoints_to_keep)
         tmp = writer.begin(self.step)
         try:
-            saves = [self.peers.ask("actor", self.peers.actor.save_checkpoint(str(tmp / "actor")))]
+            saves = [self.peers.actor.save_checkpoint(str(tmp / "actor"))]
             if self.peers.critic is not None:
-                saves.append(self.peers.ask("critic", self.peers.critic.save_checkpoint(str(tmp / "critic"))))
+                saves.append(self.peers.critic.save_checkpoint(str(tmp / "critic")))
             await asyncio.gather(*saves)
             state = CoordinatorState(step=self.step, data_epoch=cursor.epoch, data_position=cursor.position,
                                      kl_coef=self.kl_ctrl.value, weight_version=self.weight_version,

@@ -1,45 +1,43 @@
-"""The coordinator's connections to the other services, from the config's cluster section."""
+"""The coordinator's connections to the other services, from the config's cluster section.
+
+Each peer is a role's client interface (ActorInterface, ...): the loop calls it directly,
+`await peers.actor.update_policy(batch)`, and a failure arrives as the domain error of its status code,
+naming the role and its address (rlfabric.core.client.ServiceClient.domain_error).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable
 from dataclasses import dataclass
-from typing import TypeVar
 
-from rlfabric.actor.client import ActorClient, CriticClient, ReferenceClient
-from rlfabric.core.client import ChannelOptions, wait_until_serving
+from rlfabric.actor.client import (
+    ActorClient,
+    ActorInterface,
+    CriticClient,
+    CriticInterface,
+    ReferenceClient,
+    ReferenceInterface,
+)
+from rlfabric.core.client import ChannelOptions, ServiceClient, wait_until_serving
 from rlfabric.core.config import RunConfig
 from rlfabric.core.errors import DeadlineExceeded, FailedPrecondition, Unavailable
 from rlfabric.core.router import RolloutRouter
-from rlfabric.reward.client import ShardedRewardClient
+from rlfabric.reward.client import RewardInterface, ShardedRewardClient
 from rlfabric.reward.items import ItemResult, ScoreItem
 
 log = logging.getLogger("rlfabric.coordinator")
-T = TypeVar("T")
-
-
-def blame(role: str, address: str, timeout_s: float, error: Exception, attempts: int = 1) -> Exception:
-    """A deadline or connection error of a call to `role`, re-worded to name the role, its address and
-    the deadline it missed; other errors unchanged."""
-    tries = f" ({attempts} attempts)" if attempts > 1 else ""
-    if isinstance(error, DeadlineExceeded):
-        return DeadlineExceeded(f"{role} at {address} did not answer within {timeout_s:g} s{tries}: {error}")
-    if isinstance(error, Unavailable):
-        return Unavailable(f"{role} at {address} is unreachable{tries}: {error}")
-    return error
 
 
 @dataclass
 class Peers:
-    """Typed clients of every role this run uses (None for roles it does not use)."""
+    """The clients of every role this run uses (None for roles it does not use)."""
 
-    actor: ActorClient
+    actor: ActorInterface
     rollout: RolloutRouter
-    reward: ShardedRewardClient
-    reference: ReferenceClient | None
-    critic: CriticClient | None
+    reward: RewardInterface
+    reference: ReferenceInterface | None
+    critic: CriticInterface | None
     rollout_addresses: list[str]
 
     @classmethod
@@ -62,27 +60,22 @@ class Peers:
             rollout_addresses=list(cluster.rollout),
         )
 
+    def grpc_clients(self) -> list[ServiceClient]:
+        """The gRPC clients behind the peers, one per service."""
+        reward = self.reward.clients if isinstance(self.reward, ShardedRewardClient) else [self.reward]
+        clients = [self.actor, self.reference, self.critic, *reward, *(r.client for r in self.rollout.replicas)]
+        return [client for client in clients if isinstance(client, ServiceClient)]
+
     async def wait_until_ready(self, timeout_s: float) -> None:
         """Every service answers readiness SERVING (UNAVAILABLE names the one that does not)."""
-        clients = [self.actor, self.reference, self.critic, *self.reward.clients]
-        clients += [replica.client for replica in self.rollout.replicas]
 
-        async def one(client):
+        async def one(client: ServiceClient):
             try:
                 await wait_until_serving(client.address, client.options, timeout_s=timeout_s)
             except Exception as error:
-                raise Unavailable(f"{type(client).__name__} at {client.address} is not ready: {error}") from None
+                raise Unavailable(f"{client.role} at {client.address} is not ready: {error}") from None
 
-        await asyncio.gather(*(one(c) for c in clients if c is not None))
-
-    async def ask(self, role: str, call: Awaitable[T]) -> T:
-        """Awaits a call to the actor, reference or critic; a missed deadline or a lost connection
-        names the role and its address (see blame)."""
-        client = {"actor": self.actor, "reference": self.reference, "critic": self.critic}[role]
-        try:
-            return await call
-        except (DeadlineExceeded, Unavailable) as error:
-            raise blame(role, client.address, client.options.timeout_s, error) from None
+        await asyncio.gather(*(one(client) for client in self.grpc_clients()))
 
     async def score(self, items: list[ScoreItem], retry_window_s: float = 120.0,
                     backoff_s: float = 1.0) -> list[ItemResult]:
@@ -105,11 +98,7 @@ class Peers:
                 deadlines_missed += isinstance(error, DeadlineExceeded)
                 delay = backoff_s * 2 ** min(attempt - 1, 3)
                 if deadlines_missed > 1 or loop.time() + delay > give_up_at:
-                    clients = [c for c in self.reward.clients if hasattr(c, "address")]
-                    if not clients:
-                        raise
-                    address = ", ".join(c.address for c in clients)
-                    raise blame("reward", address, clients[0].options.timeout_s, error, attempt) from None
+                    raise type(error)(f"{error} (scoring gave up at attempt {attempt})") from None
                 log.warning("reward scoring failed (%s); retrying in %.1f s", error, delay)
                 await asyncio.sleep(delay)
 

@@ -23,11 +23,12 @@ import weakref
 from pathlib import Path
 from typing import TextIO
 
-import grpc
 from prometheus_client import CollectorRegistry
 from tqdm import tqdm
 
+from rlfabric.coordinator.client import CoordinatorInterface
 from rlfabric.core.config import RunConfig
+from rlfabric.core.errors import DeadlineExceeded
 from rlfabric.core.logs import log_event
 from rlfabric.core.metrics import service_gauge
 from rlfabric.v1 import coordinator_pb2
@@ -258,7 +259,7 @@ def step_line(message: coordinator_pb2.StreamMetricsResponse, total_steps: int) 
 
 
 async def watch_run(
-    client,
+    client: CoordinatorInterface,
     total_steps: int,
     start_step: int = 0,
     *,
@@ -269,7 +270,7 @@ async def watch_run(
     """Follows a run through StreamMetrics with a tqdm bar (step, reward, ETA), or a printed line per step
     (step_lines: for logs, e.g. a Kubernetes Job's); returns its final status.
 
-    `client` is a CoordinatorClient. The stream carries the client's deadline, so a run that outlasts it
+    The stream carries the client's deadline, so a run that outlasts it
     is followed by reopening the stream from the next step.
     """
     running = (coordinator_pb2.RUN_STATE_RUNNING, coordinator_pb2.RUN_STATE_PAUSED)
@@ -278,8 +279,7 @@ async def watch_run(
               file=file or sys.stderr, disable=not progress_bar) as bar:
         while True:
             try:
-                request = coordinator_pb2.StreamMetricsRequest(from_step=next_step)
-                async for message in client.stream("StreamMetrics", request):
+                async for message in client.stream_metrics(from_step=next_step):
                     if message.step < next_step:
                         continue
                     reward = message.metrics.get("critic/score/mean")
@@ -289,9 +289,7 @@ async def watch_run(
                         print(step_line(message, total_steps), flush=True)
                     bar.update(message.step - bar.n)
                     next_step = message.step + 1
-            except grpc.aio.AioRpcError as error:
-                if error.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
-                    raise
+            except DeadlineExceeded:
                 continue
             status = await client.run_status()
             if status.state not in running:

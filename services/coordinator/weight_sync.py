@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
-from rlfabric.actor.client import ActorClient, ReferenceClient
+from rlfabric.actor.client import ActorInterface, ReferenceClient
 from rlfabric.core.client import ChannelOptions
 from rlfabric.core.config import RunConfig
 from rlfabric.core.weight_sync import Manifest, SyncGroup
@@ -75,7 +75,7 @@ class _Member:
         """Made on first use, on the loop that uses it (a gRPC aio channel belongs to one loop)."""
         if self._client is None:
             self._client = (ReferenceClient(self.address, self.options) if self.is_reference
-                            else RolloutClient(self.address, self.options, domain_errors=True))
+                            else RolloutClient(self.address, self.options))
         return self._client
 
     def connected(self) -> bool:
@@ -98,7 +98,7 @@ def target_dtype(config: RunConfig) -> torch.dtype | None:
 class WeightSyncPlane:
     """Drives weight sync from the actor to named receivers ("host:port" of RolloutService)."""
 
-    def __init__(self, actor: ActorClient, receivers: Mapping[str, str], config: RunConfig,
+    def __init__(self, actor: ActorInterface, receivers: Mapping[str, str], config: RunConfig,
                  options: ChannelOptions | None = None, reference: str | None = None):
         self.actor = actor
         self.config = config

@@ -1,5 +1,6 @@
-"""Client side of the mesh: channels with limits, keepalive, retry policy and TLS, and a base
-class for the typed per-service clients (every call carries a deadline and the auth token).
+"""Client side of the mesh: channels with limits, keepalive, retry policy and TLS, and the base class
+of the gRPC clients of every role (every call carries a deadline and the auth token, and every failure
+comes back as the rlfabric.core.errors class of its status code, naming the role and the address).
 """
 
 from __future__ import annotations
@@ -7,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -115,9 +117,16 @@ def open_channel(address: str, options: ChannelOptions | None = None) -> aio.Cha
 
 
 class ServiceClient:
-    """Base of the typed clients: owns a channel and a stub; `call` adds deadline and auth."""
+    """Base of the gRPC clients: owns a channel and a stub. `call` and `stream` add the deadline and the
+    auth token, and turn every failed call into the domain error of its status code (see domain_error).
+
+    A subclass implements a role's interface (e.g. rlfabric.actor.client.ActorInterface), which gives
+    it its `role` ("actor", "rollout", ...), and names the stub; its typed methods are the only callers
+    of `call` and `stream`.
+    """
 
     stub_class: type = object
+    role: str  # from the role's interface
 
     def __init__(self, address: str, options: ChannelOptions | None = None):
         self.address = address
@@ -128,13 +137,34 @@ class ServiceClient:
 
     async def call(self, method: str, request, timeout_s: float | None = None):
         """Unary call with the default (or given) deadline."""
+        timeout_s = timeout_s or self.options.timeout_s
         rpc = getattr(self.stub, method)
-        return await rpc(request, timeout=timeout_s or self.options.timeout_s, metadata=self._metadata)
+        try:
+            return await rpc(request, timeout=timeout_s, metadata=self._metadata)
+        except grpc.RpcError as error:
+            raise self.domain_error(error, method, timeout_s) from None
 
-    def stream(self, method: str, request, timeout_s: float | None = None):
-        """Server-streaming call with a deadline over the whole stream."""
-        rpc = getattr(self.stub, method)
-        return rpc(request, timeout=timeout_s or self.options.timeout_s, metadata=self._metadata)
+    async def stream(self, method: str, request, timeout_s: float | None = None) -> AsyncIterator:
+        """Server-streaming call with a deadline over the whole stream; the call is cancelled when the
+        caller stops iterating."""
+        timeout_s = timeout_s or self.options.timeout_s
+        call = getattr(self.stub, method)(request, timeout=timeout_s, metadata=self._metadata)
+        try:
+            async for response in call:
+                yield response
+        except grpc.RpcError as error:
+            raise self.domain_error(error, method, timeout_s) from None
+        finally:
+            call.cancel()
+
+    def domain_error(self, error: grpc.RpcError, method: str, timeout_s: float) -> errors.RlfabricError:
+        """The rlfabric.core.errors class of the status code, its message naming the code, the role,
+        the address and the method (and the deadline, for DEADLINE_EXCEEDED), then the server's words:
+        "UNAVAILABLE: actor at 10.0.0.5:50051 (UpdatePolicy): failed to connect to all addresses"."""
+        code = error.code()
+        deadline = f", deadline {timeout_s:g} s" if code == grpc.StatusCode.DEADLINE_EXCEEDED else ""
+        message = f"{code.name}: {self.role} at {self.address} ({method}{deadline}): {error.details()}"
+        return errors.error_for_code(code, message)
 
     async def close(self) -> None:
         await self.channel.close()
@@ -171,7 +201,3 @@ async def wait_until_serving(
             await asyncio.sleep(0.2)
     raise errors.DeadlineExceeded(f"{address} did not report {service} SERVING within {timeout_s:.0f} s ({last_error})")
 
-
-def rpc_error_to_domain(error: grpc.RpcError, what: str) -> Exception:
-    """Turns a client-side RpcError into the matching domain error (same status code), naming the call."""
-    return errors.error_for_code(error.code(), f"{what}: {error.code().name}: {error.details()}")

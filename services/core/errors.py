@@ -1,7 +1,9 @@
 """Domain errors shared by every service.
 
 Engines and validators raise these; one server interceptor (rlfabric.core.interceptors)
-turns each into its gRPC status code, so servicers never build statuses by hand.
+turns each into its gRPC status code, so servicers never build statuses by hand. On the other
+side, every client (rlfabric.core.client.ServiceClient.call) turns a status code back into its
+class here (error_for_code), so a caller catches the same errors over gRPC as in process.
 """
 
 from __future__ import annotations
@@ -69,17 +71,55 @@ class PermissionDenied(RlfabricError):
     code = grpc.StatusCode.PERMISSION_DENIED
 
 
+class Cancelled(RlfabricError):
+    """The call was cancelled before it finished (the caller gave up, or the server is shutting down)."""
+
+    code = grpc.StatusCode.CANCELLED
+
+
+class Unknown(RlfabricError):
+    """The server failed without saying how (e.g. an exception outside rlfabric's error handling)."""
+
+    code = grpc.StatusCode.UNKNOWN
+
+
+class AlreadyExists(RlfabricError):
+    """The thing the request would create exists already."""
+
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
+class Aborted(RlfabricError):
+    """The operation was aborted, typically by a concurrent one; a retry of the whole sequence may work."""
+
+    code = grpc.StatusCode.ABORTED
+
+
+class OutOfRange(RlfabricError):
+    """A position or index past the valid range (e.g. reading past the end)."""
+
+    code = grpc.StatusCode.OUT_OF_RANGE
+
+
+class Internal(RlfabricError):
+    """A failure the server did not expect (a bug; the server logged it)."""
+
+    code = grpc.StatusCode.INTERNAL
+
+
+class DataLoss(RlfabricError):
+    """Data was lost or corrupted beyond recovery."""
+
+    code = grpc.StatusCode.DATA_LOSS
+
+
+# One class per status code, read off the classes above (subclasses elsewhere, e.g. a ChecksumMismatch
+# that is an InvalidArgument, do not take over their code).
+_CLASS_OF_CODE: dict[grpc.StatusCode, type[RlfabricError]] = {
+    cls.code: cls for cls in RlfabricError.__subclasses__() if cls.__module__ == __name__}
+
+
 def error_for_code(code: grpc.StatusCode, message: str) -> RlfabricError:
-    """The domain error of a gRPC status code (the inverse of each class's `code`): a code with no class
-    of its own keeps its code on a plain RlfabricError, so it is never reported as INTERNAL."""
-    by_code = {cls.code: cls for cls in _all_subclasses(RlfabricError)}
-    error_class = by_code.get(code)
-    if error_class is not None:
-        return error_class(message)
-    error = RlfabricError(message)
-    error.code = code
-    return error
-
-
-def _all_subclasses(cls: type) -> list[type]:
-    return [sub for direct in cls.__subclasses__() for sub in (direct, *_all_subclasses(direct))]
+    """The domain error of a gRPC status code: the class above whose `code` it is. (Every code but OK
+    has one; OK, which no failure carries, gives an Unknown.)"""
+    return _CLASS_OF_CODE.get(code, Unknown)(message)

@@ -28,8 +28,8 @@ from dataclasses import dataclass, field, replace
 import grpc
 from grpc_health.v1 import health_pb2
 
-from rlfabric.core.client import ChannelOptions, check_health, rpc_error_to_domain
-from rlfabric.core.errors import Unavailable
+from rlfabric.core.client import ChannelOptions, check_health
+from rlfabric.core.errors import RlfabricError, Unavailable
 from rlfabric.rollout.client import RolloutClient
 from rlfabric.rollout.convert import PromptInput, sample_order
 from rlfabric.rollout.types import EngineStatus, FinishedSample, SamplingSpec
@@ -131,10 +131,10 @@ class RolloutRouter:
         return min(candidates, key=lambda r: (r.outstanding, r.queue_depth,
                                               (self.replicas.index(r) - turn) % len(self.replicas)))
 
-    def _take_out(self, replica: Replica, error: grpc.RpcError) -> None:
+    def _take_out(self, replica: Replica, error: RlfabricError) -> None:
         replica.healthy = False
         replica.down_since = time.monotonic()
-        replica.last_error = f"{error.code().name}: {error.details()}"
+        replica.last_error = str(error)
         log.warning("rollout replica out", extra={"fields": {"address": replica.address, "error": replica.last_error}})
 
     async def probe(self) -> None:
@@ -224,13 +224,13 @@ class RolloutRouter:
                         sample.prompt_index, sample.sample_index = key
                         progress.received.add(key)
                         out.put_nowait(sample)
-                except grpc.RpcError as error:
-                    if error.code() not in FAILOVER_CODES:
-                        raise rpc_error_to_domain(error, f"rollout {replica.address}") from None
+                except RlfabricError as error:  # it names the replica
+                    if error.code not in FAILOVER_CODES:
+                        raise
                     self._take_out(replica, error)
                     if part.attempts + 1 >= self.max_attempts:
                         raise Unavailable(f"generation failed on {part.attempts + 1} replicas; last: "
-                                          f"{replica.address}: {replica.last_error}") from None
+                                          f"{replica.last_error}") from None
                     pending.extend(self._missing(part, progress))
                 finally:
                     replica.outstanding -= 1
@@ -258,8 +258,8 @@ class RolloutRouter:
         async def one(replica: Replica):
             try:
                 status = await replica.client.status(timeout_s=5.0)
-            except grpc.RpcError as error:
-                return f"{error.code().name}: {error.details()}"
+            except RlfabricError as error:
+                return str(error)
             replica.queue_depth = status.queue_depth
             return status
 

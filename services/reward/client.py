@@ -3,7 +3,8 @@
     async with RewardClient("127.0.0.1:50055") as reward:
         results = await reward.score([ScoreItem("openai/gsm8k", "... #### 72", "72")])
 
-Three implementations of one interface (score, status, close), chosen where the caller is built:
+Three implementations of one interface (RewardInterface: score, status, close), chosen where the
+caller is built:
 - RewardClient:        one service over gRPC;
 - LocalRewardClient:   a RewardEngine in this process (tests, single-process runs);
 - ShardedRewardClient: several replicas; a batch goes out as requests of at most request_items
@@ -14,11 +15,10 @@ Failures come back as rlfabric.core.errors exceptions (InvalidArgument, Resource
 from __future__ import annotations
 
 import asyncio
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
-import grpc
-
-from rlfabric.core.client import ChannelOptions, ServiceClient, rpc_error_to_domain
+from rlfabric.core.client import ChannelOptions, ServiceClient
 from rlfabric.core.errors import RlfabricError
 from rlfabric.reward import wire
 from rlfabric.reward.engine import RewardEngine, RewardStatus
@@ -26,30 +26,40 @@ from rlfabric.reward.items import ItemResult, ScoreItem
 from rlfabric.v1 import reward_pb2, reward_pb2_grpc
 
 
-class RewardClient(ServiceClient):
-    """RewardService over gRPC."""
+class RewardInterface(ABC):
+    """Scores rollouts against their ground truth."""
+
+    role = "reward"
+
+    @abstractmethod
+    async def score(self, items: Sequence[ScoreItem], timeout_s: float | None = None) -> list[ItemResult]:
+        """One ItemResult per item, in order; raises InvalidArgument etc. when the request is refused."""
+
+    @abstractmethod
+    async def status(self, timeout_s: float | None = None) -> RewardStatus:
+        """Data sources served, items scored and failed."""
+
+    @abstractmethod
+    async def close(self) -> None:
+        """Releases the connections (or whatever the implementation holds)."""
+
+
+class RewardClient(ServiceClient, RewardInterface):
+    """RewardInterface over gRPC, to one service."""
 
     stub_class = reward_pb2_grpc.RewardServiceStub
 
     async def score(self, items: Sequence[ScoreItem], timeout_s: float | None = None) -> list[ItemResult]:
-        """One ItemResult per item, in order; raises InvalidArgument etc. when the request is refused."""
-        request = wire.request_from_items(items)
-        try:
-            response = await self.call("Score", request, timeout_s)
-        except grpc.RpcError as error:
-            raise rpc_error_to_domain(error, f"RewardService.Score at {self.address}") from None
+        response = await self.call("Score", wire.request_from_items(items), timeout_s)
         return wire.results_from_response(response)
 
     async def status(self, timeout_s: float | None = None) -> RewardStatus:
-        try:
-            response = await self.call("GetStatus", reward_pb2.RewardServiceGetStatusRequest(), timeout_s)
-        except grpc.RpcError as error:
-            raise rpc_error_to_domain(error, f"RewardService.GetStatus at {self.address}") from None
+        response = await self.call("GetStatus", reward_pb2.RewardServiceGetStatusRequest(), timeout_s)
         return RewardStatus(list(response.data_sources), response.items_scored, response.items_failed)
 
 
-class LocalRewardClient:
-    """The same interface over an engine in this process (started and stopped by its owner)."""
+class LocalRewardClient(RewardInterface):
+    """RewardInterface over an engine in this process (started and stopped by its owner)."""
 
     def __init__(self, engine: RewardEngine):
         self.engine = engine
@@ -64,14 +74,14 @@ class LocalRewardClient:
         pass
 
 
-class ShardedRewardClient:
+class ShardedRewardClient(RewardInterface):
     """Spreads every batch over several replicas; results come back in the batch's order.
 
     Validation is all-or-nothing per request, not per batch: when one request is refused the call
     raises, though other replicas may have scored (and counted) their parts.
     """
 
-    def __init__(self, clients: Sequence[RewardClient | LocalRewardClient], request_items: int = 512):
+    def __init__(self, clients: Sequence[RewardInterface], request_items: int = 512):
         if not clients:
             raise ValueError("ShardedRewardClient needs at least one client")
         if request_items < 1:

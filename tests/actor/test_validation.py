@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from rlfabric.core import codec
-from rlfabric.core.errors import InvalidArgument
+from rlfabric.core.errors import InvalidArgument, RlfabricError
 from rlfabric.v1 import actor_pb2
 from tests.actor.helpers import Served, make_batch, make_config
 
@@ -105,8 +105,8 @@ def _raw_call(actor, method, request):
     async def call():
         try:
             await actor.client.call(method, request)
-        except grpc.aio.AioRpcError as error:
-            return error.code(), error.details()
+        except RlfabricError as error:
+            return error.code, str(error)
         return grpc.StatusCode.OK, ""
     return actor.run(call())
 

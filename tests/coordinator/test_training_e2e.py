@@ -14,12 +14,12 @@ import signal
 import time
 from pathlib import Path
 
-import grpc
 import pytest
 
 from rlfabric.coordinator.client import CoordinatorClient
 from rlfabric.core.client import ChannelOptions
 from rlfabric.core.config import load_config
+from rlfabric.core.errors import FailedPrecondition, InvalidArgument, PermissionDenied
 from rlfabric.launcher import LocalMesh
 from rlfabric.v1 import coordinator_pb2
 
@@ -57,7 +57,7 @@ async def run_to_end(mesh, overrides: list[str], timeout_s: float = 400) -> coor
     async with coordinator(mesh) as client:
         await client.start_run(overrides)
         async with asyncio.timeout(timeout_s):
-            async for _ in client.stream("StreamMetrics", coordinator_pb2.StreamMetricsRequest(), timeout_s):
+            async for _ in client.stream_metrics(timeout_s=timeout_s):
                 pass
         return await client.run_status()
 
@@ -129,18 +129,16 @@ def test_async_mode_trains_on_samples_at_most_one_version_old(mesh, experiment_d
 def test_run_control_pause_checkpoint_stop_and_bad_requests(mesh, experiment_dir):
     async def scenario():
         async with coordinator(mesh) as client:
-            for bad, code in ((["actor.lr=1"], grpc.StatusCode.INVALID_ARGUMENT),
-                              (["trainer.total_steps=0"], grpc.StatusCode.INVALID_ARGUMENT),
-                              (["data.train_files=[nonexistent.parquet]"], grpc.StatusCode.INVALID_ARGUMENT),
-                              (["data.train_files=[/etc/passwd]"], grpc.StatusCode.PERMISSION_DENIED)):
-                with pytest.raises(grpc.RpcError) as error:
+            for bad, refusal in ((["actor.lr=1"], InvalidArgument),
+                                 (["trainer.total_steps=0"], InvalidArgument),
+                                 (["data.train_files=[nonexistent.parquet]"], InvalidArgument),
+                                 (["data.train_files=[/etc/passwd]"], PermissionDenied)):
+                with pytest.raises(refusal):
                     await client.start_run(bad)
-                assert error.value.code() == code, bad
             await client.start_run([GRPO, f"trainer.experiment_name={experiment_dir.name}", "trainer.total_steps=50"])
-            with pytest.raises(grpc.RpcError) as error:  # one run at a time
+            with pytest.raises(FailedPrecondition, match="one run at a time"):
                 await client.start_run([f"trainer.experiment_name={experiment_dir.name}"])
-            assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-            await client.call("PauseRun", coordinator_pb2.PauseRunRequest())
+            await client.pause_run()
             for _ in range(600):
                 status = await client.run_status()
                 if status.state == coordinator_pb2.RUN_STATE_PAUSED:
@@ -149,11 +147,11 @@ def test_run_control_pause_checkpoint_stop_and_bad_requests(mesh, experiment_dir
             assert status.phase == "paused"
             await asyncio.sleep(1.0)
             assert (await client.run_status()).step == status.step  # no step while paused
-            await client.call("ResumeRun", coordinator_pb2.ResumeRunRequest())
-            saved = await client.call("SaveCheckpoint", coordinator_pb2.CoordinatorServiceSaveCheckpointRequest())
+            await client.resume_run()
+            saved = await client.save_checkpoint()
             assert Path(saved.path).name == f"global_step_{saved.step}"
             assert (Path(saved.path) / "actor" / "model.safetensors").exists()
-            await client.call("StopRun", coordinator_pb2.StopRunRequest(skip_checkpoint=True))
+            await client.stop_run(skip_checkpoint=True)
             status = await client.run_status()
             assert status.state == coordinator_pb2.RUN_STATE_STOPPED
             assert status.step < 50
@@ -169,7 +167,7 @@ def test_a_rollout_replica_killed_mid_run_is_dropped_and_the_run_finishes(mesh, 
         async with coordinator(mesh) as client:
             await client.start_run([GRPO, f"trainer.experiment_name={experiment_dir.name}", f"trainer.total_steps={steps}"])
             async with asyncio.timeout(300):
-                async for update in client.stream("StreamMetrics", coordinator_pb2.StreamMetricsRequest(), 300):
+                async for update in client.stream_metrics(timeout_s=300):
                     if update.step == 1:
                         os.kill(victim.process.pid, signal.SIGKILL)
             return await client.run_status()

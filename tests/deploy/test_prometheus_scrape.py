@@ -184,7 +184,7 @@ async def train(address: str, options: ChannelOptions) -> coordinator_pb2.GetRun
     async with CoordinatorClient(address, options) as client:
         await client.start_run([f"trainer.total_steps={STEPS}"])
         async with asyncio.timeout(400):
-            async for _ in client.stream("StreamMetrics", coordinator_pb2.StreamMetricsRequest(), 400):
+            async for _ in client.stream_metrics(timeout_s=400):
                 pass
         return await client.run_status()
 

@@ -31,7 +31,7 @@ def test_serve_rollout_generates_and_stops_on_sigterm(tmp_path, tiny_model):
 
         async def talk():
             await wait_until_serving(address, timeout_s=60)
-            async with RolloutClient(address, domain_errors=True) as rollout:
+            async with RolloutClient(address) as rollout:
                 samples = await rollout.generate([[{"role": "user", "content": "hi"}], [5, 6]],
                                                  SamplingSpec(n=2, max_tokens=5, seed=0))
                 streamed = [s async for s in rollout.generate_stream([[5, 6]], SamplingSpec(n=3, max_tokens=5))]

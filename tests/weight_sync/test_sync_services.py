@@ -125,7 +125,7 @@ async def receive_with_one_bad(actor, group_id: str, manifest, bad, bad_address:
                                reference: str | None = None):
     """The actor's broadcast while `bad_address` receives the manifest `bad` and every other member
     the true one: [broadcast result, bad receiver's result, good receivers' results...]."""
-    clients = [RolloutClient(a, domain_errors=True) for a in (bad_address, *good_addresses)]
+    clients = [RolloutClient(a) for a in (bad_address, *good_addresses)]
     if reference is not None:  # a member too: the broadcast waits for every rank
         clients.append(ReferenceClient(reference))
     try:
@@ -170,7 +170,7 @@ def test_a_manifest_that_does_not_fit_the_replica_is_refused_before_anything_is_
 
 
 async def _receive(address: str, manifest):
-    async with RolloutClient(address, domain_errors=True) as client:
+    async with RolloutClient(address) as client:
         return await client.receive_weights(manifest, 10)
 
 
