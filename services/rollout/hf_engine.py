@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rlfabric.core.config import RunConfig
+from rlfabric.core.dtypes import rollout_dtype, torch_dtype
 from rlfabric.core.errors import DeadlineExceeded, InvalidArgument, Unavailable, Unimplemented
 from rlfabric.core.weight_sync import WeightLimits, WeightSwap
 from rlfabric.rollout.engine import RolloutEngine, load_tokenizer, trust_remote_code
@@ -41,7 +42,6 @@ from rlfabric.rollout.types import (
 )
 
 log = logging.getLogger("rlfabric.rollout.hf")
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 WAKE_TAGS = ("weights", "kv_cache")
 
 
@@ -121,10 +121,7 @@ class HFEngine(RolloutEngine):
     def _load(self):
         from transformers import AutoModelForCausalLM
 
-        dtype_name = self.config.rollout.dtype
-        if dtype_name == "auto":
-            dtype_name = self.config.model.dtype
-        dtype = _DTYPES.get(dtype_name, torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        dtype = torch_dtype(rollout_dtype(self.config), self.device)
         net = AutoModelForCausalLM.from_pretrained(
             self.model, dtype=dtype, trust_remote_code=trust_remote_code(self.config)
         )

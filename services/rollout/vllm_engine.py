@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from rlfabric.core.config import RunConfig
+from rlfabric.core.dtypes import rollout_dtype
 from rlfabric.core.errors import (
     DeadlineExceeded,
     FailedPrecondition,
@@ -85,11 +86,11 @@ class VLLMEngine(RolloutEngine):
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        r, m = self.config.rollout, self.config.model
+        r = self.config.rollout
         if not self.model:
             raise ValueError("rollout: model.path is empty; point it at a local Hugging Face model directory")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, math.ceil(r.kv_cache_space_gb))))
-        dtype = r.dtype if r.dtype != "auto" else m.dtype
+        dtype = rollout_dtype(self.config)
         if dtype == "auto":  # as model.dtype documents; vLLM's own "auto" would pick bfloat16 on CPU
             dtype = "auto" if torch.cuda.is_available() else "float32"
         args = AsyncEngineArgs(
