@@ -127,14 +127,6 @@ class RolloutEngine(abc.ABC):
     @abc.abstractmethod
     async def stop(self) -> None: ...
 
-    @property
-    def paused(self) -> bool:
-        return self._paused
-
-    @property
-    def sleeping(self) -> bool:
-        return self._sleeping
-
     def status(self) -> EngineStatus:
         """Cheap and synchronous (metrics gauges read it at scrape time)."""
         return EngineStatus(engine=self.name, model=self.model, weight_version=self.weight_version,
@@ -150,14 +142,14 @@ class RolloutEngine(abc.ABC):
         deadline = time.monotonic() + self.config.rollout.request_timeout_s
         try:
             # 1. The gate: held while paused or asleep (Pause(abort=True) lets it through, aborted).
-            await self._before(deadline, generation.admitted.wait(), "held while the engine was paused or asleep")
+            await self._within(deadline, generation.admitted.wait(), "held while the engine was paused or asleep")
             # 2. The engine generates its rows.
             if not generation.aborted:
                 generation.started = True
                 self._start_request(generation)
             # 3. Each sample as it finishes, or the engine's error.
             for _ in range(generation.num_rows):
-                item = await self._before(deadline, generation.results.get(), "generating")
+                item = await self._within(deadline, generation.results.get(), "generating")
                 if isinstance(item, Exception):
                     raise item
                 yield item
@@ -178,12 +170,12 @@ class RolloutEngine(abc.ABC):
                 f"this rollout replica holds {len(self._requests)} generation requests, its limit "
                 f"(rollout.max_pending_requests={limit}): retry with backoff, send fewer, larger requests, "
                 "add replicas, or raise rollout.max_pending_requests (0 = no limit)")
+        token_prompts = [self._token_ids(i, prompt) for i, prompt in enumerate(prompts)]
+        validate_request(token_prompts, params, self.limits)
         rows, most = len(prompts) * params.n, self.config.rollout.max_rows_per_request
         if rows > most:
             raise ResourceExhausted(f"{len(prompts)} prompts x n={params.n} = {rows} samples in one request; this "
                                     f"replica takes at most {most} (rollout.max_rows_per_request): split the request")
-        token_prompts = [self._token_ids(i, prompt) for i, prompt in enumerate(prompts)]
-        validate_request(token_prompts, params, self.limits)
         generation = Generation(token_prompts, params, asyncio.get_running_loop(), self._progress)
         self._requests.add(generation)
         if not (self._paused or self._sleeping):
@@ -195,7 +187,7 @@ class RolloutEngine(abc.ABC):
             return self.render_chat(prompt, index)
         return [int(token) for token in prompt]
 
-    async def _before(self, deadline: float, step: Awaitable, doing: str):
+    async def _within(self, deadline: float, step: Awaitable, doing: str):
         """Awaits one step of a request within its deadline (rollout.request_timeout_s)."""
         try:
             return await asyncio.wait_for(step, max(0.0, deadline - time.monotonic()))

@@ -134,7 +134,10 @@ class SGLangEngine(RolloutEngine):
         except asyncio.CancelledError:
             asyncio.ensure_future(self._abort(rid))
             raise
-        return self._sample(answer, params, prompt_index, sample_index, version)
+        try:
+            return self._sample(answer, params, prompt_index, sample_index, version)
+        except (KeyError, TypeError, ValueError) as error:
+            raise Unavailable(f"sglang /generate: unexpected answer: {type(error).__name__}: {error}") from None
 
     async def _abort(self, rid: str) -> None:
         with contextlib.suppress(Exception):
