@@ -22,8 +22,8 @@ import torch
 from torch import nn
 
 from rlfabric.core.config import RunConfig
+from rlfabric.core.dtypes import torch_dtype
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TRAINABLE = ("actor", "critic")
 
 
@@ -33,12 +33,6 @@ def rank_device(rank: int) -> torch.device:
         return torch.device("cpu")
     local_rank = int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count()))
     return torch.device("cuda", local_rank)
-
-
-def compute_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[name]
 
 
 def model_path(role: str, config: RunConfig) -> str:
@@ -54,7 +48,7 @@ def load_model(role: str, config: RunConfig, device: torch.device) -> nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
     trainable = role in TRAINABLE
-    dtype = torch.float32 if trainable else compute_dtype(config.model.dtype, device)
+    dtype = torch.float32 if trainable else torch_dtype(config.model.dtype, device)
     kwargs = dict(
         dtype=dtype,
         attn_implementation=config.model.attn_implementation,

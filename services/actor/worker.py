@@ -38,6 +38,7 @@ from rlfabric.actor.objectives import (
     forward_values,
 )
 from rlfabric.core.config import RunConfig
+from rlfabric.core.dtypes import torch_dtype
 
 
 def warmup_factor(updates: int, warmup_steps: int) -> float:
@@ -52,7 +53,7 @@ class RankWorker:
         self.role, self.config, self.rank, self.world_size, self.device = role, config, rank, world_size, device
         self.section = {"actor": config.actor, "reference": config.reference, "critic": config.critic}[role]
         self.trainable = role in models.TRAINABLE
-        self.dtype = models.compute_dtype(config.model.dtype, device)
+        self.dtype = torch_dtype(config.model.dtype, device)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)  # a new value head is initialised identically on every rank and run
             model = models.load_model(role, config, device)

@@ -34,6 +34,7 @@ import torch
 from rlfabric.actor.client import ActorInterface, ReferenceClient
 from rlfabric.core.client import ChannelOptions
 from rlfabric.core.config import RunConfig
+from rlfabric.core.dtypes import rollout_dtype, torch_dtype
 from rlfabric.core.weight_sync import Manifest, SyncGroup
 from rlfabric.core.weight_sync.grpc_stream import PushResult
 from rlfabric.core.weight_sync.receiver import SLACK_S
@@ -42,7 +43,6 @@ from rlfabric.rollout.client import RolloutClient
 log = logging.getLogger("rlfabric.coordinator.weight_sync")
 
 PROBE_TIMEOUT_S = 3.0  # a member that does not answer GetStatus this fast is left out of the group
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -91,8 +91,8 @@ class _Member:
 
 def target_dtype(config: RunConfig) -> torch.dtype | None:
     """The receivers' dtype: rollout.dtype, else model.dtype; None (auto) lets the actor pick its own."""
-    name = config.rollout.dtype if config.rollout.dtype != "auto" else config.model.dtype
-    return _DTYPES.get(name)
+    name = rollout_dtype(config)
+    return None if name == "auto" else torch_dtype(name)
 
 
 class WeightSyncPlane:

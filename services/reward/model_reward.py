@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
+from rlfabric.core.dtypes import torch_dtype
 from rlfabric.reward.items import ItemResult, ScoreItem
 
 Chat = list[dict[str, str]]
@@ -43,7 +44,7 @@ class RewardModelScorer:
         self.tokenizer.padding_side = "right"
         self.tokenizer.truncation_side = "left"
         self.model = AutoModelForSequenceClassification.from_pretrained(
-            config.model_path, dtype=getattr(torch, config.dtype)
+            config.model_path, dtype=torch_dtype(config.dtype, config.device)
         )
         self.model.config.pad_token_id = self.tokenizer.pad_token_id
         self.model.to(config.device).eval()

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
-from rlfabric.rollout.types import EngineStatus, Finish, FinishedSample, SamplingSpec
+from rlfabric.rollout.types import EngineStatus, Finish, FinishedSample, PromptInput, SamplingSpec
 from rlfabric.v1 import rollout_pb2
-
-# A prompt as callers write it: token ids, or chat messages [{"role": ..., "content": ...}].
-PromptInput = Sequence[int] | Sequence[Mapping[str, str]]
 
 _FINISH_TO_PROTO = {
     Finish.STOP: rollout_pb2.FINISH_REASON_STOP,

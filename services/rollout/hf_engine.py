@@ -4,13 +4,13 @@ It runs its own decode loop over the transformers model (forward with a DynamicC
 `model.generate`, because generate draws from one global RNG (a sample would depend on what it is
 batched with) and cannot finish, stream or abort rows one by one.
 
-Scheduling: requests become rows (prompt, sample); one scheduler task takes up to max_num_seqs
-queued rows, from any number of concurrent requests, and runs them as one batch on a worker
-thread, so the event loop (health checks, GetStatus) stays responsive. Each unique prompt is
-prefilled once and its KV cache repeated for its n samples; finished rows leave the batch.
-Weight loads and sleep take the same lock as a batch, so they happen between batches.
-Pause (like vLLM's "wait" mode): requests accepted before it run to the end, later ones are held
-(not admitted) until Resume; Pause(abort=True) ends everything in flight with Finish.ABORT.
+Scheduling: a started request (RolloutEngine holds requests while paused or asleep) becomes rows
+(prompt, sample); one scheduler task takes up to max_num_seqs queued rows, from any number of
+concurrent requests, and runs them as one batch on a worker thread, so the event loop (health
+checks, GetStatus) stays responsive. Each unique prompt is prefilled once and its KV cache repeated
+for its n samples; finished rows leave the batch. Weight loads and sleep take the same lock as a
+batch, so they happen between batches. Pause(abort=True) drops the queued rows and the running
+batch ends its aborted rows at its next step, each with Finish.ABORT.
 """
 
 from __future__ import annotations
@@ -20,60 +20,28 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from rlfabric.core.config import RunConfig
-from rlfabric.core.errors import DeadlineExceeded, InvalidArgument, Unavailable, Unimplemented
+from rlfabric.core.dtypes import rollout_dtype, torch_dtype
+from rlfabric.core.errors import DeadlineExceeded, InvalidArgument, Unimplemented
 from rlfabric.core.weight_sync import WeightLimits, WeightSwap
-from rlfabric.rollout.engine import RolloutEngine, load_tokenizer, trust_remote_code
+from rlfabric.rollout.engine import Generation, RolloutEngine, load_tokenizer, trust_remote_code
 from rlfabric.rollout.sampling import sample_tokens
-from rlfabric.rollout.types import (
-    EngineLimits,
-    EngineStatus,
-    Finish,
-    FinishedSample,
-    SamplingSpec,
-    row_seed,
-    truncate_at_stop,
-)
+from rlfabric.rollout.types import EngineLimits, Finish, FinishedSample, row_seed, truncate_at_stop
 
 log = logging.getLogger("rlfabric.rollout.hf")
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 WAKE_TAGS = ("weights", "kv_cache")
-
-
-@dataclass(eq=False)
-class _Request:
-    """One generate() call: its sampling parameters and where finished samples go."""
-
-    prompts: list[list[int]]
-    params: SamplingSpec
-    loop: asyncio.AbstractEventLoop
-    progress: asyncio.Event  # the engine's: set whenever a request moves on
-    admitted: bool  # False while it arrived during Pause/Sleep: its rows wait for Resume/WakeUp
-    undelivered: int = 0  # rows not handed over yet
-    results: asyncio.Queue = field(default_factory=asyncio.Queue)  # FinishedSample | Exception
-    aborted: bool = False
-
-    def deliver(self, item) -> None:
-        """Thread-safe hand-over to the request's event loop."""
-        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is waiting any more
-            self.loop.call_soon_threadsafe(self._arrive, item)
-
-    def _arrive(self, item) -> None:
-        self.results.put_nowait(item)
-        self.undelivered = 0 if isinstance(item, Exception) else self.undelivered - 1
-        self.progress.set()
 
 
 @dataclass(eq=False)
 class _Row:
     """One sample being generated."""
 
-    request: _Request
+    generation: Generation
     prompt_index: int
     sample_index: int
     generator: torch.Generator
@@ -82,27 +50,20 @@ class _Row:
 
     @property
     def prompt(self) -> list[int]:
-        return self.request.prompts[self.prompt_index]
+        return self.generation.prompts[self.prompt_index]
 
 
 class HFEngine(RolloutEngine):
     name = "hf"
 
     def __init__(self, config: RunConfig):
-        super().__init__(config.model.path)
-        self.config = config
+        super().__init__(config)
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.net = None
-        self._version = 0
         self._pending: deque[_Row] = deque()
-        self._requests: set[_Request] = set()
         self._running: list[_Row] = []
         self._lock = asyncio.Lock()  # held by a running batch, a weight load or sleep
-        self._wakeup = asyncio.Event()  # rows were queued or admitted
-        self._progress = asyncio.Event()  # a row was delivered
-        self._paused = False
-        self._sleeping = False
-        self._kv_usage = 0.0
+        self._wakeup = asyncio.Event()  # rows were queued
         self._scheduler: asyncio.Task | None = None
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -121,10 +82,7 @@ class HFEngine(RolloutEngine):
     def _load(self):
         from transformers import AutoModelForCausalLM
 
-        dtype_name = self.config.rollout.dtype
-        if dtype_name == "auto":
-            dtype_name = self.config.model.dtype
-        dtype = _DTYPES.get(dtype_name, torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        dtype = torch_dtype(rollout_dtype(self.config), self.device)
         net = AutoModelForCausalLM.from_pretrained(
             self.model, dtype=dtype, trust_remote_code=trust_remote_code(self.config)
         )
@@ -133,12 +91,8 @@ class HFEngine(RolloutEngine):
 
     async def stop(self) -> None:
         """Aborts everything in flight, lets the running batch notice it, then releases the model."""
-        self._paused = True
-        for request in list(self._requests):
-            request.aborted = True
-        self._drop_pending(lambda row: True)
         with contextlib.suppress(DeadlineExceeded):
-            await self._drain()
+            await self.pause(abort=True)
         if self._scheduler is not None:
             self._scheduler.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -146,38 +100,16 @@ class HFEngine(RolloutEngine):
         await self.leave_weight_sync()
         self.net = None
 
-    def status(self) -> EngineStatus:
-        return EngineStatus(
-            engine=self.name, model=self.model, weight_version=self._version, queue_depth=len(self._requests),
-            kv_cache_usage=self._kv_usage, paused=self._paused, sleeping=self._sleeping,
-        )
-
     # -- generation ----------------------------------------------------------------------------
 
-    async def _generate(self, prompts: list[list[int]], params: SamplingSpec) -> AsyncIterator[FinishedSample]:
-        request = _Request(prompts, params, asyncio.get_running_loop(), self._progress,
-                           admitted=not (self._paused or self._sleeping), undelivered=len(prompts) * params.n)
-        rows = [_Row(request, p, s, torch.Generator().manual_seed(row_seed(params.seed, p, s)))
-                for p in range(len(prompts)) for s in range(params.n)]
-        self._requests.add(request)
-        self._pending.extend(rows)
+    def _start_request(self, generation: Generation) -> None:
+        params = generation.params
+        self._pending.extend(_Row(generation, p, s, torch.Generator().manual_seed(row_seed(params.seed, p, s)))
+                             for p, s in generation.rows())
         self._wakeup.set()
-        deadline = time.monotonic() + self.config.rollout.request_timeout_s
-        try:
-            for _ in rows:
-                try:
-                    item = await asyncio.wait_for(request.results.get(), max(0.0, deadline - time.monotonic()))
-                except TimeoutError:
-                    raise DeadlineExceeded(f"generation took longer than rollout.request_timeout_s="
-                                           f"{self.config.rollout.request_timeout_s}") from None
-                if isinstance(item, Exception):
-                    raise item
-                yield item
-        finally:  # normal end, error or the caller went away: unfinished rows are dropped
-            request.aborted = True
-            self._drop_pending(lambda row: row.request is request, deliver=False)
-            self._requests.discard(request)
-            self._progress.set()
+
+    def _end_request(self, generation: Generation) -> None:
+        self._drop_pending(lambda row: row.generation is generation, deliver=False)
 
     async def _schedule(self) -> None:
         while True:
@@ -189,23 +121,19 @@ class HFEngine(RolloutEngine):
             async with self._lock:
                 self._running = batch
                 try:
-                    await asyncio.to_thread(self._run_batch, batch, self._version)
+                    await asyncio.to_thread(self._run_batch, batch, self.weight_version)
                 except Exception as error:  # the engine failed: the batch's requests get UNAVAILABLE
                     log.exception("hf engine batch failed")
-                    for request in {row.request for row in batch}:
-                        request.deliver(Unavailable(f"hf engine failed: {type(error).__name__}: {error}"))
+                    for generation in {row.generation for row in batch}:
+                        generation.put(self.failure(error))
                 finally:
                     self._running = []
-                    self._kv_usage = 0.0
+                    self.kv_cache_usage = 0.0
 
     def _take_batch(self) -> list[_Row]:
-        """Up to max_num_seqs queued rows of admitted requests, oldest first."""
-        batch, kept = [], deque()
-        for row in self._pending:
-            fits = row.request.admitted and len(batch) < self.config.rollout.max_num_seqs
-            (batch if fits else kept).append(row)
-        self._pending = kept
-        return batch
+        """Up to max_num_seqs queued rows, oldest first."""
+        size = min(len(self._pending), self.config.rollout.max_num_seqs)
+        return [self._pending.popleft() for _ in range(size)]
 
     def _drop_pending(self, which, deliver: bool = True) -> int:
         """Removes queued rows matching `which`; delivers them as empty ABORT samples when asked."""
@@ -215,14 +143,15 @@ class HFEngine(RolloutEngine):
         self._pending = kept
         if deliver:
             for row in dropped:
-                row.request.deliver(self._finish(row, Finish.ABORT, self._version))
+                row.generation.put(self._finish(row, Finish.ABORT, self.weight_version))
         return len(dropped)
 
     def _finish(self, row: _Row, reason: Finish, version: int) -> FinishedSample:
+        params = row.generation.params
         text = self.decode(row.token_ids)
-        if row.request.params.stop:
-            text, _ = truncate_at_stop(text, row.request.params.stop)
-        logprobs = row.logprobs if row.request.params.logprobs else []
+        if params.stop:
+            text, _ = truncate_at_stop(text, params.stop)
+        logprobs = row.logprobs if params.logprobs else []
         return FinishedSample(row.prompt_index, row.sample_index, row.token_ids, logprobs, reason, version, text)
 
     @torch.inference_mode()
@@ -230,10 +159,10 @@ class HFEngine(RolloutEngine):
         """Prefill then decode until every row is finished (worker thread)."""
         device = self.device
         # 1. Prefill each unique prompt once, left-padded.
-        unique: dict[tuple[int, int], int] = {}  # (request, prompt index) -> row of the prefill
+        unique: dict[tuple[int, int], int] = {}  # (generation, prompt index) -> row of the prefill
         prompts = []
         for r in rows:
-            if unique.setdefault((id(r.request), r.prompt_index), len(prompts)) == len(prompts):
+            if unique.setdefault((id(r.generation), r.prompt_index), len(prompts)) == len(prompts):
                 prompts.append(r.prompt)
         width = max(map(len, prompts))
         pad = self.tokenizer.pad_token_id or 0
@@ -246,11 +175,11 @@ class HFEngine(RolloutEngine):
         out = self.net(input_ids=input_ids, attention_mask=mask, position_ids=positions,
                        past_key_values=cache, use_cache=True, logits_to_keep=1)
         # 2. Repeat each prompt's cache for its samples.
-        expand = torch.tensor([unique[(id(r.request), r.prompt_index)] for r in rows], device=device)  # (B,)
+        expand = torch.tensor([unique[(id(r.generation), r.prompt_index)] for r in rows], device=device)  # (B,)
         logits = out.logits[:, -1, :][expand]  # (B, V)
         cache.batch_select_indices(expand)
         mask, next_pos = mask[expand], positions[expand, -1] + 1  # (B, P), (B,)
-        params = [r.request.params for r in rows]
+        params = [r.generation.params for r in rows]
         temperature = torch.tensor([p.temperature for p in params], device=device)
         top_k = torch.tensor([p.top_k for p in params], device=device)
         top_p = torch.tensor([p.top_p for p in params], device=device)
@@ -261,8 +190,8 @@ class HFEngine(RolloutEngine):
             tokens, logprobs = sample_tokens(logits, temperature, top_k, top_p, uniforms.to(device))
             alive = []
             for i, (row, token, logprob) in enumerate(zip(rows, tokens.tolist(), logprobs.tolist(), strict=True)):
-                if row.request.aborted:
-                    row.request.deliver(self._finish(row, Finish.ABORT, version))
+                if row.generation.aborted:
+                    row.generation.put_threadsafe(self._finish(row, Finish.ABORT, version))
                     continue
                 row.token_ids.append(token)
                 row.logprobs.append(logprob)
@@ -270,7 +199,7 @@ class HFEngine(RolloutEngine):
                 if reason is None:
                     alive.append(i)
                 else:
-                    row.request.deliver(self._finish(row, reason, version))
+                    row.generation.put_threadsafe(self._finish(row, reason, version))
             if not alive:
                 break
             if len(alive) < len(rows):
@@ -280,13 +209,13 @@ class HFEngine(RolloutEngine):
                 temperature, top_k, top_p = temperature[keep], top_k[keep], top_p[keep]
                 rows = [rows[i] for i in alive]
             mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=1)  # (B, P + t)
-            self._kv_usage = min(1.0, len(rows) * mask.shape[1] / capacity)
+            self.kv_cache_usage = min(1.0, len(rows) * mask.shape[1] / capacity)
             out = self.net(input_ids=tokens[:, None], attention_mask=mask, position_ids=next_pos[:, None],
                            past_key_values=cache, use_cache=True)
             logits, next_pos = out.logits[:, -1, :], next_pos + 1
 
     def _finish_reason(self, row: _Row, token: int) -> Finish | None:
-        params = row.request.params
+        params = row.generation.params
         if token in self.limits.eos_token_ids or token in params.stop_token_ids:
             return Finish.STOP
         if params.stop:
@@ -299,58 +228,33 @@ class HFEngine(RolloutEngine):
 
     # -- control -------------------------------------------------------------------------------
 
-    async def pause(self, abort: bool) -> int:
-        """Requests from now on wait for Resume; in-flight ones finish (or are aborted) before this returns."""
-        self._paused = True
-        aborted = 0
+    async def _hold(self, abort: bool) -> None:
         if abort:
-            for request in self._requests:
-                aborted += not request.aborted
-                request.aborted = True
             self._drop_pending(lambda row: True)
         await self._drain()
-        return aborted
 
-    async def _drain(self) -> None:
-        """Waits until admitted requests have all their rows delivered and no batch or weight load runs."""
-        timeout = self.config.rollout.drain_timeout_s
-        deadline = time.monotonic() + timeout
-        try:
-            while any(r.admitted and r.undelivered > 0 and not r.aborted for r in self._requests):
-                self._progress.clear()
-                await asyncio.wait_for(self._progress.wait(), max(0.0, deadline - time.monotonic()))
-            await asyncio.wait_for(self._lock.acquire(), max(0.0, deadline - time.monotonic()))
-        except TimeoutError:
-            raise DeadlineExceeded(f"in-flight requests did not finish within rollout.drain_timeout_s={timeout}") from None
-        self._lock.release()
+    async def _until_drained(self) -> None:
+        """Every sample delivered, and then no batch or weight load running."""
+        await super()._until_drained()
+        async with self._lock:
+            pass
 
-    def _admit_all(self) -> None:
-        if not (self._paused or self._sleeping):
-            for request in self._requests:
-                request.admitted = True
-            self._wakeup.set()
-
-    async def resume(self) -> None:
-        self._paused = False
-        self._admit_all()
-
-    async def sleep(self, level: int) -> None:
+    async def _sleep(self, level: int) -> None:
         if level != 1:
             raise Unimplemented(f"the hf engine supports sleep level 1 (offload weights to CPU) only, not {level}")
-        self._sleeping = True
         await self._drain()
         async with self._lock:
             await asyncio.to_thread(self.net.to, "cpu")
 
-    async def wake_up(self, tags: Sequence[str]) -> None:
+    async def _wake_up(self, tags: Sequence[str]) -> bool:
         unknown = set(tags) - set(WAKE_TAGS)
         if unknown:
             raise InvalidArgument(f"unknown wake-up tag(s) {sorted(unknown)}; tags are {list(WAKE_TAGS)}")
+        if tags and "weights" not in tags:
+            return False  # the weights are still on the CPU
         async with self._lock:
-            if not tags or "weights" in tags:
-                await asyncio.to_thread(self.net.to, self.device)
-                self._sleeping = False
-                self._admit_all()
+            await asyncio.to_thread(self.net.to, self.device)
+        return True
 
     async def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> int:
         return (await self.swap_weights(weights, version)).version
@@ -370,11 +274,11 @@ class HFEngine(RolloutEngine):
         async with self._lock:
             started = time.monotonic()
             await asyncio.to_thread(self._copy_weights, named)
-            self._version = self._version + 1 if version is None else int(version)
+            self.weight_version = self.weight_version + 1 if version is None else int(version)
             paused = time.monotonic() - started
-        log.info("weights loaded", extra={"fields": {"tensors": len(named), "version": self._version,
+        log.info("weights loaded", extra={"fields": {"tensors": len(named), "version": self.weight_version,
                                                      "paused_s": round(paused, 4)}})
-        return WeightSwap(self._version, paused)
+        return WeightSwap(self.weight_version, paused)
 
     def _copy_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:
         """Checks every tensor first, then copies all of them: a bad update changes nothing."""

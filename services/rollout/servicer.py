@@ -2,7 +2,9 @@
 
     rlfabric serve rollout --config run.yaml rollout.engine=hf
 
-The engine is chosen once, in build_engine, from rollout.engine. Weight sync
+The engine is chosen once, in build_engine, from rollout.engine; admission, the pause/sleep gate and
+request deadlines are the engine's (rlfabric.rollout.engine), and errors reach the client through
+the server's ErrorInterceptor: a domain error with its own status, anything else INTERNAL. Weight sync
 (rlfabric.core.weight_sync): JoinWeightSyncGroup and ReceiveWeights (gloo, nccl) and PushWeights
 (grpc) end in the engine swapping in the new version at once; a checksum mismatch rejects it.
 """
@@ -10,19 +12,18 @@ The engine is chosen once, in build_engine, from rollout.engine. Weight sync
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 
 from prometheus_client import CollectorRegistry
 
 from rlfabric.core.config import RunConfig
-from rlfabric.core.errors import InvalidArgument, ResourceExhausted, RlfabricError, Unavailable
 from rlfabric.core.metrics import service_counter, service_gauge, service_histogram
 from rlfabric.core.server import ServiceBinding, ServiceDefinition
 from rlfabric.core.weight_sync import Manifest, SyncGroup, WeightSwap
 from rlfabric.core.weight_sync.grpc_stream import PushReceiver, add_rollout_service
 from rlfabric.rollout import convert
 from rlfabric.rollout.engine import RolloutEngine
-from rlfabric.rollout.types import FinishedSample, SamplingSpec
+from rlfabric.rollout.types import FinishedSample
 from rlfabric.v1 import rollout_pb2, rollout_pb2_grpc
 
 
@@ -56,11 +57,9 @@ class RolloutMetrics:
 
 
 class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
-    def __init__(self, engine: RolloutEngine, metrics: RolloutMetrics, max_pending_requests: int = 0):
+    def __init__(self, engine: RolloutEngine, metrics: RolloutMetrics):
         self.engine = engine
         self.metrics = metrics
-        self.max_pending_requests = max_pending_requests  # rollout.max_pending_requests; 0 = no limit
-        self._pending_requests = 0  # Generate/GenerateStream requests admitted and not finished
         self._pushes = PushReceiver()  # PushWeights: one push at a time, over one or more streams
 
     async def Generate(self, request, context):
@@ -83,8 +82,6 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         return rollout_pb2.ResumeResponse()
 
     async def Sleep(self, request, context):
-        if request.level not in (1, 2):
-            raise InvalidArgument(f"sleep level must be 1 or 2 (got {request.level})")
         await self.engine.sleep(request.level)
         return rollout_pb2.SleepResponse()
 
@@ -114,37 +111,12 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             self.metrics.weight_swap(swap, time.monotonic() - started, outcome.manifest.num_bytes)
         return rollout_pb2.PushWeightsResponse(version=swap.version, paused_seconds=swap.paused_seconds)
 
-    def _prompts(self, prompts: Sequence[rollout_pb2.Prompt]) -> list[list[int]]:
-        ids = []
-        for prompt in prompts:
-            value = convert.prompt_from_proto(prompt)
-            ids.append(self.engine.render_chat(value) if value and isinstance(value[0], dict) else value)
-        return ids
-
     async def _generate(self, prompts, params: rollout_pb2.SamplingParams) -> AsyncIterator[FinishedSample]:
-        """The engine's samples; a failure that is not a domain error becomes UNAVAILABLE with its cause.
-
-        Admission: with rollout.max_pending_requests requests already held (waiting or running), a new
-        one is refused with RESOURCE_EXHAUSTED before it is queued, so the engine's queue stays bounded.
-        """
-        spec: SamplingSpec = convert.sampling_from_proto(params)
-        limit = self.max_pending_requests
-        if limit and self._pending_requests >= limit:
-            raise ResourceExhausted(
-                f"this rollout replica holds {self._pending_requests} generation requests, its limit "
-                f"(rollout.max_pending_requests={limit}): retry with backoff, send fewer, larger requests, "
-                "add replicas, or raise rollout.max_pending_requests (0 = no limit)")
-        self._pending_requests += 1
-        try:
-            async for sample in self.engine.generate(self._prompts(prompts), spec):
-                self.metrics.generated_tokens.inc(len(sample.token_ids))
-                yield sample
-        except RlfabricError:
-            raise
-        except Exception as error:
-            raise Unavailable(f"{self.engine.name} engine failed: {type(error).__name__}: {error}") from error
-        finally:
-            self._pending_requests -= 1
+        """The engine's samples, counted as they pass."""
+        requested = [convert.prompt_from_proto(prompt) for prompt in prompts]
+        async for sample in self.engine.generate(requested, convert.sampling_from_proto(params)):
+            self.metrics.generated_tokens.inc(len(sample.token_ids))
+            yield sample
 
 
 def build_engine(config: RunConfig) -> RolloutEngine:
@@ -166,11 +138,11 @@ def build_engine(config: RunConfig) -> RolloutEngine:
 
 
 def build_service(config: RunConfig, engine: RolloutEngine | None = None) -> ServiceDefinition:
-    """The rollout role: RolloutService over the configured (or given) engine."""
+    """The rollout role: RolloutService over the configured engine, or the given one (which keeps the
+    rollout limits of the config it was built with)."""
     engine = engine or build_engine(config)
-    engine.max_rows_per_request = config.rollout.max_rows_per_request
     registry = CollectorRegistry()
-    servicer = RolloutServicer(engine, RolloutMetrics(registry, engine), config.rollout.max_pending_requests)
+    servicer = RolloutServicer(engine, RolloutMetrics(registry, engine))
     binding = ServiceBinding(servicer, add_rollout_service,  # PushWeights takes raw bytes
                              "rlfabric.v1.RolloutService")
     return ServiceDefinition(role="rollout", bindings=[binding], engine=engine, registry=registry)

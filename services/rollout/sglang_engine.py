@@ -2,7 +2,9 @@
 
 HTTP: the stdlib (urllib) on a thread pool of rollout.max_num_seqs threads, one blocking call per
 sample, so each sample is reported as soon as it finishes; every call has a timeout. Requests carry
-an "rid" so a cancelled one is aborted on the server (/abort_request).
+an "rid" so a cancelled one is aborted on the server (/abort_request). RolloutEngine holds new
+requests while paused or asleep; Pause and Sleep also tell the server (/pause_generation,
+/release_memory_occupation).
 
 The model directory (model.path) must be readable here too: its tokenizer renders chat prompts
 and its config gives the limits requests are validated against.
@@ -25,14 +27,13 @@ import logging
 import time
 import urllib.error
 import urllib.request
-import uuid
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from rlfabric.core.config import RunConfig
-from rlfabric.core.errors import DeadlineExceeded, InvalidArgument, Unavailable, Unimplemented
-from rlfabric.rollout.engine import RolloutEngine, load_tokenizer, trust_remote_code
-from rlfabric.rollout.types import EngineLimits, EngineStatus, Finish, FinishedSample, SamplingSpec, row_seed
+from rlfabric.core.errors import InvalidArgument, Unavailable, Unimplemented
+from rlfabric.rollout.engine import Generation, RolloutEngine, load_tokenizer, trust_remote_code
+from rlfabric.rollout.types import EngineLimits, Finish, FinishedSample, SamplingSpec, row_seed
 
 log = logging.getLogger("rlfabric.rollout.sglang")
 _FINISH = {"stop": Finish.STOP, "length": Finish.LENGTH, "abort": Finish.ABORT}
@@ -43,18 +44,9 @@ class SGLangEngine(RolloutEngine):
     name = "sglang"
 
     def __init__(self, config: RunConfig):
-        super().__init__(config.model.path)
-        self.config = config
+        super().__init__(config)
         self.url = config.rollout.sglang_url.rstrip("/")
         self._pool = ThreadPoolExecutor(max_workers=config.rollout.max_num_seqs, thread_name_prefix="sglang-http")
-        self._version = 0
-        self._active = 0
-        self._paused = False
-        self._sleeping = False
-        self._gate = asyncio.Event()  # set while requests may start
-        self._gate.set()
-        self._idle = asyncio.Event()  # set while no request is in flight
-        self._idle.set()
 
     # -- HTTP --------------------------------------------------------------------------------
 
@@ -102,7 +94,7 @@ class SGLangEngine(RolloutEngine):
         self.limits = EngineLimits(model_config.vocab_size, max_len, () if eos is None else (eos,))
         await self._wait_healthy(self.config.rollout.engine_start_timeout_s)
         with contextlib.suppress(Unavailable, ValueError, TypeError):
-            self._version = int((await self.call("/get_weight_version", method="GET")).get("weight_version") or 0)
+            self.weight_version = int((await self.call("/get_weight_version", method="GET")).get("weight_version") or 0)
 
     async def _wait_healthy(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -118,10 +110,6 @@ class SGLangEngine(RolloutEngine):
     async def stop(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    def status(self) -> EngineStatus:
-        return EngineStatus(engine=self.name, model=self.model, weight_version=self._version,
-                            queue_depth=self._active, paused=self._paused, sleeping=self._sleeping)
-
     # -- generation ----------------------------------------------------------------------------
 
     def generate_payload(self, prompt: list[int], params: SamplingSpec, p: int, s: int, rid: str) -> dict:
@@ -135,52 +123,25 @@ class SGLangEngine(RolloutEngine):
             sampling["sampling_seed"] = row_seed(params.seed, p, s)
         return {"input_ids": prompt, "sampling_params": sampling, "return_logprob": params.logprobs, "rid": rid}
 
-    async def _generate(self, prompts: list[list[int]], params: SamplingSpec) -> AsyncIterator[FinishedSample]:
-        await self._wait_gate()
-        results: asyncio.Queue = asyncio.Queue()
-        base = uuid.uuid4().hex
-        tasks = {f"{base}-{p}-{s}": asyncio.create_task(self._one(prompt, params, p, s, f"{base}-{p}-{s}", results))
-                 for p, prompt in enumerate(prompts) for s in range(params.n)}
-        self._active += 1
-        self._idle.clear()
-        deadline = time.monotonic() + self.config.rollout.request_timeout_s
-        done: set[str] = set()
+    async def _generate_row(self, generation: Generation, prompt_index: int, sample_index: int) -> FinishedSample:
+        """One /generate call; cancelling it (the caller went away) aborts the request on the server."""
+        version = self.weight_version
+        params = generation.params
+        rid = f"{generation.request_id}-{prompt_index}-{sample_index}"
+        payload = self.generate_payload(generation.prompts[prompt_index], params, prompt_index, sample_index, rid)
         try:
-            for _ in tasks:
-                try:
-                    rid, item = await asyncio.wait_for(results.get(), max(0.0, deadline - time.monotonic()))
-                except TimeoutError:
-                    raise DeadlineExceeded(f"generation took longer than rollout.request_timeout_s="
-                                           f"{self.config.rollout.request_timeout_s}") from None
-                done.add(rid)
-                if isinstance(item, Exception):
-                    raise item
-                yield item
-        finally:
-            self._active -= 1
-            if not self._active:
-                self._idle.set()
-            unfinished = [rid for rid in tasks if rid not in done]
-            for rid in unfinished:
-                tasks[rid].cancel()
-                asyncio.ensure_future(self._abort(rid))
+            answer = await self.call("/generate", payload, timeout_s=self.config.rollout.request_timeout_s)
+        except asyncio.CancelledError:
+            asyncio.ensure_future(self._abort(rid))
+            raise
+        try:
+            return self._sample(answer, params, prompt_index, sample_index, version)
+        except (KeyError, TypeError, ValueError) as error:
+            raise Unavailable(f"sglang /generate: unexpected answer: {type(error).__name__}: {error}") from None
 
     async def _abort(self, rid: str) -> None:
         with contextlib.suppress(Exception):
             await self.call("/abort_request", {"rid": rid}, timeout_s=10.0)
-
-    async def _one(self, prompt, params: SamplingSpec, p: int, s: int, rid: str, results: asyncio.Queue) -> None:
-        version = self._version
-        try:
-            answer = await self.call("/generate", self.generate_payload(prompt, params, p, s, rid),
-                                     timeout_s=self.config.rollout.request_timeout_s)
-            results.put_nowait((rid, self._sample(answer, params, p, s, version)))
-        except asyncio.CancelledError:
-            raise
-        except Exception as error:
-            if not isinstance(error, InvalidArgument | Unavailable):
-                error = Unavailable(f"sglang /generate: unexpected answer: {type(error).__name__}: {error}")
-            results.put_nowait((rid, error))
 
     def _sample(self, answer: dict, params: SamplingSpec, p: int, s: int, version: int) -> FinishedSample:
         meta = answer.get("meta_info", {})
@@ -190,46 +151,26 @@ class SGLangEngine(RolloutEngine):
         reason = _FINISH.get(finish.get("type") if isinstance(finish, dict) else finish, Finish.ABORT)
         return FinishedSample(p, s, token_ids, logprobs, reason, version, answer.get("text", ""))
 
-    async def _wait_gate(self) -> None:
-        """Requests that arrive while paused or asleep wait for Resume / WakeUp."""
-        try:
-            await asyncio.wait_for(self._gate.wait(), self.config.rollout.request_timeout_s)
-        except TimeoutError:
-            raise DeadlineExceeded("the sglang engine stayed paused past rollout.request_timeout_s") from None
-
     # -- control -------------------------------------------------------------------------------
 
-    async def pause(self, abort: bool) -> int:
-        self._paused = True
-        self._gate.clear()
+    async def _hold(self, abort: bool) -> None:
         if abort:
-            aborted = self._active
             await self.call("/pause_generation", {"mode": "abort"})
-            return aborted
-        timeout = self.config.rollout.drain_timeout_s
-        try:  # our in-flight requests finish, then the server holds anything else in place
-            await asyncio.wait_for(self._idle.wait(), timeout)
-        except TimeoutError:
-            raise DeadlineExceeded(f"in-flight requests did not finish within rollout.drain_timeout_s={timeout}") from None
-        await self.call("/pause_generation", {"mode": "in_place"})
-        return 0
+            await self._drain()
+        else:  # our in-flight requests finish, then the server holds anything else in place
+            await self._drain()
+            await self.call("/pause_generation", {"mode": "in_place"})
 
-    async def resume(self) -> None:
+    async def _release(self) -> None:
         await self.call("/continue_generation", {})
-        self._paused = False
-        if not self._sleeping:
-            self._gate.set()
 
-    async def sleep(self, level: int) -> None:
-        self._sleeping = True
-        self._gate.clear()
+    async def _sleep(self, level: int) -> None:
+        await self._drain()
         await self.call("/release_memory_occupation", {})
 
-    async def wake_up(self, tags: Sequence[str]) -> None:
+    async def _wake_up(self, tags: Sequence[str]) -> bool:
         await self.call("/resume_memory_occupation", {"tags": list(tags)} if tags else {})
-        self._sleeping = False
-        if not self._paused:
-            self._gate.set()
+        return True
 
     async def flush_cache(self) -> None:
         await self.call("/flush_cache", {})
@@ -240,11 +181,11 @@ class SGLangEngine(RolloutEngine):
 
     async def update_weights_from_disk(self, model_path: str, version: int | None = None) -> int:
         """Loads a checkpoint directory the server can read; returns the new weight version."""
-        version = self._version + 1 if version is None else int(version)
+        version = self.weight_version + 1 if version is None else int(version)
         await self.call("/update_weights_from_disk", {"model_path": model_path, "weight_version": str(version)},
                         timeout_s=self.config.rollout.drain_timeout_s)
         await self.flush_cache()
-        self._version = version
+        self.weight_version = version
         return version
 
     async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
@@ -259,10 +200,10 @@ class SGLangEngine(RolloutEngine):
                                               shapes: Sequence[Sequence[int]], group_name: str,
                                               version: int | None = None) -> int:
         """The server receives one broadcast of these tensors; the trainer broadcasts meanwhile."""
-        version = self._version + 1 if version is None else int(version)
+        version = self.weight_version + 1 if version is None else int(version)
         await self.call("/update_weights_from_distributed", {
             "names": list(names), "dtypes": list(dtypes), "shapes": [list(s) for s in shapes],
             "group_name": group_name, "flush_cache": True, "weight_version": str(version),
         }, timeout_s=self.config.rollout.drain_timeout_s)
-        self._version = version
+        self.weight_version = version
         return version

@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
 from rlfabric.core.errors import InvalidArgument
+
+# A prompt as callers write it: token ids, or chat messages [{"role": ..., "content": ...}].
+PromptInput = Sequence[int] | Sequence[Mapping[str, str]]
 
 
 class Finish(str, Enum):

@@ -18,6 +18,9 @@ sync over gloo or nccl lands in the worker process itself: the worker joins the 
 generation goes on. Either way the switch (_switch) holds generation with pause_generation("wait"),
 so in-flight requests finish on the old weights and no request sees a mix, applies the new weights,
 resets the prefix cache (its KV came from the old weights) and resumes.
+
+Pause and Sleep: RolloutEngine holds new requests and drains; vLLM's own pause_generation is used
+only to abort (Pause(abort=True): in-flight requests end with Finish.ABORT) and around a weight switch.
 """
 
 from __future__ import annotations
@@ -29,29 +32,31 @@ import math
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+import grpc
 import torch
 
 from rlfabric.core.config import RunConfig
+from rlfabric.core.dtypes import rollout_dtype
 from rlfabric.core.errors import (
     DeadlineExceeded,
     FailedPrecondition,
     InvalidArgument,
     RlfabricError,
     Unavailable,
+    error_for_code,
 )
 from rlfabric.core.storage import create_private_file
 from rlfabric.core.weight_sync import Manifest, SyncGroup, WeightSwap
 from rlfabric.core.weight_sync.receiver import SLACK_S
-from rlfabric.rollout.engine import RolloutEngine, load_tokenizer, trust_remote_code
-from rlfabric.rollout.types import EngineLimits, EngineStatus, Finish, FinishedSample, SamplingSpec, row_seed
+from rlfabric.rollout.engine import Generation, RolloutEngine, load_tokenizer, trust_remote_code
+from rlfabric.rollout.types import EngineLimits, Finish, FinishedSample, SamplingSpec, row_seed
 
 log = logging.getLogger("rlfabric.rollout.vllm")
 WORKER_EXTENSION = "rlfabric.rollout.vllm_worker.RlfabricWorkerExtension"
 _FINISH = {"stop": Finish.STOP, "length": Finish.LENGTH, "abort": Finish.ABORT}
-_ERRORS = {cls.code.name: cls for cls in (InvalidArgument, FailedPrecondition, Unavailable, DeadlineExceeded)}
 SYNC_POLL_S = 0.02
 
 
@@ -68,15 +73,9 @@ class VLLMEngine(RolloutEngine):
     name = "vllm"
 
     def __init__(self, config: RunConfig):
-        super().__init__(config.model.path)
-        self.config = config
+        super().__init__(config)
         self.llm = None
-        self._version = 0
-        self._active = 0  # generate() calls in flight
-        self._kv_usage = 0.0
-        self._paused = False
-        self._sleeping = False
-        self._update_lock = asyncio.Lock()
+        self._update_lock = asyncio.Lock()  # one weight switch (or abort) at a time
         self._sync_group: SyncGroup | None = None  # joined from inside the worker (gloo, nccl)
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -85,11 +84,11 @@ class VLLMEngine(RolloutEngine):
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        r, m = self.config.rollout, self.config.model
+        r = self.config.rollout
         if not self.model:
             raise ValueError("rollout: model.path is empty; point it at a local Hugging Face model directory")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, math.ceil(r.kv_cache_space_gb))))
-        dtype = r.dtype if r.dtype != "auto" else m.dtype
+        dtype = rollout_dtype(self.config)
         if dtype == "auto":  # as model.dtype documents; vLLM's own "auto" would pick bfloat16 on CPU
             dtype = "auto" if torch.cuda.is_available() else "float32"
         args = AsyncEngineArgs(
@@ -126,7 +125,7 @@ class VLLMEngine(RolloutEngine):
 
             def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0):
                 if scheduler_stats is not None:
-                    engine._kv_usage = float(scheduler_stats.kv_cache_usage)
+                    engine.kv_cache_usage = float(scheduler_stats.kv_cache_usage)
 
             def log_engine_initialized(self):
                 pass
@@ -140,11 +139,6 @@ class VLLMEngine(RolloutEngine):
             llm, self.llm = self.llm, None
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(asyncio.to_thread(llm.shutdown), self.config.rollout.drain_timeout_s)
-
-    def status(self) -> EngineStatus:
-        return EngineStatus(engine=self.name, model=self.model, weight_version=self._version,
-                            queue_depth=self._active, kv_cache_usage=self._kv_usage, paused=self._paused,
-                            sleeping=self._sleeping)
 
     def _alive(self):
         if self.llm is None:
@@ -166,78 +160,43 @@ class VLLMEngine(RolloutEngine):
             seed=seed, logprobs=0 if params.logprobs else None, output_kind=RequestOutputKind.FINAL_ONLY,
         )
 
-    async def _generate(self, prompts: list[list[int]], params: SamplingSpec) -> AsyncIterator[FinishedSample]:
+    async def _generate_row(self, generation: Generation, prompt_index: int, sample_index: int) -> FinishedSample:
+        """One vLLM request; cancelling it (the caller went away) aborts it in the engine."""
         llm = self._alive()
-        version = self._version
-        results: asyncio.Queue = asyncio.Queue()
-        base = uuid.uuid4().hex
-        tasks = [
-            asyncio.create_task(self._one(llm, f"{base}-{p}-{s}", prompt, self._sampling(params, p, s), p, s,
-                                          version, results))
-            for p, prompt in enumerate(prompts) for s in range(params.n)
-        ]
-        self._active += 1
-        deadline = time.monotonic() + self.config.rollout.request_timeout_s
-        try:
-            for _ in tasks:
-                try:
-                    item = await asyncio.wait_for(results.get(), max(0.0, deadline - time.monotonic()))
-                except TimeoutError:
-                    raise DeadlineExceeded(f"generation took longer than rollout.request_timeout_s="
-                                           f"{self.config.rollout.request_timeout_s}") from None
-                if isinstance(item, Exception):
-                    raise item
-                yield item
-        finally:  # cancelling vLLM's generate() aborts the request in the engine
-            self._active -= 1
-            for task in tasks:
-                task.cancel()
-
-    async def _one(self, llm, request_id: str, prompt: list[int], sampling, p: int, s: int, version: int,
-                   results: asyncio.Queue) -> None:
-        try:
-            final = None
-            async for output in llm.generate({"prompt_token_ids": prompt}, sampling, request_id):
-                final = output
-            out = final.outputs[0]
-            token_ids = list(out.token_ids)
-            logprobs = [float(lp[t].logprob) for t, lp in zip(token_ids, out.logprobs or [], strict=False)]
-            reason = _FINISH.get(out.finish_reason, Finish.ABORT)
-            results.put_nowait(FinishedSample(p, s, token_ids, logprobs, reason, version, out.text))
-        except asyncio.CancelledError:
-            raise
-        except Exception as error:  # the engine failed or died: UNAVAILABLE with the cause
-            results.put_nowait(Unavailable(f"vllm engine failed: {type(error).__name__}: {error}"))
+        version = self.weight_version
+        sampling = self._sampling(generation.params, prompt_index, sample_index)
+        request_id = f"{generation.request_id}-{prompt_index}-{sample_index}"
+        final = None
+        async for output in llm.generate({"prompt_token_ids": generation.prompts[prompt_index]}, sampling, request_id):
+            final = output
+        out = final.outputs[0]
+        token_ids = list(out.token_ids)
+        logprobs = [float(lp[t].logprob) for t, lp in zip(token_ids, out.logprobs or [], strict=False)]
+        reason = _FINISH.get(out.finish_reason, Finish.ABORT)
+        return FinishedSample(prompt_index, sample_index, token_ids, logprobs, reason, version, out.text)
 
     # -- control -------------------------------------------------------------------------------
 
-    async def pause(self, abort: bool) -> int:
-        llm = self._alive()
-        aborted = self._active if abort else 0
-        self._paused = True
-        timeout = self.config.rollout.drain_timeout_s
-        try:
-            await asyncio.wait_for(llm.pause_generation(mode="abort" if abort else "wait"), timeout)
-        except TimeoutError:
-            raise DeadlineExceeded(f"in-flight requests did not finish within rollout.drain_timeout_s={timeout}") from None
-        return aborted
+    async def _hold(self, abort: bool) -> None:
+        if abort:  # vLLM's abort ends every request it runs (only ours) with finish reason "abort"
+            llm = self._alive()
+            async with self._update_lock:
+                await llm.pause_generation(mode="abort")
+                await llm.resume_generation()  # nothing reaches vLLM while the gate is closed
+        await self._drain()
 
-    async def resume(self) -> None:
-        await self._alive().resume_generation()
-        self._paused = False
-
-    async def sleep(self, level: int) -> None:
+    async def _sleep(self, level: int) -> None:
         if not self.config.rollout.enable_sleep_mode:
             raise FailedPrecondition("the vllm engine was started without rollout.enable_sleep_mode "
                                      "(vLLM's sleep mode needs a CUDA GPU)")
+        await self._drain()
         await self._alive().sleep(level)
-        self._sleeping = True
 
-    async def wake_up(self, tags: Sequence[str]) -> None:
+    async def _wake_up(self, tags: Sequence[str]) -> bool:
         if not self.config.rollout.enable_sleep_mode:
             raise FailedPrecondition("the vllm engine was started without rollout.enable_sleep_mode")
         await self._alive().wake_up(list(tags) or None)
-        self._sleeping = False
+        return True
 
     async def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> int:
         return (await self.swap_weights(weights, version)).version
@@ -265,21 +224,18 @@ class VLLMEngine(RolloutEngine):
         llm = self._alive()
         timeout = self.config.rollout.drain_timeout_s
         async with self._update_lock:
-            user_paused = self._paused
             started = time.monotonic()
             try:
-                if not user_paused:
-                    await asyncio.wait_for(llm.pause_generation(mode="wait"), timeout)
+                await asyncio.wait_for(llm.pause_generation(mode="wait"), timeout)
                 try:
                     await apply(llm)
                 except Exception as error:
                     raise InvalidArgument(f"vllm could not load the weights: {type(error).__name__}: {error}") from error
                 await llm.reset_prefix_cache()  # cached KV was computed with the old weights
-                self._version = self._version + 1 if version is None else int(version)
+                self.weight_version = self.weight_version + 1 if version is None else int(version)
             finally:
-                if not user_paused:
-                    await llm.resume_generation()
-            return WeightSwap(self._version, time.monotonic() - started)
+                await llm.resume_generation()
+            return WeightSwap(self.weight_version, time.monotonic() - started)
 
     # -- weight sync inside the worker process (gloo, nccl) --------------------------------------
 
@@ -336,7 +292,8 @@ class VLLMEngine(RolloutEngine):
         """Raises the domain error of the first worker outcome that failed (rlfabric.rollout.vllm_worker)."""
         for outcome in outcomes:
             if outcome["state"] == "error":
-                raise _ERRORS.get(outcome["code"], Unavailable)(f"vllm worker: {outcome['message']}")
+                code = getattr(grpc.StatusCode, outcome["code"], grpc.StatusCode.UNAVAILABLE)
+                raise error_for_code(code, f"vllm worker: {outcome['message']}")
 
     async def _worker_call(self, llm, timeout_s: float, method: str, *args):
         try:

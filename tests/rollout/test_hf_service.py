@@ -217,6 +217,38 @@ def test_engine_failure_is_unavailable_and_the_service_recovers(served):
     assert len(generate(channel, [[5, 6]], max_tokens=2)) == 1
 
 
+def test_an_unexpected_error_is_internal_with_its_cause_not_unavailable(served):
+    """Only the engine's own failure (above) is UNAVAILABLE; a bug elsewhere on the request's path is
+    INTERNAL, named, and the service keeps serving."""
+    _, channel, engine = served
+
+    def broken(*args, **kwargs):
+        raise KeyError("simulated bug")
+
+    engine.render_chat = broken
+    try:
+        with pytest.raises(grpc.RpcError) as info:
+            generate(channel, [[{"role": "user", "content": "hi"}]], max_tokens=2)
+    finally:
+        del engine.render_chat
+    assert info.value.code() == grpc.StatusCode.INTERNAL
+    assert "KeyError" in info.value.details() and "simulated bug" in info.value.details()
+    assert len(generate(channel, [[5, 6]], max_tokens=2)) == 1
+
+
+def test_a_chat_template_that_rejects_the_messages_is_invalid_argument(served):
+    _, channel, engine = served
+    template = engine.tokenizer.chat_template
+    engine.tokenizer.chat_template = ("{% if messages[0]['role'] != 'user' %}"
+                                      "{{ raise_exception('the first message must be from the user') }}{% endif %}"
+                                      "{{ messages[0]['content'] }}")
+    try:
+        details = invalid_argument(channel, [[5, 6], [{"role": "assistant", "content": "hi"}]])
+    finally:
+        engine.tokenizer.chat_template = template
+    assert "prompt 1" in details and "the first message must be from the user" in details
+
+
 def test_health_answers_while_generating_and_metrics_count(served, slow_decode):
     server, channel, _ = served
     health = health_pb2_grpc.HealthStub(channel)

@@ -141,6 +141,10 @@ def test_server_errors_map_to_status_codes(served, fake):
         with pytest.raises(grpc.RpcError) as info:
             generate(channel, [[5]])
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE and "out of memory" in info.value.details()
+        fake.fail_generate = (200, '{"text": "no output_ids"}')
+        with pytest.raises(grpc.RpcError) as info:
+            generate(channel, [[5]])
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE and "unexpected answer" in info.value.details()
     finally:
         fake.fail_generate = None
     assert "prompt 0 is empty" in invalid_argument(channel, [[]])  # validated here, never sent
