@@ -147,7 +147,7 @@ class PPOTrainer:
             self.on_metrics(0, await self.validate())
         batches = self.train_data.batches(self.config.data.train_batch_size, self.config.data.seed, self.cursor)
         prefetch = trainer.mode == "async" and trainer.max_staleness > 0
-        pending: PendingRollout | None = None
+        pending: PendingRollout | None = None  # the rollout not trained on yet: cancelled if the run ends first
         try:
             while self.step < trainer.total_steps:
                 await self._between_steps()
@@ -155,13 +155,13 @@ class PPOTrainer:
                 pending = pending or self._start_rollout(step, batches)
                 batch, timer = await pending.task
                 # async: the next batch generates on the current weights while this one trains.
-                upcoming = self._start_rollout(step + 1, batches) if prefetch and step < trainer.total_steps else None
-                metrics = await self.train_step(step, batch, timer, next_rollout=upcoming)
-                self.step, pending = step, upcoming
+                pending = self._start_rollout(step + 1, batches) if prefetch and step < trainer.total_steps else None
+                metrics = await self.train_step(step, batch, timer, next_rollout=pending)
+                self.step = step
                 if trainer.test_freq and (step % trainer.test_freq == 0 or step == trainer.total_steps):
                     metrics.update(await self.validate())
                 self.on_metrics(step, metrics)
-                self.untrained_cursor = upcoming.cursor_before if upcoming else self._copy(self.cursor)
+                self.untrained_cursor = pending.cursor_before if pending else self._copy(self.cursor)
                 if self._checkpoint_due(step):
                     await self.save_checkpoint()
         finally:
