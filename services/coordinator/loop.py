@@ -201,22 +201,23 @@ class PPOTrainer:
         metrics["rollout/staleness/mean"] = staleness.float().mean().item()
         metrics["rollout/staleness/max"] = float(staleness.max())
 
-        # Log-probs under the reference and the current policy, and values: three services at once. When
-        # the update is one optimizer step, the "old" policy is the one being updated: the actor takes its
-        # own log-probs in that step, and the separate forward pass is skipped.
+        # Log-probs under the reference and the current policy, and values: three services at once, each
+        # timed on its own (timing_s/old_log_prob, timing_s/ref, timing_s/values). When the update is one
+        # optimizer step, the "old" policy is the one being updated: the actor takes its own log-probs in
+        # that step, and the separate forward pass is skipped.
         self.on_phase("computing")
         tensors = batch.tensors
-        with timer("old_log_prob"):
-            calls = {}
-            if self._needs_old_log_probs():
-                calls["old"] = peers.ask("actor", peers.actor.compute_log_probs(tensors, temperature,
-                                                                                compute_entropy=False))
-            if peers.reference is not None:
-                calls["ref"] = peers.ask("reference", peers.reference.compute_log_probs(tensors, temperature))
-            if peers.critic is not None:
-                calls["values"] = peers.ask("critic", peers.critic.compute_values(tensors))
-            results = dict(zip(calls, await asyncio.gather(*calls.values()), strict=True))
-        old_log_probs = results["old"]["log_probs"] if "old" in results else None
+        calls = {}
+        if self._needs_old_log_probs():
+            calls["old_log_prob"] = peers.ask("actor", peers.actor.compute_log_probs(tensors, temperature,
+                                                                                     compute_entropy=False))
+        if peers.reference is not None:
+            calls["ref"] = peers.ask("reference", peers.reference.compute_log_probs(tensors, temperature))
+        if peers.critic is not None:
+            calls["values"] = peers.ask("critic", peers.critic.compute_values(tensors))
+        answers = await asyncio.gather(*(timer.timed(phase, call) for phase, call in calls.items()))
+        results = dict(zip(calls, answers, strict=True))
+        old_log_probs = results["old_log_prob"]["log_probs"] if "old_log_prob" in results else None
         ref_log_probs = results["ref"]["log_probs"] if "ref" in results else None
         values = results["values"]["values"] if "values" in results else None
 

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable
 from contextlib import contextmanager
+from typing import TypeVar
 
 import torch
 
 from rlfabric.coordinator.rollout_batch import RolloutBatch
+
+T = TypeVar("T")
 
 
 def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
@@ -54,6 +58,11 @@ class StepTimer:
             yield
         finally:
             self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - started
+
+    async def timed(self, phase: str, call: Awaitable[T]) -> T:
+        """Awaits `call` under timer `phase`: calls gathered at once each get their own time."""
+        with self(phase):
+            return await call
 
     def metrics(self, batch: RolloutBatch | None, previous_step_end: float | None = None) -> dict[str, float]:
         """timing_s/<phase>, timing_s/step, and throughput over the step's tokens.

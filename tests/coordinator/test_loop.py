@@ -137,3 +137,14 @@ def test_a_failing_step_in_async_mode_cancels_the_prefetched_rollout(tmp_path):
         assert prefetched.task.cancelled()  # (asyncio.run would cancel it at the end in any case)
 
     asyncio.run(scenario())
+
+
+def test_reference_and_critic_have_timers_of_their_own(tmp_path):
+    # Two epochs: the update is more than one optimizer step, so the old log-probs are computed.
+    run_config = config("algorithm.adv_estimator=gae", "actor.use_kl_loss=true", "actor.ppo_epochs=2")
+    actor = ModelService("actor")
+    trainer = trainer_over(run_config, tmp_path, actor, reference=ModelService("reference", slow_s=0.3),
+                           critic=ModelService("critic", slow_s=0.3))
+    metrics = asyncio.run(trainer.train_step(1, rollout_batch([1.0, 0.0, 1.0, 0.0]), StepTimer()))
+    assert metrics["timing_s/ref"] >= 0.3 and metrics["timing_s/values"] >= 0.3
+    assert metrics["timing_s/old_log_prob"] < 0.3  # the actor answers at once; the others are not in it
