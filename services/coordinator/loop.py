@@ -1,6 +1,8 @@
-"""The single-controller PPO/GRPO loop. `PPOTrainer.train_step` is one step, top to bottom:
+"""The single-controller PPO/GRPO loop. `PPOTrainer.run` steps until trainer.total_steps; a step is
 
     generate (n samples per prompt over the rollout replicas; scoring starts as samples finish)
+                                                             (`_rollout`, a task of its own)
+    then `train_step` on the scored batch, top to bottom:
     -> reference log-probs, old log-probs, values            (concurrently, three services)
     -> KL in the reward (optional) -> advantages             (here, rlfabric.core.algorithms)
     -> critic update and actor update                        (concurrently, two services)
@@ -188,7 +190,9 @@ class PPOTrainer:
 
     async def train_step(self, step: int, batch: RolloutBatch, timer: StepTimer,
                          next_rollout: PendingRollout | None = None) -> dict[str, float]:
-        """One PPO step on a generated and scored batch; returns the step's metrics."""
+        """Trains on a batch `_rollout` generated and scored: log-probs and values, advantages, updates,
+        weight sync; returns the step's metrics. It does not generate: `run` starts each step's rollout
+        (in async mode while the previous step trains) and hands its batch here."""
         config, peers = self.config, self.peers
         temperature = config.rollout.temperature or 1.0
         metrics: dict[str, float] = {}
