@@ -225,7 +225,8 @@ class PPOTrainer:
         ref_log_probs = results["ref"]["log_probs"] if "ref" in results else None
         values = results["values"]["values"] if "values" in results else None
 
-        # Rewards (KL-penalised if configured) and advantages.
+        # Rewards (KL-penalised if configured) and advantages. A sample whose scoring failed trains on
+        # nothing unless algorithm.score_failure=zero: mask 0 for it, and no group baseline counts it.
         with timer("adv"):
             mask = batch.response_mask
             token_rewards = token_level_scores(batch.extra["scores"], mask)
@@ -234,9 +235,12 @@ class PPOTrainer:
                 token_rewards, current_kl = algos.kl_in_reward(token_rewards, old_log_probs, ref_log_probs, mask,
                                                                self.kl_ctrl, config.algorithm.kl_penalty)
                 metrics.update({"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": beta})
+            train_mask, group_ids = mask, batch.group_ids
+            if config.algorithm.score_failure == "mask":
+                train_mask, group_ids = leave_out(batch.extra["score_failed"], mask, group_ids)
             estimator = algos.get_advantage_estimator(config.algorithm.adv_estimator)
             advantages, returns = estimator(
-                token_rewards=token_rewards, mask=mask, values=values, group_ids=batch.group_ids,
+                token_rewards=token_rewards, mask=train_mask, values=values, group_ids=group_ids,
                 baselines=batch.extra.get("baselines"), gamma=config.algorithm.gamma, lam=config.algorithm.lam,
                 norm_by_std=config.algorithm.norm_adv_by_std_in_grpo)
         batch.extra.update(token_rewards=token_rewards, advantages=advantages, returns=returns)
@@ -245,6 +249,7 @@ class PPOTrainer:
 
         # Critic and actor updates: two services, at once.
         self.on_phase("updating")
+        tensors = {**tensors, "response_mask": train_mask}
         with timer("update"):
             policy_batch = {**tensors, "advantages": advantages}
             if old_log_probs is not None:
@@ -299,6 +304,11 @@ class PPOTrainer:
         batch.extra["scores"] = torch.tensor([by_key[(s.prompt_index, s.sample_index)].score for s in batch.samples])
         batch.extra["score_failed"] = torch.tensor([not by_key[(s.prompt_index, s.sample_index)].ok
                                                     for s in batch.samples])
+        failures = [result for result in by_key.values() if not result.ok]
+        if failures:
+            kept = "trained on with score 0" if self.config.algorithm.score_failure == "zero" else "left out of training"
+            log.warning("step %d: scoring failed for %d of %d samples (%s); the first: %s: %s", step, len(failures),
+                        len(by_key), kept, failures[0].status, failures[0].message)
         if self.config.algorithm.adv_estimator == "remax":
             with timer("gen_max"):
                 batch.extra["baselines"] = await self._greedy_baselines(rows, params)
@@ -489,6 +499,17 @@ class PPOTrainer:
                                       "response": sample.text, "score": score,
                                       "weight_version": sample.weight_version,
                                       "ground_truth": row.ground_truth}) + "\n")
+
+
+def leave_out(failed: torch.Tensor, mask: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(response mask [B, T], group ids [B]) with the rows where `failed` [B] is true left out of training:
+    their mask is 0, so no loss sees them, and each is a group of its own, so no group baseline counts them."""
+    if not failed.any():
+        return mask, group_ids
+    mask = mask.masked_fill(failed.unsqueeze(-1), 0)
+    group_ids = group_ids.clone()
+    group_ids[failed] = int(group_ids.max()) + 1 + torch.arange(int(failed.sum()))
+    return mask, group_ids
 
 
 def check_roles(config: RunConfig) -> None:

@@ -24,11 +24,16 @@ def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
 
 def data_metrics(batch: RolloutBatch, max_response_length: int) -> dict[str, float]:
     """critic/score, critic/rewards, critic/advantages, critic/returns, critic/values, response and
-    prompt lengths: per-sequence values for scores/rewards, per-token values (masked) for the rest."""
+    prompt lengths: per-sequence values for scores/rewards, per-token values (masked) for the rest;
+    reward/score_failed/{count,fraction}: samples whose scoring failed."""
     mask = batch.response_mask.bool()
     extra = batch.extra
     metrics: dict[str, float] = {}
     metrics.update(_stats("critic/score", extra["scores"]))
+    if "score_failed" in extra:  # samples the reward service could not score (see algorithm.score_failure)
+        failed = extra["score_failed"].to(torch.float32)
+        metrics["reward/score_failed/count"] = failed.sum().item()
+        metrics["reward/score_failed/fraction"] = failed.mean().item() if failed.numel() else 0.0
     metrics.update(_stats("critic/rewards", extra["token_rewards"].sum(-1)))
     for name in ("advantages", "returns", "values"):
         if name in extra:

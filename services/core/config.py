@@ -368,6 +368,10 @@ class AlgorithmConfig(Section):
     """Adaptive controller: the KL it steers towards."""
     kl_horizon: int = Field(10000, gt=0)
     """Adaptive controller: horizon in samples of its proportional update."""
+    score_failure: Literal["mask", "zero"] = "mask"
+    """A sample whose scoring failed (the reward function raised, timed out or crashed): mask = left out of
+    the advantages and losses, its group's baseline included; zero = trained on with score 0. Either way
+    reward/score_failed/{count,fraction} counts them and the coordinator logs the first failure."""
 
 
 class TrainerConfig(Section):

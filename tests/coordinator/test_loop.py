@@ -148,3 +148,35 @@ def test_reference_and_critic_have_timers_of_their_own(tmp_path):
     metrics = asyncio.run(trainer.train_step(1, rollout_batch([1.0, 0.0, 1.0, 0.0]), StepTimer()))
     assert metrics["timing_s/ref"] >= 0.3 and metrics["timing_s/values"] >= 0.3
     assert metrics["timing_s/old_log_prob"] < 0.3  # the actor answers at once; the others are not in it
+
+
+def test_failed_scores_are_counted_and_left_out_of_the_update_by_default(tmp_path):
+    actor = ModelService("actor")
+    trainer = trainer_over(config(), tmp_path, actor)
+    assert trainer.config.algorithm.score_failure == "mask"
+    batch = rollout_batch([1.0, 0.0, 1.0, 0.0], failed=[False, True, False, False])
+    metrics = asyncio.run(trainer.train_step(1, batch, StepTimer()))
+    assert metrics["reward/score_failed/count"] == 1.0 and metrics["reward/score_failed/fraction"] == 0.25
+    sent = actor.updates[0]
+    assert sent["response_mask"].sum(-1).tolist() == [2, 0, 2, 2]  # the failed sample trains on nothing
+    # Its group-mate is a group of one (GRPO: mean 0, std 1): its advantage is its own score, not a
+    # comparison with a 0 the reward service never gave.
+    assert sent["advantages"][0].tolist() == pytest.approx([1.0, 1.0], abs=1e-4)
+    assert batch.response_mask.sum(-1).tolist() == [2, 2, 2, 2]  # the batch itself (its metrics) unchanged
+
+
+def test_failed_scores_train_as_zero_when_configured(tmp_path):
+    actor = ModelService("actor")
+    trainer = trainer_over(config("algorithm.score_failure=zero"), tmp_path, actor)
+    batch = rollout_batch([1.0, 0.0, 1.0, 0.0], failed=[False, True, False, False])
+    metrics = asyncio.run(trainer.train_step(1, batch, StepTimer()))
+    assert metrics["reward/score_failed/count"] == 1.0
+    sent = actor.updates[0]
+    assert sent["response_mask"].sum(-1).tolist() == [2, 2, 2, 2]
+    assert sent["advantages"][1, 0] < 0 < sent["advantages"][0, 0]  # compared with its group-mate's 1
+
+
+def test_no_failed_scores_reports_zero(tmp_path):
+    trainer = trainer_over(config(), tmp_path, ModelService("actor"))
+    metrics = asyncio.run(trainer.train_step(1, rollout_batch([1.0, 0.0, 1.0, 0.0]), StepTimer()))
+    assert metrics["reward/score_failed/count"] == 0.0 and metrics["reward/score_failed/fraction"] == 0.0
