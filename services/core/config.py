@@ -16,9 +16,19 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 ROLES = ("actor", "reference", "critic", "rollout", "reward", "coordinator")
+# Policy loss modes whose own loss aggregation differs from actor.loss_agg_mode's default, token-mean.
+LOSS_MODE_AGGREGATION = {"gspo": "seq-mean-token-mean"}
 DEFAULT_CONFIG_NAME = "quickstart.yaml"
 
 
@@ -164,7 +174,8 @@ class ActorConfig(Section):
     loss_mode: str = "vanilla"
     """Policy loss from rlfabric.core.algorithms: vanilla (PPO clip + dual clip), gspo, or one you registered."""
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
-    """How per-token losses reduce to one number (token-mean, seq-mean-token-sum, ...)."""
+    """How per-token losses reduce to one number (token-mean, seq-mean-token-sum, ...); when not set, the
+    loss mode's own: seq-mean-token-mean for gspo (as in the GSPO paper), token-mean otherwise."""
     clip_ratio_low: float = Field(0.2, ge=0)
     """PPO ratio lower clip: ratio >= 1 - clip_ratio_low."""
     clip_ratio_high: float = Field(0.2, ge=0)
@@ -179,6 +190,14 @@ class ActorConfig(Section):
     """Weight of the KL loss."""
     kl_loss_type: str = "low_var_kl"
     """KL estimator: kl (k1), abs, mse (k2), low_var_kl (k3); a "+" suffix takes k2's gradient."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _loss_mode_aggregation(cls, data: Any) -> Any:
+        """loss_agg_mode left out takes the loss mode's own default (LOSS_MODE_AGGREGATION)."""
+        if isinstance(data, dict) and "loss_agg_mode" not in data and data.get("loss_mode") in LOSS_MODE_AGGREGATION:
+            data = {**data, "loss_agg_mode": LOSS_MODE_AGGREGATION[data["loss_mode"]]}
+        return data
 
 
 class ReferenceConfig(Section):

@@ -78,3 +78,16 @@ def test_cli_accepts_overrides_after_options():
     assert _split_config_and_overrides(up) == (None, ["rollout.n=2", "trainer.total_steps=2"])
     with pytest.raises(SystemExit):
         parse_args(["serve", "rollout", "--port", "0", "--bogus"])
+
+
+@pytest.mark.parametrize(("overrides", "aggregation"), [
+    (["actor.loss_mode=gspo"], "seq-mean-token-mean"),  # GSPO's own, as documented and as in the paper
+    (["actor.loss_mode=gspo", "actor.loss_agg_mode=token-mean"], "token-mean"),  # set: kept
+    (["actor.loss_mode=vanilla"], "token-mean"),
+    ([], "token-mean"),
+])
+def test_loss_aggregation_left_out_is_the_loss_modes_own(tmp_path, overrides, aggregation):
+    config = load_config(overrides=overrides)
+    assert config.actor.loss_agg_mode == aggregation
+    dump_config(config, tmp_path / "c.yaml")  # what every service of the run reads
+    assert load_config(tmp_path / "c.yaml").actor.loss_agg_mode == aggregation
