@@ -43,7 +43,7 @@ from rlfabric.coordinator.rollout_batch import RolloutBatch, build_rollout_batch
 from rlfabric.coordinator.step_metrics import StepTimer, data_metrics
 from rlfabric.coordinator.weight_sync import WeightSyncPlane
 from rlfabric.core import algorithms as algos
-from rlfabric.core.config import RunConfig
+from rlfabric.core.config import ConfigError, RunConfig, check_run_rules
 from rlfabric.core.errors import FailedPrecondition, InvalidArgument
 from rlfabric.reward.items import ScoreItem
 from rlfabric.rollout.types import FinishedSample, SamplingSpec
@@ -513,28 +513,22 @@ def leave_out(failed: torch.Tensor, mask: torch.Tensor, group_ids: torch.Tensor)
 
 
 def check_roles(config: RunConfig) -> None:
-    """Config combinations the loop cannot run, as errors naming the keys. A run that needs a role the
-    mesh was started without (the launchers start only the roles of the config they were given) is
+    """What a StartRun's config needs of this coordinator and mesh, as errors naming the keys: the config's
+    own rules (check_run_rules: load_config checked the mesh's config, this checks the overrides), an
+    advantage estimator registered here, and the roles the run calls. A run that needs a role the mesh was
+    started without (the launchers start only the roles of the config they were given) is
     FAILED_PRECONDITION naming the role and the key that needs it."""
-    kl_keys = [key for key, on in (("actor.use_kl_loss", config.actor.use_kl_loss),
-                                   ("algorithm.use_kl_in_reward", config.algorithm.use_kl_in_reward)) if on]
-    if kl_keys and not config.reference.enable:
-        raise FailedPrecondition(f"{kl_keys[0]}=true needs reference.enable=true")
+    try:
+        check_run_rules(config)
+    except ConfigError as error:
+        raise InvalidArgument(str(error)) from None
     if config.algorithm.adv_estimator not in algos.advantage_estimator_names():
         raise FailedPrecondition(f"algorithm.adv_estimator {config.algorithm.adv_estimator!r} is not registered; "
                                  f"known: {', '.join(algos.advantage_estimator_names())}")
+    kl_key = "actor.use_kl_loss" if config.actor.use_kl_loss else "algorithm.use_kl_in_reward"
     needed = {"critic": f"algorithm.adv_estimator={config.algorithm.adv_estimator}" if config.uses_critic() else "",
-              "reference": f"{kl_keys[0]}=true" if config.uses_reference() else ""}
+              "reference": f"{kl_key}=true" if config.uses_reference() else ""}
     for role, key in needed.items():
         if key and not getattr(config.cluster, role):
             raise FailedPrecondition(f"{key} needs a {role} service, and this mesh runs none (cluster.{role} is "
                                      f"empty): start the mesh with a config that sets {key}")
-    for role in ("actor", "critic"):
-        mini = getattr(config, role).ppo_mini_batch_size
-        if role == "actor" or config.uses_critic():
-            if config.data.train_batch_size < mini:
-                raise InvalidArgument(f"data.train_batch_size {config.data.train_batch_size} < {role}.ppo_mini_batch_size "
-                                      f"{mini}: a step must hold at least one mini-batch")
-    if config.algorithm.adv_estimator in ("grpo", "rloo") and config.rollout.n < 2:
-        raise FailedPrecondition(f"algorithm.adv_estimator={config.algorithm.adv_estimator} compares samples of "
-                                 "a prompt: set rollout.n >= 2")

@@ -603,7 +603,26 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Ru
         raise ConfigError(f"config file {path} must hold a mapping at the top level")
     for override in overrides:
         apply_override(tree, override)
-    return config_from_dict(tree)
+    config = config_from_dict(tree)
+    check_run_rules(config)
+    return config
+
+
+def check_run_rules(config: RunConfig) -> None:
+    """Combinations of keys a run cannot train with, as a ConfigError naming them. load_config checks them,
+    so a bad config fails before any service starts; StartRun checks them again for its overrides."""
+    kl_keys = [key for key, on in (("actor.use_kl_loss", config.actor.use_kl_loss),
+                                   ("algorithm.use_kl_in_reward", config.algorithm.use_kl_in_reward)) if on]
+    if kl_keys and not config.reference.enable:
+        raise ConfigError(f"{kl_keys[0]}=true needs reference.enable=true")
+    for role in ("actor", "critic") if config.uses_critic() else ("actor",):
+        mini = getattr(config, role).ppo_mini_batch_size
+        if config.data.train_batch_size < mini:
+            raise ConfigError(f"data.train_batch_size {config.data.train_batch_size} < {role}.ppo_mini_batch_size "
+                              f"{mini}: a step must hold at least one mini-batch")
+    if config.algorithm.adv_estimator in ("grpo", "rloo") and config.rollout.n < 2:
+        raise ConfigError(f"algorithm.adv_estimator={config.algorithm.adv_estimator} compares samples of a "
+                          "prompt: set rollout.n >= 2")
 
 
 def read_named_file(key: str, path: str | Path) -> bytes:

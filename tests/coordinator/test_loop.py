@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from rlfabric.coordinator.dataset import PromptRow
-from rlfabric.coordinator.loop import PPOTrainer
+from rlfabric.coordinator.loop import PPOTrainer, check_roles
 from rlfabric.coordinator.peers import Peers
 from rlfabric.coordinator.rollout_batch import RolloutBatch, build_rollout_batch
 from rlfabric.coordinator.step_metrics import StepTimer
 from rlfabric.core.config import RunConfig, config_from_dict
-from rlfabric.core.errors import FailedPrecondition
+from rlfabric.core.errors import FailedPrecondition, InvalidArgument
 from rlfabric.rollout.types import Finish, FinishedSample
 
 N = 2  # samples per prompt
@@ -180,3 +180,11 @@ def test_no_failed_scores_reports_zero(tmp_path):
     trainer = trainer_over(config(), tmp_path, ModelService("actor"))
     metrics = asyncio.run(trainer.train_step(1, rollout_batch([1.0, 0.0, 1.0, 0.0]), StepTimer()))
     assert metrics["reward/score_failed/count"] == 0.0 and metrics["reward/score_failed/fraction"] == 0.0
+
+
+def test_start_run_overrides_are_held_to_the_config_rules_and_the_mesh_roles():
+    with pytest.raises(InvalidArgument, match="set rollout.n >= 2"):
+        check_roles(config("rollout.n=1"))
+    with pytest.raises(FailedPrecondition, match="algorithm.adv_estimator=gae needs a critic service"):
+        check_roles(config("algorithm.adv_estimator=gae"))  # cluster.critic is empty
+    check_roles(config())

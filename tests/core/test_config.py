@@ -91,3 +91,23 @@ def test_loss_aggregation_left_out_is_the_loss_modes_own(tmp_path, overrides, ag
     assert config.actor.loss_agg_mode == aggregation
     dump_config(config, tmp_path / "c.yaml")  # what every service of the run reads
     assert load_config(tmp_path / "c.yaml").actor.loss_agg_mode == aggregation
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["actor.use_kl_loss=true", "reference.enable=false"], "actor.use_kl_loss=true needs reference.enable=true"),
+    (["algorithm.use_kl_in_reward=true", "reference.enable=false"],
+     "algorithm.use_kl_in_reward=true needs reference.enable=true"),
+    (["data.train_batch_size=8"], "data.train_batch_size 8 < actor.ppo_mini_batch_size 64"),
+    (["algorithm.adv_estimator=gae", "critic.ppo_mini_batch_size=128"],
+     "data.train_batch_size 64 < critic.ppo_mini_batch_size 128"),
+    (["rollout.n=1"], "algorithm.adv_estimator=grpo compares samples of a prompt: set rollout.n >= 2"),
+    (["algorithm.adv_estimator=rloo", "rollout.n=1"], "algorithm.adv_estimator=rloo compares samples"),
+])
+def test_a_config_a_run_cannot_train_with_fails_to_load(overrides, message):
+    # At load, before any service starts (the launchers load the config first), not at StartRun.
+    with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
+        load_config(overrides=overrides)
+
+
+def test_a_critic_mini_batch_does_not_matter_without_a_critic():
+    assert load_config(overrides=["critic.ppo_mini_batch_size=128"]).critic.ppo_mini_batch_size == 128
