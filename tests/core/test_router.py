@@ -7,7 +7,6 @@ import time
 
 import pytest
 
-from rlfabric.actor.tiny_model import make_tiny_model
 from rlfabric.core.config import load_config
 from rlfabric.core.errors import InvalidArgument, Unavailable
 from rlfabric.core.router import RolloutRouter
@@ -17,11 +16,6 @@ from rlfabric.rollout.types import SamplingSpec
 from tests.conftest import ServerThread
 
 PROMPTS = [[1, 90, 88, 74], [1, 70, 88], [40, 41], [7, 8, 9], [12], [30, 31, 32]]
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("router-model") / "tiny")
 
 
 @pytest.fixture
