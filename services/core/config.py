@@ -603,14 +603,21 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Ru
         raise ConfigError(f"config file {path} must hold a mapping at the top level")
     for override in overrides:
         apply_override(tree, override)
-    config = config_from_dict(tree)
+    return config_from_dict(tree)
+
+
+def load_run_config(path: str | Path | None = None, overrides: list[str] = ()) -> RunConfig:
+    """load_config for a run (`rlfabric up`, `rlfabric train`): also checks the rules across keys
+    (check_run_rules), so a config a run cannot train with fails before any service starts."""
+    config = load_config(path, overrides)
     check_run_rules(config)
     return config
 
 
 def check_run_rules(config: RunConfig) -> None:
-    """Combinations of keys a run cannot train with, as a ConfigError naming them. load_config checks them,
-    so a bad config fails before any service starts; StartRun checks them again for its overrides."""
+    """Combinations of keys a run cannot train with, as a ConfigError naming them. Checked where a run's
+    config is loaded (load_run_config) and by StartRun for its overrides; not by load_config, since one
+    service may be started with a config holding only its own section (the other defaults are no run)."""
     kl_keys = [key for key, on in (("actor.use_kl_loss", config.actor.use_kl_loss),
                                    ("algorithm.use_kl_in_reward", config.algorithm.use_kl_in_reward)) if on]
     if kl_keys and not config.reference.enable:

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from rlfabric.core.config import ConfigError, config_reference, default_config_path, dump_config, load_config
+from rlfabric.core.config import (
+    ConfigError,
+    config_reference,
+    default_config_path,
+    dump_config,
+    load_config,
+    load_run_config,
+)
 
 
 def test_builtin_default_is_the_quickstart():
@@ -104,10 +111,11 @@ def test_loss_aggregation_left_out_is_the_loss_modes_own(tmp_path, overrides, ag
     (["algorithm.adv_estimator=rloo", "rollout.n=1"], "algorithm.adv_estimator=rloo compares samples"),
 ])
 def test_a_config_a_run_cannot_train_with_fails_to_load(overrides, message):
-    # At load, before any service starts (the launchers load the config first), not at StartRun.
+    # At load, before any service starts (rlfabric up/train load it first), not at StartRun.
     with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
-        load_config(overrides=overrides)
+        load_run_config(overrides=overrides)
+    load_config(overrides=overrides)  # one service's config: its own section is what counts
 
 
 def test_a_critic_mini_batch_does_not_matter_without_a_critic():
-    assert load_config(overrides=["critic.ppo_mini_batch_size=128"]).critic.ppo_mini_batch_size == 128
+    assert load_run_config(overrides=["critic.ppo_mini_batch_size=128"]).critic.ppo_mini_batch_size == 128
