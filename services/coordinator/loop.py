@@ -514,7 +514,7 @@ def leave_out(failed: torch.Tensor, mask: torch.Tensor, group_ids: torch.Tensor)
 
 def check_roles(config: RunConfig) -> None:
     """What a StartRun's config needs of this coordinator and mesh, as errors naming the keys: the config's
-    own rules (check_run_rules: load_config checked the mesh's config, this checks the overrides), an
+    own rules (check_run_rules: load_run_config checked the mesh's config, this checks the overrides), an
     advantage estimator registered here, and the roles the run calls. A run that needs a role the mesh was
     started without (the launchers start only the roles of the config they were given) is
     FAILED_PRECONDITION naming the role and the key that needs it."""
