@@ -487,16 +487,17 @@ class PPOTrainer:
         return algos.FixedKLController(algorithm.kl_coef)
 
     def _dump_rollouts(self, step: int, batch: RolloutBatch) -> None:
-        """RUN_DIR/rollouts/step_<step>.jsonl: what was generated, from which weights, and its score."""
+        """RUN_DIR/rollouts/step_<step>.jsonl: what was generated, from which weights, and its score
+        (score_failed: the reward service could not score it)."""
         folder = self.run_dir / "rollouts"
         folder.mkdir(parents=True, exist_ok=True)
-        scores = batch.extra["scores"].tolist()
+        scores, failed = batch.extra["scores"].tolist(), batch.extra["score_failed"].tolist()
         with open(folder / f"step_{step}.jsonl", "w") as out:
-            for row, sample, score in zip(batch.rows, batch.samples, scores, strict=True):
+            for row, sample, score, score_failed in zip(batch.rows, batch.samples, scores, failed, strict=True):
                 out.write(json.dumps({"uid": row.uid, "sample_index": sample.sample_index,
                                       "data_source": row.data_source,
                                       "prompt": row.messages[-1]["content"] if row.messages else "",
-                                      "response": sample.text, "score": score,
+                                      "response": sample.text, "score": score, "score_failed": score_failed,
                                       "weight_version": sample.weight_version,
                                       "ground_truth": row.ground_truth}) + "\n")
 

@@ -4,6 +4,7 @@ tensors of the right shapes and record what they were sent."""
 from __future__ import annotations
 
 import asyncio
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -163,6 +164,14 @@ def test_failed_scores_are_counted_and_left_out_of_the_update_by_default(tmp_pat
     # comparison with a 0 the reward service never gave.
     assert sent["advantages"][0].tolist() == pytest.approx([1.0, 1.0], abs=1e-4)
     assert batch.response_mask.sum(-1).tolist() == [2, 2, 2, 2]  # the batch itself (its metrics) unchanged
+
+
+def test_the_rollout_dump_says_which_samples_failed_scoring(tmp_path):
+    trainer = trainer_over(config("trainer.dump_rollouts=true"), tmp_path, ModelService("actor"))
+    asyncio.run(trainer.train_step(1, rollout_batch([1.0, 0.0, 1.0, 0.0], failed=[False, True, False, False]),
+                                   StepTimer()))
+    lines = (tmp_path / "rollouts" / "step_1.jsonl").read_text().splitlines()
+    assert [json.loads(line)["score_failed"] for line in lines] == [False, True, False, False]
 
 
 def test_failed_scores_train_as_zero_when_configured(tmp_path):
