@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from rlfabric.core.config import ROLES, ConfigError, config_reference, load_config
+from rlfabric.core.config import ROLES, ConfigError, config_reference, load_config, load_run_config
 from rlfabric.core.logs import setup_logging
 
 
@@ -150,7 +150,7 @@ def _start_mesh(args):
     from rlfabric.launcher import LocalMesh, default_run_dir
 
     config_path, overrides = _split_config_and_overrides(args)
-    config = load_config(config_path, overrides)
+    config = load_run_config(config_path, overrides)
     run_dir = args.run_dir or default_run_dir(config)
     setup_logging("launcher", run_dir.name, config.server.log_level)
     if args.launcher == "ray":

@@ -14,33 +14,6 @@ from rlfabric.core.config import ROLES, RunConfig
 from rlfabric.core.server import ServerOptions, ServiceBinding, ServiceDefinition, serve
 
 
-def _generated_only(role: str) -> ServiceDefinition:
-    """A role whose engine has not landed yet: the generated servicer answers UNIMPLEMENTED."""
-    from rlfabric.v1 import (
-        actor_pb2_grpc,
-        critic_pb2_grpc,
-        reference_pb2_grpc,
-    )
-
-    modules = {
-        "actor": (actor_pb2_grpc, "ActorService"),
-        "reference": (reference_pb2_grpc, "ReferenceService"),
-        "critic": (critic_pb2_grpc, "CriticService"),
-    }
-    module, name = modules[role]
-    servicer = getattr(module, f"{name}Servicer")()
-    binding = ServiceBinding(servicer, getattr(module, f"add_{name}Servicer_to_server"), f"rlfabric.v1.{name}")
-    return ServiceDefinition(role=role, bindings=[binding], engine=_NothingToLoad())
-
-
-class _NothingToLoad:
-    async def start(self) -> None:
-        pass
-
-    async def stop(self) -> None:
-        pass
-
-
 def build_service(role: str, config: RunConfig) -> ServiceDefinition:
     """The ServiceDefinition of `role` for this config."""
     if role == "coordinator":
@@ -69,8 +42,6 @@ def build_service(role: str, config: RunConfig) -> ServiceDefinition:
         from rlfabric.rollout.servicer import build_service as build_rollout_service
 
         return build_rollout_service(config)
-    if role in ROLES:
-        return _generated_only(role)
     raise ValueError(f"unknown role {role!r}; roles are {', '.join(ROLES)}")
 
 

@@ -1,4 +1,4 @@
-"""Shared test fixtures: run a real rlfabric gRPC server on loopback in a background thread."""
+"""Shared test fixtures: a real rlfabric gRPC server on loopback in a background thread, the tiny model."""
 
 from __future__ import annotations
 
@@ -57,6 +57,16 @@ def serve_in_thread():
     yield start
     for thread in started:
         thread.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """Path of the random-weight tiny Qwen2 (~90k parameters, vocab 100, head_dim 32, 512 positions) with its
+    character-level ChatML tokenizer, built once per session: tests read it and write only into copies."""
+    # Imported here, not at the top: the reward tests run without torch.
+    from rlfabric.actor.tiny_model import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-model") / "tiny")
 
 
 @pytest.fixture(scope="session")

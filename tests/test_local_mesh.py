@@ -51,14 +51,15 @@ def mesh(tmp_path_factory):
     )
     output: list[str] = []
     # A thread drains the launcher's output so the test never blocks on (or races) the pipe.
-    threading.Thread(target=lambda: output.extend(launcher.stdout), daemon=True).start()
+    drain = threading.Thread(target=lambda: output.extend(launcher.stdout), daemon=True)
+    drain.start()
     endpoints_file = run_dir / "endpoints.json"
     deadline = time.monotonic() + 300
     endpoints = {}
     # The launcher prints "mesh ready" once every service reported readiness SERVING.
     while "coordinator" not in endpoints or not any("mesh ready" in line for line in output):
         if launcher.poll() is not None:
-            time.sleep(0.5)
+            drain.join(timeout=10)  # the rest of its output
             pytest.fail(f"rlfabric up exited {launcher.returncode}: {''.join(output)}")
         assert time.monotonic() < deadline, "mesh did not come up in 300 s"
         if endpoints_file.exists():

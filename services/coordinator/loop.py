@@ -1,6 +1,8 @@
-"""The single-controller PPO/GRPO loop. `PPOTrainer.train_step` is one step, top to bottom:
+"""The single-controller PPO/GRPO loop. `PPOTrainer.run` steps until trainer.total_steps; a step is
 
     generate (n samples per prompt over the rollout replicas; scoring starts as samples finish)
+                                                             (`_rollout`, a task of its own)
+    then `train_step` on the scored batch, top to bottom:
     -> reference log-probs, old log-probs, values            (concurrently, three services)
     -> KL in the reward (optional) -> advantages             (here, rlfabric.core.algorithms)
     -> critic update and actor update                        (concurrently, two services)
@@ -43,7 +45,7 @@ from rlfabric.coordinator.rollout_batch import RolloutBatch, build_rollout_batch
 from rlfabric.coordinator.step_metrics import StepTimer, data_metrics
 from rlfabric.coordinator.weight_sync import WeightSyncPlane
 from rlfabric.core import algorithms as algos
-from rlfabric.core.config import RunConfig
+from rlfabric.core.config import ConfigError, RunConfig, check_run_rules
 from rlfabric.core.errors import FailedPrecondition, InvalidArgument
 from rlfabric.reward.items import ScoreItem
 from rlfabric.rollout.types import FinishedSample, SamplingSpec
@@ -152,7 +154,7 @@ class PPOTrainer:
             self.on_metrics(0, await self.validate())
         batches = self.train_data.batches(self.config.data.train_batch_size, self.config.data.seed, self.cursor)
         prefetch = trainer.mode == "async" and trainer.max_staleness > 0
-        pending: PendingRollout | None = None
+        pending: PendingRollout | None = None  # the rollout not trained on yet: cancelled if the run ends first
         try:
             while self.step < trainer.total_steps:
                 await self._between_steps()
@@ -160,13 +162,13 @@ class PPOTrainer:
                 pending = pending or self._start_rollout(step, batches)
                 batch, timer = await pending.task
                 # async: the next batch generates on the current weights while this one trains.
-                upcoming = self._start_rollout(step + 1, batches) if prefetch and step < trainer.total_steps else None
-                metrics = await self.train_step(step, batch, timer, next_rollout=upcoming)
-                self.step, pending = step, upcoming
+                pending = self._start_rollout(step + 1, batches) if prefetch and step < trainer.total_steps else None
+                metrics = await self.train_step(step, batch, timer, next_rollout=pending)
+                self.step = step
                 if trainer.test_freq and (step % trainer.test_freq == 0 or step == trainer.total_steps):
                     metrics.update(await self.validate())
                 self.on_metrics(step, metrics)
-                self.untrained_cursor = upcoming.cursor_before if upcoming else self._copy(self.cursor)
+                self.untrained_cursor = pending.cursor_before if pending else self._copy(self.cursor)
                 if self._checkpoint_due(step):
                     await self.save_checkpoint()
         finally:
@@ -193,7 +195,9 @@ class PPOTrainer:
 
     async def train_step(self, step: int, batch: RolloutBatch, timer: StepTimer,
                          next_rollout: PendingRollout | None = None) -> dict[str, float]:
-        """One PPO step on a generated and scored batch; returns the step's metrics."""
+        """Trains on a batch `_rollout` generated and scored: log-probs and values, advantages, updates,
+        weight sync; returns the step's metrics. It does not generate: `run` starts each step's rollout
+        (in async mode while the previous step trains) and hands its batch here."""
         config, peers = self.config, self.peers
         temperature = config.rollout.temperature or 1.0
         metrics: dict[str, float] = {}
@@ -206,25 +210,27 @@ class PPOTrainer:
         metrics["rollout/staleness/mean"] = staleness.float().mean().item()
         metrics["rollout/staleness/max"] = float(staleness.max())
 
-        # Log-probs under the reference and the current policy, and values: three services at once. When
-        # the update is one optimizer step, the "old" policy is the one being updated: the actor takes its
-        # own log-probs in that step, and the separate forward pass is skipped.
+        # Log-probs under the reference and the current policy, and values: three services at once, each
+        # timed on its own (timing_s/old_log_prob, timing_s/ref, timing_s/values). When the update is one
+        # optimizer step, the "old" policy is the one being updated: the actor takes its own log-probs in
+        # that step, and the separate forward pass is skipped.
         self.on_phase("computing")
         tensors = batch.tensors
-        with timer("old_log_prob"):
-            calls = {}
-            if self._needs_old_log_probs():
-                calls["old"] = peers.actor.compute_log_probs(tensors, temperature, compute_entropy=False)
-            if peers.reference is not None:
-                calls["ref"] = peers.reference.compute_log_probs(tensors, temperature)
-            if peers.critic is not None:
-                calls["values"] = peers.critic.compute_values(tensors)
-            results = dict(zip(calls, await asyncio.gather(*calls.values()), strict=True))
-        old_log_probs = results["old"]["log_probs"] if "old" in results else None
+        calls = {}
+        if self._needs_old_log_probs():
+            calls["old_log_prob"] = peers.actor.compute_log_probs(tensors, temperature, compute_entropy=False)
+        if peers.reference is not None:
+            calls["ref"] = peers.reference.compute_log_probs(tensors, temperature)
+        if peers.critic is not None:
+            calls["values"] = peers.critic.compute_values(tensors)
+        answers = await asyncio.gather(*(timer.timed(phase, call) for phase, call in calls.items()))
+        results = dict(zip(calls, answers, strict=True))
+        old_log_probs = results["old_log_prob"]["log_probs"] if "old_log_prob" in results else None
         ref_log_probs = results["ref"]["log_probs"] if "ref" in results else None
         values = results["values"]["values"] if "values" in results else None
 
-        # Rewards (KL-penalised if configured) and advantages.
+        # Rewards (KL-penalised if configured) and advantages. A sample whose scoring failed trains on
+        # nothing unless algorithm.score_failure=zero: mask 0 for it, and no group baseline counts it.
         with timer("adv"):
             mask = batch.response_mask
             token_rewards = token_level_scores(batch.extra["scores"], mask)
@@ -233,9 +239,12 @@ class PPOTrainer:
                 token_rewards, current_kl = algos.kl_in_reward(token_rewards, old_log_probs, ref_log_probs, mask,
                                                                self.kl_ctrl, config.algorithm.kl_penalty)
                 metrics.update({"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": beta})
+            train_mask, group_ids = mask, batch.group_ids
+            if config.algorithm.score_failure == "mask":
+                train_mask, group_ids = leave_out(batch.extra["score_failed"], mask, group_ids)
             estimator = algos.get_advantage_estimator(config.algorithm.adv_estimator)
             advantages, returns = estimator(
-                token_rewards=token_rewards, mask=mask, values=values, group_ids=batch.group_ids,
+                token_rewards=token_rewards, mask=train_mask, values=values, group_ids=group_ids,
                 baselines=batch.extra.get("baselines"), gamma=config.algorithm.gamma, lam=config.algorithm.lam,
                 norm_by_std=config.algorithm.norm_adv_by_std_in_grpo)
         batch.extra.update(token_rewards=token_rewards, advantages=advantages, returns=returns)
@@ -244,6 +253,7 @@ class PPOTrainer:
 
         # Critic and actor updates: two services, at once.
         self.on_phase("updating")
+        tensors = {**tensors, "response_mask": train_mask}
         with timer("update"):
             policy_batch = {**tensors, "advantages": advantages}
             if old_log_probs is not None:
@@ -298,6 +308,11 @@ class PPOTrainer:
         batch.extra["scores"] = torch.tensor([by_key[(s.prompt_index, s.sample_index)].score for s in batch.samples])
         batch.extra["score_failed"] = torch.tensor([not by_key[(s.prompt_index, s.sample_index)].ok
                                                     for s in batch.samples])
+        failures = [result for result in by_key.values() if not result.ok]
+        if failures:
+            kept = "trained on with score 0" if self.config.algorithm.score_failure == "zero" else "left out of training"
+            log.warning("step %d: scoring failed for %d of %d samples (%s); the first: %s: %s", step, len(failures),
+                        len(by_key), kept, failures[0].status, failures[0].message)
         if self.config.algorithm.adv_estimator == "remax":
             with timer("gen_max"):
                 batch.extra["baselines"] = await self._greedy_baselines(rows, params)
@@ -476,43 +491,49 @@ class PPOTrainer:
         return algos.FixedKLController(algorithm.kl_coef)
 
     def _dump_rollouts(self, step: int, batch: RolloutBatch) -> None:
-        """RUN_DIR/rollouts/step_<step>.jsonl: what was generated, from which weights, and its score."""
+        """RUN_DIR/rollouts/step_<step>.jsonl: what was generated, from which weights, and its score
+        (score_failed: the reward service could not score it)."""
         folder = self.run_dir / "rollouts"
         folder.mkdir(parents=True, exist_ok=True)
-        scores = batch.extra["scores"].tolist()
+        scores, failed = batch.extra["scores"].tolist(), batch.extra["score_failed"].tolist()
         with open(folder / f"step_{step}.jsonl", "w") as out:
-            for row, sample, score in zip(batch.rows, batch.samples, scores, strict=True):
+            for row, sample, score, score_failed in zip(batch.rows, batch.samples, scores, failed, strict=True):
                 out.write(json.dumps({"uid": row.uid, "sample_index": sample.sample_index,
                                       "data_source": row.data_source,
                                       "prompt": row.messages[-1]["content"] if row.messages else "",
-                                      "response": sample.text, "score": score,
+                                      "response": sample.text, "score": score, "score_failed": score_failed,
                                       "weight_version": sample.weight_version,
                                       "ground_truth": row.ground_truth}) + "\n")
 
 
+def leave_out(failed: torch.Tensor, mask: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(response mask [B, T], group ids [B]) with the rows where `failed` [B] is true left out of training:
+    their mask is 0, so no loss sees them, and each is a group of its own, so no group baseline counts them."""
+    if not failed.any():
+        return mask, group_ids
+    mask = mask.masked_fill(failed.unsqueeze(-1), 0)
+    group_ids = group_ids.clone()
+    group_ids[failed] = int(group_ids.max()) + 1 + torch.arange(int(failed.sum()))
+    return mask, group_ids
+
+
 def check_roles(config: RunConfig) -> None:
-    """Config combinations the loop cannot run, as errors naming the keys. A run that needs a role the
-    mesh was started without (the launchers start only the roles of the config they were given) is
+    """What a StartRun's config needs of this coordinator and mesh, as errors naming the keys: the config's
+    own rules (check_run_rules: load_run_config checked the mesh's config, this checks the overrides), an
+    advantage estimator registered here, and the roles the run calls. A run that needs a role the mesh was
+    started without (the launchers start only the roles of the config they were given) is
     FAILED_PRECONDITION naming the role and the key that needs it."""
-    kl_keys = [key for key, on in (("actor.use_kl_loss", config.actor.use_kl_loss),
-                                   ("algorithm.use_kl_in_reward", config.algorithm.use_kl_in_reward)) if on]
-    if kl_keys and not config.reference.enable:
-        raise FailedPrecondition(f"{kl_keys[0]}=true needs reference.enable=true")
+    try:
+        check_run_rules(config)
+    except ConfigError as error:
+        raise InvalidArgument(str(error)) from None
     if config.algorithm.adv_estimator not in algos.advantage_estimator_names():
         raise FailedPrecondition(f"algorithm.adv_estimator {config.algorithm.adv_estimator!r} is not registered; "
                                  f"known: {', '.join(algos.advantage_estimator_names())}")
+    kl_key = "actor.use_kl_loss" if config.actor.use_kl_loss else "algorithm.use_kl_in_reward"
     needed = {"critic": f"algorithm.adv_estimator={config.algorithm.adv_estimator}" if config.uses_critic() else "",
-              "reference": f"{kl_keys[0]}=true" if config.uses_reference() else ""}
+              "reference": f"{kl_key}=true" if config.uses_reference() else ""}
     for role, key in needed.items():
         if key and not getattr(config.cluster, role):
             raise FailedPrecondition(f"{key} needs a {role} service, and this mesh runs none (cluster.{role} is "
                                      f"empty): start the mesh with a config that sets {key}")
-    for role in ("actor", "critic"):
-        mini = getattr(config, role).ppo_mini_batch_size
-        if role == "actor" or config.uses_critic():
-            if config.data.train_batch_size < mini:
-                raise InvalidArgument(f"data.train_batch_size {config.data.train_batch_size} < {role}.ppo_mini_batch_size "
-                                      f"{mini}: a step must hold at least one mini-batch")
-    if config.algorithm.adv_estimator in ("grpo", "rloo") and config.rollout.n < 2:
-        raise FailedPrecondition(f"algorithm.adv_estimator={config.algorithm.adv_estimator} compares samples of "
-                                 "a prompt: set rollout.n >= 2")

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable
 from contextlib import contextmanager
+from typing import TypeVar
 
 import torch
 
 from rlfabric.coordinator.rollout_batch import RolloutBatch
+
+T = TypeVar("T")
 
 
 def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
@@ -20,11 +24,16 @@ def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
 
 def data_metrics(batch: RolloutBatch, max_response_length: int) -> dict[str, float]:
     """critic/score, critic/rewards, critic/advantages, critic/returns, critic/values, response and
-    prompt lengths: per-sequence values for scores/rewards, per-token values (masked) for the rest."""
+    prompt lengths: per-sequence values for scores/rewards, per-token values (masked) for the rest;
+    reward/score_failed/{count,fraction}: samples whose scoring failed."""
     mask = batch.response_mask.bool()
     extra = batch.extra
     metrics: dict[str, float] = {}
     metrics.update(_stats("critic/score", extra["scores"]))
+    if "score_failed" in extra:  # samples the reward service could not score (see algorithm.score_failure)
+        failed = extra["score_failed"].to(torch.float32)
+        metrics["reward/score_failed/count"] = failed.sum().item()
+        metrics["reward/score_failed/fraction"] = failed.mean().item() if failed.numel() else 0.0
     metrics.update(_stats("critic/rewards", extra["token_rewards"].sum(-1)))
     for name in ("advantages", "returns", "values"):
         if name in extra:
@@ -54,6 +63,11 @@ class StepTimer:
             yield
         finally:
             self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - started
+
+    async def timed(self, phase: str, call: Awaitable[T]) -> T:
+        """Awaits `call` under timer `phase`: calls gathered at once each get their own time."""
+        with self(phase):
+            return await call
 
     def metrics(self, batch: RolloutBatch | None, previous_step_end: float | None = None) -> dict[str, float]:
         """timing_s/<phase>, timing_s/step, and throughput over the step's tokens.

@@ -141,7 +141,7 @@ class RunTracker:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.total_steps = total_steps
         self.plot = trainer.plot
-        self.title = f"{trainer.project_name} / {trainer.experiment_name}"
+        self.title = f"{trainer.project_name} / {trainer.experiment_name or self.run_dir.name}"
         self.console = "console" in trainer.loggers
         self.jsonl_path = self.run_dir / "metrics.jsonl"
         self.history: list[dict] = []  # this process's steps: what the plot uses without metrics.jsonl

@@ -16,9 +16,19 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 ROLES = ("actor", "reference", "critic", "rollout", "reward", "coordinator")
+# Policy loss modes whose own loss aggregation differs from actor.loss_agg_mode's default, token-mean.
+LOSS_MODE_AGGREGATION = {"gspo": "seq-mean-token-mean"}
 DEFAULT_CONFIG_NAME = "quickstart.yaml"
 
 
@@ -164,7 +174,8 @@ class ActorConfig(Section):
     loss_mode: str = "vanilla"
     """Policy loss from rlfabric.core.algorithms: vanilla (PPO clip + dual clip), gspo, or one you registered."""
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
-    """How per-token losses reduce to one number (token-mean, seq-mean-token-sum, ...)."""
+    """How per-token losses reduce to one number (token-mean, seq-mean-token-sum, ...); when not set, the
+    loss mode's own: seq-mean-token-mean for gspo (as in the GSPO paper), token-mean otherwise."""
     clip_ratio_low: float = Field(0.2, ge=0)
     """PPO ratio lower clip: ratio >= 1 - clip_ratio_low."""
     clip_ratio_high: float = Field(0.2, ge=0)
@@ -179,6 +190,14 @@ class ActorConfig(Section):
     """Weight of the KL loss."""
     kl_loss_type: str = "low_var_kl"
     """KL estimator: kl (k1), abs, mse (k2), low_var_kl (k3); a "+" suffix takes k2's gradient."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _loss_mode_aggregation(cls, data: Any) -> Any:
+        """loss_agg_mode left out takes the loss mode's own default (LOSS_MODE_AGGREGATION)."""
+        if isinstance(data, dict) and "loss_agg_mode" not in data and data.get("loss_mode") in LOSS_MODE_AGGREGATION:
+            data = {**data, "loss_agg_mode": LOSS_MODE_AGGREGATION[data["loss_mode"]]}
+        return data
 
 
 class ReferenceConfig(Section):
@@ -368,6 +387,10 @@ class AlgorithmConfig(Section):
     """Adaptive controller: the KL it steers towards."""
     kl_horizon: int = Field(10000, gt=0)
     """Adaptive controller: horizon in samples of its proportional update."""
+    score_failure: Literal["mask", "zero"] = "mask"
+    """A sample whose scoring failed (the reward function raised, timed out or crashed): mask = left out of
+    the advantages and losses, its group's baseline included; zero = trained on with score 0. Either way
+    reward/score_failed/{count,fraction} counts them and the coordinator logs the first failure."""
 
 
 class TrainerConfig(Section):
@@ -375,8 +398,6 @@ class TrainerConfig(Section):
     """PPO steps to run."""
     project_name: str = "rlfabric"
     """Grouping name for loggers."""
-    experiment_name: str = "quickstart"
-    """Run name for loggers."""
     mode: Literal["sync", "async"] = "sync"
     """sync: on-policy steps; async: step k+1 generates while step k trains (one-step off-policy)."""
     max_staleness: int = Field(1, ge=0)
@@ -581,6 +602,32 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Ru
     for override in overrides:
         apply_override(tree, override)
     return config_from_dict(tree)
+
+
+def load_run_config(path: str | Path | None = None, overrides: list[str] = ()) -> RunConfig:
+    """load_config for a run (`rlfabric up`, `rlfabric train`): also checks the rules across keys
+    (check_run_rules), so a config a run cannot train with fails before any service starts."""
+    config = load_config(path, overrides)
+    check_run_rules(config)
+    return config
+
+
+def check_run_rules(config: RunConfig) -> None:
+    """Combinations of keys a run cannot train with, as a ConfigError naming them. Checked where a run's
+    config is loaded (load_run_config) and by StartRun for its overrides; not by load_config, since one
+    service may be started with a config holding only its own section (the other defaults are no run)."""
+    kl_keys = [key for key, on in (("actor.use_kl_loss", config.actor.use_kl_loss),
+                                   ("algorithm.use_kl_in_reward", config.algorithm.use_kl_in_reward)) if on]
+    if kl_keys and not config.reference.enable:
+        raise ConfigError(f"{kl_keys[0]}=true needs reference.enable=true")
+    for role in ("actor", "critic") if config.uses_critic() else ("actor",):
+        mini = getattr(config, role).ppo_mini_batch_size
+        if config.data.train_batch_size < mini:
+            raise ConfigError(f"data.train_batch_size {config.data.train_batch_size} < {role}.ppo_mini_batch_size "
+                              f"{mini}: a step must hold at least one mini-batch")
+    if config.algorithm.adv_estimator in ("grpo", "rloo") and config.rollout.n < 2:
+        raise ConfigError(f"algorithm.adv_estimator={config.algorithm.adv_estimator} compares samples of a "
+                          "prompt: set rollout.n >= 2")
 
 
 def read_named_file(key: str, path: str | Path) -> bytes:

@@ -1,16 +1,8 @@
-"""Fixtures of the actor/reference/critic tests: the tiny model, built once per session."""
+"""Fixtures of the actor/reference/critic tests (tiny_model is tests/conftest.py's)."""
 
 from __future__ import annotations
 
 import pytest
-
-from rlfabric.actor.tiny_model import make_tiny_model
-
-
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory):
-    """Path of a random-weight tiny Qwen2 (~90k parameters) with its char-level tokenizer."""
-    return make_tiny_model(tmp_path_factory.mktemp("tiny-model"))
 
 
 @pytest.fixture(scope="session")

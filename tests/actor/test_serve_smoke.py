@@ -17,6 +17,7 @@ import yaml
 from rlfabric.actor.client import ActorClient
 from rlfabric.core.client import wait_until_serving
 from tests.actor.helpers import make_batch
+from tests.waiting import wait_until
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -57,8 +58,8 @@ def test_serve_actor_with_two_ranks_then_sigterm(tiny_model, tmp_path):
         assert len(ranks) == 1  # rank 1, started by the service
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=30) == 0
-        time.sleep(0.5)
-        assert not [pid for pid in ranks if Path(f"/proc/{pid}").exists()], "rank 1 outlived the service"
+        wait_until(lambda: not [pid for pid in ranks if Path(f"/proc/{pid}").exists()], 10,
+                   "rank 1 to exit with the service")
         assert "Traceback" not in (tmp_path / "actor.log").read_text()
     finally:
         if process.poll() is None:

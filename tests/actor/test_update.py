@@ -10,6 +10,7 @@ from prometheus_client import generate_latest
 
 from rlfabric.core.client import check_health, open_channel
 from tests.actor.helpers import Served, make_batch, make_config
+from tests.waiting import wait_until_async
 
 ACTOR_METRICS = {"actor/pg_loss", "actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl", "actor/entropy",
                  "actor/grad_norm", "actor/lr", "actor/kl_loss"}
@@ -150,7 +151,7 @@ def test_health_answers_during_a_long_update(tiny_model):
 
         async def probe_while_updating():
             training = asyncio.ensure_future(served.client.update_policy(update))
-            await asyncio.sleep(0.2)
+            await wait_until_async(lambda: served.server.concurrency_limit.active, 30, "the update to start")
             async with open_channel(served.address) as channel:
                 statuses = [await check_health(channel, timeout_s=0.5) for _ in range(3)]
             assert not training.done()  # the probes really overlapped the update

@@ -118,7 +118,7 @@ def test_every_listed_part_must_be_complete(tmp_path):
     writer = CheckpointWriter(tmp_path)
     tmp = writer.begin(1)
     save_part(tmp / "actor", 1)  # the critic's part is missing
-    with pytest.raises(CheckpointError, match="the critic's part of checkpoint global_step_1"):
+    with pytest.raises(CheckpointError, match="the critic's part critic is not where"):
         writer.commit(state(1, parts=("actor", "critic")))
     writer = CheckpointWriter(tmp_path)
     tmp = writer.begin(1)

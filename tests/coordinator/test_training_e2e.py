@@ -22,6 +22,7 @@ from rlfabric.core.config import load_config
 from rlfabric.core.errors import FailedPrecondition, InvalidArgument, PermissionDenied
 from rlfabric.launcher import LocalMesh
 from rlfabric.v1 import coordinator_pb2
+from tests.waiting import wait_until_async
 
 pytestmark = pytest.mark.slow
 
@@ -139,13 +140,14 @@ def test_run_control_pause_checkpoint_stop_and_bad_requests(mesh, experiment_dir
             with pytest.raises(FailedPrecondition, match="one run at a time"):
                 await client.start_run([f"trainer.experiment_name={experiment_dir.name}"])
             await client.pause_run()
-            for _ in range(600):
+
+            async def paused():
                 status = await client.run_status()
-                if status.state == coordinator_pb2.RUN_STATE_PAUSED:
-                    break
-                await asyncio.sleep(0.1)
+                return status if status.state == coordinator_pb2.RUN_STATE_PAUSED else None
+
+            status = await wait_until_async(paused, 60, "the run to pause at a step boundary")
             assert status.phase == "paused"
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(1.0)  # not a wait for an event: the window in which no step may end
             assert (await client.run_status()).step == status.step  # no step while paused
             await client.resume_run()
             saved = await client.save_checkpoint()

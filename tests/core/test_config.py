@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from rlfabric.core.config import ConfigError, config_reference, default_config_path, dump_config, load_config
+from rlfabric.core.config import (
+    ConfigError,
+    config_reference,
+    default_config_path,
+    dump_config,
+    load_config,
+    load_run_config,
+)
 
 
 def test_builtin_default_is_the_quickstart():
@@ -78,3 +85,37 @@ def test_cli_accepts_overrides_after_options():
     assert _split_config_and_overrides(up) == (None, ["rollout.n=2", "trainer.total_steps=2"])
     with pytest.raises(SystemExit):
         parse_args(["serve", "rollout", "--port", "0", "--bogus"])
+
+
+@pytest.mark.parametrize(("overrides", "aggregation"), [
+    (["actor.loss_mode=gspo"], "seq-mean-token-mean"),  # GSPO's own, as documented and as in the paper
+    (["actor.loss_mode=gspo", "actor.loss_agg_mode=token-mean"], "token-mean"),  # set: kept
+    (["actor.loss_mode=vanilla"], "token-mean"),
+    ([], "token-mean"),
+])
+def test_loss_aggregation_left_out_is_the_loss_modes_own(tmp_path, overrides, aggregation):
+    config = load_config(overrides=overrides)
+    assert config.actor.loss_agg_mode == aggregation
+    dump_config(config, tmp_path / "c.yaml")  # what every service of the run reads
+    assert load_config(tmp_path / "c.yaml").actor.loss_agg_mode == aggregation
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["actor.use_kl_loss=true", "reference.enable=false"], "actor.use_kl_loss=true needs reference.enable=true"),
+    (["algorithm.use_kl_in_reward=true", "reference.enable=false"],
+     "algorithm.use_kl_in_reward=true needs reference.enable=true"),
+    (["data.train_batch_size=8"], "data.train_batch_size 8 < actor.ppo_mini_batch_size 64"),
+    (["algorithm.adv_estimator=gae", "critic.ppo_mini_batch_size=128"],
+     "data.train_batch_size 64 < critic.ppo_mini_batch_size 128"),
+    (["rollout.n=1"], "algorithm.adv_estimator=grpo compares samples of a prompt: set rollout.n >= 2"),
+    (["algorithm.adv_estimator=rloo", "rollout.n=1"], "algorithm.adv_estimator=rloo compares samples"),
+])
+def test_a_config_a_run_cannot_train_with_fails_to_load(overrides, message):
+    # At load, before any service starts (rlfabric up/train load it first), not at StartRun.
+    with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
+        load_run_config(overrides=overrides)
+    load_config(overrides=overrides)  # one service's config: its own section is what counts
+
+
+def test_a_critic_mini_batch_does_not_matter_without_a_critic():
+    assert load_run_config(overrides=["critic.ppo_mini_batch_size=128"]).critic.ppo_mini_batch_size == 128

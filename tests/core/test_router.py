@@ -7,7 +7,6 @@ import time
 
 import pytest
 
-from rlfabric.actor.tiny_model import make_tiny_model
 from rlfabric.core.config import load_config
 from rlfabric.core.errors import InvalidArgument, Unavailable
 from rlfabric.core.router import RolloutRouter
@@ -15,13 +14,9 @@ from rlfabric.core.server import ServerOptions
 from rlfabric.rollout.servicer import build_service
 from rlfabric.rollout.types import SamplingSpec
 from tests.conftest import ServerThread
+from tests.waiting import wait_until_async
 
 PROMPTS = [[1, 90, 88, 74], [1, 70, 88], [40, 41], [7, 8, 9], [12], [30, 31, 32]]
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("router-model") / "tiny")
 
 
 @pytest.fixture
@@ -137,10 +132,7 @@ def test_probe_brings_a_restarted_replica_back(replicas):
         await router.generate([[5]], SamplingSpec(max_tokens=2))
         down = [r.healthy for r in router.replicas]
         restarted = await asyncio.to_thread(replicas, 1, port)
-        for _ in range(50):
-            if all(r.healthy for r in router.replicas):
-                break
-            await asyncio.sleep(0.1)
+        await wait_until_async(lambda: all(r.healthy for r in router.replicas), 5, "the router to take it back")
         await asyncio.gather(*(router.generate([[5]], SamplingSpec(max_tokens=2)) for _ in range(4)))
         return down, [r.healthy for r in router.replicas], restarted[0]
 

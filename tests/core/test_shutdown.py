@@ -7,14 +7,25 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from rlfabric.v1 import reward_pb2, reward_pb2_grpc
+from tests.waiting import wait_until
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def scores_started(metrics_url: str) -> float:
+    """Score calls the server has started (grpc_server_started_total), from its /metrics."""
+    with urllib.request.urlopen(metrics_url, timeout=10) as response:
+        families = text_string_to_metric_families(response.read().decode())
+    return sum(sample.value for family in families for sample in family.samples
+               if sample.name == "grpc_server_started_total" and sample.labels.get("grpc_method") == "Score")
 
 
 def test_sigterm_drains_in_flight_rpc_and_exits_zero(tmp_path):
@@ -37,7 +48,8 @@ def test_sigterm_drains_in_flight_rpc_and_exits_zero(tmp_path):
                 time.sleep(0.05)
             slow = reward_pb2.ScoreRequest(items=[reward_pb2.ScoreItem(data_source="sleep:2")])
             in_flight = reward_pb2_grpc.RewardServiceStub(channel).Score.future(slow, timeout=30)
-            time.sleep(0.5)
+            metrics = f"http://127.0.0.1:{json.loads(port_file.read_text())['metrics']}/metrics"
+            wait_until(lambda: scores_started(metrics) == 1, 30, "the server to start the Score call")
             process.send_signal(signal.SIGTERM)
             # The in-flight call completes normally during the drain.
             assert in_flight.result(timeout=20).results[0].score == 1.0

@@ -1,19 +1,12 @@
-"""Fixtures of the reliability tests: the tiny model and real services started once per module."""
+"""Fixtures of the reliability tests: real services started once per module (tiny_model is tests/conftest.py's)."""
 
 from __future__ import annotations
 
 import pytest
 
-from rlfabric.actor.tiny_model import make_tiny_model
 from rlfabric.core.server import ServerOptions
 from tests.conftest import ServerThread
 from tests.core.test_security import pki  # noqa: F401  (fixture: a CA, server and client certs, a rogue cert)
-
-
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory):
-    """A random-weight tiny Qwen2 (vocab 100, 512 positions) with its char-level chat tokenizer."""
-    return make_tiny_model(tmp_path_factory.mktemp("reliability-model") / "tiny")
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import textwrap
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -24,6 +23,7 @@ from rlfabric.core.server import ServerOptions
 from rlfabric.reward.server import build_service as build_reward_service
 from rlfabric.rollout.servicer import build_service as build_rollout_service
 from rlfabric.v1 import reward_pb2, rollout_pb2
+from tests.waiting import wait_until
 
 from .helpers import (
     GENERATE,
@@ -95,15 +95,16 @@ def limited_reward(serve_module, tmp_path_factory):
                                "reward": {"custom_path": str(path), "num_workers": 2, "timeout_s": 30}})
     service = build_reward_service(config)
     thread = serve_module(service, ServerOptions.from_config(config.server, port=0, metrics_port=None))
-    return service, thread.address
+    return service, thread
 
 
 def test_the_surplus_over_max_concurrent_rpcs_gets_resource_exhausted(limited_reward):
-    service, address = limited_reward
+    service, thread = limited_reward
+    address = thread.address
     probes: list[int] = []
 
     def probe_while_loaded() -> None:  # health checks while both slots are taken
-        time.sleep(SLOW_S / 4)
+        wait_until(lambda: thread.server.concurrency_limit.active == 2, 30, "both slots taken")
         probes.extend(health(address, name) for name in ("", "liveness", "readiness"))
 
     prober = threading.Thread(target=probe_while_loaded)
@@ -128,8 +129,8 @@ def test_the_surplus_over_max_concurrent_rpcs_gets_resource_exhausted(limited_re
 
 
 def test_calls_up_to_the_limit_are_all_served(limited_reward):
-    _, address = limited_reward
-    answers = concurrently(*[lambda: call(address, SCORE, score_request(slow=False))] * 2)
+    _, thread = limited_reward
+    answers = concurrently(*[lambda: call(thread.address, SCORE, score_request(slow=False))] * 2)
     assert [answer.code for answer in answers] == [grpc.StatusCode.OK] * 2
 
 
@@ -178,10 +179,7 @@ def test_generation_requests_past_the_rollout_limit_get_resource_exhausted(limit
         with ThreadPoolExecutor(2) as pool:
             # Paused, the rollout admits these two and holds them: the limit is reached.
             held = [pool.submit(call, address, GENERATE, generate), pool.submit(call, address, GENERATE_STREAM, stream)]
-            deadline = time.monotonic() + 30
-            while _queue_depth(address) < 2:
-                assert time.monotonic() < deadline, "the paused rollout never held the two requests"
-                time.sleep(0.05)
+            wait_until(lambda: _queue_depth(address) == 2, 30, "the paused rollout to hold the two requests")
 
             refused = concurrently(*[lambda: call(address, GENERATE, generate)] * 3,
                                    lambda: call(address, GENERATE_STREAM, stream))

@@ -227,6 +227,7 @@ BAD_OVERRIDES = {
     "rollout.top_p=.nan": "rollout.top_p",
     "trainer.mode=turbo": "trainer.mode: Input should be 'sync' or 'async'",
     "algorithm.gamma.x=1": "algorithm.gamma",
+    "rollout.n=1": "algorithm.adv_estimator=grpo compares samples of a prompt: set rollout.n >= 2",  # across keys
 }
 
 

@@ -607,11 +607,12 @@ def secure_mesh(pki, tmp_path_factory):
                                  "algorithm.adv_estimator=gae", "actor.use_kl_loss=true"],
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     output: list[str] = []
-    threading.Thread(target=lambda: output.extend(launcher.stdout), daemon=True).start()
+    drain = threading.Thread(target=lambda: output.extend(launcher.stdout), daemon=True)
+    drain.start()
     deadline = time.monotonic() + 300
     while not any("mesh ready" in line for line in output):
         if launcher.poll() is not None:
-            time.sleep(0.5)
+            drain.join(timeout=10)  # the rest of its output
             pytest.fail(f"rlfabric up exited {launcher.returncode} under mTLS: {''.join(output)[-3000:]}")
         assert time.monotonic() < deadline, "the mTLS mesh did not come up in 300 s"
         time.sleep(0.2)

@@ -111,10 +111,17 @@ def test_overlong_penalty_from_token_count(reward_server):
 
 def test_event_loop_stays_responsive_while_scoring(rule_based):
     source = f"test/slow-{uuid.uuid4().hex[:8]}"
-    register_scorer(source, lambda *args, **kwargs: time.sleep(0.8) or 1.0)
+    scoring = threading.Event()
+
+    def slow_scorer(*args, **kwargs) -> float:
+        scoring.set()
+        time.sleep(0.8)  # the slow scorer is the subject: the loop must answer while it runs
+        return 1.0
+
+    register_scorer(source, slow_scorer)
     slow = threading.Thread(target=rule_based.score, args=([ScoreItem(source, "", "")],))
     slow.start()
-    time.sleep(0.2)
+    assert scoring.wait(timeout=30)
     start = time.monotonic()
     rule_based.status()  # answered while the slow batch is still being scored
     assert time.monotonic() - start < 0.4

@@ -1,4 +1,4 @@
-"""Rollout test fixtures: the tiny model, built once per session, and one vLLM engine for the session."""
+"""Rollout test fixtures: one vLLM engine for the session (tiny_model is tests/conftest.py's)."""
 
 from __future__ import annotations
 
@@ -6,14 +6,6 @@ import os
 
 import grpc
 import pytest
-
-from rlfabric.actor.tiny_model import make_tiny_model
-
-
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory):
-    """A tiny random Qwen2 (vocab 100, head_dim 32, 512 positions) with a byte-level BPE ChatML tokenizer."""
-    return make_tiny_model(tmp_path_factory.mktemp("rollout-model") / "tiny")
 
 
 def require_vllm() -> None:

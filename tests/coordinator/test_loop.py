@@ -1,0 +1,199 @@
+"""PPOTrainer in one process: the real loop and train_step over stand-in model services that return
+tensors of the right shapes and record what they were sent."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from rlfabric.coordinator.dataset import PromptRow
+from rlfabric.coordinator.loop import PPOTrainer, check_roles
+from rlfabric.coordinator.peers import Peers
+from rlfabric.coordinator.rollout_batch import RolloutBatch, build_rollout_batch
+from rlfabric.coordinator.step_metrics import StepTimer
+from rlfabric.core.config import RunConfig, config_from_dict
+from rlfabric.core.errors import FailedPrecondition, InvalidArgument
+from rlfabric.rollout.types import Finish, FinishedSample
+
+N = 2  # samples per prompt
+PROMPTS = 2
+
+
+class ModelService:
+    """Stands in for the actor, reference or critic client: zeros of the right shape; the batches each
+    update was sent; `slow_s` makes every call take that long (a slow service is what a timer measures)."""
+
+    def __init__(self, name: str, slow_s: float = 0.0, fail_update: bool = False):
+        self.address = f"{name}.test:1"
+        self.options = SimpleNamespace(timeout_s=5.0)
+        self.slow_s = slow_s
+        self.fail_update = fail_update
+        self.updates: list[dict[str, torch.Tensor]] = []
+
+    async def _answer(self, tensors, key: str) -> dict[str, torch.Tensor]:
+        await asyncio.sleep(self.slow_s)  # the service's own latency, not synchronisation
+        return {key: torch.zeros(tensors["responses"].shape)}
+
+    async def compute_log_probs(self, tensors, temperature, compute_entropy=True):
+        return await self._answer(tensors, "log_probs")
+
+    async def compute_values(self, tensors):
+        return await self._answer(tensors, "values")
+
+    async def update_policy(self, batch, global_step):
+        return self._update(batch)
+
+    async def update_values(self, batch, global_step):
+        return self._update(batch)
+
+    def _update(self, batch) -> dict[str, float]:
+        if self.fail_update:
+            raise FailedPrecondition("the update failed")
+        self.updates.append(batch)
+        return {}
+
+
+class WeightSync:
+    async def open(self) -> None:
+        pass
+
+
+class Prompts:
+    """The training data: the same prompts every step."""
+
+    def __init__(self, rows: list[PromptRow]):
+        self.rows = rows
+
+    def batches(self, batch_size, seed, cursor):
+        while True:
+            yield self.rows[:batch_size]
+
+
+def config(*overrides: str) -> RunConfig:
+    tree = {"data": {"train_batch_size": PROMPTS}, "rollout": {"n": N},
+            "actor": {"ppo_mini_batch_size": PROMPTS}, "critic": {"ppo_mini_batch_size": PROMPTS},
+            "trainer": {"dump_rollouts": False, "total_steps": 3}}
+    for override in overrides:
+        key, value = override.split("=")
+        section, name = key.split(".")
+        tree.setdefault(section, {})[name] = value
+    return config_from_dict(tree)
+
+
+ROWS = [PromptRow(f"p{i}", "src", [{"role": "user", "content": "q"}], [1, 2, 3], "a", "", "{}")
+        for i in range(PROMPTS)]
+
+
+def rollout_batch(scores: list[float], failed: list[bool] | None = None, version: int = 0) -> RolloutBatch:
+    samples = [FinishedSample(p, i, [4, 5], [], Finish.STOP, version) for p in range(PROMPTS) for i in range(N)]
+    batch = build_rollout_batch(ROWS, samples, N, pad_token_id=0)
+    batch.extra["scores"] = torch.tensor(scores)
+    batch.extra["score_failed"] = torch.tensor(failed or [False] * len(scores))
+    return batch
+
+
+def trainer_over(run_config: RunConfig, tmp_path, actor: ModelService, reference: ModelService | None = None,
+                 critic: ModelService | None = None) -> PPOTrainer:
+    peers = Peers(actor=actor, rollout=None, reward=None, reference=reference, critic=critic, rollout_addresses=[])
+    trainer = PPOTrainer(run_config, peers, SimpleNamespace(pad_token_id=0), tmp_path, Prompts(ROWS), None,
+                         WeightSync())
+
+    async def synced(version: int) -> dict[str, float]:
+        trainer.weight_version = version
+        return {}
+
+    trainer._sync_weights = synced
+    return trainer
+
+
+def test_a_failing_step_in_async_mode_cancels_the_prefetched_rollout(tmp_path):
+    trainer = trainer_over(config("trainer.mode=async"), tmp_path, ModelService("actor", fail_update=True))
+    started: list = []
+
+    async def rollout(step, rows):
+        if step == 1:
+            return rollout_batch([1.0, 0.0, 1.0, 0.0]), StepTimer()
+        await asyncio.Event().wait()  # the next batch is still generating when step 1 fails
+
+    trainer._rollout = rollout
+    start_rollout = trainer._start_rollout
+
+    def recording(step, batches):
+        pending = start_rollout(step, batches)
+        started.append(pending)
+        return pending
+
+    trainer._start_rollout = recording
+
+    async def scenario():
+        with pytest.raises(FailedPrecondition, match="the update failed"):
+            await trainer.run()
+        prefetched = started[-1]
+        assert prefetched.step == 2
+        await asyncio.wait([prefetched.task], timeout=10)
+        assert prefetched.task.cancelled()  # (asyncio.run would cancel it at the end in any case)
+
+    asyncio.run(scenario())
+
+
+def test_reference_and_critic_have_timers_of_their_own(tmp_path):
+    # Two epochs: the update is more than one optimizer step, so the old log-probs are computed.
+    run_config = config("algorithm.adv_estimator=gae", "actor.use_kl_loss=true", "actor.ppo_epochs=2")
+    actor = ModelService("actor")
+    trainer = trainer_over(run_config, tmp_path, actor, reference=ModelService("reference", slow_s=0.3),
+                           critic=ModelService("critic", slow_s=0.3))
+    metrics = asyncio.run(trainer.train_step(1, rollout_batch([1.0, 0.0, 1.0, 0.0]), StepTimer()))
+    assert metrics["timing_s/ref"] >= 0.3 and metrics["timing_s/values"] >= 0.3
+    assert metrics["timing_s/old_log_prob"] < 0.3  # the actor answers at once; the others are not in it
+
+
+def test_failed_scores_are_counted_and_left_out_of_the_update_by_default(tmp_path):
+    actor = ModelService("actor")
+    trainer = trainer_over(config(), tmp_path, actor)
+    assert trainer.config.algorithm.score_failure == "mask"
+    batch = rollout_batch([1.0, 0.0, 1.0, 0.0], failed=[False, True, False, False])
+    metrics = asyncio.run(trainer.train_step(1, batch, StepTimer()))
+    assert metrics["reward/score_failed/count"] == 1.0 and metrics["reward/score_failed/fraction"] == 0.25
+    sent = actor.updates[0]
+    assert sent["response_mask"].sum(-1).tolist() == [2, 0, 2, 2]  # the failed sample trains on nothing
+    # Its group-mate is a group of one (GRPO: mean 0, std 1): its advantage is its own score, not a
+    # comparison with a 0 the reward service never gave.
+    assert sent["advantages"][0].tolist() == pytest.approx([1.0, 1.0], abs=1e-4)
+    assert batch.response_mask.sum(-1).tolist() == [2, 2, 2, 2]  # the batch itself (its metrics) unchanged
+
+
+def test_the_rollout_dump_says_which_samples_failed_scoring(tmp_path):
+    trainer = trainer_over(config("trainer.dump_rollouts=true"), tmp_path, ModelService("actor"))
+    asyncio.run(trainer.train_step(1, rollout_batch([1.0, 0.0, 1.0, 0.0], failed=[False, True, False, False]),
+                                   StepTimer()))
+    lines = (tmp_path / "rollouts" / "step_1.jsonl").read_text().splitlines()
+    assert [json.loads(line)["score_failed"] for line in lines] == [False, True, False, False]
+
+
+def test_failed_scores_train_as_zero_when_configured(tmp_path):
+    actor = ModelService("actor")
+    trainer = trainer_over(config("algorithm.score_failure=zero"), tmp_path, actor)
+    batch = rollout_batch([1.0, 0.0, 1.0, 0.0], failed=[False, True, False, False])
+    metrics = asyncio.run(trainer.train_step(1, batch, StepTimer()))
+    assert metrics["reward/score_failed/count"] == 1.0
+    sent = actor.updates[0]
+    assert sent["response_mask"].sum(-1).tolist() == [2, 2, 2, 2]
+    assert sent["advantages"][1, 0] < 0 < sent["advantages"][0, 0]  # compared with its group-mate's 1
+
+
+def test_no_failed_scores_reports_zero(tmp_path):
+    trainer = trainer_over(config(), tmp_path, ModelService("actor"))
+    metrics = asyncio.run(trainer.train_step(1, rollout_batch([1.0, 0.0, 1.0, 0.0]), StepTimer()))
+    assert metrics["reward/score_failed/count"] == 0.0 and metrics["reward/score_failed/fraction"] == 0.0
+
+
+def test_start_run_overrides_are_held_to_the_config_rules_and_the_mesh_roles():
+    with pytest.raises(InvalidArgument, match="set rollout.n >= 2"):
+        check_roles(config("rollout.n=1"))
+    with pytest.raises(FailedPrecondition, match="algorithm.adv_estimator=gae needs a critic service"):
+        check_roles(config("algorithm.adv_estimator=gae"))  # cluster.critic is empty
+    check_roles(config())
