@@ -205,15 +205,15 @@ class RewardEngine:
         self._check_data_sources(items, routes.get(RULES, []))
 
         # 2. Score each route's items with its scorer, never on the event loop; results in item order.
-        results: list[ItemResult | None] = [None] * len(items)
+        by_index: dict[int, ItemResult] = {}
         for route, indices in routes.items():
             part = [items[index] for index in indices]
-            for index, result in zip(indices, await self._score_route(route, part), strict=True):
-                results[index] = result
+            by_index.update(zip(indices, await self._score_route(route, part), strict=True))
+        results = [by_index[index] for index in range(len(items))]
 
         # 3. Count.
-        self._record(results)  # type: ignore[arg-type]  (every slot is filled by now)
-        return results  # type: ignore[return-value]
+        self._record(results)
+        return results
 
     async def _score_route(self, route: str, items: list[ScoreItem]) -> list[ItemResult]:
         if route == MODEL:
