@@ -345,7 +345,7 @@ class RewardConfig(Section):
     model_tokenizer_path: str = ""
     """The reward model's tokenizer directory; empty = model_path."""
     model_batch_size: int = Field(16, ge=1)
-    """Sequences per reward-model forward pass."""
+    """Most sequences per reward-model forward pass, gathered from concurrent Score calls."""
     model_device: str = "cpu"
     """Torch device of the reward model, e.g. cuda:0."""
     model_dtype: Literal["float32", "bfloat16", "float16"] = "float32"

@@ -2,7 +2,8 @@
 
 Three kinds of scorer, and a ScorerRouter that sends each item to one of them by its data_source
 (as VeRL's RewardManager does: rules for math, a reward model for dialogue), within one request:
-- the reward model (reward.model_path; batched, imports torch): the items of reward.model_sources;
+- the reward model (reward.model_path; imports torch): the items of reward.model_sources, in forward
+  passes shared by concurrent Score calls (ModelBatcher);
 - the user's function (reward.custom_path; a sandboxed worker pool): the items of reward.custom_sources;
 - the rule-based scorer registered for the item's data_source (GSM8K, MATH, HellaSwag, anything
   register_scorer added), run on a watched thread of this process: every other item.
@@ -34,20 +35,12 @@ from rlfabric.core.config import RewardConfig
 from rlfabric.core.errors import InvalidArgument, ResourceExhausted, Unavailable
 from rlfabric.core.metrics import service_counter
 from rlfabric.reward.custom import CustomScorerPool
-from rlfabric.reward.items import (
-    STATUS_CRASHED,
-    STATUS_ERROR,
-    STATUS_TIMEOUT,
-    ItemResult,
-    ScoreItem,
-    describe_exception,
-    failed,
-)
+from rlfabric.reward.items import STATUS_CRASHED, STATUS_ERROR, STATUS_TIMEOUT, ItemResult, ScoreItem
+from rlfabric.reward.model_batcher import ModelBatcher
 from rlfabric.reward.overlong import OverlongConfig
 from rlfabric.reward.registry import UnknownDataSourceError, registered_data_sources
 from rlfabric.reward.scoring import (
     ScorerThreads,
-    ScoringCancelled,
     ScoringConfig,
     add_overlong_penalty,
     score_items,
@@ -145,7 +138,7 @@ class RewardEngine:
         )
         for reason in FAILURE_REASONS:  # export 0 from the start, so rate() works from the first failure
             self._failures_total.labels(reason=reason)
-        self._model_lock = asyncio.Lock()
+        self.model_batcher = ModelBatcher(self._score_model_batch, config.model_batch_size)
         self._started = False
 
     # --- lifecycle ---
@@ -217,8 +210,9 @@ class RewardEngine:
 
     async def _score_route(self, route: str, items: list[ScoreItem]) -> list[ItemResult]:
         if route == MODEL:
-            async with self._model_lock:  # one forward at a time; batches are already batched
-                return await _until_cancelled(self._score_with_model, items)
+            results = await self.model_batcher.score(items)
+            add_overlong_penalty(items, results, self.scoring.overlong)
+            return results
         if route == CUSTOM:
             return await _until_cancelled(score_items, items, self.scoring, self.custom_pool)
         try:
@@ -229,20 +223,9 @@ class RewardEngine:
     def status(self) -> RewardStatus:
         return RewardStatus(registered_data_sources(), self.items_scored, self.items_failed)
 
-    def _score_with_model(self, items: Sequence[ScoreItem], cancelled: threading.Event) -> list[ItemResult]:
-        results: list[ItemResult] = []
-        step = self.config.model_batch_size
-        for start in range(0, len(items), step):
-            if cancelled.is_set():
-                raise ScoringCancelled(f"scoring cancelled after {start} of {len(items)} items")
-            batch = items[start : start + step]
-            try:
-                results += self.reward_model.score_items(batch)
-            except Exception as exc:  # e.g. out of memory: fails this batch's items, not the request
-                log.warning("the reward model failed on %d items: %s", len(batch), describe_exception(exc))
-                results += [failed(STATUS_ERROR, describe_exception(exc)) for _ in batch]
-        add_overlong_penalty(items, results, self.scoring.overlong)
-        return results
+    def _score_model_batch(self, items: list[ScoreItem]) -> list[ItemResult]:
+        """One reward-model forward pass (on a ModelBatcher thread)."""
+        return self.reward_model.score_items(items)
 
     def _check_data_sources(self, items: Sequence[ScoreItem], rule_indices: Sequence[int]) -> None:
         """InvalidArgument for the first of the items the rules take whose data_source has no rule."""
@@ -317,8 +300,8 @@ class RewardEngine:
 
 async def _until_cancelled(fn, *args, **kwargs):
     """fn(*args, cancelled=event, **kwargs) on a thread. When the caller is cancelled, the event tells
-    fn to stop at its next item, and the caller waits for that, so a lock it holds (one forward at a
-    time) is not released while fn still runs."""
+    fn to stop at its next item, and the caller waits for that, so nothing of the request still runs
+    when its cancellation goes on."""
     cancelled = threading.Event()
     work = asyncio.ensure_future(asyncio.to_thread(fn, *args, cancelled=cancelled, **kwargs))
     try:
