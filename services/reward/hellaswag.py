@@ -1,9 +1,8 @@
 """HellaSwag as a rule-scored task: pick the ending that fits the context.
 
 The prompt (written by `rlfabric data hellaswag`) shows the context and the endings lettered
-A, B, C, D, and asks for the letter. The ground truth is the label: the index of the right ending.
-VeRL's preprocessing keeps the same context, endings and label and scores a choice as right or
-wrong; rlfabric turns the choice into text the policy writes, so a rule can read it back:
+A, B, C, D, and asks for the letter. The ground truth is the label: the index of the right ending,
+as VeRL's HellaSwag preprocessing keeps it. The policy writes its choice, and a rule reads it back:
 
     1.0  the chosen ending is the labelled one
     0.0  another ending, or no recognisable choice
