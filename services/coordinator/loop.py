@@ -346,7 +346,7 @@ class PPOTrainer:
         return ScoreItem(data_source=row.data_source, response=sample.text, ground_truth=row.ground_truth,
                          extra_info=json.loads(row.extra_info_json or "{}"),
                          prompt=row.messages[-1]["content"] if row.messages else "",
-                         response_length=len(sample.token_ids))
+                         prompt_messages=row.messages, response_length=len(sample.token_ids))
 
     async def _greedy_baselines(self, rows: list[PromptRow], params: SamplingSpec) -> torch.Tensor:
         """ReMax's baseline: the score of each prompt's greedy response, repeated for its n samples."""

@@ -320,7 +320,10 @@ class RewardConfig(Section):
     num_workers: int = Field(1, ge=1)
     """Worker processes for custom reward functions."""
     custom_path: str = ""
-    """Python file with a custom reward function that scores every item (VeRL: custom_reward_function.path)."""
+    """Python file with a custom reward function (VeRL: custom_reward_function.path); it scores the items of
+    custom_sources, or every item not routed to the reward model when custom_sources is empty."""
+    custom_sources: list[str] = []
+    """data_source values the custom function scores; empty = every item (the reward model's sources excepted)."""
     custom_name: str = "compute_score"
     """Function in custom_path, called as fn(data_source, solution_str, ground_truth, extra_info, **custom_kwargs)."""
     custom_kwargs: dict[str, Any] = {}
@@ -353,17 +356,43 @@ class RewardConfig(Section):
     tokenizer_path: str = ""
     """The policy's tokenizer, to decode response_token_ids sent without text; empty = text only (no torch)."""
     model_path: str = ""
-    """Reward model directory (sequence classification, HF format); set = the model scores every item."""
+    """Reward model directory (sequence classification, HF format); it scores the items of model_sources, or
+    every item not routed to the custom function when model_sources is empty (VeRL's default)."""
+    model_sources: list[str] = Field([], validate_default=True)
+    """data_source values the reward model scores; empty = every item (the custom function's sources excepted).
+    Items of other sources go to the custom function or the rule registered for their data_source."""
     model_tokenizer_path: str = ""
     """The reward model's tokenizer directory; empty = model_path."""
     model_batch_size: int = Field(16, ge=1)
-    """Sequences per reward-model forward pass."""
+    """Most sequences per reward-model forward pass, gathered from concurrent Score calls."""
     model_device: str = "cpu"
     """Torch device of the reward model, e.g. cuda:0."""
     model_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Reward model weights dtype."""
     model_max_length: int = Field(0, ge=0)
     """Longest reward-model input in tokens (longer ones lose their start); 0 = no limit."""
+
+
+    @field_validator("model_sources")
+    @classmethod
+    def _scorers_do_not_overlap(cls, model_sources: list[str], info: ValidationInfo) -> list[str]:
+        """Each data_source goes to one scorer: the reward model and the custom function cannot both take
+        every item, nor share a source; a source list needs its scorer."""
+        custom_path, custom_sources = info.data.get("custom_path", ""), info.data.get("custom_sources", [])
+        model_path = info.data.get("model_path", "")
+        if custom_sources and not custom_path:
+            raise ValueError("reward.custom_sources is set but reward.custom_path is empty")
+        if model_sources and not model_path:
+            raise ValueError("reward.model_sources is set but reward.model_path is empty")
+        if custom_path and model_path:
+            if not custom_sources and not model_sources:
+                raise ValueError("reward.custom_path and reward.model_path would both score every item: "
+                                 "list the data sources of one of them in reward.custom_sources or reward.model_sources")
+            shared = sorted(set(custom_sources) & set(model_sources))
+            if shared:
+                raise ValueError(f"reward.custom_sources and reward.model_sources share {shared}: "
+                                 "each data_source goes to one scorer")
+        return model_sources
 
 
 class AlgorithmConfig(Section):

@@ -1,13 +1,17 @@
 """RewardEngine: what the reward service runs behind its servicer.
 
-One scorer kind per service, chosen by the config, as VeRL chooses:
-- reward.model_path set:  a reward model scores every item (batched; imports torch);
-- reward.custom_path set: the user's function scores every item, in a sandboxed worker pool;
-- otherwise:              each item's data_source picks a registered rule-based scorer (GSM8K, MATH,
-                          anything register_scorer added), run in a worker thread of this process.
+Three kinds of scorer, and a ScorerRouter that sends each item to one of them by its data_source
+(as VeRL's RewardManager does: rules for math, a reward model for dialogue), within one request:
+- the reward model (reward.model_path; imports torch): the items of reward.model_sources, in forward
+  passes shared by concurrent Score calls (ModelBatcher);
+- the user's function (reward.custom_path; a sandboxed worker pool): the items of reward.custom_sources;
+- the rule-based scorer registered for the item's data_source (GSM8K, MATH, HellaSwag, anything
+  register_scorer added), run on a watched thread of this process: every other item.
+A configured model or custom function with an empty source list takes every item the other one's
+list does not name, so one of them alone scores everything (VeRL's default).
 
 A request is validated as a whole before anything is scored (a bad item fails the request with
-InvalidArgument naming it); a scorer that fails fails only its item (status error/timeout/crashed).
+InvalidArgument naming it); a scorer that fails fails only its items (status error/timeout/crashed).
 A request whose caller goes away (cancelled, or past its deadline) stops: the items not started by
 then are never scored, so the workers and threads are free for the next one.
 torch is imported only when a reward model or a tokenizer is configured.
@@ -32,17 +36,18 @@ from rlfabric.core.errors import InvalidArgument, ResourceExhausted, Unavailable
 from rlfabric.core.metrics import service_counter
 from rlfabric.reward.custom import CustomScorerPool
 from rlfabric.reward.items import STATUS_CRASHED, STATUS_ERROR, STATUS_TIMEOUT, ItemResult, ScoreItem
+from rlfabric.reward.model_batcher import ModelBatcher
 from rlfabric.reward.overlong import OverlongConfig
 from rlfabric.reward.registry import UnknownDataSourceError, registered_data_sources
 from rlfabric.reward.scoring import (
     ScorerThreads,
-    ScoringCancelled,
     ScoringConfig,
     add_overlong_penalty,
     score_items,
 )
 
 FAILURE_REASONS = (STATUS_ERROR, STATUS_TIMEOUT, STATUS_CRASHED)
+RULES, CUSTOM, MODEL = "rules", "custom", "model"  # the routes of ScorerRouter
 
 log = logging.getLogger("rlfabric.reward")
 
@@ -59,6 +64,42 @@ class RewardStatus:
     """Items whose scorer failed (error, timeout or crash) since start."""
 
 
+@dataclasses.dataclass(frozen=True)
+class ScorerRouter:
+    """Which scorer takes an item, by its data_source: a listed source goes to the scorer that lists
+    it; any other goes to a configured scorer whose list is empty (it takes every other item), else
+    to the rules. The config allows at most one empty list among the configured scorers."""
+
+    custom_sources: frozenset[str] | None
+    """Sources of the custom function; None = no custom function, empty = every other item."""
+    model_sources: frozenset[str] | None
+    """Sources of the reward model; None = no reward model, empty = every other item."""
+
+    @classmethod
+    def from_config(cls, config: RewardConfig) -> ScorerRouter:
+        return cls(frozenset(config.custom_sources) if config.custom_path else None,
+                   frozenset(config.model_sources) if config.model_path else None)
+
+    def route(self, data_source: str) -> str:
+        """RULES, CUSTOM or MODEL."""
+        if self.custom_sources and data_source in self.custom_sources:
+            return CUSTOM
+        if self.model_sources and data_source in self.model_sources:
+            return MODEL
+        if self.custom_sources == frozenset():
+            return CUSTOM
+        if self.model_sources == frozenset():
+            return MODEL
+        return RULES
+
+    def split(self, items: Sequence[ScoreItem]) -> dict[str, list[int]]:
+        """The indices of the items each route takes (routes with no items left out)."""
+        groups: dict[str, list[int]] = {}
+        for index, item in enumerate(items):
+            groups.setdefault(self.route(item.data_source), []).append(index)
+        return groups
+
+
 class RewardEngine:
     """Scores batches of ScoreItems; start() loads the tokenizer, custom pool or reward model."""
 
@@ -66,9 +107,8 @@ class RewardEngine:
         self, config: RewardConfig, registry: CollectorRegistry | None = None, max_response_length: int = 1024
     ):
         """max_response_length is the overlong penalty's Lmax when the reward config leaves it 0."""
-        if config.custom_path and config.model_path:
-            raise ValueError("reward.custom_path and reward.model_path exclude each other: choose one scorer")
         self.config = config
+        self.router = ScorerRouter.from_config(config)  # RewardConfig checked that the routes do not overlap
         self.scoring = ScoringConfig(
             compute_score_kwargs=dict(config.compute_score_kwargs),
             default_score_for_unknown=config.default_score_for_unknown,
@@ -98,7 +138,7 @@ class RewardEngine:
         )
         for reason in FAILURE_REASONS:  # export 0 from the start, so rate() works from the first failure
             self._failures_total.labels(reason=reason)
-        self._model_lock = asyncio.Lock()
+        self.model_batcher = ModelBatcher(self._score_model_batch, config.model_batch_size)
         self._started = False
 
     # --- lifecycle ---
@@ -151,49 +191,56 @@ class RewardEngine:
         """One result per item, in order. Nothing is scored if any item is invalid."""
         if not self._started:
             raise Unavailable("the reward engine is not started (or already stopped)")
-        # 1. Validate the whole batch: size, token ids (decoded here), data sources.
+        # 1. Validate the whole batch: size, token ids (decoded here), the data sources the rules take.
         self.check_batch_size(len(items))
         items = await self._resolve_responses(items)
-        if self.custom_pool is None and self.reward_model is None:
-            self._check_data_sources(items)
+        routes = self.router.split(items)
+        self._check_data_sources(items, routes.get(RULES, []))
 
-        # 2. Score: reward model, custom function pool, or rule-based scorers; never on the event loop.
-        if self.reward_model is not None:
-            async with self._model_lock:  # one forward at a time; batches are already batched
-                results = await _until_cancelled(self._score_with_model, items)
-        else:
-            try:
-                results = await _until_cancelled(score_items, items, self.scoring, self.custom_pool,
-                                                 threads=self.scorer_threads)
-            except UnknownDataSourceError as error:  # the registry changed since step 1
-                raise InvalidArgument(str(error)) from None
+        # 2. Score each route's items with its scorer, never on the event loop; results in item order.
+        by_index: dict[int, ItemResult] = {}
+        for route, indices in routes.items():
+            part = [items[index] for index in indices]
+            by_index.update(zip(indices, await self._score_route(route, part), strict=True))
+        results = [by_index[index] for index in range(len(items))]
 
         # 3. Count.
         self._record(results)
         return results
 
+    async def _score_route(self, route: str, items: list[ScoreItem]) -> list[ItemResult]:
+        if route == MODEL:
+            results = await self.model_batcher.score(items)
+            add_overlong_penalty(items, results, self.scoring.overlong)
+            return results
+        if route == CUSTOM:
+            return await _until_cancelled(score_items, items, self.scoring, self.custom_pool)
+        try:
+            return await _until_cancelled(score_items, items, self.scoring, threads=self.scorer_threads)
+        except UnknownDataSourceError as error:  # the registry changed since step 1
+            raise InvalidArgument(str(error)) from None
+
     def status(self) -> RewardStatus:
         return RewardStatus(registered_data_sources(), self.items_scored, self.items_failed)
 
-    def _score_with_model(self, items: Sequence[ScoreItem], cancelled: threading.Event) -> list[ItemResult]:
-        results: list[ItemResult] = []
-        step = self.config.model_batch_size
-        for start in range(0, len(items), step):
-            if cancelled.is_set():
-                raise ScoringCancelled(f"scoring cancelled after {start} of {len(items)} items")
-            results += self.reward_model.score_items(items[start : start + step])
-        add_overlong_penalty(items, results, self.scoring.overlong)
-        return results
+    def _score_model_batch(self, items: list[ScoreItem]) -> list[ItemResult]:
+        """One reward-model forward pass (on a ModelBatcher thread)."""
+        return self.reward_model.score_items(items)
 
-    def _check_data_sources(self, items: Sequence[ScoreItem]) -> None:
+    def _check_data_sources(self, items: Sequence[ScoreItem], rule_indices: Sequence[int]) -> None:
+        """InvalidArgument for the first of the items the rules take whose data_source has no rule."""
         if self.scoring.default_score_for_unknown is not None:
             return
         known = set(registered_data_sources())  # read now: scorers registered after start count
-        for index, item in enumerate(items):
+        for index in rule_indices:
+            item = items[index]
             if item.data_source not in known:
+                other = [f"reward.{key}" for key, path in (("model_sources", self.config.model_path),
+                                                           ("custom_sources", self.config.custom_path)) if path]
                 raise InvalidArgument(
                     f"item {index}: unknown data_source {item.data_source!r}; "
-                    f"registered: {', '.join(sorted(known))} (or set reward.default_score_for_unknown)"
+                    f"registered: {', '.join(sorted(known))} (or set reward.default_score_for_unknown"
+                    + "".join(f", or list it in {key}" for key in other) + ")"
                 )
 
     async def _resolve_responses(self, items: Sequence[ScoreItem]) -> Sequence[ScoreItem]:
@@ -253,8 +300,8 @@ class RewardEngine:
 
 async def _until_cancelled(fn, *args, **kwargs):
     """fn(*args, cancelled=event, **kwargs) on a thread. When the caller is cancelled, the event tells
-    fn to stop at its next item, and the caller waits for that, so a lock it holds (one forward at a
-    time) is not released while fn still runs."""
+    fn to stop at its next item, and the caller waits for that, so nothing of the request still runs
+    when its cancellation goes on."""
     cancelled = threading.Event()
     work = asyncio.ensure_future(asyncio.to_thread(fn, *args, cancelled=cancelled, **kwargs))
     try:

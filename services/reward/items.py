@@ -29,11 +29,14 @@ class ScoreItem:
     extra_info: dict[str, Any] | None = None
     """extra_info of the data row (JSON-compatible values when a custom function scores it)."""
     prompt: str = ""
-    """The prompt text; only model-based rewards use it."""
+    """The prompt text; a reward model reads it as one user turn when prompt_messages is empty."""
     response_length: int = 0
     """Response length in tokens, for the overlong penalty."""
     response_token_ids: Sequence[int] = ()
     """The response as token ids; the reward service decodes them when response is empty."""
+    prompt_messages: Sequence[dict[str, str]] = ()
+    """The conversation before the response ({"role", "content"} dicts); a reward model renders it and the
+    response with its own chat template. Empty = prompt is the conversation."""
 
 
 @dataclass(slots=True)

@@ -55,7 +55,7 @@ class RewardModelScorer:
         if self.tokenizer.chat_template is None:
             prompt_text = prompt if isinstance(prompt, str) else "".join(turn["content"] for turn in prompt)
             return prompt_text + response
-        chat = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        chat = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(turn) for turn in prompt]
         chat.append({"role": "assistant", "content": response})
         return self.tokenizer.apply_chat_template(chat, tokenize=False)
 
@@ -84,6 +84,7 @@ class RewardModelScorer:
         return scores
 
     def score_items(self, items: Sequence[ScoreItem]) -> list[ItemResult]:
-        """score() over items' prompt and response, as ItemResults."""
-        scores = self.score([item.prompt for item in items], [item.response for item in items])
+        """score() over items' conversation (prompt_messages, else prompt) and response, as ItemResults."""
+        prompts = [list(item.prompt_messages) if item.prompt_messages else item.prompt for item in items]
+        scores = self.score(prompts, [item.response for item in items])
         return [ItemResult(score=score) for score in scores]

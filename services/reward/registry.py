@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from rlfabric.reward import arithmetic, gsm8k, math_equiv, synthetic
+from rlfabric.reward import arithmetic, gsm8k, hellaswag, math_equiv, synthetic
 
 Scorer = Callable[..., Any]
 
@@ -84,3 +84,4 @@ for _source in MATH_DATA_SOURCES:
     register_scorer(_source, score_math)
 register_scorer(synthetic.DATA_SOURCE, synthetic.compute_score)
 register_scorer(arithmetic.DATA_SOURCE, arithmetic.compute_score)
+register_scorer(hellaswag.DATA_SOURCE, hellaswag.compute_score)

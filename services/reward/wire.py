@@ -55,6 +55,7 @@ def _item_from_proto(index: int, item: reward_pb2.ScoreItem) -> ScoreItem:
         prompt=item.prompt,
         response_length=item.response_length,
         response_token_ids=list(item.response_token_ids) if item.response_token_ids else (),
+        prompt_messages=[{"role": turn.role, "content": turn.content} for turn in item.prompt_messages],
     )
 
 
@@ -93,6 +94,14 @@ def request_from_items(items: Sequence[ScoreItem]) -> reward_pb2.ScoreRequest:
                 raise InvalidArgument(f"item {index}: extra_info is not JSON-serialisable: {error}") from None
         if item.prompt:
             message.prompt = item.prompt
+        for turn_index, turn in enumerate(item.prompt_messages):
+            try:
+                message.prompt_messages.add(role=turn["role"], content=turn["content"])
+            except (KeyError, TypeError, ValueError) as error:  # ValueError: protobuf's wrong-type error
+                raise InvalidArgument(
+                    f"item {index}: prompt_messages[{turn_index}] must be a dict with string role and content "
+                    f"({type(error).__name__}: {error})"
+                ) from None
         if len(item.response_token_ids):
             message.response_token_ids.extend(item.response_token_ids)
         if item.response_length:

@@ -1,3 +1,4 @@
+from rlfabric.v1 import rollout_pb2 as _rollout_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -21,7 +22,7 @@ SCORE_STATUS_TIMEOUT: ScoreStatus
 SCORE_STATUS_CRASHED: ScoreStatus
 
 class ScoreItem(_message.Message):
-    __slots__ = ("data_source", "prompt", "response", "response_token_ids", "ground_truth", "extra_info_json", "response_length")
+    __slots__ = ("data_source", "prompt", "response", "response_token_ids", "ground_truth", "extra_info_json", "response_length", "prompt_messages")
     DATA_SOURCE_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +30,7 @@ class ScoreItem(_message.Message):
     GROUND_TRUTH_FIELD_NUMBER: _ClassVar[int]
     EXTRA_INFO_JSON_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_MESSAGES_FIELD_NUMBER: _ClassVar[int]
     data_source: str
     prompt: str
     response: str
@@ -36,7 +38,8 @@ class ScoreItem(_message.Message):
     ground_truth: str
     extra_info_json: str
     response_length: int
-    def __init__(self, data_source: _Optional[str] = ..., prompt: _Optional[str] = ..., response: _Optional[str] = ..., response_token_ids: _Optional[_Iterable[int]] = ..., ground_truth: _Optional[str] = ..., extra_info_json: _Optional[str] = ..., response_length: _Optional[int] = ...) -> None: ...
+    prompt_messages: _containers.RepeatedCompositeFieldContainer[_rollout_pb2.ChatMessage]
+    def __init__(self, data_source: _Optional[str] = ..., prompt: _Optional[str] = ..., response: _Optional[str] = ..., response_token_ids: _Optional[_Iterable[int]] = ..., ground_truth: _Optional[str] = ..., extra_info_json: _Optional[str] = ..., response_length: _Optional[int] = ..., prompt_messages: _Optional[_Iterable[_Union[_rollout_pb2.ChatMessage, _Mapping]]] = ...) -> None: ...
 
 class ScoreResult(_message.Message):
     __slots__ = ("score", "status", "message", "metrics")

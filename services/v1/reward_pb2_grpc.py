@@ -26,7 +26,9 @@ if _version_not_supported:
 
 
 class RewardServiceStub:
-    """Scores responses: rule-based (GSM8K, MATH), user functions (sandboxed) and reward models.
+    """Scores responses: rule-based (GSM8K, MATH, HellaSwag), user functions (sandboxed) and reward models.
+    Each item goes to one scorer by its data_source (reward.model_sources, reward.custom_sources, else the
+    rule registered for it), so one request may mix them.
     """
 
     def __init__(self, channel):
@@ -48,7 +50,9 @@ class RewardServiceStub:
 
 
 class RewardServiceServicer:
-    """Scores responses: rule-based (GSM8K, MATH), user functions (sandboxed) and reward models.
+    """Scores responses: rule-based (GSM8K, MATH, HellaSwag), user functions (sandboxed) and reward models.
+    Each item goes to one scorer by its data_source (reward.model_sources, reward.custom_sources, else the
+    rule registered for it), so one request may mix them.
     """
 
     def Score(self, request, context):
@@ -87,7 +91,9 @@ def add_RewardServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class RewardService:
-    """Scores responses: rule-based (GSM8K, MATH), user functions (sandboxed) and reward models.
+    """Scores responses: rule-based (GSM8K, MATH, HellaSwag), user functions (sandboxed) and reward models.
+    Each item goes to one scorer by its data_source (reward.model_sources, reward.custom_sources, else the
+    rule registered for it), so one request may mix them.
     """
 
     @staticmethod

@@ -22,3 +22,23 @@ def test_gsm8k_examples_validate(name, estimator, needs_critic):
         assert config.rollout.n > 1 and config.actor.use_kl_loss
     else:
         assert config.algorithm.use_kl_in_reward and config.critic.lr > config.actor.lr
+
+
+def test_math_example_scores_with_the_math_rule():
+    from rlfabric.reward.engine import RULES, ScorerRouter
+    from rlfabric.reward.registry import MATH_DATA_SOURCES
+
+    config = load_config(EXAMPLES / "math_grpo.yaml")
+    assert config.algorithm.adv_estimator == "grpo" and config.data.train_files == ["data/math/train.parquet"]
+    assert "lighteval/MATH" in MATH_DATA_SOURCES  # the data_source `rlfabric data math` writes
+    assert ScorerRouter.from_config(config.reward).route("lighteval/MATH") == RULES
+
+
+def test_hh_rlhf_example_scores_dialogues_with_its_reward_model():
+    from rlfabric.reward.engine import MODEL, RULES, ScorerRouter
+
+    config = load_config(EXAMPLES / "hh_rlhf_ppo.yaml")
+    assert config.algorithm.adv_estimator == "gae" and config.algorithm.use_kl_in_reward
+    assert config.data.train_files == ["data/hh_rlhf/train.parquet"]
+    router = ScorerRouter.from_config(config.reward)
+    assert router.route("Anthropic/hh-rlhf") == MODEL and router.route("openai/gsm8k") == RULES

@@ -730,12 +730,20 @@ def test_run_enabled_false_renders_no_job(chart):
     assert not [d for d in docs if d["kind"] == "Job"]
 
 
+def example_values(config: dict) -> dict:
+    """An example config as the chart's values; a reward model needs the reward role's train image."""
+    values: dict = {"config": config}
+    if config.get("reward", {}).get("model_path"):
+        values["roles"] = {"reward": {"image": {"variant": "train"}}}
+    return values
+
+
 @pytest.mark.parametrize("example", sorted(p.name for p in (REPO / "examples").glob("*.yaml")))
 def test_an_example_config_given_as_the_chart_config_loads(chart, example, tmp_path):
     """The chart's `config` value is the YAML `rlfabric train` takes: every example works as values."""
     from rlfabric.core.config import load_config
 
-    values = {"config": yaml.safe_load((REPO / "examples" / example).read_text())}
+    values = example_values(yaml.safe_load((REPO / "examples" / example).read_text()))
     docs = parse_manifests(render_chart(chart, values))
     cm = next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == f"{FULLNAME}-config")
     path = tmp_path / "config.yaml"
@@ -1040,7 +1048,7 @@ def test_the_chart_deploys_the_roles_the_config_uses(chart, example):
     """Each example config as the chart's `config`, roles left at their defaults (critic and
     reference: auto): the workloads are exactly the roles the launchers would start."""
     config = yaml.safe_load((EXAMPLES / example).read_text())
-    docs = parse_manifests(render_chart(chart, {"config": config}))
+    docs = parse_manifests(render_chart(chart, example_values(config)))
     components = {d["metadata"]["labels"]["app.kubernetes.io/component"]
                   for d in docs if d["kind"] in ("StatefulSet", "Deployment")}
     assert components == set(load_config(EXAMPLES / example).roles_in_use())

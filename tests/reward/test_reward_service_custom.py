@@ -87,8 +87,3 @@ def test_missing_custom_file_fails_start(tmp_path):
     engine = RewardEngine(RewardConfig(custom_path=str(tmp_path / "missing.py")))
     with pytest.raises(FileNotFoundError, match="missing.py"):
         asyncio.run(engine.start())
-
-
-def test_custom_function_and_reward_model_exclude_each_other():
-    with pytest.raises(ValueError, match="exclude each other"):
-        RewardEngine(RewardConfig(custom_path="f.py", model_path="rm"))
