@@ -1000,7 +1000,7 @@ def test_dockerfile_targets_match_chart():
 # What each image leaves out (docker/Dockerfile): light = the project's dependencies without torch;
 # train = the project without the vllm extra; rollout = the project with it. (tests/deploy/test_images.py
 # builds the light image's venv for real.)
-IMAGE_LACKS = {"light": ("torch", "accelerate", "vllm"), "train": ("vllm",), "rollout": ()}
+IMAGE_LACKS = {"light": ("torch", "accelerate", "peft", "vllm"), "train": ("vllm",), "rollout": ()}
 WITHOUT = """
 import importlib.abc, sys
 class Missing(importlib.abc.MetaPathFinder):
