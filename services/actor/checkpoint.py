@@ -148,7 +148,8 @@ def load_checkpoint(path: str, role: str) -> Checkpoint:
     return Checkpoint(weights, optimizer_state, trainer_state, meta)
 
 
-def export_hf(path: str, model_state: dict[str, torch.Tensor], hf_config, source: str) -> int:
+def export_hf(path: str, model_state: dict[str, torch.Tensor], hf_config, source: str,
+              also: Callable[[Path], None] | None = None) -> int:
     """A directory AutoModelForCausalLM.from_pretrained and AutoTokenizer.from_pretrained load as is:
     config.json, model.safetensors (tied duplicates left out, as save_pretrained does), and every other
     file of the source model directory (tokenizer, chat template, generation config, custom code)
@@ -164,6 +165,8 @@ def export_hf(path: str, model_state: dict[str, torch.Tensor], hf_config, source
         save_file(weights, directory / WEIGHTS, metadata={"format": "pt"})
         for extra in extras:
             shutil.copy(extra, directory / extra.name)
+        if also is not None:  # e.g. the LoRA adapter alone, in adapter/
+            also(directory)
         (directory / EXPORT_MARKER).write_text(json.dumps({"kind": "hf-export", "source": str(source)}))
 
     return write_atomically(path, write, replaceable=is_export)

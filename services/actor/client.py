@@ -19,6 +19,7 @@ import torch
 
 from rlfabric.core import codec
 from rlfabric.core.client import ServiceClient
+from rlfabric.core.errors import FailedPrecondition
 from rlfabric.core.weight_sync import Manifest, SyncGroup
 from rlfabric.core.weight_sync.grpc_stream import PushResult
 from rlfabric.core.weight_sync.manifest import transport_to_proto
@@ -45,8 +46,9 @@ class ActorInterface(ABC):
 
     @abstractmethod
     async def compute_log_probs(self, batch: Tensors, temperature: float = 1.0, compute_entropy: bool = False,
-                                timeout_s: float | None = None) -> dict[str, torch.Tensor]:
-        """{"log_probs": [B, T]} (+ "entropy" [B, T]), float32, 0 on response padding."""
+                                timeout_s: float | None = None, base_model: bool = False) -> dict[str, torch.Tensor]:
+        """{"log_probs": [B, T]} (+ "entropy" [B, T]), float32, 0 on response padding. base_model: with LoRA,
+        the base model's (the adapters off), which is the reference policy."""
 
     @abstractmethod
     async def update_policy(self, batch: Tensors, global_step: int = 0,
@@ -150,12 +152,39 @@ class CriticInterface(ABC):
         """Releases the connection (or whatever the implementation holds)."""
 
 
+class ActorAsReference(ReferenceInterface):
+    """The reference for free with LoRA (actor.lora): the actor's base model, its adapters off, is the
+    reference policy, so reference log-probs are the actor's ComputeLogProbs with base_model and no
+    reference service runs. It takes no weights: the base model never changes."""
+
+    def __init__(self, actor: ActorInterface):
+        self.actor = actor
+
+    async def compute_log_probs(self, batch: Tensors, temperature: float = 1.0, compute_entropy: bool = False,
+                                timeout_s: float | None = None) -> dict[str, torch.Tensor]:
+        return await self.actor.compute_log_probs(batch, temperature, compute_entropy, timeout_s, base_model=True)
+
+    async def get_status(self) -> reference_pb2.ReferenceServiceGetStatusResponse:
+        status = await self.actor.get_status()
+        return reference_pb2.ReferenceServiceGetStatusResponse(model=status.model)
+
+    async def join_weight_sync_group(self, group: SyncGroup, rank: int, timeout_s: float | None = None) -> None:
+        raise FailedPrecondition("the reference is the actor's base model (LoRA): it joins no weight sync")
+
+    async def receive_weights(self, manifest: Manifest, timeout_s: float | None = None) -> tuple[int, float]:
+        raise FailedPrecondition("the reference is the actor's base model (LoRA): it takes no weights")
+
+    async def close(self) -> None:
+        """The actor's connection is the actor client's to close."""
+
+
 # -- over gRPC ---------------------------------------------------------------------------------------
 
 
-def _log_probs_input(batch: Tensors, temperature: float, compute_entropy: bool) -> actor_pb2.LogProbsInput:
+def _log_probs_input(batch: Tensors, temperature: float, compute_entropy: bool,
+                     base_model: bool = False) -> actor_pb2.LogProbsInput:
     return actor_pb2.LogProbsInput(batch=codec.encode_batch(batch), temperature=temperature,
-                                   compute_entropy=compute_entropy)
+                                   compute_entropy=compute_entropy, base_model=base_model)
 
 
 def _tensors(batch) -> dict[str, torch.Tensor]:
@@ -168,8 +197,9 @@ class ActorClient(ServiceClient, ActorInterface):
     stub_class = actor_pb2_grpc.ActorServiceStub
 
     async def compute_log_probs(self, batch: Tensors, temperature: float = 1.0, compute_entropy: bool = False,
-                                timeout_s: float | None = None) -> dict[str, torch.Tensor]:
-        request = actor_pb2.ComputeLogProbsRequest(input=_log_probs_input(batch, temperature, compute_entropy))
+                                timeout_s: float | None = None, base_model: bool = False) -> dict[str, torch.Tensor]:
+        request = actor_pb2.ComputeLogProbsRequest(
+            input=_log_probs_input(batch, temperature, compute_entropy, base_model))
         return _tensors((await self.call("ComputeLogProbs", request, timeout_s)).outputs)
 
     async def update_policy(self, batch: Tensors, global_step: int = 0,

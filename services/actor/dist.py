@@ -131,7 +131,7 @@ def run_command(worker, channel: Channel, command: Command, params: list[float],
     """What every rank does for one command; returns rank 0's result (None elsewhere)."""
     rank, world_size = worker.rank, worker.world_size
     if command == Command.COMPUTE:
-        outputs = worker.compute(shard, temperature=params[0], with_entropy=bool(params[1]))
+        outputs = worker.compute(shard, temperature=params[0], with_entropy=bool(params[1]), base_model=bool(params[2]))
         if rank != 0:
             channel.send_tensors(outputs, dst=0)
             return None
@@ -140,7 +140,7 @@ def run_command(worker, channel: Channel, command: Command, params: list[float],
     if command == Command.UPDATE:
         return worker.update(shard)
     if command == Command.GATHER_STATE:
-        model_state, optimizer_state = worker.full_state(with_optimizer=bool(params[0]))
+        model_state, optimizer_state = worker.full_state(with_optimizer=bool(params[0]), trained_only=bool(params[1]))
         if rank != 0:
             channel.send_tensors(worker.rng_state(), dst=0)
             return None

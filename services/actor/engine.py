@@ -21,6 +21,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from rlfabric.actor import checkpoint as ckpt
+from rlfabric.actor import lora
 from rlfabric.actor.batch import SequenceBatch, shard_rows, validate_batch
 from rlfabric.actor.dist import Command, WorkerGroup, run_command
 from rlfabric.actor.models import TRAINABLE, model_path, rank_device
@@ -135,16 +136,20 @@ class TrainerEngine:
     # -- requests ---------------------------------------------------------------------------------
 
     async def compute(self, tensors: dict[str, torch.Tensor], temperature: float = 1.0,
-                      with_entropy: bool = False) -> dict[str, torch.Tensor]:
-        """log_probs [+ entropy] (actor, reference) or values (critic), each [B, T] float32."""
+                      with_entropy: bool = False, base_model: bool = False) -> dict[str, torch.Tensor]:
+        """log_probs [+ entropy] (actor, reference) or values (critic), each [B, T] float32.
+        base_model: the actor's base model with its LoRA adapters off (the reference policy)."""
         if not (math.isfinite(temperature) and temperature > 0):
             raise InvalidArgument(f"temperature must be a positive number, got {temperature}")
-        return await self._run(self._compute, tensors, temperature, with_entropy)
+        if base_model and (self.worker is None or self.worker.lora is None):
+            raise FailedPrecondition(f"{self.role}: base-model log-probs need LoRA adapters (actor.lora.rank > 0); "
+                                     "this service trains every weight")
+        return await self._run(self._compute, tensors, temperature, with_entropy, base_model)
 
-    def _compute(self, tensors, temperature, with_entropy):
+    def _compute(self, tensors, temperature, with_entropy, base_model):
         batch = validate_batch(tensors, self.worker.vocab_size, max_length=self.worker.max_length)
         shards = [batch.select(rows) for rows in shard_rows(batch.num_rows, self.world_size)]
-        return self._command(Command.COMPUTE, [temperature, float(with_entropy)], shards)
+        return self._command(Command.COMPUTE, [temperature, float(with_entropy), float(base_model)], shards)
 
     async def update(self, tensors: dict[str, torch.Tensor], global_step: int = 0) -> dict[str, float]:
         """One UpdatePolicy / UpdateValues: VeRL-named metrics."""
@@ -183,9 +188,13 @@ class TrainerEngine:
         return await self._run(self._save_checkpoint, self.storage.resolve(path, "checkpoint path"))
 
     def _save_checkpoint(self, path):
-        model_state, optimizer_state, rng = self._command(Command.GATHER_STATE, [1.0], [None] * self.world_size)
+        lora_config = self.worker.lora
+        model_state, optimizer_state, rng = self._command(
+            Command.GATHER_STATE, [1.0, float(lora_config is not None)], [None] * self.world_size)
         counters = {"updates": self.worker.updates, "optimizer_steps": self.worker.optimizer_steps}
         meta = {"role": self.role, "model": self.model_path, "world_size": self.world_size, **counters}
+        if lora_config is not None:
+            meta["lora"] = lora.describe(lora_config)  # the model state is the adapters only
         return ckpt.save_checkpoint(path, ckpt.Checkpoint(model_state, optimizer_state, {**counters, "rng": rng}, meta))
 
     async def load_checkpoint(self, path: str) -> int:
@@ -194,6 +203,7 @@ class TrainerEngine:
 
     def _load_checkpoint(self, path):
         checkpoint = ckpt.load_checkpoint(path, self.role)  # every check before any collective
+        self._check_lora(checkpoint.meta, path)
         self._check_fits(checkpoint.model_state, path)
         trainer_state = checkpoint.trainer_state
         rng = trainer_state["rng"]
@@ -206,15 +216,25 @@ class TrainerEngine:
         self._command(Command.SCATTER_STATE, params, [None] * self.world_size, state=state)
         return self.worker.optimizer_steps
 
+    def _check_lora(self, meta: dict, path: str) -> None:
+        """A checkpoint's adapters (or their absence) must be this service's."""
+        saved = meta.get("lora")
+        current = lora.describe(self.worker.lora) if self.worker.lora is not None else None
+        if saved != current:
+            said = f"LoRA {saved}" if saved else "full weights"
+            wanted = f"LoRA {current}" if current else "full weights (actor.lora.rank 0)"
+            raise InvalidArgument(f"checkpoint {path} holds {said}, but this {self.role} trains {wanted}")
+
     def _check_fits(self, model_state: dict[str, torch.Tensor], path: str) -> None:
-        expected = self.worker.param_shapes
+        expected = self.worker.checkpoint_shapes
         missing = sorted(set(expected) - set(model_state))
         if missing:
             raise InvalidArgument(f"checkpoint {path} does not fit {self.model_path}: missing {missing[:5]}")
-        self._check_names(model_state, f"checkpoint {path}")
+        self._check_names(model_state, f"checkpoint {path}", expected)
 
-    def _check_names(self, tensors: dict[str, torch.Tensor], what: str) -> None:
-        expected = self.worker.param_shapes
+    def _check_names(self, tensors: dict[str, torch.Tensor], what: str,
+                     expected: dict[str, tuple] | None = None) -> None:
+        expected = expected if expected is not None else self.worker.param_shapes
         unexpected = sorted(set(tensors) - set(expected))
         wrong = sorted(n for n in set(expected) & set(tensors) if tuple(tensors[n].shape) != expected[n])
         if unexpected or wrong:
@@ -226,8 +246,29 @@ class TrainerEngine:
         return await self._run(self._export_hf, self.storage.resolve(path, "export path"))
 
     def _export_hf(self, path):
-        model_state, _, _ = self._command(Command.GATHER_STATE, [0.0], [None] * self.world_size)
-        return ckpt.export_hf(path, model_state, self.worker.hf_config, source=self.model_path)
+        """The policy as a Hugging Face model; with LoRA the merged weights, and the adapter alone in adapter/."""
+        full = self._full_weights()
+        lora_config = self.worker.lora
+        if lora_config is None:
+            return ckpt.export_hf(path, full, self.worker.hf_config, source=self.model_path)
+
+        def write_adapter(directory):
+            lora.write_adapter(directory / lora.ADAPTER_DIR, full, lora_config, self.model_path)
+
+        merged = lora.merged_state(full, lora.scaling(lora_config))
+        return ckpt.export_hf(path, merged, self.worker.hf_config, source=self.model_path, also=write_adapter)
+
+    def _full_weights(self) -> dict[str, torch.Tensor]:
+        """Every weight, gathered on rank 0 (with LoRA: PeftModel's names, adapters included)."""
+        model_state, _, _ = self._command(Command.GATHER_STATE, [0.0, 0.0], [None] * self.world_size)
+        return model_state
+
+    def policy_weights(self) -> dict[str, torch.Tensor]:
+        """The policy's weights under the base model's names (with LoRA: merged), as rollouts load them."""
+        model_state = self._full_weights()
+        if self.worker.lora is not None:
+            model_state = lora.merged_state(model_state, lora.scaling(self.worker.lora))
+        return model_state
 
     def status(self) -> EngineStatus:
         worker = self.worker
@@ -262,8 +303,7 @@ class TrainerEngine:
         return await self._run(self._prepare_weight_sync, sender, group_id, version)
 
     def _prepare_weight_sync(self, sender: WeightSender, group_id: str, version: int) -> Manifest:
-        model_state, _, _ = self._command(Command.GATHER_STATE, [0.0], [None] * self.world_size)
-        return sender.prepare(group_id, version, model_state)
+        return sender.prepare(group_id, version, self.policy_weights())
 
     async def broadcast_weights(self, group_id: str, version: int) -> BroadcastResult:
         result = await self._weight_sender().broadcast(group_id, version)

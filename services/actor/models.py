@@ -1,6 +1,6 @@
 """Loading the models of the three roles from a local Hugging Face directory, and sharding them with FSDP2.
 
-- actor, reference: AutoModelForCausalLM.
+- actor, reference: AutoModelForCausalLM (the actor wrapped in peft adapters with actor.lora, lora.py).
 - critic: AutoModelForTokenClassification with num_labels=1: the same backbone as the policy with a
   scalar head per position. It is the Hugging Face class for exactly this shape, exists for every
   common decoder (Qwen2, Llama, Mistral, ...), saves and loads with save_pretrained/from_pretrained,
@@ -68,6 +68,10 @@ def load_model(role: str, config: RunConfig, device: torch.device) -> nn.Module:
         return model
     if config.model.gradient_checkpointing:
         enable_gradient_checkpointing(model)
+    if role == "actor" and config.actor.lora.enabled:
+        from rlfabric.actor.lora import apply_lora
+
+        model = apply_lora(model, config.actor.lora)  # freezes the base; only the adapters train
     model.train()
     return model
 

@@ -42,7 +42,7 @@ class ActorServicer(actor_pb2_grpc.ActorServiceServicer):
 
     async def ComputeLogProbs(self, request, context):
         tensors, temperature, entropy = _decode_log_probs_input(request.input)
-        outputs = await self.engine.compute(tensors, temperature, entropy)
+        outputs = await self.engine.compute(tensors, temperature, entropy, base_model=request.input.base_model)
         return actor_pb2.ComputeLogProbsResponse(outputs=codec.encode_batch(outputs))
 
     async def UpdatePolicy(self, request, context):
@@ -97,7 +97,7 @@ class ReferenceServicer(reference_pb2_grpc.ReferenceServiceServicer):
 
     async def ComputeLogProbs(self, request, context):
         tensors, temperature, entropy = _decode_log_probs_input(request.input)
-        outputs = await self.engine.compute(tensors, temperature, entropy)
+        outputs = await self.engine.compute(tensors, temperature, entropy, base_model=request.input.base_model)
         return reference_pb2.ReferenceServiceComputeLogProbsResponse(outputs=codec.encode_batch(outputs))
 
     async def JoinWeightSyncGroup(self, request, context):

@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from rlfabric.actor import models
+from rlfabric.actor import lora, models
 from rlfabric.actor.batch import (
     SequenceBatch,
     equalize_micro_batches,
@@ -57,11 +57,16 @@ class RankWorker:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)  # a new value head is initialised identically on every rank and run
             model = models.load_model(role, config, device)
-        self.vocab_size = models.vocab_size(model)
-        self.max_length = getattr(getattr(model, "config", None), "max_position_embeddings", None)  # longest input
+        base = lora.base_of(model)
+        self.lora = config.actor.lora if lora.is_lora_model(model) else None
+        self.vocab_size = models.vocab_size(base)
+        self.max_length = getattr(getattr(base, "config", None), "max_position_embeddings", None)  # longest input
         self.num_parameters = models.num_parameters(model)
-        self.param_shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-        self.keep_logits = role != "critic" and models.accepts_logits_to_keep(model)
+        self.param_shapes = {name: tuple(t.shape) for name, t in base.state_dict().items()}  # Hugging Face names
+        # What a checkpoint holds: every weight, or with LoRA the adapters only (under PeftModel's names).
+        self.checkpoint_shapes = self.param_shapes if self.lora is None else {
+            name: tuple(t.shape) for name, t in model.named_parameters() if t.requires_grad}
+        self.keep_logits = role != "critic" and models.accepts_logits_to_keep(base)
         self.hf_config = model.config
         self.sharded = world_size > 1
         self.model = models.shard_model(model, world_size, device, self.dtype) if self.sharded else model.to(device)
@@ -76,7 +81,8 @@ class RankWorker:
         elif role == "critic":
             self.objective = ValueObjective(config.critic)
         if self.trainable:
-            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.section.lr, betas=(0.9, 0.999),
+            trained = [p for p in self.model.parameters() if p.requires_grad]  # with LoRA: the adapters
+            self.optimizer = torch.optim.AdamW(trained, lr=self.section.lr, betas=(0.9, 0.999),
                                                weight_decay=self.section.weight_decay)
         # VeRL's ppo_mini_batch_size counts prompts; the batch has rollout.n rows per prompt.
         self.mini_batch_rows = self.section.ppo_mini_batch_size * config.rollout.n if self.trainable else 0
@@ -106,8 +112,13 @@ class RankWorker:
     # -- inference --------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def compute(self, shard: SequenceBatch, temperature: float = 1.0, with_entropy: bool = False) -> dict:
-        """log_probs (+ entropy) for the actor and reference, values for the critic: [rows, T], 0 on padding."""
+    def compute(self, shard: SequenceBatch, temperature: float = 1.0, with_entropy: bool = False,
+                base_model: bool = False) -> dict:
+        """log_probs (+ entropy) for the actor and reference, values for the critic: [rows, T], 0 on padding.
+        base_model: with LoRA, the base model's (the adapters off): the reference policy's."""
+        if base_model:
+            with self.model.disable_adapter():
+                return self.compute(shard, temperature, with_entropy)
         rows, response_len = shard.num_rows, shard.response_len
         names = ["values"] if self.role == "critic" else ["log_probs"] + (["entropy"] if with_entropy else [])
         outputs = {name: torch.zeros(rows, response_len) for name in names}
@@ -195,12 +206,14 @@ class RankWorker:
 
     # -- state ------------------------------------------------------------------------------------
 
-    def full_state(self, with_optimizer: bool = True) -> tuple[dict, dict]:
+    def full_state(self, with_optimizer: bool = True, trained_only: bool = False) -> tuple[dict, dict]:
         """Full (unsharded) model and optimizer state dicts on rank 0, on CPU; empty on other ranks.
-        A collective: every rank calls it. Keys are Hugging Face parameter names. (Weight sync to the
-        rollout can build on this: it is the gathered state dict rank 0 would send.)"""
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        A collective: every rank calls it. Keys are Hugging Face parameter names (PeftModel's with LoRA,
+        merged by lora.merged_state). trained_only: the parameters that train (with LoRA, the adapters)."""
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=trained_only)
         model_state = get_model_state_dict(self.model, options=options)
+        if trained_only:  # a frozen weight tied to another (lm_head) can slip through ignore_frozen_params
+            model_state = {name: tensor for name, tensor in model_state.items() if name in self.checkpoint_shapes}
         optimizer_state = {}
         if with_optimizer and self.optimizer is not None:
             optimizer_state = get_optimizer_state_dict(self.model, self.optimizer, options=options)
@@ -210,7 +223,8 @@ class RankWorker:
         """Loads rank 0's full state dicts into every rank's shards (a collective)."""
         if self.sharded:  # FSDP2 keeps the root's parameters unsharded after a forward (compute)
             self.model.reshard()
-        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=self.sharded)
+        # With LoRA a checkpoint holds the adapters only; the frozen base stays as loaded.
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=self.sharded, strict=self.lora is None)
         set_model_state_dict(self.model, model_state, options=options)
         if self.optimizer is not None:
             set_optimizer_state_dict(self.model, self.optimizer, optimizer_state, options=options)

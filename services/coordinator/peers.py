@@ -12,6 +12,7 @@ import logging
 from dataclasses import dataclass
 
 from rlfabric.actor.client import (
+    ActorAsReference,
     ActorClient,
     ActorInterface,
     CriticClient,
@@ -51,11 +52,15 @@ class Peers:
             raise FailedPrecondition(f"the run needs cluster.{', cluster.'.join(missing)} (service addresses) "
                                      "but the config has none")
         options = ChannelOptions.from_config(config)
+        actor = ActorClient(cluster.actor[0], options)
+        reference = ReferenceClient(cluster.reference[0], options) if wanted["reference"] else None
+        if config.needs_reference_log_probs() and config.actor.lora.enabled:
+            reference = ActorAsReference(actor)  # the base model under the actor's LoRA adapters
         return cls(
-            actor=ActorClient(cluster.actor[0], options),
+            actor=actor,
             rollout=RolloutRouter(cluster.rollout, options, max_attempts=config.trainer.rollout_retries + 1),
             reward=ShardedRewardClient.connect(cluster.reward, options),
-            reference=ReferenceClient(cluster.reference[0], options) if wanted["reference"] else None,
+            reference=reference,
             critic=CriticClient(cluster.critic[0], options) if wanted["critic"] else None,
             rollout_addresses=list(cluster.rollout),
         )

@@ -150,6 +150,22 @@ class DataConfig(Section):
     """Prompts per validation generate request."""
 
 
+class LoraConfig(Section):
+    rank: int = Field(0, ge=0)
+    """LoRA rank of the actor's adapters (peft); 0 = train every weight (VeRL: model.lora_rank)."""
+    alpha: float = Field(16.0, gt=0)
+    """The adapters' update is scaled by alpha / rank (VeRL: model.lora_alpha)."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapters' input while training."""
+    target_modules: str | list[str] = "all-linear"
+    """Layers that get adapters: names or name suffixes (e.g. [q_proj, v_proj]), or all-linear (every
+    linear layer but the output head) (VeRL: model.target_modules)."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+
 class ActorConfig(Section):
     world_size: int = Field(1, ge=1)
     """Data-parallel ranks (FSDP2); rank 0 serves gRPC."""
@@ -190,6 +206,9 @@ class ActorConfig(Section):
     """Weight of the KL loss."""
     kl_loss_type: str = "low_var_kl"
     """KL estimator: kl (k1), abs, mse (k2), low_var_kl (k3); a "+" suffix takes k2's gradient."""
+    lora: LoraConfig = LoraConfig()
+    """LoRA: train low-rank adapters only. The reference's log-probs then come from the actor with its
+    adapters off (no reference service runs), and checkpoints hold the adapters and their optimizer."""
 
     @model_validator(mode="before")
     @classmethod
@@ -565,9 +584,14 @@ class RunConfig(Section):
         """Only GAE learns from a value model."""
         return self.algorithm.adv_estimator == "gae"
 
-    def uses_reference(self) -> bool:
+    def needs_reference_log_probs(self) -> bool:
         """The reference's log-probs feed a KL term (in the loss or in the reward)."""
         return self.reference.enable and (self.actor.use_kl_loss or self.algorithm.use_kl_in_reward)
+
+    def uses_reference(self) -> bool:
+        """A reference service runs: the run needs reference log-probs and the actor cannot give them
+        (with LoRA it can: the base model is the actor with its adapters off)."""
+        return self.needs_reference_log_probs() and not self.actor.lora.enabled
 
     def roles_in_use(self) -> list[str]:
         """The roles a run of this config calls, in start order: the launchers start only these."""

@@ -9,14 +9,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class LogProbsInput(_message.Message):
-    __slots__ = ("batch", "temperature", "compute_entropy")
+    __slots__ = ("batch", "temperature", "compute_entropy", "base_model")
     BATCH_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_ENTROPY_FIELD_NUMBER: _ClassVar[int]
+    BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
     batch: _tensor_pb2.Batch
     temperature: float
     compute_entropy: bool
-    def __init__(self, batch: _Optional[_Union[_tensor_pb2.Batch, _Mapping]] = ..., temperature: _Optional[float] = ..., compute_entropy: _Optional[bool] = ...) -> None: ...
+    base_model: bool
+    def __init__(self, batch: _Optional[_Union[_tensor_pb2.Batch, _Mapping]] = ..., temperature: _Optional[float] = ..., compute_entropy: _Optional[bool] = ..., base_model: _Optional[bool] = ...) -> None: ...
 
 class ComputeLogProbsRequest(_message.Message):
     __slots__ = ("input",)

@@ -125,7 +125,8 @@ Images and ports
 {{/*
 "true" when the role is deployed, else "": roles.<role>.enabled true, or "auto" and the run config
 uses the role, as the launchers decide (rlfabric RunConfig.roles_in_use): a critic only for GAE, a
-reference only when reference.enable (default true) and a KL term reads it. Args: dict ctx role.
+reference only when reference.enable (default true), a KL term reads it and the actor has no LoRA
+adapters (with them, the actor's base model is the reference). Args: dict ctx role.
 */}}
 {{- define "rlfabric.roleEnabled" -}}
 {{- $r := index .ctx.Values.roles .role }}
@@ -138,7 +139,8 @@ reference only when reference.enable (default true) and a KL term reads it. Args
 {{- if eq (toString ($algorithm.adv_estimator | default "grpo")) "gae" }}true{{ end }}
 {{- else if eq .role "reference" }}
 {{- $on := or (not (hasKey $reference "enable")) $reference.enable }}
-{{- if and $on (or $actor.use_kl_loss $algorithm.use_kl_in_reward) }}true{{ end }}
+{{- $lora := $actor.lora | default dict }}
+{{- if and $on (or $actor.use_kl_loss $algorithm.use_kl_in_reward) (not (gt (int ($lora.rank | default 0)) 0)) }}true{{ end }}
 {{- else }}true{{ end }}
 {{- else if $r.enabled }}true{{ end }}
 {{- end }}
