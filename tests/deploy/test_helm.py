@@ -1057,3 +1057,15 @@ def test_the_chart_deploys_the_roles_the_config_uses(chart, example):
     for role in ("critic", "reference"):
         assert bool(cluster[role]) == (role in components), role
 
+
+
+def test_with_lora_no_reference_is_deployed(chart):
+    """The launchers' rule (RunConfig.roles_in_use): the actor's base model is the reference under LoRA."""
+    config = {"actor": {"use_kl_loss": True, "lora": {"rank": 16}}}
+    docs = parse_manifests(render_chart(chart, {"config": config}))
+    components = {d["metadata"]["labels"]["app.kubernetes.io/component"]
+                  for d in docs if d["kind"] in ("StatefulSet", "Deployment")}
+    assert components == set(config_from_dict(config).roles_in_use())
+    assert "reference" not in components
+    without = parse_manifests(render_chart(chart, {"config": {"actor": {"use_kl_loss": True}}}))
+    assert any(d["metadata"]["name"].endswith("-reference") for d in without if d["kind"] == "StatefulSet")
