@@ -1065,7 +1065,10 @@ def test_with_lora_no_reference_is_deployed(chart):
     docs = parse_manifests(render_chart(chart, {"config": config}))
     components = {d["metadata"]["labels"]["app.kubernetes.io/component"]
                   for d in docs if d["kind"] in ("StatefulSet", "Deployment")}
-    assert components == set(config_from_dict(config).roles_in_use())
+    (config_map,) = [d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == f"{FULLNAME}-config"]
+    rendered = config_from_dict(yaml.safe_load(config_map["data"]["config.yaml"]))  # values.yaml's config + ours
+    assert rendered.actor.lora.rank == 16 and rendered.needs_reference_log_probs()
+    assert components == set(rendered.roles_in_use())
     assert "reference" not in components
     without = parse_manifests(render_chart(chart, {"config": {"actor": {"use_kl_loss": True}}}))
     assert any(d["metadata"]["name"].endswith("-reference") for d in without if d["kind"] == "StatefulSet")
