@@ -1,12 +1,13 @@
-"""The single-controller PPO/GRPO loop. `PPOTrainer.run` steps until trainer.total_steps; a step is
+"""The single-controller PPO/GRPO loop. `PPOTrainer.run` steps until trainer.total_steps; each step is
+`train_step`, top to bottom:
 
-    generate (n samples per prompt over the rollout replicas; scoring starts as samples finish)
-                                                             (`_rollout`, a task of its own)
-    then `train_step` on the scored batch, top to bottom:
-    -> reference log-probs, old log-probs, values            (concurrently, three services)
-    -> KL in the reward (optional) -> advantages             (here, rlfabric.core.algorithms)
-    -> critic update and actor update                        (concurrently, two services)
-    -> weight sync actor -> rollout -> metrics, validation, checkpoint
+    1. generate and score    n samples per prompt over the rollout replicas; Score requests go out
+                             as samples finish (`_rollout`, started by `run` as a task of its own)
+    2. log-probs and values  reference, old policy and critic, concurrently
+    3. advantages            KL in the reward (optional), then the estimator (rlfabric.core.algorithms)
+    4. updates               critic and actor, concurrently
+    5. weight sync           actor -> every rollout replica
+    then metrics, validation and checkpoints on schedule (`run`).
 
 Modes: `sync` generates each step's batch with the weights trained so far (on-policy). `async`
 generates step k+1's batch while step k trains (one-step off-policy): its samples come from weights
@@ -26,6 +27,7 @@ import random
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -153,17 +155,16 @@ class PPOTrainer:
         if trainer.val_before_train and self.step == 0:
             self.on_metrics(0, await self.validate())
         batches = self.train_data.batches(self.config.data.train_batch_size, self.config.data.seed, self.cursor)
-        prefetch = trainer.mode == "async" and trainer.max_staleness > 0
+        overlap = trainer.mode == "async" and trainer.max_staleness > 0
         pending: PendingRollout | None = None  # the rollout not trained on yet: cancelled if the run ends first
         try:
             while self.step < trainer.total_steps:
                 await self._between_steps()
                 step = self.step + 1
                 pending = pending or self._start_rollout(step, batches)
-                batch, timer = await pending.task
                 # async: the next batch generates on the current weights while this one trains.
-                pending = self._start_rollout(step + 1, batches) if prefetch and step < trainer.total_steps else None
-                metrics = await self.train_step(step, batch, timer, next_rollout=pending)
+                prefetch = partial(self._start_rollout, step + 1, batches) if overlap and step < trainer.total_steps else None
+                metrics, pending = await self.train_step(step, pending, prefetch)
                 self.step = step
                 if trainer.test_freq and (step % trainer.test_freq == 0 or step == trainer.total_steps):
                     metrics.update(await self.validate())
@@ -193,29 +194,64 @@ class PPOTrainer:
     def final_model_dir(self) -> Path:
         return self.run_dir / "final_model"
 
-    async def train_step(self, step: int, batch: RolloutBatch, timer: StepTimer,
-                         next_rollout: PendingRollout | None = None) -> dict[str, float]:
-        """Trains on a batch `_rollout` generated and scored: log-probs and values, advantages, updates,
-        weight sync; returns the step's metrics. It does not generate: `run` starts each step's rollout
-        (in async mode while the previous step trains) and hands its batch here."""
-        config, peers = self.config, self.peers
-        temperature = config.rollout.temperature or 1.0
-        metrics: dict[str, float] = {}
-        # Versions behind the policy being trained (the one after step - 1 updates).
+    async def train_step(self, step: int, rollout: PendingRollout,
+                         prefetch: Callable[[], PendingRollout] | None = None,
+                         ) -> tuple[dict[str, float], PendingRollout | None]:
+        """One PPO step on `rollout`'s prompts; returns its metrics and the next step's rollout when
+        `prefetch` starts one (async mode), which a failing step cancels."""
+        # 1. Generate and score (timing_s/gen): `run` started this rollout. In async mode the next one
+        #    starts now, on the weights the rollout serves, and generates while this batch trains.
+        batch, timer = await rollout.task
+        next_rollout = prefetch() if prefetch is not None else None
+        try:
+            metrics = self._staleness_metrics(step, batch)
+            # 2. Log-probs and values (timing_s/old_log_prob, timing_s/ref, timing_s/values).
+            self.on_phase("computing")
+            await self._log_probs_and_values(batch, timer)
+            # 3. Advantages (timing_s/adv).
+            with timer("adv"):
+                metrics.update(self._advantages(batch))
+            # 4. Critic and actor updates (timing_s/update).
+            self.on_phase("updating")
+            with timer("update"):
+                metrics.update(await self._updates(step, batch))
+            # 5. Weight sync (timing_s/update_weights), in async mode once the next batch's generation is
+            #    done with the old weights.
+            if next_rollout is not None:
+                with timer("wait_prefetch"):
+                    await asyncio.wait([next_rollout.task])
+            self.on_phase("syncing")
+            with timer("update_weights"):
+                metrics.update(await self._sync_weights(self._version(step)))
+        except BaseException:
+            if next_rollout is not None:
+                next_rollout.task.cancel()
+            raise
+        metrics.update(data_metrics(batch, self._max_tokens()))
+        metrics.update(timer.metrics(batch, previous_step_end=self._last_step_end))
+        self._last_step_end = time.perf_counter()
+        if self.config.trainer.dump_rollouts:
+            self._dump_rollouts(step, batch)
+        return metrics, next_rollout
+
+    # -- the phases of a step ---------------------------------------------------------------------
+
+    def _staleness_metrics(self, step: int, batch: RolloutBatch) -> dict[str, float]:
+        """Versions behind the policy being trained (the one after step - 1 updates); FailedPrecondition
+        beyond trainer.max_staleness."""
         staleness = self._version(step - 1) - batch.weight_versions()
-        if int(staleness.max()) > config.trainer.max_staleness or int(staleness.min()) < 0:
+        if int(staleness.max()) > self.config.trainer.max_staleness or int(staleness.min()) < 0:
             raise FailedPrecondition(f"step {step}: samples from weight versions {sorted(set(batch.weight_versions().tolist()))} "
                                      f"but the actor is at version {self._version(step - 1)} (trainer.max_staleness "
-                                     f"{config.trainer.max_staleness})")
-        metrics["rollout/staleness/mean"] = staleness.float().mean().item()
-        metrics["rollout/staleness/max"] = float(staleness.max())
+                                     f"{self.config.trainer.max_staleness})")
+        return {"rollout/staleness/mean": staleness.float().mean().item(),
+                "rollout/staleness/max": float(staleness.max())}
 
-        # Log-probs under the reference and the current policy, and values: three services at once, each
-        # timed on its own (timing_s/old_log_prob, timing_s/ref, timing_s/values). When the update is one
-        # optimizer step, the "old" policy is the one being updated: the actor takes its own log-probs in
-        # that step, and the separate forward pass is skipped.
-        self.on_phase("computing")
-        tensors = batch.tensors
+    async def _log_probs_and_values(self, batch: RolloutBatch, timer: StepTimer) -> None:
+        """batch.old_log_probs, ref_log_probs and values: three services at once, each timed on its own.
+        When the update is one optimizer step, the "old" policy is the one being updated: the actor takes
+        its own log-probs in that step, and the separate forward pass is skipped."""
+        peers, temperature, tensors = self.peers, self.config.rollout.temperature or 1.0, batch.tensors
         calls = {}
         if self._needs_old_log_probs():
             calls["old_log_prob"] = peers.actor.compute_log_probs(tensors, temperature, compute_entropy=False)
@@ -225,61 +261,48 @@ class PPOTrainer:
             calls["values"] = peers.critic.compute_values(tensors)
         answers = await asyncio.gather(*(timer.timed(phase, call) for phase, call in calls.items()))
         results = dict(zip(calls, answers, strict=True))
-        old_log_probs = results["old_log_prob"]["log_probs"] if "old_log_prob" in results else None
-        ref_log_probs = results["ref"]["log_probs"] if "ref" in results else None
-        values = results["values"]["values"] if "values" in results else None
+        batch.old_log_probs = results["old_log_prob"]["log_probs"] if "old_log_prob" in results else None
+        batch.ref_log_probs = results["ref"]["log_probs"] if "ref" in results else None
+        batch.values = results["values"]["values"] if "values" in results else None
 
-        # Rewards (KL-penalised if configured) and advantages. A sample whose scoring failed trains on
-        # nothing unless algorithm.score_failure=zero: mask 0 for it, and no group baseline counts it.
-        with timer("adv"):
-            mask = batch.response_mask
-            token_rewards = token_level_scores(batch.extra["scores"], mask)
-            if config.algorithm.use_kl_in_reward:
-                beta = self.kl_ctrl.value
-                token_rewards, current_kl = algos.kl_in_reward(token_rewards, old_log_probs, ref_log_probs, mask,
-                                                               self.kl_ctrl, config.algorithm.kl_penalty)
-                metrics.update({"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": beta})
-            train_mask, group_ids = mask, batch.group_ids
-            if config.algorithm.score_failure == "mask":
-                train_mask, group_ids = leave_out(batch.extra["score_failed"], mask, group_ids)
-            estimator = algos.get_advantage_estimator(config.algorithm.adv_estimator)
-            advantages, returns = estimator(
-                token_rewards=token_rewards, mask=train_mask, values=values, group_ids=group_ids,
-                baselines=batch.extra.get("baselines"), gamma=config.algorithm.gamma, lam=config.algorithm.lam,
-                norm_by_std=config.algorithm.norm_adv_by_std_in_grpo)
-        batch.extra.update(token_rewards=token_rewards, advantages=advantages, returns=returns)
-        if values is not None:
-            batch.extra["values"] = values
+    def _advantages(self, batch: RolloutBatch) -> dict[str, float]:
+        """batch.token_rewards (KL-penalised if configured), advantages, returns and train_mask. A sample
+        whose scoring failed trains on nothing unless algorithm.score_failure=zero: mask 0 for it, and no
+        group baseline counts it."""
+        algorithm, metrics = self.config.algorithm, {}
+        mask = batch.response_mask
+        token_rewards = token_level_scores(batch.scores, mask)
+        if algorithm.use_kl_in_reward:
+            beta = self.kl_ctrl.value
+            token_rewards, current_kl = algos.kl_in_reward(token_rewards, batch.old_log_probs, batch.ref_log_probs,
+                                                           mask, self.kl_ctrl, algorithm.kl_penalty)
+            metrics.update({"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": beta})
+        train_mask, group_ids = mask, batch.group_ids
+        if algorithm.score_failure == "mask":
+            train_mask, group_ids = leave_out(batch.score_failed, mask, group_ids)
+        estimator = algos.get_advantage_estimator(algorithm.adv_estimator)
+        batch.advantages, batch.returns = estimator(
+            token_rewards=token_rewards, mask=train_mask, values=batch.values, group_ids=group_ids,
+            baselines=batch.baselines, gamma=algorithm.gamma, lam=algorithm.lam,
+            norm_by_std=algorithm.norm_adv_by_std_in_grpo)
+        batch.token_rewards, batch.train_mask = token_rewards, train_mask
+        return metrics
 
-        # Critic and actor updates: two services, at once.
-        self.on_phase("updating")
-        tensors = {**tensors, "response_mask": train_mask}
-        with timer("update"):
-            policy_batch = {**tensors, "advantages": advantages}
-            if old_log_probs is not None:
-                policy_batch["old_log_probs"] = old_log_probs
-            if config.actor.use_kl_loss:
-                policy_batch["ref_log_probs"] = ref_log_probs
-            updates = [peers.actor.update_policy(policy_batch, global_step=step)]
-            if peers.critic is not None:
-                updates.append(peers.critic.update_values({**tensors, "values": values, "returns": returns},
-                                                          global_step=step))
-            for update_metrics in await asyncio.gather(*updates):
-                metrics.update(update_metrics)
-
-        # New weights to the rollout (in async mode, once the prefetched generation is done with the old ones).
-        if next_rollout is not None:
-            with timer("wait_prefetch"):
-                await asyncio.wait([next_rollout.task])
-        self.on_phase("syncing")
-        with timer("update_weights"):
-            metrics.update(await self._sync_weights(self._version(step)))
-
-        metrics.update(data_metrics(batch, self._max_tokens()))
-        metrics.update(timer.metrics(batch, previous_step_end=self._last_step_end))
-        self._last_step_end = time.perf_counter()
-        if config.trainer.dump_rollouts:
-            self._dump_rollouts(step, batch)
+    async def _updates(self, step: int, batch: RolloutBatch) -> dict[str, float]:
+        """The actor's policy update and the critic's value update, at once; their metrics."""
+        tensors = {**batch.tensors, "response_mask": batch.train_mask}
+        policy_batch = {**tensors, "advantages": batch.advantages}
+        if batch.old_log_probs is not None:
+            policy_batch["old_log_probs"] = batch.old_log_probs
+        if self.config.actor.use_kl_loss:
+            policy_batch["ref_log_probs"] = batch.ref_log_probs
+        updates = [self.peers.actor.update_policy(policy_batch, global_step=step)]
+        if self.peers.critic is not None:
+            updates.append(self.peers.critic.update_values(
+                {**tensors, "values": batch.values, "returns": batch.returns}, global_step=step))
+        metrics: dict[str, float] = {}
+        for update_metrics in await asyncio.gather(*updates):
+            metrics.update(update_metrics)
         return metrics
 
     # -- generation and scoring -----------------------------------------------------------------
@@ -305,9 +328,8 @@ class PPOTrainer:
                 await asyncio.gather(*(r.client.sleep(1) for r in self.peers.rollout.healthy()))
         batch = build_rollout_batch(rows, samples, rollout.n, self.pad_token_id)
         by_key = {key: result for key, result in results}
-        batch.extra["scores"] = torch.tensor([by_key[(s.prompt_index, s.sample_index)].score for s in batch.samples])
-        batch.extra["score_failed"] = torch.tensor([not by_key[(s.prompt_index, s.sample_index)].ok
-                                                    for s in batch.samples])
+        batch.scores = torch.tensor([by_key[(s.prompt_index, s.sample_index)].score for s in batch.samples])
+        batch.score_failed = torch.tensor([not by_key[(s.prompt_index, s.sample_index)].ok for s in batch.samples])
         failures = [result for result in by_key.values() if not result.ok]
         if failures:
             kept = "trained on with score 0" if self.config.algorithm.score_failure == "zero" else "left out of training"
@@ -315,7 +337,7 @@ class PPOTrainer:
                         len(by_key), kept, failures[0].status, failures[0].message)
         if self.config.algorithm.adv_estimator == "remax":
             with timer("gen_max"):
-                batch.extra["baselines"] = await self._greedy_baselines(rows, params)
+                batch.baselines = await self._greedy_baselines(rows, params)
         return batch, timer
 
     async def _generate_and_score(self, rows: list[PromptRow], params: SamplingSpec):
@@ -495,7 +517,7 @@ class PPOTrainer:
         (score_failed: the reward service could not score it)."""
         folder = self.run_dir / "rollouts"
         folder.mkdir(parents=True, exist_ok=True)
-        scores, failed = batch.extra["scores"].tolist(), batch.extra["score_failed"].tolist()
+        scores, failed = batch.scores.tolist(), batch.score_failed.tolist()
         with open(folder / f"step_{step}.jsonl", "w") as out:
             for row, sample, score, score_failed in zip(batch.rows, batch.samples, scores, failed, strict=True):
                 out.write(json.dumps({"uid": row.uid, "sample_index": sample.sample_index,

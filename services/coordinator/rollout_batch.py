@@ -13,7 +13,7 @@ costs compute in every service.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -23,13 +23,25 @@ from rlfabric.rollout.types import Finish, FinishedSample
 
 @dataclass
 class RolloutBatch:
-    """The samples of one step plus what the loop needs to score and train on them."""
+    """The samples of one step plus what the loop computes for them, filled in phase by phase."""
 
     tensors: dict[str, torch.Tensor]
     rows: list[PromptRow]  # one per sample (a prompt's row repeated n times)
     samples: list[FinishedSample]
     group_ids: torch.Tensor  # [B] int64, index of the prompt within the step
-    extra: dict[str, torch.Tensor] = field(default_factory=dict)  # scores, advantages, ... as they are computed
+    # Scoring (generation phase):
+    scores: torch.Tensor | None = None  # [B] the reward service's score
+    score_failed: torch.Tensor | None = None  # [B] bool: the reward service could not score the sample
+    baselines: torch.Tensor | None = None  # [B] ReMax: the score of the prompt's greedy response
+    # Log-probs and values phase:
+    old_log_probs: torch.Tensor | None = None  # [B, T] None when the update takes its own (one optimizer step)
+    ref_log_probs: torch.Tensor | None = None  # [B, T] when a KL term needs the reference
+    values: torch.Tensor | None = None  # [B, T] the critic's (GAE)
+    # Advantages phase:
+    token_rewards: torch.Tensor | None = None  # [B, T] score on the last token, KL-penalised if configured
+    advantages: torch.Tensor | None = None  # [B, T]
+    returns: torch.Tensor | None = None  # [B, T]
+    train_mask: torch.Tensor | None = None  # [B, T] response_mask without the samples left out of training
 
     @property
     def num_rows(self) -> int:

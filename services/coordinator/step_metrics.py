@@ -27,19 +27,19 @@ def data_metrics(batch: RolloutBatch, max_response_length: int) -> dict[str, flo
     prompt lengths: per-sequence values for scores/rewards, per-token values (masked) for the rest;
     reward/score_failed/{count,fraction}: samples whose scoring failed."""
     mask = batch.response_mask.bool()
-    extra = batch.extra
     metrics: dict[str, float] = {}
-    metrics.update(_stats("critic/score", extra["scores"]))
-    if "score_failed" in extra:  # samples the reward service could not score (see algorithm.score_failure)
-        failed = extra["score_failed"].to(torch.float32)
+    metrics.update(_stats("critic/score", batch.scores))
+    if batch.score_failed is not None:  # samples the reward service could not score (see algorithm.score_failure)
+        failed = batch.score_failed.to(torch.float32)
         metrics["reward/score_failed/count"] = failed.sum().item()
         metrics["reward/score_failed/fraction"] = failed.mean().item() if failed.numel() else 0.0
-    metrics.update(_stats("critic/rewards", extra["token_rewards"].sum(-1)))
+    if batch.token_rewards is not None:
+        metrics.update(_stats("critic/rewards", batch.token_rewards.sum(-1)))
     for name in ("advantages", "returns", "values"):
-        if name in extra:
-            metrics.update(_stats(f"critic/{name}", extra[name][mask]))
-    if "values" in extra and "returns" in extra:
-        returns, values = extra["returns"][mask], extra["values"][mask]
+        if getattr(batch, name) is not None:
+            metrics.update(_stats(f"critic/{name}", getattr(batch, name)[mask]))
+    if batch.values is not None and batch.returns is not None:
+        returns, values = batch.returns[mask], batch.values[mask]
         variance = returns.var(unbiased=False)
         metrics["critic/vf_explained_var"] = (1.0 - (returns - values).var(unbiased=False) / (variance + 1e-8)).item()
     response_lengths = batch.response_lengths()

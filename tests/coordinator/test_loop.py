@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rlfabric.coordinator.dataset import PromptRow
-from rlfabric.coordinator.loop import PPOTrainer, check_roles
+from rlfabric.coordinator.dataset import DataCursor, PromptRow
+from rlfabric.coordinator.loop import PendingRollout, PPOTrainer, check_roles
 from rlfabric.coordinator.peers import Peers
 from rlfabric.coordinator.rollout_batch import RolloutBatch, build_rollout_batch
 from rlfabric.coordinator.step_metrics import StepTimer
@@ -91,9 +91,23 @@ ROWS = [PromptRow(f"p{i}", "src", [{"role": "user", "content": "q"}], [1, 2, 3],
 def rollout_batch(scores: list[float], failed: list[bool] | None = None, version: int = 0) -> RolloutBatch:
     samples = [FinishedSample(p, i, [4, 5], [], Finish.STOP, version) for p in range(PROMPTS) for i in range(N)]
     batch = build_rollout_batch(ROWS, samples, N, pad_token_id=0)
-    batch.extra["scores"] = torch.tensor(scores)
-    batch.extra["score_failed"] = torch.tensor(failed or [False] * len(scores))
+    batch.scores = torch.tensor(scores)
+    batch.score_failed = torch.tensor(failed or [False] * len(scores))
     return batch
+
+
+def train_step(trainer: PPOTrainer, batch: RolloutBatch, step: int = 1) -> dict[str, float]:
+    """trainer.train_step on a batch already generated and scored (phase 1 done); its metrics."""
+    async def generated():
+        return batch, StepTimer()
+
+    async def scenario():
+        rollout = PendingRollout(step, ROWS, DataCursor(), asyncio.ensure_future(generated()))
+        metrics, next_rollout = await trainer.train_step(step, rollout)
+        assert next_rollout is None
+        return metrics
+
+    return asyncio.run(scenario())
 
 
 def trainer_over(run_config: RunConfig, tmp_path, actor: ModelService, reference: ModelService | None = None,
@@ -146,7 +160,7 @@ def test_reference_and_critic_have_timers_of_their_own(tmp_path):
     actor = ModelService("actor")
     trainer = trainer_over(run_config, tmp_path, actor, reference=ModelService("reference", slow_s=0.3),
                            critic=ModelService("critic", slow_s=0.3))
-    metrics = asyncio.run(trainer.train_step(1, rollout_batch([1.0, 0.0, 1.0, 0.0]), StepTimer()))
+    metrics = train_step(trainer, rollout_batch([1.0, 0.0, 1.0, 0.0]))
     assert metrics["timing_s/ref"] >= 0.3 and metrics["timing_s/values"] >= 0.3
     assert metrics["timing_s/old_log_prob"] < 0.3  # the actor answers at once; the others are not in it
 
@@ -156,7 +170,7 @@ def test_failed_scores_are_counted_and_left_out_of_the_update_by_default(tmp_pat
     trainer = trainer_over(config(), tmp_path, actor)
     assert trainer.config.algorithm.score_failure == "mask"
     batch = rollout_batch([1.0, 0.0, 1.0, 0.0], failed=[False, True, False, False])
-    metrics = asyncio.run(trainer.train_step(1, batch, StepTimer()))
+    metrics = train_step(trainer, batch)
     assert metrics["reward/score_failed/count"] == 1.0 and metrics["reward/score_failed/fraction"] == 0.25
     sent = actor.updates[0]
     assert sent["response_mask"].sum(-1).tolist() == [2, 0, 2, 2]  # the failed sample trains on nothing
@@ -168,8 +182,7 @@ def test_failed_scores_are_counted_and_left_out_of_the_update_by_default(tmp_pat
 
 def test_the_rollout_dump_says_which_samples_failed_scoring(tmp_path):
     trainer = trainer_over(config("trainer.dump_rollouts=true"), tmp_path, ModelService("actor"))
-    asyncio.run(trainer.train_step(1, rollout_batch([1.0, 0.0, 1.0, 0.0], failed=[False, True, False, False]),
-                                   StepTimer()))
+    train_step(trainer, rollout_batch([1.0, 0.0, 1.0, 0.0], failed=[False, True, False, False]))
     lines = (tmp_path / "rollouts" / "step_1.jsonl").read_text().splitlines()
     assert [json.loads(line)["score_failed"] for line in lines] == [False, True, False, False]
 
@@ -178,7 +191,7 @@ def test_failed_scores_train_as_zero_when_configured(tmp_path):
     actor = ModelService("actor")
     trainer = trainer_over(config("algorithm.score_failure=zero"), tmp_path, actor)
     batch = rollout_batch([1.0, 0.0, 1.0, 0.0], failed=[False, True, False, False])
-    metrics = asyncio.run(trainer.train_step(1, batch, StepTimer()))
+    metrics = train_step(trainer, batch)
     assert metrics["reward/score_failed/count"] == 1.0
     sent = actor.updates[0]
     assert sent["response_mask"].sum(-1).tolist() == [2, 2, 2, 2]
@@ -187,7 +200,7 @@ def test_failed_scores_train_as_zero_when_configured(tmp_path):
 
 def test_no_failed_scores_reports_zero(tmp_path):
     trainer = trainer_over(config(), tmp_path, ModelService("actor"))
-    metrics = asyncio.run(trainer.train_step(1, rollout_batch([1.0, 0.0, 1.0, 0.0]), StepTimer()))
+    metrics = train_step(trainer, rollout_batch([1.0, 0.0, 1.0, 0.0]))
     assert metrics["reward/score_failed/count"] == 0.0 and metrics["reward/score_failed/fraction"] == 0.0
 
 

@@ -63,9 +63,9 @@ def test_score_sits_on_the_last_real_response_token():
 def test_data_metrics_use_verl_names_and_masked_statistics():
     batch = build_rollout_batch(ROWS, SAMPLES, n=2, pad_token_id=PAD)
     scores = torch.tensor([1.0, 0.0, 0.5, 0.5])
-    batch.extra["scores"] = scores
-    batch.extra["token_rewards"] = token_level_scores(scores, batch.response_mask)
-    batch.extra["advantages"] = torch.where(batch.response_mask.bool(), 2.0, 100.0)  # padding must not count
+    batch.scores = scores
+    batch.token_rewards = token_level_scores(scores, batch.response_mask)
+    batch.advantages = torch.where(batch.response_mask.bool(), 2.0, 100.0)  # padding must not count
     metrics = data_metrics(batch, max_response_length=3)
     assert metrics["critic/score/mean"] == pytest.approx(0.5)
     assert metrics["critic/score/max"] == 1.0
