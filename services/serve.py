@@ -31,7 +31,7 @@ def build_service(role: str, config: RunConfig) -> ServiceDefinition:
         )
         return ServiceDefinition(role=role, bindings=[binding], engine=controller, registry=registry)
     if role in ("actor", "reference", "critic"):
-        from rlfabric.actor.service import build_service as build_trainer_service
+        from rlfabric.actor.servicer import build_service as build_trainer_service
 
         return build_trainer_service(role, config)
     if role == "reward":

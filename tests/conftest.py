@@ -64,7 +64,7 @@ def tiny_model(tmp_path_factory):
     """Path of the random-weight tiny Qwen2 (~90k parameters, vocab 100, head_dim 32, 512 positions) with its
     character-level ChatML tokenizer, built once per session: tests read it and write only into copies."""
     # Imported here, not at the top: the reward tests run without torch.
-    from rlfabric.actor.tiny_model import make_tiny_model
+    from rlfabric.quickstart.tiny_model import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny-model") / "tiny")
 

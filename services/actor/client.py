@@ -20,10 +20,6 @@ import torch
 from rlfabric.core import codec
 from rlfabric.core.client import ServiceClient
 from rlfabric.core.errors import FailedPrecondition
-from rlfabric.core.weight_sync import Manifest, SyncGroup
-from rlfabric.core.weight_sync.grpc_stream import PushResult
-from rlfabric.core.weight_sync.manifest import transport_to_proto
-from rlfabric.core.weight_sync.sender import BroadcastResult
 from rlfabric.v1 import (
     actor_pb2,
     actor_pb2_grpc,
@@ -32,6 +28,10 @@ from rlfabric.v1 import (
     reference_pb2,
     reference_pb2_grpc,
 )
+from rlfabric.weight_sync import Manifest, SyncGroup
+from rlfabric.weight_sync.grpc_stream import PushResult
+from rlfabric.weight_sync.manifest import transport_to_proto
+from rlfabric.weight_sync.sender import BroadcastResult
 
 Tensors = Mapping[str, torch.Tensor]
 

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from rlfabric.actor.batch import TENSOR_NAMES, SequenceBatch
 from rlfabric.core import codec
 from rlfabric.core.config import RunConfig, load_config
-from rlfabric.core.weight_sync.gloo import master_store
+from rlfabric.weight_sync.gloo import master_store
 
 MAX_DIMS = 4
 HEADER_LEN = 8

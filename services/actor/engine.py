@@ -20,20 +20,20 @@ from dataclasses import dataclass
 import torch
 from prometheus_client import CollectorRegistry
 
+from rlfabric import algorithms as algos
 from rlfabric.actor import checkpoint as ckpt
 from rlfabric.actor import lora
 from rlfabric.actor.batch import SequenceBatch, shard_rows, validate_batch
 from rlfabric.actor.dist import Command, WorkerGroup, run_command
 from rlfabric.actor.models import TRAINABLE, model_path, rank_device
 from rlfabric.actor.worker import RankWorker
-from rlfabric.core import algorithms as algos
 from rlfabric.core.client import ChannelOptions
 from rlfabric.core.config import RunConfig
 from rlfabric.core.errors import FailedPrecondition, InvalidArgument
 from rlfabric.core.metrics import service_counter, service_gauge, service_histogram
 from rlfabric.core.storage import StorageRoot
-from rlfabric.core.weight_sync import Manifest, Membership, SyncGroup, WeightLimits
-from rlfabric.core.weight_sync.sender import BroadcastResult, WeightSender
+from rlfabric.weight_sync import Manifest, Membership, SyncGroup, WeightLimits
+from rlfabric.weight_sync.sender import BroadcastResult, WeightSender
 
 log = logging.getLogger("rlfabric.actor")
 

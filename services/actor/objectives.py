@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from rlfabric import algorithms as algos
 from rlfabric.actor.batch import SequenceBatch
-from rlfabric.core import algorithms as algos
 from rlfabric.core.config import ActorConfig, CriticConfig
 
 

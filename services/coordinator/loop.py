@@ -4,7 +4,7 @@
     1. generate and score    n samples per prompt over the rollout replicas; Score requests go out
                              as samples finish (`_rollout`, started by `run` as a task of its own)
     2. log-probs and values  reference, old policy and critic, concurrently
-    3. advantages            KL in the reward (optional), then the estimator (rlfabric.core.algorithms)
+    3. advantages            KL in the reward (optional), then the estimator (rlfabric.algorithms)
     4. updates               critic and actor, concurrently
     5. weight sync           actor -> every rollout replica
     then metrics, validation and checkpoints on schedule (`run`).
@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from rlfabric import algorithms as algos
 from rlfabric.coordinator.checkpoints import (
     CheckpointError,
     CheckpointWriter,
@@ -46,7 +47,6 @@ from rlfabric.coordinator.peers import Peers
 from rlfabric.coordinator.rollout_batch import RolloutBatch, build_rollout_batch, token_level_scores
 from rlfabric.coordinator.step_metrics import StepTimer, data_metrics
 from rlfabric.coordinator.weight_sync import WeightSyncPlane
-from rlfabric.core import algorithms as algos
 from rlfabric.core.config import ConfigError, RunConfig, check_run_rules
 from rlfabric.core.errors import FailedPrecondition, InvalidArgument
 from rlfabric.reward.items import ScoreItem

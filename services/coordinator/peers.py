@@ -23,9 +23,9 @@ from rlfabric.actor.client import (
 from rlfabric.core.client import ChannelOptions, ServiceClient, wait_until_serving
 from rlfabric.core.config import RunConfig
 from rlfabric.core.errors import DeadlineExceeded, FailedPrecondition, Unavailable
-from rlfabric.core.router import RolloutRouter
 from rlfabric.reward.client import RewardInterface, ShardedRewardClient
 from rlfabric.reward.items import ItemResult, ScoreItem
+from rlfabric.rollout.router import RolloutRouter
 
 log = logging.getLogger("rlfabric.coordinator")
 

@@ -35,10 +35,10 @@ from rlfabric.actor.client import ActorInterface, ReferenceClient
 from rlfabric.core.client import ChannelOptions
 from rlfabric.core.config import RunConfig
 from rlfabric.core.dtypes import rollout_dtype, torch_dtype
-from rlfabric.core.weight_sync import Manifest, SyncGroup
-from rlfabric.core.weight_sync.grpc_stream import PushResult
-from rlfabric.core.weight_sync.receiver import SLACK_S
 from rlfabric.rollout.client import RolloutClient
+from rlfabric.weight_sync import Manifest, SyncGroup
+from rlfabric.weight_sync.grpc_stream import PushResult
+from rlfabric.weight_sync.receiver import SLACK_S
 
 log = logging.getLogger("rlfabric.coordinator.weight_sync")
 

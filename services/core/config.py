@@ -6,7 +6,7 @@ prints them). Unknown keys and wrong types are errors that name the dotted key.
 
     config = load_config("my.yaml", overrides=["trainer.total_steps=20", "rollout.n=4"])
 
-The built-in default (`rlfabric/core/configs/quickstart.yaml`) is the quickstart.
+The built-in default (`rlfabric/quickstart/quickstart.yaml`) is the quickstart.
 """
 
 from __future__ import annotations
@@ -188,7 +188,7 @@ class ActorConfig(Section):
     ppo_epochs: int = Field(1, ge=1)
     """Passes over the batch per UpdatePolicy."""
     loss_mode: str = "vanilla"
-    """Policy loss from rlfabric.core.algorithms: vanilla (PPO clip + dual clip), gspo, or one you registered."""
+    """Policy loss from rlfabric.algorithms: vanilla (PPO clip + dual clip), gspo, or one you registered."""
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
     """How per-token losses reduce to one number (token-mean, seq-mean-token-sum, ...); when not set, the
     loss mode's own: seq-mean-token-mean for gspo (as in the GSPO paper), token-mean otherwise."""
@@ -601,7 +601,7 @@ class RunConfig(Section):
 
 def default_config_path() -> Path:
     """Path of the built-in quickstart config."""
-    return Path(str(files("rlfabric.core") / "configs" / DEFAULT_CONFIG_NAME))
+    return Path(str(files("rlfabric.quickstart") / DEFAULT_CONFIG_NAME))
 
 
 def apply_override(tree: dict[str, Any], override: str) -> None:

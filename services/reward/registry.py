@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from rlfabric.reward import arithmetic, gsm8k, hellaswag, math_equiv, synthetic
+from rlfabric.quickstart import synthetic
+from rlfabric.reward import arithmetic, gsm8k, hellaswag, math_equiv
 
 Scorer = Callable[..., Any]
 

@@ -15,10 +15,10 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Sequence
 
 from rlfabric.core.client import ServiceClient
-from rlfabric.core.weight_sync import Manifest, SyncGroup
 from rlfabric.rollout import convert
 from rlfabric.rollout.types import EngineStatus, FinishedSample, SamplingSpec
 from rlfabric.v1 import rollout_pb2, rollout_pb2_grpc
+from rlfabric.weight_sync import Manifest, SyncGroup
 
 
 class RolloutInterface(ABC):

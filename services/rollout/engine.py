@@ -41,7 +41,6 @@ from rlfabric.core.errors import (
     Unavailable,
     Unimplemented,
 )
-from rlfabric.core.weight_sync import Manifest, Membership, SyncGroup, WeightLimits, WeightSwap
 from rlfabric.rollout.types import (
     EngineLimits,
     EngineStatus,
@@ -51,6 +50,7 @@ from rlfabric.rollout.types import (
     SamplingSpec,
     validate_request,
 )
+from rlfabric.weight_sync import Manifest, Membership, SyncGroup, WeightLimits, WeightSwap
 
 if TYPE_CHECKING:
     import torch
@@ -317,7 +317,7 @@ class RolloutEngine(abc.ABC):
         version = await self.load_weights(weights, version)
         return WeightSwap(version, time.monotonic() - started)
 
-    # Weight sync (rlfabric.core.weight_sync). By default the bytes land in this process and are then
+    # Weight sync (rlfabric.weight_sync). By default the bytes land in this process and are then
     # swapped in; an engine whose weights live elsewhere (vLLM's workers) receives them there instead.
 
     def weight_limits(self) -> WeightLimits | None:

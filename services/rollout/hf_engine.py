@@ -28,10 +28,10 @@ import torch
 from rlfabric.core.config import RunConfig
 from rlfabric.core.dtypes import rollout_dtype, torch_dtype
 from rlfabric.core.errors import DeadlineExceeded, InvalidArgument, Unimplemented
-from rlfabric.core.weight_sync import WeightLimits, WeightSwap
 from rlfabric.rollout.engine import Generation, RolloutEngine, load_tokenizer, trust_remote_code
 from rlfabric.rollout.sampling import sample_tokens
 from rlfabric.rollout.types import EngineLimits, Finish, FinishedSample, row_seed, truncate_at_stop
+from rlfabric.weight_sync import WeightLimits, WeightSwap
 
 log = logging.getLogger("rlfabric.rollout.hf")
 WAKE_TAGS = ("weights", "kv_cache")

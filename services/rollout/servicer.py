@@ -5,7 +5,7 @@
 The engine is chosen once, in build_engine, from rollout.engine; admission, the pause/sleep gate and
 request deadlines are the engine's (rlfabric.rollout.engine), and errors reach the client through
 the server's ErrorInterceptor: a domain error with its own status, anything else INTERNAL. Weight sync
-(rlfabric.core.weight_sync): JoinWeightSyncGroup and ReceiveWeights (gloo, nccl) and PushWeights
+(rlfabric.weight_sync): JoinWeightSyncGroup and ReceiveWeights (gloo, nccl) and PushWeights
 (grpc) end in the engine swapping in the new version at once; a checksum mismatch rejects it.
 """
 
@@ -19,12 +19,12 @@ from prometheus_client import CollectorRegistry
 from rlfabric.core.config import RunConfig
 from rlfabric.core.metrics import service_counter, service_gauge, service_histogram
 from rlfabric.core.server import ServiceBinding, ServiceDefinition
-from rlfabric.core.weight_sync import Manifest, SyncGroup, WeightSwap
-from rlfabric.core.weight_sync.grpc_stream import PushReceiver, add_rollout_service
 from rlfabric.rollout import convert
 from rlfabric.rollout.engine import RolloutEngine
 from rlfabric.rollout.types import FinishedSample
 from rlfabric.v1 import rollout_pb2, rollout_pb2_grpc
+from rlfabric.weight_sync import Manifest, SyncGroup, WeightSwap
+from rlfabric.weight_sync.grpc_stream import PushReceiver, add_rollout_service
 
 
 class RolloutMetrics:

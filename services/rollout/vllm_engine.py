@@ -49,10 +49,10 @@ from rlfabric.core.errors import (
     error_for_code,
 )
 from rlfabric.core.storage import create_private_file
-from rlfabric.core.weight_sync import Manifest, SyncGroup, WeightSwap
-from rlfabric.core.weight_sync.receiver import SLACK_S
 from rlfabric.rollout.engine import Generation, RolloutEngine, load_tokenizer, trust_remote_code
 from rlfabric.rollout.types import EngineLimits, Finish, FinishedSample, SamplingSpec, row_seed
+from rlfabric.weight_sync import Manifest, SyncGroup, WeightSwap
+from rlfabric.weight_sync.receiver import SLACK_S
 
 log = logging.getLogger("rlfabric.rollout.vllm")
 WORKER_EXTENSION = "rlfabric.rollout.vllm_worker.RlfabricWorkerExtension"

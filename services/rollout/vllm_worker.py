@@ -79,8 +79,8 @@ class RlfabricWorkerExtension:
 
     def rlfabric_sync_join(self, group: bytes, rank: int) -> dict:
         """Leaves any earlier group and joins this one (blocks until every rank has joined)."""
-        from rlfabric.core.weight_sync import SyncGroup, WeightReceiver
         from rlfabric.v1 import weight_sync_pb2
+        from rlfabric.weight_sync import SyncGroup, WeightReceiver
 
         self.rlfabric_sync_leave()
         try:
@@ -94,8 +94,8 @@ class RlfabricWorkerExtension:
     def rlfabric_sync_start(self, manifest: bytes) -> dict:
         """Starts receiving a manifest's buckets on a thread; poll with rlfabric_sync_poll."""
         from rlfabric.core.errors import FailedPrecondition
-        from rlfabric.core.weight_sync import Manifest
         from rlfabric.v1 import weight_sync_pb2
+        from rlfabric.weight_sync import Manifest
 
         sync = self._rlfabric_sync()
         if sync.receiver is None:

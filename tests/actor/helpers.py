@@ -10,7 +10,7 @@ import threading
 import torch
 
 from rlfabric.actor.client import ActorClient, CriticClient, ReferenceClient
-from rlfabric.actor.service import build_service
+from rlfabric.actor.servicer import build_service
 from rlfabric.core.config import RunConfig, config_from_dict
 from rlfabric.core.server import RlfabricServer, ServerOptions
 

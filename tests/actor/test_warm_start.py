@@ -8,9 +8,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rlfabric.actor.tiny_model import make_tiny_model
-from rlfabric.actor.warm_start import make_quickstart_model, warm_start
-from rlfabric.reward import synthetic
+from rlfabric.quickstart import synthetic
+from rlfabric.quickstart.tiny_model import make_tiny_model
+from rlfabric.quickstart.warm_start import make_quickstart_model, warm_start
 
 
 @pytest.fixture(scope="module")

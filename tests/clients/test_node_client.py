@@ -19,7 +19,7 @@ from rlfabric.coordinator.client import CoordinatorClient
 from rlfabric.coordinator.tracking import read_metrics
 from rlfabric.core.client import ChannelOptions
 from rlfabric.core.config import load_config
-from rlfabric.launcher import LocalMesh
+from rlfabric.launch.local import LocalMesh
 from rlfabric.v1 import coordinator_pb2
 
 CLIENT_DIR = Path(__file__).parents[2] / "examples" / "clients" / "node"

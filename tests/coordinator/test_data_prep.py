@@ -8,7 +8,6 @@ import json
 import pyarrow.parquet as pq
 import pytest
 
-from rlfabric.actor.tiny_model import build_tokenizer
 from rlfabric.cli import main
 from rlfabric.coordinator.data_prep import (
     DataFormatError,
@@ -18,6 +17,7 @@ from rlfabric.coordinator.data_prep import (
     write_math,
 )
 from rlfabric.coordinator.dataset import RLHFDataset
+from rlfabric.quickstart.tiny_model import build_tokenizer
 from rlfabric.reward.registry import get_scorer
 
 

@@ -9,9 +9,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from rlfabric.actor.tiny_model import build_tokenizer
 from rlfabric.coordinator.data_prep import write_gsm8k, write_synthetic
 from rlfabric.coordinator.dataset import DataCursor, DatasetError, RLHFDataset
+from rlfabric.quickstart.tiny_model import build_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -21,13 +21,13 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForSequenceClassification
 
-from rlfabric.actor.tiny_model import build_tokenizer
 from rlfabric.coordinator.client import CoordinatorClient
 from rlfabric.coordinator.data_prep import HH_RLHF_DATA_SOURCE, write_hh_rlhf, write_synthetic
 from rlfabric.core.client import ChannelOptions
 from rlfabric.core.config import load_config
-from rlfabric.launcher import LocalMesh
-from rlfabric.reward import synthetic
+from rlfabric.launch.local import LocalMesh
+from rlfabric.quickstart import synthetic
+from rlfabric.quickstart.tiny_model import build_tokenizer
 from rlfabric.reward.model_reward import ModelRewardConfig, RewardModelScorer
 from rlfabric.v1 import coordinator_pb2
 

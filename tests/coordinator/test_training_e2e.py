@@ -20,13 +20,13 @@ from rlfabric.coordinator.client import CoordinatorClient
 from rlfabric.core.client import ChannelOptions
 from rlfabric.core.config import load_config
 from rlfabric.core.errors import FailedPrecondition, InvalidArgument, PermissionDenied
-from rlfabric.launcher import LocalMesh
+from rlfabric.launch.local import LocalMesh
 from rlfabric.v1 import coordinator_pb2
 from tests.waiting import wait_until_async
 
 pytestmark = pytest.mark.slow
 
-# Short runs on the quickstart's task (services/core/configs/quickstart.yaml), except the first,
+# Short runs on the quickstart's task (services/quickstart/quickstart.yaml), except the first,
 # which is the whole quickstart.
 STEPS = 4
 

@@ -7,7 +7,7 @@ import statistics
 import pytest
 import torch
 
-from rlfabric.core import algorithms as algos
+from rlfabric import algorithms as algos
 
 
 def t(rows):

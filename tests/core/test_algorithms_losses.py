@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from rlfabric.core import algorithms as algos
+from rlfabric import algorithms as algos
 
 
 def t(rows):

@@ -5,7 +5,7 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from rlfabric.core import algorithms as algos
+from rlfabric import algorithms as algos
 
 FAST = settings(max_examples=50, deadline=None)
 

@@ -77,7 +77,7 @@ async def serve_plain(*servicers) -> tuple[grpc.aio.Server, str]:
 
 def test_every_status_code_has_its_own_domain_error_class():
     # A subclass elsewhere (ChecksumMismatch is an InvalidArgument) must not take over its parent's code.
-    import rlfabric.core.weight_sync.buckets  # noqa: F401
+    import rlfabric.weight_sync.buckets  # noqa: F401
 
     classes = {code: type(errors.error_for_code(code, "x")) for code in FAILURE_CODES}
     assert all(cls.__module__ == errors.__name__ for cls in classes.values()), classes
@@ -270,7 +270,7 @@ def test_a_wrong_token_is_unauthenticated_for_the_client_and_the_cli(coordinator
 # -- every RPC has a typed method ---------------------------------------------------------------------
 
 # PushWeights is the data plane of the grpc weight-sync transport: the actor streams it itself, over a
-# connection per lane (rlfabric.core.weight_sync.grpc_stream.push_weights), never through a client.
+# connection per lane (rlfabric.weight_sync.grpc_stream.push_weights), never through a client.
 DATA_PLANE = {("RolloutService", "PushWeights")}
 
 

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from rlfabric.core.protogen import PROTO_ROOT, REPO_ROOT, generate
+from rlfabric.tools.protogen import PROTO_ROOT, REPO_ROOT, generate
 
 
 def test_committed_stubs_match_the_protos(tmp_path):

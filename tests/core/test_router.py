@@ -9,8 +9,8 @@ import pytest
 
 from rlfabric.core.config import load_config
 from rlfabric.core.errors import InvalidArgument, Unavailable
-from rlfabric.core.router import RolloutRouter
 from rlfabric.core.server import ServerOptions
+from rlfabric.rollout.router import RolloutRouter
 from rlfabric.rollout.servicer import build_service
 from rlfabric.rollout.types import SamplingSpec
 from tests.conftest import ServerThread

@@ -39,8 +39,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rlfabric.actor.tiny_model import make_tiny_model
 from rlfabric.coordinator.checkpoints import latest_checkpoint, read_state
+from rlfabric.quickstart.tiny_model import make_tiny_model
 from tests.deploy.test_helm import CHART, NAMESPACE, RELEASE, helm, parse_manifests, render_chart
 from tests.pki import TestCA
 

@@ -226,7 +226,7 @@ def test_lint_reports_schema_violation():
 
 def test_values_schema_checks_config_with_the_config_model_and_is_current():
     """values.schema.json's config definitions are generated from RunConfig (`make docs`)."""
-    from rlfabric.core.config_schema import with_config_schema
+    from rlfabric.tools.config_schema import with_config_schema
 
     on_disk = json.loads((CHART / "values.schema.json").read_text())
     assert on_disk == with_config_schema(on_disk), "values.schema.json is stale: run `make docs`"

@@ -38,7 +38,7 @@ from rlfabric.coordinator.client import CoordinatorClient
 from rlfabric.core.client import ChannelOptions
 from rlfabric.core.config import load_config
 from rlfabric.core.errors import InvalidArgument
-from rlfabric.launcher import LocalMesh
+from rlfabric.launch.local import LocalMesh
 from rlfabric.reward.client import RewardClient
 from rlfabric.reward.items import ScoreItem
 from rlfabric.v1 import coordinator_pb2

@@ -26,8 +26,8 @@ import yaml  # noqa: E402
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
 from rlfabric.core.config import load_config  # noqa: E402
-from rlfabric.launcher import MeshStartError  # noqa: E402
-from rlfabric.ray_launcher import RayMesh  # noqa: E402
+from rlfabric.launch.local import MeshStartError  # noqa: E402
+from rlfabric.launch.ray import RayMesh  # noqa: E402
 from rlfabric.v1 import reward_pb2, reward_pb2_grpc, rollout_pb2, rollout_pb2_grpc  # noqa: E402
 from tests.mesh_access import mesh_channel  # noqa: E402
 

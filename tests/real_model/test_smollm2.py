@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from rlfabric.actor.client import ActorClient
-from rlfabric.actor.service import build_service as build_trainer
+from rlfabric.actor.servicer import build_service as build_trainer
 from rlfabric.coordinator.data_prep import write_arithmetic
 from rlfabric.coordinator.dataset import RLHFDataset
 from rlfabric.coordinator.weight_sync import WeightSyncPlane

@@ -30,16 +30,16 @@ import torch
 
 from rlfabric.actor.client import ActorClient
 from rlfabric.actor.dist import WorkerGroup
-from rlfabric.actor.service import build_service as build_trainer
+from rlfabric.actor.servicer import build_service as build_trainer
 from rlfabric.core.config import RunConfig, config_from_dict
 from rlfabric.core.errors import InvalidArgument, NotFound, ResourceExhausted
 from rlfabric.core.server import ServerOptions
-from rlfabric.core.weight_sync.manifest import SyncGroup
-from rlfabric.core.weight_sync.receiver import WeightReceiver
-from rlfabric.core.weight_sync.sender import WeightSender
 from rlfabric.reward import register_scorer
 from rlfabric.reward.server import build_service as build_reward
 from rlfabric.v1 import reward_pb2, reward_pb2_grpc
+from rlfabric.weight_sync.manifest import SyncGroup
+from rlfabric.weight_sync.receiver import WeightReceiver
+from rlfabric.weight_sync.sender import WeightSender
 
 from .helpers import trainer_config
 

@@ -36,7 +36,7 @@ from rlfabric.coordinator.checkpoints import checkpoint_root, latest_checkpoint,
 from rlfabric.coordinator.dataset import RLHFDataset
 from rlfabric.core.config import load_config
 from rlfabric.core.server import ServerOptions
-from rlfabric.launcher import LocalMesh, ServiceProcess
+from rlfabric.launch.local import LocalMesh, ServiceProcess
 from rlfabric.reward import compute_score
 from rlfabric.rollout.engine import load_tokenizer
 from rlfabric.serve import build_service

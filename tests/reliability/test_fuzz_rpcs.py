@@ -27,7 +27,7 @@ from google.protobuf.message import DecodeError
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from rlfabric.actor.service import build_service as build_trainer_service
+from rlfabric.actor.servicer import build_service as build_trainer_service
 from rlfabric.core import codec
 from rlfabric.core.config import RewardConfig, RunConfig, config_from_dict
 from rlfabric.reward.server import build_service as build_reward_service

@@ -27,7 +27,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from rlfabric.actor.service import build_service as build_trainer_service
+from rlfabric.actor.servicer import build_service as build_trainer_service
 from rlfabric.core.config import config_from_dict
 from rlfabric.core.server import ServerOptions
 from rlfabric.serve import build_service

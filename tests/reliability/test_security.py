@@ -38,7 +38,7 @@ import grpc
 import pytest
 import torch
 
-from rlfabric.actor.service import build_service as build_trainer_service
+from rlfabric.actor.servicer import build_service as build_trainer_service
 from rlfabric.core import codec
 from rlfabric.core.client import ChannelOptions
 from rlfabric.core.config import config_from_dict, default_config_path

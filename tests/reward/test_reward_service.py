@@ -11,9 +11,9 @@ import uuid
 import grpc
 import pytest
 
-from rlfabric.actor.tiny_model import build_tokenizer
 from rlfabric.core.config import RewardConfig
 from rlfabric.core.errors import InvalidArgument, Unavailable
+from rlfabric.quickstart.tiny_model import build_tokenizer
 from rlfabric.reward import STATUS_OK, ScoreItem, compute_score, register_scorer
 from rlfabric.reward.client import LocalRewardClient, RewardClient, ShardedRewardClient
 from rlfabric.reward.engine import RewardEngine

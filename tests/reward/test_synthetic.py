@@ -2,8 +2,7 @@
 
 import random
 
-from rlfabric.reward import compute_score
-from rlfabric.reward.synthetic import (
+from rlfabric.quickstart.synthetic import (
     CONSONANTS,
     DATA_SOURCE,
     INSTRUCTION,
@@ -14,6 +13,7 @@ from rlfabric.reward.synthetic import (
     make_example,
     make_warm_start_example,
 )
+from rlfabric.reward import compute_score
 
 
 def test_shaped_scores():

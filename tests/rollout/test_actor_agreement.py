@@ -16,7 +16,7 @@ from tests.conftest import ServerThread
 
 from .helpers import generate, rollout_config
 
-actor_service = pytest.importorskip("rlfabric.actor.service")
+actor_service = pytest.importorskip("rlfabric.actor.servicer")
 actor_client = pytest.importorskip("rlfabric.actor.client")
 
 PROMPTS = [[1, 90, 88, 74], [1, 70, 88, 88, 78, 88, 89, 70, 83], [40, 41]]

@@ -17,7 +17,7 @@ import grpc
 import torch
 
 from rlfabric.actor.client import ActorClient
-from rlfabric.actor.service import build_service as build_trainer
+from rlfabric.actor.servicer import build_service as build_trainer
 from rlfabric.core.config import RunConfig, dump_config, load_config
 from rlfabric.core.server import ServerOptions
 from rlfabric.rollout.servicer import build_service as build_rollout

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from rlfabric.core.errors import InvalidArgument, ResourceExhausted
-from rlfabric.core.weight_sync import (
+from rlfabric.v1 import rollout_pb2, weight_sync_pb2
+from rlfabric.weight_sync import (
     BucketAssembler,
     ChecksumMismatch,
     Manifest,
@@ -20,10 +21,9 @@ from rlfabric.core.weight_sync import (
     plan_buckets,
     unpack,
 )
-from rlfabric.core.weight_sync.buckets import checksum, crc32, crc32_combine, dedupe_shared, verify
-from rlfabric.core.weight_sync.grpc_stream import PushPayload, decode_chunk, encode_chunk, serialize_chunks
-from rlfabric.core.weight_sync.manifest import ALIGNMENT, SyncGroup
-from rlfabric.v1 import rollout_pb2, weight_sync_pb2
+from rlfabric.weight_sync.buckets import checksum, crc32, crc32_combine, dedupe_shared, verify
+from rlfabric.weight_sync.grpc_stream import PushPayload, decode_chunk, encode_chunk, serialize_chunks
+from rlfabric.weight_sync.manifest import ALIGNMENT, SyncGroup
 
 MIB = 1 << 20
 

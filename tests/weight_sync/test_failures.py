@@ -11,8 +11,8 @@ import time
 import pytest
 import torch
 
-from rlfabric.actor.tiny_model import make_tiny_model
 from rlfabric.coordinator.weight_sync import WeightSyncPlane
+from rlfabric.quickstart.tiny_model import make_tiny_model
 
 from .helpers import Mesh, RolloutProcess, logprob_gap, mesh_config
 

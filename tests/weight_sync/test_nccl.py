@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from rlfabric.core.errors import FailedPrecondition
-from rlfabric.core.weight_sync import SyncGroup, pack, unpack
-from rlfabric.core.weight_sync.buckets import verify
-from rlfabric.core.weight_sync.nccl import UNIQUE_ID_BYTES, NcclTransport, decode_unique_id, encode_unique_id
-from rlfabric.core.weight_sync.sender import WeightSender
 from rlfabric.v1 import weight_sync_pb2
+from rlfabric.weight_sync import SyncGroup, pack, unpack
+from rlfabric.weight_sync.buckets import verify
+from rlfabric.weight_sync.nccl import UNIQUE_ID_BYTES, NcclTransport, decode_unique_id, encode_unique_id
+from rlfabric.weight_sync.sender import WeightSender
 
 HAS_CUPY = importlib.util.find_spec("cupy") is not None
 
@@ -48,7 +48,7 @@ def test_without_cupy_the_error_says_what_to_install():
 @pytest.mark.gpu
 @pytest.mark.skipif(not (torch.cuda.is_available() and HAS_CUPY), reason="needs a CUDA GPU and cupy")
 def test_nccl_broadcast_of_packed_buckets():
-    from rlfabric.core.weight_sync.nccl import new_unique_id
+    from rlfabric.weight_sync.nccl import new_unique_id
 
     world = min(torch.cuda.device_count(), 2)
     state = {"w": torch.randn(1000, 100), "b": torch.randn(100)}

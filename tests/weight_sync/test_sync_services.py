@@ -17,15 +17,15 @@ from prometheus_client import generate_latest
 from rlfabric.actor.client import ReferenceClient
 from rlfabric.coordinator.weight_sync import WeightSyncPlane
 from rlfabric.core.errors import FailedPrecondition, InvalidArgument, NotFound
-from rlfabric.core.weight_sync import pack
-from rlfabric.core.weight_sync.grpc_stream import (
+from rlfabric.rollout.client import RolloutClient
+from rlfabric.v1 import rollout_pb2, rollout_pb2_grpc
+from rlfabric.weight_sync import pack
+from rlfabric.weight_sync.grpc_stream import (
     PUSH_METHOD,
     STREAMS_METADATA,
     push_weights,
     serialize_chunks,
 )
-from rlfabric.rollout.client import RolloutClient
-from rlfabric.v1 import rollout_pb2, rollout_pb2_grpc
 from tests.actor.helpers import make_batch
 from tests.rollout.helpers import generate, original_weights
 

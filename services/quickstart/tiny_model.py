@@ -62,7 +62,7 @@ def make_tiny_model(
     """Writes a random-weight Qwen2ForCausalLM and its tokenizer to out_dir; returns the path.
 
     initializer_range is the std of the random weights (Qwen2's default 0.02; the quickstart model
-    uses a wider one, see rlfabric.actor.warm_start).
+    uses a wider one, see rlfabric.quickstart.warm_start).
     """
     out_dir = Path(out_dir)
     tokenizer = build_tokenizer()

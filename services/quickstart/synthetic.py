@@ -6,7 +6,7 @@ Every prompt holds one of the vowels A E I O U and five of the consonants B C D 
     0.5  it starts with the answer but goes on
     0.0  anything else
 
-The quickstart model is warm-started (rlfabric.actor.warm_start) on `make_warm_start_example`:
+The quickstart model is warm-started (rlfabric.quickstart.warm_start) on `make_warm_start_example`:
 one to six letters among dashes, "any letter of: - K - - E -" or "any letter of: K B E D C H", where
 every shown letter is a right answer. It learns the reply format (one letter, then end of turn) and
 to copy any one letter out of the prompt with equal chance, but not which letter this task wants:

@@ -17,7 +17,7 @@ import time
 import torch
 
 from rlfabric.core.errors import DeadlineExceeded, FailedPrecondition, Unavailable
-from rlfabric.core.weight_sync.manifest import SyncGroup
+from rlfabric.weight_sync.manifest import SyncGroup
 
 UNIQUE_ID_BYTES = 128  # NCCL_UNIQUE_ID_BYTES
 

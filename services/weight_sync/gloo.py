@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from rlfabric.core.errors import DeadlineExceeded, Unavailable
-from rlfabric.core.weight_sync.manifest import SyncGroup
+from rlfabric.weight_sync.manifest import SyncGroup
 
 CHUNK_BYTES = 64 << 20
 

@@ -21,9 +21,9 @@ sender (actor side).
 The coordinator drives all of it through rlfabric.coordinator.weight_sync.WeightSyncPlane.
 """
 
-from rlfabric.core.weight_sync.buckets import ChecksumMismatch, pack, plan_buckets, unpack
-from rlfabric.core.weight_sync.manifest import BucketSpec, Manifest, SyncGroup, TensorSpec, WeightLimits
-from rlfabric.core.weight_sync.receiver import BucketAssembler, Membership, WeightReceiver, WeightSwap
+from rlfabric.weight_sync.buckets import ChecksumMismatch, pack, plan_buckets, unpack
+from rlfabric.weight_sync.manifest import BucketSpec, Manifest, SyncGroup, TensorSpec, WeightLimits
+from rlfabric.weight_sync.receiver import BucketAssembler, Membership, WeightReceiver, WeightSwap
 
 __all__ = [
     "BucketAssembler",

@@ -1,6 +1,6 @@
 """Generates the Python stubs for protos/rlfabric/v1 (`make protos`).
 
-Usage: python -m rlfabric.core.protogen OUT_DIR
+Usage: python -m rlfabric.tools.protogen OUT_DIR
 
 The stubs land in OUT_DIR (services/v1 = the `rlfabric.v1` package); imports in the
 generated code follow the proto package path, so `rlfabric.v1.actor_pb2` imports

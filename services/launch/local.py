@@ -31,7 +31,7 @@ from rlfabric.core.client import ChannelOptions, wait_until_serving
 from rlfabric.core.config import ConfigError, RunConfig, dump_config
 from rlfabric.core.storage import create_private_file
 
-log = logging.getLogger("rlfabric.launcher")
+log = logging.getLogger("rlfabric.launch.local")
 
 _PR_SET_PDEATHSIG = 1
 REGISTRY_PREFIX = "pypi:"  # model.path "pypi:smollm2": a model converted from a PyPI wheel (rlfabric.actor.pretrained)
@@ -78,7 +78,7 @@ class MeshStartError(RuntimeError):
     """A service of the mesh failed to start or to become ready."""
 
 
-# -- shared by LocalMesh and RayMesh (rlfabric.ray_launcher) ---------------------------------------
+# -- shared by LocalMesh and RayMesh (rlfabric.launch.ray) ---------------------------------------
 
 
 def log_tail(path: Path, lines: int = 20) -> str:
@@ -145,7 +145,7 @@ def check_model(config: RunConfig) -> None:
 
 
 def build_tiny_model(run_dir: Path) -> Path:
-    """The quickstart's model, warm-started (rlfabric.actor.warm_start): built once per run dir."""
+    """The quickstart's model, warm-started (rlfabric.quickstart.warm_start): built once per run dir."""
     model_dir = run_dir / "model"
     if not (model_dir / "config.json").exists():
         subprocess.run(

@@ -1,7 +1,7 @@
 """gRPC servicers of the actor, reference and critic roles (thin: proto -> tensors -> await engine -> proto),
 and build_service, which rlfabric.serve calls for these roles.
 
-Weight sync (rlfabric.core.weight_sync): the actor is rank 0 of the groups it opens
+Weight sync (rlfabric.weight_sync): the actor is rank 0 of the groups it opens
 (OpenWeightSyncGroup, PrepareWeightSync, BroadcastWeights, CloseWeightSyncGroup); the reference
 joins one and receives (JoinWeightSyncGroup, ReceiveWeights).
 """
@@ -15,8 +15,6 @@ from rlfabric.actor.engine import TrainerEngine
 from rlfabric.core import codec
 from rlfabric.core.config import RunConfig
 from rlfabric.core.server import ServiceBinding, ServiceDefinition
-from rlfabric.core.weight_sync import Manifest, SyncGroup
-from rlfabric.core.weight_sync.manifest import transport_from_proto
 from rlfabric.v1 import (
     actor_pb2,
     actor_pb2_grpc,
@@ -25,6 +23,8 @@ from rlfabric.v1 import (
     reference_pb2,
     reference_pb2_grpc,
 )
+from rlfabric.weight_sync import Manifest, SyncGroup
+from rlfabric.weight_sync.manifest import transport_from_proto
 
 POLICY_UPDATE_TENSORS = (*SEQUENCE, "advantages")  # + old_log_probs, unless the update is one optimizer step
 VALUE_UPDATE_TENSORS = (*SEQUENCE, "values", "returns")

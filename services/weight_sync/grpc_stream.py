@@ -46,9 +46,9 @@ from grpc import aio
 from rlfabric.core.client import ChannelOptions, channel_credentials
 from rlfabric.core.errors import DeadlineExceeded, InvalidArgument, RlfabricError, Unavailable
 from rlfabric.core.interceptors import bearer_metadata
-from rlfabric.core.weight_sync.manifest import Manifest, WeightLimits
-from rlfabric.core.weight_sync.receiver import BucketAssembler, Weights, WeightSwap
 from rlfabric.v1 import rollout_pb2
+from rlfabric.weight_sync.manifest import Manifest, WeightLimits
+from rlfabric.weight_sync.receiver import BucketAssembler, Weights, WeightSwap
 
 # 4 MiB chunks: large enough that per-message costs vanish, small enough that a message is a
 # reused heap block on both sides (16 MiB and larger ones are fresh mappings, page-faulted per message).

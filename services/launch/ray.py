@@ -40,7 +40,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from rlfabric.core.config import RunConfig, read_auth_token
 from rlfabric.core.storage import create_private_file
-from rlfabric.launcher import (
+from rlfabric.launch.local import (
     MeshContext,
     MeshStartError,
     await_port_file,
@@ -56,7 +56,7 @@ from rlfabric.launcher import (
     write_endpoints,
 )
 
-log = logging.getLogger("rlfabric.launcher")
+log = logging.getLogger("rlfabric.launch.local")
 
 
 def with_local_token(config_text: str, token: str, workdir: Path) -> str:

@@ -2,7 +2,7 @@
 
 Per-token tensors are [batch, response_len]; `mask` is the response mask (1 = real response token).
 
-    from rlfabric.core import algorithms as algos
+    from rlfabric import algorithms as algos
     adv, ret = algos.get_advantage_estimator("grpo")(token_rewards=r, mask=m, group_ids=uid)
     loss, stats = algos.policy_loss(old_logp, logp, adv, m, clip_high=0.28, mode="vanilla")
 

@@ -3,7 +3,7 @@
     rlfabric make-tiny-model OUT --warm-start        # what `rlfabric up` builds when model.path is empty
 
 The warm start teaches the reply format, not the task. It trains on
-rlfabric.reward.synthetic.make_warm_start_example ("any letter of: - K - - E -", up to six letters
+rlfabric.quickstart.synthetic.make_warm_start_example ("any letter of: - K - - E -", up to six letters
 with no dashes) with every shown letter as a target, and never sees a task prompt, so the model
 learns to answer with one letter copied from the prompt and then end its turn, with no preference
 for vowels: on the task ("find the vowel") it scores about 1 in 6 until reinforcement learning finds
@@ -34,8 +34,8 @@ from pathlib import Path
 
 import torch
 
-from rlfabric.actor.tiny_model import make_tiny_model
-from rlfabric.reward import synthetic
+from rlfabric.quickstart import synthetic
+from rlfabric.quickstart.tiny_model import make_tiny_model
 
 QUICKSTART_INIT_RANGE = 0.1
 

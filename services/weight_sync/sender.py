@@ -42,10 +42,10 @@ from rlfabric.core.errors import (
     NotFound,
     ResourceExhausted,
 )
-from rlfabric.core.weight_sync.buckets import dedupe_shared, pack
-from rlfabric.core.weight_sync.grpc_stream import PushPayload, PushResult, push_weights
-from rlfabric.core.weight_sync.manifest import Manifest, SyncGroup
-from rlfabric.core.weight_sync.receiver import SLACK_S
+from rlfabric.weight_sync.buckets import dedupe_shared, pack
+from rlfabric.weight_sync.grpc_stream import PushPayload, PushResult, push_weights
+from rlfabric.weight_sync.manifest import Manifest, SyncGroup
+from rlfabric.weight_sync.receiver import SLACK_S
 
 log = logging.getLogger("rlfabric.weight_sync")
 
@@ -123,7 +123,7 @@ class WeightSender:
         entry = _Group(SyncGroup(group_id, transport, world_size, timeout_s), bucket_bytes or self.bucket_bytes,
                        dtype, tuple(addresses))
         if transport == "gloo":
-            from rlfabric.core.weight_sync.gloo import GlooTransport
+            from rlfabric.weight_sync.gloo import GlooTransport
 
             entry.store = GlooTransport.host_store(self.host, world_size, timeout_s)
             entry.group = SyncGroup(group_id, transport, world_size, timeout_s, store_host=self.host,
@@ -134,7 +134,7 @@ class WeightSender:
             client = GlooTransport.connect_store(entry.group)
             entry.connecting = _in_thread(f"weight-sync-{group_id}", GlooTransport, entry.group, 0, client)
         elif transport == "nccl":
-            from rlfabric.core.weight_sync.nccl import NcclTransport, new_unique_id
+            from rlfabric.weight_sync.nccl import NcclTransport, new_unique_id
 
             entry.group = SyncGroup(group_id, transport, world_size, timeout_s, nccl_unique_id=new_unique_id())
             entry.connecting = _in_thread(f"weight-sync-{group_id}", NcclTransport, entry.group, 0, self.device)

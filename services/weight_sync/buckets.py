@@ -18,7 +18,7 @@ import torch
 from isal.isal_zlib import crc32, crc32_combine  # noqa: F401 - crc32_combine: the receivers'
 
 from rlfabric.core.errors import InvalidArgument
-from rlfabric.core.weight_sync.manifest import BucketSpec, Manifest, TensorSpec, aligned
+from rlfabric.weight_sync.manifest import BucketSpec, Manifest, TensorSpec, aligned
 
 CRC32_IMPLEMENTATION = "isal"  # recorded by the weight-sync bench
 

@@ -4,7 +4,7 @@ worker extension.
 - WeightReceiver: rank >= 1 of one group (blocking calls): receives a manifest's buckets over the
   group's collective and checks each bucket's CRC-32 while the next one lands.
 - BucketAssembler: the same for the grpc transport, fed chunk by chunk (in any order) from the
-  PushWeights streams of a push (rlfabric.core.weight_sync.grpc_stream).
+  PushWeights streams of a push (rlfabric.weight_sync.grpc_stream).
 - Membership: a service's async handle on at most one group (join, rejoin, receive, leave); the
   blocking work runs on a thread, so the event loop keeps serving.
 
@@ -26,8 +26,8 @@ from typing import TypeVar
 import torch
 
 from rlfabric.core.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument
-from rlfabric.core.weight_sync.buckets import ChecksumMismatch, crc32, crc32_combine, unpack, verify
-from rlfabric.core.weight_sync.manifest import Manifest, SyncGroup, WeightLimits
+from rlfabric.weight_sync.buckets import ChecksumMismatch, crc32, crc32_combine, unpack, verify
+from rlfabric.weight_sync.manifest import Manifest, SyncGroup, WeightLimits
 
 # Extra seconds a caller waits beyond the group's timeout for the collective's own error to surface.
 SLACK_S = 5.0
@@ -47,11 +47,11 @@ class WeightSwap:
 def open_transport(group: SyncGroup, rank: int, device: torch.device):
     """The collective of `group` for `rank`; None for grpc (the bytes come by PushWeights)."""
     if group.transport == "gloo":
-        from rlfabric.core.weight_sync.gloo import GlooTransport
+        from rlfabric.weight_sync.gloo import GlooTransport
 
         return GlooTransport(group, rank)
     if group.transport == "nccl":
-        from rlfabric.core.weight_sync.nccl import NcclTransport
+        from rlfabric.weight_sync.nccl import NcclTransport
 
         return NcclTransport(group, rank, device)
     return None

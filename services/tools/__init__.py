@@ -1,0 +1,1 @@
+"""Build tools: protobuf stubs (protogen) and the config schema/reference (config_schema)."""
