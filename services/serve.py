@@ -1,6 +1,6 @@
 """Builds and runs one role's service: `rlfabric serve ROLE --config C`.
 
-Each role module exposes `build_service(config) -> ServiceDefinition` (its servicer(s) and engine);
+Each role folder's servicer.py has `build_service(config) -> ServiceDefinition` (its servicer and engine);
 this module maps role names to those functions explicitly and imports them lazily, so the reward
 process never imports torch.
 """
@@ -11,31 +11,21 @@ import asyncio
 from pathlib import Path
 
 from rlfabric.core.config import ROLES, RunConfig
-from rlfabric.core.server import ServerOptions, ServiceBinding, ServiceDefinition, serve
+from rlfabric.core.server import ServerOptions, ServiceDefinition, serve
 
 
 def build_service(role: str, config: RunConfig) -> ServiceDefinition:
-    """The ServiceDefinition of `role` for this config."""
+    """The ServiceDefinition of `role` for this config: each role folder's servicer.build_service."""
     if role == "coordinator":
-        from prometheus_client import CollectorRegistry
+        from rlfabric.coordinator.servicer import build_service as build_coordinator_service
 
-        from rlfabric.coordinator.servicer import CoordinatorServicer, RunController
-        from rlfabric.v1 import coordinator_pb2_grpc
-
-        registry = CollectorRegistry()
-        controller = RunController(config, registry)
-        binding = ServiceBinding(
-            CoordinatorServicer(controller),
-            coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server,
-            "rlfabric.v1.CoordinatorService",
-        )
-        return ServiceDefinition(role=role, bindings=[binding], engine=controller, registry=registry)
-    if role in ("actor", "reference", "critic"):
+        return build_coordinator_service(config)
+    if role in ("actor", "reference", "critic"):  # one engine (the trainer) behind three services
         from rlfabric.actor.servicer import build_service as build_trainer_service
 
         return build_trainer_service(role, config)
     if role == "reward":
-        from rlfabric.reward.server import build_service as build_reward_service
+        from rlfabric.reward.servicer import build_service as build_reward_service
 
         return build_reward_service(config)
     if role == "rollout":

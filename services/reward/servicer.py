@@ -1,10 +1,17 @@
-"""RewardService: proto -> domain items -> await the engine -> proto. No scoring logic here."""
+"""RewardService: proto -> domain items -> await the engine -> proto (no scoring logic here), and
+build_service, which `rlfabric serve reward` calls. Nothing here imports torch."""
 
 from __future__ import annotations
 
+from prometheus_client import CollectorRegistry
+
+from rlfabric.core.config import RunConfig
+from rlfabric.core.server import ServiceBinding, ServiceDefinition
 from rlfabric.reward import wire
 from rlfabric.reward.engine import RewardEngine
 from rlfabric.v1 import reward_pb2, reward_pb2_grpc
+
+SERVICE_NAME = "rlfabric.v1.RewardService"
 
 
 class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
@@ -25,3 +32,11 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
             items_scored=status.items_scored,
             items_failed=status.items_failed,
         )
+
+
+def build_service(config: RunConfig) -> ServiceDefinition:
+    """The reward role: a RewardEngine for config.reward behind RewardService."""
+    registry = CollectorRegistry()
+    engine = RewardEngine(config.reward, registry, max_response_length=config.data.max_response_length)
+    binding = ServiceBinding(RewardServicer(engine), reward_pb2_grpc.add_RewardServiceServicer_to_server, SERVICE_NAME)
+    return ServiceDefinition(role="reward", bindings=[binding], engine=engine, registry=registry)

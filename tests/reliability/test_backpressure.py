@@ -20,7 +20,7 @@ import pytest
 
 from rlfabric.core.config import ConfigError, config_from_dict
 from rlfabric.core.server import ServerOptions
-from rlfabric.reward.server import build_service as build_reward_service
+from rlfabric.reward.servicer import build_service as build_reward_service
 from rlfabric.rollout.servicer import build_service as build_rollout_service
 from rlfabric.v1 import reward_pb2, rollout_pb2
 from tests.waiting import wait_until

@@ -35,7 +35,7 @@ from rlfabric.core.config import RunConfig, config_from_dict
 from rlfabric.core.errors import InvalidArgument, NotFound, ResourceExhausted
 from rlfabric.core.server import ServerOptions
 from rlfabric.reward import register_scorer
-from rlfabric.reward.server import build_service as build_reward
+from rlfabric.reward.servicer import build_service as build_reward
 from rlfabric.v1 import reward_pb2, reward_pb2_grpc
 from rlfabric.weight_sync.manifest import SyncGroup
 from rlfabric.weight_sync.receiver import WeightReceiver

@@ -45,7 +45,7 @@ from rlfabric.core.config import config_from_dict, default_config_path
 from rlfabric.core.server import ServerOptions
 from rlfabric.reward.client import RewardClient
 from rlfabric.reward.items import STATUS_CRASHED, ScoreItem
-from rlfabric.reward.server import build_service as build_reward_service
+from rlfabric.reward.servicer import build_service as build_reward_service
 from rlfabric.rollout.servicer import build_service as build_rollout_service
 from rlfabric.v1 import actor_pb2, reward_pb2, rollout_pb2, tensor_pb2
 

@@ -10,7 +10,7 @@ import pytest
 
 from rlfabric.core.config import RewardConfig, RunConfig
 from rlfabric.reward.client import RewardClient
-from rlfabric.reward.server import build_service
+from rlfabric.reward.servicer import build_service
 from rlfabric.v1 import reward_pb2, reward_pb2_grpc
 
 

@@ -1,0 +1,263 @@
+"""RunController: the coordinator's engine. It owns the run (one at a time) and the PPO loop task behind
+it, and answers run control (start, status, metrics, pause/resume, stop, checkpoints); the
+CoordinatorService servicer (servicer.py) is its thin gRPC face."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry
+
+from rlfabric.coordinator.checkpoints import step_dir
+from rlfabric.coordinator.loop import PPOTrainer, check_roles
+from rlfabric.coordinator.setup import build_trainer
+from rlfabric.coordinator.tracking import RunTracker
+from rlfabric.core.config import ConfigError, RunConfig, apply_override, config_from_dict, run_dir_of
+from rlfabric.core.errors import FailedPrecondition, InvalidArgument
+from rlfabric.core.storage import StorageRoot
+from rlfabric.v1 import coordinator_pb2
+
+log = logging.getLogger("rlfabric.coordinator")
+
+# StartRun may change how the loop runs, not how the services were started (their model, dtype,
+# optimizer and sampling temperature are fixed when they start).
+RUN_OVERRIDABLE = ("trainer.", "data.", "algorithm.", "rollout.n=", "rollout.top_p=", "rollout.top_k=",
+                   "rollout.response_length=", "rollout.seed=", "rollout.val_", "weight_sync.timeout_s=")
+ACTIVE = (coordinator_pb2.RUN_STATE_RUNNING, coordinator_pb2.RUN_STATE_PAUSED)
+
+
+class RunController:
+    """One run at a time: starts the PPO loop as a task, reports its state, relays run control."""
+
+    def __init__(self, config: RunConfig, registry: CollectorRegistry | None = None):
+        self.base_config = config
+        self.registry = registry or CollectorRegistry()
+        self.run_id = ""
+        self.state = coordinator_pb2.RUN_STATE_UNSPECIFIED
+        self.phase = "idle"
+        self.error = ""
+        self.total_steps = 0
+        self.trainer: PPOTrainer | None = None
+        self.history: list[tuple[int, dict[str, float], float]] = []
+        self._changed = asyncio.Condition()
+        self._resumed = asyncio.Event()
+        self._resumed.set()
+        self._stop_requested = False
+        self._save_on_stop = False
+        self._task: asyncio.Task | None = None
+        self._tracker = None
+        self._starting = False  # a StartRun is building its run (the awaits before state RUNNING)
+
+    # -- engine protocol (the server calls these) -------------------------------------------------
+
+    async def start(self) -> None:
+        """Nothing to load: the coordinator holds no model."""
+
+    async def stop(self) -> None:
+        """Server shutdown: stop the loop where it is (the last checkpoint stays the resume point)."""
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    # -- run control --------------------------------------------------------------------------------
+
+    async def start_run(self, overrides: list[str]) -> tuple[str, int]:
+        """Builds the run (config, data, connections), resumes if a checkpoint says so, starts the loop."""
+        # Checked and claimed with no await in between: a second StartRun sees the first one at once.
+        if self._starting:
+            raise FailedPrecondition("another StartRun is starting a run on this mesh; one run at a time")
+        if self.state in ACTIVE:
+            raise FailedPrecondition(f"run {self.run_id} is {coordinator_pb2.RunState.Name(self.state)}; one run "
+                                     "at a time: StopRun it first")
+        self._starting = True
+        try:
+            return await self._start_run(overrides)
+        finally:
+            self._starting = False
+
+    async def _start_run(self, overrides: list[str]) -> tuple[str, int]:
+        config = self._config_with(overrides)
+        check_roles(config)
+        trainer = await build_trainer(config, self._between_steps, self._set_phase, self._record_metrics)
+        # The actor was started with the mesh's config: its mini-batch (in rows) does not follow a StartRun
+        # override of rollout.n.
+        base = self.base_config
+        trainer.actor_mini_batch_rows = base.actor.ppo_mini_batch_size * base.rollout.n
+        try:
+            start_step = await trainer.prepare(run_dir_of(self.base_config) / "initial_weights")
+        except BaseException:
+            await trainer.peers.close()
+            raise
+        self.trainer = trainer
+        self._tracker = RunTracker(trainer.run_dir, config, self.registry, total_steps=config.trainer.total_steps,
+                                   start_step=start_step)
+        self.run_id = trainer.run_id or uuid.uuid4().hex[:12]
+        self.total_steps = config.trainer.total_steps
+        self.history = []
+        self.error = ""
+        self._stop_requested = self._save_on_stop = False
+        self._resumed.set()
+        self.state = coordinator_pb2.RUN_STATE_RUNNING
+        self._task = asyncio.create_task(self._run(trainer), name=f"run-{self.run_id}")
+        log.info("run %s started at step %d of %d", self.run_id, start_step, self.total_steps)
+        return self.run_id, start_step
+
+    def status(self) -> coordinator_pb2.GetRunStatusResponse:
+        trainer = self.trainer
+        return coordinator_pb2.GetRunStatusResponse(
+            run_id=self.run_id, state=self.state, step=trainer.step if trainer else 0,
+            total_steps=self.total_steps, phase=self.phase,
+            last_metrics=self.history[-1][1] if self.history else {},
+            weight_version=trainer.weight_version if trainer else 0, error=self.error)
+
+    async def metrics_since(self, from_step: int):
+        """Every recorded step >= from_step, then each new one, until the run ends."""
+        sent = 0
+        while True:
+            async with self._changed:
+                await self._changed.wait_for(lambda seen=sent: len(self.history) > seen or self.state not in ACTIVE)
+                fresh = self.history[sent:]
+                sent = len(self.history)
+                finished = self.state not in ACTIVE
+            for step, metrics, timestamp in fresh:
+                if step >= from_step:
+                    yield step, metrics, timestamp
+            if finished and sent == len(self.history):
+                return
+
+    def pause(self) -> None:
+        self._require_active()
+        self._resumed.clear()
+
+    def resume(self) -> None:
+        self._require_active()
+        self._resumed.set()
+
+    async def stop_run(self, save_checkpoint: bool) -> None:
+        """Ends the run at the next step boundary, after a checkpoint and the final-model export unless
+        save_checkpoint is false; returns once it has ended, with an error if the save failed."""
+        self._require_active()
+        # Two StopRuns: either asking for the checkpoint gets it (nothing trained is dropped silently).
+        self._stop_requested, self._save_on_stop = True, self._save_on_stop or save_checkpoint
+        self.trainer.save_at_end = self.trainer.save_at_end or save_checkpoint  # a stop during the last step
+        self._resumed.set()
+        # wait(), not gather(): a StopRun that is cancelled (deadline, client gone) must not cancel the run
+        # (and its checkpoint) with it.
+        await asyncio.wait({self._task})
+        if self.state == coordinator_pb2.RUN_STATE_FAILED:
+            raise FailedPrecondition(f"the run failed while stopping: {self.error}")
+
+    async def save_checkpoint(self) -> tuple[Path, int]:
+        """A checkpoint now (idle run) or at the next step boundary (running run)."""
+        trainer = self.trainer
+        if trainer is None:
+            raise FailedPrecondition("no run has been started")
+        if self.state in ACTIVE:
+            if trainer.checkpoint_requested is None:
+                trainer.checkpoint_requested = asyncio.get_running_loop().create_future()
+            path = await asyncio.shield(trainer.checkpoint_requested)
+        else:
+            path = await trainer.save_checkpoint()
+        return path, trainer.step
+
+    # -- inside the run -------------------------------------------------------------------------------
+
+    async def _run(self, trainer: PPOTrainer) -> None:
+        try:
+            await trainer.run()
+            self.state, self.phase = coordinator_pb2.RUN_STATE_COMPLETED, "finished"
+        except _StopRun:
+            self.state, self.phase = coordinator_pb2.RUN_STATE_STOPPED, "stopped"
+        except asyncio.CancelledError:
+            self.state, self.phase = coordinator_pb2.RUN_STATE_STOPPED, "stopped"
+            raise
+        except Exception as error:  # the run fails; the service keeps answering
+            log.exception("run %s failed", self.run_id)
+            where = f"while {self.phase} after step {trainer.step}"  # e.g. "while computing after step 2"
+            self.state, self.phase = coordinator_pb2.RUN_STATE_FAILED, "failed"
+            self.error = f"{type(error).__name__} {where}: {error}"
+        finally:
+            # A SaveCheckpoint still waiting for a step boundary gets an answer: the run ended first.
+            pending = trainer.checkpoint_requested
+            if pending is not None and not pending.done() and trainer.step and trainer.last_checkpoint_step == trainer.step:
+                pending.set_result(step_dir(trainer.run_dir, trainer.step))  # the end's own checkpoint has it all
+            elif pending is not None and not pending.done():
+                ended = coordinator_pb2.RunState.Name(self.state)
+                pending.set_exception(FailedPrecondition(
+                    f"the run ended ({ended}) before the requested checkpoint was taken"
+                    f"{': ' + self.error if self.error else ''}"))
+            if self._tracker is not None:
+                self._tracker.close()
+            await trainer.weight_sync.close()
+            await trainer.peers.close()
+            async with self._changed:
+                self._changed.notify_all()
+
+    async def _between_steps(self) -> None:
+        """Run control at a step boundary: pause waits here, stop ends the run here."""
+        if not self._resumed.is_set():
+            self._set_phase("paused")
+            self.state = coordinator_pb2.RUN_STATE_PAUSED
+            await self._resumed.wait()
+            self.state = coordinator_pb2.RUN_STATE_RUNNING
+        if self._stop_requested:
+            if self._save_on_stop:
+                await self.trainer.keep_policy(checkpoint=True)
+            raise _StopRun()
+
+    def _set_phase(self, phase: str) -> None:
+        self.phase = phase
+
+    def _record_metrics(self, step: int, metrics: dict[str, float]) -> None:
+        self.history.append((step, dict(metrics), time.time()))
+        if self._tracker is not None:
+            self._tracker.log(step, metrics)
+        asyncio.get_running_loop().create_task(self._notify())
+
+    async def _notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+    def _config_with(self, overrides: list[str]) -> RunConfig:
+        for override in overrides:
+            if override.startswith("trainer.run_dir="):
+                raise InvalidArgument("StartRun cannot set trainer.run_dir (a run must not write into another's "
+                                      "folder); set trainer.experiment_name to keep this run in "
+                                      "RUN_DIR/experiments/<name>")
+            if not override.startswith(RUN_OVERRIDABLE):
+                raise InvalidArgument(f"override {override!r} cannot change a running mesh; StartRun accepts "
+                                      f"{', '.join(RUN_OVERRIDABLE)}")
+        tree = self.base_config.model_dump(mode="json")
+        try:
+            for override in overrides:
+                apply_override(tree, override)
+            config = config_from_dict(tree)
+        except ConfigError as error:
+            raise InvalidArgument(str(error)) from None
+        self._confine_paths(config)
+        return config
+
+    def _confine_paths(self, config: RunConfig) -> None:
+        """Paths a StartRun changed must lie under the storage root (PermissionDenied naming it) and are
+        replaced by their resolved form; the mesh's own config, written by its operator, may name data
+        anywhere."""
+        storage, base = StorageRoot.from_config(self.base_config), self.base_config
+        for what in ("train_files", "val_files"):
+            paths = getattr(config.data, what)
+            if paths != getattr(base.data, what):
+                setattr(config.data, what, [str(storage.resolve(path, f"data.{what}")) for path in paths])
+        resume = config.trainer.resume_from_path
+        if resume and resume != base.trainer.resume_from_path:
+            config.trainer.resume_from_path = str(storage.resolve(resume, "trainer.resume_from_path"))
+
+    def _require_active(self) -> None:
+        if self.state not in ACTIVE:
+            raise FailedPrecondition(f"no run is in progress (state {coordinator_pb2.RunState.Name(self.state)})")
+
+
+class _StopRun(Exception):
+    """Raised at a step boundary after StopRun."""
