@@ -320,7 +320,7 @@ def _train_in_process(args) -> int:
         raise ConfigError("--in-process runs every role in this process: --launcher, --address and --coordinator "
                           "do not apply")
     config_path, overrides = _split_config_and_overrides(args)
-    config = load_config(config_path, overrides)
+    config = load_run_config(config_path, overrides)
     run_dir = args.run_dir or default_run_dir(config)
     setup_logging("in-process", run_dir.name, config.server.log_level)
     print(f"rlfabric: starting every role in this process in {run_dir}", flush=True)

@@ -10,7 +10,6 @@ import sys
 
 import pytest
 
-from rlfabric.actor.tiny_model import make_tiny_model
 from rlfabric.cli import _external_roles
 from rlfabric.coordinator.client import CoordinatorClient
 from rlfabric.core.client import ChannelOptions
@@ -23,16 +22,11 @@ from tests.conftest import ServerThread
 from tests.coordinator.meshes import FAST, fast_config
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("debug-model") / "tiny")
-
-
-def test_train_in_process_runs_every_role_in_one_process(model, tmp_path):
+def test_train_in_process_runs_every_role_in_one_process(tiny_model, tmp_path):
     run_dir = tmp_path / "run"
     done = subprocess.run(
         [sys.executable, "-m", "rlfabric", "train", "--in-process", "--run-dir", str(run_dir),
-         f"model.path={model}", *FAST],
+         f"model.path={tiny_model}", *FAST],
         capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "RUN_STATE_COMPLETED at step 2" in done.stdout
@@ -40,7 +34,7 @@ def test_train_in_process_runs_every_role_in_one_process(model, tmp_path):
     assert not (run_dir / "ports").exists()  # no service was launched: no process reported a port
 
 
-def test_train_in_process_refuses_options_of_other_launchers(model, tmp_path):
+def test_train_in_process_refuses_options_of_other_launchers(tiny_model, tmp_path):
     done = subprocess.run([sys.executable, "-m", "rlfabric", "train", "--in-process", "--coordinator", "h:1"],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "--in-process runs every role in this process" in done.stderr
@@ -58,11 +52,11 @@ def test_external_roles_are_checked():
 
 
 @pytest.mark.slow
-def test_up_leaves_an_external_role_to_whoever_serves_it(model, tmp_path):
+def test_up_leaves_an_external_role_to_whoever_serves_it(tiny_model, tmp_path):
     """The reward is served here (as `rlfabric serve reward` under a debugger would); the mesh's runs score there."""
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    config = fast_config(model, "trainer.total_steps=1")
+    config = fast_config(tiny_model, "trainer.total_steps=1")
     config.server.auth_token_file = str(write_mesh_token(run_dir))  # the mesh's token, for both sides
     reward = build_service("reward", config)
     server = ServerThread(reward, ServerOptions.from_config(config.server, port=0, metrics_port=0))

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from rlfabric.actor.client import ActorClient, CriticClient, LocalActorClient, LocalCriticClient
-from rlfabric.actor.tiny_model import make_tiny_model
 from rlfabric.core.errors import InvalidArgument
 from rlfabric.core.server import ServerOptions
 from rlfabric.inprocess import InProcessMesh
@@ -25,10 +24,6 @@ from tests.coordinator.meshes import fast_config
 GRPC_CLIENTS = {"actor": ActorClient, "critic": CriticClient, "rollout": RolloutClient}
 LOCAL_CLIENTS = {"actor": LocalActorClient, "critic": LocalCriticClient, "rollout": LocalRolloutClient}
 
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("clients-model") / "tiny")
 
 
 @contextlib.asynccontextmanager
@@ -63,9 +58,9 @@ def both(role: str, config, call):
     return {kind: asyncio.run(one(kind)) for kind in ("in-process", "grpc")}
 
 
-def test_log_probs_are_the_same_in_process_and_over_grpc(model):
+def test_log_probs_are_the_same_in_process_and_over_grpc(tiny_model):
     batch = make_batch(rows=4)
-    out = both("actor", fast_config(model), lambda actor: actor.compute_log_probs(batch, temperature=0.0))
+    out = both("actor", fast_config(tiny_model), lambda actor: actor.compute_log_probs(batch, temperature=0.0))
     # temperature 0 is the proto's default: 1.0 on both paths
     torch.testing.assert_close(out["in-process"]["log_probs"], out["grpc"]["log_probs"])
 
@@ -75,25 +70,25 @@ def test_log_probs_are_the_same_in_process_and_over_grpc(model):
     (lambda batch: batch.update(rewards=batch["advantages"]), "batch has unexpected tensor(s) ['rewards']"),
     (lambda batch: batch.update(advantages=batch["advantages"][:1]), "batch entries disagree on the row count"),
 ], ids=["missing", "unexpected", "row-count"])
-def test_a_bad_update_batch_is_the_same_invalid_argument(model, fault, message):
+def test_a_bad_update_batch_is_the_same_invalid_argument(tiny_model, fault, message):
     batch = make_batch(rows=8)
     batch["advantages"] = torch.zeros_like(batch["response_mask"], dtype=torch.float32)
     fault(batch)
-    out = both("actor", fast_config(model, "rollout.n=1"), lambda actor: actor.update_policy(batch))
+    out = both("actor", fast_config(tiny_model, "rollout.n=1"), lambda actor: actor.update_policy(batch))
     for kind, error in out.items():
         assert isinstance(error, InvalidArgument), (kind, error)
         assert message in str(error), (kind, error)
 
 
-def test_a_bad_value_batch_is_the_same_invalid_argument(model):
+def test_a_bad_value_batch_is_the_same_invalid_argument(tiny_model):
     batch = make_batch(rows=4)  # no values, no returns
-    out = both("critic", fast_config(model, "algorithm.adv_estimator=gae"), lambda critic: critic.update_values(batch))
+    out = both("critic", fast_config(tiny_model, "algorithm.adv_estimator=gae"), lambda critic: critic.update_values(batch))
     for kind, error in out.items():
         assert isinstance(error, InvalidArgument) and "missing tensor(s) ['values', 'returns']" in str(error), kind
 
 
-def test_rollout_requests_are_checked_as_the_service_sees_them(model):
-    config = fast_config(model)
+def test_rollout_requests_are_checked_as_the_service_sees_them(tiny_model):
+    config = fast_config(tiny_model)
     # top_p 0 is the proto's "unset" (1.0): accepted on both paths; n 0 is refused on both.
     unset_top_p = SamplingSpec(n=2, max_tokens=3, top_p=0.0, seed=1, temperature=0.0)
     out = both("rollout", config, lambda rollout: rollout.generate([[5, 6, 7]], unset_top_p))
@@ -104,8 +99,8 @@ def test_rollout_requests_are_checked_as_the_service_sees_them(model):
         assert isinstance(error, InvalidArgument) and "sampling_params.n must be >= 1" in str(error), kind
 
 
-def test_weight_handoff_gives_the_rollout_the_actors_trained_weights(model, tmp_path):
-    config = fast_config(model, "trainer.total_steps=1", "trainer.export_final=false")
+def test_weight_handoff_gives_the_rollout_the_actors_trained_weights(tiny_model, tmp_path):
+    config = fast_config(tiny_model, "trainer.total_steps=1", "trainer.export_final=false")
 
     async def scenario():
         async with InProcessMesh(config, tmp_path / "run") as mesh:

@@ -9,20 +9,15 @@ import dataclasses
 
 import pytest
 
-from rlfabric.actor.tiny_model import make_tiny_model
 from rlfabric.coordinator.client import CoordinatorInterface
 from rlfabric.core.errors import FailedPrecondition, InvalidArgument, Unavailable
 from rlfabric.v1 import coordinator_pb2
 from tests.coordinator.meshes import MESHES, fast_config, in_process
+from tests.waiting import wait_until_async
 
 BOTH = pytest.mark.parametrize("mesh", list(MESHES))
 RUNNING = (coordinator_pb2.RUN_STATE_RUNNING, coordinator_pb2.RUN_STATE_PAUSED)
 
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    """A tiny random Qwen2 with its chat tokenizer (rlfabric.actor.tiny_model)."""
-    return make_tiny_model(tmp_path_factory.mktemp("loop-model") / "tiny")
 
 
 async def finished(client: CoordinatorInterface) -> dict[int, dict[str, float]]:
@@ -32,10 +27,12 @@ async def finished(client: CoordinatorInterface) -> dict[int, dict[str, float]]:
 
 async def until_state(client: CoordinatorInterface, state: int, timeout_s: float = 60.0):
     """The run status once the run is in `state` (the controller sets it at a step boundary)."""
-    async with asyncio.timeout(timeout_s):
-        while (status := await client.run_status()).state != state:
-            await asyncio.sleep(0.02)
-    return status
+
+    async def in_state():
+        status = await client.run_status()
+        return status if status.state == state else None
+
+    return await wait_until_async(in_state, timeout_s, f"run state {coordinator_pb2.RunState.Name(state)}")
 
 
 async def first_step(client: CoordinatorInterface) -> int:
@@ -48,9 +45,9 @@ async def first_step(client: CoordinatorInterface) -> int:
 
 
 @BOTH
-def test_sync_run_trains_on_fresh_weights(model, tmp_path, mesh):
+def test_sync_run_trains_on_fresh_weights(tiny_model, tmp_path, mesh):
     async def scenario():
-        async with MESHES[mesh](fast_config(model), tmp_path / "run") as client:
+        async with MESHES[mesh](fast_config(tiny_model), tmp_path / "run") as client:
             await client.start_run()
             metrics = await finished(client)
             status = await client.run_status()
@@ -68,8 +65,8 @@ def test_sync_run_trains_on_fresh_weights(model, tmp_path, mesh):
 
 
 @BOTH
-def test_async_prefetch_trains_one_version_behind(model, tmp_path, mesh):
-    config = fast_config(model, "trainer.mode=async", "trainer.max_staleness=1", "trainer.total_steps=3")
+def test_async_prefetch_trains_one_version_behind(tiny_model, tmp_path, mesh):
+    config = fast_config(tiny_model, "trainer.mode=async", "trainer.max_staleness=1", "trainer.total_steps=3")
 
     async def scenario():
         async with MESHES[mesh](config, tmp_path / "run") as client:
@@ -87,9 +84,9 @@ def test_async_prefetch_trains_one_version_behind(model, tmp_path, mesh):
 
 
 @BOTH
-def test_save_checkpoint_during_a_run(model, tmp_path, mesh):
+def test_save_checkpoint_during_a_run(tiny_model, tmp_path, mesh):
     async def scenario():
-        async with MESHES[mesh](fast_config(model, "trainer.total_steps=4"), tmp_path / "run") as client:
+        async with MESHES[mesh](fast_config(tiny_model, "trainer.total_steps=4"), tmp_path / "run") as client:
             await client.start_run()
             saved = await client.save_checkpoint()  # taken at the next step boundary
             status_then = await client.run_status()
@@ -104,9 +101,9 @@ def test_save_checkpoint_during_a_run(model, tmp_path, mesh):
 
 
 @BOTH
-def test_pause_resume_then_stop_with_a_checkpoint(model, tmp_path, mesh):
+def test_pause_resume_then_stop_with_a_checkpoint(tiny_model, tmp_path, mesh):
     async def scenario():
-        async with MESHES[mesh](fast_config(model, "trainer.total_steps=200"), tmp_path / "run") as client:
+        async with MESHES[mesh](fast_config(tiny_model, "trainer.total_steps=200"), tmp_path / "run") as client:
             await client.start_run()
             await first_step(client)
             await client.pause_run()
@@ -127,9 +124,9 @@ def test_pause_resume_then_stop_with_a_checkpoint(model, tmp_path, mesh):
 
 
 @BOTH
-def test_run_control_without_a_run_is_refused(model, tmp_path, mesh):
+def test_run_control_without_a_run_is_refused(tiny_model, tmp_path, mesh):
     async def scenario():
-        async with MESHES[mesh](fast_config(model), tmp_path / "run") as client:
+        async with MESHES[mesh](fast_config(tiny_model), tmp_path / "run") as client:
             for call in (client.pause_run(), client.resume_run(), client.stop_run(), client.save_checkpoint()):
                 with pytest.raises(FailedPrecondition):
                     await call
@@ -189,56 +186,56 @@ class OldWeights:
             yield dataclasses.replace(sample, weight_version=sample.weight_version - self.behind)
 
 
-def run_wrapped(model, run_dir, wrap, *overrides: str):
+def run_wrapped(model_path, run_dir, wrap, *overrides: str):
     """One run on the in-process mesh with wrap(peers) applied; its metrics and final status."""
 
     async def scenario():
-        async with in_process(fast_config(model, *overrides), run_dir, wrap_peers=wrap) as client:
+        async with in_process(fast_config(model_path, *overrides), run_dir, wrap_peers=wrap) as client:
             await client.start_run()
             return await finished(client), await client.run_status()
 
     return asyncio.run(scenario())
 
 
-def test_reward_that_fails_twice_is_retried(model, tmp_path):
+def test_reward_that_fails_twice_is_retried(tiny_model, tmp_path):
     rewards = []
 
     def wrap(peers):
         rewards.append(FlakyReward(peers.reward, failures=2))
         return dataclasses.replace(peers, reward=rewards[-1])
 
-    metrics, status = run_wrapped(model, tmp_path / "run", wrap, "trainer.total_steps=1")
+    metrics, status = run_wrapped(tiny_model, tmp_path / "run", wrap, "trainer.total_steps=1")
     assert status.state == coordinator_pb2.RUN_STATE_COMPLETED, status.error
     assert rewards[0].calls > 2 and sorted(metrics) == [1]
 
 
-def test_reward_down_past_the_retry_window_fails_the_run(model, tmp_path):
+def test_reward_down_past_the_retry_window_fails_the_run(tiny_model, tmp_path):
     def wrap(peers):
         return dataclasses.replace(peers, reward=FlakyReward(peers.reward, failures=10**6))
 
-    metrics, status = run_wrapped(model, tmp_path / "run", wrap, "trainer.reward_retry_window_s=0")
+    metrics, status = run_wrapped(tiny_model, tmp_path / "run", wrap, "trainer.reward_retry_window_s=0")
     assert status.state == coordinator_pb2.RUN_STATE_FAILED and metrics == {}
     assert "injected failure" in status.error and "scoring gave up" in status.error
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_actor_update_failure_fails_the_run_at_that_step(model, tmp_path, mode):
+def test_actor_update_failure_fails_the_run_at_that_step(tiny_model, tmp_path, mode):
     def wrap(peers):
         return dataclasses.replace(peers, actor=FailingUpdate(peers.actor, step=2))
 
-    metrics, status = run_wrapped(model, tmp_path / "run", wrap, f"trainer.mode={mode}", "trainer.total_steps=3")
+    metrics, status = run_wrapped(tiny_model, tmp_path / "run", wrap, f"trainer.mode={mode}", "trainer.total_steps=3")
     assert status.state == coordinator_pb2.RUN_STATE_FAILED and sorted(metrics) == [1]
     assert "injected update failure at step 2" in status.error and "after step 1" in status.error
     # The last good state stays the resume point: no checkpoint of the failed step.
     assert not (tmp_path / "run" / "checkpoints" / "global_step_2").exists()
 
 
-def test_samples_older_than_the_staleness_bound_fail_the_step(model, tmp_path):
+def test_samples_older_than_the_staleness_bound_fail_the_step(tiny_model, tmp_path):
     def wrap(peers):
         for replica in peers.rollout.replicas:
             replica.client = OldWeights(replica.client, behind=2)
         return peers
 
-    metrics, status = run_wrapped(model, tmp_path / "run", wrap, "trainer.mode=async", "trainer.max_staleness=1")
+    metrics, status = run_wrapped(tiny_model, tmp_path / "run", wrap, "trainer.mode=async", "trainer.max_staleness=1")
     assert status.state == coordinator_pb2.RUN_STATE_FAILED and metrics == {}
     assert "trainer.max_staleness 1" in status.error
