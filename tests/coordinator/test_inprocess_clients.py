@@ -14,6 +14,8 @@ from rlfabric.actor.client import ActorClient, CriticClient, LocalActorClient, L
 from rlfabric.core.errors import InvalidArgument
 from rlfabric.core.server import ServerOptions
 from rlfabric.inprocess import InProcessMesh
+from rlfabric.reward.client import LocalRewardClient, RewardClient
+from rlfabric.reward.items import ScoreItem
 from rlfabric.rollout.client import LocalRolloutClient, RolloutClient
 from rlfabric.rollout.types import SamplingSpec
 from rlfabric.serve import build_service
@@ -21,8 +23,9 @@ from tests.actor.helpers import make_batch
 from tests.conftest import ServerThread
 from tests.coordinator.meshes import fast_config
 
-GRPC_CLIENTS = {"actor": ActorClient, "critic": CriticClient, "rollout": RolloutClient}
-LOCAL_CLIENTS = {"actor": LocalActorClient, "critic": LocalCriticClient, "rollout": LocalRolloutClient}
+GRPC_CLIENTS = {"actor": ActorClient, "critic": CriticClient, "rollout": RolloutClient, "reward": RewardClient}
+LOCAL_CLIENTS = {"actor": LocalActorClient, "critic": LocalCriticClient, "rollout": LocalRolloutClient,
+                 "reward": LocalRewardClient}
 
 
 
@@ -97,6 +100,14 @@ def test_rollout_requests_are_checked_as_the_service_sees_them(tiny_model):
     out = both("rollout", config, lambda rollout: rollout.generate([[5, 6, 7]], SamplingSpec(n=0, max_tokens=3)))
     for kind, error in out.items():
         assert isinstance(error, InvalidArgument) and "sampling_params.n must be >= 1" in str(error), kind
+
+
+def test_reward_items_are_checked_as_the_wire_checks_them(tiny_model):
+    """A ground truth that is not a string cannot go on the wire: the in-process client refuses it too."""
+    items = [ScoreItem("synthetic", "a", "a"), ScoreItem("synthetic", "a", 1)]
+    out = both("reward", fast_config(tiny_model), lambda reward: reward.score(items))
+    for kind, error in out.items():
+        assert isinstance(error, InvalidArgument) and "item 1: ground_truth must be a string" in str(error), kind
 
 
 def test_weight_handoff_gives_the_rollout_the_actors_trained_weights(tiny_model, tmp_path):
