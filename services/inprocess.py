@@ -7,10 +7,12 @@
 `rlfabric train --in-process` runs this. Each role's engine is built exactly as `rlfabric serve ROLE`
 builds it (rlfabric.serve.build_service); the coordinator's RunController and PPOTrainer are the same
 objects; only the clients differ: LocalActorClient, LocalRolloutClient, ... call the engines directly,
-after the same request checks the servicers make. A breakpoint anywhere (the loop, an engine, a
-scorer) stops the whole run in one debugger. What stays out is the wire: no gRPC servers, no auth, no
-readiness probes, no Prometheus servicer metrics, no multi-rank roles across processes (world_size > 1
-still spawns its worker ranks).
+after the same request checks the servicers make, so a bad request gets the same domain error
+(InvalidArgument, ...) as over gRPC. An unexpected exception (a bug) reaches the caller as itself, with
+its traceback, where gRPC would answer INTERNAL. A breakpoint anywhere (the loop, an engine, a scorer)
+stops the whole run in one debugger. What stays out is the wire: no gRPC servers, auth, TLS, message
+limits, readiness probes or servicer metrics. A role with world_size > 1 still runs its other ranks as
+processes of their own.
 
 Weight sync is a direct handoff (LocalWeightSync): the actor gathers its full weights, as it does for
 every transport, casts them to the receivers' dtype, and each rollout engine swaps them in through
