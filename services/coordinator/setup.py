@@ -53,6 +53,8 @@ async def connect_services(config: RunConfig) -> tuple[Peers, WeightSyncPlane]:
     return peers, plane
 
 
+# config -> (peers, weight sync): a WeightSyncPlane, or what the loop uses of one (open, sync, close,
+# receivers, stale), e.g. rlfabric.inprocess.LocalWeightSync.
 Connect = Callable[[RunConfig], Awaitable[tuple[Peers, WeightSyncPlane]]]
 
 
