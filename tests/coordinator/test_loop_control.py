@@ -186,6 +186,23 @@ class OldWeights:
             yield dataclasses.replace(sample, weight_version=sample.weight_version - self.behind)
 
 
+class BrokenRollout:
+    """A rollout replica whose first `failures` generations fail as a crashed engine's do (Unavailable)."""
+
+    def __init__(self, inner, failures: int):
+        self.inner, self.failures, self.calls = inner, failures, 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    async def generate_stream(self, prompts, params, timeout_s=None):
+        self.calls += 1
+        if self.calls <= self.failures:
+            raise Unavailable("injected: the engine died")
+        async for sample in self.inner.generate_stream(prompts, params, timeout_s):
+            yield sample
+
+
 def run_wrapped(model_path, run_dir, wrap, *overrides: str):
     """One run on the in-process mesh with wrap(peers) applied; its metrics and final status."""
 
@@ -228,6 +245,21 @@ def test_actor_update_failure_fails_the_run_at_that_step(tiny_model, tmp_path, m
     assert "injected update failure at step 2" in status.error and "after step 1" in status.error
     # The last good state stays the resume point: no checkpoint of the failed step.
     assert not (tmp_path / "run" / "checkpoints" / "global_step_2").exists()
+
+
+def test_a_failing_rollout_replica_is_routed_around(tiny_model, tmp_path):
+    broken = []
+
+    def wrap(peers):
+        replica = peers.rollout.replicas[0]
+        replica.client = BrokenRollout(replica.client, failures=1)
+        broken.append(replica.client)
+        return peers
+
+    metrics, status = run_wrapped(tiny_model, tmp_path / "run", wrap, "rollout.replicas=2")
+    assert status.state == coordinator_pb2.RUN_STATE_COMPLETED, status.error
+    assert broken[0].calls >= 1 and sorted(metrics) == [1, 2]
+    assert metrics[2]["weight_sync/replicas"] == 2  # the replica that failed a generation still gets the weights
 
 
 def test_samples_older_than_the_staleness_bound_fail_the_step(tiny_model, tmp_path):
