@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from rlfabric.actor.client import LocalActorClient, LocalCriticClient, LocalReferenceClient
+from rlfabric.actor.client import ActorAsReference, LocalActorClient, LocalCriticClient, LocalReferenceClient
 from rlfabric.coordinator.client import LocalCoordinatorClient
 from rlfabric.coordinator.peers import Peers
 from rlfabric.coordinator.servicer import RunController
@@ -155,12 +155,17 @@ class InProcessMesh:
         config.cluster names, and the direct weight handoff."""
         cluster = config.cluster
         rollouts = list(cluster.rollout)
+        actor = LocalActorClient(self.engines[cluster.actor[0]])
+        # As Peers.connect chooses: with LoRA the actor's base model is the reference.
+        reference = LocalReferenceClient(self.engines[cluster.reference[0]]) if config.uses_reference() else None
+        if config.needs_reference_log_probs() and config.actor.lora.enabled:
+            reference = ActorAsReference(actor)
         peers = Peers(
-            actor=LocalActorClient(self.engines[cluster.actor[0]]),
+            actor=actor,
             rollout=RolloutRouter(rollouts, max_attempts=config.trainer.rollout_retries + 1,
                                   clients=[LocalRolloutClient(self.engines[a]) for a in rollouts]),
             reward=LocalRewardClient(self.engines[cluster.reward[0]]),
-            reference=LocalReferenceClient(self.engines[cluster.reference[0]]) if config.uses_reference() else None,
+            reference=reference,
             critic=LocalCriticClient(self.engines[cluster.critic[0]]) if config.uses_critic() else None,
             rollout_addresses=rollouts,
         )

@@ -321,10 +321,11 @@ class _LocalTrainerClient:
     def __init__(self, engine: TrainerEngine):
         self.engine = engine
 
-    async def _forward(self, batch: Tensors, temperature: float = 1.0,
-                       compute_entropy: bool = False) -> dict[str, torch.Tensor]:
+    async def _forward(self, batch: Tensors, temperature: float = 1.0, compute_entropy: bool = False,
+                       base_model: bool = False) -> dict[str, torch.Tensor]:
         codec.check_batch(batch, *FORWARD_BATCH)
-        return await self.engine.compute(dict(batch), wire_temperature(temperature), compute_entropy)
+        return await self.engine.compute(dict(batch), wire_temperature(temperature), compute_entropy,
+                                         base_model=base_model)
 
     async def _update(self, batch: Tensors, schema, global_step: int) -> dict[str, float]:
         codec.check_batch(batch, *schema)
@@ -338,8 +339,8 @@ class LocalActorClient(_LocalTrainerClient, ActorInterface):
     """ActorInterface over a TrainerEngine("actor") in this process (started and stopped by its owner)."""
 
     async def compute_log_probs(self, batch: Tensors, temperature: float = 1.0, compute_entropy: bool = False,
-                                timeout_s: float | None = None) -> dict[str, torch.Tensor]:
-        return await self._forward(batch, temperature, compute_entropy)
+                                timeout_s: float | None = None, base_model: bool = False) -> dict[str, torch.Tensor]:
+        return await self._forward(batch, temperature, compute_entropy, base_model)
 
     async def update_policy(self, batch: Tensors, global_step: int = 0,
                             timeout_s: float | None = None) -> dict[str, float]:

@@ -84,6 +84,22 @@ def test_async_prefetch_trains_one_version_behind(tiny_model, tmp_path, mesh):
 
 
 @BOTH
+def test_lora_run_takes_its_reference_from_the_actors_base_model(tiny_model, tmp_path, mesh):
+    config = fast_config(tiny_model, "actor.lora.rank=4", "actor.use_kl_loss=true")
+
+    async def scenario():
+        async with MESHES[mesh](config, tmp_path / "run") as client:
+            await client.start_run()
+            return await finished(client), await client.run_status()
+
+    metrics, status = asyncio.run(scenario())
+    assert status.state == coordinator_pb2.RUN_STATE_COMPLETED, status.error
+    assert not config.cluster.reference  # no reference service: the actor answers for it
+    assert metrics[1]["actor/kl_loss"] == pytest.approx(0.0, abs=1e-6)  # step 1: policy == base model
+    assert metrics[2]["actor/kl_loss"] > 0  # after one update the adapters move the policy off its base
+
+
+@BOTH
 def test_save_checkpoint_during_a_run(tiny_model, tmp_path, mesh):
     async def scenario():
         async with MESHES[mesh](fast_config(tiny_model, "trainer.total_steps=4"), tmp_path / "run") as client:
