@@ -3,6 +3,8 @@
     rlfabric up [CONFIG] [--run-dir DIR] [key=value ...]       local mesh until Ctrl-C
     rlfabric train [CONFIG] [--run-dir DIR] [key=value ...]    local mesh + training run + teardown
         (both take --launcher ray [--address ADDR]: each service as a Ray actor on a Ray cluster)
+    rlfabric up --external ROLE=HOST:PORT ...                   the mesh without ROLE, which you serve yourself
+    rlfabric train --in-process [CONFIG] [key=value ...]       every role in this process (debuggers, breakpoints)
     rlfabric serve ROLE --config C [--port P --metrics-port M] one service (what containers run)
     rlfabric train --coordinator HOST:PORT [CONFIG] [key=value ...]   a run on a mesh that is already up
     rlfabric status [--run-dir DIR | --coordinator HOST:PORT --token-file F]   ask a running coordinator
@@ -74,11 +76,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     up = commands.add_parser("up", help="start the local mesh and keep it up until Ctrl-C")
     _add_config_args(up)
+    up.add_argument("--external", action="append", default=[], metavar="ROLE=HOST:PORT",
+                    help="do not start ROLE: you serve it yourself at HOST:PORT (e.g. `rlfabric serve ROLE` under "
+                         "a debugger, with RUN_DIR/config.yaml); repeat for several roles or replicas")
     train = commands.add_parser("train", help="start the local mesh, run training, tear down; or, with "
                                              "--coordinator, run it on a mesh that is already up")
     _add_config_args(train)
     _add_coordinator_args(train, "attach: start the run on this running mesh's coordinator (CONFIG is the "
                                  "mesh's config: its services' addresses and TLS; the overrides go to StartRun)")
+    train.add_argument("--in-process", action="store_true",
+                       help="run every role in this process, with in-process clients instead of gRPC: the same "
+                            "loop and engines, one debugger for all of them (python -m pdb -m rlfabric train "
+                            "--in-process)")
     train.add_argument("--wait-timeout", type=float, default=900.0,
                        help="--coordinator: how long to wait for every service of the mesh to be ready (s)")
 
@@ -164,6 +173,8 @@ def _start_mesh(args):
     run_dir = args.run_dir or default_run_dir(config)
     setup_logging("launcher", run_dir.name, config.server.log_level)
     if args.launcher == "ray":
+        if getattr(args, "external", []):
+            raise ConfigError("--external is for the local launcher")
         try:
             from rlfabric.launch.ray import RayMesh
         except ImportError as error:
@@ -172,8 +183,24 @@ def _start_mesh(args):
         return RayMesh(config, run_dir, address=args.address)
     if args.address:
         raise ConfigError("--address is for --launcher ray")
+    external = _external_roles(getattr(args, "external", []))
     print(f"rlfabric: starting the local mesh in {run_dir} (logs in {run_dir}/logs)", flush=True)
-    return LocalMesh(config, run_dir)
+    for role, addresses in external.items():
+        port = addresses[0].rpartition(":")[2]
+        print(f"rlfabric: not starting {role}: serve it at {', '.join(addresses)} yourself, e.g. "
+              f"rlfabric serve {role} --config {run_dir}/config.yaml --port {port} --metrics-port 0", flush=True)
+    return LocalMesh(config, run_dir, external=external)
+
+
+def _external_roles(items: list[str]) -> dict[str, list[str]]:
+    """`--external ROLE=HOST:PORT` arguments as {role: [addresses]}."""
+    external: dict[str, list[str]] = {}
+    for item in items:
+        role, sep, address = item.partition("=")
+        if not sep or not address:
+            raise ConfigError(f"--external {item}: give ROLE=HOST:PORT")
+        external.setdefault(role, []).append(address)
+    return external
 
 
 def _raise_on_sigterm() -> None:
@@ -208,6 +235,8 @@ def cmd_train(args) -> int:
     from rlfabric.core.config import run_dir_of
 
     _raise_on_sigterm()
+    if args.in_process:
+        return _train_in_process(args)
     if args.coordinator:
         return _train_attached(args)
     mesh = _start_mesh(args)
@@ -217,7 +246,7 @@ def cmd_train(args) -> int:
         options = ChannelOptions.from_config(mesh.config)
         print(f"rlfabric: mesh ready; coordinator at {address}", flush=True)
         try:
-            code = asyncio.run(_run_training(address, options, mesh.config, run_dir))
+            code = asyncio.run(_run_training_at(address, options, mesh.config, run_dir))
         except KeyboardInterrupt:
             print("rlfabric: interrupted; stopping after the current step with a checkpoint "
                   "(Ctrl-C again to stop without one)", flush=True)
@@ -258,12 +287,18 @@ def _exit_code(status) -> int:
     return 0
 
 
-async def _run_training(address: str, options, config, run_dir: Path) -> int:
+async def _run_training_at(address: str, options, config, run_dir: Path) -> int:
     from rlfabric.coordinator.client import CoordinatorClient
-    from rlfabric.coordinator.tracking import read_metrics
 
     async with CoordinatorClient(address, options) as client:
-        status = await _start_and_watch(client, [], progress_bar=config.trainer.progress_bar)
+        return await _run_training(client, config, run_dir)
+
+
+async def _run_training(client, config, run_dir: Path) -> int:
+    """One run through `client` (a CoordinatorInterface) from start to end; its exit code."""
+    from rlfabric.coordinator.tracking import read_metrics
+
+    status = await _start_and_watch(client, [], progress_bar=config.trainer.progress_bar)
     if status is None:
         return 1
     scores = [r["critic/score/mean"] for r in read_metrics(run_dir / "metrics.jsonl") if "critic/score/mean" in r]
@@ -272,6 +307,40 @@ async def _run_training(address: str, options, config, run_dir: Path) -> int:
         print(f"rlfabric: critic/score/mean first step {scores[0]:.3f}, mean of the last {len(last)} "
               f"steps {sum(last) / len(last):.3f}", flush=True)
     return _exit_code(status)
+
+
+def _train_in_process(args) -> int:
+    """`rlfabric train --in-process [CONFIG] [key=value ...]`: every role's engine, the coordinator's
+    loop and in-process clients between them, in this process (rlfabric.inprocess). Ctrl-C stops at
+    once; the last checkpoint stays the resume point."""
+    from rlfabric.core.config import run_dir_of
+    from rlfabric.launch.local import default_run_dir
+
+    if args.launcher != "local" or args.address or args.coordinator:
+        raise ConfigError("--in-process runs every role in this process: --launcher, --address and --coordinator "
+                          "do not apply")
+    config_path, overrides = _split_config_and_overrides(args)
+    config = load_run_config(config_path, overrides)
+    run_dir = args.run_dir or default_run_dir(config)
+    setup_logging("in-process", run_dir.name, config.server.log_level)
+    print(f"rlfabric: starting every role in this process in {run_dir}", flush=True)
+    try:
+        code = asyncio.run(_in_process_training(config, run_dir))
+    except KeyboardInterrupt:
+        print("rlfabric: interrupted; the run stopped where it was (its last checkpoint is the resume point)",
+              flush=True)
+        code = 130
+    if config.trainer.run_dir:  # set once RUN_DIR was prepared
+        _print_outputs(run_dir_of(config))
+    return code
+
+
+async def _in_process_training(config, run_dir: Path) -> int:
+    from rlfabric.core.config import run_dir_of
+    from rlfabric.inprocess import InProcessMesh
+
+    async with InProcessMesh(config, run_dir) as mesh:
+        return await _run_training(mesh.coordinator, config, run_dir_of(config))
 
 
 def _train_attached(args) -> int:

@@ -5,18 +5,23 @@
         metrics = await actor.update_policy({**batch, "old_log_probs": out["log_probs"], "advantages": adv})
 
 Each role has one interface (ActorInterface, ReferenceInterface, CriticInterface: what the coordinator
-calls) and a gRPC implementation of it (ActorClient, ReferenceClient, CriticClient). `batch` is a dict of
-tensors in the layout of rlfabric.actor.batch. Failed calls raise the domain error of their status code
-(InvalidArgument, Unavailable, ...), naming the role, its address and the call.
+calls) and two implementations of it: over gRPC (ActorClient, ReferenceClient, CriticClient) and over a
+TrainerEngine in this process (LocalActorClient, ...: the in-process mesh, rlfabric.inprocess). `batch` is
+a dict of tensors in the layout of rlfabric.actor.batch. Failed calls raise the domain error of their
+status code (InvalidArgument, Unavailable, ...), over gRPC naming the role, its address and the call;
+in process the same class, raised by the same check (a request is checked against the batch schemas
+below by both: the servicer while decoding, the local client before calling the engine).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import torch
 
+from rlfabric.actor.batch import POSITION_IDS, SEQUENCE
 from rlfabric.core import codec
 from rlfabric.core.client import ServiceClient
 from rlfabric.core.errors import FailedPrecondition
@@ -33,7 +38,21 @@ from rlfabric.weight_sync.grpc_stream import PushResult
 from rlfabric.weight_sync.manifest import transport_to_proto
 from rlfabric.weight_sync.sender import BroadcastResult
 
+if TYPE_CHECKING:
+    from rlfabric.actor.engine import TrainerEngine
+
 Tensors = Mapping[str, torch.Tensor]
+
+# The (required, optional) tensors of each request's batch.
+FORWARD_BATCH = (SEQUENCE, (POSITION_IDS,))  # ComputeLogProbs, ComputeValues
+# + old_log_probs, unless the update is one optimizer step
+POLICY_UPDATE_BATCH = ((*SEQUENCE, "advantages"), (POSITION_IDS, "old_log_probs", "ref_log_probs"))
+VALUE_UPDATE_BATCH = ((*SEQUENCE, "values", "returns"), (POSITION_IDS,))
+
+
+def wire_temperature(temperature: float) -> float:
+    """A request's sampling temperature as the engine takes it: 0 (the proto default) means 1.0."""
+    return temperature if temperature != 0 else 1.0
 
 
 # -- the interfaces ----------------------------------------------------------------------------------
@@ -291,3 +310,109 @@ class CriticClient(ServiceClient, CriticInterface):
 
     async def get_status(self) -> critic_pb2.CriticServiceGetStatusResponse:
         return await self.call("GetStatus", critic_pb2.CriticServiceGetStatusRequest())
+
+
+# -- in process ---------------------------------------------------------------------------------------
+
+
+class _LocalTrainerClient:
+    """What the three in-process clients share: the engine, get_status, close."""
+
+    def __init__(self, engine: TrainerEngine):
+        self.engine = engine
+
+    async def _forward(self, batch: Tensors, temperature: float = 1.0, compute_entropy: bool = False,
+                       base_model: bool = False) -> dict[str, torch.Tensor]:
+        codec.check_batch(batch, *FORWARD_BATCH)
+        return await self.engine.compute(dict(batch), wire_temperature(temperature), compute_entropy,
+                                         base_model=base_model)
+
+    async def _update(self, batch: Tensors, schema, global_step: int) -> dict[str, float]:
+        codec.check_batch(batch, *schema)
+        return await self.engine.update(dict(batch), global_step)
+
+    async def close(self) -> None:
+        """Nothing to release: the engine belongs to whoever started it."""
+
+
+class LocalActorClient(_LocalTrainerClient, ActorInterface):
+    """ActorInterface over a TrainerEngine("actor") in this process (started and stopped by its owner)."""
+
+    async def compute_log_probs(self, batch: Tensors, temperature: float = 1.0, compute_entropy: bool = False,
+                                timeout_s: float | None = None, base_model: bool = False) -> dict[str, torch.Tensor]:
+        return await self._forward(batch, temperature, compute_entropy, base_model)
+
+    async def update_policy(self, batch: Tensors, global_step: int = 0,
+                            timeout_s: float | None = None) -> dict[str, float]:
+        return await self._update(batch, POLICY_UPDATE_BATCH, global_step)
+
+    async def save_checkpoint(self, path: str, timeout_s: float | None = None) -> int:
+        return await self.engine.save_checkpoint(str(path))
+
+    async def load_checkpoint(self, path: str, timeout_s: float | None = None) -> int:
+        return await self.engine.load_checkpoint(str(path))
+
+    async def export_hf(self, path: str, timeout_s: float | None = None) -> int:
+        return await self.engine.export_hf(str(path))
+
+    async def get_status(self) -> actor_pb2.ActorServiceGetStatusResponse:
+        status = self.engine.status()
+        return actor_pb2.ActorServiceGetStatusResponse(
+            model=status.model, world_size=status.world_size, optimizer_step=status.optimizer_step,
+            num_parameters=status.num_parameters)
+
+    async def open_weight_sync_group(self, transport: str, num_receivers: int, bucket_bytes: int = 0,
+                                     target_dtype: torch.dtype | None = None, timeout_s: float = 0.0,
+                                     grpc_receiver_addresses: tuple[str, ...] = ()) -> SyncGroup:
+        return await self.engine.open_weight_sync("" if transport == "auto" else transport, num_receivers,
+                                                  bucket_bytes, target_dtype, timeout_s, grpc_receiver_addresses)
+
+    async def prepare_weight_sync(self, group_id: str, version: int, timeout_s: float | None = None) -> Manifest:
+        return await self.engine.prepare_weight_sync(group_id, version)
+
+    async def broadcast_weights(self, group_id: str, version: int, timeout_s: float | None = None) -> BroadcastResult:
+        return await self.engine.broadcast_weights(group_id, version)
+
+    async def close_weight_sync_group(self, group_id: str, timeout_s: float | None = None) -> None:
+        await self.engine.close_weight_sync(group_id)
+
+
+class LocalReferenceClient(_LocalTrainerClient, ReferenceInterface):
+    """ReferenceInterface over a TrainerEngine("reference") in this process."""
+
+    async def compute_log_probs(self, batch: Tensors, temperature: float = 1.0, compute_entropy: bool = False,
+                                timeout_s: float | None = None) -> dict[str, torch.Tensor]:
+        return await self._forward(batch, temperature, compute_entropy)
+
+    async def get_status(self) -> reference_pb2.ReferenceServiceGetStatusResponse:
+        return reference_pb2.ReferenceServiceGetStatusResponse(model=self.engine.status().model,
+                                                               weight_version=self.engine.weight_version)
+
+    async def join_weight_sync_group(self, group: SyncGroup, rank: int, timeout_s: float | None = None) -> None:
+        await self.engine.join_weight_sync(group, rank)
+
+    async def receive_weights(self, manifest: Manifest, timeout_s: float | None = None) -> tuple[int, float]:
+        return await self.engine.receive_weights(manifest), 0.0
+
+
+class LocalCriticClient(_LocalTrainerClient, CriticInterface):
+    """CriticInterface over a TrainerEngine("critic") in this process."""
+
+    async def compute_values(self, batch: Tensors, timeout_s: float | None = None) -> dict[str, torch.Tensor]:
+        codec.check_batch(batch, *FORWARD_BATCH)
+        return await self.engine.compute(dict(batch))
+
+    async def update_values(self, batch: Tensors, global_step: int = 0,
+                            timeout_s: float | None = None) -> dict[str, float]:
+        return await self._update(batch, VALUE_UPDATE_BATCH, global_step)
+
+    async def save_checkpoint(self, path: str, timeout_s: float | None = None) -> int:
+        return await self.engine.save_checkpoint(str(path))
+
+    async def load_checkpoint(self, path: str, timeout_s: float | None = None) -> int:
+        return await self.engine.load_checkpoint(str(path))
+
+    async def get_status(self) -> critic_pb2.CriticServiceGetStatusResponse:
+        status = self.engine.status()
+        return critic_pb2.CriticServiceGetStatusResponse(
+            model=status.model, world_size=status.world_size, optimizer_step=status.optimizer_step)

@@ -305,6 +305,11 @@ class TrainerEngine:
     def _prepare_weight_sync(self, sender: WeightSender, group_id: str, version: int) -> Manifest:
         return sender.prepare(group_id, version, self.policy_weights())
 
+    async def gather_weights(self) -> dict[str, torch.Tensor]:
+        """policy_weights on the torch thread: what a weight sync sends, and what the in-process mesh
+        hands its rollout engines directly (rlfabric.inprocess)."""
+        return await self._run(self.policy_weights)
+
     async def broadcast_weights(self, group_id: str, version: int) -> BroadcastResult:
         result = await self._weight_sender().broadcast(group_id, version)
         self._sync_seconds.labels(self.role).observe(result.seconds)

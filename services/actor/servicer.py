@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry
 
-from rlfabric.actor.batch import POSITION_IDS, SEQUENCE
+from rlfabric.actor.client import FORWARD_BATCH, POLICY_UPDATE_BATCH, VALUE_UPDATE_BATCH, wire_temperature
 from rlfabric.actor.engine import TrainerEngine
 from rlfabric.core import codec
 from rlfabric.core.config import RunConfig
@@ -26,14 +26,10 @@ from rlfabric.v1 import (
 from rlfabric.weight_sync import Manifest, SyncGroup
 from rlfabric.weight_sync.manifest import transport_from_proto
 
-POLICY_UPDATE_TENSORS = (*SEQUENCE, "advantages")  # + old_log_probs, unless the update is one optimizer step
-VALUE_UPDATE_TENSORS = (*SEQUENCE, "values", "returns")
-
 
 def _decode_log_probs_input(message: actor_pb2.LogProbsInput) -> tuple[dict, float, bool]:
-    batch = codec.decode_batch(message.batch, required=SEQUENCE, optional=(POSITION_IDS,))
-    temperature = message.temperature if message.temperature != 0 else 1.0  # proto: 0 means 1.0
-    return batch.tensors, temperature, message.compute_entropy
+    batch = codec.decode_batch(message.batch, *FORWARD_BATCH)
+    return batch.tensors, wire_temperature(message.temperature), message.compute_entropy
 
 
 class ActorServicer(actor_pb2_grpc.ActorServiceServicer):
@@ -46,8 +42,7 @@ class ActorServicer(actor_pb2_grpc.ActorServiceServicer):
         return actor_pb2.ComputeLogProbsResponse(outputs=codec.encode_batch(outputs))
 
     async def UpdatePolicy(self, request, context):
-        batch = codec.decode_batch(request.batch, required=POLICY_UPDATE_TENSORS,
-                                   optional=(POSITION_IDS, "old_log_probs", "ref_log_probs"))
+        batch = codec.decode_batch(request.batch, *POLICY_UPDATE_BATCH)
         metrics = await self.engine.update(batch.tensors, request.global_step)
         return actor_pb2.UpdatePolicyResponse(metrics=metrics)
 
@@ -119,12 +114,12 @@ class CriticServicer(critic_pb2_grpc.CriticServiceServicer):
         self.engine = engine
 
     async def ComputeValues(self, request, context):
-        batch = codec.decode_batch(request.batch, required=SEQUENCE, optional=(POSITION_IDS,))
+        batch = codec.decode_batch(request.batch, *FORWARD_BATCH)
         outputs = await self.engine.compute(batch.tensors)
         return critic_pb2.ComputeValuesResponse(outputs=codec.encode_batch(outputs))
 
     async def UpdateValues(self, request, context):
-        batch = codec.decode_batch(request.batch, required=VALUE_UPDATE_TENSORS, optional=(POSITION_IDS,))
+        batch = codec.decode_batch(request.batch, *VALUE_UPDATE_BATCH)
         metrics = await self.engine.update(batch.tensors, request.global_step)
         return critic_pb2.UpdateValuesResponse(metrics=metrics)
 

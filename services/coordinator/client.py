@@ -5,18 +5,23 @@
         async for update in coordinator.stream_metrics(from_step=1):
             print(update.step, update.metrics["critic/score/mean"])
 
-CoordinatorInterface is run control as a caller sees it; CoordinatorClient implements it over gRPC.
-Answers are the service's messages (rlfabric.v1.coordinator_pb2); failed calls raise the domain error
-of their status code (FailedPrecondition for a second run, InvalidArgument for a bad override, ...).
+CoordinatorInterface is run control as a caller sees it; CoordinatorClient implements it over gRPC,
+LocalCoordinatorClient over a RunController in this process (`rlfabric train --in-process`). Answers
+are the service's messages (rlfabric.v1.coordinator_pb2); failed calls raise the domain error of their
+status code (FailedPrecondition for a second run, InvalidArgument for a bad override, ...).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Sequence
+from typing import TYPE_CHECKING
 
 from rlfabric.core.client import ServiceClient
 from rlfabric.v1 import coordinator_pb2, coordinator_pb2_grpc
+
+if TYPE_CHECKING:
+    from rlfabric.coordinator.servicer import RunController
 
 
 class CoordinatorInterface(ABC):
@@ -93,3 +98,40 @@ class CoordinatorClient(ServiceClient, CoordinatorInterface):
     async def save_checkpoint(
             self, timeout_s: float | None = None) -> coordinator_pb2.CoordinatorServiceSaveCheckpointResponse:
         return await self.call("SaveCheckpoint", coordinator_pb2.CoordinatorServiceSaveCheckpointRequest(), timeout_s)
+
+
+class LocalCoordinatorClient(CoordinatorInterface):
+    """CoordinatorInterface over a RunController in this process; the same answers as CoordinatorServicer."""
+
+    def __init__(self, controller: RunController):
+        self.controller = controller
+
+    async def start_run(self, overrides: Sequence[str] = (),
+                        timeout_s: float | None = None) -> coordinator_pb2.StartRunResponse:
+        run_id, start_step = await self.controller.start_run(list(overrides))
+        return coordinator_pb2.StartRunResponse(run_id=run_id, start_step=start_step)
+
+    async def run_status(self, timeout_s: float | None = None) -> coordinator_pb2.GetRunStatusResponse:
+        return self.controller.status()
+
+    async def stream_metrics(self, from_step: int = 0,
+                             timeout_s: float | None = None) -> AsyncIterator[coordinator_pb2.StreamMetricsResponse]:
+        async for step, metrics, timestamp in self.controller.metrics_since(from_step):
+            yield coordinator_pb2.StreamMetricsResponse(step=step, metrics=metrics, timestamp=timestamp)
+
+    async def pause_run(self, timeout_s: float | None = None) -> None:
+        self.controller.pause()
+
+    async def resume_run(self, timeout_s: float | None = None) -> None:
+        self.controller.resume()
+
+    async def stop_run(self, skip_checkpoint: bool = False, timeout_s: float | None = None) -> None:
+        await self.controller.stop_run(save_checkpoint=not skip_checkpoint)
+
+    async def save_checkpoint(
+            self, timeout_s: float | None = None) -> coordinator_pb2.CoordinatorServiceSaveCheckpointResponse:
+        path, step = await self.controller.save_checkpoint()
+        return coordinator_pb2.CoordinatorServiceSaveCheckpointResponse(path=str(path), step=step)
+
+    async def close(self) -> None:
+        """Nothing to release: the controller belongs to whoever made it."""

@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry
 
 from rlfabric.coordinator.checkpoints import step_dir
 from rlfabric.coordinator.loop import PPOTrainer, check_roles
-from rlfabric.coordinator.setup import build_trainer
+from rlfabric.coordinator.setup import Connect, build_trainer, connect_services
 from rlfabric.coordinator.tracking import RunTracker
 from rlfabric.core.config import ConfigError, RunConfig, apply_override, config_from_dict, run_dir_of
 from rlfabric.core.errors import FailedPrecondition, InvalidArgument
@@ -31,10 +31,13 @@ ACTIVE = (coordinator_pb2.RUN_STATE_RUNNING, coordinator_pb2.RUN_STATE_PAUSED)
 
 
 class RunController:
-    """One run at a time: starts the PPO loop as a task, reports its state, relays run control."""
+    """One run at a time: starts the PPO loop as a task, reports its state, relays run control. Each
+    run's connections come from `connect` (default: the services of config.cluster over gRPC)."""
 
-    def __init__(self, config: RunConfig, registry: CollectorRegistry | None = None):
+    def __init__(self, config: RunConfig, registry: CollectorRegistry | None = None,
+                 connect: Connect = connect_services):
         self.base_config = config
+        self.connect = connect
         self.registry = registry or CollectorRegistry()
         self.run_id = ""
         self.state = coordinator_pb2.RUN_STATE_UNSPECIFIED
@@ -82,7 +85,8 @@ class RunController:
     async def _start_run(self, overrides: list[str]) -> tuple[str, int]:
         config = self._config_with(overrides)
         check_roles(config)
-        trainer = await build_trainer(config, self._between_steps, self._set_phase, self._record_metrics)
+        trainer = await build_trainer(config, self._between_steps, self._set_phase, self._record_metrics,
+                                      self.connect)
         # The actor was started with the mesh's config: its mini-batch (in rows) does not follow a StartRun
         # override of rollout.n.
         base = self.base_config

@@ -1,7 +1,13 @@
-"""Builds a run from its config: tokenizer, datasets, connections, weight sync and metric sinks."""
+"""Builds a run from its config: tokenizer, datasets, connections, weight sync and metric sinks.
+
+The connections come from a `connect` function (config -> peers and weight sync): connect_services
+for services over gRPC (config.cluster's addresses), rlfabric.inprocess.InProcessMesh.connect for
+engines in this process. Everything else is built the same way for both.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from rlfabric.actor.models import check_policy_model
@@ -35,8 +41,27 @@ def load_datasets(config: RunConfig, run_dir: Path, tokenizer) -> tuple[RLHFData
     return train, val
 
 
-async def build_trainer(config: RunConfig, between_steps, on_phase, on_metrics) -> PPOTrainer:
-    """A PPOTrainer for one run, connected to the services in config.cluster (all of them ready)."""
+async def connect_services(config: RunConfig) -> tuple[Peers, WeightSyncPlane]:
+    """Clients of the services in config.cluster (all of them ready) and the weight-sync plane over them."""
+    peers = Peers.connect(config)
+    try:
+        await peers.wait_until_ready(config.client.connect_timeout_s)
+        plane = WeightSyncPlane(peers.actor, {address: address for address in peers.rollout_addresses}, config)
+    except BaseException:
+        await peers.close()
+        raise
+    return peers, plane
+
+
+# config -> (peers, weight sync): a WeightSyncPlane, or what the loop uses of one (open, sync, close,
+# receivers, stale), e.g. rlfabric.inprocess.LocalWeightSync.
+Connect = Callable[[RunConfig], Awaitable[tuple[Peers, WeightSyncPlane]]]
+
+
+async def build_trainer(config: RunConfig, between_steps, on_phase, on_metrics,
+                        connect: Connect = connect_services) -> PPOTrainer:
+    """A PPOTrainer for one run, connected to its services by `connect` (default: over gRPC, to
+    config.cluster's addresses)."""
     if not config.model.path:
         raise FailedPrecondition("model.path is empty: the coordinator needs the policy's tokenizer")
     try:
@@ -47,12 +72,6 @@ async def build_trainer(config: RunConfig, between_steps, on_phase, on_metrics) 
     run_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = load_tokenizer(config.model.path, config.model.trust_remote_code)
     train, val = load_datasets(config, run_dir, tokenizer)
-    peers = Peers.connect(config)
-    try:
-        await peers.wait_until_ready(config.client.connect_timeout_s)
-        plane = WeightSyncPlane(peers.actor, {address: address for address in peers.rollout_addresses}, config)
-    except BaseException:
-        await peers.close()
-        raise
+    peers, plane = await connect(config)
     return PPOTrainer(config, peers, tokenizer, run_dir, train, val, plane, on_phase=on_phase,
                       on_metrics=on_metrics, between_steps=between_steps)

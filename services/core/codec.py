@@ -207,29 +207,49 @@ def decode_batch(
     must be present, names outside required + optional are rejected when either is given, and all
     tensors and columns must agree on the row count (first dimension).
     """
-    required = list(required)
-    known = set(required) | set(optional)
-    missing = [n for n in required if n not in batch.tensors]
-    if missing:
-        raise InvalidArgument(f"batch is missing tensor(s) {missing}; it has {sorted(batch.tensors)}")
-    if known:
-        unknown = sorted(set(batch.tensors) - known)
-        if unknown:
-            raise InvalidArgument(f"batch has unexpected tensor(s) {unknown}; expected {sorted(known)}")
+    check_batch_names(batch.tensors, required, optional)
     tensors = {name: to_torch(msg, name=name, copy=copy) for name, msg in batch.tensors.items()}
     columns = {name: list(col.values) for name, col in batch.columns.items()}
     row_counts = {name: (t.shape[0] if t.dim() > 0 else None) for name, t in tensors.items()}
     row_counts.update({name: len(values) for name, values in columns.items()})
+    num_rows = _check_row_counts(row_counts, allow_empty)
+    return DecodedBatch(tensors=tensors, columns=columns, num_rows=num_rows)
+
+
+def check_batch(tensors: Mapping[str, torch.Tensor], required: Iterable[str] = (), optional: Iterable[str] = (),
+                allow_empty: bool = False) -> int:
+    """decode_batch's checks on a batch that never was on the wire (an in-process client's): the same
+    InvalidArgument for the same fault. Returns the row count."""
+    check_batch_names(tensors, required, optional)
+    return _check_row_counts({name: (t.shape[0] if t.dim() > 0 else None) for name, t in tensors.items()},
+                             allow_empty)
+
+
+def check_batch_names(names: Iterable[str], required: Iterable[str] = (), optional: Iterable[str] = ()) -> None:
+    """Every name in `required` is present; when either is given, no name outside required + optional."""
+    names = set(names)
+    required = list(required)
+    known = set(required) | set(optional)
+    missing = [n for n in required if n not in names]
+    if missing:
+        raise InvalidArgument(f"batch is missing tensor(s) {missing}; it has {sorted(names)}")
+    if known:
+        unknown = sorted(names - known)
+        if unknown:
+            raise InvalidArgument(f"batch has unexpected tensor(s) {unknown}; expected {sorted(known)}")
+
+
+def _check_row_counts(row_counts: Mapping[str, int | None], allow_empty: bool) -> int:
     scalars = [n for n, r in row_counts.items() if r is None]
     if scalars:
         raise InvalidArgument(f"batch tensor(s) {scalars} are scalars; every tensor needs a row dimension")
     distinct = set(row_counts.values())
     if len(distinct) > 1:
-        raise InvalidArgument(f"batch entries disagree on the row count: {row_counts}")
+        raise InvalidArgument(f"batch entries disagree on the row count: {dict(row_counts)}")
     num_rows = distinct.pop() if distinct else 0
     if num_rows == 0 and not allow_empty:
         raise InvalidArgument("batch is empty (0 rows)")
-    return DecodedBatch(tensors=tensors, columns=columns, num_rows=num_rows)
+    return num_rows
 
 
 # ---------------------------------------------------------------------------------------------

@@ -4,6 +4,9 @@
         mesh.endpoints["rollout"][0]["grpc"]    # "127.0.0.1:43121"
         mesh.restart("rollout-1")               # after it died: again, on the same gRPC port
 
+    LocalMesh(config, run_dir, external={"actor": ["127.0.0.1:50070"]})   # every role but the actor, which
+                                                # you serve yourself (e.g. under a debugger) at that address
+
 Services bind port 0 and report their ports through RUN_DIR/ports/<name>.json (no port races).
 Logs go to RUN_DIR/logs/<name>.log. Every RPC needs the mesh's token (RUN_DIR/auth_token, 0600)
 unless server.auth_token_file names another. Children get SIGTERM if the launcher dies (PR_SET_PDEATHSIG),
@@ -22,6 +25,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -144,6 +148,18 @@ def check_model(config: RunConfig) -> None:
         raise ConfigError(str(error)) from None
 
 
+def check_external(config: RunConfig, external: Mapping[str, Sequence[str]]) -> None:
+    """Roles left to the user (`rlfabric up --external ROLE=ADDRESS`) must be roles this config runs,
+    each with at least one address; the coordinator cannot be one (the launcher configures it)."""
+    in_use = [role for role in config.roles_in_use() if role != "coordinator"]
+    for role, addresses in external.items():
+        if role not in in_use:
+            raise ConfigError(f"--external {role}: not a role this config runs without the launcher "
+                              f"(roles: {', '.join(in_use)})")
+        if not addresses or not all(addresses):
+            raise ConfigError(f"--external {role}: give its address as {role}=HOST:PORT")
+
+
 def build_tiny_model(run_dir: Path) -> Path:
     """The quickstart's model, warm-started (rlfabric.quickstart.warm_start): built once per run dir."""
     model_dir = run_dir / "model"
@@ -258,10 +274,15 @@ class MeshContext:
 
 
 class LocalMesh(MeshContext):
-    """Starts and stops the roles the config uses on this machine."""
+    """Starts and stops the roles the config uses on this machine, except the `external` ones (role ->
+    addresses), which someone else serves there: the coordinator is configured with those addresses and
+    waits for them when a run starts (client.connect_timeout_s)."""
 
-    def __init__(self, config: RunConfig, run_dir: Path | None = None, host: str = "127.0.0.1"):
+    def __init__(self, config: RunConfig, run_dir: Path | None = None, host: str = "127.0.0.1",
+                 external: Mapping[str, Sequence[str]] | None = None):
         self.config = config
+        self.external = {role: list(addresses) for role, addresses in (external or {}).items()}
+        check_external(config, self.external)
         self.run_dir = Path(run_dir) if run_dir else default_run_dir(config)
         self.run_id = self.run_dir.name
         self.host = host
@@ -275,12 +296,15 @@ class LocalMesh(MeshContext):
         worker_config = prepare_run_dir(self.config, self.run_dir)
         (self.run_dir / "ports").mkdir(exist_ok=True)
         for name, role in service_names(self.config):
-            self._spawn(name, role, worker_config)
+            if role not in self.external:
+                self._spawn(name, role, worker_config)
         for proc in self.processes:
             self._await_ports(proc)
         self._record_endpoints()
         # The coordinator reads the others' addresses from its config's cluster section.
-        coordinator_config = write_coordinator_config(self.config, self.endpoints, self.run_dir)
+        external = {role: [{"name": f"{role}-{i}", "grpc": address} for i, address in enumerate(addresses)]
+                    for role, addresses in self.external.items()}
+        coordinator_config = write_coordinator_config(self.config, {**self.endpoints, **external}, self.run_dir)
         coordinator = self._spawn("coordinator", "coordinator", coordinator_config)
         self._await_ports(coordinator)
         self._record_endpoints()

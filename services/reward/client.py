@@ -59,13 +59,17 @@ class RewardClient(ServiceClient, RewardInterface):
 
 
 class LocalRewardClient(RewardInterface):
-    """RewardInterface over an engine in this process (started and stopped by its owner)."""
+    """RewardInterface over an engine in this process (started and stopped by its owner). The items go
+    through their wire form and back, with the servicer's checks in its order, so the engine scores what
+    it would be sent and a batch RewardClient refuses is refused here with the same error."""
 
     def __init__(self, engine: RewardEngine):
         self.engine = engine
 
     async def score(self, items: Sequence[ScoreItem], timeout_s: float | None = None) -> list[ItemResult]:
-        return await self.engine.score(items)
+        request = wire.request_from_items(items)
+        self.engine.check_batch_size(len(request.items))
+        return await self.engine.score(wire.items_from_request(request))
 
     async def status(self, timeout_s: float | None = None) -> RewardStatus:
         return self.engine.status()

@@ -4,21 +4,27 @@
         samples = await rollout.generate([[1, 2, 3]], SamplingSpec(n=4, max_tokens=32, seed=0))
 
 RolloutInterface is what one replica answers (the router and the weight-sync plane call it);
-RolloutClient implements it over gRPC. Failed calls raise the domain error of their status code
-(Unavailable, InvalidArgument, ...), naming the role, the replica's address and the call; the router
-looks at the error's `code` to decide on failover.
+RolloutClient implements it over gRPC, LocalRolloutClient over a RolloutEngine in this process (the
+in-process mesh, rlfabric.inprocess). Failed calls raise the domain error of their status code
+(Unavailable, InvalidArgument, ...), over gRPC naming the role, the replica's address and the call; the
+router looks at the error's `code` to decide on failover. Admission, validation and deadlines are the
+engine's, so both implementations refuse the same requests with the same errors.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Sequence
+from typing import TYPE_CHECKING
 
 from rlfabric.core.client import ServiceClient
 from rlfabric.rollout import convert
 from rlfabric.rollout.types import EngineStatus, FinishedSample, SamplingSpec
 from rlfabric.v1 import rollout_pb2, rollout_pb2_grpc
 from rlfabric.weight_sync import Manifest, SyncGroup
+
+if TYPE_CHECKING:
+    from rlfabric.rollout.engine import RolloutEngine
 
 
 class RolloutInterface(ABC):
@@ -113,3 +119,50 @@ class RolloutClient(ServiceClient, RolloutInterface):
         response = await self.call("ReceiveWeights", rollout_pb2.ReceiveWeightsRequest(manifest=manifest.to_proto()),
                                    timeout_s)
         return response.version, response.paused_seconds
+
+
+class LocalRolloutClient(RolloutInterface):
+    """RolloutInterface over a RolloutEngine in this process (started and stopped by its owner).
+
+    Prompts and sampling parameters go through their proto conversion and back, so the engine sees
+    exactly what the servicer would hand it (top_p 0 means 1, top_k 0 means off, ...)."""
+
+    def __init__(self, engine: RolloutEngine):
+        self.engine = engine
+
+    async def generate(self, prompts: Sequence[convert.PromptInput], params: SamplingSpec,
+                       timeout_s: float | None = None) -> list[FinishedSample]:
+        samples = [sample async for sample in self.generate_stream(prompts, params, timeout_s)]
+        return sorted(samples, key=convert.sample_order)
+
+    async def generate_stream(self, prompts: Sequence[convert.PromptInput], params: SamplingSpec,
+                              timeout_s: float | None = None) -> AsyncIterator[FinishedSample]:
+        as_served = [convert.prompt_from_proto(convert.prompt_to_proto(p)) for p in prompts]
+        spec = convert.sampling_from_proto(convert.sampling_to_proto(params))
+        async for sample in self.engine.generate(as_served, spec):
+            yield sample
+
+    async def status(self, timeout_s: float | None = None) -> EngineStatus:
+        return self.engine.status()
+
+    async def pause(self, abort: bool = False, timeout_s: float | None = None) -> int:
+        return await self.engine.pause(abort=abort)
+
+    async def resume(self, timeout_s: float | None = None) -> None:
+        await self.engine.resume()
+
+    async def sleep(self, level: int = 1, timeout_s: float | None = None) -> None:
+        await self.engine.sleep(level)
+
+    async def wake_up(self, tags: Sequence[str] = (), timeout_s: float | None = None) -> None:
+        await self.engine.wake_up(list(tags))
+
+    async def join_weight_sync_group(self, group: SyncGroup, rank: int, timeout_s: float | None = None) -> None:
+        await self.engine.join_weight_sync(group, rank)
+
+    async def receive_weights(self, manifest: Manifest, timeout_s: float | None = None) -> tuple[int, float]:
+        swap = await self.engine.receive_weights(manifest)
+        return swap.version, swap.paused_seconds
+
+    async def close(self) -> None:
+        """Nothing to release: the engine belongs to whoever started it."""

@@ -30,7 +30,7 @@ from grpc_health.v1 import health_pb2
 
 from rlfabric.core.client import ChannelOptions, check_health
 from rlfabric.core.errors import RlfabricError, Unavailable
-from rlfabric.rollout.client import RolloutClient
+from rlfabric.rollout.client import RolloutClient, RolloutInterface
 from rlfabric.rollout.convert import PromptInput, sample_order
 from rlfabric.rollout.types import EngineStatus, FinishedSample, SamplingSpec
 
@@ -52,7 +52,7 @@ class Replica:
     """One rollout replica as the router sees it."""
 
     address: str
-    client: RolloutClient
+    client: RolloutInterface
     healthy: bool = True
     outstanding: int = 0  # requests this router has in flight on it
     queue_depth: int = 0  # as last reported by GetStatus
@@ -79,11 +79,15 @@ class _Progress:
 
 class RolloutRouter:
     def __init__(self, addresses: Sequence[str], options: ChannelOptions | None = None,
-                 probe_interval_s: float = 2.0, max_attempts: int = 3):
+                 probe_interval_s: float = 2.0, max_attempts: int = 3,
+                 clients: Sequence[RolloutInterface] | None = None):
+        """One replica per address, reached over gRPC, or through `clients` (one per address, e.g.
+        in-process LocalRolloutClients, the addresses then only naming them)."""
         if not addresses:
             raise ValueError("RolloutRouter needs at least one rollout address")
         options = _NoRetryOptions(**{**vars(options or ChannelOptions()), "retry_max_attempts": 1})
-        self.replicas = [Replica(a, RolloutClient(a, options)) for a in addresses]
+        clients = clients or [RolloutClient(a, options) for a in addresses]
+        self.replicas = [Replica(a, c) for a, c in zip(addresses, clients, strict=True)]
         self.options = options
         self.probe_interval_s = probe_interval_s
         self.max_attempts = max_attempts
@@ -142,7 +146,11 @@ class RolloutRouter:
 
         async def check(replica: Replica) -> None:
             try:
-                status = await check_health(replica.client.channel, "readiness", timeout_s=2.0)
+                if isinstance(replica.client, RolloutClient):
+                    status = await check_health(replica.client.channel, "readiness", timeout_s=2.0)
+                else:  # an engine in this process: back when it answers
+                    await replica.client.status(timeout_s=2.0)
+                    status = health_pb2.HealthCheckResponse.SERVING
             except grpc.RpcError as error:
                 replica.last_error = f"{error.code().name}: {error.details()}"
                 return

@@ -1,0 +1,175 @@
+"""The in-process mesh: every role of a run in this one process, for debugging and fast loop tests.
+
+    async with InProcessMesh(config, run_dir) as mesh:
+        started = await mesh.coordinator.start_run(["trainer.total_steps=3"])
+        ...                                            # the CoordinatorInterface, as over gRPC
+
+`rlfabric train --in-process` runs this. Each role's engine is built exactly as `rlfabric serve ROLE`
+builds it (rlfabric.serve.build_service); the coordinator's RunController and PPOTrainer are the same
+objects; only the clients differ: LocalActorClient, LocalRolloutClient, ... call the engines directly,
+after the same request checks the servicers make, so a bad request gets the same domain error
+(InvalidArgument, ...) as over gRPC. An unexpected exception (a bug) reaches the caller as itself, with
+its traceback, where gRPC would answer INTERNAL. A breakpoint anywhere (the loop, an engine, a scorer)
+stops the whole run in one debugger. What stays out is the wire: no gRPC servers, auth, TLS, message
+limits, readiness probes or servicer metrics. A role with world_size > 1 still runs its other ranks as
+processes of their own.
+
+Weight sync is a direct handoff (LocalWeightSync): the actor gathers its full weights, as it does for
+every transport, casts them to the receivers' dtype, and each rollout engine swaps them in through
+swap_weights, the method every transport ends in, with the same version numbers as over gRPC.
+
+Tests wrap clients to inject failures: InProcessMesh(config, run_dir, wrap_peers=lambda peers:
+dataclasses.replace(peers, reward=FailingReward(peers.reward))).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+from rlfabric.actor.client import ActorAsReference, LocalActorClient, LocalCriticClient, LocalReferenceClient
+from rlfabric.coordinator.client import LocalCoordinatorClient
+from rlfabric.coordinator.peers import Peers
+from rlfabric.coordinator.run_controller import RunController
+from rlfabric.coordinator.weight_sync import SyncReport, target_dtype
+from rlfabric.core.config import RunConfig
+from rlfabric.launch.local import prepare_run_dir, service_names
+from rlfabric.reward.client import LocalRewardClient
+from rlfabric.rollout.client import LocalRolloutClient
+from rlfabric.rollout.router import RolloutRouter
+from rlfabric.serve import build_service
+
+log = logging.getLogger("rlfabric.inprocess")
+
+ADDRESS_PREFIX = "in-process:"  # config.cluster names the engines "in-process:rollout-0", ...
+
+
+class LocalWeightSync:
+    """The WeightSyncPlane's part the loop uses (open, sync, close, receivers, stale) for engines in
+    this process: the actor's gathered weights straight into each rollout engine's swap_weights."""
+
+    def __init__(self, actor_engine, rollout_engines: Mapping[str, object], config: RunConfig):
+        self.actor = actor_engine
+        self.engines = dict(rollout_engines)
+        self.dtype = target_dtype(config)  # None: the actor's own
+
+    @property
+    def receivers(self) -> dict[str, str]:
+        return {name: name for name in self.engines}
+
+    @property
+    def stale(self) -> bool:
+        """Never: there is no group to rebuild, so a failed receiver is not retried at once."""
+        return False
+
+    async def open(self) -> dict[str, str]:
+        return {}
+
+    async def close(self) -> None:
+        pass
+
+    async def sync(self, version: int) -> SyncReport:
+        """Every engine serves `version` afterwards, or is named in the report's `failed`; raises when the
+        actor cannot gather its weights (as the plane does when it cannot prepare them)."""
+        started = time.perf_counter()
+        report = SyncReport(version)
+        weights = await self.actor.gather_weights()
+        if self.dtype is not None:
+            weights = {name: tensor.to(self.dtype) for name, tensor in weights.items()}
+        report.num_bytes = sum(tensor.numel() * tensor.element_size() for tensor in weights.values())
+        names = list(self.engines)
+        swaps = await asyncio.gather(*(self.engines[name].swap_weights(list(weights.items()), version)
+                                       for name in names), return_exceptions=True)
+        for name, swap in zip(names, swaps, strict=True):
+            if isinstance(swap, BaseException):
+                report.failed[name] = f"{type(swap).__name__}: {swap}"
+            elif swap.version != version:
+                report.failed[name] = f"serves version {swap.version}, not {version}"
+            else:
+                report.paused_seconds[name] = swap.paused_seconds
+        report.seconds = report.broadcast_seconds = time.perf_counter() - started
+        return report
+
+
+class InProcessMesh:
+    """The engines of every role the config uses, started in this process, and a RunController whose
+    runs reach them through in-process clients. `coordinator` is its CoordinatorInterface."""
+
+    def __init__(self, config: RunConfig, run_dir: Path,
+                 wrap_peers: Callable[[Peers], Peers] | None = None):
+        self.config = config
+        self.run_dir = Path(run_dir)
+        self.wrap_peers = wrap_peers  # tests: wrap a client to inject failures
+        self.engines: dict[str, object] = {}  # address ("in-process:actor") -> engine
+        self.controller: RunController | None = None
+        self.coordinator: LocalCoordinatorClient | None = None
+
+    async def start(self) -> None:
+        """Prepares RUN_DIR as `rlfabric up` does (the tiny model when model.path is empty, the storage
+        root), then builds and starts each role's engine; config.cluster names them."""
+        await asyncio.to_thread(prepare_run_dir, self.config, self.run_dir)
+        addresses: dict[str, list[str]] = {}
+        for name, role in service_names(self.config):
+            address = ADDRESS_PREFIX + name
+            engine = build_service(role, self.config).engine
+            self.engines[address] = engine  # before start(): stop() stops a half-started one too
+            await engine.start()
+            addresses.setdefault(role, []).append(address)
+        for role, listed in addresses.items():
+            setattr(self.config.cluster, role, listed)
+        self.controller = RunController(self.config, connect=self.connect)
+        self.coordinator = LocalCoordinatorClient(self.controller)
+        log.info("in-process mesh ready", extra={"fields": {"run_dir": str(self.run_dir),
+                                                            "engines": list(self.engines)}})
+
+    async def stop(self) -> None:
+        """Ends a run that is still going (the last checkpoint stays the resume point), then every engine."""
+        if self.controller is not None:
+            await self.controller.stop()
+        for engine in reversed(list(self.engines.values())):
+            try:
+                await engine.stop()
+            except Exception:  # the others still stop
+                log.exception("stopping an in-process engine failed")
+
+    async def __aenter__(self) -> InProcessMesh:
+        try:
+            await self.start()
+        except BaseException:
+            await self.stop()
+            raise
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.stop()
+
+    def engine(self, name: str):
+        """The engine of service `name` ("actor", "rollout-0", ...)."""
+        return self.engines[ADDRESS_PREFIX + name]
+
+    async def connect(self, config: RunConfig) -> tuple[Peers, LocalWeightSync]:
+        """RunController's `connect` (rlfabric.coordinator.setup): in-process clients of the engines
+        config.cluster names, and the direct weight handoff."""
+        cluster = config.cluster
+        rollouts = list(cluster.rollout)
+        actor = LocalActorClient(self.engines[cluster.actor[0]])
+        # As Peers.connect chooses: with LoRA the actor's base model is the reference.
+        reference = LocalReferenceClient(self.engines[cluster.reference[0]]) if config.uses_reference() else None
+        if config.needs_reference_log_probs() and config.actor.lora.enabled:
+            reference = ActorAsReference(actor)
+        peers = Peers(
+            actor=actor,
+            rollout=RolloutRouter(rollouts, max_attempts=config.trainer.rollout_retries + 1,
+                                  clients=[LocalRolloutClient(self.engines[a]) for a in rollouts]),
+            reward=LocalRewardClient(self.engines[cluster.reward[0]]),
+            reference=reference,
+            critic=LocalCriticClient(self.engines[cluster.critic[0]]) if config.uses_critic() else None,
+            rollout_addresses=rollouts,
+        )
+        if self.wrap_peers is not None:
+            peers = self.wrap_peers(peers)
+        weight_sync = LocalWeightSync(self.engines[cluster.actor[0]], {a: self.engines[a] for a in rollouts}, config)
+        return peers, weight_sync
