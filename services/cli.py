@@ -311,7 +311,7 @@ async def _run_training(client, config, run_dir: Path) -> int:
 
 def _train_in_process(args) -> int:
     """`rlfabric train --in-process [CONFIG] [key=value ...]`: every role's engine, the coordinator's
-    loop and in-process clients between them, in this process (rlfabric.inprocess). Ctrl-C stops at
+    loop and in-process clients between them, in this process (rlfabric.launch.inprocess). Ctrl-C stops at
     once; the last checkpoint stays the resume point."""
     from rlfabric.core.config import run_dir_of
     from rlfabric.launch.local import default_run_dir
@@ -337,7 +337,7 @@ def _train_in_process(args) -> int:
 
 async def _in_process_training(config, run_dir: Path) -> int:
     from rlfabric.core.config import run_dir_of
-    from rlfabric.inprocess import InProcessMesh
+    from rlfabric.launch.inprocess import InProcessMesh
 
     async with InProcessMesh(config, run_dir) as mesh:
         return await _run_training(mesh.coordinator, config, run_dir_of(config))

@@ -6,7 +6,7 @@
 
 Each role has one interface (ActorInterface, ReferenceInterface, CriticInterface: what the coordinator
 calls) and two implementations of it: over gRPC (ActorClient, ReferenceClient, CriticClient) and over a
-TrainerEngine in this process (LocalActorClient, ...: the in-process mesh, rlfabric.inprocess). `batch` is
+TrainerEngine in this process (LocalActorClient, ...: the in-process mesh, rlfabric.launch.inprocess). `batch` is
 a dict of tensors in the layout of rlfabric.actor.batch. Failed calls raise the domain error of their
 status code (InvalidArgument, Unavailable, ...), over gRPC naming the role, its address and the call;
 in process the same class, raised by the same check (a request is checked against the batch schemas

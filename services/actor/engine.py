@@ -307,7 +307,7 @@ class TrainerEngine:
 
     async def gather_weights(self) -> dict[str, torch.Tensor]:
         """policy_weights on the torch thread: what a weight sync sends, and what the in-process mesh
-        hands its rollout engines directly (rlfabric.inprocess)."""
+        hands its rollout engines directly (rlfabric.launch.inprocess)."""
         return await self._run(self.policy_weights)
 
     async def broadcast_weights(self, group_id: str, version: int) -> BroadcastResult:

@@ -1,7 +1,7 @@
 """Builds a run from its config: tokenizer, datasets, connections, weight sync and metric sinks.
 
 The connections come from a `connect` function (config -> peers and weight sync): connect_services
-for services over gRPC (config.cluster's addresses), rlfabric.inprocess.InProcessMesh.connect for
+for services over gRPC (config.cluster's addresses), rlfabric.launch.inprocess.InProcessMesh.connect for
 engines in this process. Everything else is built the same way for both.
 """
 
@@ -54,7 +54,7 @@ async def connect_services(config: RunConfig) -> tuple[Peers, WeightSyncPlane]:
 
 
 # config -> (peers, weight sync): a WeightSyncPlane, or what the loop uses of one (open, sync, close,
-# receivers, stale), e.g. rlfabric.inprocess.LocalWeightSync.
+# receivers, stale), e.g. rlfabric.launch.inprocess.LocalWeightSync.
 Connect = Callable[[RunConfig], Awaitable[tuple[Peers, WeightSyncPlane]]]
 
 

@@ -5,7 +5,7 @@
 
 RolloutInterface is what one replica answers (the router and the weight-sync plane call it);
 RolloutClient implements it over gRPC, LocalRolloutClient over a RolloutEngine in this process (the
-in-process mesh, rlfabric.inprocess). Failed calls raise the domain error of their status code
+in-process mesh, rlfabric.launch.inprocess). Failed calls raise the domain error of their status code
 (Unavailable, InvalidArgument, ...), over gRPC naming the role, the replica's address and the call; the
 router looks at the error's `code` to decide on failover. Admission, validation and deadlines are the
 engine's, so both implementations refuse the same requests with the same errors.

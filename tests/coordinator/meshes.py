@@ -1,6 +1,6 @@
 """The two meshes the loop tests run on, built from the same config and the same engines:
 
-- in_process(config, run_dir): rlfabric.inprocess.InProcessMesh, in-process clients end to end;
+- in_process(config, run_dir): rlfabric.launch.inprocess.InProcessMesh, in-process clients end to end;
 - over_grpc(config, run_dir): each role's service (rlfabric.serve.build_service, as `rlfabric serve`
   builds it) on a real gRPC server on loopback in this process, the coordinator's RunController behind
   its own server, and a CoordinatorClient: every call crosses the wire, weight sync included (gloo).
@@ -19,7 +19,7 @@ from rlfabric.coordinator.peers import Peers
 from rlfabric.core.client import ChannelOptions
 from rlfabric.core.config import RunConfig, load_config
 from rlfabric.core.server import ServerOptions
-from rlfabric.inprocess import InProcessMesh
+from rlfabric.launch.inprocess import InProcessMesh
 from rlfabric.launch.local import prepare_run_dir, service_names
 from rlfabric.serve import build_service
 from tests.conftest import ServerThread

@@ -13,7 +13,7 @@ import torch
 from rlfabric.actor.client import ActorClient, CriticClient, LocalActorClient, LocalCriticClient
 from rlfabric.core.errors import InvalidArgument
 from rlfabric.core.server import ServerOptions
-from rlfabric.inprocess import InProcessMesh
+from rlfabric.launch.inprocess import InProcessMesh
 from rlfabric.reward.client import LocalRewardClient, RewardClient
 from rlfabric.reward.items import ScoreItem
 from rlfabric.rollout.client import LocalRolloutClient, RolloutClient

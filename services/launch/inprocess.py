@@ -42,7 +42,7 @@ from rlfabric.rollout.client import LocalRolloutClient
 from rlfabric.rollout.router import RolloutRouter
 from rlfabric.serve import build_service
 
-log = logging.getLogger("rlfabric.inprocess")
+log = logging.getLogger("rlfabric.launch.inprocess")
 
 ADDRESS_PREFIX = "in-process:"  # config.cluster names the engines "in-process:rollout-0", ...
 
