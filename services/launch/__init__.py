@@ -1,1 +1,1 @@
-"""Launchers: the local mesh (`rlfabric up`/`train`: local.py) and the Ray one (ray.py)."""
+"""Launchers: the local mesh (`rlfabric up`/`train`: local.py), the Ray one (ray.py) and the in-process one (`train --in-process`: inprocess.py)."""
