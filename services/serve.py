@@ -20,10 +20,18 @@ def build_service(role: str, config: RunConfig) -> ServiceDefinition:
         from rlfabric.coordinator.servicer import build_service as build_coordinator_service
 
         return build_coordinator_service(config)
-    if role in ("actor", "reference", "critic"):  # one engine (the trainer) behind three services
-        from rlfabric.actor.servicer import build_service as build_trainer_service
+    if role == "actor":
+        from rlfabric.actor.servicer import build_service as build_actor_service
 
-        return build_trainer_service(role, config)
+        return build_actor_service(config)
+    if role == "reference":
+        from rlfabric.reference.servicer import build_service as build_reference_service
+
+        return build_reference_service(config)
+    if role == "critic":
+        from rlfabric.critic.servicer import build_service as build_critic_service
+
+        return build_critic_service(config)
     if role == "reward":
         from rlfabric.reward.servicer import build_service as build_reward_service
 

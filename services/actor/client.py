@@ -1,12 +1,13 @@
-"""Clients of the actor, reference and critic services: torch tensors in, torch tensors out.
+"""Clients of the actor service: torch tensors in, torch tensors out; and what the reference and critic
+clients (rlfabric.reference.client, rlfabric.critic.client) share with it: the batch schemas, the wire
+helpers and the in-process base, since the three model roles run one engine (actor/engine.py).
 
     async with ActorClient("127.0.0.1:50051") as actor:
         out = await actor.compute_log_probs(batch, temperature=0.7)        # {"log_probs": [B, T]}
         metrics = await actor.update_policy({**batch, "old_log_probs": out["log_probs"], "advantages": adv})
 
-Each role has one interface (ActorInterface, ReferenceInterface, CriticInterface: what the coordinator
-calls) and two implementations of it: over gRPC (ActorClient, ReferenceClient, CriticClient) and over a
-TrainerEngine in this process (LocalActorClient, ...: the in-process mesh, rlfabric.launch.inprocess). `batch` is
+ActorInterface is what the coordinator calls; ActorClient implements it over gRPC and LocalActorClient
+over a TrainerEngine in this process (the in-process mesh, rlfabric.launch.inprocess). `batch` is
 a dict of tensors in the layout of rlfabric.actor.batch. Failed calls raise the domain error of their
 status code (InvalidArgument, Unavailable, ...), over gRPC naming the role, its address and the call;
 in process the same class, raised by the same check (a request is checked against the batch schemas
@@ -24,15 +25,7 @@ import torch
 from rlfabric.actor.batch import POSITION_IDS, SEQUENCE
 from rlfabric.core import codec
 from rlfabric.core.client import ServiceClient
-from rlfabric.core.errors import FailedPrecondition
-from rlfabric.v1 import (
-    actor_pb2,
-    actor_pb2_grpc,
-    critic_pb2,
-    critic_pb2_grpc,
-    reference_pb2,
-    reference_pb2_grpc,
-)
+from rlfabric.v1 import actor_pb2, actor_pb2_grpc
 from rlfabric.weight_sync import Manifest, SyncGroup
 from rlfabric.weight_sync.grpc_stream import PushResult
 from rlfabric.weight_sync.manifest import transport_to_proto
@@ -113,100 +106,13 @@ class ActorInterface(ABC):
         """Releases the connection (or whatever the implementation holds)."""
 
 
-class ReferenceInterface(ABC):
-    """The frozen reference policy: log-probs, and the receiving side of weight sync."""
-
-    role = "reference"
-
-    @abstractmethod
-    async def compute_log_probs(self, batch: Tensors, temperature: float = 1.0, compute_entropy: bool = False,
-                                timeout_s: float | None = None) -> dict[str, torch.Tensor]:
-        """{"log_probs": [B, T]} under the reference weights."""
-
-    @abstractmethod
-    async def get_status(self) -> reference_pb2.ReferenceServiceGetStatusResponse:
-        """Model, ranks, weight version."""
-
-    @abstractmethod
-    async def join_weight_sync_group(self, group: SyncGroup, rank: int, timeout_s: float | None = None) -> None:
-        """Joins (or rejoins) the actor's weight-sync group as `rank`."""
-
-    @abstractmethod
-    async def receive_weights(self, manifest: Manifest, timeout_s: float | None = None) -> tuple[int, float]:
-        """(version now served, paused seconds: 0, the reference serves no generation)."""
-
-    @abstractmethod
-    async def close(self) -> None:
-        """Releases the connection (or whatever the implementation holds)."""
-
-
-class CriticInterface(ABC):
-    """The value model: values, value-loss updates, checkpoints."""
-
-    role = "critic"
-
-    @abstractmethod
-    async def compute_values(self, batch: Tensors, timeout_s: float | None = None) -> dict[str, torch.Tensor]:
-        """{"values": [B, T]}, 0 on response padding."""
-
-    @abstractmethod
-    async def update_values(self, batch: Tensors, global_step: int = 0,
-                            timeout_s: float | None = None) -> dict[str, float]:
-        """Value-loss update on the batch (+ values, returns); critic/* metrics."""
-
-    @abstractmethod
-    async def save_checkpoint(self, path: str, timeout_s: float | None = None) -> int:
-        """Bytes written."""
-
-    @abstractmethod
-    async def load_checkpoint(self, path: str, timeout_s: float | None = None) -> int:
-        """The optimizer step restored."""
-
-    @abstractmethod
-    async def get_status(self) -> critic_pb2.CriticServiceGetStatusResponse:
-        """Model, ranks, optimizer step."""
-
-    @abstractmethod
-    async def close(self) -> None:
-        """Releases the connection (or whatever the implementation holds)."""
-
-
-class ActorAsReference(ReferenceInterface):
-    """The reference for free with LoRA (actor.lora): the actor's base model, its adapters off, is the
-    reference policy, so reference log-probs are the actor's ComputeLogProbs with base_model and no
-    reference service runs. It takes no weights: the base model never changes."""
-
-    def __init__(self, actor: ActorInterface):
-        self.actor = actor
-
-    async def compute_log_probs(self, batch: Tensors, temperature: float = 1.0, compute_entropy: bool = False,
-                                timeout_s: float | None = None) -> dict[str, torch.Tensor]:
-        return await self.actor.compute_log_probs(batch, temperature, compute_entropy, timeout_s, base_model=True)
-
-    async def get_status(self) -> reference_pb2.ReferenceServiceGetStatusResponse:
-        status = await self.actor.get_status()
-        return reference_pb2.ReferenceServiceGetStatusResponse(model=status.model)
-
-    async def join_weight_sync_group(self, group: SyncGroup, rank: int, timeout_s: float | None = None) -> None:
-        raise FailedPrecondition("the reference is the actor's base model (LoRA): it joins no weight sync")
-
-    async def receive_weights(self, manifest: Manifest, timeout_s: float | None = None) -> tuple[int, float]:
-        raise FailedPrecondition("the reference is the actor's base model (LoRA): it takes no weights")
-
-    async def close(self) -> None:
-        """The actor's connection is the actor client's to close."""
-
-
-# -- over gRPC ---------------------------------------------------------------------------------------
-
-
-def _log_probs_input(batch: Tensors, temperature: float, compute_entropy: bool,
+def log_probs_input(batch: Tensors, temperature: float, compute_entropy: bool,
                      base_model: bool = False) -> actor_pb2.LogProbsInput:
     return actor_pb2.LogProbsInput(batch=codec.encode_batch(batch), temperature=temperature,
                                    compute_entropy=compute_entropy, base_model=base_model)
 
 
-def _tensors(batch) -> dict[str, torch.Tensor]:
+def decoded_tensors(batch) -> dict[str, torch.Tensor]:
     return codec.decode_batch(batch, allow_empty=True, copy=True).tensors
 
 
@@ -218,8 +124,8 @@ class ActorClient(ServiceClient, ActorInterface):
     async def compute_log_probs(self, batch: Tensors, temperature: float = 1.0, compute_entropy: bool = False,
                                 timeout_s: float | None = None, base_model: bool = False) -> dict[str, torch.Tensor]:
         request = actor_pb2.ComputeLogProbsRequest(
-            input=_log_probs_input(batch, temperature, compute_entropy, base_model))
-        return _tensors((await self.call("ComputeLogProbs", request, timeout_s)).outputs)
+            input=log_probs_input(batch, temperature, compute_entropy, base_model))
+        return decoded_tensors((await self.call("ComputeLogProbs", request, timeout_s)).outputs)
 
     async def update_policy(self, batch: Tensors, global_step: int = 0,
                             timeout_s: float | None = None) -> dict[str, float]:
@@ -263,59 +169,7 @@ class ActorClient(ServiceClient, ActorInterface):
         await self.call("CloseWeightSyncGroup", actor_pb2.CloseWeightSyncGroupRequest(group_id=group_id), timeout_s)
 
 
-class ReferenceClient(ServiceClient, ReferenceInterface):
-    """ReferenceInterface over gRPC."""
-
-    stub_class = reference_pb2_grpc.ReferenceServiceStub
-
-    async def compute_log_probs(self, batch: Tensors, temperature: float = 1.0, compute_entropy: bool = False,
-                                timeout_s: float | None = None) -> dict[str, torch.Tensor]:
-        request = reference_pb2.ReferenceServiceComputeLogProbsRequest(
-            input=_log_probs_input(batch, temperature, compute_entropy))
-        return _tensors((await self.call("ComputeLogProbs", request, timeout_s)).outputs)
-
-    async def get_status(self) -> reference_pb2.ReferenceServiceGetStatusResponse:
-        return await self.call("GetStatus", reference_pb2.ReferenceServiceGetStatusRequest())
-
-    async def join_weight_sync_group(self, group: SyncGroup, rank: int, timeout_s: float | None = None) -> None:
-        request = reference_pb2.ReferenceServiceJoinWeightSyncGroupRequest(group=group.to_proto(), rank=rank)
-        await self.call("JoinWeightSyncGroup", request, timeout_s)
-
-    async def receive_weights(self, manifest: Manifest, timeout_s: float | None = None) -> tuple[int, float]:
-        request = reference_pb2.ReferenceServiceReceiveWeightsRequest(manifest=manifest.to_proto())
-        return (await self.call("ReceiveWeights", request, timeout_s)).version, 0.0
-
-
-class CriticClient(ServiceClient, CriticInterface):
-    """CriticInterface over gRPC."""
-
-    stub_class = critic_pb2_grpc.CriticServiceStub
-
-    async def compute_values(self, batch: Tensors, timeout_s: float | None = None) -> dict[str, torch.Tensor]:
-        request = critic_pb2.ComputeValuesRequest(batch=codec.encode_batch(batch))
-        return _tensors((await self.call("ComputeValues", request, timeout_s)).outputs)
-
-    async def update_values(self, batch: Tensors, global_step: int = 0,
-                            timeout_s: float | None = None) -> dict[str, float]:
-        request = critic_pb2.UpdateValuesRequest(batch=codec.encode_batch(batch), global_step=global_step)
-        return dict((await self.call("UpdateValues", request, timeout_s)).metrics)
-
-    async def save_checkpoint(self, path: str, timeout_s: float | None = None) -> int:
-        request = critic_pb2.CriticServiceSaveCheckpointRequest(location=actor_pb2.CheckpointLocation(path=str(path)))
-        return (await self.call("SaveCheckpoint", request, timeout_s)).num_bytes
-
-    async def load_checkpoint(self, path: str, timeout_s: float | None = None) -> int:
-        request = critic_pb2.CriticServiceLoadCheckpointRequest(location=actor_pb2.CheckpointLocation(path=str(path)))
-        return (await self.call("LoadCheckpoint", request, timeout_s)).optimizer_step
-
-    async def get_status(self) -> critic_pb2.CriticServiceGetStatusResponse:
-        return await self.call("GetStatus", critic_pb2.CriticServiceGetStatusRequest())
-
-
-# -- in process ---------------------------------------------------------------------------------------
-
-
-class _LocalTrainerClient:
+class LocalTrainerClient:
     """What the three in-process clients share: the engine, get_status, close."""
 
     def __init__(self, engine: TrainerEngine):
@@ -335,7 +189,7 @@ class _LocalTrainerClient:
         """Nothing to release: the engine belongs to whoever started it."""
 
 
-class LocalActorClient(_LocalTrainerClient, ActorInterface):
+class LocalActorClient(LocalTrainerClient, ActorInterface):
     """ActorInterface over a TrainerEngine("actor") in this process (started and stopped by its owner)."""
 
     async def compute_log_probs(self, batch: Tensors, temperature: float = 1.0, compute_entropy: bool = False,
@@ -377,42 +231,3 @@ class LocalActorClient(_LocalTrainerClient, ActorInterface):
         await self.engine.close_weight_sync(group_id)
 
 
-class LocalReferenceClient(_LocalTrainerClient, ReferenceInterface):
-    """ReferenceInterface over a TrainerEngine("reference") in this process."""
-
-    async def compute_log_probs(self, batch: Tensors, temperature: float = 1.0, compute_entropy: bool = False,
-                                timeout_s: float | None = None) -> dict[str, torch.Tensor]:
-        return await self._forward(batch, temperature, compute_entropy)
-
-    async def get_status(self) -> reference_pb2.ReferenceServiceGetStatusResponse:
-        return reference_pb2.ReferenceServiceGetStatusResponse(model=self.engine.status().model,
-                                                               weight_version=self.engine.weight_version)
-
-    async def join_weight_sync_group(self, group: SyncGroup, rank: int, timeout_s: float | None = None) -> None:
-        await self.engine.join_weight_sync(group, rank)
-
-    async def receive_weights(self, manifest: Manifest, timeout_s: float | None = None) -> tuple[int, float]:
-        return await self.engine.receive_weights(manifest), 0.0
-
-
-class LocalCriticClient(_LocalTrainerClient, CriticInterface):
-    """CriticInterface over a TrainerEngine("critic") in this process."""
-
-    async def compute_values(self, batch: Tensors, timeout_s: float | None = None) -> dict[str, torch.Tensor]:
-        codec.check_batch(batch, *FORWARD_BATCH)
-        return await self.engine.compute(dict(batch))
-
-    async def update_values(self, batch: Tensors, global_step: int = 0,
-                            timeout_s: float | None = None) -> dict[str, float]:
-        return await self._update(batch, VALUE_UPDATE_BATCH, global_step)
-
-    async def save_checkpoint(self, path: str, timeout_s: float | None = None) -> int:
-        return await self.engine.save_checkpoint(str(path))
-
-    async def load_checkpoint(self, path: str, timeout_s: float | None = None) -> int:
-        return await self.engine.load_checkpoint(str(path))
-
-    async def get_status(self) -> critic_pb2.CriticServiceGetStatusResponse:
-        status = self.engine.status()
-        return critic_pb2.CriticServiceGetStatusResponse(
-            model=status.model, world_size=status.world_size, optimizer_step=status.optimizer_step)

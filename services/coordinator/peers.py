@@ -11,18 +11,12 @@ import asyncio
 import logging
 from dataclasses import dataclass
 
-from rlfabric.actor.client import (
-    ActorAsReference,
-    ActorClient,
-    ActorInterface,
-    CriticClient,
-    CriticInterface,
-    ReferenceClient,
-    ReferenceInterface,
-)
+from rlfabric.actor.client import ActorClient, ActorInterface
 from rlfabric.core.client import ChannelOptions, ServiceClient, wait_until_serving
 from rlfabric.core.config import RunConfig
 from rlfabric.core.errors import DeadlineExceeded, FailedPrecondition, Unavailable
+from rlfabric.critic.client import CriticClient, CriticInterface
+from rlfabric.reference.client import ActorAsReference, ReferenceClient, ReferenceInterface
 from rlfabric.reward.client import RewardInterface, ShardedRewardClient
 from rlfabric.reward.items import ItemResult, ScoreItem
 from rlfabric.rollout.router import RolloutRouter

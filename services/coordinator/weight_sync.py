@@ -31,10 +31,11 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
-from rlfabric.actor.client import ActorInterface, ReferenceClient
+from rlfabric.actor.client import ActorInterface
 from rlfabric.core.client import ChannelOptions
 from rlfabric.core.config import RunConfig
 from rlfabric.core.dtypes import rollout_dtype, torch_dtype
+from rlfabric.reference.client import ReferenceClient
 from rlfabric.rollout.client import RolloutClient
 from rlfabric.weight_sync import Manifest, SyncGroup
 from rlfabric.weight_sync.grpc_stream import PushResult

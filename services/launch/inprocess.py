@@ -30,13 +30,15 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from rlfabric.actor.client import ActorAsReference, LocalActorClient, LocalCriticClient, LocalReferenceClient
+from rlfabric.actor.client import LocalActorClient
 from rlfabric.coordinator.client import LocalCoordinatorClient
 from rlfabric.coordinator.peers import Peers
 from rlfabric.coordinator.run_controller import RunController
 from rlfabric.coordinator.weight_sync import SyncReport, target_dtype
 from rlfabric.core.config import RunConfig
+from rlfabric.critic.client import LocalCriticClient
 from rlfabric.launch.local import prepare_run_dir, service_names
+from rlfabric.reference.client import ActorAsReference, LocalReferenceClient
 from rlfabric.reward.client import LocalRewardClient
 from rlfabric.rollout.client import LocalRolloutClient
 from rlfabric.rollout.router import RolloutRouter

@@ -9,10 +9,12 @@ import threading
 
 import torch
 
-from rlfabric.actor.client import ActorClient, CriticClient, ReferenceClient
-from rlfabric.actor.servicer import build_service
+from rlfabric.actor.client import ActorClient
 from rlfabric.core.config import RunConfig, config_from_dict
 from rlfabric.core.server import RlfabricServer, ServerOptions
+from rlfabric.critic.client import CriticClient
+from rlfabric.reference.client import ReferenceClient
+from rlfabric.serve import build_service
 
 CLIENTS = {"actor": ActorClient, "reference": ReferenceClient, "critic": CriticClient}
 PAD = 0  # the tiny tokenizer's pad token id

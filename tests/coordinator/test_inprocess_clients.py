@@ -10,9 +10,10 @@ import contextlib
 import pytest
 import torch
 
-from rlfabric.actor.client import ActorClient, CriticClient, LocalActorClient, LocalCriticClient
+from rlfabric.actor.client import ActorClient, LocalActorClient
 from rlfabric.core.errors import InvalidArgument
 from rlfabric.core.server import ServerOptions
+from rlfabric.critic.client import CriticClient, LocalCriticClient
 from rlfabric.launch.inprocess import InProcessMesh
 from rlfabric.reward.client import LocalRewardClient, RewardClient
 from rlfabric.reward.items import ScoreItem

@@ -12,12 +12,14 @@ import grpc
 import pytest
 
 from rlfabric import cli
-from rlfabric.actor.client import ActorClient, CriticClient, ReferenceClient
+from rlfabric.actor.client import ActorClient
 from rlfabric.coordinator.client import CoordinatorClient
 from rlfabric.coordinator.peers import Peers
 from rlfabric.core import errors
 from rlfabric.core.client import ChannelOptions
 from rlfabric.core.server import ServerOptions, ServiceBinding, ServiceDefinition
+from rlfabric.critic.client import CriticClient
+from rlfabric.reference.client import ReferenceClient
 from rlfabric.reward.client import RewardClient, ShardedRewardClient
 from rlfabric.reward.items import ScoreItem
 from rlfabric.rollout.client import RolloutClient

@@ -18,7 +18,6 @@ import pytest
 import torch
 
 from rlfabric.actor.client import ActorClient
-from rlfabric.actor.servicer import build_service as build_trainer
 from rlfabric.coordinator.data_prep import write_arithmetic
 from rlfabric.coordinator.dataset import RLHFDataset
 from rlfabric.coordinator.weight_sync import WeightSyncPlane
@@ -26,6 +25,7 @@ from rlfabric.core.config import load_config
 from rlfabric.reward import arithmetic
 from rlfabric.rollout.engine import load_tokenizer
 from rlfabric.rollout.servicer import build_service as build_rollout
+from rlfabric.serve import build_service as build_trainer
 from tests.rollout.conftest import require_vllm
 from tests.rollout.helpers import generate
 from tests.rollout.test_actor_agreement import actor_batch

@@ -27,12 +27,12 @@ from google.protobuf.message import DecodeError
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from rlfabric.actor.servicer import build_service as build_trainer_service
 from rlfabric.core import codec
 from rlfabric.core.config import RewardConfig, RunConfig, config_from_dict
 from rlfabric.reward.servicer import build_service as build_reward_service
 from rlfabric.rollout.servicer import build_service as build_rollout_service
 from rlfabric.serve import build_service as build_role_service
+from rlfabric.serve import build_service as build_trainer_service
 from rlfabric.v1 import (
     actor_pb2,
     coordinator_pb2,

@@ -27,10 +27,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from rlfabric.actor.servicer import build_service as build_trainer_service
 from rlfabric.core.config import config_from_dict
 from rlfabric.core.server import ServerOptions
 from rlfabric.serve import build_service
+from rlfabric.serve import build_service as build_trainer_service
 from rlfabric.v1 import (
     actor_pb2,
     actor_pb2_grpc,

@@ -38,7 +38,6 @@ import grpc
 import pytest
 import torch
 
-from rlfabric.actor.servicer import build_service as build_trainer_service
 from rlfabric.core import codec
 from rlfabric.core.client import ChannelOptions
 from rlfabric.core.config import config_from_dict, default_config_path
@@ -47,6 +46,7 @@ from rlfabric.reward.client import RewardClient
 from rlfabric.reward.items import STATUS_CRASHED, ScoreItem
 from rlfabric.reward.servicer import build_service as build_reward_service
 from rlfabric.rollout.servicer import build_service as build_rollout_service
+from rlfabric.serve import build_service as build_trainer_service
 from rlfabric.v1 import actor_pb2, reward_pb2, rollout_pb2, tensor_pb2
 
 from .helpers import (

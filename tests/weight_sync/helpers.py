@@ -17,10 +17,10 @@ import grpc
 import torch
 
 from rlfabric.actor.client import ActorClient
-from rlfabric.actor.servicer import build_service as build_trainer
 from rlfabric.core.config import RunConfig, dump_config, load_config
 from rlfabric.core.server import ServerOptions
 from rlfabric.rollout.servicer import build_service as build_rollout
+from rlfabric.serve import build_service as build_trainer
 from tests.actor.helpers import make_batch
 from tests.conftest import ServerThread
 from tests.rollout.helpers import generate

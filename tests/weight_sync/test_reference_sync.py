@@ -3,8 +3,8 @@ here with two FSDP2 ranks: rank 0 receives, every rank loads its shard."""
 
 from __future__ import annotations
 
-from rlfabric.actor.client import ReferenceClient
 from rlfabric.coordinator.weight_sync import WeightSyncPlane
+from rlfabric.reference.client import ReferenceClient
 from tests.actor.helpers import make_batch
 
 from .helpers import Mesh, mesh_config

@@ -14,9 +14,9 @@ import torch
 from grpc import aio
 from prometheus_client import generate_latest
 
-from rlfabric.actor.client import ReferenceClient
 from rlfabric.coordinator.weight_sync import WeightSyncPlane
 from rlfabric.core.errors import FailedPrecondition, InvalidArgument, NotFound
+from rlfabric.reference.client import ReferenceClient
 from rlfabric.rollout.client import RolloutClient
 from rlfabric.v1 import rollout_pb2, rollout_pb2_grpc
 from rlfabric.weight_sync import pack

@@ -1,0 +1,115 @@
+"""Clients of the reference service: ReferenceInterface (what the coordinator calls), over gRPC
+(ReferenceClient), in this process (LocalReferenceClient), and the reference for free under LoRA
+(ActorAsReference: the actor's base model)."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from rlfabric.actor.client import (
+    ActorInterface,
+    LocalTrainerClient,
+    Tensors,
+    decoded_tensors,
+    log_probs_input,
+)
+from rlfabric.core.client import ServiceClient
+from rlfabric.core.errors import FailedPrecondition
+from rlfabric.v1 import reference_pb2, reference_pb2_grpc
+from rlfabric.weight_sync import Manifest, SyncGroup
+
+
+class ReferenceInterface(ABC):
+    """The frozen reference policy: log-probs, and the receiving side of weight sync."""
+
+    role = "reference"
+
+    @abstractmethod
+    async def compute_log_probs(self, batch: Tensors, temperature: float = 1.0, compute_entropy: bool = False,
+                                timeout_s: float | None = None) -> dict[str, torch.Tensor]:
+        """{"log_probs": [B, T]} under the reference weights."""
+
+    @abstractmethod
+    async def get_status(self) -> reference_pb2.ReferenceServiceGetStatusResponse:
+        """Model, ranks, weight version."""
+
+    @abstractmethod
+    async def join_weight_sync_group(self, group: SyncGroup, rank: int, timeout_s: float | None = None) -> None:
+        """Joins (or rejoins) the actor's weight-sync group as `rank`."""
+
+    @abstractmethod
+    async def receive_weights(self, manifest: Manifest, timeout_s: float | None = None) -> tuple[int, float]:
+        """(version now served, paused seconds: 0, the reference serves no generation)."""
+
+    @abstractmethod
+    async def close(self) -> None:
+        """Releases the connection (or whatever the implementation holds)."""
+
+
+class ActorAsReference(ReferenceInterface):
+    """The reference for free with LoRA (actor.lora): the actor's base model, its adapters off, is the
+    reference policy, so reference log-probs are the actor's ComputeLogProbs with base_model and no
+    reference service runs. It takes no weights: the base model never changes."""
+
+    def __init__(self, actor: ActorInterface):
+        self.actor = actor
+
+    async def compute_log_probs(self, batch: Tensors, temperature: float = 1.0, compute_entropy: bool = False,
+                                timeout_s: float | None = None) -> dict[str, torch.Tensor]:
+        return await self.actor.compute_log_probs(batch, temperature, compute_entropy, timeout_s, base_model=True)
+
+    async def get_status(self) -> reference_pb2.ReferenceServiceGetStatusResponse:
+        status = await self.actor.get_status()
+        return reference_pb2.ReferenceServiceGetStatusResponse(model=status.model)
+
+    async def join_weight_sync_group(self, group: SyncGroup, rank: int, timeout_s: float | None = None) -> None:
+        raise FailedPrecondition("the reference is the actor's base model (LoRA): it joins no weight sync")
+
+    async def receive_weights(self, manifest: Manifest, timeout_s: float | None = None) -> tuple[int, float]:
+        raise FailedPrecondition("the reference is the actor's base model (LoRA): it takes no weights")
+
+    async def close(self) -> None:
+        """The actor's connection is the actor client's to close."""
+
+
+class ReferenceClient(ServiceClient, ReferenceInterface):
+    """ReferenceInterface over gRPC."""
+
+    stub_class = reference_pb2_grpc.ReferenceServiceStub
+
+    async def compute_log_probs(self, batch: Tensors, temperature: float = 1.0, compute_entropy: bool = False,
+                                timeout_s: float | None = None) -> dict[str, torch.Tensor]:
+        request = reference_pb2.ReferenceServiceComputeLogProbsRequest(
+            input=log_probs_input(batch, temperature, compute_entropy))
+        return decoded_tensors((await self.call("ComputeLogProbs", request, timeout_s)).outputs)
+
+    async def get_status(self) -> reference_pb2.ReferenceServiceGetStatusResponse:
+        return await self.call("GetStatus", reference_pb2.ReferenceServiceGetStatusRequest())
+
+    async def join_weight_sync_group(self, group: SyncGroup, rank: int, timeout_s: float | None = None) -> None:
+        request = reference_pb2.ReferenceServiceJoinWeightSyncGroupRequest(group=group.to_proto(), rank=rank)
+        await self.call("JoinWeightSyncGroup", request, timeout_s)
+
+    async def receive_weights(self, manifest: Manifest, timeout_s: float | None = None) -> tuple[int, float]:
+        request = reference_pb2.ReferenceServiceReceiveWeightsRequest(manifest=manifest.to_proto())
+        return (await self.call("ReceiveWeights", request, timeout_s)).version, 0.0
+
+
+class LocalReferenceClient(LocalTrainerClient, ReferenceInterface):
+    """ReferenceInterface over a TrainerEngine("reference") in this process."""
+
+    async def compute_log_probs(self, batch: Tensors, temperature: float = 1.0, compute_entropy: bool = False,
+                                timeout_s: float | None = None) -> dict[str, torch.Tensor]:
+        return await self._forward(batch, temperature, compute_entropy)
+
+    async def get_status(self) -> reference_pb2.ReferenceServiceGetStatusResponse:
+        return reference_pb2.ReferenceServiceGetStatusResponse(model=self.engine.status().model,
+                                                               weight_version=self.engine.weight_version)
+
+    async def join_weight_sync_group(self, group: SyncGroup, rank: int, timeout_s: float | None = None) -> None:
+        await self.engine.join_weight_sync(group, rank)
+
+    async def receive_weights(self, manifest: Manifest, timeout_s: float | None = None) -> tuple[int, float]:
+        return await self.engine.receive_weights(manifest), 0.0

@@ -1,0 +1,42 @@
+"""ReferenceService (thin: proto -> tensors -> await engine -> proto) and build_service, which
+rlfabric.serve calls. It joins the actor's weight-sync groups as a receiver (JoinWeightSyncGroup,
+ReceiveWeights)."""
+
+from __future__ import annotations
+
+from rlfabric.actor.engine import TrainerEngine
+from rlfabric.actor.servicer import build_trainer_service, decode_log_probs_input
+from rlfabric.core import codec
+from rlfabric.core.config import RunConfig
+from rlfabric.core.server import ServiceDefinition
+from rlfabric.v1 import reference_pb2, reference_pb2_grpc
+from rlfabric.weight_sync import Manifest, SyncGroup
+
+
+class ReferenceServicer(reference_pb2_grpc.ReferenceServiceServicer):
+    def __init__(self, engine: TrainerEngine):
+        self.engine = engine
+
+    async def ComputeLogProbs(self, request, context):
+        tensors, temperature, entropy = decode_log_probs_input(request.input)
+        outputs = await self.engine.compute(tensors, temperature, entropy, base_model=request.input.base_model)
+        return reference_pb2.ReferenceServiceComputeLogProbsResponse(outputs=codec.encode_batch(outputs))
+
+    async def JoinWeightSyncGroup(self, request, context):
+        await self.engine.join_weight_sync(SyncGroup.from_proto(request.group), request.rank)
+        return reference_pb2.ReferenceServiceJoinWeightSyncGroupResponse()
+
+    async def ReceiveWeights(self, request, context):
+        version = await self.engine.receive_weights(Manifest.from_proto(request.manifest))
+        return reference_pb2.ReferenceServiceReceiveWeightsResponse(version=version)
+
+    async def GetStatus(self, request, context):
+        # weight_version 0: the weights as loaded from the model path
+        return reference_pb2.ReferenceServiceGetStatusResponse(model=self.engine.status().model,
+                                                               weight_version=self.engine.weight_version)
+
+
+def build_service(config: RunConfig) -> ServiceDefinition:
+    """The reference role: ReferenceService over a TrainerEngine("reference")."""
+    return build_trainer_service("reference", config, ReferenceServicer,
+                                 reference_pb2_grpc.add_ReferenceServiceServicer_to_server, "rlfabric.v1.ReferenceService")
