@@ -16,7 +16,7 @@ below by both: the servicer while decoding, the local client before calling the 
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
@@ -24,7 +24,7 @@ import torch
 
 from rlfabric.actor.batch import POSITION_IDS, SEQUENCE
 from rlfabric.core import codec
-from rlfabric.core.client import ServiceClient
+from rlfabric.core.client import RoleInterface, ServiceClient
 from rlfabric.v1 import actor_pb2, actor_pb2_grpc
 from rlfabric.weight_sync import Manifest, SyncGroup
 from rlfabric.weight_sync.grpc_stream import PushResult
@@ -51,7 +51,7 @@ def wire_temperature(temperature: float) -> float:
 # -- the interfaces ----------------------------------------------------------------------------------
 
 
-class ActorInterface(ABC):
+class ActorInterface(RoleInterface):
     """The policy being trained: log-probs, PPO updates, checkpoints, and the sending side of weight sync."""
 
     role = "actor"
@@ -100,10 +100,6 @@ class ActorInterface(ABC):
     @abstractmethod
     async def close_weight_sync_group(self, group_id: str, timeout_s: float | None = None) -> None:
         """Drops the group and what it holds."""
-
-    @abstractmethod
-    async def close(self) -> None:
-        """Releases the connection (or whatever the implementation holds)."""
 
 
 def log_probs_input(batch: Tensors, temperature: float, compute_entropy: bool,

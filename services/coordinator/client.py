@@ -13,18 +13,18 @@ status code (FailedPrecondition for a second run, InvalidArgument for a bad over
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING
 
-from rlfabric.core.client import ServiceClient
+from rlfabric.core.client import RoleInterface, ServiceClient
 from rlfabric.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 if TYPE_CHECKING:
     from rlfabric.coordinator.servicer import RunController
 
 
-class CoordinatorInterface(ABC):
+class CoordinatorInterface(RoleInterface):
     """Run control: start, pause, resume and stop a run, checkpoint it, follow it."""
 
     role = "coordinator"
@@ -62,10 +62,6 @@ class CoordinatorInterface(ABC):
     async def save_checkpoint(
             self, timeout_s: float | None = None) -> coordinator_pb2.CoordinatorServiceSaveCheckpointResponse:
         """A checkpoint at the next step boundary; returns its path and step once it is written."""
-
-    @abstractmethod
-    async def close(self) -> None:
-        """Releases the connection (or whatever the implementation holds)."""
 
 
 class CoordinatorClient(ServiceClient, CoordinatorInterface):

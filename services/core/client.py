@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -114,6 +115,17 @@ def open_channel(address: str, options: ChannelOptions | None = None) -> aio.Cha
     if options.tls.ca_file or options.tls.cert_file:
         return aio.secure_channel(address, channel_credentials(options.tls), options=options.grpc_options())
     return aio.insecure_channel(address, options=options.grpc_options())
+
+
+class RoleInterface(ABC):
+    """What every role's interface has besides its RPCs: the role's name and close(). Each role's client.py
+    defines <Role>Interface on it, implemented over gRPC (<Role>Client) and in this process (Local<Role>Client)."""
+
+    role: str
+
+    @abstractmethod
+    async def close(self) -> None:
+        """Releases the connection (or whatever the implementation holds)."""
 
 
 class ServiceClient:

@@ -3,7 +3,7 @@ and in this process (LocalCriticClient)."""
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 
 import torch
 
@@ -15,11 +15,11 @@ from rlfabric.actor.client import (
     decoded_tensors,
 )
 from rlfabric.core import codec
-from rlfabric.core.client import ServiceClient
+from rlfabric.core.client import RoleInterface, ServiceClient
 from rlfabric.v1 import actor_pb2, critic_pb2, critic_pb2_grpc
 
 
-class CriticInterface(ABC):
+class CriticInterface(RoleInterface):
     """The value model: values, value-loss updates, checkpoints."""
 
     role = "critic"
@@ -44,10 +44,6 @@ class CriticInterface(ABC):
     @abstractmethod
     async def get_status(self) -> critic_pb2.CriticServiceGetStatusResponse:
         """Model, ranks, optimizer step."""
-
-    @abstractmethod
-    async def close(self) -> None:
-        """Releases the connection (or whatever the implementation holds)."""
 
 
 class CriticClient(ServiceClient, CriticInterface):

@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 
 import torch
 
@@ -15,13 +15,13 @@ from rlfabric.actor.client import (
     decoded_tensors,
     log_probs_input,
 )
-from rlfabric.core.client import ServiceClient
+from rlfabric.core.client import RoleInterface, ServiceClient
 from rlfabric.core.errors import FailedPrecondition
 from rlfabric.v1 import reference_pb2, reference_pb2_grpc
 from rlfabric.weight_sync import Manifest, SyncGroup
 
 
-class ReferenceInterface(ABC):
+class ReferenceInterface(RoleInterface):
     """The frozen reference policy: log-probs, and the receiving side of weight sync."""
 
     role = "reference"
@@ -42,10 +42,6 @@ class ReferenceInterface(ABC):
     @abstractmethod
     async def receive_weights(self, manifest: Manifest, timeout_s: float | None = None) -> tuple[int, float]:
         """(version now served, paused seconds: 0, the reference serves no generation)."""
-
-    @abstractmethod
-    async def close(self) -> None:
-        """Releases the connection (or whatever the implementation holds)."""
 
 
 class ActorAsReference(ReferenceInterface):

@@ -15,10 +15,10 @@ Failures come back as rlfabric.core.errors exceptions (InvalidArgument, Resource
 from __future__ import annotations
 
 import asyncio
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from collections.abc import Sequence
 
-from rlfabric.core.client import ChannelOptions, ServiceClient
+from rlfabric.core.client import ChannelOptions, RoleInterface, ServiceClient
 from rlfabric.core.errors import RlfabricError
 from rlfabric.reward import wire
 from rlfabric.reward.engine import RewardEngine, RewardStatus
@@ -26,7 +26,7 @@ from rlfabric.reward.items import ItemResult, ScoreItem
 from rlfabric.v1 import reward_pb2, reward_pb2_grpc
 
 
-class RewardInterface(ABC):
+class RewardInterface(RoleInterface):
     """Scores rollouts against their ground truth."""
 
     role = "reward"
@@ -38,10 +38,6 @@ class RewardInterface(ABC):
     @abstractmethod
     async def status(self, timeout_s: float | None = None) -> RewardStatus:
         """Data sources served, items scored and failed."""
-
-    @abstractmethod
-    async def close(self) -> None:
-        """Releases the connections (or whatever the implementation holds)."""
 
 
 class RewardClient(ServiceClient, RewardInterface):

@@ -13,11 +13,11 @@ engine's, so both implementations refuse the same requests with the same errors.
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING
 
-from rlfabric.core.client import ServiceClient
+from rlfabric.core.client import RoleInterface, ServiceClient
 from rlfabric.rollout import convert
 from rlfabric.rollout.types import EngineStatus, FinishedSample, SamplingSpec
 from rlfabric.v1 import rollout_pb2, rollout_pb2_grpc
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from rlfabric.rollout.engine import RolloutEngine
 
 
-class RolloutInterface(ABC):
+class RolloutInterface(RoleInterface):
     """One rollout replica: generation, pause/sleep control, and the receiving side of weight sync."""
 
     role = "rollout"
@@ -69,10 +69,6 @@ class RolloutInterface(ABC):
     @abstractmethod
     async def receive_weights(self, manifest: Manifest, timeout_s: float | None = None) -> tuple[int, float]:
         """Receives the manifest's buckets while the actor broadcasts: (version now served, paused seconds)."""
-
-    @abstractmethod
-    async def close(self) -> None:
-        """Releases the connection (or whatever the implementation holds)."""
 
 
 class RolloutClient(ServiceClient, RolloutInterface):
