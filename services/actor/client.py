@@ -51,7 +51,19 @@ def wire_temperature(temperature: float) -> float:
 # -- the interfaces ----------------------------------------------------------------------------------
 
 
-class ActorInterface(RoleInterface):
+class TrainableInterface(RoleInterface):
+    """What the two trained roles (actor, critic) share: their checkpoints."""
+
+    @abstractmethod
+    async def save_checkpoint(self, path: str, timeout_s: float | None = None) -> int:
+        """Bytes written."""
+
+    @abstractmethod
+    async def load_checkpoint(self, path: str, timeout_s: float | None = None) -> int:
+        """The optimizer step restored."""
+
+
+class ActorInterface(TrainableInterface):
     """The policy being trained: log-probs, PPO updates, checkpoints, and the sending side of weight sync."""
 
     role = "actor"
@@ -66,14 +78,6 @@ class ActorInterface(RoleInterface):
     async def update_policy(self, batch: Tensors, global_step: int = 0,
                             timeout_s: float | None = None) -> dict[str, float]:
         """PPO update on the batch (+ old_log_probs, advantages[, ref_log_probs]); VeRL-named metrics."""
-
-    @abstractmethod
-    async def save_checkpoint(self, path: str, timeout_s: float | None = None) -> int:
-        """Bytes written."""
-
-    @abstractmethod
-    async def load_checkpoint(self, path: str, timeout_s: float | None = None) -> int:
-        """The optimizer step restored."""
 
     @abstractmethod
     async def export_hf(self, path: str, timeout_s: float | None = None) -> int:
@@ -181,6 +185,12 @@ class LocalTrainerClient:
         codec.check_batch(batch, *schema)
         return await self.engine.update(dict(batch), global_step)
 
+    async def save_checkpoint(self, path: str, timeout_s: float | None = None) -> int:
+        return await self.engine.save_checkpoint(str(path))
+
+    async def load_checkpoint(self, path: str, timeout_s: float | None = None) -> int:
+        return await self.engine.load_checkpoint(str(path))
+
     async def close(self) -> None:
         """Nothing to release: the engine belongs to whoever started it."""
 
@@ -195,12 +205,6 @@ class LocalActorClient(LocalTrainerClient, ActorInterface):
     async def update_policy(self, batch: Tensors, global_step: int = 0,
                             timeout_s: float | None = None) -> dict[str, float]:
         return await self._update(batch, POLICY_UPDATE_BATCH, global_step)
-
-    async def save_checkpoint(self, path: str, timeout_s: float | None = None) -> int:
-        return await self.engine.save_checkpoint(str(path))
-
-    async def load_checkpoint(self, path: str, timeout_s: float | None = None) -> int:
-        return await self.engine.load_checkpoint(str(path))
 
     async def export_hf(self, path: str, timeout_s: float | None = None) -> int:
         return await self.engine.export_hf(str(path))

@@ -12,14 +12,15 @@ from rlfabric.actor.client import (
     VALUE_UPDATE_BATCH,
     LocalTrainerClient,
     Tensors,
+    TrainableInterface,
     decoded_tensors,
 )
 from rlfabric.core import codec
-from rlfabric.core.client import RoleInterface, ServiceClient
+from rlfabric.core.client import ServiceClient
 from rlfabric.v1 import actor_pb2, critic_pb2, critic_pb2_grpc
 
 
-class CriticInterface(RoleInterface):
+class CriticInterface(TrainableInterface):
     """The value model: values, value-loss updates, checkpoints."""
 
     role = "critic"
@@ -32,14 +33,6 @@ class CriticInterface(RoleInterface):
     async def update_values(self, batch: Tensors, global_step: int = 0,
                             timeout_s: float | None = None) -> dict[str, float]:
         """Value-loss update on the batch (+ values, returns); critic/* metrics."""
-
-    @abstractmethod
-    async def save_checkpoint(self, path: str, timeout_s: float | None = None) -> int:
-        """Bytes written."""
-
-    @abstractmethod
-    async def load_checkpoint(self, path: str, timeout_s: float | None = None) -> int:
-        """The optimizer step restored."""
 
     @abstractmethod
     async def get_status(self) -> critic_pb2.CriticServiceGetStatusResponse:
@@ -82,12 +75,6 @@ class LocalCriticClient(LocalTrainerClient, CriticInterface):
     async def update_values(self, batch: Tensors, global_step: int = 0,
                             timeout_s: float | None = None) -> dict[str, float]:
         return await self._update(batch, VALUE_UPDATE_BATCH, global_step)
-
-    async def save_checkpoint(self, path: str, timeout_s: float | None = None) -> int:
-        return await self.engine.save_checkpoint(str(path))
-
-    async def load_checkpoint(self, path: str, timeout_s: float | None = None) -> int:
-        return await self.engine.load_checkpoint(str(path))
 
     async def get_status(self) -> critic_pb2.CriticServiceGetStatusResponse:
         status = self.engine.status()
