@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING
 
 from rlfabric.core.client import RoleInterface, ServiceClient
-from rlfabric.rollout import convert
+from rlfabric.rollout import wire
 from rlfabric.rollout.types import EngineStatus, FinishedSample, SamplingSpec
 from rlfabric.v1 import rollout_pb2, rollout_pb2_grpc
 from rlfabric.weight_sync import Manifest, SyncGroup
@@ -33,12 +33,12 @@ class RolloutInterface(RoleInterface):
     role = "rollout"
 
     @abstractmethod
-    async def generate(self, prompts: Sequence[convert.PromptInput], params: SamplingSpec,
+    async def generate(self, prompts: Sequence[wire.PromptInput], params: SamplingSpec,
                        timeout_s: float | None = None) -> list[FinishedSample]:
         """Every sample, ordered by (prompt_index, sample_index)."""
 
     @abstractmethod
-    def generate_stream(self, prompts: Sequence[convert.PromptInput], params: SamplingSpec,
+    def generate_stream(self, prompts: Sequence[wire.PromptInput], params: SamplingSpec,
                         timeout_s: float | None = None) -> AsyncIterator[FinishedSample]:
         """Each sample as soon as it finishes."""
 
@@ -76,24 +76,24 @@ class RolloutClient(ServiceClient, RolloutInterface):
 
     stub_class = rollout_pb2_grpc.RolloutServiceStub
 
-    def _request(self, cls, prompts: Sequence[convert.PromptInput], params: SamplingSpec):
-        return cls(prompts=[convert.prompt_to_proto(p) for p in prompts],
-                   sampling_params=convert.sampling_to_proto(params))
+    def _request(self, cls, prompts: Sequence[wire.PromptInput], params: SamplingSpec):
+        return cls(prompts=[wire.prompt_to_proto(p) for p in prompts],
+                   sampling_params=wire.sampling_to_proto(params))
 
-    async def generate(self, prompts: Sequence[convert.PromptInput], params: SamplingSpec,
+    async def generate(self, prompts: Sequence[wire.PromptInput], params: SamplingSpec,
                        timeout_s: float | None = None) -> list[FinishedSample]:
         response = await self.call("Generate", self._request(rollout_pb2.GenerateRequest, prompts, params), timeout_s)
-        return [convert.sample_from_proto(s) for s in response.samples]
+        return [wire.sample_from_proto(s) for s in response.samples]
 
-    async def generate_stream(self, prompts: Sequence[convert.PromptInput], params: SamplingSpec,
+    async def generate_stream(self, prompts: Sequence[wire.PromptInput], params: SamplingSpec,
                               timeout_s: float | None = None) -> AsyncIterator[FinishedSample]:
         request = self._request(rollout_pb2.GenerateStreamRequest, prompts, params)
         async for response in self.stream("GenerateStream", request, timeout_s):
-            yield convert.sample_from_proto(response.sample)
+            yield wire.sample_from_proto(response.sample)
 
     async def status(self, timeout_s: float | None = None) -> EngineStatus:
         response = await self.call("GetStatus", rollout_pb2.RolloutServiceGetStatusRequest(), timeout_s)
-        return convert.status_from_proto(response)
+        return wire.status_from_proto(response)
 
     async def pause(self, abort: bool = False, timeout_s: float | None = None) -> int:
         return (await self.call("Pause", rollout_pb2.PauseRequest(abort=abort), timeout_s)).num_aborted
@@ -126,15 +126,15 @@ class LocalRolloutClient(RolloutInterface):
     def __init__(self, engine: RolloutEngine):
         self.engine = engine
 
-    async def generate(self, prompts: Sequence[convert.PromptInput], params: SamplingSpec,
+    async def generate(self, prompts: Sequence[wire.PromptInput], params: SamplingSpec,
                        timeout_s: float | None = None) -> list[FinishedSample]:
         samples = [sample async for sample in self.generate_stream(prompts, params, timeout_s)]
-        return sorted(samples, key=convert.sample_order)
+        return sorted(samples, key=wire.sample_order)
 
-    async def generate_stream(self, prompts: Sequence[convert.PromptInput], params: SamplingSpec,
+    async def generate_stream(self, prompts: Sequence[wire.PromptInput], params: SamplingSpec,
                               timeout_s: float | None = None) -> AsyncIterator[FinishedSample]:
-        as_served = [convert.prompt_from_proto(convert.prompt_to_proto(p)) for p in prompts]
-        spec = convert.sampling_from_proto(convert.sampling_to_proto(params))
+        as_served = [wire.prompt_from_proto(wire.prompt_to_proto(p)) for p in prompts]
+        spec = wire.sampling_from_proto(wire.sampling_to_proto(params))
         async for sample in self.engine.generate(as_served, spec):
             yield sample
 

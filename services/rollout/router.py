@@ -31,8 +31,8 @@ from grpc_health.v1 import health_pb2
 from rlfabric.core.client import ChannelOptions, check_health
 from rlfabric.core.errors import RlfabricError, Unavailable
 from rlfabric.rollout.client import RolloutClient, RolloutInterface
-from rlfabric.rollout.convert import PromptInput, sample_order
 from rlfabric.rollout.types import EngineStatus, FinishedSample, SamplingSpec
+from rlfabric.rollout.wire import PromptInput, sample_order
 
 log = logging.getLogger("rlfabric.router")
 FAILOVER_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED})

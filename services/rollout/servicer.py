@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry
 from rlfabric.core.config import RunConfig
 from rlfabric.core.metrics import service_counter, service_gauge, service_histogram
 from rlfabric.core.server import ServiceBinding, ServiceDefinition
-from rlfabric.rollout import convert
+from rlfabric.rollout import wire
 from rlfabric.rollout.engine import RolloutEngine
 from rlfabric.rollout.types import FinishedSample
 from rlfabric.v1 import rollout_pb2, rollout_pb2_grpc
@@ -64,15 +64,15 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
 
     async def Generate(self, request, context):
         samples = [s async for s in self._generate(request.prompts, request.sampling_params)]
-        samples.sort(key=convert.sample_order)
-        return rollout_pb2.GenerateResponse(samples=[convert.sample_to_proto(s) for s in samples])
+        samples.sort(key=wire.sample_order)
+        return rollout_pb2.GenerateResponse(samples=[wire.sample_to_proto(s) for s in samples])
 
     async def GenerateStream(self, request, context):
         async for sample in self._generate(request.prompts, request.sampling_params):
-            yield rollout_pb2.GenerateStreamResponse(sample=convert.sample_to_proto(sample))
+            yield rollout_pb2.GenerateStreamResponse(sample=wire.sample_to_proto(sample))
 
     async def GetStatus(self, request, context):
-        return convert.status_to_proto(self.engine.status())
+        return wire.status_to_proto(self.engine.status())
 
     async def Pause(self, request, context):
         return rollout_pb2.PauseResponse(num_aborted=await self.engine.pause(abort=request.abort))
@@ -113,8 +113,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
 
     async def _generate(self, prompts, params: rollout_pb2.SamplingParams) -> AsyncIterator[FinishedSample]:
         """The engine's samples, counted as they pass."""
-        requested = [convert.prompt_from_proto(prompt) for prompt in prompts]
-        async for sample in self.engine.generate(requested, convert.sampling_from_proto(params)):
+        requested = [wire.prompt_from_proto(prompt) for prompt in prompts]
+        async for sample in self.engine.generate(requested, wire.sampling_from_proto(params)):
             self.metrics.generated_tokens.inc(len(sample.token_ids))
             yield sample
 

@@ -6,7 +6,7 @@ import grpc
 import torch
 
 from rlfabric.core.config import RunConfig, load_config
-from rlfabric.rollout import convert
+from rlfabric.rollout import wire
 from rlfabric.rollout.types import SamplingSpec
 from rlfabric.v1 import rollout_pb2, rollout_pb2_grpc
 
@@ -45,18 +45,18 @@ def stub(channel) -> rollout_pb2_grpc.RolloutServiceStub:
 
 def request(prompts, **params) -> rollout_pb2.GenerateRequest:
     spec = SamplingSpec(**{"max_tokens": 8, "logprobs": True, **params})
-    return rollout_pb2.GenerateRequest(prompts=[convert.prompt_to_proto(p) for p in prompts],
-                                       sampling_params=convert.sampling_to_proto(spec))
+    return rollout_pb2.GenerateRequest(prompts=[wire.prompt_to_proto(p) for p in prompts],
+                                       sampling_params=wire.sampling_to_proto(spec))
 
 
 def generate(channel, prompts, timeout: float = 60, **params) -> list:
-    return [convert.sample_from_proto(s) for s in stub(channel).Generate(request(prompts, **params), timeout=timeout).samples]
+    return [wire.sample_from_proto(s) for s in stub(channel).Generate(request(prompts, **params), timeout=timeout).samples]
 
 
 def stream(channel, prompts, timeout: float = 60, **params) -> list:
     req = request(prompts, **params)
     stream_req = rollout_pb2.GenerateStreamRequest(prompts=req.prompts, sampling_params=req.sampling_params)
-    return [convert.sample_from_proto(r.sample) for r in stub(channel).GenerateStream(stream_req, timeout=timeout)]
+    return [wire.sample_from_proto(r.sample) for r in stub(channel).GenerateStream(stream_req, timeout=timeout)]
 
 
 def invalid_argument(channel, prompts, **params) -> str:
