@@ -200,9 +200,10 @@ class ServerTracingInterceptor(aio.ServerInterceptor):
 
 
 class _ClientTracing:
-    """A CLIENT span per RPC, its context sent in the call's metadata; it ends when the call is done,
-    however it ends, and the caller never waits for it. grpc.aio files an interceptor under the first
-    of the four kinds it implements, hence one subclass per kind (ClientTracingInterceptors)."""
+    """A CLIENT span per RPC, its context sent in the call's metadata. grpc.aio files an interceptor
+    under the first of the four kinds it implements, hence one subclass per kind."""
+
+    streams_responses = False
 
     def __init__(self, tracer: trace.Tracer, address: str):
         self.tracer = tracer
@@ -223,6 +224,26 @@ class _ClientTracing:
         metadata = aio.Metadata(*tuple(details.metadata or ()), *carrier.items())
         return span, details._replace(metadata=metadata)
 
+    async def _intercept(self, continuation, details, request):
+        """A call with one response ends its span before the caller has the response; a response
+        stream, whose caller reads at its own pace, ends it once the call is done (_end_when_done)."""
+        span, details = self._start(details)
+        if span is None:
+            return await continuation(details, request)
+        try:
+            call = await continuation(details, request)
+            if self.streams_responses:
+                self._end_when_done(span, call)
+            else:
+                _end_rpc_span(span, await call.code(), await call.details())
+            return call
+        except asyncio.CancelledError:
+            _end_rpc_span(span, grpc.StatusCode.CANCELLED)
+            raise
+        except BaseException as error:
+            _end_rpc_span(span, error.code() if isinstance(error, grpc.RpcError) else None, str(error))
+            raise
+
     def _end_when_done(self, span, call) -> None:
         async def end(done_call):
             try:  # the call is done: its status is there, these return at once
@@ -238,19 +259,6 @@ class _ClientTracing:
 
         call.add_done_callback(on_done)
 
-    async def _intercept(self, continuation, details, request):
-        span, details = self._start(details)
-        try:
-            call = await continuation(details, request)
-        except BaseException as error:
-            if span is not None:
-                code = error.code() if isinstance(error, grpc.RpcError) else grpc.StatusCode.UNKNOWN
-                _end_rpc_span(span, code, str(error))
-            raise
-        if span is not None:
-            self._end_when_done(span, call)
-        return call
-
 
 class _UnaryUnary(_ClientTracing, aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(self, continuation, client_call_details, request):
@@ -258,6 +266,8 @@ class _UnaryUnary(_ClientTracing, aio.UnaryUnaryClientInterceptor):
 
 
 class _UnaryStream(_ClientTracing, aio.UnaryStreamClientInterceptor):
+    streams_responses = True
+
     async def intercept_unary_stream(self, continuation, client_call_details, request):
         return await self._intercept(continuation, client_call_details, request)
 
@@ -268,6 +278,8 @@ class _StreamUnary(_ClientTracing, aio.StreamUnaryClientInterceptor):
 
 
 class _StreamStream(_ClientTracing, aio.StreamStreamClientInterceptor):
+    streams_responses = True
+
     async def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
         return await self._intercept(continuation, client_call_details, request_iterator)
 
