@@ -558,10 +558,9 @@ class TracingConfig(Section):
     endpoint: str = ""
     """OTLP/gRPC collector address ("host:4317"); empty = tracing off (no tracer, no interceptors)."""
     service_name_prefix: str = "rlfabric-"
-    """Each service reports as service.name <prefix><role>, e.g. rlfabric-actor."""
+    """Each service reports as service.name prefix + role, e.g. rlfabric-actor."""
     sample_ratio: float = Field(1.0, ge=0, le=1)
-    """Fraction of traces kept, decided where a trace starts (a step's root span); the other services
-    follow the caller's decision."""
+    """Fraction of traces kept, decided where one starts (a step's root span); callees follow the caller."""
     insecure: bool = True
     """Plaintext gRPC to the collector (the OpenTelemetry Collector's default receiver); false = TLS."""
     ca_file: str = ""
