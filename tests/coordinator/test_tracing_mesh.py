@@ -33,17 +33,19 @@ async def run_to_end(mesh: LocalMesh, timeout_s: float = 300) -> coordinator_pb2
         return await client.run_status()
 
 
-@pytest.fixture(scope="module")
-def traced_run(tmp_path_factory):
-    """Two GRPO steps of the quickstart on a mesh tracing to a receiver; the receiver's spans once the
-    mesh has stopped (each service flushes its spans when it stops)."""
+@pytest.fixture(scope="module", params=["gloo", "grpc"])
+def traced_run(request, tmp_path_factory):
+    """Two GRPO steps of the quickstart on a mesh tracing to a receiver, weights synced over gloo (the
+    coordinator calls both ends) or grpc (the actor's handler pushes to the rollout); the receiver's
+    spans once the mesh has stopped (each service flushes its spans when it stops)."""
     with OtlpReceiver() as receiver:
         config = load_config(None, ["trainer.total_steps=2", "trainer.progress_bar=false",
+                                    f"weight_sync.transport={request.param}",
                                     f"tracing.endpoint={receiver.endpoint}", "tracing.service_name_prefix=test-"])
         with LocalMesh(config, tmp_path_factory.mktemp("tracing") / "mesh") as mesh:
             status = asyncio.run(run_to_end(mesh))
         assert status.state == coordinator_pb2.RUN_STATE_COMPLETED, status.error
-        yield receiver.spans()
+        yield request.param, receiver.spans()
 
 
 def step_trace(spans: list[ReceivedSpan], step: int) -> tuple[ReceivedSpan, list[ReceivedSpan]]:
@@ -54,7 +56,8 @@ def step_trace(spans: list[ReceivedSpan], step: int) -> tuple[ReceivedSpan, list
 
 
 def test_a_steps_spans_from_every_service_form_one_tree_under_its_root(traced_run):
-    root, spans = step_trace(traced_run, step=1)
+    transport, received = traced_run
+    root, spans = step_trace(received, step=1)
     by_id = {s.span_id: s for s in spans}
     assert len(by_id) == len(spans)
     assert root.parent_span_id == "" and root.service == "test-coordinator"
@@ -91,11 +94,19 @@ def test_a_steps_spans_from_every_service_form_one_tree_under_its_root(traced_ru
     # 4. the policy update
     for span in served("rlfabric.v1.ActorService/UpdatePolicy", "test-actor"):
         assert parent(parent(span)) is phases["update"]
-    # 5. weight sync: both ends of the collective, under the update_weights phase
-    for method, service in (("rlfabric.v1.ActorService/BroadcastWeights", "test-actor"),
-                            ("rlfabric.v1.RolloutService/ReceiveWeights", "test-rollout")):
-        for span in served(method, service):
+    # 5. weight sync, under the update_weights phase: gloo, the coordinator calls both ends of the
+    #    collective; grpc, the actor's BroadcastWeights handler streams PushWeights to the rollout.
+    (broadcast,) = served("rlfabric.v1.ActorService/BroadcastWeights", "test-actor")
+    assert parent(parent(broadcast)) is phases["update_weights"]
+    if transport == "gloo":
+        for span in served("rlfabric.v1.RolloutService/ReceiveWeights", "test-rollout"):
             assert parent(parent(span)) is phases["update_weights"]
+    else:
+        pushes = [s for s in spans if s.name == "rlfabric.v1.RolloutService/PushWeights" and s.kind == SERVER]
+        assert pushes and all(p.service == "test-rollout" for p in pushes)
+        for push in pushes:  # one span per stream of the push
+            caller = parent(push)
+            assert (caller.service, caller.kind, parent(caller)) == ("test-actor", CLIENT, broadcast)
 
     # Attributes: the step, its samples and tokens, the weights it sampled from and the ones it synced.
     config = load_config(None)
@@ -110,8 +121,9 @@ def test_a_steps_spans_from_every_service_form_one_tree_under_its_root(traced_ru
 
 
 def test_each_step_is_a_trace_of_its_own(traced_run):
-    _, first = step_trace(traced_run, step=1)
-    _, second = step_trace(traced_run, step=2)
+    _, received = traced_run
+    _, first = step_trace(received, step=1)
+    _, second = step_trace(received, step=2)
     assert first[0].trace_id != second[0].trace_id
     # The same phases and calls in both steps.
     shape = lambda spans: Counter((s.service, s.name) for s in spans if s.name != "rlfabric.v1.RewardService/Score")  # noqa: E731
