@@ -96,8 +96,9 @@ class StepTimer:
             metrics["perf/total_num_tokens"] = tokens
             metrics["perf/time_per_step"] = step_seconds
             metrics["perf/throughput"] = tokens / step_seconds if step_seconds > 0 else 0.0
-            versions = batch.weight_versions()
-            self.trace.set(samples=len(batch.samples), tokens=int(tokens),
-                           weight_version=int(versions.max()) if versions.numel() else None)
+            if self.trace.recording:
+                versions = batch.weight_versions()
+                self.trace.set(samples=len(batch.samples), tokens=int(tokens),
+                               weight_version=int(versions.max()) if versions.numel() else None)
         self.end()
         return metrics

@@ -3,7 +3,7 @@
 - `setup(config, role)` runs once per service process: a tracer provider that exports over OTLP/gRPC
   to tracing.endpoint through a BatchSpanProcessor; `shutdown()` flushes it when the service stops.
   With an empty endpoint nothing is set up: `active()` is false, servers and channels get no
-  interceptor, and `step_span`, `phase_span` and `annotate` do nothing.
+  interceptor, and StepSpan, `phase_span` and `annotate` do nothing.
 - ServerTracingInterceptor: a SERVER span per RPC (streams included: the span lasts as long as the
   stream), whose parent is the caller's span carried in the W3C `traceparent`/`tracestate` gRPC
   metadata. The span is the current one while the handler runs, so the RPCs the handler makes (the
@@ -100,6 +100,11 @@ class StepSpan:
             # A root of its own: a step's trace must not hang under whatever RPC or task started it.
             self.span = _tracer.start_span("train_step", context=otel_context.Context(),
                                            attributes={STEP: step})
+
+    @property
+    def recording(self) -> bool:
+        """Whether the span is there to take attributes (tracing on, the step's span not ended)."""
+        return self.span is not None
 
     def set(self, **attributes: Any) -> None:
         """rlfabric.<name> attributes on the step's span."""

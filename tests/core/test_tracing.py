@@ -91,6 +91,7 @@ async def calls_in_a_phase(address: str) -> None:
                     reward_pb2.ScoreRequest(items=[reward_pb2.ScoreItem(data_source="invalid")]), metadata=metadata)
             assert invalid.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     timer.end()
+    StepTimer(8).end(RuntimeError("the actor is gone"))  # a failed step
 
 
 def test_phase_client_and_server_spans_link_up_for_every_rpc_kind(traced):
@@ -103,8 +104,10 @@ def test_phase_client_and_server_spans_link_up_for_every_rpc_kind(traced):
     tracing.shutdown()  # exports them
     spans = receiver.spans()
     by_id = {s.span_id: s for s in spans}
-    (root,) = [s for s in spans if s.name == "train_step"]
+    (root,) = [s for s in spans if s.name == "train_step" and s.attributes["rlfabric.step"] == 7]
     assert root.attributes["rlfabric.step"] == 7 and root.parent_span_id == "" and root.service == "test-probe"
+    (failed,) = [s for s in spans if s.name == "train_step" and s.attributes["rlfabric.step"] == 8]
+    assert failed.status_code == 2 and root.status_code == 0  # OTLP: error, unset
     phases = {s.name: s for s in spans if s.parent_span_id == root.span_id}
     assert set(phases) == {"gen", "update"} and phases["gen"].attributes["rlfabric.samples"] == 4
 
