@@ -14,7 +14,7 @@ import pytest
 from rlfabric.coordinator.client import CoordinatorClient
 from rlfabric.core.client import ChannelOptions
 from rlfabric.core.config import load_config
-from rlfabric.launcher import LocalMesh
+from rlfabric.launch.local import LocalMesh
 from rlfabric.v1 import coordinator_pb2
 from tests.otlp_receiver import OtlpReceiver, ReceivedSpan
 
