@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+from rlfabric.core import tracing
 from rlfabric.core.config import ROLES, RunConfig
 from rlfabric.core.server import ServerOptions, ServiceDefinition, serve
 
@@ -54,5 +55,9 @@ def run_service(role: str, config: RunConfig, options: ServerOptions, port_file:
             port = options.health_port if options.health_port is not None else options.port
             serve_rank(role, config, f"{options.host}:{port}", *launch)
             return
-    service = build_service(role, config)
-    asyncio.run(serve(service, options, port_file=port_file))
+    tracing.setup(config.tracing, role)  # first: the channels a service opens get its interceptor
+    try:
+        service = build_service(role, config)
+        asyncio.run(serve(service, options, port_file=port_file))
+    finally:
+        tracing.shutdown()  # exports the spans still queued

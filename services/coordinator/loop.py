@@ -47,6 +47,7 @@ from rlfabric.coordinator.peers import Peers
 from rlfabric.coordinator.rollout_batch import RolloutBatch, build_rollout_batch, token_level_scores
 from rlfabric.coordinator.step_metrics import StepTimer, data_metrics
 from rlfabric.coordinator.weight_sync import WeightSyncPlane
+from rlfabric.core import tracing
 from rlfabric.core.config import ConfigError, RunConfig, check_run_rules
 from rlfabric.core.errors import FailedPrecondition, InvalidArgument
 from rlfabric.reward.items import ScoreItem
@@ -223,9 +224,10 @@ class PPOTrainer:
             self.on_phase("syncing")
             with timer("update_weights"):
                 metrics.update(await self._sync_weights(self._version(step)))
-        except BaseException:
+        except BaseException as error:
             if next_rollout is not None:
                 next_rollout.task.cancel()
+            timer.end(error)
             raise
         metrics.update(data_metrics(batch, self._max_tokens()))
         metrics.update(timer.metrics(batch, previous_step_end=self._last_step_end))
@@ -315,7 +317,7 @@ class PPOTrainer:
 
     async def _rollout(self, step: int, rows: list[PromptRow]) -> tuple[RolloutBatch, StepTimer]:
         """Generates n samples per prompt and scores each chunk of samples as it finishes."""
-        timer = StepTimer()
+        timer = StepTimer(step)  # and the step's trace: its root span starts with generation
         rollout = self.config.rollout
         self.on_phase("generating")
         params = SamplingSpec(n=rollout.n, temperature=rollout.temperature, top_p=rollout.top_p,
@@ -420,6 +422,7 @@ class PPOTrainer:
             actor = f"; the actor failed: {report.actor_error}" if report.actor_error else ""  # names its address
             raise FailedPrecondition(f"weight sync of version {version} reached no rollout replica: {report.failed}{actor}")
         self.weight_version = version
+        tracing.annotate(weight_version=version, bytes_synced=report.num_bytes, replicas=synced)
         return {"weight_sync/seconds": report.seconds, "weight_sync/gbytes": report.num_bytes / 1e9,
                 "weight_sync/paused_s": max(report.paused_seconds.values(), default=0.0),
                 "weight_sync/replicas": float(len(synced)), "rollout/weight_version": float(version)}

@@ -10,6 +10,7 @@ from typing import TypeVar
 import torch
 
 from rlfabric.coordinator.rollout_batch import RolloutBatch
+from rlfabric.core import tracing
 
 T = TypeVar("T")
 
@@ -50,31 +51,42 @@ def data_metrics(batch: RolloutBatch, max_response_length: int) -> dict[str, flo
 
 
 class StepTimer:
-    """Wall time of named phases of one step: `with timer("gen"): ...` -> timing_s/gen."""
+    """Wall time of named phases of one step: `with timer("gen"): ...` -> timing_s/gen.
 
-    def __init__(self):
+    With tracing on (rlfabric.core.tracing) the timer of step `step` is also the step's trace: a root
+    span from the timer's creation to `metrics` (or `end`), and a child span per phase, current while
+    the phase runs, so the RPCs of a phase are its children and a phase's span and timing are one
+    measurement."""
+
+    def __init__(self, step: int | None = None):
         self.seconds: dict[str, float] = {}
         self.started = time.perf_counter()
+        self.trace = tracing.StepSpan(step)  # does nothing when tracing is off or step is None
 
     @contextmanager
     def __call__(self, phase: str):
         started = time.perf_counter()
         try:
-            yield
+            with tracing.phase_span(self.trace, phase):
+                yield
         finally:
             self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - started
 
     async def timed(self, phase: str, call: Awaitable[T]) -> T:
-        """Awaits `call` under timer `phase`: calls gathered at once each get their own time."""
+        """Awaits `call` under timer `phase`: calls gathered at once each get their own time (and span)."""
         with self(phase):
             return await call
+
+    def end(self, error: BaseException | None = None) -> None:
+        """Ends the step's span (marked failed with `error`); `metrics` ends it on success."""
+        self.trace.end(error)
 
     def metrics(self, batch: RolloutBatch | None, previous_step_end: float | None = None) -> dict[str, float]:
         """timing_s/<phase>, timing_s/step, and throughput over the step's tokens.
 
         timing_s/step is wall time between step ends: from the previous step's end (or this step's
         start, if later) to now. In async mode a batch's generation starts while the previous step
-        trains; counting from there would count the overlapped time twice."""
+        trains; counting from there would count the overlapped time twice. Ends the step's span."""
         started = max(self.started, previous_step_end or 0.0)
         step_seconds = time.perf_counter() - started
         metrics = {f"timing_s/{phase}": seconds for phase, seconds in self.seconds.items()}
@@ -84,4 +96,9 @@ class StepTimer:
             metrics["perf/total_num_tokens"] = tokens
             metrics["perf/time_per_step"] = step_seconds
             metrics["perf/throughput"] = tokens / step_seconds if step_seconds > 0 else 0.0
+            if self.trace.recording:
+                versions = batch.weight_versions()
+                self.trace.set(samples=len(batch.samples), tokens=int(tokens),
+                               weight_version=int(versions.max()) if versions.numel() else None)
+        self.end()
         return metrics

@@ -17,7 +17,7 @@ import grpc
 from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from rlfabric.core import errors
+from rlfabric.core import errors, tracing
 from rlfabric.core.config import ClientConfig, RunConfig, TlsConfig, read_auth_token, read_named_file
 from rlfabric.core.interceptors import bearer_metadata
 
@@ -112,9 +112,11 @@ def channel_credentials(tls: TlsConfig) -> grpc.ChannelCredentials:
 def open_channel(address: str, options: ChannelOptions | None = None) -> aio.Channel:
     """An aio channel to `address` ("host:port"), secure when options.tls has a CA or cert."""
     options = options or ChannelOptions()
+    traced = tracing.client_interceptors(address) or None  # None while tracing is off: a plain channel
     if options.tls.ca_file or options.tls.cert_file:
-        return aio.secure_channel(address, channel_credentials(options.tls), options=options.grpc_options())
-    return aio.insecure_channel(address, options=options.grpc_options())
+        return aio.secure_channel(address, channel_credentials(options.tls), options=options.grpc_options(),
+                                  interceptors=traced)
+    return aio.insecure_channel(address, options=options.grpc_options(), interceptors=traced)
 
 
 class RoleInterface(ABC):

@@ -552,6 +552,21 @@ class StorageConfig(Section):
         return Path(run_dir).resolve().parent if run_dir else Path("runs").resolve()
 
 
+class TracingConfig(Section):
+    """OpenTelemetry traces of every RPC and of each training step's phases (rlfabric.core.tracing)."""
+
+    endpoint: str = ""
+    """OTLP/gRPC collector address ("host:4317"); empty = tracing off (no tracer, no interceptors)."""
+    service_name_prefix: str = "rlfabric-"
+    """Each service reports as service.name prefix + role, e.g. rlfabric-actor."""
+    sample_ratio: float = Field(1.0, ge=0, le=1)
+    """Fraction of traces kept, decided where one starts (a step's root span); callees follow the caller."""
+    insecure: bool = True
+    """Plaintext gRPC to the collector (the OpenTelemetry Collector's default receiver); false = TLS."""
+    ca_file: str = ""
+    """With insecure false: PEM CA bundle verifying the collector's certificate; empty = system roots."""
+
+
 class LauncherConfig(Section):
     startup_timeout_s: float = Field(300.0, gt=0)
     """How long `rlfabric up` waits for every service to report readiness (model loads included)."""
@@ -579,6 +594,7 @@ class RunConfig(Section):
     weight_sync: WeightSyncConfig = WeightSyncConfig()
     storage: StorageConfig = StorageConfig()
     launcher: LauncherConfig = LauncherConfig()
+    tracing: TracingConfig = TracingConfig()
 
     def uses_critic(self) -> bool:
         """Only GAE learns from a value model."""

@@ -1,5 +1,6 @@
 """Server interceptors shared by every service, outermost first:
 
+0. rlfabric.core.tracing.ServerTracingInterceptor, only while tracing is on (config `tracing`).
 1. MetricsInterceptor   records grpc_server_* metrics for every RPC, rejected ones included.
 2. AuthInterceptor      checks the bearer token (health and reflection exempt), when configured.
 3. ReadinessInterceptor answers UNAVAILABLE while the engine loads or the server drains.
@@ -9,7 +10,7 @@
                         A request that is not a valid protobuf message of the method's type
                         (random bytes, bad UTF-8 in a string field) is INVALID_ARGUMENT.
 
-Each wraps the method handler's behaviour in an async context manager (`_wrap_handler`), so
+Each wraps the method handler's behaviour in an async context manager (`wrap_handler`), so
 the four RPC kinds (unary/streaming in and out) share one code path.
 """
 
@@ -53,7 +54,7 @@ def rpc_type(handler: grpc.RpcMethodHandler) -> str:
     return _HANDLER_KINDS[(handler.request_streaming, handler.response_streaming)][0]
 
 
-def _is_open(method: str) -> bool:
+def is_open(method: str) -> bool:
     return method.startswith(OPEN_SERVICES)
 
 
@@ -102,7 +103,7 @@ def _check_decoded(request_or_iterator, streaming: bool):
     return request_or_iterator
 
 
-def _wrap_handler(
+def wrap_handler(
     handler: grpc.RpcMethodHandler | None, scope: Scope, check_decoding: bool = False
 ) -> grpc.RpcMethodHandler | None:
     """Returns a handler that runs the original behaviour inside `async with scope(context)`.
@@ -206,7 +207,7 @@ class MetricsInterceptor(aio.ServerInterceptor):
                 metrics.handled.labels(*labels, code.name).inc()
                 metrics.handling_seconds.labels(*labels).observe(time.perf_counter() - start)
 
-        return _wrap_handler(handler, measure)
+        return wrap_handler(handler, measure)
 
 
 class AuthInterceptor(aio.ServerInterceptor):
@@ -219,7 +220,7 @@ class AuthInterceptor(aio.ServerInterceptor):
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
-        if handler is None or _is_open(handler_call_details.method):
+        if handler is None or is_open(handler_call_details.method):
             return handler
         metadata = dict(handler_call_details.invocation_metadata or ())
         given = metadata.get("authorization", "")
@@ -239,7 +240,7 @@ class ReadinessInterceptor(aio.ServerInterceptor):
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
-        if handler is None or _is_open(handler_call_details.method) or self.is_ready():
+        if handler is None or is_open(handler_call_details.method) or self.is_ready():
             return handler
         return _abort_handler(grpc.StatusCode.UNAVAILABLE, self.describe(), handler)
 
@@ -263,7 +264,7 @@ class ConcurrencyLimitInterceptor(aio.ServerInterceptor):
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
-        if handler is None or _is_open(handler_call_details.method):
+        if handler is None or is_open(handler_call_details.method):
             return handler
 
         @contextlib.asynccontextmanager
@@ -281,7 +282,7 @@ class ConcurrencyLimitInterceptor(aio.ServerInterceptor):
             finally:
                 self.active -= 1
 
-        return _wrap_handler(handler, admit)
+        return wrap_handler(handler, admit)
 
 
 class ErrorInterceptor(aio.ServerInterceptor):
@@ -306,7 +307,7 @@ class ErrorInterceptor(aio.ServerInterceptor):
                 log.exception("unexpected error", extra={"fields": {"method": method}})
                 await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(error).__name__}: {error}")
 
-        return _wrap_handler(handler, map_errors, check_decoding=True)
+        return wrap_handler(handler, map_errors, check_decoding=True)
 
 
 def bearer_metadata(token: str | None) -> tuple[tuple[str, Any], ...]:

@@ -34,7 +34,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
-from rlfabric.core import interceptors
+from rlfabric.core import interceptors, tracing
 from rlfabric.core.config import ConfigError, ServerConfig, TlsConfig, read_auth_token, read_named_file
 from rlfabric.core.metrics import GrpcServerMetrics, MetricsEndpoint, start_metrics_endpoint
 
@@ -224,7 +224,7 @@ class RlfabricServer:
         rpc_metrics = GrpcServerMetrics(self.service.registry)
         for name in [b.full_name for b in self.service.bindings] + [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name]:
             rpc_metrics.initialize(name)
-        chain: list[aio.ServerInterceptor] = [interceptors.MetricsInterceptor(rpc_metrics)]
+        chain: list[aio.ServerInterceptor] = [*tracing.server_interceptors(), interceptors.MetricsInterceptor(rpc_metrics)]
         if self.options.auth_token:
             chain.append(interceptors.AuthInterceptor(self.options.auth_token))
         chain.append(interceptors.ReadinessInterceptor(lambda: self.ready, self._describe_state))

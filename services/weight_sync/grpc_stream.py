@@ -43,6 +43,7 @@ import torch
 from google.protobuf.message import DecodeError
 from grpc import aio
 
+from rlfabric.core import tracing
 from rlfabric.core.client import ChannelOptions, channel_credentials
 from rlfabric.core.errors import DeadlineExceeded, InvalidArgument, RlfabricError, Unavailable
 from rlfabric.core.interceptors import bearer_metadata
@@ -233,9 +234,10 @@ def _push_channel(address: str, options: ChannelOptions) -> aio.Channel:
     """A channel with a connection of its own (a local subchannel pool: channels to one address
     otherwise share one TCP connection)."""
     args = [*options.grpc_options(), ("grpc.use_local_subchannel_pool", 1)]
+    traced = tracing.client_interceptors(address) or None  # None while tracing is off
     if options.tls.ca_file or options.tls.cert_file:
-        return aio.secure_channel(address, channel_credentials(options.tls), options=args)
-    return aio.insecure_channel(address, options=args)
+        return aio.secure_channel(address, channel_credentials(options.tls), options=args, interceptors=traced)
+    return aio.insecure_channel(address, options=args, interceptors=traced)
 
 
 def _describe(error: BaseException) -> str:

@@ -587,6 +587,23 @@ def test_run_config_keeps_user_run_dir_and_big_numbers(chart):
     assert config["trainer"]["total_steps"] == 1000000 and config["actor"]["lr"] == pytest.approx(1e-8)
 
 
+def test_tracing_endpoint_points_the_run_config_at_a_collector(chart):
+    def tracing_of(values: dict[str, Any]) -> dict[str, Any]:
+        docs = parse_manifests(render_chart(chart, values))
+        cm = next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == f"{FULLNAME}-config")
+        return yaml.safe_load(cm["data"]["config.yaml"]).get("tracing", {})
+
+    assert tracing_of({}) == {}  # off
+    assert tracing_of({"tracing": {"endpoint": "otel-collector.monitoring:4317"}}) == {
+        "endpoint": "otel-collector.monitoring:4317"}
+    # The run config's own tracing section wins.
+    assert tracing_of({"tracing": {"endpoint": "a:4317"},
+                       "config": {"tracing": {"endpoint": "b:4317", "sample_ratio": 0.5}}}) == {
+        "endpoint": "b:4317", "sample_ratio": 0.5}
+    assert tracing_of({"config": {"tracing": {"sample_ratio": 0.5}}, "tracing": {"endpoint": "a:4317"}}) == {
+        "endpoint": "a:4317", "sample_ratio": 0.5}
+
+
 def test_config_mounted_and_rolled_on_change(rendered):
     checksums = set()
     for role in rendered.enabled():

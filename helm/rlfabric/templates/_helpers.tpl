@@ -178,7 +178,7 @@ coordinator is listed through its Service. Disabled roles give [].
 Run config
 */}}
 
-{{/* The run config: .Values.config plus the chart's cluster/server/trainer keys. */}}
+{{/* The run config: .Values.config plus the chart's cluster/server/trainer/storage/tracing keys. */}}
 {{- define "rlfabric.config" -}}
 {{- $cfg := deepCopy (.Values.config | default dict) }}
 {{- $trainer := get $cfg "trainer" | default dict }}
@@ -210,6 +210,11 @@ Run config
 {{- end }}
 {{- end }}
 {{- $_ := set $cfg "server" $server }}
+{{- $tracing := get $cfg "tracing" | default dict }}
+{{- if and .Values.tracing.endpoint (not (hasKey $tracing "endpoint")) }}
+{{- $_ := set $tracing "endpoint" .Values.tracing.endpoint }}
+{{- $_ := set $cfg "tracing" $tracing }}
+{{- end }}
 {{- $cluster := dict }}
 {{- range $role := list "actor" "reference" "critic" "rollout" "reward" }}
 {{- $addrs := include "rlfabric.addresses" (dict "ctx" $ "role" $role "port" $.Values.ports.grpc) | fromYamlArray }}
