@@ -78,19 +78,19 @@ async def measure(actor_address: str, rollout_address: str, config, repeats: int
     return rows
 
 
-def run_mode(model: Path, mode: str, rank: int, repeats: int, workdir: Path) -> list[dict]:
+def run_mode(name: str, model: Path, mode: str, rank: int, repeats: int, workdir: Path) -> list[dict]:
     from rlfabric.core.config import dump_config, load_config
 
     config = load_config(None, [f"model.path={model}", f"actor.lora.rank={rank}", f"actor.lora.alpha={2 * rank}",
                                 f"weight_sync.lora={mode}", "weight_sync.timeout_s=300", "model.dtype=float32"])
     assert config.syncs_lora_adapters() == (mode == "adapter")
-    config_path = workdir / f"{mode}.yaml"
+    config_path = workdir / f"{name}-{mode}.yaml"
     dump_config(config, config_path)
     processes = []
     try:
-        actor, actor_address = serve("actor", config_path, workdir, f"actor-{mode}")
+        actor, actor_address = serve("actor", config_path, workdir, f"actor-{name}-{mode}")
         processes.append(actor)
-        rollout, rollout_address = serve("rollout", config_path, workdir, f"rollout-{mode}")
+        rollout, rollout_address = serve("rollout", config_path, workdir, f"rollout-{name}-{mode}")
         processes.append(rollout)
         return asyncio.run(measure(actor_address, rollout_address, config, repeats))
     finally:
@@ -115,7 +115,7 @@ def main() -> None:
         for name in args.models.split(","):
             model = model_path(name, workdir)
             parameters = sum(f.stat().st_size for f in model.glob("*.safetensors"))
-            rows = {mode: run_mode(model, mode, args.rank, args.repeats, workdir) for mode in MODES}
+            rows = {mode: run_mode(name, model, mode, args.rank, args.repeats, workdir) for mode in MODES}
             for adapter, merged in zip(rows["adapter"], rows["merged"], strict=True):
                 entry = {"model": name, "model_bytes": parameters, "transport": adapter["transport"],
                          "adapter": adapter, "merged": merged,
