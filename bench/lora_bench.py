@@ -37,7 +37,7 @@ TRANSPORTS = ("gloo", "grpc")
 
 def model_path(name: str, workdir: Path) -> Path:
     if name == "tiny":
-        from rlfabric.actor.tiny_model import make_tiny_model
+        from rlfabric.quickstart.tiny_model import make_tiny_model
 
         return make_tiny_model(workdir / "tiny")
     from rlfabric.actor.pretrained import cached_model

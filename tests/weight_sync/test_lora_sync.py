@@ -17,10 +17,10 @@ from rlfabric.coordinator.weight_sync import WeightSyncPlane
 from rlfabric.core import codec
 from rlfabric.core.config import ConfigError
 from rlfabric.core.errors import InvalidArgument, ResourceExhausted
+from rlfabric.v1 import weight_sync_pb2
 from rlfabric.weight_sync import AdapterSpec, Manifest, WeightLimits, pack
 from rlfabric.weight_sync.grpc_stream import push_weights, serialize_chunks
 from rlfabric.weight_sync.manifest import adapter_tensor_name, aligned
-from rlfabric.v1 import weight_sync_pb2
 from tests.rollout.helpers import original_weights
 
 from .helpers import Mesh, mesh_config

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from rlfabric.coordinator.weight_sync import WeightSyncPlane
-from rlfabric.core.weight_sync import AdapterSpec, pack
-from rlfabric.core.weight_sync.grpc_stream import push_weights, serialize_chunks
+from rlfabric.weight_sync import AdapterSpec, pack
+from rlfabric.weight_sync.grpc_stream import push_weights, serialize_chunks
 
 from .helpers import Mesh, mesh_config
 from .test_lora_sync import ALPHA, LORA, RANK, adapter_shapes, float32_bytes
