@@ -32,7 +32,7 @@ from rlfabric.core.config import RunConfig
 from rlfabric.core.errors import FailedPrecondition, InvalidArgument
 from rlfabric.core.metrics import service_counter, service_gauge, service_histogram
 from rlfabric.core.storage import StorageRoot
-from rlfabric.weight_sync import Manifest, Membership, SyncGroup, WeightLimits
+from rlfabric.weight_sync import AdapterSpec, Manifest, Membership, SyncGroup, WeightLimits
 from rlfabric.weight_sync.sender import BroadcastResult, WeightSender
 
 log = logging.getLogger("rlfabric.actor")
@@ -303,6 +303,11 @@ class TrainerEngine:
         return await self._run(self._prepare_weight_sync, sender, group_id, version)
 
     def _prepare_weight_sync(self, sender: WeightSender, group_id: str, version: int) -> Manifest:
+        if self.config.syncs_lora_adapters():  # weight_sync.lora: the adapters alone, peft names
+            settings = self.worker.lora
+            adapter = AdapterSpec.of(settings.rank, settings.alpha, settings.target_modules)
+            trained, _, _ = self._command(Command.GATHER_STATE, [0.0, 1.0], [None] * self.world_size)
+            return sender.prepare(group_id, version, lora.adapter_state(trained), adapter)
         return sender.prepare(group_id, version, self.policy_weights())
 
     async def gather_weights(self) -> dict[str, torch.Tensor]:

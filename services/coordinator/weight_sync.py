@@ -15,7 +15,8 @@ not stop the others. Every RPC has a deadline: a dead peer gives an error, never
 Elastic membership: add_receiver / remove_receiver take effect at the next sync, which rebuilds the
 group first. Members that do not answer a health probe are left out of the group (reported in
 SyncReport.failed) and taken back in as soon as they answer again, e.g. after a restart; since every
-sync sends the full weights, a (re)joined replica is current after its first sync.
+sync sends the full weights (with adapter-only syncs, the whole adapter), a (re)joined replica is
+current after its first sync.
 """
 
 from __future__ import annotations

@@ -507,6 +507,11 @@ class WeightSyncConfig(Section):
     host: str = ""
     """Address receivers use to reach the actor's gloo store, which listens on it only; empty = server.host, or
     this machine's hostname when server.host is a wildcard (0.0.0.0)."""
+    lora: Literal["auto", "adapter", "merged"] = "auto"
+    """With actor.lora: adapter = each sync sends the LoRA adapters alone (rank x (in + out) per adapted layer) and
+    the rollout engine applies them on its base model (hf: peft; vllm: its LoRA API); merged = each sync sends the
+    full merged weights under the base model's names (any engine); auto = adapter when rollout.engine can load
+    adapters (hf, vllm), else merged (sglang)."""
 
     @field_validator("max_timeout_s")
     @classmethod
@@ -514,6 +519,9 @@ class WeightSyncConfig(Section):
         if value < info.data.get("timeout_s", 0):
             raise ValueError(f"must be >= weight_sync.timeout_s ({info.data['timeout_s']:g})")
         return value
+
+
+ADAPTER_ENGINES = ("hf", "vllm")  # rollout engines that load LoRA adapters (weight_sync.lora: adapter)
 
 
 class RayResources(Section):
@@ -595,6 +603,20 @@ class RunConfig(Section):
     storage: StorageConfig = StorageConfig()
     launcher: LauncherConfig = LauncherConfig()
     tracing: TracingConfig = TracingConfig()
+
+    @model_validator(mode="after")
+    def _adapter_sync_possible(self) -> RunConfig:
+        if self.weight_sync.lora == "adapter" and self.rollout.engine not in ADAPTER_ENGINES:
+            raise ValueError(f"weight_sync.lora: adapter needs a rollout engine that loads LoRA adapters "
+                             f"({', '.join(ADAPTER_ENGINES)}); rollout.engine {self.rollout.engine} cannot: "
+                             "use weight_sync.lora merged (or auto)")
+        return self
+
+    def syncs_lora_adapters(self) -> bool:
+        """Weight syncs carry the actor's LoRA adapters alone (weight_sync.lora resolved), not full weights."""
+        if not self.actor.lora.enabled or self.weight_sync.lora == "merged":
+            return False
+        return self.rollout.engine in ADAPTER_ENGINES
 
     def uses_critic(self) -> bool:
         """Only GAE learns from a value model."""

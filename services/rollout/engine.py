@@ -28,7 +28,7 @@ import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from rlfabric.core.config import RunConfig
@@ -50,7 +50,7 @@ from rlfabric.rollout.types import (
     SamplingSpec,
     validate_request,
 )
-from rlfabric.weight_sync import Manifest, Membership, SyncGroup, WeightLimits, WeightSwap
+from rlfabric.weight_sync import AdapterSpec, Manifest, Membership, SyncGroup, WeightLimits, WeightSwap
 
 if TYPE_CHECKING:
     import torch
@@ -115,6 +115,10 @@ class RolloutEngine(abc.ABC):
         self.weight_version = 0  # of the weights being served
         self.kv_cache_usage = 0.0  # in [0, 1], as the engine last saw it
         self.weight_sync = Membership(limits=self.weight_limits)  # the actor's weight-sync group, when joined
+        # The LoRA adapter weight syncs carry (weight_sync.lora), applied on this engine's base model.
+        lora = config.actor.lora
+        self.adapter = (AdapterSpec.of(lora.rank, lora.alpha, lora.target_modules)
+                        if config.syncs_lora_adapters() else None)
         self._checkpoint_limits: tuple[WeightLimits | None] | None = None
         self._requests: set[Generation] = set()  # held: waiting at the gate or started
         self._paused = False
@@ -325,7 +329,8 @@ class RolloutEngine(abc.ABC):
         before anything is allocated for it: by default the model checkpoint's tensors, read from its
         safetensors headers once (None for a model that is not a local directory)."""
         if self._checkpoint_limits is None:
-            self._checkpoint_limits = (WeightLimits.from_checkpoint(self.model),)
+            limits = WeightLimits.from_checkpoint(self.model)
+            self._checkpoint_limits = (limits and replace(limits, adapter=self.adapter),)
         return self._checkpoint_limits[0]
 
     async def join_weight_sync(self, group: SyncGroup, rank: int) -> None:
@@ -334,7 +339,18 @@ class RolloutEngine(abc.ABC):
 
     async def receive_weights(self, manifest: Manifest) -> WeightSwap:
         """Receives the manifest's buckets while generation goes on, then swaps them in at once."""
-        return await self.weight_sync.receive(manifest, lambda weights: self.swap_weights(weights, manifest.version))
+        return await self.weight_sync.receive(manifest, lambda weights: self.apply_weights(weights, manifest))
+
+    async def apply_weights(self, weights: Iterable[tuple[str, torch.Tensor]], manifest: Manifest) -> WeightSwap:
+        """Swaps in what a weight sync brought: full weights, or with manifest.adapter a LoRA adapter."""
+        if manifest.adapter is not None:
+            return await self.swap_adapter(weights, manifest.version)
+        return await self.swap_weights(weights, manifest.version)
+
+    async def swap_adapter(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> WeightSwap:
+        """Serves a new LoRA adapter version (peft names, checked against self.adapter) from the next
+        request on; the base weights stay."""
+        raise FailedPrecondition(f"the {self.name} engine cannot load LoRA adapters (weight_sync.lora: merged)")
 
     async def leave_weight_sync(self) -> None:
         await self.weight_sync.leave()

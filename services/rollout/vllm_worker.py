@@ -7,6 +7,9 @@ so weights reach the workers either through a safetensors file in shared memory
 (rlfabric_sync_*: group and manifest travel as serialized protos). Both end in
 `rlfabric_apply_weights`.
 
+An adapter-only sync (weight_sync.lora) over gloo or nccl also lands here; rlfabric_sync_stage_adapter
+writes it as a peft adapter directory (stage_adapter) that the engine then loads through vLLM's LoRA API.
+
 The sync receive runs on a thread of the worker, so the engine keeps stepping while the bytes land:
 rlfabric_sync_start returns at once, rlfabric_sync_poll reports progress, and rlfabric_sync_apply
 (called with generation held) swaps the checked weights in. Outcomes are plain dicts
@@ -28,6 +31,24 @@ def _error(error: Exception) -> dict:
 
     code = error.code.name if isinstance(error, RlfabricError) else "UNAVAILABLE"
     return {"state": "error", "code": code, "message": f"{type(error).__name__}: {error}"}
+
+
+def stage_adapter(directory: str, named: dict[str, torch.Tensor], config: dict) -> None:
+    """A peft adapter directory vLLM's LoRA loader reads (adapter_config.json, adapter_model.safetensors),
+    made fresh with mode 0700 and files only this user can read: /dev/shm is shared by every user of the
+    machine, and the adapter is the policy being trained."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    from rlfabric.core.storage import create_private_file
+
+    path = Path(directory)
+    path.mkdir(mode=0o700)
+    create_private_file(path / "adapter_config.json", json.dumps(config))
+    weights = create_private_file(path / "adapter_model.safetensors")
+    save_file({name: tensor.contiguous() for name, tensor in named.items()}, str(weights))
 
 
 class _SyncState:
@@ -135,6 +156,15 @@ class RlfabricWorkerExtension:
         if staged is None:
             raise RuntimeError("no received weights to apply")
         self.rlfabric_apply_weights(iter(staged))
+        return len(staged)
+
+    def rlfabric_sync_stage_adapter(self, directory: str, config: dict) -> int:
+        """Writes the received adapter (peft names) to `directory` for vLLM's LoRA API (stage_adapter)."""
+        sync = self._rlfabric_sync()
+        staged, sync.staged = sync.staged, None
+        if staged is None:
+            raise RuntimeError("no received adapter to stage")
+        stage_adapter(directory, dict(staged), config)
         return len(staged)
 
     def rlfabric_sync_leave(self) -> None:

@@ -62,11 +62,23 @@ class WeightBucket(_message.Message):
     def __init__(self, index: _Optional[int] = ..., num_bytes: _Optional[int] = ..., crc32: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[WeightTensorSpec, _Mapping]]] = ...) -> None: ...
 
 class WeightManifest(_message.Message):
-    __slots__ = ("version", "group_id", "buckets")
+    __slots__ = ("version", "group_id", "buckets", "lora_adapter")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     BUCKETS_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTER_FIELD_NUMBER: _ClassVar[int]
     version: int
     group_id: str
     buckets: _containers.RepeatedCompositeFieldContainer[WeightBucket]
-    def __init__(self, version: _Optional[int] = ..., group_id: _Optional[str] = ..., buckets: _Optional[_Iterable[_Union[WeightBucket, _Mapping]]] = ...) -> None: ...
+    lora_adapter: LoraAdapterSpec
+    def __init__(self, version: _Optional[int] = ..., group_id: _Optional[str] = ..., buckets: _Optional[_Iterable[_Union[WeightBucket, _Mapping]]] = ..., lora_adapter: _Optional[_Union[LoraAdapterSpec, _Mapping]] = ...) -> None: ...
+
+class LoraAdapterSpec(_message.Message):
+    __slots__ = ("rank", "alpha", "target_modules")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    ALPHA_FIELD_NUMBER: _ClassVar[int]
+    TARGET_MODULES_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    alpha: float
+    target_modules: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, rank: _Optional[int] = ..., alpha: _Optional[float] = ..., target_modules: _Optional[_Iterable[str]] = ...) -> None: ...

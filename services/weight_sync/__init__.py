@@ -15,6 +15,13 @@ gRPC carries the control messages; the bytes move over a collective:
    weights to the new version in one step between requests; a checksum mismatch rejects the whole
    update (INVALID_ARGUMENT) and the old version keeps serving.
 
+With actor.lora and weight_sync.lora resolved to adapter (RunConfig.syncs_lora_adapters), step 3
+packs the LoRA adapters alone (peft names) and the manifest carries their settings (lora_adapter:
+rank, alpha, target modules); receivers check every lora_A / lora_B against the targeted layer of
+their own base model (WeightLimits.check_adapter) and apply it on that base model (the hf engine
+through peft, vLLM through its LoRA API), so a sync moves rank x (in + out) numbers per adapted layer
+instead of the whole model. Every transport carries either kind of manifest alike.
+
 Modules: manifest (dataclasses, proto conversion, WeightLimits), buckets (plan, pack, check, unpack,
 CRC-32), gloo, nccl (transports), grpc_stream (PushWeights, both ends), receiver (receiving side),
 sender (actor side).
@@ -22,10 +29,18 @@ The coordinator drives all of it through rlfabric.coordinator.weight_sync.Weight
 """
 
 from rlfabric.weight_sync.buckets import ChecksumMismatch, pack, plan_buckets, unpack
-from rlfabric.weight_sync.manifest import BucketSpec, Manifest, SyncGroup, TensorSpec, WeightLimits
+from rlfabric.weight_sync.manifest import (
+    AdapterSpec,
+    BucketSpec,
+    Manifest,
+    SyncGroup,
+    TensorSpec,
+    WeightLimits,
+)
 from rlfabric.weight_sync.receiver import BucketAssembler, Membership, WeightReceiver, WeightSwap
 
 __all__ = [
+    "AdapterSpec",
     "BucketAssembler",
     "BucketSpec",
     "ChecksumMismatch",

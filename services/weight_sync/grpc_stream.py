@@ -351,9 +351,9 @@ class PushReceiver:
         self._buffers: list[torch.Tensor] = []
 
     async def receive(self, requests: AsyncIterator[bytes], context, limits: WeightLimits | None,
-                      apply: Callable[[Weights, int], Awaitable[WeightSwap]]) -> PushOutcome:
+                      apply: Callable[[Weights, Manifest], Awaitable[WeightSwap]]) -> PushOutcome:
         """Takes one stream (raw messages); returns once its push is swapped in (by `apply(weights,
-        version)`, run once per push) or failed. Raises InvalidArgument for a bad manifest, chunk or
+        manifest)`, run once per push) or failed. Raises InvalidArgument for a bad manifest, chunk or
         checksum, ResourceExhausted for a manifest beyond this receiver's weights."""
         started = time.monotonic()
         _keep_message_memory()
@@ -388,7 +388,7 @@ class PushReceiver:
             if push.assembler.complete and not push.applying:  # the first stream to end on a complete push
                 push.applying = True
                 try:
-                    swap = await apply(push.assembler.finish(), manifest.version)
+                    swap = await apply(push.assembler.finish(), manifest)
                 except asyncio.CancelledError:
                     push.fail(Unavailable(f"PushWeights: the stream switching to version {manifest.version} was "
                                           "cancelled"))

@@ -4,6 +4,10 @@ a receiver runs on a manifest it did not build (InvalidArgument naming what is w
 WeightLimits: the receiver's own weights, which every manifest is checked against before a single
 bucket is allocated (a manifest decides how much memory the receiver maps).
 
+A manifest either carries full weights (the model's own names) or, with `adapter` set, LoRA adapters
+alone (weight_sync.lora): peft's names (adapter_tensor_name) and the settings the receiver applies
+them with. WeightLimits checks an adapter against the base model's layers as it checks full weights.
+
 The checksum of a bucket (WeightBucket.crc32) is the CRC-32 of zlib (ISO-HDLC: polynomial
 0x04C11DB7 reflected, initial value and final xor 0xFFFFFFFF) over the bucket's bytes, padding
 included; every transport checks it the same way.
@@ -112,24 +116,88 @@ class BucketSpec:
     crc32: int = 0  # filled in once the bucket is packed
 
 
+PEFT_PREFIX = "base_model.model."  # what peft puts before the base model's module names
+ALL_LINEAR = "all-linear"
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    """The LoRA settings of an adapter-only sync (rlfabric.v1.LoraAdapterSpec): each targeted layer
+    serves W + (alpha / rank) * B @ A."""
+
+    rank: int
+    alpha: float
+    target_modules: tuple[str, ...]  # names or name suffixes, or ("all-linear",)
+
+    @classmethod
+    def of(cls, rank: int, alpha: float, target_modules: str | list[str] | tuple[str, ...]) -> AdapterSpec:
+        """From actor.lora's fields (target_modules may be one string)."""
+        targets = (target_modules,) if isinstance(target_modules, str) else tuple(target_modules)
+        return cls(int(rank), float(alpha), targets)
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+    def targets(self, module: str) -> bool:
+        """Whether the layer named `module` (the base model's name) carries an adapter."""
+        if self.target_modules == (ALL_LINEAR,):  # peft: every linear layer but the output head
+            return module.rsplit(".", 1)[-1] not in ("lm_head", "embed_tokens")
+        return any(module == t or module.endswith(f".{t}") for t in self.target_modules)
+
+    def to_proto(self) -> weight_sync_pb2.LoraAdapterSpec:
+        return weight_sync_pb2.LoraAdapterSpec(rank=self.rank, alpha=self.alpha, target_modules=self.target_modules)
+
+    @classmethod
+    def from_proto(cls, message: weight_sync_pb2.LoraAdapterSpec) -> AdapterSpec:
+        if message.rank <= 0:
+            raise InvalidArgument(f"weight manifest lora_adapter: rank {message.rank} must be > 0")
+        if not (math.isfinite(message.alpha) and message.alpha > 0):
+            raise InvalidArgument(f"weight manifest lora_adapter: alpha {message.alpha} must be > 0")
+        if not message.target_modules or not all(message.target_modules):
+            raise InvalidArgument("weight manifest lora_adapter: target_modules must name at least one layer")
+        return cls(message.rank, message.alpha, tuple(message.target_modules))
+
+
+def adapter_tensor_name(module: str, part: str) -> str:
+    """The wire (and peft file) name of a layer's lora_A or lora_B weight: part is "A" or "B"."""
+    return f"{PEFT_PREFIX}{module}.lora_{part}.weight"
+
+
+def parse_adapter_tensor_name(name: str) -> tuple[str, str] | None:
+    """(base model module name, "A" or "B") of an adapter tensor's wire name, else None."""
+    if not name.startswith(PEFT_PREFIX):
+        return None
+    for part in ("A", "B"):
+        suffix = f".lora_{part}.weight"
+        if name.endswith(suffix):
+            return name[len(PEFT_PREFIX): -len(suffix)], part
+    return None
+
+
 @dataclass(frozen=True)
 class Manifest:
-    """One sync: receivers serve `version` once every bucket has landed and checked out."""
+    """One sync: receivers serve `version` once every bucket has landed and checked out. With
+    `adapter`, the buckets hold LoRA adapters alone (peft names) rather than full weights."""
 
     version: int
     group_id: str
     buckets: tuple[BucketSpec, ...] = field(default_factory=tuple)
+    adapter: AdapterSpec | None = None
 
     @property
     def num_bytes(self) -> int:
         return sum(b.num_bytes for b in self.buckets)
 
     def to_proto(self) -> weight_sync_pb2.WeightManifest:
-        return weight_sync_pb2.WeightManifest(version=self.version, group_id=self.group_id, buckets=[
+        message = weight_sync_pb2.WeightManifest(version=self.version, group_id=self.group_id, buckets=[
             weight_sync_pb2.WeightBucket(index=b.index, num_bytes=b.num_bytes, crc32=b.crc32, tensors=[
                 weight_sync_pb2.WeightTensorSpec(name=t.name, dtype=codec.wire_dtype(t.dtype), shape=t.shape,
                                                  offset=t.offset) for t in b.tensors])
             for b in self.buckets])
+        if self.adapter is not None:
+            message.lora_adapter.CopyFrom(self.adapter.to_proto())
+        return message
 
     @classmethod
     def from_proto(cls, message: weight_sync_pb2.WeightManifest) -> Manifest:
@@ -164,7 +232,8 @@ class Manifest:
                 raise InvalidArgument(f"weight manifest bucket {position} announces {bucket.num_bytes} bytes but its "
                                       f"{len(tensors)} tensor(s) fill only {packed} (aligned)")
             buckets.append(BucketSpec(bucket.index, bucket.num_bytes, tuple(tensors), bucket.crc32))
-        return cls(message.version, message.group_id, tuple(buckets))
+        adapter = AdapterSpec.from_proto(message.lora_adapter) if message.HasField("lora_adapter") else None
+        return cls(message.version, message.group_id, tuple(buckets), adapter)
 
 
 _SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -185,6 +254,7 @@ class WeightLimits:
     shapes: Mapping[str, tuple[int, ...]]
     dtypes: Mapping[str, torch.dtype] = field(default_factory=dict)
     what: str = "this model"  # how error messages name the receiver's model
+    adapter: AdapterSpec | None = None  # the LoRA adapter this receiver applies; None: it takes full weights only
 
     @classmethod
     def of(cls, named: Mapping[str, torch.Tensor], what: str = "this model") -> WeightLimits:
@@ -222,6 +292,8 @@ class WeightLimits:
     def check(self, manifest: Manifest) -> None:
         """InvalidArgument for a tensor this receiver does not have (or of another shape or kind);
         ResourceExhausted for a manifest larger than this receiver's weights can be."""
+        if manifest.adapter is not None:
+            return self.check_adapter(manifest)
         for bucket in manifest.buckets:
             for tensor in bucket.tensors:
                 where = f"weight manifest version {manifest.version} bucket {bucket.index} tensor {tensor.name!r}"
@@ -236,3 +308,51 @@ class WeightLimits:
         if manifest.num_bytes > self.max_bytes:
             raise ResourceExhausted(f"weight manifest version {manifest.version} announces {manifest.num_bytes} bytes; "
                                     f"{self.what}'s weights take at most {self.max_bytes}")
+
+    def check_adapter(self, manifest: Manifest) -> None:
+        """An adapter-only manifest against the base model's layers: every tensor is the lora_A
+        (rank, in_features) or lora_B (out_features, rank) of a targeted 2-D weight of this model, both
+        halves of every layer arrive, the rank is at most the layer's smaller dimension, and the bytes
+        are at most what such an adapter takes (so a manifest cannot make the receiver map more)."""
+        adapter = manifest.adapter
+        if self.adapter is None:
+            raise InvalidArgument(f"weight manifest version {manifest.version} carries a LoRA adapter; {self.what} "
+                                  "is served without adapters (its run has no actor.lora, or weight_sync.lora merged)")
+        if adapter != self.adapter:
+            raise InvalidArgument(f"weight manifest version {manifest.version} carries a LoRA adapter {adapter}; "
+                                  f"{self.what} serves {self.adapter} (actor.lora must be the same for both)")
+        halves: dict[str, set[str]] = {}
+        for bucket in manifest.buckets:
+            for tensor in bucket.tensors:
+                where = f"weight manifest version {manifest.version} bucket {bucket.index} tensor {tensor.name!r}"
+                parsed = parse_adapter_tensor_name(tensor.name)
+                if parsed is None:
+                    raise InvalidArgument(f"{where}: not a LoRA adapter weight ({PEFT_PREFIX}<layer>.lora_A.weight "
+                                          "or .lora_B.weight) in an adapter manifest")
+                module, part = parsed
+                weight = self.shapes.get(f"{module}.weight")
+                if weight is None or len(weight) != 2:
+                    raise InvalidArgument(f"{where}: {self.what} has no 2-D layer weight {module}.weight")
+                if not adapter.targets(module):
+                    raise InvalidArgument(f"{where}: layer {module} is not among the adapter's target_modules "
+                                          f"{list(adapter.target_modules)}")
+                out_features, in_features = weight
+                if adapter.rank > min(in_features, out_features):
+                    raise InvalidArgument(f"{where}: rank {adapter.rank} exceeds layer {module} ({in_features} -> "
+                                          f"{out_features})")
+                expected = (adapter.rank, in_features) if part == "A" else (out_features, adapter.rank)
+                if tuple(tensor.shape) != expected:
+                    raise InvalidArgument(f"{where}: shape {tuple(tensor.shape)}, a rank-{adapter.rank} lora_{part} "
+                                          f"of {module} is {expected}")
+                if not tensor.dtype.is_floating_point:
+                    raise InvalidArgument(f"{where}: dtype {tensor.dtype} is not floating point")
+                halves.setdefault(module, set()).add(part)
+        lonely = sorted(module for module, parts in halves.items() if parts != {"A", "B"})
+        if lonely:
+            raise InvalidArgument(f"weight manifest version {manifest.version}: layer(s) {', '.join(lonely[:3])} "
+                                  "carry only one of lora_A and lora_B")
+        most = sum(aligned(adapter.rank * (shape[0] + shape[1]) * 8) for name, shape in self.shapes.items()
+                   if name.endswith(".weight") and len(shape) == 2 and adapter.targets(name[: -len(".weight")]))
+        if manifest.num_bytes > most:
+            raise ResourceExhausted(f"weight manifest version {manifest.version} announces {manifest.num_bytes} "
+                                    f"bytes; a rank-{adapter.rank} adapter of {self.what} takes at most {most}")

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import threading
 import time
@@ -44,7 +45,7 @@ from rlfabric.core.errors import (
 )
 from rlfabric.weight_sync.buckets import dedupe_shared, pack
 from rlfabric.weight_sync.grpc_stream import PushPayload, PushResult, push_weights
-from rlfabric.weight_sync.manifest import Manifest, SyncGroup
+from rlfabric.weight_sync.manifest import AdapterSpec, Manifest, SyncGroup
 from rlfabric.weight_sync.receiver import SLACK_S
 
 log = logging.getLogger("rlfabric.weight_sync")
@@ -178,8 +179,10 @@ class WeightSender:
         if entry.evicted:
             raise NotFound(f"weight-sync group {entry.group.group_id} was {entry.evicted}; open a new one")
 
-    def prepare(self, group_id: str, version: int, state: Mapping[str, torch.Tensor]) -> Manifest:
-        """Packs `state` (CPU tensors) into the group's buckets; they stay until broadcast()."""
+    def prepare(self, group_id: str, version: int, state: Mapping[str, torch.Tensor],
+                adapter: AdapterSpec | None = None) -> Manifest:
+        """Packs `state` (CPU tensors) into the group's buckets; they stay until broadcast(). With
+        `adapter`, `state` is LoRA adapters alone (peft names) and the manifest says so."""
         entry = self._entry(group_id)
         if version < 0:
             raise InvalidArgument(f"weight version must be >= 0, got {version}")
@@ -188,6 +191,7 @@ class WeightSender:
             reuse, buffers = entry.last or (None, None)
             manifest, buffers = pack(dedupe_shared(state), entry.bucket_bytes, version, group_id, entry.dtype,
                                      reuse, buffers)
+            manifest = dataclasses.replace(manifest, adapter=adapter)
             entry.last = (manifest, buffers)
             entry.prepared = (manifest, buffers)
         entry.last_used = time.monotonic()

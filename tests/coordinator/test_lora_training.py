@@ -1,6 +1,6 @@
 """The quickstart with LoRA (actor.lora) and a KL loss, run as a user runs it (`rlfabric train`): it learns
 the task, the reference log-probs come from the actor's base model (no reference service starts), every
-step syncs the merged weights into the rollout, the checkpoint holds the adapters only and the final model
+step syncs the adapter alone into the rollout (weight_sync.lora auto: adapter with the hf engine), the checkpoint holds the adapters only and the final model
 is the merged policy with the adapter beside it."""
 
 from __future__ import annotations
@@ -33,7 +33,10 @@ def test_the_quickstart_learns_with_lora_and_the_reference_for_free(tmp_path):
     assert scores[0] < 0.3 and sum(scores[-3:]) / 3 > 0.8, scores
     assert max(r["actor/kl_loss"] for r in records) > 0  # the policy moved away from the base model
     versions = [int(r["rollout/weight_version"]) for r in records]
-    assert versions == list(range(versions[0], versions[0] + len(records)))  # merged weights every step
+    assert versions == list(range(versions[0], versions[0] + len(records)))  # a new adapter version every step
+    syncs = [json.loads(line) for line in (run_dir / "logs" / "coordinator.log").read_text().splitlines()
+             if '"weights synced"' in line]
+    assert syncs and {s["bytes"] for s in syncs} == {69_632}  # rank 8 on all 14 linear layers, float32: the adapter
     checkpoint = run_dir / "checkpoints" / f"global_step_{len(records)}" / "actor"
     assert all(".lora_" in name for name in load_file(checkpoint / "model.safetensors"))
     final = run_dir / "final_model"
