@@ -256,7 +256,10 @@ def test_reward_and_step_timing_match_the_run(scraped):
     assert step_seconds > 0
     phases = values(scraped.query('rlfabric_coordinator_phase_seconds{phase!="step"}'), "phase")
     assert {"gen", "update"} <= set(phases), phases
-    assert 0 < sum(phases.values()) <= step_seconds * 1.01 + 0.01, (phases, step_seconds)
+    # The step's phases run one after another, except the reference, old-policy and critic forward passes,
+    # which run at once (each with a timer of its own): those count once, by the longest.
+    together = [phases.pop(phase) for phase in ("old_log_prob", "ref", "values") if phase in phases]
+    assert 0 < sum(phases.values()) + max(together, default=0.0) <= step_seconds * 1.01 + 0.01, (phases, step_seconds)
 
 
 def test_grpc_metrics_of_every_service(scraped):

@@ -40,7 +40,7 @@ def actor_batch(samples, prompts) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def actor(tiny_model):
-    server = ServerThread(actor_service.build_service("actor", rollout_config(tiny_model)),
+    server = ServerThread(actor_service.build_service(rollout_config(tiny_model)),
                           ServerOptions(port=0, metrics_port=None))
     yield server
     server.stop()
