@@ -42,14 +42,15 @@ def apply_lora(model: nn.Module, lora: LoraConfig) -> nn.Module:
     """The model with adapters on lora.target_modules (a PeftModel); ValueError names the key at fault."""
     from peft import get_peft_model
 
-    check_rank(model, lora)
     try:
-        return get_peft_model(model, peft_config(lora))
+        adapted = get_peft_model(model, peft_config(lora))
     except ValueError as error:
         if "not found in the base model" in str(error) or "No modules were targeted" in str(error):
             raise ValueError(f"actor.lora.target_modules {lora.target_modules!r} match no layer of the model; "
                              f"its linear layers: {', '.join(linear_layer_names(model))}") from None
         raise
+    check_rank(adapted, lora.rank)
+    return adapted
 
 
 def linear_layer_names(model: nn.Module) -> list[str]:
@@ -57,19 +58,17 @@ def linear_layer_names(model: nn.Module) -> list[str]:
     return sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, nn.Linear)})
 
 
-def check_rank(model: nn.Module, lora: LoraConfig) -> None:
-    """A rank above a targeted layer's smaller dimension adds nothing a full update would not: refuse it."""
-    targets = lora.target_modules
-    for name, module in model.named_modules():
-        if not isinstance(module, nn.Linear):
-            continue
-        last = name.rsplit(".", 1)[-1]
-        targeted = (last != "lm_head") if targets == "all-linear" else (
-            any(name == t or name.endswith(f".{t}") for t in ([targets] if isinstance(targets, str) else targets)))
-        smaller = min(module.in_features, module.out_features)
-        if targeted and lora.rank > smaller:
-            raise ValueError(f"actor.lora.rank {lora.rank} exceeds layer {name} ({module.in_features} -> "
-                             f"{module.out_features}): a rank is at most the layer's smaller dimension ({smaller})")
+def check_rank(adapted: nn.Module, rank: int) -> None:
+    """A rank above an adapted layer's smaller dimension adds nothing a full update would not: refuse it.
+    The layers are the ones peft adapted, so target_modules is matched once, by peft."""
+    from peft.tuners.lora import LoraLayer
+
+    for name, module in adapted.named_modules():
+        if isinstance(module, LoraLayer):
+            smaller = min(module.in_features, module.out_features)
+            if rank > smaller:
+                raise ValueError(f"actor.lora.rank {rank} exceeds layer {name.removeprefix(PREFIX)} ({module.in_features} "
+                                 f"-> {module.out_features}): a rank is at most the layer's smaller dimension ({smaller})")
 
 
 def scaling(lora: LoraConfig) -> float:
