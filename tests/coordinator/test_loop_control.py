@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from functools import partial
 
 import pytest
 
@@ -23,6 +24,17 @@ RUNNING = (coordinator_pb2.RUN_STATE_RUNNING, coordinator_pb2.RUN_STATE_PAUSED)
 async def finished(client: CoordinatorInterface) -> dict[int, dict[str, float]]:
     """Follows the run to its end; the metrics of every step."""
     return {update.step: dict(update.metrics) async for update in client.stream_metrics(from_step=1)}
+
+
+def run_to_end(open_mesh, config, run_dir) -> tuple[dict[int, dict[str, float]], coordinator_pb2.GetRunStatusResponse]:
+    """One run on the mesh open_mesh(config, run_dir) opens, followed to its end: its metrics and final status."""
+
+    async def scenario():
+        async with open_mesh(config, run_dir) as client:
+            await client.start_run()
+            return await finished(client), await client.run_status()
+
+    return asyncio.run(scenario())
 
 
 async def until_state(client: CoordinatorInterface, state: int, timeout_s: float = 60.0):
@@ -46,14 +58,7 @@ async def first_step(client: CoordinatorInterface) -> int:
 
 @BOTH
 def test_sync_run_trains_on_fresh_weights(tiny_model, tmp_path, mesh):
-    async def scenario():
-        async with MESHES[mesh](fast_config(tiny_model), tmp_path / "run") as client:
-            await client.start_run()
-            metrics = await finished(client)
-            status = await client.run_status()
-        return metrics, status
-
-    metrics, status = asyncio.run(scenario())
+    metrics, status = run_to_end(MESHES[mesh], fast_config(tiny_model), tmp_path / "run")
     assert status.state == coordinator_pb2.RUN_STATE_COMPLETED, status.error
     assert sorted(metrics) == [1, 2]
     for step in (1, 2):
@@ -67,15 +72,7 @@ def test_sync_run_trains_on_fresh_weights(tiny_model, tmp_path, mesh):
 @BOTH
 def test_async_prefetch_trains_one_version_behind(tiny_model, tmp_path, mesh):
     config = fast_config(tiny_model, "trainer.mode=async", "trainer.max_staleness=1", "trainer.total_steps=3")
-
-    async def scenario():
-        async with MESHES[mesh](config, tmp_path / "run") as client:
-            await client.start_run()
-            metrics = await finished(client)
-            status = await client.run_status()
-        return metrics, status
-
-    metrics, status = asyncio.run(scenario())
+    metrics, status = run_to_end(MESHES[mesh], config, tmp_path / "run")
     assert status.state == coordinator_pb2.RUN_STATE_COMPLETED, status.error
     # Step 1's batch comes from the starting weights; each later one was generated while the step
     # before it trained, so from weights one version old.
@@ -86,13 +83,7 @@ def test_async_prefetch_trains_one_version_behind(tiny_model, tmp_path, mesh):
 @BOTH
 def test_lora_run_takes_its_reference_from_the_actors_base_model(tiny_model, tmp_path, mesh):
     config = fast_config(tiny_model, "actor.lora.rank=4", "actor.use_kl_loss=true")
-
-    async def scenario():
-        async with MESHES[mesh](config, tmp_path / "run") as client:
-            await client.start_run()
-            return await finished(client), await client.run_status()
-
-    metrics, status = asyncio.run(scenario())
+    metrics, status = run_to_end(MESHES[mesh], config, tmp_path / "run")
     assert status.state == coordinator_pb2.RUN_STATE_COMPLETED, status.error
     assert not config.cluster.reference  # no reference service: the actor answers for it
     assert metrics[1]["actor/kl_loss"] == pytest.approx(0.0, abs=1e-6)  # step 1: policy == base model
@@ -221,13 +212,7 @@ class BrokenRollout:
 
 def run_wrapped(model_path, run_dir, wrap, *overrides: str):
     """One run on the in-process mesh with wrap(peers) applied; its metrics and final status."""
-
-    async def scenario():
-        async with in_process(fast_config(model_path, *overrides), run_dir, wrap_peers=wrap) as client:
-            await client.start_run()
-            return await finished(client), await client.run_status()
-
-    return asyncio.run(scenario())
+    return run_to_end(partial(in_process, wrap_peers=wrap), fast_config(model_path, *overrides), run_dir)
 
 
 def test_reward_that_fails_twice_is_retried(tiny_model, tmp_path):
