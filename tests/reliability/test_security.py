@@ -48,6 +48,7 @@ from rlfabric.reward.servicer import build_service as build_reward_service
 from rlfabric.rollout.servicer import build_service as build_rollout_service
 from rlfabric.serve import build_service as build_trainer_service
 from rlfabric.v1 import actor_pb2, reward_pb2, rollout_pb2, tensor_pb2
+from tests.waiting import wait_until
 
 from .helpers import (
     ACTOR_LOG_PROBS,
@@ -423,15 +424,6 @@ def _children(directory: Path, tag: str) -> list[int]:
     return [int(p.name.split("-")[-1]) for p in directory.glob(f"{tag}-*")]
 
 
-def _wait_until(condition, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.05)
-    return condition()
-
-
 def score_one(address: str, extra_info: dict) -> tuple[reward_pb2.ScoreResult, float]:
     item = reward_pb2.ScoreItem(data_source="x", response="r", ground_truth="g", extra_info_json=json.dumps(extra_info))
     answer = send(address, SCORE, reward_pb2.ScoreRequest(items=[item]).SerializeToString())
@@ -449,7 +441,7 @@ def test_a_function_that_forks_and_hangs_is_cut_off_with_its_child(custom_reward
     result, seconds = score_one(custom_reward, {"mode": "fork_and_hang"})
     children = _children(custom_dir, "fork_and_hang")
     assert len(children) == 1
-    assert _wait_until(lambda: not _alive(children[0])), "the forked child outlived the timed-out worker"
+    wait_until(lambda: not _alive(children[0]), 10, "the forked child to die with the timed-out worker")
     assert result.status == reward_pb2.SCORE_STATUS_TIMEOUT and seconds < CUSTOM_TIMEOUT_S + 5
     assert_next_item_is_scored(custom_reward)
 
@@ -486,10 +478,10 @@ def test_children_of_a_finished_function_die_with_the_pool(tmp_path, marker_dir)
     with CustomScorerPool(str(path), num_workers=1, timeout_s=5, function_kwargs={"marker_dir": str(marker_dir)}) as pool:
         result = pool.score_batch([ScoreItem("x", "r", "g", extra_info={"mode": "fork_and_return"})])[0]
         assert result.ok and result.score == 1.0
-        assert _wait_until(lambda: len(_children(marker_dir, "fork_and_return")) == 1)
+        wait_until(lambda: len(_children(marker_dir, "fork_and_return")) == 1, 10, "the forked child's marker")
         child = _children(marker_dir, "fork_and_return")[0]
         assert _alive(child)  # left running by the function...
-    assert _wait_until(lambda: not _alive(child))  # ...and killed with its worker's process tree
+    wait_until(lambda: not _alive(child), 10, "the forked child to die")  # ...and killed with its worker's process tree
 
 
 @contextlib.contextmanager
@@ -507,8 +499,8 @@ def test_a_child_that_leaves_the_process_group_is_cut_off_too(custom_reward, cus
     with _no_survivors(custom_dir, "escape"):
         result, seconds = score_one(custom_reward, {"mode": "escape"})
         assert result.status == reward_pb2.SCORE_STATUS_TIMEOUT and seconds < CUSTOM_TIMEOUT_S + 5, result
-        assert _wait_until(lambda: _children(custom_dir, "escape"))
-        assert _wait_until(lambda: not any(_alive(pid) for pid in _children(custom_dir, "escape")), timeout=3)
+        wait_until(lambda: _children(custom_dir, "escape"), 10, "the escaped children's markers")
+        wait_until(lambda: not any(_alive(pid) for pid in _children(custom_dir, "escape")), 3, "the escaped children to die")
         assert_next_item_is_scored(custom_reward)
 
 
@@ -518,7 +510,7 @@ def test_a_double_forked_daemon_is_cut_off_with_the_timeout(custom_reward, custo
         assert result.status == reward_pb2.SCORE_STATUS_TIMEOUT and seconds < CUSTOM_TIMEOUT_S + 5, result
         daemons = _children(custom_dir, "daemon")
         assert len(daemons) == 1
-        assert _wait_until(lambda: not _alive(daemons[0]), timeout=3), "the daemon outlived the timed-out worker"
+        wait_until(lambda: not _alive(daemons[0]), 3, "the daemon to die with the timed-out worker")
         assert_next_item_is_scored(custom_reward)
 
 
@@ -534,22 +526,22 @@ def test_a_double_forked_daemon_dies_with_its_worker(tmp_path, marker_dir):
                               function_kwargs={"marker_dir": str(marker_dir)}) as pool:
             result = pool.score_batch([ScoreItem("x", "r", "g", extra_info={"mode": "daemon_and_return"})])[0]
             assert result.ok and result.score == 1.0
-            assert _wait_until(lambda: len(_children(marker_dir, "daemon_and_return")) == 1)
+            wait_until(lambda: len(_children(marker_dir, "daemon_and_return")) == 1, 10, "the daemon's marker")
             daemon = _children(marker_dir, "daemon_and_return")[0]
             assert _alive(daemon)
 
             crashed = pool.score_batch([ScoreItem("x", "r", "g", extra_info={"mode": "daemon_and_crash"})])[0]
             assert crashed.status == STATUS_CRASHED and "exited with code 3" in crashed.message, crashed
-            assert _wait_until(lambda: len(_children(marker_dir, "daemon_and_crash")) == 1)
+            wait_until(lambda: len(_children(marker_dir, "daemon_and_crash")) == 1, 10, "the daemon's marker")
             # The crash ended the worker, so both daemons are gone, the pool still open.
             for pid in [daemon, *_children(marker_dir, "daemon_and_crash")]:
-                assert _wait_until(lambda pid=pid: not _alive(pid), timeout=3), pid
+                wait_until(lambda pid=pid: not _alive(pid), 3, f"daemon {pid} to die")
 
             again = pool.score_batch([ScoreItem("x", "r", "g", extra_info={"mode": "daemon_and_return"})])[0]
             assert again.ok  # a fresh worker
-            assert _wait_until(lambda: len(_children(marker_dir, "daemon_and_return")) == 2)
+            wait_until(lambda: len(_children(marker_dir, "daemon_and_return")) == 2, 10, "the second daemon's marker")
             (second,) = [pid for pid in _children(marker_dir, "daemon_and_return") if pid != daemon]
-        assert _wait_until(lambda: not _alive(second), timeout=3), "the daemon outlived the closed pool"
+        wait_until(lambda: not _alive(second), 3, "the daemon to die with the closed pool")
 
 
 def test_a_double_forked_daemon_dies_when_the_pool_process_is_killed(tmp_path, marker_dir):
@@ -568,13 +560,13 @@ def test_a_double_forked_daemon_dies_when_the_pool_process_is_killed(tmp_path, m
         service = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
         try:
             assert service.stdout.readline().strip() == "ok"
-            assert _wait_until(lambda: len(_children(marker_dir, "daemon_and_return")) == 1)
+            wait_until(lambda: len(_children(marker_dir, "daemon_and_return")) == 1, 10, "the daemon's marker")
             daemon = _children(marker_dir, "daemon_and_return")[0]
             assert _alive(daemon)
         finally:
             service.kill()
             service.wait()
-        assert _wait_until(lambda: not _alive(daemon), timeout=5), "the daemon outlived the killed pool process"
+        wait_until(lambda: not _alive(daemon), 5, "the daemon to die with the killed pool process")
 
 
 # --- 1b. the whole local mesh under mTLS + token (slow: six service processes) ---------------------------
