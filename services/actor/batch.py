@@ -7,6 +7,7 @@ tensors, and how one rank cuts its rows into micro-batches.
     responses      [B, T] int64    == input_ids[:, -T:]
     response_mask  [B, T] int64    1 = real response token
     old_log_probs, advantages, ref_log_probs, values, returns: [B, T] float32, per response token
+    rollout_is_weights [B, T] float32 >= 0   rollout correction's IS weights of the policy loss
 
 Padding: a micro-batch drops the columns that are padding in all its rows (prompt padding on the left,
 response padding on the right) before the forward pass; the causal model gives the same numbers for
@@ -23,7 +24,7 @@ from rlfabric.core.errors import InvalidArgument
 
 SEQUENCE = ("input_ids", "attention_mask", "responses", "response_mask")
 POSITION_IDS = "position_ids"
-FLOATS = ("old_log_probs", "advantages", "ref_log_probs", "values", "returns")
+FLOATS = ("old_log_probs", "advantages", "ref_log_probs", "values", "returns", "rollout_is_weights")
 TENSOR_NAMES = (*SEQUENCE, POSITION_IDS, *FLOATS)
 _INTEGER = (torch.int64, torch.int32)
 _MASK = (torch.int64, torch.int32, torch.uint8, torch.bool)
@@ -138,6 +139,8 @@ def validate_batch(
                 f"{name} has {int((~finite).sum())} NaN/inf value(s), the first at row {row}, column {col}"
             )
         out[name] = value
+    if "rollout_is_weights" in out and (out["rollout_is_weights"] < 0).any():
+        raise InvalidArgument("rollout_is_weights must be >= 0: a negative weight would turn a token's gradient around")
     if POSITION_IDS not in out:
         out[POSITION_IDS] = position_ids_from_mask(out["attention_mask"])
     return SequenceBatch(out)

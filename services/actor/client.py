@@ -38,8 +38,9 @@ Tensors = Mapping[str, torch.Tensor]
 
 # The (required, optional) tensors of each request's batch.
 FORWARD_BATCH = (SEQUENCE, (POSITION_IDS,))  # ComputeLogProbs, ComputeValues
-# + old_log_probs, unless the update is one optimizer step
-POLICY_UPDATE_BATCH = ((*SEQUENCE, "advantages"), (POSITION_IDS, "old_log_probs", "ref_log_probs"))
+# + old_log_probs, unless the update is one optimizer step; + rollout_is_weights with rollout correction
+POLICY_UPDATE_BATCH = ((*SEQUENCE, "advantages"),
+                       (POSITION_IDS, "old_log_probs", "ref_log_probs", "rollout_is_weights"))
 VALUE_UPDATE_BATCH = ((*SEQUENCE, "values", "returns"), (POSITION_IDS,))
 
 
@@ -77,7 +78,8 @@ class ActorInterface(TrainableInterface):
     @abstractmethod
     async def update_policy(self, batch: Tensors, global_step: int = 0,
                             timeout_s: float | None = None) -> dict[str, float]:
-        """PPO update on the batch (+ old_log_probs, advantages[, ref_log_probs]); VeRL-named metrics."""
+        """PPO update on the batch (+ old_log_probs, advantages[, ref_log_probs, rollout_is_weights]);
+        VeRL-named metrics."""
 
     @abstractmethod
     async def export_hf(self, path: str, timeout_s: float | None = None) -> int:

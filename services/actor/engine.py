@@ -27,6 +27,7 @@ from rlfabric.actor.batch import SequenceBatch, shard_rows, validate_batch
 from rlfabric.actor.dist import Command, WorkerGroup, run_command
 from rlfabric.actor.models import TRAINABLE, model_path, rank_device
 from rlfabric.actor.worker import RankWorker
+from rlfabric.algorithms.plugins import load_plugin_modules
 from rlfabric.core.client import ChannelOptions
 from rlfabric.core.config import RunConfig
 from rlfabric.core.errors import FailedPrecondition, InvalidArgument
@@ -96,6 +97,7 @@ class TrainerEngine:
                              f"{self.section.ppo_mini_batch_size} x rollout.n {self.config.rollout.n}) does not "
                              f"split over world_size {self.world_size} ranks")
         if self.role == "actor":
+            load_plugin_modules(self.config.algorithm.plugin_modules)  # before the loss_mode check
             if self.section.loss_mode not in algos.policy_loss_names():
                 raise ValueError(f"actor.loss_mode {self.section.loss_mode!r} is not one of {algos.policy_loss_names()}")
             algos.kl_penalty(torch.zeros(1), torch.zeros(1), self.section.kl_loss_type)  # ValueError if unknown

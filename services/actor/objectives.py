@@ -75,7 +75,7 @@ def _token_weight(stat: torch.Tensor, mask: torch.Tensor, counts: MiniBatchCount
 class PolicyObjective:
     """PPO policy loss (+ optional KL loss and entropy bonus) of the actor."""
 
-    float_names = ("old_log_probs", "advantages", "ref_log_probs")
+    float_names = ("old_log_probs", "advantages", "ref_log_probs", "rollout_is_weights")
 
     def __init__(self, config: ActorConfig, temperature: float, keep_logits: bool):
         self.config = config
@@ -107,6 +107,7 @@ class PolicyObjective:
             old_log_probs, log_probs, batch["advantages"], mask,
             clip_low=cfg.clip_ratio_low, clip_high=cfg.clip_ratio_high, clip_ratio_c=cfg.clip_ratio_c,
             agg=cfg.loss_agg_mode, mode=cfg.loss_mode, **agg,
+            rollout_is_weights=batch["rollout_is_weights"] if "rollout_is_weights" in batch else None,
         )
         entropy_agg = algos.aggregate_loss(entropy, mask, cfg.loss_agg_mode, **agg)
         loss = pg_loss - cfg.entropy_coeff * entropy_agg if want_entropy_grad else pg_loss

@@ -37,6 +37,7 @@ from rlfabric.actor.objectives import (
     forward_log_probs,
     forward_values,
 )
+from rlfabric.algorithms.plugins import load_plugin_modules
 from rlfabric.core.config import RunConfig
 from rlfabric.core.dtypes import torch_dtype
 
@@ -75,6 +76,7 @@ class RankWorker:
         self.updates = 0  # UpdatePolicy / UpdateValues calls: the LR schedule's clock
         self.optimizer_steps = 0
         if role == "actor":
+            load_plugin_modules(config.algorithm.plugin_modules)  # a policy loss may be a plugin's (every rank)
             # The rollout samples from softmax(logits / T); PPO's ratios must use the same distribution.
             temperature = config.rollout.temperature or 1.0
             self.objective = PolicyObjective(config.actor, temperature, self.keep_logits)

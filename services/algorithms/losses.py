@@ -81,11 +81,13 @@ def ppo_clip_loss(
     global_token_count=None,
     global_seq_count=None,
     scale_factor=None,
+    rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped surrogate (Schulman et al. 2017) with the dual clip (Ye et al. 2020) for A < 0.
 
     The ratio is clipped to [1 - clip_low, 1 + clip_high] (decoupled, as DAPO's clip-higher); for
     negative advantages the loss is further capped at -A * clip_ratio_c. agg None means token-mean.
+    rollout_is_weights [batch, len] (rollout correction) multiply each token's clipped loss.
     """
     if clip_ratio_c <= 1.0:
         raise ValueError(f"ppo_clip_loss: clip_ratio_c must be > 1, got {clip_ratio_c}")
@@ -104,6 +106,8 @@ def ppo_clip_loss(
     pg_clipfrac_lower = masked_mean(lower_clipped.to(log_probs.dtype), mask)
 
     pg_losses = torch.where(advantages < 0, clip_pg_losses2, clip_pg_losses1)  # [batch, len]
+    if rollout_is_weights is not None:
+        pg_losses = pg_losses * rollout_is_weights
     loss = aggregate_loss(
         pg_losses, mask, agg or "token-mean",
         global_token_count=global_token_count, scale_factor=scale_factor, global_seq_count=global_seq_count,
@@ -125,12 +129,13 @@ def gspo_loss(
     global_token_count=None,
     global_seq_count=None,
     scale_factor=None,
+    rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GSPO (Zheng et al. 2025): the PPO clip on a sequence-level ratio, the geometric mean of the
     token ratios, with each token's gradient flowing through its own log-prob.
 
     No dual clip (clip_ratio_c is unused; pg_clipfrac_lower is 0). agg None means seq-mean-token-mean,
-    as in the paper.
+    as in the paper. rollout_is_weights [batch, len] multiply each token's clipped loss.
     """
     neg_approx_kl = torch.clamp(log_probs - old_log_probs, min=-20.0, max=20.0)  # [batch, len]
     mask_f = mask.to(log_probs.dtype)
@@ -144,6 +149,8 @@ def gspo_loss(
     pg_losses2 = -advantages * torch.clamp(seq_ratio, 1.0 - clip_low, 1.0 + clip_high)
     pg_losses = torch.maximum(pg_losses1, pg_losses2)  # [batch, len]
     pg_clipfrac = masked_mean((pg_losses2 > pg_losses1).to(log_probs.dtype), mask)
+    if rollout_is_weights is not None:
+        pg_losses = pg_losses * rollout_is_weights
     loss = aggregate_loss(
         pg_losses, mask, agg or "seq-mean-token-mean",
         global_token_count=global_token_count, scale_factor=scale_factor, global_seq_count=global_seq_count,
@@ -170,11 +177,14 @@ def policy_loss(
     global_token_count: float | torch.Tensor | None = None,
     global_seq_count: float | torch.Tensor | None = None,
     scale_factor: float | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Policy loss of the registered `mode` ("vanilla" PPO clip, "gspo", or your own).
 
     All per-token inputs are [batch, response_len]. `agg` None picks the mode's own default
     (vanilla: token-mean, gspo: seq-mean-token-mean); the count arguments go to aggregate_loss.
+    rollout_is_weights (rollout correction's truncated IS weights, or None) multiply the per-token
+    policy loss before aggregation.
     Returns (loss, stats) with stats `pg_clipfrac`, `pg_clipfrac_lower`, `ppo_kl` as detached 0-dim
     tensors.
     """
@@ -183,11 +193,14 @@ def policy_loss(
     check_same_shape(fn, "old_log_probs", old_log_probs, "log_probs", log_probs)
     check_same_shape(fn, "advantages", advantages, "log_probs", log_probs)
     check_same_shape(fn, "mask", mask, "log_probs", log_probs)
+    if rollout_is_weights is not None:
+        check_same_shape(fn, "rollout_is_weights", rollout_is_weights, "log_probs", log_probs)
     loss_fn = get_policy_loss(mode)
     return loss_fn(
         old_log_probs, log_probs, advantages, mask,
         clip_low=clip_low, clip_high=clip_high, clip_ratio_c=clip_ratio_c, agg=agg,
         global_token_count=global_token_count, global_seq_count=global_seq_count, scale_factor=scale_factor,
+        rollout_is_weights=rollout_is_weights,
     )
 
 

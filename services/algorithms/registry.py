@@ -16,12 +16,16 @@ Advantage estimator call form: keyword-only arguments exactly ADVANTAGE_ESTIMATO
 ignores what it does not need and raises ValueError when something it needs is None.
 
 Policy loss call form: `fn(old_log_probs, log_probs, advantages, mask, *, clip_low, clip_high,
-clip_ratio_c, agg, global_token_count, global_seq_count, scale_factor) -> (loss, stats)`, the same
-arguments as `losses.policy_loss` less `mode`; `agg` may be None (use the mode's own default). Inputs
-arrive already shape-checked; stats is a dict of 0-dim tensors.
+clip_ratio_c, agg, global_token_count, global_seq_count, scale_factor, rollout_is_weights) -> (loss,
+stats)`, the same arguments as `losses.policy_loss` less `mode`; `agg` may be None (use the mode's own
+default); `rollout_is_weights` is None or [batch, response_len] weights to multiply the per-token loss
+by before aggregation (algorithm.rollout_correction.rollout_is). Inputs arrive already shape-checked;
+stats is a dict of 0-dim tensors, reported by the actor as actor/<name>.
 
 Built-ins: estimators gae, grpo, rloo, reinforce_plus_plus, remax (advantages.py); policy losses
-vanilla, gspo (losses.py). Each module registers its own at import.
+vanilla, gspo (losses.py). Each module registers its own at import; no registration may replace a
+built-in (overwrite=True replaces only your own). A run's config imports its own registrations from
+algorithm.plugin_modules (rlfabric.algorithms.plugins).
 """
 
 from collections.abc import Callable
@@ -32,8 +36,12 @@ ADVANTAGE_ESTIMATOR_KWARGS = (
     "token_rewards", "mask", "values", "group_ids", "baselines", "gamma", "lam", "norm_by_std",
 )
 
+BUILTIN_ADVANTAGE_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus", "remax")
+BUILTIN_POLICY_LOSSES = ("vanilla", "gspo")
+
 _ADVANTAGE_ESTIMATORS: dict[str, Callable] = {}
 _POLICY_LOSSES: dict[str, Callable] = {}
+_BUILTINS = {"advantage_estimator": BUILTIN_ADVANTAGE_ESTIMATORS, "policy_loss": BUILTIN_POLICY_LOSSES}
 
 
 def _register(table: dict[str, Callable], what: str, name: str, fn: Callable, overwrite: bool) -> None:
@@ -41,6 +49,9 @@ def _register(table: dict[str, Callable], what: str, name: str, fn: Callable, ov
         raise ValueError(f"register_{what}: name must be a non-empty string, got {name!r}")
     if not callable(fn):
         raise TypeError(f"register_{what}: {name!r} is not callable: {fn!r}")
+    if name in table and name in _BUILTINS[what]:
+        raise ValueError(f"register_{what}: {name!r} is built in and cannot be replaced; register yours under "
+                         "another name")
     if name in table and not overwrite:
         raise ValueError(f"register_{what}: {name!r} is already registered; pass overwrite=True to replace it")
     table[name] = fn

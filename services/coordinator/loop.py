@@ -12,8 +12,16 @@
 Modes: `sync` generates each step's batch with the weights trained so far (on-policy). `async`
 generates step k+1's batch while step k trains (one-step off-policy): its samples come from weights
 one version old, bounded by trainer.max_staleness and checked on every sample. The "old" log-probs
-always come from the actor at train time, so the PPO ratio is taken against the right policy; when
-the update is one optimizer step they are the updated policy's own, taken inside that step.
+come from the actor at train time, so the PPO ratio is taken against the right policy; when the update
+is one optimizer step they are the updated policy's own, taken inside that step
+(algorithm.old_log_prob_source says where they come from; `rollout`: the sampler's own).
+
+Rollout correction (algorithm.rollout_correction, rlfabric.algorithms.rollout_correction) compares the
+rollout engine's log-probs with the old ones here, in the coordinator, after the advantages: its IS
+weights go to the actor as one more per-token tensor of the update batch (rollout_is_weights) and its
+rejections as zeros in the response mask. The coordinator holds both log-probs already, and the actor's
+loss stays one generic rule (multiply by the weights when given) instead of knowing the correction's
+settings; the actor processes need no config change to turn it on.
 
 The end of a run keeps the policy: a checkpoint of the last step and RUN_DIR/final_model.
 """
@@ -212,6 +220,7 @@ class PPOTrainer:
             # 3. Advantages (timing_s/adv).
             with timer("adv"):
                 metrics.update(self._advantages(batch))
+                metrics.update(self._rollout_correction(batch))
             # 4. Critic and actor updates (timing_s/update).
             self.on_phase("updating")
             with timer("update"):
@@ -252,10 +261,11 @@ class PPOTrainer:
     async def _log_probs_and_values(self, batch: RolloutBatch, timer: StepTimer) -> None:
         """batch.old_log_probs, ref_log_probs and values: three services at once, each timed on its own.
         When the update is one optimizer step, the "old" policy is the one being updated: the actor takes
-        its own log-probs in that step, and the separate forward pass is skipped."""
+        its own log-probs in that step, and the separate forward pass is skipped (_old_log_prob_forward);
+        with algorithm.old_log_prob_source=rollout they are the rollout's."""
         peers, temperature, tensors = self.peers, self.config.rollout.temperature or 1.0, batch.tensors
         calls = {}
-        if self._needs_old_log_probs():
+        if self._old_log_prob_forward():
             calls["old_log_prob"] = peers.actor.compute_log_probs(tensors, temperature, compute_entropy=False)
         if peers.reference is not None:
             calls["ref"] = peers.reference.compute_log_probs(tensors, temperature)
@@ -264,6 +274,12 @@ class PPOTrainer:
         answers = await asyncio.gather(*(timer.timed(phase, call) for phase, call in calls.items()))
         results = dict(zip(calls, answers, strict=True))
         batch.old_log_probs = results["old_log_prob"]["log_probs"] if "old_log_prob" in results else None
+        if self.config.algorithm.old_log_prob_source == "rollout":
+            if batch.rollout_log_probs is None:
+                raise FailedPrecondition("algorithm.old_log_prob_source=rollout needs the rollout's log-probs, and a "
+                                         "sample of this step came back without them (rollout.engine "
+                                         f"{self.config.rollout.engine}): use old_log_prob_source auto")
+            batch.old_log_probs = batch.rollout_log_probs
         batch.ref_log_probs = results["ref"]["log_probs"] if "ref" in results else None
         batch.values = results["values"]["values"] if "values" in results else None
 
@@ -290,6 +306,22 @@ class PPOTrainer:
         batch.token_rewards, batch.train_mask = token_rewards, train_mask
         return metrics
 
+    def _rollout_correction(self, batch: RolloutBatch) -> dict[str, float]:
+        """rollout_corr/* metrics whenever the step has the rollout's log-probs and separate old ones, and
+        with algorithm.rollout_correction on: batch.rollout_is_weights and rejected tokens out of
+        batch.train_mask; perf/old_log_prob_forward: 1 when the old-log-prob forward pass ran."""
+        forward = float(self._old_log_prob_forward())
+        if batch.rollout_log_probs is None or batch.old_log_probs is None or not forward:
+            return {"perf/old_log_prob_forward": forward}
+        settings = self.config.algorithm.rollout_correction
+        correction = algos.rollout_correction(
+            batch.old_log_probs, batch.rollout_log_probs, batch.train_mask,
+            rollout_is=settings.rollout_is, rollout_is_threshold=settings.rollout_is_threshold,
+            rollout_rs=settings.rollout_rs, rollout_rs_threshold=settings.rollout_rs_threshold,
+            rollout_rs_threshold_lower=settings.rollout_rs_threshold_lower)
+        batch.rollout_is_weights, batch.train_mask = correction.weights, correction.mask
+        return {**correction.metrics, "perf/old_log_prob_forward": forward}
+
     async def _updates(self, step: int, batch: RolloutBatch) -> dict[str, float]:
         """The actor's policy update and the critic's value update, at once; their metrics."""
         tensors = {**batch.tensors, "response_mask": batch.train_mask}
@@ -298,6 +330,8 @@ class PPOTrainer:
             policy_batch["old_log_probs"] = batch.old_log_probs
         if self.config.actor.use_kl_loss:
             policy_batch["ref_log_probs"] = batch.ref_log_probs
+        if batch.rollout_is_weights is not None:
+            policy_batch["rollout_is_weights"] = batch.rollout_is_weights
         updates = [self.peers.actor.update_policy(policy_batch, global_step=step)]
         if self.peers.critic is not None:
             updates.append(self.peers.critic.update_values(
@@ -480,13 +514,16 @@ class PPOTrainer:
         if self.between_steps is not None:
             await self.between_steps()
 
-    def _needs_old_log_probs(self) -> bool:
-        """False when the actor's update is a single optimizer step (one mini-batch, one epoch) and no KL
-        in the reward reads them before it."""
-        config = self.config
+    def _old_log_prob_forward(self) -> bool:
+        """Whether the old log-probs take a separate actor forward pass (algorithm.old_log_prob_source).
+        auto skips it when the actor's update is a single optimizer step (one mini-batch, one epoch) and
+        nothing reads them before it: no KL in the reward, no rollout correction."""
+        config, algorithm = self.config, self.config.algorithm
+        if algorithm.old_log_prob_source != "auto":
+            return algorithm.old_log_prob_source == "actor"
         rows = config.data.train_batch_size * config.rollout.n
         one_step = config.actor.ppo_epochs == 1 and rows <= self.actor_mini_batch_rows
-        return not one_step or config.algorithm.use_kl_in_reward
+        return not one_step or algorithm.use_kl_in_reward or algorithm.rollout_correction.enabled()
 
     @staticmethod
     def _copy(cursor: DataCursor) -> DataCursor:

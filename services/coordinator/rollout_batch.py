@@ -4,6 +4,8 @@
     attention_mask [B, P+T]  1 = real token
     responses      [B, T]    == input_ids[:, -T:]
     response_mask  [B, T]    1 = real response token
+    rollout_log_probs [B, T] the rollout engine's log-prob of each sampled token, 0 on padding (a
+                             RolloutBatch field; None when a sample came back without them)
 
 B = prompts x n samples, ordered prompt by prompt (rows of one prompt form its GRPO group).
 P and T are the longest prompt and response of this batch, not the configured maxima: padding
@@ -33,11 +35,13 @@ class RolloutBatch:
     scores: torch.Tensor | None = None  # [B] the reward service's score
     score_failed: torch.Tensor | None = None  # [B] bool: the reward service could not score the sample
     baselines: torch.Tensor | None = None  # [B] ReMax: the score of the prompt's greedy response
+    rollout_log_probs: torch.Tensor | None = None  # [B, T] the sampler's (pi_rollout), None if a sample had none
     # Log-probs and values phase:
     old_log_probs: torch.Tensor | None = None  # [B, T] None when the update takes its own (one optimizer step)
     ref_log_probs: torch.Tensor | None = None  # [B, T] when a KL term needs the reference
     values: torch.Tensor | None = None  # [B, T] the critic's (GAE)
-    # Advantages phase:
+    # Advantages phase (rollout correction after the advantages):
+    rollout_is_weights: torch.Tensor | None = None  # [B, T] truncated IS weights of the policy loss
     token_rewards: torch.Tensor | None = None  # [B, T] score on the last token, KL-penalised if configured
     advantages: torch.Tensor | None = None  # [B, T]
     returns: torch.Tensor | None = None  # [B, T]
@@ -99,7 +103,18 @@ def build_rollout_batch(rows: Sequence[PromptRow], samples: Sequence[FinishedSam
         "response_mask": attention_mask[:, prompt_len:].clone(),
     }
     group_ids = torch.arange(len(rows)).repeat_interleave(n)
-    return RolloutBatch(tensors, sample_rows, ordered, group_ids)
+    return RolloutBatch(tensors, sample_rows, ordered, group_ids,
+                        rollout_log_probs=_rollout_log_probs(ordered, response_len))
+
+
+def _rollout_log_probs(samples: Sequence[FinishedSample], response_len: int) -> torch.Tensor | None:
+    """[B, T] each sample's log-probs, right-padded with 0; None unless every sample has one per token."""
+    if any(len(s.logprobs) != len(s.token_ids) for s in samples):
+        return None
+    out = torch.zeros(len(samples), response_len, dtype=torch.float32)
+    for i, sample in enumerate(samples):
+        out[i, : len(sample.logprobs)] = torch.tensor(sample.logprobs, dtype=torch.float32)
+    return out
 
 
 def token_level_scores(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:

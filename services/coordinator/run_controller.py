@@ -12,12 +12,13 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
+from rlfabric.algorithms.plugins import load_plugin_modules
 from rlfabric.coordinator.checkpoints import step_dir
 from rlfabric.coordinator.loop import PPOTrainer, check_roles
 from rlfabric.coordinator.setup import Connect, build_trainer, connect_services
 from rlfabric.coordinator.tracking import RunTracker
 from rlfabric.core.config import ConfigError, RunConfig, apply_override, config_from_dict, run_dir_of
-from rlfabric.core.errors import FailedPrecondition, InvalidArgument
+from rlfabric.core.errors import FailedPrecondition, InvalidArgument, PermissionDenied
 from rlfabric.core.storage import StorageRoot
 from rlfabric.v1 import coordinator_pb2
 
@@ -36,6 +37,7 @@ class RunController:
 
     def __init__(self, config: RunConfig, registry: CollectorRegistry | None = None,
                  connect: Connect = connect_services):
+        load_plugin_modules(config.algorithm.plugin_modules)  # the operator's config, at start: see _config_with
         self.base_config = config
         self.connect = connect
         self.registry = registry or CollectorRegistry()
@@ -243,6 +245,12 @@ class RunController:
         except ConfigError as error:
             raise InvalidArgument(str(error)) from None
         self._confine_paths(config)
+        added = sorted(set(config.algorithm.plugin_modules) - set(self.base_config.algorithm.plugin_modules))
+        if added:
+            # An import runs code with the service's rights: only the operator's config may name one.
+            raise PermissionDenied(f"StartRun cannot add algorithm.plugin_modules {added}: plugin modules are "
+                                   "imported when the mesh starts, from its own config; this mesh has "
+                                   f"{self.base_config.algorithm.plugin_modules}")
         return config
 
     def _confine_paths(self, config: RunConfig) -> None:

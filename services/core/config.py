@@ -414,6 +414,36 @@ class RewardConfig(Section):
         return model_sources
 
 
+class RolloutCorrectionConfig(Section):
+    rollout_is: Literal["token", "sequence"] | None = None
+    """Truncated importance sampling (TIS) of the policy loss against the rollout/trainer mismatch: each
+    token's loss is multiplied by min(r, rollout_is_threshold), r = pi_old / pi_rollout of the token
+    (token) or the product over its sequence (sequence); null = off. Needs the trainer's old log-probs, so
+    the old-log-prob forward pass runs (see old_log_prob_source) (VeRL: algorithm.rollout_correction)."""
+    rollout_is_threshold: float = Field(2.0, gt=0)
+    """The truncation C of the IS weights: weight = min(r, C)."""
+    rollout_rs: Literal["token", "sequence"] | None = None
+    """Rejection (masked IS): tokens whose r (token), or sequences whose product of r (sequence), lie
+    outside [rollout_rs_threshold_lower, rollout_rs_threshold] are left out of the actor's and critic's
+    losses (the advantages were computed before); null = off."""
+    rollout_rs_threshold: float = Field(2.0, gt=1)
+    """Upper bound of the ratio a token or sequence keeps under rollout_rs."""
+    rollout_rs_threshold_lower: float | None = Field(None, ge=0)
+    """Lower bound of the ratio under rollout_rs; null = 1 / rollout_rs_threshold."""
+
+    @model_validator(mode="after")
+    def _bounds_in_order(self) -> RolloutCorrectionConfig:
+        lower = self.rollout_rs_threshold_lower
+        if lower is not None and lower >= self.rollout_rs_threshold:
+            raise ValueError(f"rollout_rs_threshold_lower {lower} must be below rollout_rs_threshold "
+                             f"{self.rollout_rs_threshold}")
+        return self
+
+    def enabled(self) -> bool:
+        """A correction that changes the update is on (off: the rollout_corr/* metrics only)."""
+        return self.rollout_is is not None or self.rollout_rs is not None
+
+
 class AlgorithmConfig(Section):
     adv_estimator: str = "grpo"
     """Advantage estimator: gae, grpo, rloo, reinforce_plus_plus, remax, or one you registered."""
@@ -439,6 +469,21 @@ class AlgorithmConfig(Section):
     """A sample whose scoring failed (the reward function raised, timed out or crashed): mask = left out of
     the advantages and losses, its group's baseline included; zero = trained on with score 0. Either way
     reward/score_failed/{count,fraction} counts them and the coordinator logs the first failure."""
+    old_log_prob_source: Literal["auto", "actor", "rollout"] = "auto"
+    """Where the PPO ratio's old log-probs come from. auto: a separate actor forward pass, skipped when the
+    update is one optimizer step (one mini-batch, actor.ppo_epochs 1) and nothing reads them before it (KL
+    in the reward, rollout correction): the actor then takes them inside that step from the policy it is
+    updating; perf/old_log_prob_forward says which (1 = the forward pass ran). actor: always the forward
+    pass (the rollout_corr/* metrics need it). rollout: the rollout engine's log-probs of the sampled tokens
+    (no forward pass; VeRL's bypass mode): the ratio is then taken against the policy that sampled, so the
+    mismatch is part of what PPO clips and rollout_correction cannot be on."""
+    rollout_correction: RolloutCorrectionConfig = RolloutCorrectionConfig()
+    """Measuring and correcting the mismatch between the rollout engine's log-probs (pi_rollout) and the
+    trainer's (pi_old): rollout_corr/* metrics every step that has both, truncated IS and rejection."""
+    plugin_modules: list[str] = []
+    """Python modules the coordinator and the actor import at start, so their register_advantage_estimator
+    and register_policy_loss calls add names adv_estimator and actor.loss_mode can pick
+    (rlfabric.algorithms.plugins). Only the mesh's own config may name them: a StartRun cannot add one."""
 
 
 class TrainerConfig(Section):
@@ -716,6 +761,11 @@ def check_run_rules(config: RunConfig) -> None:
         if config.data.train_batch_size < mini:
             raise ConfigError(f"data.train_batch_size {config.data.train_batch_size} < {role}.ppo_mini_batch_size "
                               f"{mini}: a step must hold at least one mini-batch")
+    algorithm = config.algorithm
+    if algorithm.old_log_prob_source == "rollout" and algorithm.rollout_correction.enabled():
+        raise ConfigError("algorithm.old_log_prob_source=rollout takes the old log-probs from the rollout, so there "
+                          "is no mismatch left to correct: set algorithm.rollout_correction.rollout_is and "
+                          "rollout_rs to null, or old_log_prob_source to auto")
     if config.algorithm.adv_estimator in ("grpo", "rloo") and config.rollout.n < 2:
         raise ConfigError(f"algorithm.adv_estimator={config.algorithm.adv_estimator} compares samples of a "
                           "prompt: set rollout.n >= 2")

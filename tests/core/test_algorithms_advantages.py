@@ -248,8 +248,10 @@ def test_registry_unknown_and_missing_arguments():
         algos.get_policy_loss("clip")
     with pytest.raises(ValueError, match="advantage estimator 'gae' needs values"):
         algos.get_advantage_estimator("gae")(token_rewards=torch.zeros(2, 2), mask=torch.ones(2, 2))
-    with pytest.raises(ValueError, match="'grpo' is already registered"):
+    with pytest.raises(ValueError, match="'grpo' is built in and cannot be replaced"):
         algos.register_advantage_estimator("grpo", lambda **kw: None)
+    with pytest.raises(ValueError, match="'vanilla' is built in and cannot be replaced"):
+        algos.register_policy_loss("vanilla", lambda *a, **kw: None, overwrite=True)
 
 
 def test_register_custom_estimator_with_one_call():

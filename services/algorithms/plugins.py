@@ -1,0 +1,35 @@
+"""algorithm.plugin_modules: your advantage estimators and policy losses, registered without editing
+rlfabric. A plugin is a plain Python module on the processes' import path whose import registers them:
+
+    # my_algos.py (examples/plugins/ has a complete one)
+    from rlfabric import algorithms as algos
+    algos.register_policy_loss("cispo", cispo_loss)
+
+    # the run's config
+    algorithm: {plugin_modules: [my_algos], adv_estimator: grpo}
+    actor: {loss_mode: cispo}
+
+The coordinator imports them when it starts (advantage estimators run there) and so does every rank of
+the actor (policy losses run there). Reward scorers are the reward service's: reward.scorer_modules.
+
+Plugins run with the service's rights, so only the operator's config names them: the processes import
+them at start, and a StartRun may not name a module its mesh was not started with (PERMISSION_DENIED).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Sequence
+
+from rlfabric.core.config import ConfigError
+
+
+def load_plugin_modules(modules: Sequence[str]) -> None:
+    """Imports each module (again: a no-op); ConfigError naming algorithm.plugin_modules and the module when
+    one cannot be imported or its registrations fail (e.g. a name that clashes with a built-in)."""
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except Exception as error:  # ImportError, a SyntaxError, the ValueError of a clashing name, ...
+            raise ConfigError(f"algorithm.plugin_modules: cannot import {name!r}: {type(error).__name__}: "
+                              f"{error}") from error
