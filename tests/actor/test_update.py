@@ -160,3 +160,22 @@ def test_health_answers_during_a_long_update(tiny_model):
 
         statuses = served.run(probe_while_updating())
     assert statuses == [health_pb2.HealthCheckResponse.SERVING] * 3
+
+
+def test_rollout_is_weights_scale_each_tokens_policy_loss(tiny_model):
+    """Rollout correction's weights arrive with the update over the wire and multiply the policy loss;
+    a negative weight is INVALID_ARGUMENT and the service keeps training."""
+    import pytest
+
+    from rlfabric.core.errors import InvalidArgument
+
+    config = make_config(tiny_model, n=2, actor={"lr": 1e-2, "ppo_mini_batch_size": 4})
+    batch = make_batch(rows=8)
+    with Served("actor", config) as served:
+        old = served.run(served.client.compute_log_probs(batch))["log_probs"]
+        update = {**batch, "old_log_probs": old, "advantages": torch.ones(8, 5)}
+        with pytest.raises(InvalidArgument, match="rollout_is_weights must be >= 0"):
+            served.run(served.client.update_policy({**update, "rollout_is_weights": -torch.ones(8, 5)}))
+        metrics = served.run(served.client.update_policy({**update, "rollout_is_weights": torch.full((8, 5), 2.0)}))
+    # On-policy start: ratio 1, so each token's loss is -A * weight = -2.
+    assert abs(metrics["actor/pg_loss"] + 2.0) < 1e-5

@@ -17,7 +17,7 @@ from rlfabric.coordinator.rollout_batch import RolloutBatch, build_rollout_batch
 from rlfabric.core.config import ConfigError, RunConfig, apply_override, check_run_rules, config_from_dict
 from rlfabric.core.errors import FailedPrecondition
 from rlfabric.rollout.types import Finish, FinishedSample
-from tests.coordinator.test_loop import N, PROMPTS, ROWS, ModelService, train_step, trainer_over
+from tests.coordinator.test_loop import PROMPTS, ROWS, ModelService, N, train_step, trainer_over
 
 ROLLOUT_LOG_PROBS = [-0.5, -1.0]
 

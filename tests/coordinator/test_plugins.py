@@ -1,0 +1,82 @@
+"""algorithm.plugin_modules: the example plugin (examples/plugins/cispo_plugin.py) trains a short run on
+the in-process mesh with its loss and estimator; a module that cannot be imported or that replaces a
+built-in fails at start naming the key; a StartRun over gRPC cannot name a module of its own."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+from pathlib import Path
+
+import pytest
+
+from rlfabric.algorithms.plugins import load_plugin_modules
+from rlfabric.coordinator.client import CoordinatorClient
+from rlfabric.coordinator.run_controller import RunController
+from rlfabric.core.client import ChannelOptions
+from rlfabric.core.config import ConfigError
+from rlfabric.core.errors import PermissionDenied
+from rlfabric.core.server import ServerOptions
+from rlfabric.serve import build_service
+from rlfabric.v1 import coordinator_pb2
+from tests.coordinator.meshes import fast_config, in_process
+
+PLUGINS = Path(__file__).resolve().parents[2] / "examples" / "plugins"
+
+
+@pytest.fixture
+def example_plugin(monkeypatch):
+    """The example plugin module, importable as `cispo_plugin`."""
+    monkeypatch.syspath_prepend(str(PLUGINS))
+    return importlib.import_module("cispo_plugin")
+
+
+def test_a_run_trains_with_the_plugins_loss_and_estimator(tiny_model, tmp_path, example_plugin):
+    config = fast_config(tiny_model, "algorithm.plugin_modules=[cispo_plugin]", "actor.loss_mode=cispo",
+                         "algorithm.adv_estimator=group_rank")
+    calls_before = dict(example_plugin.CALLS)
+
+    async def scenario():
+        async with in_process(config, tmp_path / "run") as client:
+            # Naming a module the mesh was started with is fine (it is imported already).
+            await client.start_run(["algorithm.plugin_modules=[cispo_plugin]"])
+            metrics = {update.step: dict(update.metrics) async for update in client.stream_metrics(from_step=1)}
+            return metrics, await client.run_status()
+
+    metrics, status = asyncio.run(scenario())
+    assert status.state == coordinator_pb2.RUN_STATE_COMPLETED, status.error
+    assert example_plugin.CALLS["group_rank"] - calls_before["group_rank"] == 2  # once a step
+    assert example_plugin.CALLS["cispo"] > calls_before["cispo"]  # in the actor, once a micro-batch
+    assert 0.0 <= metrics[2]["actor/cispo_clipfrac"] <= 1.0  # the plugin's own stat reached the metrics
+
+
+def test_a_module_that_cannot_be_imported_fails_at_start_naming_the_key(tiny_model):
+    with pytest.raises(ConfigError, match="algorithm.plugin_modules: cannot import 'no_such_plugin_module'"):
+        load_plugin_modules(["no_such_plugin_module"])
+    config = fast_config(tiny_model, "algorithm.plugin_modules=[no_such_plugin_module]")
+    with pytest.raises(ConfigError, match="algorithm.plugin_modules"):
+        RunController(config)  # the coordinator, as `rlfabric serve coordinator` builds it
+
+
+def test_a_plugin_may_not_replace_a_built_in(tmp_path, monkeypatch):
+    (tmp_path / "replaces_grpo.py").write_text(
+        "from rlfabric import algorithms as algos\n"
+        "algos.register_advantage_estimator('grpo', lambda **kw: None, overwrite=True)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError, match="'replaces_grpo'.*'grpo' is built in and cannot be replaced"):
+        load_plugin_modules(["replaces_grpo"])
+
+
+def test_start_run_cannot_add_a_plugin_module(tiny_model, serve_in_thread):
+    coordinator = serve_in_thread(build_service("coordinator", fast_config(tiny_model)),
+                                  ServerOptions(port=0, metrics_port=None))
+
+    async def start(overrides):
+        async with CoordinatorClient(coordinator.address, ChannelOptions()) as client:
+            await client.start_run(overrides)
+
+    with pytest.raises(PermissionDenied, match=r"StartRun cannot add algorithm.plugin_modules \['os'\]"):
+        asyncio.run(start(["algorithm.plugin_modules=[os]"]))
+    # The service keeps answering.
+    with pytest.raises(PermissionDenied):
+        asyncio.run(start(["algorithm.plugin_modules=[cispo_plugin]"]))
