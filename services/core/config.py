@@ -476,7 +476,8 @@ class AlgorithmConfig(Section):
     updating; perf/old_log_prob_forward says which (1 = the forward pass ran). actor: always the forward
     pass (the rollout_corr/* metrics need it). rollout: the rollout engine's log-probs of the sampled tokens
     (no forward pass; VeRL's bypass mode): the ratio is then taken against the policy that sampled, so the
-    mismatch is part of what PPO clips and rollout_correction cannot be on."""
+    mismatch is part of what PPO clips and rollout_correction cannot be on. The rollout's log-probs are of
+    the distribution it sampled from: with rollout.top_p < 1 or top_k on, the filtered one."""
     rollout_correction: RolloutCorrectionConfig = RolloutCorrectionConfig()
     """Measuring and correcting the mismatch between the rollout engine's log-probs (pi_rollout) and the
     trainer's (pi_old): rollout_corr/* metrics every step that has both, truncated IS and rejection."""
