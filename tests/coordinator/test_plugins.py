@@ -80,3 +80,19 @@ def test_start_run_cannot_add_a_plugin_module(tiny_model, serve_in_thread):
     # The service keeps answering.
     with pytest.raises(PermissionDenied):
         asyncio.run(start(["algorithm.plugin_modules=[cispo_plugin]"]))
+
+
+def test_the_example_estimator_ranks_within_each_group(example_plugin):
+    import torch
+
+    from rlfabric import algorithms as algos
+
+    scores = torch.tensor([0.0, 1.0, 0.5, 2.0, 2.0, 7.0])  # groups: (0, 1, 0.5), (2, 2), (7)
+    token_rewards = torch.zeros(6, 2)
+    token_rewards[:, 1] = scores
+    mask = torch.ones(6, 2)
+    mask[0, 1] = 0
+    advantages, _ = algos.get_advantage_estimator("group_rank")(
+        token_rewards=token_rewards, mask=mask, group_ids=torch.tensor([0, 0, 0, 1, 1, 2]))
+    assert advantages[:, 0].tolist() == [-1.0, 1.0, 0.0, 0.0, 0.0, 0.0]  # ranks 0, 2, 1 of 3; a tie; alone
+    assert advantages[0, 1] == 0  # masked
