@@ -37,6 +37,10 @@ def build_service(role: str, config: RunConfig) -> ServiceDefinition:
         from rlfabric.reward.servicer import build_service as build_reward_service
 
         return build_reward_service(config)
+    if role == "env":
+        from rlfabric.env.servicer import build_service as build_env_service
+
+        return build_env_service(config)
     if role == "rollout":
         from rlfabric.rollout.servicer import build_service as build_rollout_service
 

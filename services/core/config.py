@@ -1,6 +1,6 @@
 """The run config: one YAML file with a section per role, VeRL-style names, validated on load.
 
-Sections: server, client, cluster, model, data, actor, reference, critic, rollout, reward,
+Sections: server, client, cluster, model, data, actor, reference, critic, rollout, reward, env,
 algorithm, trainer, weight_sync, storage, launcher. Every field has a default and a docstring (`rlfabric config-reference`
 prints them). Unknown keys and wrong types are errors that name the dotted key.
 
@@ -26,7 +26,7 @@ from pydantic import (
     model_validator,
 )
 
-ROLES = ("actor", "reference", "critic", "rollout", "reward", "coordinator")
+ROLES = ("actor", "reference", "critic", "rollout", "reward", "env", "coordinator")
 # Policy loss modes whose own loss aggregation differs from actor.loss_agg_mode's default, token-mean.
 LOSS_MODE_AGGREGATION = {"gspo": "seq-mean-token-mean"}
 DEFAULT_CONFIG_NAME = "quickstart.yaml"
@@ -108,6 +108,8 @@ class ClusterConfig(Section):
     """Rollout replicas; the coordinator routes over all of them."""
     reward: list[str] = []
     """Reward service address(es)."""
+    env: list[str] = []
+    """Environment service address(es) (multi-turn rollouts)."""
     coordinator: list[str] = []
     """Coordinator address (for `rlfabric status` and external clients)."""
 
@@ -444,6 +446,40 @@ class RolloutCorrectionConfig(Section):
         return self.rollout_is is not None or self.rollout_rs is not None
 
 
+class PythonToolConfig(Section):
+    timeout_s: float = Field(5.0, gt=0)
+    """Longest one run of the python tool's code may take (wall clock); then it is killed and the model reads a timeout."""
+    memory_limit_mb: int = Field(512, ge=0)
+    """RLIMIT_AS of the code (MiB); 0 = no limit."""
+    max_output_bytes: int = Field(8192, ge=256)
+    """stdout and stderr the model reads back, together; the rest is cut off (and says so)."""
+    sandbox: CustomSandboxConfig = CustomSandboxConfig()
+    """The confinement of the code: the reward sandbox's settings (reward.custom_sandbox), applied the same way."""
+
+
+class EnvConfig(Section):
+    name: str = "calculator"
+    """Environment of a task that names none: calculator, python, lookup, or one an environment module registered."""
+    environment_modules: list[str] = []
+    """Modules the env service imports at start, so their register_environment calls add environments."""
+    max_sessions: int = Field(1024, ge=1)
+    """Most sessions open at once; a Reset beyond gets RESOURCE_EXHAUSTED."""
+    session_idle_timeout_s: float = Field(300.0, gt=0)
+    """A session with no call for this long is closed (its next call gets NOT_FOUND)."""
+    step_timeout_s: float = Field(30.0, gt=0)
+    """Longest Reset or Step may take in the environment; past it the call gets DEADLINE_EXCEEDED and the session is closed."""
+    max_action_bytes: int = Field(65536, ge=1)
+    """Largest model turn (text and tool calls) a Step takes; larger gets RESOURCE_EXHAUSTED."""
+    max_tool_calls_per_step: int = Field(8, ge=1)
+    """Most tool calls in one model turn; more gets RESOURCE_EXHAUSTED."""
+    max_observation_bytes: int = Field(65536, ge=1)
+    """Largest observation an environment may return; larger is the environment's fault (INVALID_ARGUMENT)."""
+    max_steps_per_session: int = Field(64, ge=1)
+    """Most Steps of one session; more get FAILED_PRECONDITION."""
+    python: PythonToolConfig = PythonToolConfig()
+    """The python environment's code execution."""
+
+
 class AlgorithmConfig(Section):
     adv_estimator: str = "grpo"
     """Advantage estimator: gae, grpo, rloo, reinforce_plus_plus, remax, or one you registered."""
@@ -643,6 +679,7 @@ class RunConfig(Section):
     critic: CriticConfig = CriticConfig()
     rollout: RolloutConfig = RolloutConfig()
     reward: RewardConfig = RewardConfig()
+    env: EnvConfig = EnvConfig()
     algorithm: AlgorithmConfig = AlgorithmConfig()
     trainer: TrainerConfig = TrainerConfig()
     weight_sync: WeightSyncConfig = WeightSyncConfig()
@@ -679,7 +716,8 @@ class RunConfig(Section):
 
     def roles_in_use(self) -> list[str]:
         """The roles a run of this config calls, in start order: the launchers start only these."""
-        optional = {"reference": self.uses_reference(), "critic": self.uses_critic()}
+        # No run calls an environment yet: the rollout's agent loop comes with issue 21's later items.
+        optional = {"reference": self.uses_reference(), "critic": self.uses_critic(), "env": False}
         return [role for role in ROLES if optional.get(role, True)]
 
 
