@@ -33,6 +33,7 @@ def test_every_message_field_and_rpc_has_a_comment():
         actor_pb2,
         coordinator_pb2,
         critic_pb2,
+        environment_pb2,
         reference_pb2,
         reward_pb2,
         rollout_pb2,
@@ -41,7 +42,7 @@ def test_every_message_field_and_rpc_has_a_comment():
     )
 
     missing = []
-    modules = (actor_pb2, coordinator_pb2, critic_pb2, reference_pb2, reward_pb2, rollout_pb2, tensor_pb2, weight_sync_pb2)
+    modules = (actor_pb2, coordinator_pb2, critic_pb2, environment_pb2, reference_pb2, reward_pb2, rollout_pb2, tensor_pb2, weight_sync_pb2)
     for module in modules:
         proto = descriptor_pb2.FileDescriptorProto()
         module.DESCRIPTOR.CopyToProto(proto)
