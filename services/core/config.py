@@ -458,6 +458,9 @@ class PythonToolConfig(Section):
 
 
 class EnvConfig(Section):
+    enable: bool = False
+    """Start an environment service with the mesh (`rlfabric up`, the local and Ray launchers), or take one
+    given with --external env=HOST:PORT; the rollout's agent loop does not call it yet."""
     name: str = "calculator"
     """Environment of a task that names none: calculator, python, lookup, or one an environment module registered."""
     environment_modules: list[str] = []
@@ -626,6 +629,7 @@ class RayLauncherConfig(Section):
     rollout: RayResources = RayResources()
     """Per replica."""
     reward: RayResources = RayResources()
+    env: RayResources = RayResources()
     coordinator: RayResources = RayResources()
 
 
@@ -716,8 +720,7 @@ class RunConfig(Section):
 
     def roles_in_use(self) -> list[str]:
         """The roles a run of this config calls, in start order: the launchers start only these."""
-        # No run calls an environment yet: the rollout's agent loop comes with issue 21's later items.
-        optional = {"reference": self.uses_reference(), "critic": self.uses_critic(), "env": False}
+        optional = {"reference": self.uses_reference(), "critic": self.uses_critic(), "env": self.env.enable}
         return [role for role in ROLES if optional.get(role, True)]
 
 

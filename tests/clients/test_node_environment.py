@@ -12,8 +12,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
 
-from rlfabric.core.client import ChannelOptions
+from rlfabric.core.client import ChannelOptions, wait_until_serving
+from rlfabric.core.config import load_config
 from rlfabric.core.errors import (
     DeadlineExceeded,
     FailedPrecondition,
@@ -32,6 +34,7 @@ from rlfabric.env.items import (
     Task,
     ToolCall,
 )
+from rlfabric.launch.local import LocalMesh, service_names
 from tests.waiting import wait_until
 
 CLIENT_DIR = Path(__file__).parents[2] / "examples" / "clients" / "node"
@@ -179,3 +182,31 @@ def test_a_node_environment_that_never_answers_fails_the_call_not_the_caller(mis
         call(misbehaving, "step", other.session_id, Action("hi"), timeout_s=10)
     with pytest.raises(NotFound, match="its Step failed"):
         call(misbehaving, "step", other.session_id, Action("hi"))
+
+
+def test_the_node_environment_is_the_env_role_of_a_live_mesh(start_node, tmp_path):
+    """`rlfabric up --external env=ADDRESS`: the mesh takes the Node environment as its env role, the
+    launcher's readiness check and the mesh's token work with it, and the resolved config names it."""
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    token_file.chmod(0o600)
+    address = start_node(["env_server.js"])
+    config = load_config(None, ["env.enable=true", f"server.auth_token_file={token_file}", "trainer.total_steps=1"])
+    with LocalMesh(config, tmp_path / "run", external={"env": [address]}) as mesh:
+        resolved = yaml.safe_load((mesh.run_dir / "config.resolved.yaml").read_text())
+        assert resolved["cluster"]["env"] == [address]
+        assert "env" not in mesh.endpoints  # served by Node, not launched
+
+        async def episode():
+            options = ChannelOptions.from_config(mesh.config)
+            await wait_until_serving(address, options, timeout_s=10)
+            async with EnvClient(address, options) as client:
+                session = await client.reset(Task("guess", ground_truth="2"))
+                return await client.step(session.session_id, guess(2))
+
+        assert asyncio.run(episode()).observation[0].content == "correct"
+
+
+def test_the_launchers_start_an_env_service_only_when_enabled():
+    assert ("env", "env") not in service_names(load_config(None))
+    assert ("env", "env") in service_names(load_config(None, ["env.enable=true"]))

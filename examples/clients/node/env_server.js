@@ -90,6 +90,30 @@ class GuessTheNumber {
   }
 }
 
+// grpc.health.v1.Health (its proto is not in this repository), so launchers and `rlfabric train --attach`
+// see the service ready as they see rlfabric's own: "", "liveness" and "readiness" are SERVING.
+const HEALTH_PROTO = {
+  nested: { grpc: { nested: { health: { nested: { v1: { nested: {
+    HealthCheckRequest: { fields: { service: { type: "string", id: 1 } } },
+    HealthCheckResponse: {
+      fields: { status: { type: "ServingStatus", id: 1 } },
+      nested: { ServingStatus: { values: { UNKNOWN: 0, SERVING: 1, NOT_SERVING: 2, SERVICE_UNKNOWN: 3 } } },
+    },
+    Health: { methods: { Check: { requestType: "HealthCheckRequest", responseType: "HealthCheckResponse" } } },
+  } } } } } } },
+};
+const HEALTHY = new Set(["", "liveness", "readiness", "rlfabric.v1.EnvironmentService"]);
+
+function healthService() {
+  const definition = protoLoader.fromJSON(HEALTH_PROTO, { keepCase: true, enums: String, defaults: true });
+  const Health = grpc.loadPackageDefinition(definition).grpc.health.v1.Health;
+  const check = (call, callback) => {
+    if (HEALTHY.has(call.request.service)) callback(null, { status: "SERVING" });
+    else callback({ code: grpc.status.NOT_FOUND, details: `unknown service '${call.request.service}'` });
+  };
+  return [Health.service, { Check: check }];
+}
+
 function loadEnvironmentService() {
   const definition = protoLoader.loadSync("rlfabric/v1/environment.proto", {
     includeDirs: [PROTO_DIR],
@@ -239,6 +263,7 @@ function serveEnvironments(environments, options = {}) {
   server.addService(loadEnvironmentService().service, {
     Reset: handle("reset"), Step: handle("step"), Close: handle("close"), GetStatus: handle("status"),
   });
+  server.addService(...healthService()); // no token needed, as rlfabric's own health services
   const reaper = setInterval(() => sessions.closeIdleSessions(), Math.min(1000, settings.idleTimeoutS * 250));
   reaper.unref();
   return new Promise((resolve, reject) => {
