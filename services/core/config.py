@@ -448,7 +448,7 @@ class RolloutCorrectionConfig(Section):
 
 class PythonToolConfig(Section):
     timeout_s: float = Field(5.0, gt=0)
-    """Longest one run of the python tool's code may take (wall clock); then it is killed and the model reads a timeout."""
+    """Longest one run of the python tool's code may take (wall clock); then it is killed and the model reads a timeout. Keep it below env.step_timeout_s, which would otherwise end the Step first."""
     memory_limit_mb: int = Field(512, ge=0)
     """RLIMIT_AS of the code (MiB); 0 = no limit."""
     max_output_bytes: int = Field(8192, ge=256)
@@ -471,6 +471,8 @@ class EnvConfig(Section):
     """A session with no call for this long is closed (its next call gets NOT_FOUND)."""
     step_timeout_s: float = Field(30.0, gt=0)
     """Longest Reset or Step may take in the environment; past it the call gets DEADLINE_EXCEEDED and the session is closed."""
+    threads: int = Field(64, ge=1)
+    """Threads that run environment calls (each Reset, Step and Close runs on one); more calls at once wait for a free one."""
     max_action_bytes: int = Field(65536, ge=1)
     """Largest model turn (text and tool calls) a Step takes; larger gets RESOURCE_EXHAUSTED."""
     max_tool_calls_per_step: int = Field(8, ge=1)

@@ -8,6 +8,8 @@ session with no call for env.session_idle_timeout_s is closed by a background ta
 naming it gets NotFound saying so. Limits: env.max_sessions open at once, env.max_action_bytes and
 env.max_tool_calls_per_step per Step, env.max_steps_per_session; an environment's answer must keep
 the contract (items.check_step_result), else InvalidArgument and the session is closed.
+Calls into environments run on env.threads threads of the engine's own (not the event loop's default
+pool, which a few python-tool calls would fill), so that many sessions step at once.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry
@@ -99,6 +102,7 @@ class EnvEngine:
         self.counters = _Counters()
         self._starting = 0  # Resets past the session limit check, not in self.sessions yet
         self._reaper: asyncio.Task | None = None
+        self._threads: ThreadPoolExecutor | None = None
         self._started = False
         registry = registry if registry is not None else CollectorRegistry()
         self._sessions_total = service_counter(registry, "rlfabric_env_sessions_total",
@@ -121,6 +125,7 @@ class EnvEngine:
         if self.config.name not in registered_environments():
             raise ConfigError(f"env.name: no environment {self.config.name!r}; registered: "
                               f"{', '.join(registered_environments())}")
+        self._threads = ThreadPoolExecutor(self.config.threads, thread_name_prefix="rlfabric-env")
         self._reaper = asyncio.create_task(self._close_idle_sessions_forever())
         self._started = True
 
@@ -133,6 +138,8 @@ class EnvEngine:
                 await self._reaper
         for session_id in list(self.sessions):
             await self._drop(session_id, "the service stopped")
+        if self._threads is not None:
+            self._threads.shutdown(wait=False, cancel_futures=True)  # a hung environment call is left behind
 
     # --- the calls ---
 
@@ -157,7 +164,7 @@ class EnvEngine:
             if not all(isinstance(tool, ToolSpec) for tool in tools):
                 raise InvalidArgument(f"{who} has tools that are not ToolSpecs: {tools!r:.200}")
         except InvalidArgument:
-            await asyncio.to_thread(_close_quietly, environment)
+            await self._on_thread(_close_quietly, environment)
             raise
         session_id = uuid.uuid4().hex
         self.sessions[session_id] = _OpenSession(environment, name, last_used=self.clock())
@@ -256,14 +263,22 @@ class EnvEngine:
         self.counters.closed_why[session_id] = why
         while len(self.counters.closed_why) > REMEMBERED_CLOSED:
             self.counters.closed_why.popitem(last=False)
-        await asyncio.to_thread(_close_quietly, session.environment)
+        try:  # bounded: a hanging close must not hold up the reaper or the caller
+            await asyncio.wait_for(self._on_thread(_close_quietly, session.environment), self.config.step_timeout_s)
+        except TimeoutError:
+            log.warning("closing session %s of environment %r ran past env.step_timeout_s; left behind",
+                        session_id, session.name)
+
+    def _on_thread(self, fn, *args) -> asyncio.Future:
+        """fn(*args) on one of the engine's env.threads threads."""
+        return asyncio.get_running_loop().run_in_executor(self._threads, fn, *args)
 
     async def _in_environment(self, name: str, call: str, fn, *args):
         """fn(*args) on a thread within env.step_timeout_s; DeadlineExceeded past it, Internal when the
         environment raises something other than an rlfabric error."""
         timeout = self.config.step_timeout_s
         try:
-            return await asyncio.wait_for(asyncio.to_thread(fn, *args), timeout)
+            return await asyncio.wait_for(self._on_thread(fn, *args), timeout)
         except TimeoutError:
             raise DeadlineExceeded(f"environment {name!r}: {call} ran past env.step_timeout_s={timeout:g} s; "
                                    "the session is closed") from None

@@ -150,6 +150,29 @@ def test_sessions_run_concurrently(grpc_env_server):
     assert asyncio.run(episodes()) == [str(index * 2) for index in range(count)]
 
 
+def test_more_sessions_step_at_once_than_the_default_thread_pool_holds(grpc_env_server):
+    count = 12  # asyncio's default pool has min(32, cores + 4) threads: 6 on two cores
+    meeting = threading.Barrier(count, timeout=10)  # passes only when every Step runs at once
+
+    class Meeting(Environment):
+        def reset(self):
+            return []
+
+        def step(self, action):
+            meeting.wait()
+            return StepResult(done=True)
+
+    register_environment("meeting", lambda task, config: Meeting())
+    server = grpc_env_server()
+
+    async def steps():
+        async with EnvClient(server.address) as client:
+            sessions = [await client.reset(Task("meeting")) for _ in range(count)]
+            return await asyncio.gather(*(client.step(s.session_id, Action("hi")) for s in sessions))
+
+    assert [result.done for result in asyncio.run(steps())] == [True] * count
+
+
 # --- failures: unknown, finished, busy and idle sessions ---
 
 
