@@ -19,6 +19,7 @@ from rlfabric.core import errors
 from rlfabric.core.client import ChannelOptions
 from rlfabric.core.server import ServerOptions, ServiceBinding, ServiceDefinition
 from rlfabric.critic.client import CriticClient
+from rlfabric.env.client import EnvClient
 from rlfabric.reference.client import ReferenceClient
 from rlfabric.reward.client import RewardClient, ShardedRewardClient
 from rlfabric.reward.items import ScoreItem
@@ -28,6 +29,7 @@ from rlfabric.v1 import (
     coordinator_pb2,
     coordinator_pb2_grpc,
     critic_pb2,
+    environment_pb2,
     reference_pb2,
     reward_pb2,
     reward_pb2_grpc,
@@ -283,6 +285,7 @@ DATA_PLANE = {("RolloutService", "PushWeights")}
     (RolloutClient, rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"]),
     (RewardClient, reward_pb2.DESCRIPTOR.services_by_name["RewardService"]),
     (CoordinatorClient, coordinator_pb2.DESCRIPTOR.services_by_name["CoordinatorService"]),
+    (EnvClient, environment_pb2.DESCRIPTOR.services_by_name["EnvironmentService"]),
 ], ids=lambda value: getattr(value, "name", None) or value.__name__)
 def test_every_rpc_has_a_typed_method(client_class, service):
     source = inspect.getsource(client_class)
