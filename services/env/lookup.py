@@ -9,6 +9,9 @@ else 0; a guess is right one time in ten. The shortest good episode is two turns
     assistant:  <tool_call>{"name": "lookup", "arguments": {"key": "q"}}</tool_call>
     tool:       7
     assistant:  #### 7
+
+A model learns this by RL once it can write the call (a Hermes tool call is ~60 characters, which no
+random policy of the tiny model hits): its warm start has to show the format; RL then learns to use it.
 """
 
 from __future__ import annotations
