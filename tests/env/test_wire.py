@@ -9,7 +9,16 @@ import pytest
 
 from rlfabric.core.errors import InvalidArgument
 from rlfabric.env import wire
-from rlfabric.env.items import STEP_TOOL_TIMEOUT, Action, Message, Session, StepResult, Task, ToolCall, ToolSpec
+from rlfabric.env.items import (
+    STEP_TOOL_TIMEOUT,
+    Action,
+    Message,
+    Session,
+    StepResult,
+    Task,
+    ToolCall,
+    ToolSpec,
+)
 from rlfabric.v1 import environment_pb2, rollout_pb2
 
 WHO = "the environment service at 127.0.0.1:1"
