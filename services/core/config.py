@@ -261,6 +261,30 @@ class CriticConfig(Section):
     """How per-token value losses reduce to one number."""
 
 
+class MultiTurnConfig(Section):
+    enable: bool = False
+    """Generate each sample as an agent loop against the environment service: the model's turns, its tool calls
+    answered by the environment, the observations appended as tokens (loss mask 0) until the environment says
+    done, max_turns or max_total_tokens. A row's extra_info.environment names its environment (absent: the env
+    service's env.name); its prompt, reward_model.ground_truth and extra_info go to the environment's Reset."""
+    max_turns: int = Field(4, ge=1)
+    """Most model turns of one sample."""
+    max_total_tokens: int = Field(0, ge=0)
+    """Most response tokens of one sample, the model's and the environment's together; 0 = rollout.response_length
+    (or data.max_response_length). Each turn may generate at most what is left of it."""
+    tool_call_format: Literal["hermes"] = "hermes"
+    """How tool calls are read from a turn: hermes = <tool_call>{"name": ..., "arguments": {...}}</tool_call>
+    (Qwen, Hermes and SmolLM2 chat templates)."""
+    env_address: str = ""
+    """The environment service ("host:port") the rollout replicas call; empty = the first of cluster.env."""
+    env_timeout_s: float = Field(60.0, gt=0)
+    """Deadline of each environment call from the rollout (Reset, Step, Close); past it the sample fails
+    (status env_failed, left out of training), never the step."""
+    reward: Literal["env", "reward", "both"] = "env"
+    """Where a multi-turn sample's score comes from: env = the sum of the environment's step rewards (no reward
+    service call), reward = the reward service on the response text, both = their sum."""
+
+
 class RolloutConfig(Section):
     engine: Literal["hf", "vllm", "sglang"] = "hf"
     """Inference engine: embedded transformers, in-process vLLM, or an SGLang server."""
@@ -312,6 +336,8 @@ class RolloutConfig(Section):
     """Samples per validation prompt."""
     drain_timeout_s: float = Field(300.0, gt=0)
     """Pause, Sleep and shutdown: longest wait for in-flight generation to finish."""
+    multi_turn: MultiTurnConfig = MultiTurnConfig()
+    """Agentic multi-turn rollouts against the environment service (tool calls, observations, loss mask)."""
 
 
 class CustomSandboxConfig(Section):
@@ -460,7 +486,7 @@ class PythonToolConfig(Section):
 class EnvConfig(Section):
     enable: bool = False
     """Start an environment service with the mesh (`rlfabric up`, the local and Ray launchers), or take one
-    given with --external env=HOST:PORT; the rollout's agent loop does not call it yet."""
+    given with --external env=HOST:PORT; the rollout replicas call it when rollout.multi_turn.enable."""
     name: str = "calculator"
     """Environment of a task that names none: calculator, python, lookup, or one an environment module registered."""
     environment_modules: list[str] = []
@@ -813,6 +839,10 @@ def check_run_rules(config: RunConfig) -> None:
     if config.algorithm.adv_estimator in ("grpo", "rloo") and config.rollout.n < 2:
         raise ConfigError(f"algorithm.adv_estimator={config.algorithm.adv_estimator} compares samples of a "
                           "prompt: set rollout.n >= 2")
+    multi_turn = config.rollout.multi_turn
+    if multi_turn.enable and not (multi_turn.env_address or config.cluster.env or config.env.enable):
+        raise ConfigError("rollout.multi_turn.enable needs an environment service: set env.enable true (the launchers "
+                          "start one), or rollout.multi_turn.env_address / cluster.env to a running one")
 
 
 def read_named_file(key: str, path: str | Path) -> bytes:

@@ -13,7 +13,8 @@
    and appended (loss mask 0). Then 2 again, until the environment says done, or max_turns, or
    max_total_tokens.
 A failing environment (down, past its deadline, answering garbage) ends this sample with status
-"env_failed" and the error's words; it never raises, so the other samples of a step go on.
+"env_failed" and the error's status code and words; it never raises, so the other samples of a step
+go on. The engine failing is raised (the request fails, as a single-turn one would).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import asyncio
 import json
 import logging
 import re
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
@@ -29,7 +31,7 @@ from typing import Any, Protocol
 from rlfabric.core.errors import DeadlineExceeded, RlfabricError
 from rlfabric.env.client import EnvInterface
 from rlfabric.env.items import Action, Message, StepResult, Task, ToolCall, ToolSpec
-from rlfabric.rollout.types import Finish, FinishedSample, SamplingSpec
+from rlfabric.rollout.types import Finish, FinishedSample, SamplingSpec, TurnInfo, row_seed
 
 log = logging.getLogger("rlfabric.rollout")
 
@@ -59,21 +61,6 @@ class AgentLoopLimits:
 
 
 @dataclass
-class TurnInfo:
-    """One model turn and what the environment answered."""
-
-    model_tokens: int
-    observation_tokens: int
-    tool_calls: list[str]
-    """Names of the turn's tool calls ("" for one that could not be parsed)."""
-    step_status: str
-    """The environment's StepStatus ("ok", "unknown_tool", ...); "" when no Step was made."""
-    reward: float
-    finish_reason: str
-    weight_version: int
-
-
-@dataclass
 class Trajectory:
     """One multi-turn sample: every list is aligned with response_ids."""
 
@@ -100,6 +87,10 @@ class Trajectory:
         self.weight_versions += [version if model else ENV_TOKEN_VERSION] * len(token_ids)
 
 
+class EnvFailure(Exception):
+    """An environment call failed (its error, deadline or garbage): ends the sample, not the request."""
+
+
 class TurnGenerator(Protocol):
     """Generates one model turn from token ids (the prompt so far)."""
 
@@ -111,10 +102,14 @@ class EngineTurns:
 
     def __init__(self, engine: Any, params: SamplingSpec):
         self.engine = engine
-        self.params = replace(params, n=1, logprobs=True, stop=())  # stop strings would cut tokens
+        self.params = replace(params, n=1, logprobs=True, stop=(), multi_turn=None)  # stop strings would cut tokens
+        self.turns = 0
 
     async def generate_turn(self, prompt_ids: list[int], max_tokens: int) -> FinishedSample:
-        async for sample in self.engine.generate([prompt_ids], replace(self.params, max_tokens=max_tokens)):
+        # With a seed, each turn draws its own (the same seed every turn would repeat its choices).
+        seed = None if self.params.seed is None else row_seed(self.params.seed, self.turns, 0)
+        self.turns += 1
+        async for sample in self.engine.generate([prompt_ids], replace(self.params, max_tokens=max_tokens, seed=seed)):
             return sample
         raise RuntimeError("the engine finished a request without its sample")
 
@@ -177,18 +172,19 @@ class AgentLoop:
         self.limits = limits
 
     async def run(self, messages: Sequence[Mapping[str, str]], task: Task) -> Trajectory:
-        """One trajectory; never raises for an environment's failure (status ENV_FAILED instead)."""
+        """One trajectory; never raises for an environment's failure (status ENV_FAILED instead). The
+        generator's errors (the engine failing) are raised: they are not this sample's fault."""
         try:
-            session = await self._env_call(self.env.reset(task, self.limits.env_timeout_s))
-        except RlfabricError as error:
-            return Trajectory([], status=ENV_FAILED, error=f"Reset: {error}")
+            session = await self._env_call("Reset", self.env.reset(task, self.limits.env_timeout_s))
+        except EnvFailure as failure:  # the prompt without tools, so the sample still has one
+            return Trajectory(render_prompt(self.tokenizer, messages, []), status=ENV_FAILED, error=str(failure))
         trajectory = Trajectory(render_prompt(self.tokenizer, messages, session.tools))
         if session.observation:
             trajectory.append(observation_ids(self.tokenizer, session.observation, []), model=False)
         try:
             await self._turns(trajectory, session.session_id)
-        except RlfabricError as error:
-            trajectory.status, trajectory.error = ENV_FAILED, f"Step: {error}"
+        except EnvFailure as failure:
+            trajectory.status, trajectory.error = ENV_FAILED, str(failure)
         finally:
             await self._close_quietly(session.session_id)
         return trajectory
@@ -213,7 +209,9 @@ class AgentLoop:
                 trajectory.status = MAX_TOKENS
                 return
             # 2. The environment's answer.
-            result: StepResult = await self._env_call(self.env.step(session_id, action, limits.env_timeout_s))
+            started = time.monotonic()
+            result: StepResult = await self._env_call("Step", self.env.step(session_id, action, limits.env_timeout_s))
+            turn.env_seconds = time.monotonic() - started
             turn.step_status, turn.reward = result.status, result.reward
             trajectory.reward += result.reward
             if result.done:
@@ -228,15 +226,19 @@ class AgentLoop:
             turn.observation_tokens = len(observed)
         trajectory.status = MAX_TURNS
 
-    async def _env_call(self, call):
-        """An environment call, also bounded here (an in-process client has no gRPC deadline)."""
+    async def _env_call(self, name: str, call):
+        """An environment call, also bounded here (an in-process client has no gRPC deadline); its
+        failure as an EnvFailure naming the call and the status code."""
         try:
             return await asyncio.wait_for(call, self.limits.env_timeout_s)
         except TimeoutError:
-            raise DeadlineExceeded(f"the environment took longer than {self.limits.env_timeout_s:g} s") from None
+            error = DeadlineExceeded(f"the environment took longer than {self.limits.env_timeout_s:g} s")
+            raise EnvFailure(f"{name}: {error.code.name}: {error}") from None
+        except RlfabricError as error:
+            raise EnvFailure(f"{name}: {error.code.name}: {error}") from None
 
     async def _close_quietly(self, session_id: str) -> None:
         try:
-            await self._env_call(self.env.close_session(session_id, self.limits.env_timeout_s))
-        except RlfabricError as error:  # the session is gone or the env is down: it idles out there
-            log.debug("closing environment session %s failed: %s", session_id, error)
+            await self._env_call("Close", self.env.close_session(session_id, self.limits.env_timeout_s))
+        except EnvFailure as failure:  # the session is gone or the env is down: it idles out there
+            log.debug("closing environment session %s failed: %s", session_id, failure)

@@ -17,8 +17,41 @@ from enum import Enum
 
 from rlfabric.core.errors import InvalidArgument
 
-# A prompt as callers write it: token ids, or chat messages [{"role": ..., "content": ...}].
-PromptInput = Sequence[int] | Sequence[Mapping[str, str]]
+
+@dataclass(frozen=True)
+class AgentTask:
+    """The data row a multi-turn sample's environment session starts on."""
+
+    environment: str = ""
+    """Registered environment name; empty = the environment service's env.name."""
+    ground_truth: str = ""
+    extra_info: Mapping = field(default_factory=dict)
+    """The row's extra_info (tools_kwargs in it)."""
+
+
+@dataclass(frozen=True)
+class AgentPrompt:
+    """A multi-turn prompt: chat messages (rendered with the session's tools) and the environment task."""
+
+    messages: Sequence[Mapping[str, str]]
+    task: AgentTask
+
+
+# A prompt as callers write it: token ids, chat messages [{"role": ..., "content": ...}], or an AgentPrompt.
+PromptInput = Sequence[int] | Sequence[Mapping[str, str]] | AgentPrompt
+
+
+@dataclass(frozen=True)
+class MultiTurnSpec:
+    """How a multi-turn request runs its agent loops (rollout.multi_turn, resolved by the caller)."""
+
+    env_address: str = ""
+    """The environment service; empty = the replica's rollout.multi_turn.env_address or cluster.env."""
+    max_turns: int = 4
+    max_total_tokens: int = 1024
+    """Most response tokens, the model's and the environment's; SamplingSpec.max_tokens bounds each turn."""
+    tool_call_format: str = "hermes"
+    env_timeout_s: float = 60.0
 
 
 class Finish(str, Enum):
@@ -42,6 +75,25 @@ class SamplingSpec:
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
     logprobs: bool = True
+    multi_turn: MultiTurnSpec | None = None
+    """Set: every sample is an agent loop against an environment (prompts are AgentPrompts)."""
+
+
+@dataclass
+class TurnInfo:
+    """One model turn of a multi-turn sample and what the environment answered."""
+
+    model_tokens: int
+    observation_tokens: int
+    tool_calls: list[str]
+    """Names of the turn's tool calls ("" for one that could not be parsed)."""
+    step_status: str
+    """The environment's StepStatus ("ok", "unknown_tool", ...); "" when no Step was made."""
+    reward: float
+    finish_reason: str
+    weight_version: int
+    env_seconds: float = 0.0
+    """How long the environment's Step took."""
 
 
 @dataclass
@@ -55,6 +107,17 @@ class FinishedSample:
     finish_reason: Finish
     weight_version: int
     text: str = ""
+    # Multi-turn samples only (empty otherwise):
+    prompt_ids: list[int] = field(default_factory=list)  # (P,) the prompt as rendered with the session's tools
+    loss_mask: list[int] = field(default_factory=list)  # (L,) 1 = the model's token, 0 = the environment's
+    turns: list[TurnInfo] = field(default_factory=list)
+    agent_status: str = ""  # done, max_turns, max_tokens or env_failed
+    agent_error: str = ""  # what failed, with env_failed
+    env_reward: float = 0.0  # the sum of the environment's step rewards
+
+    def model_token_mask(self) -> list[int]:
+        """(L,) 1 for each token the model sampled (every token of a single-turn sample)."""
+        return self.loss_mask or [1] * len(self.token_ids)
 
 
 @dataclass

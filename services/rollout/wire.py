@@ -2,9 +2,21 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 
-from rlfabric.rollout.types import EngineStatus, Finish, FinishedSample, PromptInput, SamplingSpec
+from rlfabric.core.errors import InvalidArgument
+from rlfabric.rollout.types import (
+    AgentPrompt,
+    AgentTask,
+    EngineStatus,
+    Finish,
+    FinishedSample,
+    MultiTurnSpec,
+    PromptInput,
+    SamplingSpec,
+    TurnInfo,
+)
 from rlfabric.v1 import rollout_pb2
 
 _FINISH_TO_PROTO = {
@@ -27,29 +39,65 @@ def sampling_from_proto(params: rollout_pb2.SamplingParams) -> SamplingSpec:
         stop_token_ids=tuple(params.stop_token_ids),
         seed=params.seed if params.HasField("seed") else None,
         logprobs=params.logprobs,
+        multi_turn=_multi_turn_from_proto(params.multi_turn) if params.HasField("multi_turn") else None,
     )
+
+
+def _multi_turn_from_proto(params: rollout_pb2.MultiTurnParams) -> MultiTurnSpec:
+    return MultiTurnSpec(env_address=params.env_address, max_turns=params.max_turns,
+                         max_total_tokens=params.max_total_tokens, tool_call_format=params.tool_call_format,
+                         env_timeout_s=params.env_timeout_s)
+
+
+def _multi_turn_to_proto(spec: MultiTurnSpec | None) -> rollout_pb2.MultiTurnParams | None:
+    if spec is None:
+        return None
+    return rollout_pb2.MultiTurnParams(env_address=spec.env_address, max_turns=spec.max_turns,
+                                       max_total_tokens=spec.max_total_tokens,
+                                       tool_call_format=spec.tool_call_format, env_timeout_s=spec.env_timeout_s)
 
 
 def sampling_to_proto(spec: SamplingSpec) -> rollout_pb2.SamplingParams:
     return rollout_pb2.SamplingParams(
         n=spec.n, temperature=spec.temperature, top_p=spec.top_p, top_k=max(spec.top_k, 0),
         max_tokens=spec.max_tokens, stop=list(spec.stop), stop_token_ids=list(spec.stop_token_ids),
-        seed=spec.seed, logprobs=spec.logprobs,
+        seed=spec.seed, logprobs=spec.logprobs, multi_turn=_multi_turn_to_proto(spec.multi_turn),
     )
 
 
 def prompt_to_proto(prompt: PromptInput) -> rollout_pb2.Prompt:
+    if isinstance(prompt, AgentPrompt):
+        task = prompt.task
+        return rollout_pb2.Prompt(messages=_messages_to_proto(prompt.messages), task=rollout_pb2.AgentTask(
+            environment=task.environment, ground_truth=task.ground_truth,
+            extra_info_json=json.dumps(dict(task.extra_info)) if task.extra_info else ""))
     if len(prompt) and isinstance(prompt[0], Mapping):
-        return rollout_pb2.Prompt(messages=[rollout_pb2.ChatMessage(role=m["role"], content=m["content"])
-                                            for m in prompt])
+        return rollout_pb2.Prompt(messages=_messages_to_proto(prompt))
     return rollout_pb2.Prompt(token_ids=[int(t) for t in prompt])
 
 
-def prompt_from_proto(prompt: rollout_pb2.Prompt) -> list[int] | list[dict[str, str]]:
-    """Token ids when set, else the chat messages (the engine renders them)."""
+def _messages_to_proto(messages) -> list[rollout_pb2.ChatMessage]:
+    return [rollout_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in messages]
+
+
+def prompt_from_proto(prompt: rollout_pb2.Prompt) -> PromptInput:
+    """Token ids when set, else the chat messages (the engine renders them), with a task an AgentPrompt."""
     if prompt.token_ids:
         return list(prompt.token_ids)
-    return [{"role": m.role, "content": m.content} for m in prompt.messages]
+    messages = [{"role": m.role, "content": m.content} for m in prompt.messages]
+    if prompt.HasField("task"):
+        return AgentPrompt(messages, _task_from_proto(prompt.task))
+    return messages
+
+
+def _task_from_proto(task: rollout_pb2.AgentTask) -> AgentTask:
+    try:
+        extra_info = json.loads(task.extra_info_json or "{}")
+    except ValueError as error:
+        raise InvalidArgument(f"task.extra_info_json is not JSON: {error}") from None
+    if not isinstance(extra_info, dict):
+        raise InvalidArgument("task.extra_info_json must be a JSON object")
+    return AgentTask(task.environment, task.ground_truth, extra_info)
 
 
 def sample_to_proto(sample: FinishedSample) -> rollout_pb2.Sample:
@@ -57,6 +105,12 @@ def sample_to_proto(sample: FinishedSample) -> rollout_pb2.Sample:
         prompt_index=sample.prompt_index, sample_index=sample.sample_index, token_ids=sample.token_ids,
         logprobs=sample.logprobs, finish_reason=_FINISH_TO_PROTO[sample.finish_reason],
         weight_version=sample.weight_version, text=sample.text,
+        prompt_token_ids=sample.prompt_ids, loss_mask=sample.loss_mask,
+        turns=[rollout_pb2.AgentTurn(
+            model_tokens=t.model_tokens, observation_tokens=t.observation_tokens, tool_calls=t.tool_calls,
+            step_status=t.step_status, reward=t.reward, weight_version=t.weight_version,
+            env_seconds=t.env_seconds, finish_reason=t.finish_reason) for t in sample.turns],
+        agent_status=sample.agent_status, agent_error=sample.agent_error, env_reward=sample.env_reward,
     )
 
 
@@ -65,6 +119,10 @@ def sample_from_proto(sample: rollout_pb2.Sample) -> FinishedSample:
         prompt_index=sample.prompt_index, sample_index=sample.sample_index, token_ids=list(sample.token_ids),
         logprobs=list(sample.logprobs), finish_reason=_FINISH_FROM_PROTO[sample.finish_reason],
         weight_version=sample.weight_version, text=sample.text,
+        prompt_ids=list(sample.prompt_token_ids), loss_mask=list(sample.loss_mask),
+        turns=[TurnInfo(t.model_tokens, t.observation_tokens, list(t.tool_calls), t.step_status, t.reward,
+                        t.finish_reason, t.weight_version, t.env_seconds) for t in sample.turns],
+        agent_status=sample.agent_status, agent_error=sample.agent_error, env_reward=sample.env_reward,
     )
 
 

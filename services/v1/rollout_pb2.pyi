@@ -28,15 +28,41 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class Prompt(_message.Message):
-    __slots__ = ("token_ids", "messages")
+    __slots__ = ("token_ids", "messages", "task")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    TASK_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
+    task: AgentTask
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., task: _Optional[_Union[AgentTask, _Mapping]] = ...) -> None: ...
+
+class AgentTask(_message.Message):
+    __slots__ = ("environment", "ground_truth", "extra_info_json")
+    ENVIRONMENT_FIELD_NUMBER: _ClassVar[int]
+    GROUND_TRUTH_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_INFO_JSON_FIELD_NUMBER: _ClassVar[int]
+    environment: str
+    ground_truth: str
+    extra_info_json: str
+    def __init__(self, environment: _Optional[str] = ..., ground_truth: _Optional[str] = ..., extra_info_json: _Optional[str] = ...) -> None: ...
+
+class MultiTurnParams(_message.Message):
+    __slots__ = ("env_address", "max_turns", "max_total_tokens", "tool_call_format", "env_timeout_s")
+    ENV_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TURNS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALL_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    ENV_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    env_address: str
+    max_turns: int
+    max_total_tokens: int
+    tool_call_format: str
+    env_timeout_s: float
+    def __init__(self, env_address: _Optional[str] = ..., max_turns: _Optional[int] = ..., max_total_tokens: _Optional[int] = ..., tool_call_format: _Optional[str] = ..., env_timeout_s: _Optional[float] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("n", "temperature", "top_p", "top_k", "max_tokens", "stop", "stop_token_ids", "seed", "logprobs")
+    __slots__ = ("n", "temperature", "top_p", "top_k", "max_tokens", "stop", "stop_token_ids", "seed", "logprobs", "multi_turn")
     N_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +72,7 @@ class SamplingParams(_message.Message):
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    MULTI_TURN_FIELD_NUMBER: _ClassVar[int]
     n: int
     temperature: float
     top_p: float
@@ -55,10 +82,11 @@ class SamplingParams(_message.Message):
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     seed: int
     logprobs: bool
-    def __init__(self, n: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., logprobs: _Optional[bool] = ...) -> None: ...
+    multi_turn: MultiTurnParams
+    def __init__(self, n: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., logprobs: _Optional[bool] = ..., multi_turn: _Optional[_Union[MultiTurnParams, _Mapping]] = ...) -> None: ...
 
 class Sample(_message.Message):
-    __slots__ = ("prompt_index", "sample_index", "token_ids", "logprobs", "finish_reason", "weight_version", "text")
+    __slots__ = ("prompt_index", "sample_index", "token_ids", "logprobs", "finish_reason", "weight_version", "text", "prompt_token_ids", "loss_mask", "turns", "agent_status", "agent_error", "env_reward")
     PROMPT_INDEX_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -66,6 +94,12 @@ class Sample(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOSS_MASK_FIELD_NUMBER: _ClassVar[int]
+    TURNS_FIELD_NUMBER: _ClassVar[int]
+    AGENT_STATUS_FIELD_NUMBER: _ClassVar[int]
+    AGENT_ERROR_FIELD_NUMBER: _ClassVar[int]
+    ENV_REWARD_FIELD_NUMBER: _ClassVar[int]
     prompt_index: int
     sample_index: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -73,7 +107,33 @@ class Sample(_message.Message):
     finish_reason: FinishReason
     weight_version: int
     text: str
-    def __init__(self, prompt_index: _Optional[int] = ..., sample_index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., weight_version: _Optional[int] = ..., text: _Optional[str] = ...) -> None: ...
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    loss_mask: _containers.RepeatedScalarFieldContainer[int]
+    turns: _containers.RepeatedCompositeFieldContainer[AgentTurn]
+    agent_status: str
+    agent_error: str
+    env_reward: float
+    def __init__(self, prompt_index: _Optional[int] = ..., sample_index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., weight_version: _Optional[int] = ..., text: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., loss_mask: _Optional[_Iterable[int]] = ..., turns: _Optional[_Iterable[_Union[AgentTurn, _Mapping]]] = ..., agent_status: _Optional[str] = ..., agent_error: _Optional[str] = ..., env_reward: _Optional[float] = ...) -> None: ...
+
+class AgentTurn(_message.Message):
+    __slots__ = ("model_tokens", "observation_tokens", "tool_calls", "step_status", "reward", "weight_version", "env_seconds", "finish_reason")
+    MODEL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    OBSERVATION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    STEP_STATUS_FIELD_NUMBER: _ClassVar[int]
+    REWARD_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ENV_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    model_tokens: int
+    observation_tokens: int
+    tool_calls: _containers.RepeatedScalarFieldContainer[str]
+    step_status: str
+    reward: float
+    weight_version: int
+    env_seconds: float
+    finish_reason: str
+    def __init__(self, model_tokens: _Optional[int] = ..., observation_tokens: _Optional[int] = ..., tool_calls: _Optional[_Iterable[str]] = ..., step_status: _Optional[str] = ..., reward: _Optional[float] = ..., weight_version: _Optional[int] = ..., env_seconds: _Optional[float] = ..., finish_reason: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("prompts", "sampling_params")

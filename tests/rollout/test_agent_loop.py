@@ -12,6 +12,7 @@ import threading
 import pytest
 
 from rlfabric.core.config import EnvConfig
+from rlfabric.core.errors import Unavailable
 from rlfabric.env import Environment, register_environment
 from rlfabric.env.client import LocalEnvClient
 from rlfabric.env.engine import EnvEngine
@@ -216,16 +217,27 @@ def test_a_slow_environment_fails_the_sample_after_its_deadline(env):
 
     trajectory = env(sample)
     assert trajectory.status == ENV_FAILED
-    assert trajectory.error == "Step: the environment took longer than 0.3 s"
+    assert trajectory.error == "Step: DEADLINE_EXCEEDED: the environment took longer than 0.3 s"
     assert trajectory.loss_mask == [1] * 3  # what was sampled stays, for the record
 
 
 def test_an_environment_answering_garbage_or_unknown_fails_the_sample(env):
     garbage = env(lambda client: loop(ScriptedTurns("hi"), client).run(QUESTION, Task("agent-loop-nonsense")))
-    assert garbage.status == ENV_FAILED and garbage.error.startswith("Step: environment 'agent-loop-nonsense' returned")
+    assert garbage.status == ENV_FAILED and garbage.error.startswith(
+        "Step: INVALID_ARGUMENT: environment 'agent-loop-nonsense' returned")
     unknown = env(lambda client: loop(ScriptedTurns("hi"), client).run(QUESTION, Task("chess")))
-    assert unknown.status == ENV_FAILED and unknown.error.startswith("Reset: unknown environment 'chess'")
+    assert unknown.status == ENV_FAILED and unknown.error.startswith("Reset: INVALID_ARGUMENT: unknown environment 'chess'")
     assert unknown.response_ids == []
+    assert unknown.prompt_ids == render_prompt(TOKENIZER, QUESTION, [])  # the sample still has its prompt
+
+
+def test_the_engine_failing_fails_the_request_not_as_the_environment(env):
+    class Failing(ScriptedTurns):
+        async def generate_turn(self, prompt_ids, max_tokens):
+            raise Unavailable("hf engine failed: RuntimeError: CUDA error")
+
+    with pytest.raises(Unavailable, match="CUDA error"):
+        env(lambda client: loop(Failing(), client).run(QUESTION, LOOKUP_TASK))
 
 
 def test_env_calls_of_different_samples_run_concurrently(env):
