@@ -234,8 +234,9 @@ class AgentLoop:
         except TimeoutError:
             error = DeadlineExceeded(f"the environment took longer than {self.limits.env_timeout_s:g} s")
             raise EnvFailure(f"{name}: {error.code.name}: {error}") from None
-        except RlfabricError as error:
-            raise EnvFailure(f"{name}: {error.code.name}: {error}") from None
+        except RlfabricError as error:  # over gRPC the client's words start with the code already
+            words = str(error) if str(error).startswith(error.code.name) else f"{error.code.name}: {error}"
+            raise EnvFailure(f"{name}: {words}") from None
 
     async def _close_quietly(self, session_id: str) -> None:
         try:

@@ -41,7 +41,9 @@ from rlfabric.core.errors import (
     Unavailable,
     Unimplemented,
 )
+from rlfabric.rollout.agent_rollout import AgentRollouts
 from rlfabric.rollout.types import (
+    AgentPrompt,
     EngineLimits,
     EngineStatus,
     Finish,
@@ -124,6 +126,7 @@ class RolloutEngine(abc.ABC):
         self._paused = False
         self._sleeping = False
         self._progress = asyncio.Event()  # a generation delivered a sample or ended
+        self.agents = AgentRollouts(self)  # multi-turn requests (SamplingSpec.multi_turn)
 
     @abc.abstractmethod
     async def start(self) -> None: ...
@@ -141,7 +144,12 @@ class RolloutEngine(abc.ABC):
 
     async def generate(self, prompts: Sequence[PromptInput], params: SamplingSpec) -> AsyncIterator[FinishedSample]:
         """Admits the request, holds it while paused or asleep, then yields every (prompt, sample) once,
-        in the order they finish. Prompts are token ids or chat messages."""
+        in the order they finish. Prompts are token ids or chat messages; with params.multi_turn,
+        AgentPrompts (rlfabric.rollout.agent_rollout)."""
+        if params.multi_turn is not None:  # each sample an agent loop, its turns requests of their own
+            async for sample in self.agents.generate(prompts, params):
+                yield sample
+            return
         generation = self._admit(prompts, params)
         deadline = time.monotonic() + self.config.rollout.request_timeout_s
         try:
@@ -187,6 +195,9 @@ class RolloutEngine(abc.ABC):
         return generation
 
     def _token_ids(self, index: int, prompt: PromptInput) -> list[int]:
+        if isinstance(prompt, AgentPrompt):
+            raise InvalidArgument(f"prompt {index} has an environment task, but the request is not multi-turn "
+                                  "(sampling_params.multi_turn unset)")
         if len(prompt) and isinstance(prompt[0], Mapping):
             return self.render_chat(prompt, index)
         return [int(token) for token in prompt]

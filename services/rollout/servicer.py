@@ -49,6 +49,27 @@ class RolloutMetrics:
             registry, "rlfabric_weight_sync_bytes_total", "Weight bytes moved by weight sync (rollout: received).",
             ("role",))
         self.sync_bytes.labels("rollout")
+        self.agent_samples = service_counter(
+            registry, "rlfabric_rollout_agent_samples_total", "Multi-turn samples, by how they ended "
+            "(done, max_turns, max_tokens, env_failed).", ("status",))
+        self.agent_turns = service_counter(
+            registry, "rlfabric_rollout_agent_turns_total", "Model turns of multi-turn samples.")
+        self.tool_calls = service_counter(
+            registry, "rlfabric_rollout_tool_calls_total", "Tool calls of multi-turn samples, by the environment's "
+            "step status (ok, unknown_tool, invalid_arguments, tool_error, tool_timeout; '' = no Step made).",
+            ("status",))
+        self.env_seconds = service_histogram(
+            registry, "rlfabric_rollout_env_step_seconds", "Latency of one environment Step, seen from the rollout.")
+
+    def agent_sample(self, sample: FinishedSample) -> None:
+        """Counts a multi-turn sample: its end, turns, tool calls and environment latency."""
+        self.agent_samples.labels(sample.agent_status).inc()
+        self.agent_turns.inc(len(sample.turns))
+        for turn in sample.turns:
+            if turn.tool_calls:
+                self.tool_calls.labels(turn.step_status).inc(len(turn.tool_calls))
+            if turn.step_status:
+                self.env_seconds.observe(turn.env_seconds)
 
     def weight_swap(self, swap: WeightSwap, seconds: float, num_bytes: int) -> None:
         self.sync_seconds.labels("rollout").observe(seconds)
@@ -115,7 +136,9 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         """The engine's samples, counted as they pass."""
         requested = [wire.prompt_from_proto(prompt) for prompt in prompts]
         async for sample in self.engine.generate(requested, wire.sampling_from_proto(params)):
-            self.metrics.generated_tokens.inc(len(sample.token_ids))
+            self.metrics.generated_tokens.inc(sum(sample.model_token_mask()))
+            if sample.agent_status:
+                self.metrics.agent_sample(sample)
             yield sample
 
 

@@ -1,0 +1,198 @@
+"""Multi-turn requests of the rollout service (hf engine, tiny model) against a real environment
+service, both on loopback gRPC: token in and token out through the wire, the loss mask, every
+environment failure mode ending its own sample only, bad requests INVALID_ARGUMENT, and the metrics."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+
+from rlfabric.core.config import EnvConfig, RunConfig
+from rlfabric.core.server import ServerOptions
+from rlfabric.env import Environment, register_environment
+from rlfabric.env.items import Message, StepResult
+from rlfabric.env.servicer import build_service as build_env_service
+from rlfabric.quickstart.tiny_model import build_tokenizer
+from rlfabric.rollout import wire
+from rlfabric.rollout.agent_loop import ENV_FAILED, MAX_TURNS
+from rlfabric.rollout.servicer import build_service
+from rlfabric.rollout.types import AgentPrompt, AgentTask, MultiTurnSpec, SamplingSpec
+from rlfabric.v1 import rollout_pb2
+from tests.conftest import ServerThread
+
+from .helpers import rollout_config, stub
+
+TOKENIZER = build_tokenizer()
+QUESTION = [{"role": "user", "content": "Say something."}]
+STOPS = tuple(range(5, 40))  # random turns of the tiny model end after a few tokens, with finish STOP
+release_sleepy_steps = threading.Event()
+
+
+class Again(Environment):
+    """Never done: every turn is answered "again" (reward 0.25)."""
+
+    def reset(self):
+        return []
+
+    def step(self, action):
+        return StepResult([Message("user", "again")], reward=0.25)
+
+
+class Sleepy(Again):
+    def step(self, action):
+        release_sleepy_steps.wait(10)
+        return super().step(action)
+
+
+class Garbage(Again):
+    def step(self, action):
+        return StepResult([Message("assistant", "I am the model now")])
+
+
+register_environment("agent-rollout-again", lambda task, config: Again())
+register_environment("agent-rollout-sleepy", lambda task, config: Sleepy())
+register_environment("agent-rollout-garbage", lambda task, config: Garbage())
+
+
+@pytest.fixture(scope="module")
+def mesh(tiny_model):
+    """(env server, rollout server, rollout channel): the rollout's multi_turn.env_address is the env's."""
+    env = ServerThread(build_env_service(RunConfig(env=EnvConfig())), ServerOptions(port=0, metrics_port=0))
+    config = rollout_config(tiny_model, f"rollout.multi_turn.env_address={env.address}", "rollout.max_num_seqs=8")
+    rollout = ServerThread(build_service(config), ServerOptions(port=0, metrics_port=0))
+    with grpc.insecure_channel(rollout.address) as channel:
+        yield env, rollout, channel
+    release_sleepy_steps.set()
+    rollout.stop()
+    env.stop()
+
+
+def agent_request(environments, n=1, max_turns=3, max_total_tokens=200, **multi_turn):
+    prompts = [AgentPrompt(QUESTION, AgentTask(name, "7", {"note": "x"})) for name in environments]
+    spec = SamplingSpec(n=n, max_tokens=16, temperature=1.0, seed=5, stop_token_ids=STOPS,
+                        multi_turn=MultiTurnSpec(max_turns=max_turns, max_total_tokens=max_total_tokens,
+                                                 env_timeout_s=multi_turn.pop("env_timeout_s", 10.0), **multi_turn))
+    return rollout_pb2.GenerateRequest(prompts=[wire.prompt_to_proto(p) for p in prompts],
+                                       sampling_params=wire.sampling_to_proto(spec))
+
+
+def agent_generate(channel, environments, **params):
+    response = stub(channel).Generate(agent_request(environments, **params), timeout=60)
+    return [wire.sample_from_proto(s) for s in response.samples]
+
+
+def rendered_conversation(sample) -> str:
+    """The chat template's text of the whole conversation the sample holds: each model turn's ids as the
+    assistant's content, each observation as the user's "again", then the next assistant header."""
+    conversation, start = list(QUESTION), 0
+    for turn in sample.turns:
+        turn_ids = sample.token_ids[start:start + turn.model_tokens]
+        if turn_ids[-1] == TOKENIZER.eos_token_id:
+            turn_ids = turn_ids[:-1]
+        conversation.append({"role": "assistant", "content": TOKENIZER.decode(turn_ids)})
+        if turn.observation_tokens:
+            conversation.append({"role": "user", "content": "again"})
+        start += turn.model_tokens + turn.observation_tokens
+    return TOKENIZER.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+
+
+def test_multi_turn_samples_are_the_rendered_conversation_token_for_token(mesh):
+    _, rollout, channel = mesh
+    samples = agent_generate(channel, ["agent-rollout-again"] * 2, n=2)
+    assert [(s.prompt_index, s.sample_index) for s in samples] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert len({tuple(s.token_ids) for s in samples}) > 1  # each sample (and turn) draws its own
+    for sample in samples:
+        assert (sample.agent_status, len(sample.turns)) == (MAX_TURNS, 3)
+        assert sample.prompt_ids == TOKENIZER.encode(
+            TOKENIZER.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False))
+        assert TOKENIZER.decode(sample.prompt_ids + sample.token_ids) == rendered_conversation(sample)
+        assert len(sample.loss_mask) == len(sample.logprobs) == len(sample.token_ids)
+        start = 0
+        for turn in sample.turns:  # model tokens: mask 1 and a log-prob; the observation's: mask 0, log-prob 0
+            model, observed = slice(start, start + turn.model_tokens), slice(start + turn.model_tokens,
+                                                                             start + turn.model_tokens + turn.observation_tokens)
+            assert set(sample.loss_mask[model]) == {1} and all(lp < 0 for lp in sample.logprobs[model])
+            assert set(sample.loss_mask[observed]) == {0} and set(sample.logprobs[observed]) == {0.0}
+            assert turn.step_status == "ok" and turn.observation_tokens > 0
+            start = observed.stop
+        assert start == len(sample.token_ids)
+        assert sample.env_reward == pytest.approx(0.75)
+    registry = rollout.server.service.registry
+    assert registry.get_sample_value("rlfabric_rollout_agent_samples_total", {"status": "max_turns"}) >= 4
+    assert registry.get_sample_value("rlfabric_rollout_agent_turns_total") >= 12
+    assert registry.get_sample_value("rlfabric_rollout_env_step_seconds_count") >= 12
+
+
+def test_max_total_tokens_bounds_model_and_environment_tokens_together(mesh):
+    _, _, channel = mesh
+    for sample in agent_generate(channel, ["agent-rollout-again"] * 3, max_turns=8, max_total_tokens=20):
+        assert len(sample.token_ids) <= 20 and sample.agent_status == "max_tokens"
+
+
+def test_each_environment_failure_ends_its_own_sample_only(mesh):
+    _, _, channel = mesh
+    started = time.monotonic()
+    environments = ["agent-rollout-again", "agent-rollout-garbage", "agent-rollout-sleepy", "chess"]
+    again, garbage, sleepy, unknown = agent_generate(channel, environments, env_timeout_s=1.0)
+    assert time.monotonic() - started < 15  # the sleepy environment's deadline, not its 10 s
+    assert again.agent_status == MAX_TURNS and again.agent_error == ""
+    assert garbage.agent_status == ENV_FAILED
+    assert garbage.agent_error.startswith("Step: INVALID_ARGUMENT: env at ")
+    assert "environment 'agent-rollout-garbage' returned a message with role 'assistant'" in garbage.agent_error
+    assert sleepy.agent_status == ENV_FAILED and sleepy.agent_error.startswith("Step: DEADLINE_EXCEEDED")
+    assert unknown.agent_status == ENV_FAILED and unknown.agent_error.startswith("Reset: INVALID_ARGUMENT")
+    assert "unknown environment 'chess'" in unknown.agent_error
+    assert unknown.prompt_ids and unknown.token_ids == []  # the prompt is kept, so the batch has the row
+
+
+def test_a_dead_environment_service_fails_each_sample_within_its_deadline(mesh):
+    _, _, channel = mesh
+    with socket_nobody_listens_on() as address:
+        started = time.monotonic()
+        samples = agent_generate(channel, ["agent-rollout-again"] * 2, env_address=address, env_timeout_s=2.0)
+    assert time.monotonic() - started < 10
+    for sample in samples:
+        assert sample.agent_status == ENV_FAILED
+        assert sample.agent_error.startswith(("Reset: UNAVAILABLE", "Reset: DEADLINE_EXCEEDED")), sample.agent_error
+
+
+@pytest.mark.parametrize("problem, expected", [
+    ("token prompt", "prompt 0: a multi-turn prompt needs chat messages and a task"),
+    ("tool call format", "multi_turn.tool_call_format 'xml' is not known"),
+    ("max turns", "multi_turn.max_turns and max_total_tokens must be >= 1"),
+    ("task without multi_turn", "prompt 0 has an environment task, but the request is not multi-turn"),
+])
+def test_bad_multi_turn_requests_are_invalid_argument(mesh, problem, expected):
+    _, _, channel = mesh
+    request = agent_request(["agent-rollout-again"])
+    if problem == "token prompt":
+        request.prompts[0].CopyFrom(rollout_pb2.Prompt(token_ids=[1, 2, 3]))
+    elif problem == "tool call format":
+        request.sampling_params.multi_turn.tool_call_format = "xml"
+    elif problem == "max turns":
+        request.sampling_params.multi_turn.max_turns = 0
+    else:
+        request.sampling_params.ClearField("multi_turn")
+    with pytest.raises(grpc.RpcError) as error:
+        stub(channel).Generate(request, timeout=30)
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert expected in error.value.details()
+    assert len(agent_generate(channel, ["agent-rollout-again"], max_turns=1)) == 1  # and the service goes on
+
+
+class socket_nobody_listens_on:
+    """An address on loopback that refuses connections: a port bound for a moment, then released."""
+
+    def __enter__(self) -> str:
+        import socket
+
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        return f"127.0.0.1:{port}"
+
+    def __exit__(self, *exc) -> None:
+        pass
