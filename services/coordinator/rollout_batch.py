@@ -3,13 +3,16 @@
     input_ids      [B, P+T]  the prompt left-padded to P, then the response right-padded to T
     attention_mask [B, P+T]  1 = real token
     responses      [B, T]    == input_ids[:, -T:]
-    response_mask  [B, T]    1 = real response token
+    response_mask  [B, T]    1 = a response token the model sampled: 0 on padding and, in multi-turn
+                             samples, on the tokens the environment gave (every estimator and loss
+                             reads this mask, so they never train on the environment's tokens)
     rollout_log_probs [B, T] the rollout engine's log-prob of each sampled token, 0 on padding (a
                              RolloutBatch field; None when a sample came back without them)
 
 B = prompts x n samples, ordered prompt by prompt (rows of one prompt form its GRPO group).
 P and T are the longest prompt and response of this batch, not the configured maxima: padding
-costs compute in every service.
+costs compute in every service. A multi-turn sample brings its own prompt ids (rendered with the
+environment's tools) and its loss mask; a single-turn sample's prompt is its row's.
 """
 
 from __future__ import annotations
@@ -56,7 +59,8 @@ class RolloutBatch:
         return self.tensors["response_mask"]
 
     def response_lengths(self) -> torch.Tensor:
-        return self.tensors["response_mask"].sum(-1)
+        """[B] response tokens, the environment's included (multi-turn)."""
+        return self.tensors["attention_mask"][:, -self.response_mask.shape[1]:].sum(-1)
 
     def prompt_lengths(self) -> torch.Tensor:
         return self.tensors["attention_mask"].sum(-1) - self.response_lengths()
@@ -84,23 +88,26 @@ def build_rollout_batch(rows: Sequence[PromptRow], samples: Sequence[FinishedSam
                          f"missing {missing}, duplicates {len(samples) - len(by_key)}")
     ordered = [by_key[(p, i)] for p in range(len(rows)) for i in range(n)]
     sample_rows = [rows[p] for p in range(len(rows)) for _ in range(n)]
-    prompt_len = max(len(row.prompt_ids) for row in rows)
+    prompts = [sample.prompt_ids or row.prompt_ids for row, sample in zip(sample_rows, ordered, strict=True)]
+    prompt_len = max(len(prompt) for prompt in prompts)
     response_len = max(1, max(len(s.token_ids) for s in ordered))
     batch = len(ordered)
     input_ids = torch.full((batch, prompt_len + response_len), pad_token_id, dtype=torch.int64)
     attention_mask = torch.zeros_like(input_ids)
-    for i, (row, sample) in enumerate(zip(sample_rows, ordered, strict=True)):
-        prompt, response = row.prompt_ids, sample.token_ids
+    response_mask = torch.zeros(batch, response_len, dtype=torch.int64)
+    for i, (prompt, sample) in enumerate(zip(prompts, ordered, strict=True)):
+        response = sample.token_ids
         input_ids[i, prompt_len - len(prompt) : prompt_len] = torch.tensor(prompt)
         attention_mask[i, prompt_len - len(prompt) : prompt_len] = 1
         if response:
             input_ids[i, prompt_len : prompt_len + len(response)] = torch.tensor(response)
             attention_mask[i, prompt_len : prompt_len + len(response)] = 1
+            response_mask[i, : len(response)] = torch.tensor(sample.model_token_mask())
     tensors = {
         "input_ids": input_ids,
         "attention_mask": attention_mask,
         "responses": input_ids[:, prompt_len:].clone(),
-        "response_mask": attention_mask[:, prompt_len:].clone(),
+        "response_mask": response_mask,
     }
     group_ids = torch.arange(len(rows)).repeat_interleave(n)
     return RolloutBatch(tensors, sample_rows, ordered, group_ids,
@@ -118,10 +125,12 @@ def _rollout_log_probs(samples: Sequence[FinishedSample], response_len: int) -> 
 
 
 def token_level_scores(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """[B, T]: each sequence's score on its last real response token, 0 elsewhere (VeRL's layout)."""
+    """[B, T]: each sequence's score on its last masked-in response token, 0 elsewhere (VeRL's layout). In
+    a multi-turn sample that is the model's last token, not an observation's that may follow it."""
     out = torch.zeros(response_mask.shape, dtype=torch.float32)
-    lengths = response_mask.sum(-1)
-    has_tokens = lengths > 0
+    has_tokens = response_mask.sum(-1) > 0
+    positions = torch.arange(response_mask.shape[1]).expand_as(response_mask)  # [B, T]
+    last = torch.where(response_mask.bool(), positions, -1).max(-1).values  # [B]
     rows = torch.arange(len(scores))[has_tokens]
-    out[rows, lengths[has_tokens] - 1] = scores[has_tokens].to(torch.float32)
+    out[rows, last[has_tokens]] = scores[has_tokens].to(torch.float32)
     return out

@@ -73,3 +73,27 @@ def test_data_metrics_use_verl_names_and_masked_statistics():
     assert metrics["response_length/mean"] == pytest.approx(1.5)
     assert metrics["response_length/clip_ratio"] == pytest.approx(0.25)
     assert metrics["prompt_length/max"] == 3
+
+
+# Multi-turn: a sample brings its prompt (rendered with the tools) and a loss mask with the
+# environment's tokens at 0; the outcome score goes to the model's last token.
+
+def agent_sample(p: int, i: int, prompt: list[int], tokens: list[int], mask: list[int]) -> FinishedSample:
+    logprobs = [-0.5 if m else 0.0 for m in mask]
+    return FinishedSample(p, i, tokens, logprobs, Finish.STOP, 0, text="t", prompt_ids=prompt, loss_mask=mask,
+                          agent_status="max_turns")
+
+
+def test_a_multi_turn_sample_brings_its_prompt_and_its_environment_tokens_are_masked_out():
+    samples = [agent_sample(0, 0, [1, 2, 3, 4], [10, 11, 20, 21, 12, 22], [1, 1, 0, 0, 1, 0]), sample(0, 1, [13])]
+    batch = build_rollout_batch([row("a", [5, 6])], samples, n=2, pad_token_id=PAD)
+    t = batch.tensors
+    assert t["input_ids"].tolist() == [[1, 2, 3, 4, 10, 11, 20, 21, 12, 22],
+                                       [PAD, PAD, 5, 6, 13, PAD, PAD, PAD, PAD, PAD]]
+    assert t["attention_mask"][0].tolist() == [1] * 10  # the model attends to the environment's tokens
+    assert t["response_mask"].tolist() == [[1, 1, 0, 0, 1, 0], [1, 0, 0, 0, 0, 0]]
+    assert batch.rollout_log_probs[0].tolist() == [-0.5, -0.5, 0, 0, -0.5, 0]
+    assert batch.response_lengths().tolist() == [6, 1] and batch.prompt_lengths().tolist() == [4, 2]
+    validate_batch(dict(t), vocab_size=100)  # the actor takes it
+    scores = token_level_scores(torch.tensor([1.0, 2.0]), batch.response_mask)
+    assert scores.tolist() == [[0, 0, 0, 0, 1.0, 0], [2.0, 0, 0, 0, 0, 0]]  # the model's last token, not the env's
