@@ -103,6 +103,21 @@ def write_arithmetic(out_dir: str | Path, train_size: int = 1024, val_size: int 
     return paths
 
 
+def write_lookup(out_dir: str | Path, train_size: int = 1024, val_size: int = 64, seed: int = 0) -> dict:
+    """The multi-turn toy task (see rlfabric.env.lookup) as train.parquet and val.parquet; each row's
+    extra_info names its environment (extra_info.environment: lookup) and holds its table."""
+    from rlfabric.env.lookup import make_row
+
+    rng = random.Random(seed)
+    paths = {}
+    for split, size in (("train", train_size), ("val", val_size)):
+        rows = [{**row, "ability": "tool", "extra_info": {**row["extra_info"], "environment": "lookup",
+                                                          "split": split, "index": index}}
+                for index, row in enumerate(make_row(rng) for _ in range(size))]
+        paths[split] = _write(rows, Path(out_dir) / f"{split}.parquet")
+    return paths
+
+
 def write_gsm8k(input_jsonl: str | Path, out_path: str | Path, split: str = "train") -> Path:
     """A local GSM8K jsonl (question/answer per line) as VeRL-schema parquet."""
     rows = []

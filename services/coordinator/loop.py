@@ -51,6 +51,13 @@ from rlfabric.coordinator.checkpoints import (
     require_part_visible,
 )
 from rlfabric.coordinator.dataset import DataCursor, PromptRow, RLHFDataset
+from rlfabric.coordinator.multi_turn import (
+    agent_metrics,
+    agent_prompt,
+    combined_result,
+    env_result,
+    multi_turn_spec,
+)
 from rlfabric.coordinator.peers import Peers
 from rlfabric.coordinator.rollout_batch import RolloutBatch, build_rollout_batch, token_level_scores
 from rlfabric.coordinator.step_metrics import StepTimer, data_metrics
@@ -239,6 +246,7 @@ class PPOTrainer:
             timer.end(error)
             raise
         metrics.update(data_metrics(batch, self._max_tokens()))
+        metrics.update(agent_metrics(batch.samples))
         metrics.update(timer.metrics(batch, previous_step_end=self._last_step_end))
         self._last_step_end = time.perf_counter()
         if self.config.trainer.dump_rollouts:
@@ -355,7 +363,8 @@ class PPOTrainer:
         rollout = self.config.rollout
         self.on_phase("generating")
         params = SamplingSpec(n=rollout.n, temperature=rollout.temperature, top_p=rollout.top_p,
-                              top_k=rollout.top_k, max_tokens=self._max_tokens(), seed=self._step_seed(step))
+                              top_k=rollout.top_k, max_tokens=self._max_tokens(), seed=self._step_seed(step),
+                              multi_turn=multi_turn_spec(self.config, self._max_tokens()))
         with timer("gen"):
             if self.config.trainer.colocated:
                 await asyncio.gather(*(r.client.wake_up() for r in self.peers.rollout.healthy()))
@@ -382,7 +391,7 @@ class PPOTrainer:
         samples: list[FinishedSample] = []
         chunk: list[FinishedSample] = []
         scoring: list[asyncio.Task] = []
-        prompts = [row.prompt_ids for row in rows]
+        prompts = [agent_prompt(row) if params.multi_turn else row.prompt_ids for row in rows]
         async for sample in self.peers.rollout.generate_stream(prompts, params, chunk_prompts=self._chunk_prompts()):
             samples.append(sample)
             chunk.append(sample)
@@ -395,8 +404,13 @@ class PPOTrainer:
         return samples, results
 
     async def _score(self, rows: list[PromptRow], samples: list[FinishedSample]):
+        multi_turn = self.config.rollout.multi_turn
+        if multi_turn.enable and multi_turn.reward == "env":  # the environment's rewards alone: no Score call
+            return [((s.prompt_index, s.sample_index), env_result(s)) for s in samples]
         items = [self._score_item(rows[s.prompt_index], s) for s in samples]
         results = await self.peers.score(items, self.config.trainer.reward_retry_window_s)
+        if multi_turn.enable:
+            results = [combined_result(s, r, multi_turn.reward) for s, r in zip(samples, results, strict=True)]
         return [((s.prompt_index, s.sample_index), r) for s, r in zip(samples, results, strict=True)]
 
     @staticmethod
@@ -408,7 +422,7 @@ class PPOTrainer:
 
     async def _greedy_baselines(self, rows: list[PromptRow], params: SamplingSpec) -> torch.Tensor:
         """ReMax's baseline: the score of each prompt's greedy response, repeated for its n samples."""
-        greedy = SamplingSpec(n=1, temperature=0.0, max_tokens=params.max_tokens)
+        greedy = SamplingSpec(n=1, temperature=0.0, max_tokens=params.max_tokens, multi_turn=params.multi_turn)
         samples, results = await self._generate_and_score(rows, greedy)
         by_prompt = {key[0]: result.score for key, result in results}
         return torch.tensor([by_prompt[p] for p in range(len(rows))]).repeat_interleave(self.config.rollout.n)
@@ -422,7 +436,8 @@ class PPOTrainer:
         self.on_phase("validating")
         rollout = self.config.rollout
         params = SamplingSpec(n=rollout.val_n, temperature=rollout.val_temperature, top_p=rollout.top_p,
-                              top_k=rollout.top_k, max_tokens=self._max_tokens(), seed=self._step_seed(-1))
+                              top_k=rollout.top_k, max_tokens=self._max_tokens(), seed=self._step_seed(-1),
+                              multi_turn=multi_turn_spec(self.config, self._max_tokens()))
         rows, size = self.val_data.rows, self.config.data.val_batch_size
         by_source: dict[str, list[float]] = {}
         for start in range(0, len(rows), size):

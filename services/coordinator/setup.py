@@ -11,7 +11,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from rlfabric.actor.models import check_policy_model
-from rlfabric.coordinator.data_prep import write_arithmetic, write_synthetic
+from rlfabric.coordinator.data_prep import write_arithmetic, write_lookup, write_synthetic
 from rlfabric.coordinator.dataset import DatasetError, RLHFDataset
 from rlfabric.coordinator.loop import PPOTrainer
 from rlfabric.coordinator.peers import Peers
@@ -26,7 +26,7 @@ def load_datasets(config: RunConfig, run_dir: Path, tokenizer) -> tuple[RLHFData
     data = config.data
     train_files, val_files = list(data.train_files), list(data.val_files)
     if not train_files:
-        write = write_arithmetic if data.builtin_task == "arithmetic" else write_synthetic
+        write = {"arithmetic": write_arithmetic, "lookup": write_lookup}.get(data.builtin_task, write_synthetic)
         paths = write(run_dir / "data" / data.builtin_task)
         train_files, val_files = [str(paths["train"])], val_files or [str(paths["val"])]
     try:

@@ -131,9 +131,10 @@ class ModelConfig(Section):
 class DataConfig(Section):
     train_files: list[str] = []
     """Parquet files in VeRL's schema; empty = generate data.builtin_task into RUN_DIR/data."""
-    builtin_task: Literal["find_vowel", "arithmetic"] = "find_vowel"
-    """The generated task when train_files is empty: find_vowel (the quickstart's, for the tiny model) or
-    arithmetic ("What is 7 + 5?", for a real chat model)."""
+    builtin_task: Literal["find_vowel", "arithmetic", "lookup"] = "find_vowel"
+    """The generated task when train_files is empty: find_vowel (the quickstart's, for the tiny model),
+    arithmetic ("What is 7 + 5?", for a real chat model) or lookup (multi-turn: the answer only the lookup
+    tool gives; rollout.multi_turn.enable and env.enable)."""
     val_files: list[str] = []
     """Validation parquet files."""
     train_batch_size: int = Field(16, gt=0)

@@ -45,7 +45,8 @@ class LookupEnvironment(ToolEnvironment):
         table = task.create_kwargs("lookup").get("table", {})
         if not isinstance(table, dict):
             raise InvalidArgument("extra_info.tools_kwargs.lookup.create_kwargs.table must be an object")
-        self.table = {str(key): str(value) for key, value in table.items()}
+        # parquet stores the tables of all rows as one struct: another row's keys come back as null
+        self.table = {str(key): str(value) for key, value in table.items() if value is not None}
         super().__init__(task, [Tool(LOOKUP_SPEC, self.lookup)])
 
     def lookup(self, key: str) -> str:

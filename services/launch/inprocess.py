@@ -37,9 +37,11 @@ from rlfabric.coordinator.run_controller import RunController
 from rlfabric.coordinator.weight_sync import SyncReport, target_dtype
 from rlfabric.core.config import RunConfig
 from rlfabric.critic.client import LocalCriticClient
+from rlfabric.env.client import LocalEnvClient
 from rlfabric.launch.local import prepare_run_dir, service_names
 from rlfabric.reference.client import ActorAsReference, LocalReferenceClient
 from rlfabric.reward.client import LocalRewardClient
+from rlfabric.rollout.agent_rollout import AgentRollouts
 from rlfabric.rollout.client import LocalRolloutClient
 from rlfabric.rollout.router import RolloutRouter
 from rlfabric.serve import build_service
@@ -122,6 +124,9 @@ class InProcessMesh:
             addresses.setdefault(role, []).append(address)
         for role, listed in addresses.items():
             setattr(self.config.cluster, role, listed)
+        for address in addresses.get("rollout", []) if addresses.get("env") else []:
+            rollout = self.engines[address]  # its agent loops call the env engine in this process
+            rollout.agents = AgentRollouts(rollout, LocalEnvClient(self.engines[addresses["env"][0]]))
         self.controller = RunController(self.config, connect=self.connect)
         self.coordinator = LocalCoordinatorClient(self.controller)
         log.info("in-process mesh ready", extra={"fields": {"run_dir": str(self.run_dir),
