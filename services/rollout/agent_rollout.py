@@ -7,8 +7,9 @@ against the environment service, each model turn an ordinary generate request on
         sample.loss_mask  # 1 = the model's token, 0 = the environment's
 
 The engine's generate() hands a request whose SamplingSpec.multi_turn is set here. Samples are yielded
-as they finish; rows run concurrently (their environment calls too), at most rollout.max_num_seqs at
-once, so their turns stay within the engine's batch and its rollout.max_pending_requests. A failing
+as they finish; rows run concurrently (their environment calls too), at most rollout.max_num_seqs (and
+rollout.max_pending_requests) at once over all requests, so their turns stay within the engine's batch
+and its admission limit. A failing
 environment ends its sample with agent_status "env_failed" (left out of training by the coordinator);
 the engine failing fails the request, as it would a single-turn one.
 """
@@ -48,6 +49,10 @@ class AgentRollouts:
         self.engine = engine
         self._env_clients: dict[str, EnvInterface] = {}
         self._given_env = env  # in-process: every request calls this one
+        # Rows running at once, over all requests: each runs one turn request at a time, so this keeps
+        # them within the engine's batch and its admission limit.
+        rollout = engine.config.rollout
+        self._rows = asyncio.Semaphore(min(rollout.max_num_seqs, rollout.max_pending_requests or rollout.max_num_seqs))
 
     async def generate(self, prompts: Sequence[PromptInput], params: SamplingSpec) -> AsyncIterator[FinishedSample]:
         """Each (prompt, sample) as one trajectory, yielded as it finishes."""
@@ -56,10 +61,9 @@ class AgentRollouts:
         env = self._env(spec.env_address)
         limits = AgentLoopLimits(max_turns=spec.max_turns, max_tokens_per_turn=params.max_tokens,
                                  max_total_tokens=spec.max_total_tokens, env_timeout_s=spec.env_timeout_s)
-        room = asyncio.Semaphore(self.engine.config.rollout.max_num_seqs)
 
         async def row(prompt_index: int, sample_index: int) -> FinishedSample:
-            async with room:
+            async with self._rows:
                 seed = None if params.seed is None else row_seed(params.seed, prompt_index, sample_index)
                 turns = EngineTurns(self.engine, replace(params, seed=seed))
                 loop = AgentLoop(turns, env, self.engine.tokenizer, limits)

@@ -42,3 +42,14 @@ def test_hh_rlhf_example_scores_dialogues_with_its_reward_model():
     assert config.data.train_files == ["data/hh_rlhf/train.parquet"]
     router = ScorerRouter.from_config(config.reward)
     assert router.route("Anthropic/hh-rlhf") == MODEL and router.route("openai/gsm8k") == RULES
+
+
+@pytest.mark.parametrize("name, environment", [("lookup_multi_turn.yaml", "calculator"),
+                                               ("smollm2_calculator.yaml", "calculator")])
+def test_multi_turn_examples_validate_as_runs(name, environment):
+    from rlfabric.core.config import load_run_config
+
+    config = load_run_config(EXAMPLES / name)
+    assert config.rollout.multi_turn.enable and config.env.enable
+    assert config.env.name == environment  # lookup rows name their environment themselves (extra_info)
+    assert config.rollout.multi_turn.max_total_tokens <= config.data.max_response_length
