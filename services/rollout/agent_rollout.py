@@ -22,7 +22,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from rlfabric.core.client import ChannelOptions
-from rlfabric.core.errors import FailedPrecondition, InvalidArgument
+from rlfabric.core.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from rlfabric.env.client import EnvClient, EnvInterface
 from rlfabric.env.items import Task
 from rlfabric.rollout.agent_loop import MAX_TOKENS, AgentLoop, AgentLoopLimits, EngineTurns, Trajectory
@@ -103,8 +103,8 @@ class AgentRollouts:
             raise InvalidArgument(f"multi_turn.env_timeout_s must be > 0 (got {spec.env_timeout_s})")
         rows, most = len(prompts) * params.n, self.engine.config.rollout.max_rows_per_request
         if rows > most:
-            raise InvalidArgument(f"{rows} multi-turn samples in one request; at most {most} "
-                                  "(rollout.max_rows_per_request): split the request")
+            raise ResourceExhausted(f"{rows} multi-turn samples in one request; this replica takes at most {most} "
+                                    "(rollout.max_rows_per_request): split the request")
         return list(prompts)
 
     def _env(self, address: str) -> EnvInterface:

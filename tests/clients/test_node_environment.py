@@ -210,3 +210,42 @@ def test_the_node_environment_is_the_env_role_of_a_live_mesh(start_node, tmp_pat
 def test_the_launchers_start_an_env_service_only_when_enabled():
     assert ("env", "env") not in service_names(load_config(None))
     assert ("env", "env") in service_names(load_config(None, ["env.enable=true"]))
+
+
+@pytest.mark.slow
+def test_a_multi_turn_run_trains_against_the_node_environment_in_a_live_mesh(start_node, tmp_path):
+    """rollout.multi_turn with the Node environment as the mesh's env role: the rollout replicas' agent loops
+    call it over gRPC (with the mesh's token), its first observation comes back as masked tokens, and a
+    training step completes with no sample failed by the environment."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from rlfabric.coordinator.client import CoordinatorClient
+    from rlfabric.v1 import coordinator_pb2
+
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    token_file.chmod(0o600)
+    rows = [{"data_source": "guess", "prompt": [{"role": "user", "content": "Find my number."}], "ability": "tool",
+             "reward_model": {"style": "rule", "ground_truth": str(n)}, "extra_info": {"environment": "guess"}}
+            for n in range(16)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "guess.parquet")
+    address = start_node(["env_server.js"])
+    config = load_config(None, ["env.enable=true", f"server.auth_token_file={token_file}", "trainer.total_steps=1",
+                                f"data.train_files=[{tmp_path / 'guess.parquet'}]", "data.train_batch_size=4",
+                                "actor.ppo_mini_batch_size=4", "rollout.multi_turn.enable=true",
+                                "rollout.multi_turn.max_turns=2", "rollout.multi_turn.max_total_tokens=160",
+                                "data.max_response_length=16", "trainer.progress_bar=false", "trainer.dump_rollouts=true"])
+    with LocalMesh(config, tmp_path / "run", external={"env": [address]}) as mesh:
+        async def train():
+            options = ChannelOptions.from_config(mesh.config)
+            async with CoordinatorClient(mesh.endpoints["coordinator"][0]["grpc"], options) as client:
+                await client.start_run()
+                metrics = [dict(update.metrics) async for update in client.stream_metrics(timeout_s=300)]
+                return metrics, await client.run_status()
+
+        metrics, status = asyncio.run(train())
+    assert status.state == coordinator_pb2.RUN_STATE_COMPLETED, status.error
+    step = metrics[-1]
+    assert step["agent/env_failed/count"] == 0 and step["agent/turns/mean"] >= 1, step
+    assert step["agent/model_token_fraction"] < 1  # the Reset's observation: the environment's tokens
