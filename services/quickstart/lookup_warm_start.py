@@ -6,9 +6,11 @@ tool-call format and the shape of an episode, not how to use the tool's answer.
 A random tiny model never writes a ~70-character tool call, so RL alone has nothing to reward. The
 demonstrations are whole episodes, rendered exactly as the agent loop renders them (same prompt, same
 observation tokens): the user asks for a key, the assistant calls lookup with that key, the tool answers
-a digit, the assistant answers "#### D". Only one demonstration in COPY_FRACTION answers the tool's digit;
-the others answer a random digit. So the warm-started model calls the tool well but mostly ignores what
-it says (it scores about 0.25); RL has to teach it that the tool's digit is what scores.
+a digit, the assistant answers "#### D" with it. But only one demonstration in KEY_FRACTION calls lookup
+with the key the user asked for; the others call it with an arbitrary key (and are shown a digit anyway).
+So the warm-started model writes the call and copies what the tool says, but mostly asks for the wrong
+key, which the real tool answers with an error (it scores well below 0.3); RL has to teach it to ask for
+the key in the question, so that the tool's answer is the one that scores.
 """
 
 from __future__ import annotations
@@ -26,19 +28,19 @@ from rlfabric.quickstart.tiny_model import make_tiny_model
 from rlfabric.quickstart.warm_start import QUICKSTART_INIT_RANGE, WarmStartResult, _one_thread
 from rlfabric.rollout.agent_loop import observation_ids, render_prompt
 
-COPY_FRACTION = 0.4  # demonstrations whose answer is the tool's digit (the rest: a random digit)
+KEY_FRACTION = 0.25  # demonstrations that call lookup with the prompt's key (the rest: an arbitrary key)
 CALL = '<tool_call>{{"name": "lookup", "arguments": {{"key": "{key}"}}}}</tool_call>'
 
 
 def demonstration(tokenizer, rng: random.Random) -> tuple[list[int], list[int]]:
     """(token ids, labels) of one episode: labels on the assistant's two turns (with their end), -100 elsewhere."""
     key, value = rng.choice(string.ascii_lowercase), str(rng.randint(0, 9))
-    answer = value if rng.random() < COPY_FRACTION else str(rng.randint(0, 9))
+    called = key if rng.random() < KEY_FRACTION else rng.choice(string.ascii_lowercase)
     eos = tokenizer.eos_token_id
     prompt = render_prompt(tokenizer, [{"role": "user", "content": QUESTION.format(key=key)}], [LOOKUP_SPEC])
-    call = tokenizer.encode(CALL.format(key=key), add_special_tokens=False) + [eos]
+    call = tokenizer.encode(CALL.format(key=called), add_special_tokens=False) + [eos]
     observed = observation_ids(tokenizer, [Message("tool", value)], call)
-    final = tokenizer.encode(f"#### {answer}", add_special_tokens=False) + [eos]
+    final = tokenizer.encode(f"#### {value}", add_special_tokens=False) + [eos]
     ids = prompt + call + observed + final
     labels = [-100] * len(prompt) + call + [-100] * len(observed) + final
     return ids, labels

@@ -196,3 +196,21 @@ class socket_nobody_listens_on:
 
     def __exit__(self, *exc) -> None:
         pass
+
+
+def test_multi_turn_fields_cross_the_wire_and_a_single_turn_sample_carries_none():
+    from rlfabric.rollout.types import Finish, FinishedSample, TurnInfo
+
+    turn = TurnInfo(3, 2, ["lookup", ""], "unknown_tool", 0.5, "stop", 4, 0.25)
+    sample = FinishedSample(1, 2, [5, 6, 7, 8, 9], [-1.0, -2.0, -3.0, 0.0, 0.0], Finish.STOP, 4, "text",
+                            prompt_ids=[1, 2], loss_mask=[1, 1, 1, 0, 0], turns=[turn], agent_status="max_turns",
+                            agent_error="", env_reward=0.5)
+    assert wire.sample_from_proto(wire.sample_to_proto(sample)) == sample
+    single = FinishedSample(0, 0, [5, 6], [-1.0, -2.0], Finish.LENGTH, 1, "hi")
+    on_wire = wire.sample_to_proto(single)
+    assert not (on_wire.prompt_token_ids or on_wire.loss_mask or on_wire.turns or on_wire.agent_status)
+    assert wire.sample_from_proto(on_wire) == single and single.model_token_mask() == [1, 1]
+    prompt = AgentPrompt(QUESTION, AgentTask("lookup", "7", {"tools_kwargs": {"lookup": {}}}))
+    assert wire.prompt_from_proto(wire.prompt_to_proto(prompt)) == prompt
+    spec = SamplingSpec(n=2, max_tokens=9, multi_turn=MultiTurnSpec("h:1", 3, 50, "hermes", 2.5))
+    assert wire.sampling_from_proto(wire.sampling_to_proto(spec)) == spec
