@@ -1,16 +1,21 @@
 """A warm start for the multi-turn lookup task (rlfabric.env.lookup): the tiny model learns the Hermes
-tool-call format and the shape of an episode, not how to use the tool's answer.
+tool-call format and the shape of an episode on demonstrations.
 
-    make_lookup_model(OUT)        # the tiny model, then ~a minute of supervised warm start on CPU
+    make_lookup_model(OUT)        # the tiny model, then ~1-2 minutes of supervised warm start on CPU
 
 A random tiny model never writes a ~70-character tool call, so RL alone has nothing to reward. The
 demonstrations are whole episodes, rendered exactly as the agent loop renders them (same prompt, same
-observation tokens): the user asks for a key, the assistant calls lookup with that key, the tool answers
-a digit, the assistant answers "#### D" with it. But only one demonstration in KEY_FRACTION calls lookup
-with the key the user asked for; the others call it with an arbitrary key (and are shown a digit anyway).
-So the warm-started model writes the call and copies what the tool says, but mostly asks for the wrong
-key, which the real tool answers with an error (it scores well below 0.3); RL has to teach it to ask for
-the key in the question, so that the tool's answer is the one that scores.
+observation tokens): the user asks for a key, the assistant calls lookup, the tool answers a digit, the
+assistant answers "#### D" with it. In `key_fraction` of them the call asks for the question's key, in the
+others for an arbitrary one.
+
+Measured on this machine's CPU (500 steps, then GRPO with examples/lookup_multi_turn.yaml's settings):
+- key_fraction 1 (the default): the model scores about 0.73 (about 20% of its calls ask for a wrong key);
+  GRPO at actor.lr 1e-4 raised it to about 0.80 within 3 steps (wrong-key calls 20% -> 13%); at
+  actor.lr 2e-3 the policy collapsed within 2 steps (calls lost their format).
+- key_fraction 0.25: the model does not learn to copy the key at all (about 95% wrong-key calls, score
+  about 0.05), and 15 GRPO steps did not teach it: learning to copy from rewards alone takes far longer
+  (as rlfabric.quickstart.warm_start says of the letters).
 """
 
 from __future__ import annotations
@@ -28,14 +33,14 @@ from rlfabric.quickstart.tiny_model import make_tiny_model
 from rlfabric.quickstart.warm_start import QUICKSTART_INIT_RANGE, WarmStartResult, _one_thread
 from rlfabric.rollout.agent_loop import observation_ids, render_prompt
 
-KEY_FRACTION = 0.25  # demonstrations that call lookup with the prompt's key (the rest: an arbitrary key)
 CALL = '<tool_call>{{"name": "lookup", "arguments": {{"key": "{key}"}}}}</tool_call>'
 
 
-def demonstration(tokenizer, rng: random.Random) -> tuple[list[int], list[int]]:
-    """(token ids, labels) of one episode: labels on the assistant's two turns (with their end), -100 elsewhere."""
+def demonstration(tokenizer, rng: random.Random, key_fraction: float = 1.0) -> tuple[list[int], list[int]]:
+    """(token ids, labels) of one episode: labels on the assistant's two turns (with their end), -100 elsewhere.
+    The call asks for the question's key with probability key_fraction, else for an arbitrary one."""
     key, value = rng.choice(string.ascii_lowercase), str(rng.randint(0, 9))
-    called = key if rng.random() < KEY_FRACTION else rng.choice(string.ascii_lowercase)
+    called = key if rng.random() < key_fraction else rng.choice(string.ascii_lowercase)
     eos = tokenizer.eos_token_id
     prompt = render_prompt(tokenizer, [{"role": "user", "content": QUESTION.format(key=key)}], [LOOKUP_SPEC])
     call = tokenizer.encode(CALL.format(key=called), add_special_tokens=False) + [eos]
@@ -54,8 +59,8 @@ def _collate(examples: list[tuple[list[int], list[int]]], pad_id: int) -> dict[s
             "attention_mask": torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids, _ in examples])}
 
 
-def warm_start_lookup(model_dir: str | Path, steps: int = 300, batch_size: int = 16, lr: float = 3e-3,
-                      seed: int = 0) -> WarmStartResult:
+def warm_start_lookup(model_dir: str | Path, steps: int = 500, batch_size: int = 16, lr: float = 3e-3,
+                      seed: int = 0, key_fraction: float = 1.0) -> WarmStartResult:
     """Fine-tunes the model in model_dir in place on lookup demonstrations; the learning rate decays to 0."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -71,7 +76,8 @@ def warm_start_lookup(model_dir: str | Path, steps: int = 300, batch_size: int =
         for step in range(steps):
             for group in optimizer.param_groups:
                 group["lr"] = lr * (1 - step / steps)
-            batch = _collate([demonstration(tokenizer, rng) for _ in range(batch_size)], tokenizer.pad_token_id)
+            examples = [demonstration(tokenizer, rng, key_fraction) for _ in range(batch_size)]
+            batch = _collate(examples, tokenizer.pad_token_id)
             loss = model(**batch, use_cache=False).loss
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -81,7 +87,7 @@ def warm_start_lookup(model_dir: str | Path, steps: int = 300, batch_size: int =
     return WarmStartResult(model_dir, loss.item(), time.perf_counter() - started)
 
 
-def make_lookup_model(out_dir: str | Path, seed: int = 0, steps: int = 300) -> Path:
+def make_lookup_model(out_dir: str | Path, seed: int = 0, steps: int = 500) -> Path:
     """The tiny model (the quickstart's wider initialisation), warm-started on lookup episodes; returns its path."""
     make_tiny_model(out_dir, initializer_range=QUICKSTART_INIT_RANGE, seed=seed)
     return warm_start_lookup(out_dir, steps=steps, seed=seed).path

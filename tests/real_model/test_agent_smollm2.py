@@ -20,8 +20,8 @@ from rlfabric.rollout.types import AgentPrompt, AgentTask, MultiTurnSpec, Sampli
 
 pytestmark = pytest.mark.slow
 
-QUESTION = [{"role": "user", "content": "What is 7 + 5? Think, then answer."}]
-FOLLOW_UP = "Are you sure? Check it again."
+QUESTION = [{"role": "user", "content": "What is 2 + 3? Answer with just the number."}]
+FOLLOW_UP = "Are you sure? Answer with just the number."
 
 
 class AskAgain(Environment):
@@ -40,8 +40,9 @@ register_environment("smollm2-ask-again", lambda task, config: AskAgain())
 def test_a_multi_turn_trajectory_is_the_rendered_conversation(smollm2):
     engine = HFEngine(load_config(None, [f"model.path={smollm2}", "rollout.max_num_seqs=4"]))
     env = EnvEngine(EnvConfig())
-    spec = SamplingSpec(n=2, max_tokens=24, temperature=1.0, seed=11,
-                        multi_turn=MultiTurnSpec(max_turns=3, max_total_tokens=200))
+    # Greedy: SmolLM2's replies to these are short, so each turn ends with the end-of-turn token it samples.
+    spec = SamplingSpec(n=1, max_tokens=48, temperature=0.0,
+                        multi_turn=MultiTurnSpec(max_turns=3, max_total_tokens=300))
 
     async def scenario():
         await engine.start()
@@ -57,7 +58,7 @@ def test_a_multi_turn_trajectory_is_the_rendered_conversation(smollm2):
     samples = asyncio.run(scenario())
     tokenizer = engine.tokenizer
     end_of_turn = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    assert len(samples) == 2
+    assert len(samples) == 1 and len(samples[0].turns) == 3
     for sample in samples:
         conversation, start, turns_ended = list(QUESTION), 0, 0
         for turn in sample.turns:
@@ -72,7 +73,7 @@ def test_a_multi_turn_trajectory_is_the_rendered_conversation(smollm2):
                 assert observed == tokenizer.encode(expected, add_special_tokens=False)
                 assert set(sample.loss_mask[start + turn.model_tokens:start + turn.model_tokens + len(observed)]) == {0}
             start += turn.model_tokens + turn.observation_tokens
-        assert turns_ended >= 1  # at least one turn crossed the end-of-turn boundary the model sampled
+        assert turns_ended == 3  # every turn crossed the end-of-turn boundary the model sampled
         text = tokenizer.decode(sample.prompt_ids + sample.token_ids)
         if observed:  # it ends with an observation and the next assistant header
             assert text == tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)

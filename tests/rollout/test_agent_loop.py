@@ -320,3 +320,19 @@ def test_the_loop_renders_the_declared_tools_into_the_prompt():
 
     prompt = render_prompt(ToolListingTokenizer(), QUESTION, [LOOKUP_SPEC])
     assert TOKENIZER.decode(prompt).startswith('tools: ["lookup"]\n<|im_start|>user\n')
+
+
+def test_the_lookup_warm_start_demonstrates_episodes_as_the_loop_renders_them():
+    import random
+
+    from rlfabric.quickstart.lookup_warm_start import demonstration
+
+    ids_, labels = demonstration(TOKENIZER, random.Random(0))
+    prompt = render_prompt(TOKENIZER, [{"role": "user", "content": "Look up key m and answer with #### and the number."}],
+                           [LOOKUP_SPEC])
+    assert ids_[:len(prompt)] == prompt and set(labels[:len(prompt)]) == {-100}
+    assert TOKENIZER.decode(ids_[len(prompt):]) == (
+        '<tool_call>{"name": "lookup", "arguments": {"key": "m"}}</tool_call><|im_end|>\n<|im_start|>tool\n6<|im_end|>\n'
+        "<|im_start|>assistant\n#### 6<|im_end|>")
+    trained = TOKENIZER.decode([t for t, label in zip(ids_, labels, strict=True) if label != -100])
+    assert trained == '<tool_call>{"name": "lookup", "arguments": {"key": "m"}}</tool_call><|im_end|>#### 6<|im_end|>'
