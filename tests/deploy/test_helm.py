@@ -1062,7 +1062,13 @@ def test_dockerfile_lints():
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
-@pytest.mark.parametrize("example", sorted(p.name for p in EXAMPLES.glob("*.yaml")))
+# The chart has no env role yet: an example with env.enable (multi-turn) lacks its environment service.
+NEEDS_ENV_ROLE = pytest.mark.xfail(strict=True, reason="the chart does not deploy the env role yet")
+
+
+@pytest.mark.parametrize("example", [
+    pytest.param(p.name, marks=NEEDS_ENV_ROLE) if (yaml.safe_load(p.read_text()).get("env") or {}).get("enable")
+    else p.name for p in sorted(EXAMPLES.glob("*.yaml"))])
 def test_the_chart_deploys_the_roles_the_config_uses(chart, example):
     """Each example config as the chart's `config`, roles left at their defaults (critic and
     reference: auto): the workloads are exactly the roles the launchers would start."""
