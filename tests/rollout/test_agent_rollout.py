@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -126,6 +127,17 @@ def test_multi_turn_samples_are_the_rendered_conversation_token_for_token(mesh):
     assert registry.get_sample_value("rlfabric_rollout_env_step_seconds_count") >= 12
 
 
+def test_the_vllm_engine_runs_the_same_agent_loops(mesh, vllm_served):
+    """Each turn is an ordinary generate request, so vLLM (prefix caching on) serves multi-turn as hf does."""
+    env, _, _ = mesh
+    _, channel, _ = vllm_served
+    samples = agent_generate(channel, ["agent-rollout-again"] * 2, n=2, env_address=env.address)
+    for sample in samples:
+        assert (sample.agent_status, len(sample.turns)) == (MAX_TURNS, 3)
+        assert TOKENIZER.decode(sample.prompt_ids + sample.token_ids) == rendered_conversation(sample)
+        assert len(sample.loss_mask) == len(sample.logprobs) == len(sample.token_ids)
+
+
 def test_max_total_tokens_bounds_model_and_environment_tokens_together(mesh):
     _, _, channel = mesh
     for sample in agent_generate(channel, ["agent-rollout-again"] * 3, max_turns=8, max_total_tokens=20):
@@ -214,3 +226,34 @@ def test_multi_turn_fields_cross_the_wire_and_a_single_turn_sample_carries_none(
     assert wire.prompt_from_proto(wire.prompt_to_proto(prompt)) == prompt
     spec = SamplingSpec(n=2, max_tokens=9, multi_turn=MultiTurnSpec("h:1", 3, 50, "hermes", 2.5))
     assert wire.sampling_from_proto(wire.sampling_to_proto(spec)) == spec
+
+
+def test_bad_tool_calls_and_environment_latency_are_counted():
+    from prometheus_client import CollectorRegistry
+
+    from rlfabric.coordinator.multi_turn import agent_metrics
+    from rlfabric.rollout.servicer import RolloutMetrics
+    from rlfabric.rollout.types import EngineStatus, Finish, FinishedSample, TurnInfo
+
+    turns = [TurnInfo(5, 4, ["lookup"], "unknown_tool", 0.0, "stop", 1, 0.5),
+             TurnInfo(5, 4, ["", "lookup"], "invalid_arguments", 0.0, "stop", 1, 0.25),
+             TurnInfo(3, 0, [], "ok", 1.0, "stop", 1, 0.25)]
+    good = FinishedSample(0, 0, [1] * 21, [0.0] * 21, Finish.STOP, 1, prompt_ids=[1], loss_mask=[1] * 13 + [0] * 8,
+                          turns=turns, agent_status="done", env_reward=1.0)
+    failed = FinishedSample(0, 1, [], [], Finish.STOP, 1, prompt_ids=[1], agent_status="env_failed",
+                            agent_error="Reset: UNAVAILABLE: down")
+    registry = CollectorRegistry()
+    metrics = RolloutMetrics(registry, engine=SimpleNamespace(status=lambda: EngineStatus("hf", "tiny")))
+    for sample in (good, failed):
+        metrics.agent_sample(sample)
+    value = registry.get_sample_value
+    assert value("rlfabric_rollout_tool_calls_total", {"status": "unknown_tool"}) == 1
+    assert value("rlfabric_rollout_tool_calls_total", {"status": "invalid_arguments"}) == 2
+    assert value("rlfabric_rollout_agent_samples_total", {"status": "env_failed"}) == 1
+    assert value("rlfabric_rollout_agent_turns_total") == 3
+    assert value("rlfabric_rollout_env_step_seconds_count") == 3 and value("rlfabric_rollout_env_step_seconds_sum") == 1.0
+    step = agent_metrics([good, failed])
+    assert step["agent/turns/mean"] == 1.5 and step["agent/tool_calls/mean"] == 1.5
+    assert step["agent/tool_calls/failed_fraction"] == 1.0 and step["agent/env_failed/count"] == 1
+    assert step["agent/env_seconds/mean"] == pytest.approx(1 / 3) and step["agent/status/done/fraction"] == 0.5
+    assert step["agent/model_token_fraction"] == pytest.approx(13 / 21)
