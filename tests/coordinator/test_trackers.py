@@ -13,9 +13,11 @@ from pathlib import Path
 import pytest
 
 from rlfabric.coordinator import trackers
+from rlfabric.coordinator.run_controller import RunController
 from rlfabric.coordinator.trackers import check_tracker_packages, flat_config, mlflow_metric_name
 from rlfabric.coordinator.tracking import RunTracker, read_metrics
-from rlfabric.core.config import ConfigError, config_from_dict
+from rlfabric.core.config import ConfigError, config_from_dict, load_config
+from rlfabric.core.errors import FailedPrecondition
 from rlfabric.v1 import coordinator_pb2
 from tests.coordinator.meshes import fast_config, in_process
 
@@ -36,6 +38,16 @@ def test_a_missing_tracker_package_is_an_error_naming_trainer_loggers(monkeypatc
     with pytest.raises(ConfigError, match=r"trainer.loggers: mlflow \(module no_such_mlflow_module\) is not "
                                           r"installed.*rlfabric\[trackers\]"):
         check_tracker_packages(["jsonl", "mlflow"])
+
+
+def test_start_run_with_a_tracker_not_installed_is_refused_before_anything_starts(monkeypatch):
+    monkeypatch.setitem(trackers.TRACKER_PACKAGES, "wandb", "no_such_wandb_module")
+    # Addresses nothing listens on: the check comes before any connection.
+    config = load_config(None, ["cluster.reference=[127.0.0.1:1]", "cluster.critic=[127.0.0.1:1]"])
+    controller = RunController(config)
+    with pytest.raises(FailedPrecondition, match=r"trainer.loggers: wandb \(module no_such_wandb_module\)"):
+        asyncio.run(controller.start_run(["trainer.loggers=[jsonl,wandb]"]))
+    assert controller.state == coordinator_pb2.RUN_STATE_UNSPECIFIED
 
 
 def test_a_resumed_run_continues_its_mlflow_run(tmp_path):
