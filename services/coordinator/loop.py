@@ -105,6 +105,7 @@ class PPOTrainer:
         self.untrained_cursor = DataCursor()
         self.last_checkpoint_step: int | None = None
         self.save_at_end = False  # StopRun asked for a checkpoint: the end of the run saves one in any case
+        self.last_step_trace_id = ""  # the last trained step's trace (tracing on), for the metrics' exemplars
         # Rows of one actor optimizer step, as the actor was started (RunController sets it from the mesh's
         # config; StartRun may override rollout.n but not the actor's mini-batch).
         self.actor_mini_batch_rows = config.actor.ppo_mini_batch_size * config.rollout.n
@@ -240,6 +241,7 @@ class PPOTrainer:
             raise
         metrics.update(data_metrics(batch, self._max_tokens()))
         metrics.update(timer.metrics(batch, previous_step_end=self._last_step_end))
+        self.last_step_trace_id = timer.trace_id
         self._last_step_end = time.perf_counter()
         if self.config.trainer.dump_rollouts:
             self._dump_rollouts(step, batch)

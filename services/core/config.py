@@ -528,11 +528,30 @@ class AlgorithmConfig(Section):
     (rlfabric.algorithms.plugins). Only the mesh's own config may name them: a StartRun cannot add one."""
 
 
+class MlflowConfig(Section):
+    """The mlflow logger of trainer.loggers (extra `trackers`)."""
+
+    tracking_uri: str = ""
+    """MLflow tracking store (sqlite:///path.db, http://host:5000, ...); empty = the MLFLOW_TRACKING_URI
+    environment variable, else sqlite:///RUN_DIR/mlflow.db."""
+
+
+class WandbConfig(Section):
+    """The wandb logger of trainer.loggers (extra `trackers`)."""
+
+    mode: Literal["offline", "online"] = "offline"
+    """offline = the run is written to RUN_DIR/wandb only (upload it later with `wandb sync`); online = it
+    streams to the W&B server too (needs WANDB_API_KEY)."""
+    entity: str = ""
+    """W&B team or user the run belongs to; empty = the API key's default entity."""
+
+
 class TrainerConfig(Section):
     total_steps: int = Field(20, ge=1)
     """PPO steps to run."""
     project_name: str = "rlfabric"
-    """Grouping name for loggers."""
+    """Grouping name for loggers: the mlflow experiment and the wandb project (the run is named after
+    trainer.experiment_name, else the run dir)."""
     mode: Literal["sync", "async"] = "sync"
     """sync: on-policy steps; async: step k+1 generates while step k trains (one-step off-policy)."""
     max_staleness: int = Field(1, ge=0)
@@ -557,8 +576,15 @@ class TrainerConfig(Section):
     """A checkpoint directory (global_step_N) to resume from; overrides resume: auto."""
     max_checkpoints_to_keep: int = Field(0, ge=0)
     """Delete older global_step_N directories beyond this many; 0 = keep all."""
-    loggers: list[Literal["console", "jsonl", "tensorboard"]] = ["console", "jsonl", "tensorboard"]
-    """Metric sinks: console lines, RUN_DIR/metrics.jsonl, TensorBoard events in RUN_DIR/tensorboard."""
+    loggers: list[Literal["console", "jsonl", "tensorboard", "mlflow", "wandb"]] = ["console", "jsonl", "tensorboard"]
+    """Metric sinks: console lines, RUN_DIR/metrics.jsonl, TensorBoard events in RUN_DIR/tensorboard, and the
+    experiment trackers mlflow (trainer.mlflow) and wandb (trainer.wandb), which need the extra `trackers`
+    (pip install 'rlfabric[trackers]'): the metrics by step, the config as parameters, curves.png and the
+    final model's path."""
+    mlflow: MlflowConfig = MlflowConfig()
+    """The mlflow logger's tracking store."""
+    wandb: WandbConfig = WandbConfig()
+    """The wandb logger's mode and entity."""
     progress_bar: bool = True
     """Show a progress bar with step, reward and ETA."""
     plot: bool = True

@@ -865,12 +865,14 @@ KNOWN_METRICS = {
     "rlfabric_coordinator_phase_seconds",
     "rlfabric_coordinator_staleness",
     "rlfabric_coordinator_weight_version",
+    "rlfabric_coordinator_metric",
 } | {
     f"{h}_{suffix}"
     for h in (
         "rlfabric_weight_sync_seconds",
         "rlfabric_rollout_paused_seconds",
         "rlfabric_train_update_seconds",
+        "rlfabric_coordinator_step_seconds",
     )
     for suffix in ("bucket", "sum", "count")
 }
@@ -931,6 +933,25 @@ def test_dashboard_covers_the_run():
             assert re.search(r"by \([^)]*\ble\b", expr), expr
         if "_bucket" in expr or "_total" in expr:
             assert "rate(" in expr or "increase(" in expr or "-" in expr, expr
+
+
+def test_step_time_panel_links_exemplars_to_the_tracing_datasource():
+    """The step-time panel asks Prometheus for exemplars and links an exemplar's trace_id to Explore in the
+    dashboard's `tracing` data source variable (Tempo)."""
+    dashboard = json.loads((CHART / "dashboards" / "rlfabric.json").read_text())
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert variables["tracing"]["type"] == "datasource" and variables["tracing"]["query"] == "tempo"
+    (panel,) = [p for p in dashboard["panels"] if "rlfabric_coordinator_step_seconds_bucket" in json.dumps(p)]
+    assert any(t.get("exemplar") for t in panel["targets"])
+    (override,) = panel["fieldConfig"]["overrides"]
+    assert override["matcher"] == {"id": "byName", "options": "trace_id"}
+    (link,) = override["properties"][0]["value"]
+    explore = json.loads(link["url"].removeprefix("/explore?left="))
+    assert explore["datasource"] == "${tracing}" and explore["queries"][0]["query"] == "${__value.raw}"
+    # No two panels overlap in the grid.
+    cells = [(p["gridPos"]["x"] + dx, p["gridPos"]["y"] + dy) for p in dashboard["panels"]
+             for dx in range(p["gridPos"]["w"]) for dy in range(p["gridPos"]["h"])]
+    assert len(cells) == len(set(cells))
 
 
 def test_dashboard_promql_parses(tmp_path):
