@@ -58,8 +58,10 @@ pytestmark = pytest.mark.slow
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "helm" / "rlfabric" / "dashboards" / "rlfabric.json"
 STEPS = 6
-# The quickstart as PPO with a critic (GAE) and a KL loss against the reference: every role serves RPCs.
-MESH_OVERRIDES = ["trainer.progress_bar=false", "algorithm.adv_estimator=gae", "actor.use_kl_loss=true"]
+# The quickstart as PPO with a critic (GAE) and a KL loss against the reference: every role serves RPCs;
+# the old log-probs take their own forward pass, so the rollout/trainer mismatch metrics exist.
+MESH_OVERRIDES = ["trainer.progress_bar=false", "algorithm.adv_estimator=gae", "actor.use_kl_loss=true",
+                  "algorithm.old_log_prob_source=actor"]
 SCRAPE_INTERVAL = "1s"
 # The gRPC service each role serves (besides grpc.health.v1.Health).
 GRPC_SERVICES = {
