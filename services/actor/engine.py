@@ -104,7 +104,7 @@ class TrainerEngine:
         device = rank_device(0)
         if device.type == "cpu" and self.world_size > 1:  # the ranks share this machine's cores
             self._threads_before = torch.get_num_threads()
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.world_size))
+            torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // self.world_size))
         started = time.perf_counter()
         self.group = WorkerGroup(self.role, self.config, self.world_size, device)
         self.group.start()
