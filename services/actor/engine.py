@@ -292,9 +292,11 @@ class TrainerEngine:
     async def open_weight_sync(self, transport: str, num_receivers: int, bucket_bytes: int = 0,
                                dtype: torch.dtype | None = None, timeout_s: float = 0.0,
                                addresses: tuple[str, ...] = ()) -> SyncGroup:
-        """A new group with this actor as rank 0 (dtype None = the actor's compute dtype)."""
+        """A new group with this actor as rank 0 (dtype None = the actor's compute dtype). With SGLang
+        rollout servers, a torch.distributed group built as theirs is, so they can join it."""
+        torch_group = self.config.rollout.engine == "sglang" and transport != "grpc"
         return self._weight_sender().open(transport, num_receivers, bucket_bytes, dtype or self.worker.dtype,
-                                          timeout_s, addresses)
+                                          timeout_s, addresses, torch_group)
 
     async def prepare_weight_sync(self, group_id: str, version: int) -> Manifest:
         """Gathers the full weights and packs them for `group_id` (on the torch thread, so no update

@@ -679,6 +679,13 @@ class RunConfig(Section):
         return getattr(self, role).pool if role in POOL_ROLES else ""
 
     @model_validator(mode="after")
+    def _sglang_takes_a_process_group(self) -> RunConfig:
+        if self.rollout.engine == "sglang" and self.weight_sync.transport == "grpc":
+            raise ValueError("weight_sync.transport grpc cannot reach an SGLang server, which takes weights over a "
+                             "process group only: use auto, gloo or nccl with rollout.engine sglang")
+        return self
+
+    @model_validator(mode="after")
     def _adapter_sync_possible(self) -> RunConfig:
         if self.weight_sync.lora == "adapter" and self.rollout.engine not in ADAPTER_ENGINES:
             raise ValueError(f"weight_sync.lora: adapter needs a rollout engine that loads LoRA adapters "
