@@ -462,7 +462,9 @@ class TrainerConfig(Section):
     max_staleness: int = Field(1, ge=0)
     """async: most weight versions a sample's policy may lag the policy being trained."""
     colocated: bool = False
-    """Rollout shares devices with training: engines Sleep while the actor trains and WakeUp to generate."""
+    """The hybrid engine: the rollout shares devices with the trainers (one resource pool). After generating it
+    sleeps (level 2, or 1 with LoRA adapter syncs); before the weight sync its weights wake, after it its KV
+    cache (VeRL's order); memory/rollout/* report each phase's memory. Needs trainer.mode sync."""
     test_freq: int = Field(0, ge=0)
     """Validate on data.val_files every this many steps (and after the last); 0 = never."""
     val_before_train: bool = False
@@ -799,6 +801,12 @@ def check_run_rules(config: RunConfig) -> None:
         if config.data.train_batch_size < mini:
             raise ConfigError(f"data.train_batch_size {config.data.train_batch_size} < {role}.ppo_mini_batch_size "
                               f"{mini}: a step must hold at least one mini-batch")
+    if config.trainer.colocated and config.trainer.mode == "async":
+        raise ConfigError("trainer.colocated=true needs trainer.mode=sync: a colocated rollout sleeps while the "
+                          "actor trains, so it cannot generate the next batch meanwhile")
+    if config.trainer.colocated and config.rollout.engine == "vllm" and not config.rollout.enable_sleep_mode:
+        raise ConfigError("trainer.colocated=true with rollout.engine=vllm needs rollout.enable_sleep_mode=true "
+                          "(vLLM's sleep mode, CUDA only)")
     if config.algorithm.adv_estimator in ("grpo", "rloo") and config.rollout.n < 2:
         raise ConfigError(f"algorithm.adv_estimator={config.algorithm.adv_estimator} compares samples of a "
                           "prompt: set rollout.n >= 2")

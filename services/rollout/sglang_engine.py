@@ -60,6 +60,7 @@ class SGLangEngine(RolloutEngine):
         self._pool = ThreadPoolExecutor(max_workers=config.rollout.max_num_seqs, thread_name_prefix="sglang-http")
         self._sync_group: SyncGroup | None = None  # the actor's group the server joined
         self._update_lock = asyncio.Lock()  # one weight update at a time
+        self._asleep_tags: set[str] = set()  # what Sleep released and no WakeUp has restored yet
 
     # -- HTTP --------------------------------------------------------------------------------
 
@@ -180,10 +181,14 @@ class SGLangEngine(RolloutEngine):
     async def _sleep(self, level: int) -> None:
         await self._drain()
         await self.call("/release_memory_occupation", {})
+        self._asleep_tags = {"weights", "kv_cache"}
 
     async def _wake_up(self, tags: Sequence[str]) -> bool:
+        """As vLLM's: weights first (a weight sync fills them), the KV cache after; generating again once
+        both are back."""
         await self.call("/resume_memory_occupation", {"tags": list(tags)} if tags else {})
-        return True
+        self._asleep_tags -= set(tags) if tags else self._asleep_tags
+        return not self._asleep_tags
 
     async def flush_cache(self) -> None:
         await self.call("/flush_cache", {})
