@@ -241,12 +241,19 @@ def _print_placement(args) -> int:
     config = load_run_config(config_path, overrides)
     services = service_names(config) + [("coordinator", "coordinator")]
     print(describe_placement(config, plan_placement(config, services)))
-    if args.launcher == "local":
+    if args.launcher == "ray":  # one placement group per pool; Ray picks the devices within it
         try:
-            plan_placement(config, services, gpu_count=visible_gpu_count())
-        except ConfigError as error:
-            print(f"rlfabric: this machine cannot run it with the local launcher: {error}")
-            return 1
+            from rlfabric.launch.ray import pool_bundles
+        except ImportError as error:
+            raise ConfigError(f"--launcher ray needs Ray ({error}); pip install 'rlfabric[ray]'") from None
+        for name, bundles in pool_bundles(config).items():
+            print(f"ray placement group {name}: bundles {bundles}")
+        return 0
+    try:
+        plan_placement(config, services, gpu_count=visible_gpu_count())
+    except ConfigError as error:
+        print(f"rlfabric: this machine cannot run it with the local launcher: {error}")
+        return 1
     return 0
 
 

@@ -87,6 +87,14 @@ def test_dry_run_says_when_this_machine_cannot_hold_the_pools():
     assert "this machine cannot run it with the local launcher: resource_pools.train needs" in result.stdout
 
 
+def test_dry_run_for_ray_prints_a_placement_group_per_pool():
+    pytest.importorskip("ray")
+    result = _rlfabric("up", "--dry-run", "--launcher", "ray", *TWO_POOLS)
+    assert result.returncode == 0, result.stderr
+    assert "ray placement group train: bundles [{'CPU': 1.0, 'GPU': 2.0}]" in result.stdout
+    assert "ray placement group infer: bundles [{'CPU': 2.0, 'GPU': 1.0}]" in result.stdout  # two replicas
+
+
 def _proc_status(pid: int, field: str) -> str:
     with open(f"/proc/{pid}/status") as status:
         return next(line.split(":", 1)[1].strip() for line in status if line.startswith(field + ":"))
