@@ -120,3 +120,16 @@ def test_the_local_launcher_pins_each_pool_to_its_cores(tmp_path):
         assert actor_env["CUDA_VISIBLE_DEVICES"] == ""  # a pool without GPUs hides them
         assert actor_env["OMP_NUM_THREADS"] == "1"
         assert _proc_environ(pids["reward"]).get("CUDA_VISIBLE_DEVICES") == os.environ.get("CUDA_VISIBLE_DEVICES")
+
+
+@pytest.mark.parametrize("overrides, transport", [
+    (["resource_pools={shared: {gpus: 1}}", "actor.pool=shared", "rollout.pool=shared"], "gloo"),
+    (["resource_pools={shared: {gpus: 1}}", "actor.pool=shared", "rollout.pool=shared",
+      "weight_sync.transport=nccl"], "nccl"),  # as asked
+    (["resource_pools={train: {gpus: 1}, infer: {gpus: 1}}", "actor.pool=train", "rollout.pool=infer"], ""),
+    (["resource_pools={shared: {cpus: [0]}}", "actor.pool=shared", "rollout.pool=shared"], ""),
+])
+def test_auto_weight_sync_avoids_nccl_between_roles_sharing_a_gpu_pool(overrides, transport):
+    from rlfabric.coordinator.weight_sync import WeightSyncPlane
+
+    assert WeightSyncPlane(None, {}, load_config(None, overrides)).transport == transport  # "" = the actor's choice

@@ -508,7 +508,8 @@ class WeightSyncConfig(Section):
     """How the actor's weights reach the rollout replicas after every update."""
 
     transport: Literal["auto", "nccl", "gloo", "grpc"] = "auto"
-    """auto = nccl when the actor is on a GPU, else gloo; grpc = chunked stream (works anywhere)."""
+    """auto = nccl when the actor is on a GPU (gloo when it shares a GPU pool with the rollout: NCCL cannot join
+    two ranks on one GPU), else gloo; grpc = chunked stream (works anywhere)."""
     bucket_mb: int = Field(512, gt=0)
     """Weights move in flattened buckets of about this many MiB."""
     timeout_s: float = Field(120.0, gt=0)
