@@ -10,7 +10,9 @@ the devices, as in VeRL's hybrid engine: a trainer with world_size W takes the p
 replica i takes GPU i mod the pool's size, the reward service sees them all. A pool without GPUs hides every
 GPU (its roles run on CPU). A pool's `cpus` pin its services (and the ranks and engine workers they start,
 which inherit the affinity) to those cores, so separate pools are separate on a CPU-only machine too.
-Services of no pool (and the coordinator) keep the launcher's devices and cores.
+Services of no pool (and the coordinator) keep the launcher's devices and cores. The Ray launcher places
+pools as placement groups instead (rlfabric.launch.ray); the in-process mesh runs every role in one process,
+where pools do not apply.
 """
 
 from __future__ import annotations
