@@ -51,6 +51,7 @@ from rlfabric.coordinator.checkpoints import (
     require_part_visible,
 )
 from rlfabric.coordinator.dataset import DataCursor, PromptRow, RLHFDataset
+from rlfabric.coordinator.hybrid import HybridEngine
 from rlfabric.coordinator.peers import Peers
 from rlfabric.coordinator.rollout_batch import RolloutBatch, build_rollout_batch, token_level_scores
 from rlfabric.coordinator.step_metrics import StepTimer, data_metrics
@@ -90,6 +91,8 @@ class PPOTrainer:
         self.train_data = train_data
         self.val_data = val_data
         self.weight_sync = weight_sync
+        # trainer.colocated: the rollout sleeps while the trainers work (rlfabric.coordinator.hybrid).
+        self.hybrid = HybridEngine(config, peers.rollout) if config.trainer.colocated else None
         self.on_phase = on_phase
         self.on_metrics = on_metrics
         self.between_steps = between_steps
@@ -160,6 +163,8 @@ class PPOTrainer:
         """Steps until trainer.total_steps (or StopRun), with validation and checkpoints on schedule."""
         trainer = self.config.trainer
         await self.weight_sync.open()
+        if self.hybrid is not None:
+            await self.hybrid.wake_sleeping()
         # Every replica starts from the weights this run starts from (fresh, reset or resumed).
         await self._sync_weights(self._version(self.step))
         if trainer.val_before_train and self.step == 0:
@@ -233,7 +238,12 @@ class PPOTrainer:
                     await asyncio.wait([next_rollout.task])
             self.on_phase("syncing")
             with timer("update_weights"):
+                if self.hybrid is not None:  # VeRL's order: the weights wake, take the sync, then the KV cache
+                    await self.hybrid.wake_weights()
                 metrics.update(await self._sync_weights(self._version(step)))
+                if self.hybrid is not None:
+                    await self.hybrid.wake_kv_cache()
+                    metrics.update(self.hybrid.metrics())
         except BaseException as error:
             if next_rollout is not None:
                 next_rollout.task.cancel()
@@ -359,11 +369,7 @@ class PPOTrainer:
         params = SamplingSpec(n=rollout.n, temperature=rollout.temperature, top_p=rollout.top_p,
                               top_k=rollout.top_k, max_tokens=self._max_tokens(), seed=self._step_seed(step))
         with timer("gen"):
-            if self.config.trainer.colocated:
-                await asyncio.gather(*(r.client.wake_up() for r in self.peers.rollout.healthy()))
             samples, results = await self._generate_and_score(rows, params)
-            if self.config.trainer.colocated:
-                await asyncio.gather(*(r.client.sleep(1) for r in self.peers.rollout.healthy()))
         batch = build_rollout_batch(rows, samples, rollout.n, self.pad_token_id)
         by_key = {key: result for key, result in results}
         batch.scores = torch.tensor([by_key[(s.prompt_index, s.sample_index)].score for s in batch.samples])
@@ -376,6 +382,8 @@ class PPOTrainer:
         if self.config.algorithm.adv_estimator == "remax":
             with timer("gen_max"):
                 batch.baselines = await self._greedy_baselines(rows, params)
+        if self.hybrid is not None:  # done generating until the next sync: the devices go to the trainers
+            await self.hybrid.sleep()
         return batch, timer
 
     async def _generate_and_score(self, rows: list[PromptRow], params: SamplingSpec):
