@@ -3,6 +3,7 @@
     rlfabric up [CONFIG] [--run-dir DIR] [key=value ...]       local mesh until Ctrl-C
     rlfabric train [CONFIG] [--run-dir DIR] [key=value ...]    local mesh + training run + teardown
         (both take --launcher ray [--address ADDR]: each service as a Ray actor on a Ray cluster)
+    rlfabric up --dry-run [CONFIG] [key=value ...]             where each service would run (pools, GPUs, cores)
     rlfabric up --external ROLE=HOST:PORT ...                   the mesh without ROLE, which you serve yourself
     rlfabric train --in-process [CONFIG] [key=value ...]       every role in this process (debuggers, breakpoints)
     rlfabric serve ROLE --config C [--port P --metrics-port M] one service (what containers run)
@@ -79,6 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--external", action="append", default=[], metavar="ROLE=HOST:PORT",
                     help="do not start ROLE: you serve it yourself at HOST:PORT (e.g. `rlfabric serve ROLE` under "
                          "a debugger, with RUN_DIR/config.yaml); repeat for several roles or replicas")
+    up.add_argument("--dry-run", action="store_true",
+                    help="print where each service would run (resource pools, GPUs, CPU cores) and exit")
     train = commands.add_parser("train", help="start the local mesh, run training, tear down; or, with "
                                              "--coordinator, run it on a mesh that is already up")
     _add_config_args(train)
@@ -211,6 +214,8 @@ def _raise_on_sigterm() -> None:
 
 
 def cmd_up(args) -> int:
+    if args.dry_run:
+        return _print_placement(args)
     _raise_on_sigterm()
     mesh = _start_mesh(args)
     with mesh:
@@ -225,6 +230,31 @@ def cmd_up(args) -> int:
         dead = ", ".join(f"{p.name} {p.exit_report()}" for p in failed)  # before stop() ends the others
     print(f"rlfabric: service(s) exited: {dead}; mesh stopped", file=sys.stderr)
     return 1
+
+
+def _print_placement(args) -> int:
+    """`rlfabric up --dry-run`: the services the config starts and the devices each gets; nothing starts."""
+    from rlfabric.launch.local import service_names
+    from rlfabric.launch.placement import describe_placement, plan_placement, visible_gpu_count
+
+    config_path, overrides = _split_config_and_overrides(args)
+    config = load_run_config(config_path, overrides)
+    services = service_names(config) + [("coordinator", "coordinator")]
+    print(describe_placement(config, plan_placement(config, services)))
+    if args.launcher == "ray":  # one placement group per pool; Ray picks the devices within it
+        try:
+            from rlfabric.launch.ray import pool_bundles
+        except ImportError as error:
+            raise ConfigError(f"--launcher ray needs Ray ({error}); pip install 'rlfabric[ray]'") from None
+        for name, bundles in pool_bundles(config).items():
+            print(f"ray placement group {name}: bundles {bundles}")
+        return 0
+    try:
+        plan_placement(config, services, gpu_count=visible_gpu_count())
+    except ConfigError as error:
+        print(f"rlfabric: this machine cannot run it with the local launcher: {error}")
+        return 1
+    return 0
 
 
 def cmd_train(args) -> int:

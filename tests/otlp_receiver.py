@@ -21,6 +21,8 @@ class ReceivedSpan:
     kind: int
     attributes: dict
     status_code: int  # 0 unset, 1 ok, 2 error
+    start_ns: int = 0  # unix time in nanoseconds
+    end_ns: int = 0
 
 
 def _value(any_value):
@@ -50,7 +52,8 @@ class OtlpReceiver(trace_service_pb2_grpc.TraceServiceServicer):
                     received.append(ReceivedSpan(
                         service=resource.get("service.name", ""), name=span.name, trace_id=span.trace_id.hex(),
                         span_id=span.span_id.hex(), parent_span_id=span.parent_span_id.hex(), kind=span.kind,
-                        attributes={a.key: _value(a.value) for a in span.attributes}, status_code=span.status.code))
+                        attributes={a.key: _value(a.value) for a in span.attributes}, status_code=span.status.code,
+                        start_ns=span.start_time_unix_nano, end_ns=span.end_time_unix_nano))
         with self._lock:
             self._spans.extend(received)
         return trace_service_pb2.ExportTraceServiceResponse()

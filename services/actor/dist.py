@@ -193,7 +193,7 @@ def run_worker(role: str, config: RunConfig, rank: int, world_size: int, store=N
 
     device = rank_device(rank)
     if device.type == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world_size))
     init_group(device, rank, world_size, store)
     try:
         worker = RankWorker(role, config, rank, world_size, device)

@@ -106,7 +106,7 @@ class TrainerEngine:
         device = rank_device(0)
         if device.type == "cpu" and self.world_size > 1:  # the ranks share this machine's cores
             self._threads_before = torch.get_num_threads()
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.world_size))
+            torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // self.world_size))
         started = time.perf_counter()
         self.group = WorkerGroup(self.role, self.config, self.world_size, device)
         self.group.start()
@@ -294,9 +294,11 @@ class TrainerEngine:
     async def open_weight_sync(self, transport: str, num_receivers: int, bucket_bytes: int = 0,
                                dtype: torch.dtype | None = None, timeout_s: float = 0.0,
                                addresses: tuple[str, ...] = ()) -> SyncGroup:
-        """A new group with this actor as rank 0 (dtype None = the actor's compute dtype)."""
+        """A new group with this actor as rank 0 (dtype None = the actor's compute dtype). With SGLang
+        rollout servers, a torch.distributed group built as theirs is, so they can join it."""
+        torch_group = self.config.rollout.engine == "sglang" and transport != "grpc"
         return self._weight_sender().open(transport, num_receivers, bucket_bytes, dtype or self.worker.dtype,
-                                          timeout_s, addresses)
+                                          timeout_s, addresses, torch_group)
 
     async def prepare_weight_sync(self, group_id: str, version: int) -> Manifest:
         """Gathers the full weights and packs them for `group_id` (on the torch thread, so no update

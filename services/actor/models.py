@@ -84,19 +84,23 @@ def enable_gradient_checkpointing(model: nn.Module) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
-def shard_model(model: nn.Module, world_size: int, device: torch.device, dtype: torch.dtype) -> nn.Module:
+def shard_model(model: nn.Module, world_size: int, device: torch.device, dtype: torch.dtype,
+                offload: bool = False) -> nn.Module:
     """FSDP2: each decoder layer is one unit (its parameters gathered just for its forward/backward),
-    the embeddings, final norm and head are the root unit. Gradients are reduced in float32."""
+    the embeddings, final norm and head are the root unit. Gradients are reduced in float32. `offload`
+    (a GPU shared with the rollout, trainer.colocated): FSDP2's CPU offload keeps the shards, their
+    gradients and so the optimizer state in host memory; only a unit being computed is on the GPU."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     mesh = init_device_mesh(device.type, (world_size,))
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    placement = CPUOffloadPolicy() if offload else OffloadPolicy()
     layer_classes = set(getattr(model, "_no_split_modules", None) or ())
     for module in model.modules():
         if type(module).__name__ in layer_classes:
-            fully_shard(module, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+            fully_shard(module, mesh=mesh, mp_policy=policy, offload_policy=placement)
+    fully_shard(model, mesh=mesh, mp_policy=policy, offload_policy=placement)
     return model
 
 

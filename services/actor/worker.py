@@ -70,7 +70,13 @@ class RankWorker:
         self.keep_logits = role != "critic" and models.accepts_logits_to_keep(base)
         self.hf_config = model.config
         self.sharded = world_size > 1
-        self.model = models.shard_model(model, world_size, device, self.dtype) if self.sharded else model.to(device)
+        # trainer.colocated on a GPU (the hybrid engine): between phases the model, its gradients and its
+        # optimizer state wait in host memory, so the rollout sharing the GPU can use it. Sharded, FSDP2's CPU
+        # offload does it; one rank moves them itself (onload before a phase, offload after).
+        offload = config.trainer.colocated and device.type == "cuda"
+        self.offloads = offload and not self.sharded
+        self.model = (models.shard_model(model, world_size, device, self.dtype, offload) if self.sharded
+                      else model.to("cpu" if self.offloads else device))
         self.objective = None
         self.optimizer = None
         self.updates = 0  # UpdatePolicy / UpdateValues calls: the LR schedule's clock
@@ -111,6 +117,27 @@ class RankWorker:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    def _move(self, device: torch.device | str) -> None:
+        """The model and the optimizer's state to `device` (the hybrid engine's onload and offload)."""
+        self.model.to(device)
+        for state in self.optimizer.state.values() if self.optimizer is not None else ():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and key != "step":
+                    state[key] = value.to(device, non_blocking=True)
+        if torch.device(device).type == "cpu":
+            self._sync()
+            torch.cuda.empty_cache()  # give the freed blocks back, for the rollout engine
+
+    def onload(self) -> None:
+        """Before a phase: the model (and optimizer state) to the GPU, when the hybrid engine offloads them."""
+        if self.offloads:
+            self._move(self.device)
+
+    def offload(self) -> None:
+        """After a phase: the model (and optimizer state) to host memory, when the hybrid engine offloads them."""
+        if self.offloads:
+            self._move("cpu")
+
     # -- inference --------------------------------------------------------------------------------
 
     @torch.no_grad()
@@ -126,6 +153,7 @@ class RankWorker:
         outputs = {name: torch.zeros(rows, response_len) for name in names}
         max_rows = (self.section.forward_micro_batch_size_per_gpu if self.role == "critic"
                     else self.section.log_prob_micro_batch_size_per_gpu)
+        self.onload()
         self.model.eval()
         try:
             for index in self._plan(shard, max_rows):
@@ -144,6 +172,8 @@ class RankWorker:
                         outputs[name][index] = pad_columns(value, response_len).cpu()
         finally:
             self.model.train(self.trainable)
+            if not self.trainable:  # the reference's one phase of the step is over (trainers: after update)
+                self.offload()
         return outputs
 
     # -- training ---------------------------------------------------------------------------------
@@ -159,13 +189,17 @@ class RankWorker:
         totals: dict[str, float] = {}
         grad_norms: list[float] = []
         timings = {"fwd_bwd_s": 0.0, "optimizer_s": 0.0}
-        for _epoch in range(section.ppo_epochs):
-            for start in range(0, shard.num_rows, local_rows):
-                self._accumulate_gradients(shard.select(slice(start, start + local_rows)), totals, timings)
-                started = time.perf_counter()
-                grad_norms.append(self._optimizer_step())
-                self._sync()
-                timings["optimizer_s"] += time.perf_counter() - started
+        self.onload()
+        try:
+            for _epoch in range(section.ppo_epochs):
+                for start in range(0, shard.num_rows, local_rows):
+                    self._accumulate_gradients(shard.select(slice(start, start + local_rows)), totals, timings)
+                    started = time.perf_counter()
+                    grad_norms.append(self._optimizer_step())
+                    self._sync()
+                    timings["optimizer_s"] += time.perf_counter() - started
+        finally:
+            self.offload()  # gradients are freed by zero_grad; the weights and optimizer state go to the host
         self.updates += 1
         names = sorted(totals)
         summed = self._all_reduce([totals[name] for name in names])

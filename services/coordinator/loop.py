@@ -51,6 +51,7 @@ from rlfabric.coordinator.checkpoints import (
     require_part_visible,
 )
 from rlfabric.coordinator.dataset import DataCursor, PromptRow, RLHFDataset
+from rlfabric.coordinator.hybrid import HybridEngine
 from rlfabric.coordinator.multi_turn import (
     agent_metrics,
     agent_prompt,
@@ -97,6 +98,8 @@ class PPOTrainer:
         self.train_data = train_data
         self.val_data = val_data
         self.weight_sync = weight_sync
+        # trainer.colocated: the rollout sleeps while the trainers work (rlfabric.coordinator.hybrid).
+        self.hybrid = HybridEngine(config, peers.rollout) if config.trainer.colocated else None
         self.on_phase = on_phase
         self.on_metrics = on_metrics
         self.between_steps = between_steps
@@ -112,6 +115,7 @@ class PPOTrainer:
         self.untrained_cursor = DataCursor()
         self.last_checkpoint_step: int | None = None
         self.save_at_end = False  # StopRun asked for a checkpoint: the end of the run saves one in any case
+        self.last_step_trace_id = ""  # the last trained step's trace (tracing on), for the metrics' exemplars
         # Rows of one actor optimizer step, as the actor was started (RunController sets it from the mesh's
         # config; StartRun may override rollout.n but not the actor's mini-batch).
         self.actor_mini_batch_rows = config.actor.ppo_mini_batch_size * config.rollout.n
@@ -166,6 +170,8 @@ class PPOTrainer:
         """Steps until trainer.total_steps (or StopRun), with validation and checkpoints on schedule."""
         trainer = self.config.trainer
         await self.weight_sync.open()
+        if self.hybrid is not None:
+            await self.hybrid.wake_sleeping()
         # Every replica starts from the weights this run starts from (fresh, reset or resumed).
         await self._sync_weights(self._version(self.step))
         if trainer.val_before_train and self.step == 0:
@@ -239,7 +245,12 @@ class PPOTrainer:
                     await asyncio.wait([next_rollout.task])
             self.on_phase("syncing")
             with timer("update_weights"):
+                if self.hybrid is not None:  # VeRL's order: the weights wake, take the sync, then the KV cache
+                    await self.hybrid.wake_weights()
                 metrics.update(await self._sync_weights(self._version(step)))
+                if self.hybrid is not None:
+                    await self.hybrid.wake_kv_cache()
+                    metrics.update(self.hybrid.metrics())
         except BaseException as error:
             if next_rollout is not None:
                 next_rollout.task.cancel()
@@ -248,6 +259,7 @@ class PPOTrainer:
         metrics.update(data_metrics(batch, self._max_tokens()))
         metrics.update(agent_metrics(batch.samples))
         metrics.update(timer.metrics(batch, previous_step_end=self._last_step_end))
+        self.last_step_trace_id = timer.trace_id
         self._last_step_end = time.perf_counter()
         if self.config.trainer.dump_rollouts:
             self._dump_rollouts(step, batch)
@@ -366,11 +378,7 @@ class PPOTrainer:
                               top_k=rollout.top_k, max_tokens=self._max_tokens(), seed=self._step_seed(step),
                               multi_turn=multi_turn_spec(self.config, self._max_tokens()))
         with timer("gen"):
-            if self.config.trainer.colocated:
-                await asyncio.gather(*(r.client.wake_up() for r in self.peers.rollout.healthy()))
             samples, results = await self._generate_and_score(rows, params)
-            if self.config.trainer.colocated:
-                await asyncio.gather(*(r.client.sleep(1) for r in self.peers.rollout.healthy()))
         batch = build_rollout_batch(rows, samples, rollout.n, self.pad_token_id)
         by_key = {key: result for key, result in results}
         batch.scores = torch.tensor([by_key[(s.prompt_index, s.sample_index)].score for s in batch.samples])
@@ -383,6 +391,8 @@ class PPOTrainer:
         if self.config.algorithm.adv_estimator == "remax":
             with timer("gen_max"):
                 batch.baselines = await self._greedy_baselines(rows, params)
+        if self.hybrid is not None:  # done generating until the next sync: the devices go to the trainers
+            await self.hybrid.sleep()
         return batch, timer
 
     async def _generate_and_score(self, rows: list[PromptRow], params: SamplingSpec):

@@ -16,6 +16,7 @@ from rlfabric.algorithms.plugins import load_plugin_modules
 from rlfabric.coordinator.checkpoints import step_dir
 from rlfabric.coordinator.loop import PPOTrainer, check_roles
 from rlfabric.coordinator.setup import Connect, build_trainer, connect_services
+from rlfabric.coordinator.trackers import check_tracker_packages
 from rlfabric.coordinator.tracking import RunTracker
 from rlfabric.core.config import ConfigError, RunConfig, apply_override, config_from_dict, run_dir_of
 from rlfabric.core.errors import FailedPrecondition, InvalidArgument, PermissionDenied
@@ -87,6 +88,10 @@ class RunController:
     async def _start_run(self, overrides: list[str]) -> tuple[str, int]:
         config = self._config_with(overrides)
         check_roles(config)
+        try:
+            check_tracker_packages(config.trainer.loggers)
+        except ConfigError as error:  # the coordinator's environment lacks it, not the request
+            raise FailedPrecondition(str(error)) from None
         trainer = await build_trainer(config, self._between_steps, self._set_phase, self._record_metrics,
                                       self.connect)
         # The actor was started with the mesh's config: its mini-batch (in rows) does not follow a StartRun
@@ -95,12 +100,12 @@ class RunController:
         trainer.actor_mini_batch_rows = base.actor.ppo_mini_batch_size * base.rollout.n
         try:
             start_step = await trainer.prepare(run_dir_of(self.base_config) / "initial_weights")
+            tracker = RunTracker(trainer.run_dir, config, self.registry, total_steps=config.trainer.total_steps,
+                                 start_step=start_step)
         except BaseException:
             await trainer.peers.close()
             raise
-        self.trainer = trainer
-        self._tracker = RunTracker(trainer.run_dir, config, self.registry, total_steps=config.trainer.total_steps,
-                                   start_step=start_step)
+        self.trainer, self._tracker = trainer, tracker
         self.run_id = trainer.run_id or uuid.uuid4().hex[:12]
         self.total_steps = config.trainer.total_steps
         self.history = []
@@ -197,7 +202,9 @@ class RunController:
                     f"the run ended ({ended}) before the requested checkpoint was taken"
                     f"{': ' + self.error if self.error else ''}"))
             if self._tracker is not None:
-                self._tracker.close()
+                outcome = {coordinator_pb2.RUN_STATE_COMPLETED: "completed",
+                           coordinator_pb2.RUN_STATE_FAILED: "failed"}.get(self.state, "stopped")
+                self._tracker.close(final_model=trainer.final_model_dir(), outcome=outcome)
             await trainer.weight_sync.close()
             await trainer.peers.close()
             async with self._changed:
@@ -221,7 +228,8 @@ class RunController:
     def _record_metrics(self, step: int, metrics: dict[str, float]) -> None:
         self.history.append((step, dict(metrics), time.time()))
         if self._tracker is not None:
-            self._tracker.log(step, metrics)
+            trace_id = self.trainer.last_step_trace_id if self.trainer is not None and step else ""
+            self._tracker.log(step, metrics, trace_id)
         asyncio.get_running_loop().create_task(self._notify())
 
     async def _notify(self) -> None:

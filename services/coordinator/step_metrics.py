@@ -77,6 +77,11 @@ class StepTimer:
         with self(phase):
             return await call
 
+    @property
+    def trace_id(self) -> str:
+        """The step's trace id (hex); "" when tracing is off or the step's trace is not sampled."""
+        return self.trace.trace_id
+
     def end(self, error: BaseException | None = None) -> None:
         """Ends the step's span (marked failed with `error`); `metrics` ends it on success."""
         self.trace.end(error)

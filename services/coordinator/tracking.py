@@ -1,11 +1,13 @@
 """Where a run's metrics go, and the progress bar `rlfabric train` draws.
 
     tracker = RunTracker(run_dir, config, server_registry, total_steps=20, start_step=0)
-    tracker.log(step, metrics)     # after every step; VeRL names ("critic/score/mean", "timing_s/gen", ...)
-    tracker.close()                # -> RUN_DIR/curves.png when trainer.plot
+    tracker.log(step, metrics, trace_id)  # after every step; VeRL names ("critic/score/mean", "timing_s/gen", ...)
+    tracker.close(final_model)            # -> RUN_DIR/curves.png when trainer.plot
 
 Sinks (trainer.loggers): "console" (one compact log line per step), "jsonl" (RUN_DIR/metrics.jsonl),
-"tensorboard" (RUN_DIR/tensorboard); Prometheus gauges whenever a registry is given.
+"tensorboard" (RUN_DIR/tensorboard), the experiment trackers "mlflow" and "wandb" (rlfabric.coordinator.
+trackers); Prometheus gauges, and the step-time histogram whose exemplars carry each step's trace id,
+whenever a registry is given.
 
 The coordinator's output goes to RUN_DIR/logs/coordinator.log, so the progress bar the user sees is
 drawn in the `rlfabric train` process from StreamMetrics: `status = await watch_run(client, 20)`.
@@ -20,6 +22,8 @@ import math
 import sys
 import time
 import weakref
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import TextIO
 
@@ -27,10 +31,11 @@ from prometheus_client import CollectorRegistry
 from tqdm import tqdm
 
 from rlfabric.coordinator.client import CoordinatorInterface
+from rlfabric.coordinator.trackers import Tracker, open_trackers
 from rlfabric.core.config import RunConfig
 from rlfabric.core.errors import DeadlineExceeded
 from rlfabric.core.logs import log_event
-from rlfabric.core.metrics import service_gauge
+from rlfabric.core.metrics import service_gauge, service_histogram
 from rlfabric.v1 import coordinator_pb2
 
 log = logging.getLogger("rlfabric.coordinator")
@@ -58,6 +63,8 @@ DASHBOARD_GAUGES = {
     "rlfabric_coordinator_staleness": ("Most weight versions a sample of the last step lagged the actor.",
                                        ("rollout/staleness/max",)),
 }
+# Buckets of the step-time histogram: a tiny model's sub-second steps to an hour.
+STEP_SECONDS_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200, 1800, 3600)
 # Curves of RUN_DIR/curves.png: (panel title, keys); validation scores join the reward panel.
 PLOT_PANELS = (
     ("reward (critic/score/mean)", ("critic/score/mean",)),
@@ -100,6 +107,12 @@ class _PrometheusGauges:
             registry, "rlfabric_coordinator_metric", "Every metric of the last step, by its VeRL name.", ("name",)
         )
         self.dashboard = {name: service_gauge(registry, name, doc) for name, (doc, _) in DASHBOARD_GAUGES.items()}
+        # The dashboard links a step's point to its trace through this histogram's exemplars (OpenMetrics).
+        self.step_seconds = service_histogram(
+            registry, "rlfabric_coordinator_step_seconds",
+            "Wall time of each training step (timing_s/step); an exemplar carries the step's trace_id.",
+            buckets=STEP_SECONDS_BUCKETS,
+        )
 
     @classmethod
     def of(cls, registry: CollectorRegistry) -> _PrometheusGauges:
@@ -113,8 +126,10 @@ class _PrometheusGauges:
         self.phase_seconds.clear()  # no label values left over from a previous run
         self.metric.clear()
 
-    def log(self, step: int, metrics: dict[str, float]) -> None:
+    def log(self, step: int, metrics: dict[str, float], trace_id: str = "") -> None:
         self.step.set(step)
+        if "timing_s/step" in metrics:
+            self.step_seconds.observe(metrics["timing_s/step"], exemplar={"trace_id": trace_id} if trace_id else None)
         for key, value in metrics.items():
             self.metric.labels(name=key).set(value)
             if key.startswith("timing_s/"):
@@ -161,6 +176,7 @@ class RunTracker:
                 str(self.run_dir / "tensorboard"), purge_step=start_step + 1 if start_step else None
             )
 
+        self._trackers = open_trackers(self.run_dir, config, start_step)
         self._gauges = _PrometheusGauges.of(registry) if registry is not None else None
         if self._gauges:
             self._gauges.start_run(total_steps, start_step)
@@ -177,8 +193,8 @@ class RunTracker:
         tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
         tmp.replace(self.jsonl_path)
 
-    def log(self, step: int, metrics: dict[str, float]) -> None:
-        """One finished step's metrics to every enabled sink."""
+    def log(self, step: int, metrics: dict[str, float], trace_id: str = "") -> None:
+        """One finished step's metrics to every enabled sink; trace_id: the step's trace, if traced."""
         metrics = {key: float(value) for key, value in metrics.items()}
         record = {"step": step, "timestamp": time.time(), **metrics}
         self.history.append(record)
@@ -192,16 +208,20 @@ class RunTracker:
             for key, value in metrics.items():
                 self._tensorboard.add_scalar(key, value, step)
             self._tensorboard.flush()
+        for tracker in self._trackers:
+            _guarded(tracker, "log", partial(tracker.log, step, metrics, record["timestamp"]))
         if self._gauges:
-            self._gauges.log(step, metrics)
+            self._gauges.log(step, metrics, trace_id)
 
     def console_line(self, step: int, metrics: dict[str, float]) -> str:
         """"step 3/20 critic/score/mean=0.412 actor/pg_loss=-0.0131 ..." (CONSOLE_KEYS and validation)."""
         keys = [k for k in CONSOLE_KEYS if k in metrics] + sorted(k for k in metrics if k.startswith("val-core/"))
         return " ".join([f"step {step}/{self.total_steps}", *(f"{k}={metrics[k]:.4g}" for k in keys)])
 
-    def close(self) -> Path | None:
-        """Flushes and closes the sinks; writes RUN_DIR/curves.png when trainer.plot (returns its path)."""
+    def close(self, final_model: Path | None = None, outcome: str = "completed") -> Path | None:
+        """Flushes and closes the sinks; writes RUN_DIR/curves.png when trainer.plot (returns its path).
+        The trackers get the PNG, the final model's directory (when it exists) and the run's outcome
+        (completed, stopped or failed)."""
         if self._closed:
             return None
         self._closed = True
@@ -210,14 +230,24 @@ class RunTracker:
         if self._tensorboard:
             self._tensorboard.close()
         records = self.run_records()
-        if not self.plot or not records:
-            return None
-        return plot_curves(records, self.run_dir / "curves.png", self.title)
+        png = plot_curves(records, self.run_dir / "curves.png", self.title) if self.plot and records else None
+        final_model = final_model if final_model is not None and final_model.exists() else None
+        for tracker in self._trackers:
+            _guarded(tracker, "finish", partial(tracker.finish, [png] if png else [], final_model, outcome))
+        return png
 
     def run_records(self) -> list[dict]:
         """Every step of the run so far: from metrics.jsonl when enabled (so a resumed run's earlier
         steps are included), else the steps logged by this process."""
         return read_metrics(self.jsonl_path) if self._jsonl is not None else list(self.history)
+
+
+def _guarded(tracker: Tracker, what: str, call: Callable[[], None]) -> None:
+    """A tracker's server failing mid-run costs its records, not the run: logged, and the run goes on."""
+    try:
+        call()
+    except Exception:
+        log.exception("%s logger: %s failed", tracker.name, what)
 
 
 def plot_curves(records: list[dict], path: Path, title: str = "") -> Path:

@@ -47,6 +47,12 @@ log = logging.getLogger("rlfabric.coordinator.weight_sync")
 PROBE_TIMEOUT_S = 3.0  # a member that does not answer GetStatus this fast is left out of the group
 
 
+def shares_gpus(config: RunConfig, role: str, other: str) -> bool:
+    """Both roles run in one resource pool that has GPUs (the hybrid engine's): the same devices."""
+    pool = config.pool_of(role)
+    return bool(pool) and pool == config.pool_of(other) and config.resource_pools[pool].total_gpus > 0
+
+
 @dataclass
 class SyncReport:
     """What one sync did. `failed` names every member that does not serve `version` now."""
@@ -107,6 +113,8 @@ class WeightSyncPlane:
         # No channel-level retries towards receivers: the plane decides what a failure means.
         self.options = dataclasses.replace(options or ChannelOptions.from_config(config), retry_max_attempts=1)
         self.transport = "" if config.weight_sync.transport == "auto" else config.weight_sync.transport
+        if not self.transport and shares_gpus(config, "actor", "rollout"):
+            self.transport = "gloo"  # auto: NCCL cannot join two ranks on one GPU (a shared resource pool)
         self.timeout_s = config.weight_sync.timeout_s
         self._members: dict[str, _Member] = {}
         self._retired: list[_Member] = []  # removed members whose channels close at the next rebuild

@@ -1,7 +1,8 @@
 """The run config: one YAML file with a section per role, VeRL-style names, validated on load.
 
 Sections: server, client, cluster, model, data, actor, reference, critic, rollout, reward, env,
-algorithm, trainer, weight_sync, storage, launcher. Every field has a default and a docstring (`rlfabric config-reference`
+algorithm, trainer, weight_sync, storage, launcher, tracing, resource_pools. Every field has a default and a docstring
+(`rlfabric config-reference`
 prints them). Unknown keys and wrong types are errors that name the dotted key.
 
     config = load_config("my.yaml", overrides=["trainer.total_steps=20", "rollout.n=4"])
@@ -11,6 +12,7 @@ The built-in default (`rlfabric/quickstart/quickstart.yaml`) is the quickstart.
 
 from __future__ import annotations
 
+import typing
 from importlib.resources import files
 from pathlib import Path
 from typing import Any, Literal
@@ -172,6 +174,8 @@ class LoraConfig(Section):
 class ActorConfig(Section):
     world_size: int = Field(1, ge=1)
     """Data-parallel ranks (FSDP2); rank 0 serves gRPC."""
+    pool: str = ""
+    """Key of resource_pools this role runs on; empty = no pool (every device of the machine, as before)."""
     lr: float = Field(1e-5, gt=0)
     """AdamW learning rate."""
     weight_decay: float = Field(0.01, ge=0)
@@ -227,6 +231,8 @@ class ReferenceConfig(Section):
     """Run a reference service (needed for KL in reward or KL loss)."""
     world_size: int = Field(1, ge=1)
     """Data-parallel ranks (FSDP2); rank 0 serves gRPC."""
+    pool: str = ""
+    """Key of resource_pools this role runs on; empty = no pool (every device of the machine, as before)."""
     log_prob_micro_batch_size_per_gpu: int = Field(16, ge=1)
     """Rows per forward on one rank in ComputeLogProbs."""
     max_tokens_per_micro_batch: int = Field(0, ge=0)
@@ -236,6 +242,8 @@ class ReferenceConfig(Section):
 class CriticConfig(Section):
     world_size: int = Field(1, ge=1)
     """Data-parallel ranks (FSDP2); rank 0 serves gRPC."""
+    pool: str = ""
+    """Key of resource_pools this role runs on; empty = no pool (every device of the machine, as before)."""
     lr: float = Field(1e-5, gt=0)
     """AdamW learning rate."""
     model_path: str = ""
@@ -291,6 +299,8 @@ class RolloutConfig(Section):
     """Inference engine: embedded transformers, in-process vLLM, or an SGLang server."""
     replicas: int = Field(1, ge=1)
     """Rollout replicas the local launcher starts."""
+    pool: str = ""
+    """Key of resource_pools the replicas run on (replica i on the pool's device i mod its size); empty = no pool."""
     n: int = Field(1, ge=1)
     """Samples per prompt (GRPO's group size)."""
     temperature: float = Field(1.0, ge=0)
@@ -367,6 +377,8 @@ class CustomSandboxConfig(Section):
 class RewardConfig(Section):
     num_workers: int = Field(1, ge=1)
     """Worker processes for custom reward functions."""
+    pool: str = ""
+    """Key of resource_pools this role runs on; empty = no pool (every device of the machine, as before)."""
     custom_path: str = ""
     """Python file with a custom reward function (VeRL: custom_reward_function.path); it scores the items of
     custom_sources, or every item not routed to the reward model when custom_sources is empty."""
@@ -555,17 +567,38 @@ class AlgorithmConfig(Section):
     (rlfabric.algorithms.plugins). Only the mesh's own config may name them: a StartRun cannot add one."""
 
 
+class MlflowConfig(Section):
+    """The mlflow logger of trainer.loggers (extra `trackers`)."""
+
+    tracking_uri: str = ""
+    """MLflow tracking store (sqlite:///path.db, http://host:5000, ...); empty = the MLFLOW_TRACKING_URI
+    environment variable, else sqlite:///RUN_DIR/mlflow.db."""
+
+
+class WandbConfig(Section):
+    """The wandb logger of trainer.loggers (extra `trackers`)."""
+
+    mode: Literal["offline", "online"] = "offline"
+    """offline = the run is written to RUN_DIR/wandb only (upload it later with `wandb sync`); online = it
+    streams to the W&B server too (needs WANDB_API_KEY)."""
+    entity: str = ""
+    """W&B team or user the run belongs to; empty = the API key's default entity."""
+
+
 class TrainerConfig(Section):
     total_steps: int = Field(20, ge=1)
     """PPO steps to run."""
     project_name: str = "rlfabric"
-    """Grouping name for loggers."""
+    """Grouping name for loggers: the mlflow experiment and the wandb project (the run is named after
+    trainer.experiment_name, else the run dir)."""
     mode: Literal["sync", "async"] = "sync"
     """sync: on-policy steps; async: step k+1 generates while step k trains (one-step off-policy)."""
     max_staleness: int = Field(1, ge=0)
     """async: most weight versions a sample's policy may lag the policy being trained."""
     colocated: bool = False
-    """Rollout shares devices with training: engines Sleep while the actor trains and WakeUp to generate."""
+    """The hybrid engine: the rollout shares devices with the trainers (one resource pool). After generating it
+    sleeps (level 2, or 1 with LoRA adapter syncs); before the weight sync its weights wake, after it its KV
+    cache (VeRL's order); memory/rollout/* report each phase's memory. Needs trainer.mode sync."""
     test_freq: int = Field(0, ge=0)
     """Validate on data.val_files every this many steps (and after the last); 0 = never."""
     val_before_train: bool = False
@@ -584,8 +617,15 @@ class TrainerConfig(Section):
     """A checkpoint directory (global_step_N) to resume from; overrides resume: auto."""
     max_checkpoints_to_keep: int = Field(0, ge=0)
     """Delete older global_step_N directories beyond this many; 0 = keep all."""
-    loggers: list[Literal["console", "jsonl", "tensorboard"]] = ["console", "jsonl", "tensorboard"]
-    """Metric sinks: console lines, RUN_DIR/metrics.jsonl, TensorBoard events in RUN_DIR/tensorboard."""
+    loggers: list[Literal["console", "jsonl", "tensorboard", "mlflow", "wandb"]] = ["console", "jsonl", "tensorboard"]
+    """Metric sinks: console lines, RUN_DIR/metrics.jsonl, TensorBoard events in RUN_DIR/tensorboard, and the
+    experiment trackers mlflow (trainer.mlflow) and wandb (trainer.wandb), which need the extra `trackers`
+    (pip install 'rlfabric[trackers]'): the metrics by step, the config as parameters, curves.png and the
+    final model's path."""
+    mlflow: MlflowConfig = MlflowConfig()
+    """The mlflow logger's tracking store."""
+    wandb: WandbConfig = WandbConfig()
+    """The wandb logger's mode and entity."""
     progress_bar: bool = True
     """Show a progress bar with step, reward and ETA."""
     plot: bool = True
@@ -609,7 +649,8 @@ class WeightSyncConfig(Section):
     """How the actor's weights reach the rollout replicas after every update."""
 
     transport: Literal["auto", "nccl", "gloo", "grpc"] = "auto"
-    """auto = nccl when the actor is on a GPU, else gloo; grpc = chunked stream (works anywhere)."""
+    """auto = nccl when the actor is on a GPU (gloo when it shares a GPU pool with the rollout: NCCL cannot join
+    two ranks on one GPU), else gloo; grpc = chunked stream (works anywhere)."""
     bucket_mb: int = Field(512, gt=0)
     """Weights move in flattened buckets of about this many MiB."""
     timeout_s: float = Field(120.0, gt=0)
@@ -699,6 +740,44 @@ class LauncherConfig(Section):
     """Resources and namespace of the Ray launcher."""
 
 
+POOL_ROLES = ("actor", "reference", "critic", "rollout", "reward")  # roles whose section has a `pool` key
+
+
+class ResourcePoolConfig(Section):
+    """A set of devices some roles share (VeRL's resource pool). Roles in one pool are colocated on its devices
+    (with trainer.colocated the rollout sleeps while the actor trains); roles in different pools never meet."""
+
+    gpus: int = Field(0, ge=0)
+    """GPUs per node; the local launcher gives the pool the next GPUs no pool's `devices` names."""
+    devices: list[int] = []
+    """Exactly these GPU indices (CUDA device ids) instead of `gpus`; the local launcher sets CUDA_VISIBLE_DEVICES
+    of the pool's services from them."""
+    cpus: list[int] = []
+    """CPU cores the pool's services are pinned to (CPU affinity, inherited by their ranks and engine workers);
+    empty = any core."""
+    nodes: int = Field(1, ge=1)
+    """Nodes the pool spans (Ray: a placement group of one bundle per node; Helm: pods of the pool's roles);
+    the local launcher runs one node."""
+
+    @model_validator(mode="after")
+    def _gpus_or_devices(self) -> ResourcePoolConfig:
+        if self.devices and self.gpus and self.gpus != len(self.devices):
+            raise ValueError(f"gpus {self.gpus} disagrees with devices {self.devices}: give one of them")
+        if len(set(self.devices)) != len(self.devices) or len(set(self.cpus)) != len(self.cpus):
+            raise ValueError("devices and cpus must not repeat an index")
+        if any(index < 0 for index in (*self.devices, *self.cpus)):
+            raise ValueError("device and cpu indices are >= 0")
+        return self
+
+    @property
+    def gpus_per_node(self) -> int:
+        return len(self.devices) or self.gpus
+
+    @property
+    def total_gpus(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+
 class RunConfig(Section):
     name: str = "quickstart"
     """Run name; the default run dir is runs/<name>-<timestamp>."""
@@ -719,6 +798,38 @@ class RunConfig(Section):
     storage: StorageConfig = StorageConfig()
     launcher: LauncherConfig = LauncherConfig()
     tracing: TracingConfig = TracingConfig()
+    resource_pools: dict[str, ResourcePoolConfig] = {}
+    """Named device pools (VeRL's resource_pool_spec): {name: {gpus: N | devices: [...], cpus: [...], nodes: M}};
+    a role picks one with its section's `pool` key (actor.pool, rollout.pool, ...). Roles in one pool share its
+    devices (the hybrid engine); empty = every role sees every device."""
+
+    @model_validator(mode="after")
+    def _pools_exist_and_fit(self) -> RunConfig:
+        """Every role's pool is a key of resource_pools, and a GPU pool holds at least world_size GPUs."""
+        for role in POOL_ROLES:
+            name = getattr(self, role).pool
+            if not name:
+                continue
+            if name not in self.resource_pools:
+                known = ", ".join(self.resource_pools) or "none"
+                raise ValueError(f"{role}.pool: no resource pool {name!r} (resource_pools: {known})")
+            pool = self.resource_pools[name]
+            world_size = getattr(getattr(self, role), "world_size", 1)
+            if pool.total_gpus and pool.total_gpus < world_size:
+                raise ValueError(f"resource_pools.{name} has {pool.total_gpus} GPU(s), too few for "
+                                 f"{role}.world_size {world_size}")
+        return self
+
+    def pool_of(self, role: str) -> str:
+        """The resource pool `role` runs on ("" = none; the coordinator never has one)."""
+        return getattr(self, role).pool if role in POOL_ROLES else ""
+
+    @model_validator(mode="after")
+    def _sglang_takes_a_process_group(self) -> RunConfig:
+        if self.rollout.engine == "sglang" and self.weight_sync.transport == "grpc":
+            raise ValueError("weight_sync.transport grpc cannot reach an SGLang server, which takes weights over a "
+                             "process group only: use auto, gloo or nccl with rollout.engine sglang")
+        return self
 
     @model_validator(mode="after")
     def _adapter_sync_possible(self) -> RunConfig:
@@ -782,6 +893,8 @@ def _describe(error: ValidationError) -> str:
         key = ".".join(str(p) for p in item["loc"])
         if item["type"] == "extra_forbidden":
             lines.append(f"{key}: unknown key")
+        elif not key:  # a rule across sections: its message names the keys; the input is the whole config
+            lines.append(item["msg"].removeprefix("Value error, "))
         else:
             lines.append(f"{key}: {item['msg']} (got {item.get('input')!r})")
     return "invalid config: " + "; ".join(lines)
@@ -837,6 +950,12 @@ def check_run_rules(config: RunConfig) -> None:
         raise ConfigError("algorithm.old_log_prob_source=rollout takes the old log-probs from the rollout, so there "
                           "is no mismatch left to correct: set algorithm.rollout_correction.rollout_is and "
                           "rollout_rs to null, or old_log_prob_source to auto")
+    if config.trainer.colocated and config.trainer.mode == "async":
+        raise ConfigError("trainer.colocated=true needs trainer.mode=sync: a colocated rollout sleeps while the "
+                          "actor trains, so it cannot generate the next batch meanwhile")
+    if config.trainer.colocated and config.rollout.engine == "vllm" and not config.rollout.enable_sleep_mode:
+        raise ConfigError("trainer.colocated=true with rollout.engine=vllm needs rollout.enable_sleep_mode=true "
+                          "(vLLM's sleep mode, CUDA only)")
     if config.algorithm.adv_estimator in ("grpo", "rloo") and config.rollout.n < 2:
         raise ConfigError(f"algorithm.adv_estimator={config.algorithm.adv_estimator} compares samples of a "
                           "prompt: set rollout.n >= 2")
@@ -886,8 +1005,12 @@ def config_reference(model: type[BaseModel] = RunConfig, prefix: str = "") -> li
     for name, field in model.model_fields.items():
         key = f"{prefix}{name}"
         annotation = field.annotation
+        value_type = typing.get_args(annotation)[-1] if typing.get_origin(annotation) is dict else None
         if isinstance(annotation, type) and issubclass(annotation, BaseModel):
             rows.extend(config_reference(annotation, key + "."))
+        elif isinstance(value_type, type) and issubclass(value_type, BaseModel):  # resource_pools.<name>.gpus
+            rows.append((key, repr(field.default), field.description or ""))
+            rows.extend(config_reference(value_type, key + ".<name>."))
         else:
             rows.append((key, repr(field.default), field.description or ""))
     return rows

@@ -96,10 +96,14 @@ class StepSpan:
 
     def __init__(self, step: int | None):
         self.span = None
+        self.trace_id = ""  # hex, while tracing and the trace is sampled: what a metric's exemplar links to
         if _tracer is not None and step is not None:
             # A root of its own: a step's trace must not hang under whatever RPC or task started it.
             self.span = _tracer.start_span("train_step", context=otel_context.Context(),
                                            attributes={STEP: step})
+            span_context = self.span.get_span_context()
+            if span_context.trace_flags.sampled:
+                self.trace_id = trace.format_trace_id(span_context.trace_id)
 
     @property
     def recording(self) -> bool:

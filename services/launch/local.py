@@ -8,7 +8,8 @@
                                                 # you serve yourself (e.g. under a debugger) at that address
 
 Services bind port 0 and report their ports through RUN_DIR/ports/<name>.json (no port races).
-Logs go to RUN_DIR/logs/<name>.log. Every RPC needs the mesh's token (RUN_DIR/auth_token, 0600)
+Logs go to RUN_DIR/logs/<name>.log. A role in a resource pool sees only the pool's GPUs and runs on its
+cores (rlfabric.launch.placement). Every RPC needs the mesh's token (RUN_DIR/auth_token, 0600)
 unless server.auth_token_file names another. Children get SIGTERM if the launcher dies (PR_SET_PDEATHSIG),
 and stop() terminates, then kills, every child: no orphans.
 """
@@ -34,6 +35,7 @@ from typing import Protocol
 from rlfabric.core.client import ChannelOptions, wait_until_serving
 from rlfabric.core.config import ConfigError, RunConfig, dump_config
 from rlfabric.core.storage import create_private_file
+from rlfabric.launch.placement import Placement, plan_placement, visible_gpu_count
 
 log = logging.getLogger("rlfabric.launch.local")
 
@@ -288,11 +290,13 @@ class LocalMesh(MeshContext):
         self.host = host
         self.processes: list[ServiceProcess] = []
         self.endpoints: dict[str, list[dict[str, str]]] = {}
+        self.placements: dict[str, Placement] = {}
 
     # -- lifecycle ---------------------------------------------------------------------------
 
     def start(self) -> None:
         """Starts the workers, then the coordinator (configured with their addresses); waits for all."""
+        self.placements = plan_placement(self.config, service_names(self.config), gpu_count=visible_gpu_count())
         worker_config = prepare_run_dir(self.config, self.run_dir)
         (self.run_dir / "ports").mkdir(exist_ok=True)
         for name, role in service_names(self.config):
@@ -355,12 +359,18 @@ class LocalMesh(MeshContext):
         port_file = self.run_dir / "ports" / f"{name}.json"
         port_file.unlink(missing_ok=True)
         command = serve_command(role, config_path, self.host, port_file, self.run_id, port)
+        placement = self.placements.get(name, Placement(name, role, "", None, None))
+
+        def start_child() -> None:
+            die_with_parent()
+            placement.pin()
+
         with open(log_path, "ab") as log_file:
             # A session of its own: Ctrl-C in the terminal reaches the launcher only, which stops the run
             # with a checkpoint before it stops the services.
             process = subprocess.Popen(
                 command, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                preexec_fn=die_with_parent, start_new_session=True,
+                env={**os.environ, **placement.env()}, preexec_fn=start_child, start_new_session=True,
             )
         proc = ServiceProcess(name, role, process, log_path, port_file, host=self.host)
         self.processes.append(proc)

@@ -13,6 +13,11 @@ Ray only places and supervises them. Why a child process rather than the service
   so the launcher sees both; the child gets SIGTERM when the actor dies (PR_SET_PDEATHSIG);
 - the service keeps its own process, signals and graceful drain, unchanged from the other launchers.
 
+Resource pools (resource_pools, <role>.pool): one placement group per pool, a bundle per node of the pool
+({CPU: its services' num_cpus, GPU: the pool's gpus}, spread over distinct nodes when it has several), and
+each service of the pool is placed in that group. Services sharing a pool share its GPUs: each asks for its
+share (the pool's GPUs / its services), so Ray gives them the same devices, as VeRL colocates roles.
+
 Addresses: on a one-node cluster services bind 127.0.0.1; on a multi-node cluster (or through Ray Client)
 each binds and advertises its node's IP. The coordinator is placed on the launcher's node, so RUN_DIR
 (metrics, checkpoints) is where `rlfabric train` ran. With an address (or RAY_ADDRESS) the launcher connects
@@ -36,9 +41,10 @@ from pathlib import Path
 
 import ray
 import yaml
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
-from rlfabric.core.config import RunConfig, read_auth_token
+from rlfabric.core.config import ConfigError, RunConfig, read_auth_token
 from rlfabric.core.storage import create_private_file
 from rlfabric.launch.local import (
     MeshContext,
@@ -109,6 +115,10 @@ class ServiceSupervisor:
 
     def assigned_resources(self) -> dict[str, float]:
         return ray.get_runtime_context().get_assigned_resources()
+
+    def placement_group_id(self) -> str | None:
+        """The placement group (resource pool) this actor runs in; None outside any."""
+        return ray.get_runtime_context().get_placement_group_id()
 
     def await_ports(self) -> dict:
         """{grpc, metrics, pid, host, log} once the service bound its ports, or {exit_code, log} if it exited first."""
@@ -193,6 +203,40 @@ def default_num_gpus(config: RunConfig, role: str) -> float:
     return 0
 
 
+def pool_services(config: RunConfig) -> dict[str, list[str]]:
+    """Pool -> the roles of the services placed in it (a role once per service: rollout replicas each)."""
+    pools: dict[str, list[str]] = {}
+    for _, role in service_names(config):
+        if config.pool_of(role):
+            pools.setdefault(config.pool_of(role), []).append(role)
+    return pools
+
+
+def pool_bundles(config: RunConfig) -> dict[str, list[dict[str, float]]]:
+    """The placement group of each pool in use: a bundle per node, holding the CPUs its services reserve
+    (launcher.ray.<role>.num_cpus, spread over the nodes) and the pool's GPUs of that node."""
+    bundles = {}
+    for name, roles in pool_services(config).items():
+        pool = config.resource_pools[name]
+        cpus = sum(getattr(config.launcher.ray, role).num_cpus for role in roles) / pool.nodes
+        bundle = {"CPU": cpus, **({"GPU": float(pool.gpus_per_node)} if pool.gpus_per_node else {})}
+        bundles[name] = [dict(bundle) for _ in range(pool.nodes)]
+    return bundles
+
+
+def pool_gpu_share(config: RunConfig, pool: str, role: str, num_gpus: float) -> float:
+    """What a service of a pool asks Ray for: alone in it, its GPUs; shared, its share of one GPU (1 / the
+    pool's services), so Ray gives the pool's services the same devices. (Ray does not pin CPU cores: a
+    pool's `cpus` apply to the local launcher only.)"""
+    sharers = len(pool_services(config)[pool])
+    if sharers == 1:
+        return num_gpus
+    if num_gpus > 1:
+        raise ConfigError(f"{role}.pool {pool}: a service on {num_gpus:g} GPUs cannot share a pool with others on "
+                          "Ray (a Ray actor takes at most a fraction of one GPU when it shares): give it a pool of its own")
+    return num_gpus / sharers
+
+
 class RayMesh(MeshContext):
     """Starts and stops the roles the config uses as Ray actors; the same surface as LocalMesh."""
 
@@ -206,6 +250,7 @@ class RayMesh(MeshContext):
         self.endpoints: dict[str, list[dict]] = {}
         self._disconnect = False  # this mesh called ray.init, so stop() calls ray.shutdown
         self._host: str | None = None  # where services bind: 127.0.0.1, or None for each node's IP
+        self.pools: dict[str, PlacementGroup] = {}  # resource pool -> its placement group
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -214,6 +259,7 @@ class RayMesh(MeshContext):
         worker_config = prepare_run_dir(self.config, self.run_dir)
         self._connect()
         self._host = self._service_host()
+        self._reserve_pools()
         for name, role in service_names(self.config):
             self._launch(name, role, worker_config)
         self._await_ports(self.services)
@@ -246,6 +292,9 @@ class RayMesh(MeshContext):
             ray.kill(service.actor)
         self.services = []
         self._await_actors_gone(timeout_s=10)
+        for group in self.pools.values():
+            remove_placement_group(group)
+        self.pools = {}
         if self._disconnect:
             ray.shutdown()
             self._disconnect = False
@@ -260,7 +309,22 @@ class RayMesh(MeshContext):
         num_gpus = spec.num_gpus
         if num_gpus is None:
             num_gpus = default_num_gpus(self.config, role) if ray.cluster_resources().get("GPU", 0) else 0
+        pool = self.config.pool_of(role)
+        if pool and num_gpus:
+            num_gpus = pool_gpu_share(self.config, pool, role, num_gpus)
         return {"num_cpus": spec.num_cpus, "num_gpus": num_gpus}
+
+    def _reserve_pools(self) -> None:
+        """One placement group per resource pool the run's services use, ready before they are placed."""
+        for name, bundles in pool_bundles(self.config).items():
+            strategy = "STRICT_SPREAD" if len(bundles) > 1 else "PACK"
+            self.pools[name] = placement_group(bundles, strategy=strategy, name=f"{self.namespace}-{name}")
+        for name, group in self.pools.items():
+            if not group.wait(self.config.launcher.startup_timeout_s):
+                free = ray.available_resources()
+                raise MeshStartError(f"resource pool {name} ({group.bundle_specs}) was not reserved on the Ray cluster "
+                                     f"within {self.config.launcher.startup_timeout_s:g} s; free now: CPU "
+                                     f"{free.get('CPU', 0):g}, GPU {free.get('GPU', 0):g}")
 
     # -- helpers -----------------------------------------------------------------------------
 
@@ -291,6 +355,9 @@ class RayMesh(MeshContext):
     def _launch(self, name: str, role: str, config_path: Path) -> None:
         resources = self.resources(role)
         options = {"name": name, "namespace": self.namespace, **resources}
+        pool = self.config.pool_of(role)
+        if pool:
+            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(self.pools[pool])
         if role == "coordinator" and not (self.address or "").startswith("ray://"):
             options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(
                 ray.get_runtime_context().get_node_id(), soft=False)

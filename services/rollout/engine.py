@@ -25,6 +25,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import contextlib
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Iterable, Mapping, Sequence
@@ -138,7 +139,12 @@ class RolloutEngine(abc.ABC):
         """Cheap and synchronous (metrics gauges read it at scrape time)."""
         return EngineStatus(engine=self.name, model=self.model, weight_version=self.weight_version,
                             queue_depth=len(self._requests), kv_cache_usage=self.kv_cache_usage,
-                            paused=self._paused, sleeping=self._sleeping)
+                            paused=self._paused, sleeping=self._sleeping, rss_bytes=current_rss_bytes(),
+                            device_memory_bytes=self.device_memory_bytes())
+
+    def device_memory_bytes(self) -> int:
+        """What the engine's weights and KV cache hold on its device, by its own accounting; 0 = unknown."""
+        return 0
 
     # -- generation ----------------------------------------------------------------------------
 
@@ -384,6 +390,15 @@ class RolloutEngine(abc.ABC):
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=True) if self.tokenizer else ""
+
+
+def current_rss_bytes() -> int:
+    """Resident memory of this process now (Linux /proc; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def trust_remote_code(config) -> bool:

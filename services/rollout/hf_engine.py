@@ -31,7 +31,7 @@ import torch
 
 from rlfabric.core.config import RunConfig
 from rlfabric.core.dtypes import rollout_dtype, torch_dtype
-from rlfabric.core.errors import DeadlineExceeded, InvalidArgument, Unimplemented
+from rlfabric.core.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument
 from rlfabric.rollout.engine import Generation, RolloutEngine, load_tokenizer, trust_remote_code
 from rlfabric.rollout.sampling import sample_tokens
 from rlfabric.rollout.types import EngineLimits, Finish, FinishedSample, row_seed, truncate_at_stop
@@ -70,6 +70,7 @@ class HFEngine(RolloutEngine):
         self._lock = asyncio.Lock()  # held by a running batch, a weight load or sleep
         self._wakeup = asyncio.Event()  # rows were queued
         self._scheduler: asyncio.Task | None = None
+        self._discarded_shapes: dict[torch.nn.Parameter, torch.Size] = {}  # asleep at level 2: their real shapes
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -249,21 +250,42 @@ class HFEngine(RolloutEngine):
             pass
 
     async def _sleep(self, level: int) -> None:
-        if level != 1:
-            raise Unimplemented(f"the hf engine supports sleep level 1 (offload weights to CPU) only, not {level}")
+        """Level 1 moves the weights to the CPU; level 2 discards them (their memory is freed), as vLLM's
+        level 2 does: after WakeUp they hold garbage until the next weight sync fills them."""
+        if level == 2 and self.adapter is not None:
+            raise FailedPrecondition("sleep level 2 discards the base weights, which LoRA adapter syncs do not "
+                                     "send again: use level 1")
         await self._drain()
         async with self._lock:
-            await asyncio.to_thread(self.net.to, "cpu")
+            if level == 1:
+                await asyncio.to_thread(self.net.to, "cpu")
+            else:
+                # Each parameter (a tied one once) keeps its object and shape, over no memory; buffers (rotary
+                # tables) stay, as no sync sends them.
+                self._discarded_shapes = {}
+                for parameter in self.net.parameters():
+                    self._discarded_shapes[parameter] = parameter.shape
+                    parameter.data = parameter.data.new_empty(0)
 
     async def _wake_up(self, tags: Sequence[str]) -> bool:
         unknown = set(tags) - set(WAKE_TAGS)
         if unknown:
             raise InvalidArgument(f"unknown wake-up tag(s) {sorted(unknown)}; tags are {list(WAKE_TAGS)}")
         if tags and "weights" not in tags:
-            return False  # the weights are still on the CPU
+            return False  # the weights are still asleep
         async with self._lock:
+            for parameter, shape in self._discarded_shapes.items():
+                parameter.data = parameter.data.new_empty(shape)
+            self._discarded_shapes = {}
             await asyncio.to_thread(self.net.to, self.device)
         return True
+
+    def device_memory_bytes(self) -> int:
+        """Bytes of the model's parameters and buffers on this engine's device (none while asleep)."""
+        if self.net is None:
+            return 0
+        tensors = {id(t): t for t in (*self.net.parameters(), *self.net.buffers())}.values()
+        return sum(t.numel() * t.element_size() for t in tensors if t.device.type == self.device.type)
 
     async def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> int:
         return (await self.swap_weights(weights, version)).version

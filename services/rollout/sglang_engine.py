@@ -13,9 +13,18 @@ Log-probs come from SGLang's output_token_logprobs; whether they are taken befor
 temperature and top-k/top-p depends on the server's settings, so compare them with the actor's
 at top_p = 1, top_k off, temperature 1 unless the server is configured to match.
 
-Weights: SGLang takes them from disk (/update_weights_from_disk) or over a process group
-(/init_weights_update_group + /update_weights_from_distributed, wired up by the weight-sync
-issue); load_weights of in-memory tensors is not possible over HTTP and answers UNIMPLEMENTED.
+Weights: SGLang takes them from disk (/update_weights_from_disk) or over the actor's weight-sync group.
+With rollout.engine sglang the actor opens its groups as torch.distributed groups built the way SGLang
+builds its own (rlfabric.weight_sync.torch_group, gloo or nccl): JoinWeightSyncGroup has the server join
+as our rank (/init_weights_update_group with rank_offset = that rank), and ReceiveWeights holds generation
+(our gate closes, in-flight requests finish on the old weights, then /pause_generation), has the server
+receive each bucket of the manifest (/update_weights_from_distributed with load_format flattened_bucket:
+the actor packs dense buckets, SGLang's layout) while the actor broadcasts it, flushes the cache with the
+last one, records the version and continues (/continue_generation). SGLang checks no CRC-32: the bytes are
+trusted to the collective. A failed bucket leaves the server's weights partly updated: the replica leaves
+the group (the coordinator rebuilds it and the next sync sends every weight again) and its version stays
+the old one. load_weights of in-memory tensors is not possible over HTTP and answers UNIMPLEMENTED (so the
+grpc transport cannot reach SGLang).
 """
 
 from __future__ import annotations
@@ -31,9 +40,11 @@ from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from rlfabric.core.config import RunConfig
-from rlfabric.core.errors import InvalidArgument, Unavailable, Unimplemented
+from rlfabric.core.errors import FailedPrecondition, InvalidArgument, Unavailable, Unimplemented
 from rlfabric.rollout.engine import Generation, RolloutEngine, load_tokenizer, trust_remote_code
 from rlfabric.rollout.types import EngineLimits, Finish, FinishedSample, SamplingSpec, row_seed
+from rlfabric.weight_sync import Manifest, SyncGroup, WeightSwap
+from rlfabric.weight_sync.receiver import SLACK_S
 
 log = logging.getLogger("rlfabric.rollout.sglang")
 _FINISH = {"stop": Finish.STOP, "length": Finish.LENGTH, "abort": Finish.ABORT}
@@ -47,6 +58,9 @@ class SGLangEngine(RolloutEngine):
         super().__init__(config)
         self.url = config.rollout.sglang_url.rstrip("/")
         self._pool = ThreadPoolExecutor(max_workers=config.rollout.max_num_seqs, thread_name_prefix="sglang-http")
+        self._sync_group: SyncGroup | None = None  # the actor's group the server joined
+        self._update_lock = asyncio.Lock()  # one weight update at a time
+        self._asleep_tags: set[str] = set()  # what Sleep released and no WakeUp has restored yet
 
     # -- HTTP --------------------------------------------------------------------------------
 
@@ -167,10 +181,14 @@ class SGLangEngine(RolloutEngine):
     async def _sleep(self, level: int) -> None:
         await self._drain()
         await self.call("/release_memory_occupation", {})
+        self._asleep_tags = {"weights", "kv_cache"}
 
     async def _wake_up(self, tags: Sequence[str]) -> bool:
+        """As vLLM's: weights first (a weight sync fills them), the KV cache after; generating again once
+        both are back."""
         await self.call("/resume_memory_occupation", {"tags": list(tags)} if tags else {})
-        return True
+        self._asleep_tags -= set(tags) if tags else self._asleep_tags
+        return not self._asleep_tags
 
     async def flush_cache(self) -> None:
         await self.call("/flush_cache", {})
@@ -189,12 +207,15 @@ class SGLangEngine(RolloutEngine):
         return version
 
     async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
-                                        world_size: int, group_name: str, backend: str = "nccl") -> None:
+                                        world_size: int, group_name: str, backend: str = "nccl",
+                                        timeout_s: float | None = None) -> None:
         """Has the server join the trainer's process group (the weight-sync transport)."""
-        await self.call("/init_weights_update_group", {
+        answer = await self.call("/init_weights_update_group", {
             "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
             "world_size": world_size, "group_name": group_name, "backend": backend,
-        }, timeout_s=self.config.rollout.drain_timeout_s)
+        }, timeout_s=timeout_s or self.config.rollout.drain_timeout_s)
+        if answer.get("success") is False:
+            raise Unavailable(f"sglang could not join weight-sync group {group_name}: {answer.get('message', '')}")
 
     async def update_weights_from_distributed(self, names: Sequence[str], dtypes: Sequence[str],
                                               shapes: Sequence[Sequence[int]], group_name: str,
@@ -207,3 +228,84 @@ class SGLangEngine(RolloutEngine):
         }, timeout_s=self.config.rollout.drain_timeout_s)
         self.weight_version = version
         return version
+
+    # -- weight sync: the server joins the actor's torch group ---------------------------------------
+
+    async def join_weight_sync(self, group: SyncGroup, rank: int) -> None:
+        """Has the server join the actor's group as `rank` (blocks until every rank has joined)."""
+        group.check_rank(rank)
+        if not group.torch_group:
+            raise FailedPrecondition(f"weight-sync group {group.group_id} ({group.transport}) is not a torch group, "
+                                     "the only kind an SGLang server can join: the actor opens one when its "
+                                     "config says rollout.engine=sglang, over gloo or nccl (not grpc)")
+        self._sync_group = None
+        await self.init_weights_update_group(group.store_host, group.store_port, rank, group.world_size,
+                                             group.group_id, "nccl" if group.transport == "nccl" else "gloo",
+                                             timeout_s=group.timeout_s + SLACK_S)
+        self._sync_group = group
+
+    async def receive_weights(self, manifest: Manifest) -> WeightSwap:
+        """The server receives the manifest's buckets from the actor's broadcast, with generation held."""
+        group = self._sync_group
+        if group is None:
+            raise FailedPrecondition("this sglang replica has not joined a weight-sync group (JoinWeightSyncGroup)")
+        if manifest.group_id != group.group_id:
+            raise FailedPrecondition(f"manifest is for weight-sync group {manifest.group_id!r}, this replica "
+                                     f"joined {group.group_id!r}")
+        if manifest.adapter is not None:
+            raise FailedPrecondition("the sglang engine takes full weights only (weight_sync.lora: merged)")
+        limits = self.weight_limits()
+        if limits is not None:
+            limits.check(manifest)
+        check_dense(manifest)
+        async with self._update_lock:
+            started = time.monotonic()
+            held = not self._paused  # an engine paused by Pause stays paused after the update
+            if held:
+                await self.pause(abort=False)
+            try:
+                for bucket in manifest.buckets:
+                    last = bucket.index == manifest.buckets[-1].index
+                    await self._receive_bucket(group, bucket, manifest.version, flush_cache=last)
+                self.weight_version = manifest.version
+            except BaseException:
+                self._sync_group = None  # its collective failed or was abandoned: the group is broken
+                raise
+            finally:
+                if held:
+                    await self.resume()
+        swap = WeightSwap(self.weight_version, time.monotonic() - started)
+        log.info("weights received", extra={"fields": {"version": swap.version, "bytes": manifest.num_bytes,
+                                                       "paused_s": round(swap.paused_seconds, 4)}})
+        return swap
+
+    async def _receive_bucket(self, group: SyncGroup, bucket, version: int, flush_cache: bool) -> None:
+        answer = await self.call("/update_weights_from_distributed", {
+            "names": [t.name for t in bucket.tensors], "dtypes": [str(t.dtype).removeprefix("torch.") for t in bucket.tensors],
+            "shapes": [list(t.shape) for t in bucket.tensors], "group_name": group.group_id,
+            "flush_cache": flush_cache, "weight_version": str(version), "load_format": "flattened_bucket",
+        }, timeout_s=group.timeout_s + SLACK_S)
+        if answer.get("success") is False:
+            raise Unavailable(f"sglang could not load weight bucket {bucket.index}: {answer.get('message', '')}")
+
+    async def leave_weight_sync(self) -> None:
+        group, self._sync_group = self._sync_group, None
+        if group is not None:
+            with contextlib.suppress(Exception):
+                await self.call("/destroy_weights_update_group", {"group_name": group.group_id}, timeout_s=10.0)
+        await super().leave_weight_sync()
+
+
+def check_dense(manifest: Manifest) -> None:
+    """SGLang unpacks a bucket as its tensors back to back (its flattened bucket): a manifest with gaps
+    (an actor that packed for another engine) is refused before the server allocates anything."""
+    for bucket in manifest.buckets:
+        end = 0
+        for tensor in bucket.tensors:
+            if tensor.offset != end:
+                raise FailedPrecondition(f"weight bucket {bucket.index}: {tensor.name} starts at byte {tensor.offset}, "
+                                         f"not {end}; SGLang takes dense buckets (the actor packs them when its "
+                                         "config says rollout.engine=sglang)")
+            end += tensor.num_bytes
+        if bucket.num_bytes != end:
+            raise FailedPrecondition(f"weight bucket {bucket.index} has {bucket.num_bytes} bytes, its tensors {end}")

@@ -131,6 +131,8 @@ class EngineStatus:
     kv_cache_usage: float = 0.0  # in [0, 1]
     paused: bool = False
     sleeping: bool = False
+    rss_bytes: int = 0  # resident memory of the service process
+    device_memory_bytes: int = 0  # what the engine's weights and KV cache hold on its device (0 = unknown)
 
 
 @dataclass

@@ -87,6 +87,7 @@ class VLLMEngine(RolloutEngine):
         super().__init__(config)
         self.llm = None
         self._update_lock = asyncio.Lock()  # one weight switch (or abort) at a time
+        self._asleep_tags: set[str] = set()  # what Sleep released and no WakeUp has restored yet
         self._sync_group: SyncGroup | None = None  # joined from inside the worker (gloo, nccl)
         self._lora_request = None  # the adapter version the next requests use (weight_sync.lora adapter)
         self._lora_directory: Path | None = None  # where that version is staged
@@ -220,12 +221,16 @@ class VLLMEngine(RolloutEngine):
                                      "(vLLM's sleep mode needs a CUDA GPU)")
         await self._drain()
         await self._alive().sleep(level)
+        self._asleep_tags = {"weights", "kv_cache"}
 
     async def _wake_up(self, tags: Sequence[str]) -> bool:
+        """WakeUp(["weights"]) first (then a weight sync fills them) and WakeUp(["kv_cache"]) after, VeRL's
+        order: the engine generates again only once both are back."""
         if not self.config.rollout.enable_sleep_mode:
             raise FailedPrecondition("the vllm engine was started without rollout.enable_sleep_mode")
         await self._alive().wake_up(list(tags) or None)
-        return True
+        self._asleep_tags -= set(tags) if tags else self._asleep_tags
+        return not self._asleep_tags
 
     async def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> int:
         return (await self.swap_weights(weights, version)).version

@@ -130,7 +130,7 @@ def status_to_proto(status: EngineStatus) -> rollout_pb2.RolloutServiceGetStatus
     return rollout_pb2.RolloutServiceGetStatusResponse(
         engine=status.engine, model=status.model, weight_version=status.weight_version,
         queue_depth=status.queue_depth, kv_cache_usage=status.kv_cache_usage, paused=status.paused,
-        sleeping=status.sleeping,
+        sleeping=status.sleeping, rss_bytes=status.rss_bytes, device_memory_bytes=status.device_memory_bytes,
     )
 
 
@@ -138,7 +138,7 @@ def status_from_proto(status: rollout_pb2.RolloutServiceGetStatusResponse) -> En
     return EngineStatus(
         engine=status.engine, model=status.model, weight_version=status.weight_version,
         queue_depth=status.queue_depth, kv_cache_usage=status.kv_cache_usage, paused=status.paused,
-        sleeping=status.sleeping,
+        sleeping=status.sleeping, rss_bytes=status.rss_bytes, device_memory_bytes=status.device_memory_bytes,
     )
 
 

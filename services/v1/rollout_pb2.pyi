@@ -168,7 +168,7 @@ class RolloutServiceGetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RolloutServiceGetStatusResponse(_message.Message):
-    __slots__ = ("engine", "model", "weight_version", "queue_depth", "kv_cache_usage", "paused", "sleeping")
+    __slots__ = ("engine", "model", "weight_version", "queue_depth", "kv_cache_usage", "paused", "sleeping", "rss_bytes", "device_memory_bytes")
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -176,6 +176,8 @@ class RolloutServiceGetStatusResponse(_message.Message):
     KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
     PAUSED_FIELD_NUMBER: _ClassVar[int]
     SLEEPING_FIELD_NUMBER: _ClassVar[int]
+    RSS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     engine: str
     model: str
     weight_version: int
@@ -183,7 +185,9 @@ class RolloutServiceGetStatusResponse(_message.Message):
     kv_cache_usage: float
     paused: bool
     sleeping: bool
-    def __init__(self, engine: _Optional[str] = ..., model: _Optional[str] = ..., weight_version: _Optional[int] = ..., queue_depth: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., paused: _Optional[bool] = ..., sleeping: _Optional[bool] = ...) -> None: ...
+    rss_bytes: int
+    device_memory_bytes: int
+    def __init__(self, engine: _Optional[str] = ..., model: _Optional[str] = ..., weight_version: _Optional[int] = ..., queue_depth: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., paused: _Optional[bool] = ..., sleeping: _Optional[bool] = ..., rss_bytes: _Optional[int] = ..., device_memory_bytes: _Optional[int] = ...) -> None: ...
 
 class PauseRequest(_message.Message):
     __slots__ = ("abort",)

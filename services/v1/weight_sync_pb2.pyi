@@ -20,7 +20,7 @@ WEIGHT_TRANSPORT_GLOO: WeightTransport
 WEIGHT_TRANSPORT_GRPC: WeightTransport
 
 class WeightSyncGroup(_message.Message):
-    __slots__ = ("group_id", "transport", "world_size", "nccl_unique_id", "store_host", "store_port", "timeout_s")
+    __slots__ = ("group_id", "transport", "world_size", "nccl_unique_id", "store_host", "store_port", "timeout_s", "torch_group")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -28,6 +28,7 @@ class WeightSyncGroup(_message.Message):
     STORE_HOST_FIELD_NUMBER: _ClassVar[int]
     STORE_PORT_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    TORCH_GROUP_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     transport: WeightTransport
     world_size: int
@@ -35,7 +36,8 @@ class WeightSyncGroup(_message.Message):
     store_host: str
     store_port: int
     timeout_s: float
-    def __init__(self, group_id: _Optional[str] = ..., transport: _Optional[_Union[WeightTransport, str]] = ..., world_size: _Optional[int] = ..., nccl_unique_id: _Optional[bytes] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+    torch_group: bool
+    def __init__(self, group_id: _Optional[str] = ..., transport: _Optional[_Union[WeightTransport, str]] = ..., world_size: _Optional[int] = ..., nccl_unique_id: _Optional[bytes] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., timeout_s: _Optional[float] = ..., torch_group: _Optional[bool] = ...) -> None: ...
 
 class WeightTensorSpec(_message.Message):
     __slots__ = ("name", "dtype", "shape", "offset")

@@ -22,9 +22,14 @@ their own base model (WeightLimits.check_adapter) and apply it on that base mode
 through peft, vLLM through its LoRA API), so a sync moves rank x (in + out) numbers per adapted layer
 instead of the whole model. Every transport carries either kind of manifest alike.
 
+With rollout.engine sglang the actor opens its gloo and nccl groups as torch groups (torch_group): a
+torch.distributed process group built as SGLang builds its weight-update group, which an SGLang server
+joins with /init_weights_update_group, and dense buckets (SGLang's flattened layout), which it receives
+with /update_weights_from_distributed (rlfabric.rollout.sglang_engine).
+
 Modules: manifest (dataclasses, proto conversion, WeightLimits), buckets (plan, pack, check, unpack,
-CRC-32), gloo, nccl (transports), grpc_stream (PushWeights, both ends), receiver (receiving side),
-sender (actor side).
+CRC-32), gloo, nccl, torch_group (transports), grpc_stream (PushWeights, both ends), receiver (receiving
+side), sender (actor side).
 The coordinator drives all of it through rlfabric.coordinator.weight_sync.WeightSyncPlane.
 """
 

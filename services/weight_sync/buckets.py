@@ -24,9 +24,11 @@ CRC32_IMPLEMENTATION = "isal"  # recorded by the weight-sync bench
 
 
 def plan_buckets(tensors: Mapping[str, torch.Tensor], bucket_bytes: int,
-                 dtype: torch.dtype | None = None) -> list[BucketSpec]:
+                 dtype: torch.dtype | None = None, dense: bool = False) -> list[BucketSpec]:
     """Groups tensors, in order, into buckets of at most `bucket_bytes` (a larger tensor alone).
-    Floating-point tensors are announced in `dtype` (None keeps each tensor's own)."""
+    Floating-point tensors are announced in `dtype` (None keeps each tensor's own). `dense`: each tensor
+    starts where the one before ends (rounded up to its element size only), the layout of SGLang's
+    flattened buckets; otherwise at multiples of ALIGNMENT."""
     if bucket_bytes <= 0:
         raise InvalidArgument(f"bucket size must be > 0 bytes, got {bucket_bytes}")
     buckets: list[BucketSpec] = []
@@ -38,8 +40,10 @@ def plan_buckets(tensors: Mapping[str, torch.Tensor], bucket_bytes: int,
         if current and offset + spec.num_bytes > bucket_bytes:
             buckets.append(BucketSpec(len(buckets), offset, tuple(current)))
             current, offset = [], 0
+        if dense:
+            offset = -(-offset // wire.itemsize) * wire.itemsize
         current.append(TensorSpec(name, wire, spec.shape, offset))
-        offset = aligned(offset + spec.num_bytes)
+        offset = offset + spec.num_bytes if dense else aligned(offset + spec.num_bytes)
     if current:
         buckets.append(BucketSpec(len(buckets), offset, tuple(current)))
     return buckets
@@ -67,11 +71,11 @@ def checksum(buffer: torch.Tensor) -> int:
 
 def pack(tensors: Mapping[str, torch.Tensor], bucket_bytes: int, version: int, group_id: str,
          dtype: torch.dtype | None = None, reuse: Manifest | None = None,
-         buffers: list[torch.Tensor] | None = None) -> tuple[Manifest, list[torch.Tensor]]:
+         buffers: list[torch.Tensor] | None = None, dense: bool = False) -> tuple[Manifest, list[torch.Tensor]]:
     """Plans, packs and checksums every bucket: the manifest and the buffers to send, in order.
     `buffers` packed for the manifest `reuse` are filled again when the plan is the same (every step
     of a run): the bytes land in memory that is already mapped, which matters at GB scale."""
-    plan = plan_buckets(tensors, bucket_bytes, dtype)
+    plan = plan_buckets(tensors, bucket_bytes, dtype, dense)
     same = reuse is not None and buffers is not None and [(b.num_bytes, b.tensors) for b in reuse.buckets] == [
         (b.num_bytes, b.tensors) for b in plan]
     packed, buckets = [], []

@@ -59,15 +59,16 @@ class SyncGroup:
     transport: str  # "nccl" | "gloo" | "grpc"
     world_size: int  # the sender (rank 0) plus every receiver
     timeout_s: float
-    store_host: str = ""  # gloo
-    store_port: int = 0  # gloo
-    nccl_unique_id: bytes = b""  # nccl
+    store_host: str = ""  # gloo, torch_group
+    store_port: int = 0  # gloo, torch_group
+    nccl_unique_id: bytes = b""  # nccl (not torch_group)
+    torch_group: bool = False  # a torch.distributed group an SGLang server can join (weight_sync.torch_group)
 
     def to_proto(self) -> weight_sync_pb2.WeightSyncGroup:
         return weight_sync_pb2.WeightSyncGroup(
             group_id=self.group_id, transport=transport_to_proto(self.transport), world_size=self.world_size,
             nccl_unique_id=self.nccl_unique_id, store_host=self.store_host, store_port=self.store_port,
-            timeout_s=self.timeout_s)
+            timeout_s=self.timeout_s, torch_group=self.torch_group)
 
     @classmethod
     def from_proto(cls, message: weight_sync_pb2.WeightSyncGroup) -> SyncGroup:
@@ -80,12 +81,15 @@ class SyncGroup:
             raise InvalidArgument(f"weight-sync group {message.group_id}: world_size {message.world_size} < 2")
         if not (math.isfinite(message.timeout_s) and message.timeout_s > 0):
             raise InvalidArgument(f"weight-sync group {message.group_id}: timeout_s must be > 0")
-        if transport == "gloo" and not (message.store_host and 0 < message.store_port < 65536):
-            raise InvalidArgument(f"gloo group {message.group_id} needs store_host and store_port")
-        if transport == "nccl" and not message.nccl_unique_id:
+        if message.torch_group and transport == "grpc":
+            raise InvalidArgument(f"grpc group {message.group_id} cannot be a torch_group")
+        needs_store = transport == "gloo" or message.torch_group
+        if needs_store and not (message.store_host and 0 < message.store_port < 65536):
+            raise InvalidArgument(f"{transport} group {message.group_id} needs store_host and store_port")
+        if transport == "nccl" and not message.torch_group and not message.nccl_unique_id:
             raise InvalidArgument(f"nccl group {message.group_id} needs nccl_unique_id")
         return cls(message.group_id, transport, message.world_size, message.timeout_s, message.store_host,
-                   message.store_port, bytes(message.nccl_unique_id))
+                   message.store_port, bytes(message.nccl_unique_id), message.torch_group)
 
     def check_rank(self, rank: int) -> None:
         if not 1 <= rank < self.world_size:

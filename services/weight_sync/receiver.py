@@ -46,6 +46,10 @@ class WeightSwap:
 
 def open_transport(group: SyncGroup, rank: int, device: torch.device):
     """The collective of `group` for `rank`; None for grpc (the bytes come by PushWeights)."""
+    if group.torch_group:
+        from rlfabric.weight_sync.torch_group import TorchGroupTransport
+
+        return TorchGroupTransport(group, rank, device)
     if group.transport == "gloo":
         from rlfabric.weight_sync.gloo import GlooTransport
 

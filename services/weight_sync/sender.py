@@ -99,8 +99,11 @@ class WeightSender:
         return "nccl" if self.device.type == "cuda" else "gloo"
 
     def open(self, transport: str = "", num_receivers: int = 1, bucket_bytes: int = 0,
-             dtype: torch.dtype | None = None, timeout_s: float = 0.0, addresses: tuple[str, ...] = ()) -> SyncGroup:
-        """A new group with this actor as rank 0; receivers join with ranks 1..num_receivers."""
+             dtype: torch.dtype | None = None, timeout_s: float = 0.0, addresses: tuple[str, ...] = (),
+             torch_group: bool = False) -> SyncGroup:
+        """A new group with this actor as rank 0; receivers join with ranks 1..num_receivers. `torch_group`
+        (gloo, nccl): a torch.distributed group an SGLang server can join (rlfabric.weight_sync.torch_group),
+        whose buckets are packed densely, as SGLang's flattened buckets are."""
         transport = transport or self.default_transport()
         timeout_s = timeout_s or self.timeout_s
         if num_receivers < 1:
@@ -115,6 +118,8 @@ class WeightSender:
                                   f"for num_receivers {num_receivers}")
         if transport not in ("gloo", "nccl", "grpc"):
             raise InvalidArgument(f"unknown weight-sync transport {transport!r}")
+        if torch_group and transport == "grpc":
+            raise InvalidArgument("the grpc transport cannot be a torch group (SGLang joins gloo or nccl groups)")
         if transport == "nccl" and self.device.type != "cuda":
             raise FailedPrecondition("the nccl weight-sync transport needs the actor on a CUDA device; "
                                      "this actor runs on CPU (use gloo or grpc)")
@@ -123,7 +128,17 @@ class WeightSender:
         world_size = num_receivers + 1
         entry = _Group(SyncGroup(group_id, transport, world_size, timeout_s), bucket_bytes or self.bucket_bytes,
                        dtype, tuple(addresses))
-        if transport == "gloo":
+        if torch_group:
+            from rlfabric.weight_sync.gloo import GlooTransport
+            from rlfabric.weight_sync.torch_group import TorchGroupTransport, host_store
+
+            entry.store = host_store(self.host, world_size, timeout_s)
+            entry.group = SyncGroup(group_id, transport, world_size, timeout_s, store_host=self.host,
+                                    store_port=entry.store.port, torch_group=True)
+            client = GlooTransport.connect_store(entry.group)  # as for gloo: closing the store ends the rendezvous
+            entry.connecting = _in_thread(f"weight-sync-{group_id}", TorchGroupTransport, entry.group, 0,
+                                          self.device, client)
+        elif transport == "gloo":
             from rlfabric.weight_sync.gloo import GlooTransport
 
             entry.store = GlooTransport.host_store(self.host, world_size, timeout_s)
@@ -141,7 +156,8 @@ class WeightSender:
             entry.connecting = _in_thread(f"weight-sync-{group_id}", NcclTransport, entry.group, 0, self.device)
         self._groups[group_id] = entry
         log.info("weight-sync group opened", extra={"fields": {
-            "group_id": group_id, "transport": transport, "world_size": world_size, "timeout_s": timeout_s}})
+            "group_id": group_id, "transport": transport, "world_size": world_size, "timeout_s": timeout_s,
+            "torch_group": torch_group}})
         return entry.group
 
     def _make_room(self) -> None:
@@ -190,7 +206,7 @@ class WeightSender:
             entry.prepared = None
             reuse, buffers = entry.last or (None, None)
             manifest, buffers = pack(dedupe_shared(state), entry.bucket_bytes, version, group_id, entry.dtype,
-                                     reuse, buffers)
+                                     reuse, buffers, dense=entry.group.torch_group)
             manifest = dataclasses.replace(manifest, adapter=adapter)
             entry.last = (manifest, buffers)
             entry.prepared = (manifest, buffers)

@@ -5,6 +5,8 @@ from pathlib import Path
 import pytest
 
 from rlfabric.core.config import load_config
+from rlfabric.launch.local import service_names
+from rlfabric.launch.placement import plan_placement
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -22,6 +24,10 @@ def test_gsm8k_examples_validate(name, estimator, needs_critic):
         assert config.rollout.n > 1 and config.actor.use_kl_loss
     else:
         assert config.algorithm.use_kl_in_reward and config.critic.lr > config.actor.lr
+    # On two GPUs the trainers and the rollout get different devices, so NCCL can connect them.
+    placements = plan_placement(config, service_names(config), gpu_count=2)
+    trainers = {placements[role].gpus for role in ("actor", "reference", "critic") if role in placements}
+    assert trainers == {(0,)} and placements["rollout-0"].gpus == (1,)
 
 
 def test_math_example_scores_with_the_math_rule():

@@ -160,10 +160,29 @@ def test_prometheus_gauges_follow_the_last_step(tmp_path):
     tracker.close()
 
 
+def test_step_time_histogram_carries_the_steps_trace_id_as_exemplar(tmp_path):
+    from prometheus_client.openmetrics.exposition import generate_latest as openmetrics_latest
+    from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
+
+    registry = CollectorRegistry()
+    tracker = RunTracker(tmp_path, make_config([]), registry, total_steps=3)
+    tracker.log(1, step_metrics(1), trace_id="0af7651916cd43dd8448eb211c80319c")  # timing_s/step 2.5
+    tracker.log(2, step_metrics(2))  # not traced: observed, no exemplar
+    tracker.close()
+    (family,) = [f for f in parse_openmetrics(openmetrics_latest(registry).decode())
+                 if f.name == "rlfabric_coordinator_step_seconds"]
+    buckets = {s.labels["le"]: s for s in family.samples if s.name.endswith("_bucket")}
+    assert buckets["+Inf"].value == 2
+    assert buckets["2.5"].exemplar.labels == {"trace_id": "0af7651916cd43dd8448eb211c80319c"}
+    assert buckets["2.5"].exemplar.value == 2.5
+    assert [le for le, s in buckets.items() if s.exemplar] == ["2.5"]
+
+
 def test_every_coordinator_metric_the_dashboard_queries_is_exported(tmp_path):
     registry = CollectorRegistry()
     RunTracker(tmp_path, make_config([]), registry, total_steps=2).log(1, step_metrics(1))
-    exported = {name for name, _ in samples(registry)}
+    families = {family.name for family in text_string_to_metric_families(generate_latest(registry).decode())}
+    exported = {name for name, _ in samples(registry)} | families  # a histogram's name and its _bucket series
     queried = set(re.findall(r"\brlfabric_coordinator_[a-z_]+", DASHBOARD.read_text()))
     assert len(queried) >= 7
     assert queried <= exported, queried - exported

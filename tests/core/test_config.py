@@ -119,3 +119,13 @@ def test_a_config_a_run_cannot_train_with_fails_to_load(overrides, message):
 
 def test_a_critic_mini_batch_does_not_matter_without_a_critic():
     assert load_run_config(overrides=["critic.ppo_mini_batch_size=128"]).critic.ppo_mini_batch_size == 128
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["trainer.colocated=true", "trainer.mode=async"], "trainer.colocated=true needs trainer.mode=sync"),
+    (["trainer.colocated=true", "rollout.engine=vllm"], "needs rollout.enable_sleep_mode=true"),
+])
+def test_a_colocated_run_needs_a_rollout_that_can_sleep_between_its_steps(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_run_config(None, overrides)
+    load_run_config(None, ["trainer.colocated=true"])  # the hf engine sleeps on any device

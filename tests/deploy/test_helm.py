@@ -812,6 +812,32 @@ def test_gpu_pools_schedule_roles(by_case):
     assert len(r.run_config()["cluster"]["rollout"]) == 2
 
 
+def test_a_roles_run_config_pool_picks_its_node_pool_and_resources(chart):
+    """roles.<role>.pool left empty: the role's pool in the run config (config.<role>.pool) is its node pool
+    too, whose nodeSelector applies and whose resources fill what the role's leave out."""
+    values = {
+        "config": {"resource_pools": {"train": {"gpus": 1}, "infer": {"gpus": 1}},
+                   "actor": {"pool": "train"}, "rollout": {"pool": "infer"}},
+        "pools": {"train": {"nodeSelector": {"rlfabric.io/pool": "train"},
+                            "resources": {"requests": {"cpu": "9", "ephemeral-storage": "50Gi"}}},
+                  "infer": {"nodeSelector": {"rlfabric.io/pool": "infer"}}},
+        "roles": {"actor": {"pool": ""}, "rollout": {"pool": ""}},
+    }
+    docs = parse_manifests(render_chart(chart, values))
+    pods = {d["metadata"]["name"]: d["spec"]["template"]["spec"] for d in docs if d["kind"] == "StatefulSet"}
+    actor, rollout = pods[f"{FULLNAME}-actor"], pods[f"{FULLNAME}-rollout"]
+    assert actor["nodeSelector"] == {"rlfabric.io/pool": "train"}
+    assert rollout["nodeSelector"] == {"rlfabric.io/pool": "infer"}
+    requests = actor["containers"][0]["resources"]["requests"]
+    assert requests["ephemeral-storage"] == "50Gi"  # from the pool
+    assert requests["cpu"] == "4"  # the role's own wins
+    assert actor["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
+    values["roles"]["rollout"]["pool"] = ""
+    del values["pools"]["infer"]
+    with pytest.raises(helm.HelmError, match=re.escape('config.rollout.pool: "infer" is not a key of .Values.pools')):
+        render_chart(chart, values)
+
+
 def test_colocated_rollout_follows_actor(by_case):
     r = by_case["colocated"]
     actor_pod = r.workload("actor")["spec"]["template"]["spec"]
@@ -824,6 +850,7 @@ def test_colocated_rollout_follows_actor(by_case):
     } in terms
     assert "affinity" not in actor_pod or "podAffinity" not in actor_pod["affinity"]
     assert r.run_config()["rollout"]["enable_sleep_mode"] is True
+    assert r.run_config()["trainer"]["colocated"] is True and r.run_config()["weight_sync"]["transport"] == "gloo"
 
 
 # --- monitoring ------------------------------------------------------------------------------
@@ -867,12 +894,14 @@ KNOWN_METRICS = {
     "rlfabric_coordinator_phase_seconds",
     "rlfabric_coordinator_staleness",
     "rlfabric_coordinator_weight_version",
+    "rlfabric_coordinator_metric",
 } | {
     f"{h}_{suffix}"
     for h in (
         "rlfabric_weight_sync_seconds",
         "rlfabric_rollout_paused_seconds",
         "rlfabric_train_update_seconds",
+        "rlfabric_coordinator_step_seconds",
     )
     for suffix in ("bucket", "sum", "count")
 }
@@ -933,6 +962,25 @@ def test_dashboard_covers_the_run():
             assert re.search(r"by \([^)]*\ble\b", expr), expr
         if "_bucket" in expr or "_total" in expr:
             assert "rate(" in expr or "increase(" in expr or "-" in expr, expr
+
+
+def test_step_time_panel_links_exemplars_to_the_tracing_datasource():
+    """The step-time panel asks Prometheus for exemplars and links an exemplar's trace_id to Explore in the
+    dashboard's `tracing` data source variable (Tempo)."""
+    dashboard = json.loads((CHART / "dashboards" / "rlfabric.json").read_text())
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert variables["tracing"]["type"] == "datasource" and variables["tracing"]["query"] == "tempo"
+    (panel,) = [p for p in dashboard["panels"] if "rlfabric_coordinator_step_seconds_bucket" in json.dumps(p)]
+    assert any(t.get("exemplar") for t in panel["targets"])
+    (override,) = panel["fieldConfig"]["overrides"]
+    assert override["matcher"] == {"id": "byName", "options": "trace_id"}
+    (link,) = override["properties"][0]["value"]
+    explore = json.loads(link["url"].removeprefix("/explore?left="))
+    assert explore["datasource"] == "${tracing}" and explore["queries"][0]["query"] == "${__value.raw}"
+    # No two panels overlap in the grid.
+    cells = [(p["gridPos"]["x"] + dx, p["gridPos"]["y"] + dy) for p in dashboard["panels"]
+             for dx in range(p["gridPos"]["w"]) for dy in range(p["gridPos"]["h"])]
+    assert len(cells) == len(set(cells))
 
 
 def test_dashboard_promql_parses(tmp_path):

@@ -11,14 +11,21 @@ One mesh and one Prometheus per module (Debian's `prometheus` package; `make sys
 4. Once every target has been scraped after the run ended, the tests query Prometheus at that time:
    the targets are up; reward, step timing and the gRPC metrics have plausible values; every PromQL
    expression of helm/rlfabric/dashboards/rlfabric.json parses and returns at least one series.
+5. The mesh traces to an OTLP receiver (tests.otlp_receiver) and Prometheus keeps exemplars: the
+   step-time histogram's exemplars name the steps' traces. The dashboard and one step's trace are
+   drawn as PNGs (rlfabric.tools.render_dashboard, render_trace); with RLFABRIC_DOCS_IMG=docs/img the
+   README's pictures are written there:
+       RLFABRIC_DOCS_IMG=docs/img pytest tests/deploy/test_prometheus_scrape.py -k render
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import math
+import os
 import re
 import shutil
 import socket
@@ -41,14 +48,20 @@ from rlfabric.core.errors import InvalidArgument
 from rlfabric.launch.local import LocalMesh
 from rlfabric.reward.client import RewardClient
 from rlfabric.reward.items import ScoreItem
+from rlfabric.tools.render_dashboard import PrometheusApi, render_dashboard
+from rlfabric.tools.render_trace import TraceSpan, render_trace
 from rlfabric.v1 import coordinator_pb2
+from tests.otlp_receiver import OtlpReceiver, ReceivedSpan
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "helm" / "rlfabric" / "dashboards" / "rlfabric.json"
 STEPS = 6
-# The quickstart as PPO with a critic (GAE) and a KL loss against the reference: every role serves RPCs.
-MESH_OVERRIDES = ["trainer.progress_bar=false", "algorithm.adv_estimator=gae", "actor.use_kl_loss=true"]
+# The quickstart as PPO with a critic (GAE) and a KL loss against the reference: every role serves RPCs;
+# the old log-probs take their own forward pass, so the rollout/trainer mismatch metrics exist.
+MESH_OVERRIDES = ["trainer.progress_bar=false", "algorithm.adv_estimator=gae", "actor.use_kl_loss=true",
+                  "algorithm.old_log_prob_source=actor"]
 SCRAPE_INTERVAL = "1s"
 # The gRPC service each role serves (besides grpc.health.v1.Health).
 GRPC_SERVICES = {
@@ -99,7 +112,8 @@ class Prometheus:
         with open(self.log_path, "wb") as log_file:
             self.process = subprocess.Popen(
                 [binary, f"--config.file={config_path}", f"--storage.tsdb.path={workdir / 'data'}",
-                 f"--web.listen-address={self.url.removeprefix('http://')}"],
+                 f"--web.listen-address={self.url.removeprefix('http://')}",
+                 "--enable-feature=exemplar-storage"],  # the step-time histogram's links to traces
                 stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             )
 
@@ -168,6 +182,8 @@ class Scraped:
     last_record: dict  # the run's last line of metrics.jsonl
     began: float  # a time after the first scrapes, before the first RPC of the test
     at: float  # a time after the run when every target had been scraped: the queries' evaluation time
+    records: list[dict]  # the run's metrics.jsonl
+    spans: list[ReceivedSpan]  # every span the mesh exported, each step's root span included
 
     def query(self, expr: str) -> list[dict]:
         return self.prometheus.query(expr, self.at)
@@ -201,11 +217,17 @@ def wait_for_scrapes_after(prometheus: Prometheus, since: float, targets: int, t
     raise TimeoutError(f"not every target scraped after {since} within {timeout_s} s: {scraped_at}")
 
 
+def step_roots(receiver: OtlpReceiver) -> dict[int, ReceivedSpan]:
+    return {s.attributes["rlfabric.step"]: s for s in receiver.spans() if s.name == "train_step"}
+
+
 @pytest.fixture(scope="module")
 def scraped(tmp_path_factory) -> Scraped:
     workdir = tmp_path_factory.mktemp("prometheus_scrape")
-    config = load_config(None, MESH_OVERRIDES)
-    with LocalMesh(config, workdir / "mesh") as mesh:
+    with contextlib.ExitStack() as stack:
+        receiver = stack.enter_context(OtlpReceiver())
+        config = load_config(None, [*MESH_OVERRIDES, f"tracing.endpoint={receiver.endpoint}"])
+        mesh = stack.enter_context(LocalMesh(config, workdir / "mesh"))
         endpoints = json.loads((mesh.run_dir / "endpoints.json").read_text())
         prometheus = Prometheus(scrape_config(endpoints), workdir / "prometheus")
         try:
@@ -218,8 +240,10 @@ def scraped(tmp_path_factory) -> Scraped:
             status = asyncio.run(train(endpoints["coordinator"][0]["grpc"], options))
             ended = time.time()
             at = wait_for_scrapes_after(prometheus, ended, targets)
-            last_record = json.loads((mesh.run_dir / "metrics.jsonl").read_text().splitlines()[-1])
-            yield Scraped(prometheus, endpoints, status, last_record, began, at)
+            records = [json.loads(line) for line in (mesh.run_dir / "metrics.jsonl").read_text().splitlines()]
+            # The coordinator exports a step's spans in batches, at most a few seconds after the step.
+            wait_until(lambda: len(step_roots(receiver)) == STEPS, 30, f"the root spans of {STEPS} steps")
+            yield Scraped(prometheus, endpoints, status, records[-1], began, at, records, receiver.spans())
         finally:
             prometheus.stop()
 
@@ -329,3 +353,48 @@ def test_rate_and_increase_see_the_first_rpc_of_a_method(scraped):
         "by the first RPC; services/core should initialise them to 0 when the server starts, for every "
         "method (and, for grpc_server_handled_total, every status code)"
     )
+
+
+# --- traces: exemplars, and the pictures of the README ---------------------------------------------
+
+
+def test_step_time_exemplars_name_the_steps_traces(scraped):
+    """Each step's observation of rlfabric_coordinator_step_seconds carries its trace id (OpenMetrics
+    exemplar): the dashboard's link from a step's point to its trace."""
+    exemplars = PrometheusApi(scraped.prometheus.url).exemplars(
+        "rlfabric_coordinator_step_seconds_bucket", scraped.began, scraped.at)
+    roots = {s.trace_id: s for s in scraped.spans if s.name == "train_step"}
+    step_seconds = {r["step"]: r["timing_s/step"] for r in scraped.records}
+    assert len(exemplars) >= 2, exemplars
+    for _, value, labels in exemplars:
+        root = roots.get(labels["trace_id"])
+        assert root is not None, f"exemplar {labels} names no step's trace"
+        assert value == pytest.approx(step_seconds[root.attributes["rlfabric.step"]])
+
+
+def test_the_dashboard_and_a_steps_trace_render_from_the_run(scraped, tmp_path):
+    """The README's pictures: the dashboard drawn from this Prometheus (every panel with data) and step 2's
+    trace; written to $RLFABRIC_DOCS_IMG too when it is set."""
+    prometheus = PrometheusApi(scraped.prometheus.url)
+    start, end = scraped.began - 5, scraped.at + 5
+    drawn = render_dashboard(prometheus, start, end, tmp_path / "dashboard-full.png")
+    assert len(drawn) >= 30 and all(drawn.values()), [title for title, n in drawn.items() if not n]
+    readme = render_dashboard(prometheus, start, end, tmp_path / "dashboard.png", rows=["Run", "Step time"])
+    assert "Step time (p50 / p95), a step's trace per exemplar" in readme and "Rollout queue depth" not in readme
+
+    root = next(s for s in scraped.spans if s.name == "train_step" and s.attributes["rlfabric.step"] == 2)
+    spans = [TraceSpan(s.service, s.name, s.span_id, s.parent_span_id, s.start_ns, s.end_ns)
+             for s in scraped.spans if s.trace_id == root.trace_id]
+    assert len(spans) > 10 and all(s.end_ns > s.start_ns > 0 for s in spans)
+    (tmp_path / "trace.json").write_text(json.dumps([dataclasses.asdict(s) for s in spans]))  # to redraw it
+    render_trace(spans, tmp_path / "trace.png", f"step 2: trace {root.trace_id}")
+
+    import matplotlib.image
+
+    for name in ("dashboard-full.png", "dashboard.png", "trace.png"):
+        height, width, _ = matplotlib.image.imread(tmp_path / name).shape
+        assert width >= 1200 and height >= 400, (name, width, height)
+    if os.environ.get("RLFABRIC_DOCS_IMG"):
+        target = Path(os.environ["RLFABRIC_DOCS_IMG"])
+        for name in ("dashboard.png", "trace.png"):
+            shutil.copyfile(tmp_path / name, target / name)

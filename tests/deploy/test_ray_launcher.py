@@ -254,6 +254,41 @@ def test_a_service_that_fails_to_load_is_named(ray_address, small, tmp_path):
     assert _wait_dead(_services_of(tmp_path)) == []
 
 
+def test_each_resource_pool_is_a_placement_group_holding_its_services(ray_address, small, tmp_path):
+    from ray.util import placement_group_table
+
+    config = load_config(None, [*small, "resource_pools={train: {}, infer: {}}", "actor.pool=train",
+                                "reward.pool=train", "rollout.pool=infer"])
+    with RayMesh(config, tmp_path / "run") as mesh:
+        groups = {name: group.id.hex() for name, group in mesh.pools.items()}
+        assert set(groups) == {"train", "infer"}
+        # A bundle per node, holding what the pool's services reserve.
+        assert mesh.pools["train"].bundle_specs == [{"CPU": CPUS["actor"] + CPUS["reward"]}]
+        assert mesh.pools["infer"].bundle_specs == [{"CPU": CPUS["rollout"]}]
+        for service in mesh.services:
+            placed_in = ray.get(service.actor.placement_group_id.remote(), timeout=30)
+            expected = {"actor": "train", "reward": "train", "rollout": "infer"}.get(service.role)
+            assert placed_in == (groups[expected] if expected else None), service.name
+    assert {placement_group_table()[group]["state"] for group in groups.values()} == {"REMOVED"}
+
+
+def test_a_pool_reserves_its_gpus_per_node_and_its_services_share_them():
+    from rlfabric.core.config import ConfigError
+    from rlfabric.launch.ray import pool_bundles, pool_gpu_share
+
+    config = load_config(None, ["resource_pools={shared: {gpus: 1}, critic: {gpus: 2, nodes: 2}}", "actor.pool=shared",
+                                "rollout.pool=shared", "algorithm.adv_estimator=gae", "critic.pool=critic",
+                                "critic.world_size=2", "launcher.ray.critic.num_cpus=4"])
+    assert pool_bundles(config) == {"shared": [{"CPU": 2.0, "GPU": 1.0}],
+                                    "critic": [{"CPU": 2.0, "GPU": 2.0}, {"CPU": 2.0, "GPU": 2.0}]}
+    assert pool_gpu_share(config, "shared", "rollout", 1) == 0.5  # the actor and the rollout: one GPU, half each
+    assert pool_gpu_share(config, "critic", "critic", 2) == 2  # alone in its pool
+    two_rank_actor = load_config(None, ["resource_pools={shared: {gpus: 2}}", "actor.pool=shared", "rollout.pool=shared",
+                                        "actor.world_size=2"])
+    with pytest.raises(ConfigError, match="actor.pool shared: a service on 2 GPUs cannot share a pool"):
+        pool_gpu_share(two_rank_actor, "shared", "actor", 2)
+
+
 def test_a_service_ray_cannot_place_fails_within_the_startup_timeout(ray_address, small, tmp_path):
     # No GPU on this cluster: the reward service can never be placed.
     config = load_config(None, [*small, "launcher.ray.reward.num_gpus=1", "launcher.startup_timeout_s=10"])

@@ -129,8 +129,15 @@ def test_requests_are_held_while_asleep_and_a_failed_sleep_leaves_the_engine_awa
     async def scenario(engine):
         with pytest.raises(InvalidArgument, match="sleep level must be 1 or 2"):
             await engine.sleep(3)
-        with pytest.raises(Unimplemented):
-            await engine.sleep(2)
+        engine_sleep = engine._sleep
+
+        async def failing_sleep(level):  # the engine's part fails (an allocator error, say)
+            raise Unimplemented("simulated sleep failure")
+
+        engine._sleep = failing_sleep
+        with pytest.raises(Unimplemented, match="simulated"):
+            await engine.sleep(1)
+        engine._sleep = engine_sleep
         assert not engine.status().sleeping
         assert len(await collect(engine, [[5, 6]])) == 1
         await engine.sleep(1)

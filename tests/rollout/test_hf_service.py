@@ -192,12 +192,42 @@ def test_sleep_and_wake_up(served):
         rollout.WakeUp(rollout_pb2.WakeUpRequest(), timeout=30)
     assert not rollout.GetStatus(rollout_pb2.RolloutServiceGetStatusRequest(), timeout=5).sleeping
     with pytest.raises(grpc.RpcError) as info:
-        rollout.Sleep(rollout_pb2.SleepRequest(level=2), timeout=5)
-    assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED and "level 1" in info.value.details()
+        rollout.Sleep(rollout_pb2.SleepRequest(level=3), timeout=5)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "1 or 2" in info.value.details()
     with pytest.raises(grpc.RpcError) as info:
         rollout.WakeUp(rollout_pb2.WakeUpRequest(tags=["gpu"]), timeout=5)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert len(generate(channel, [[5, 6]], max_tokens=2)) == 1
+
+
+def test_level_2_frees_the_weights_and_a_sync_in_vllms_order_restores_them(served, tiny_model):
+    """The hybrid engine's order (VeRL's): sleep at level 2 (the weights' memory is freed), wake the
+    weights (allocated, not yet filled), load the actor's weights, wake the KV cache, generate."""
+    server, channel, engine = served
+    rollout = stub(channel)
+
+    def status():
+        return rollout.GetStatus(rollout_pb2.RolloutServiceGetStatusRequest(), timeout=5)
+
+    weights = original_weights(tiny_model)
+    server.run(engine.load_weights(list(weights.items())))
+    before = generate(channel, PROMPTS, max_tokens=6, seed=5)
+    awake = status()
+    assert awake.device_memory_bytes > 0 and awake.rss_bytes > awake.device_memory_bytes
+    rollout.Sleep(rollout_pb2.SleepRequest(level=2), timeout=30)
+    try:
+        asleep = status()
+        # The parameters' memory is freed; the rotary tables (buffers, a few hundred bytes) stay.
+        assert asleep.sleeping and asleep.device_memory_bytes < awake.device_memory_bytes / 100
+        rollout.WakeUp(rollout_pb2.WakeUpRequest(tags=["weights"]), timeout=30)
+        assert not status().sleeping and status().device_memory_bytes == awake.device_memory_bytes
+        version = server.run(engine.load_weights(list(weights.items())))
+        rollout.WakeUp(rollout_pb2.WakeUpRequest(tags=["kv_cache"]), timeout=30)
+    finally:
+        rollout.WakeUp(rollout_pb2.WakeUpRequest(), timeout=30)
+    after = generate(channel, PROMPTS, max_tokens=6, seed=5)
+    assert [s.token_ids for s in after] == [s.token_ids for s in before]
+    assert all(s.weight_version == version for s in after)
 
 
 def test_engine_failure_is_unavailable_and_the_service_recovers(served):

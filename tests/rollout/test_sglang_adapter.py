@@ -1,78 +1,27 @@
-"""The SGLang adapter against FakeSGLangServer, a stand-in HTTP server written for these tests
-(SGLang cannot run here): it records the exact JSON the adapter sends and answers the way the
-SGLang endpoints do. A real-SGLang test at the end runs only on a GPU machine with a server."""
+"""The SGLang adapter against FakeSGLangServer (tests/rollout/fake_sglang.py), a stand-in HTTP server
+written for these tests (SGLang cannot run here): it records the exact JSON the adapter sends and answers
+the way the SGLang endpoints do. Weight sync through a real actor into the fake is in
+tests/weight_sync/test_sync_sglang.py. A real-SGLang test at the end runs only on a GPU machine with a server."""
 
 from __future__ import annotations
 
-import json
 import os
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import grpc
 import pytest
 import torch
 
+from rlfabric.core.errors import FailedPrecondition
 from rlfabric.core.server import ServerOptions
 from rlfabric.rollout.servicer import build_service
+from rlfabric.rollout.sglang_engine import check_dense
 from rlfabric.rollout.types import Finish, row_seed
 from rlfabric.v1 import rollout_pb2
+from rlfabric.weight_sync import BucketSpec, Manifest, SyncGroup, TensorSpec
 from tests.conftest import ServerThread
 
+from .fake_sglang import FakeSGLangServer
 from .helpers import generate, invalid_argument, rollout_config, stream, stub
-
-
-class FakeSGLangServer:
-    """A stand-in for an SGLang server: /generate answers the prompt's last token + 1, repeated
-    max_new_tokens times (finish "length"), with log-prob -0.25 each; every call is recorded."""
-
-    def __init__(self):
-        self.calls: list[tuple[str, str, dict | None]] = []
-        self.fail_generate: tuple[int, str] | None = None  # (HTTP status, body) to answer /generate with
-        self.weight_version = "7"
-        fake = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def _answer(self, status: int, payload) -> None:
-                body = payload.encode() if isinstance(payload, str) else json.dumps(payload).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def do_GET(self):
-                fake.calls.append(("GET", self.path, None))
-                if self.path == "/get_weight_version":
-                    return self._answer(200, {"weight_version": fake.weight_version})
-                return self._answer(200, {})
-
-            def do_POST(self):
-                payload = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"null")
-                fake.calls.append(("POST", self.path, payload))
-                if self.path != "/generate":
-                    return self._answer(200, {"success": True, "message": ""})
-                if fake.fail_generate:
-                    return self._answer(*fake.fail_generate)
-                count = payload["sampling_params"]["max_new_tokens"]
-                token = (payload["input_ids"][-1] + 1) % 100
-                meta = {"id": payload["rid"], "finish_reason": {"type": "length", "length": count},
-                        "output_token_logprobs": [[-0.25, token, None]] * count}
-                self._answer(200, {"text": "x" * count, "output_ids": [token] * count, "meta_info": meta})
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_port}"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def posts(self, path: str) -> list[dict]:
-        return [payload for method, p, payload in self.calls if method == "POST" and p == path]
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
 
 
 @pytest.fixture(scope="module")
@@ -172,25 +121,34 @@ def test_pause_resume_sleep_wake_send_the_sglang_calls(served, fake):
     assert len(generate(channel, [[5]])) == 1
 
 
-def test_weight_updates_send_the_sglang_calls(served, fake):
+def test_weight_updates_from_disk_send_the_sglang_calls(served, fake):
     server, _, engine = served
     fake.calls.clear()
-    server.run(engine.init_weights_update_group("10.0.0.1", 29500, 1, 2, "rlfabric-sync"))
-    version = server.run(engine.update_weights_from_distributed(["lm_head.weight"], ["bfloat16"], [(100, 64)],
-                                                                "rlfabric-sync"))
-    assert version == 8 and engine.status().weight_version == 8
     assert server.run(engine.update_weights_from_disk("/ckpt/step-9", version=9)) == 9
+    assert engine.status().weight_version == 9
     assert [(p, body) for _, p, body in fake.calls] == [
-        ("/init_weights_update_group", {"master_address": "10.0.0.1", "master_port": 29500, "rank_offset": 1,
-                                        "world_size": 2, "group_name": "rlfabric-sync", "backend": "nccl"}),
-        ("/update_weights_from_distributed", {"names": ["lm_head.weight"], "dtypes": ["bfloat16"],
-                                              "shapes": [[100, 64]], "group_name": "rlfabric-sync",
-                                              "flush_cache": True, "weight_version": "8"}),
         ("/update_weights_from_disk", {"model_path": "/ckpt/step-9", "weight_version": "9"}),
         ("/flush_cache", {}),
     ]
     with pytest.raises(Exception, match="cannot take in-memory tensors"):
         server.run(engine.load_weights([("lm_head.weight", torch.zeros(1))]))
+
+
+def test_a_group_sglang_cannot_join_is_refused_before_the_server_is_asked(served, fake):
+    server, _, engine = served
+    fake.calls.clear()
+    with pytest.raises(FailedPrecondition, match="not a torch group"):
+        server.run(engine.join_weight_sync(SyncGroup("ws-1", "gloo", 2, 5.0, "127.0.0.1", 1234), 1))
+    with pytest.raises(FailedPrecondition, match="has not joined a weight-sync group"):
+        server.run(engine.receive_weights(Manifest(1, "ws-1")))
+    assert fake.calls == []
+
+
+def test_a_manifest_packed_with_gaps_is_refused():
+    spec = TensorSpec("a", torch.float32, (3,), 0)
+    check_dense(Manifest(1, "ws", (BucketSpec(0, 24, (spec, TensorSpec("b", torch.float32, (3,), 12))),)))
+    with pytest.raises(FailedPrecondition, match="b starts at byte 64, not 12; SGLang takes dense buckets"):
+        check_dense(Manifest(1, "ws", (BucketSpec(0, 76, (spec, TensorSpec("b", torch.float32, (3,), 64))),)))
 
 
 def test_unreachable_server_is_unavailable(tiny_model):
@@ -218,3 +176,10 @@ def test_real_sglang_server_generates():
                 channel, [[{"role": "user", "content": "Say hi."}]], n=2, max_tokens=8, seed=1)]
     finally:
         server.stop()
+
+
+def test_the_grpc_transport_cannot_reach_sglang():
+    from rlfabric.core.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="weight_sync.transport grpc cannot reach an SGLang server"):
+        load_config(None, ["rollout.engine=sglang", "weight_sync.transport=grpc"])

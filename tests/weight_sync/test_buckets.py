@@ -229,3 +229,22 @@ def test_a_push_payload_encodes_each_chunk_once_for_all_receivers():
     assert len(payload._encoded) == len(whole) - 1  # held for the other receiver
     assert [list(payload.stream(lane, 3)) for lane in range(3)] == first
     assert not payload._encoded  # dropped once both took them
+
+
+def test_dense_buckets_hold_their_tensors_back_to_back_as_sglang_unpacks_them():
+    tensors = {"a": torch.randn(3), "b": torch.randn(2, 5), "c": torch.arange(3, dtype=torch.int64)}
+    manifest, buffers = pack(tensors, 1 << 20, 1, "g", dtype=torch.bfloat16, dense=True)
+    (bucket,) = manifest.buckets
+    # a and b in bfloat16 end at byte 26; c (int64) starts at its element size's next multiple, 32.
+    assert [t.offset for t in bucket.tensors] == [0, 6, 32] and bucket.num_bytes == 56
+    received = dict(unpack(buffers, manifest))
+    assert torch.equal(received["b"], tensors["b"].to(torch.bfloat16)) and torch.equal(received["c"], tensors["c"])
+
+
+def test_a_torch_group_carries_its_store_and_cannot_be_grpc():
+    group = SyncGroup("g", "nccl", 2, 5.0, store_host="10.0.0.2", store_port=4000, torch_group=True)
+    assert SyncGroup.from_proto(group.to_proto()) == group  # no nccl_unique_id needed
+    with pytest.raises(InvalidArgument, match="cannot be a torch_group"):
+        SyncGroup.from_proto(dataclasses.replace(group, transport="grpc").to_proto())
+    with pytest.raises(InvalidArgument, match="needs store_host and store_port"):
+        SyncGroup.from_proto(dataclasses.replace(group, store_port=0).to_proto())

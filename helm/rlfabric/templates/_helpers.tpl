@@ -232,11 +232,24 @@ which YAML 1.1 loaders (PyYAML) read as strings: give such mantissas a ".0".
 Pod template
 */}}
 
+{{/* The node pool of a role: roles.<role>.pool, else the pool the run config gives the role
+(config.<role>.pool, a key of config.resource_pools), "" for none. Args: dict ctx role. */}}
+{{- define "rlfabric.poolName" -}}
+{{- $r := index .ctx.Values.roles .role }}
+{{- $section := index (.ctx.Values.config | default dict) .role | default dict }}
+{{- $r.pool | default ($section.pool | default "") }}
+{{- end }}
+
 {{/* Checks a role's settings that the schema cannot express. Args: dict ctx role. */}}
 {{- define "rlfabric.validateRole" -}}
 {{- $r := index .ctx.Values.roles .role }}
-{{- if and $r.pool (not (hasKey .ctx.Values.pools $r.pool)) }}
-{{- fail (printf "roles.%s.pool: %q is not a key of .Values.pools" .role $r.pool) }}
+{{- $pool := include "rlfabric.poolName" . }}
+{{- if and $pool (not (hasKey .ctx.Values.pools $pool)) }}
+{{- if $r.pool }}
+{{- fail (printf "roles.%s.pool: %q is not a key of .Values.pools" .role $pool) }}
+{{- else }}
+{{- fail (printf "config.%s.pool: %q is not a key of .Values.pools: add it there (its nodeSelector, tolerations and resources), or set roles.%s.pool" .role $pool .role) }}
+{{- end }}
 {{- end }}
 {{- with $r.colocateWith }}
 {{- if or (eq . $.role) (not (hasKey $.ctx.Values.roles .)) }}
@@ -251,10 +264,7 @@ Pod template
 {{/* Scheduling fields (nodeSelector, tolerations, affinity) of a role. Args: dict ctx role. */}}
 {{- define "rlfabric.scheduling" -}}
 {{- $r := index .ctx.Values.roles .role }}
-{{- $pool := dict }}
-{{- if $r.pool }}
-{{- $pool = index .ctx.Values.pools $r.pool | default dict }}
-{{- end }}
+{{- $pool := index .ctx.Values.pools (include "rlfabric.poolName" .) | default dict }}
 {{- $nodeSelector := merge (deepCopy ($r.nodeSelector | default dict)) ($pool.nodeSelector | default dict) }}
 {{- $tolerations := concat ($pool.tolerations | default list) ($r.tolerations | default list) }}
 {{- $affinity := deepCopy (ternary $r.affinity ($pool.affinity | default dict) (not (empty $r.affinity))) }}
@@ -281,10 +291,12 @@ affinity:
 {{- end }}
 {{- end }}
 
-{{/* Container resources of a role, with the GPU limit from .gpus. Args: dict ctx role. */}}
+{{/* Container resources of a role (its pool's fill what the role leaves out), with the GPU limit from
+.gpus. Args: dict ctx role. */}}
 {{- define "rlfabric.resources" -}}
 {{- $r := index .ctx.Values.roles .role }}
-{{- $res := deepCopy ($r.resources | default dict) }}
+{{- $pool := index .ctx.Values.pools (include "rlfabric.poolName" .) | default dict }}
+{{- $res := merge (deepCopy ($r.resources | default dict)) (deepCopy ($pool.resources | default dict)) }}
 {{- if gt (int $r.gpus) 0 }}
 {{- $limits := get $res "limits" | default dict }}
 {{- $_ := set $limits .ctx.Values.gpuResourceName (int $r.gpus) }}

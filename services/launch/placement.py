@@ -1,0 +1,163 @@
+"""Where each service of a run goes on this machine: its resource pool's GPUs and CPU cores.
+
+    placements = plan_placement(config, gpu_count=visible_gpu_count())
+    placements["rollout-0"].env()        # {"CUDA_VISIBLE_DEVICES": "1", "OMP_NUM_THREADS": "1"}
+    print(describe_placement(config, placements))   # what `rlfabric up --dry-run` prints
+
+A pool's GPUs: its `devices`, or for `gpus: N` the next N indices no pool names. Indices count the GPUs the
+launcher itself sees (so under CUDA_VISIBLE_DEVICES=2,3, device 0 is GPU 2). Inside a pool the roles share
+the devices, as in VeRL's hybrid engine: a trainer with world_size W takes the pool's first W GPUs, rollout
+replica i takes GPU i mod the pool's size, the reward service sees them all. A pool without GPUs hides every
+GPU (its roles run on CPU). A pool's `cpus` pin its services (and the ranks and engine workers they start,
+which inherit the affinity) to those cores, so separate pools are separate on a CPU-only machine too.
+Services of no pool (and the coordinator) keep the launcher's devices and cores. The Ray launcher places
+pools as placement groups instead (rlfabric.launch.ray); the in-process mesh runs every role in one process,
+where pools do not apply.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from rlfabric.core.config import ConfigError, RunConfig
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The devices one service may use."""
+
+    service: str  # "actor", "rollout-1", ...
+    role: str
+    pool: str  # "" = no pool: the launcher's own devices and cores
+    gpus: tuple[int, ...] | None  # GPU indices as the launcher sees them; None = unrestricted, () = none
+    cpus: tuple[int, ...] | None  # CPU cores; None = any
+
+    def env(self) -> dict[str, str]:
+        """Environment variables that confine the service to its GPUs (and size its thread pools to its cores)."""
+        env = {}
+        if self.gpus is not None:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(_launcher_gpu_ids()[i] for i in self.gpus)
+        if self.cpus is not None:
+            env["OMP_NUM_THREADS"] = str(len(self.cpus))
+        return env
+
+    def pin(self) -> None:
+        """Pins the calling process to the pool's cores (in a child before exec: preexec_fn)."""
+        if self.cpus is not None:
+            os.sched_setaffinity(0, self.cpus)
+
+
+def _launcher_gpu_ids() -> list[str]:
+    """The launcher's GPUs as CUDA_VISIBLE_DEVICES entries: its own list, or 0..63 when it sees every GPU."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return [str(i) for i in range(64)]
+    return [entry.strip() for entry in visible.split(",") if entry.strip()]
+
+
+def visible_gpu_count() -> int:
+    """GPUs this process sees (0 without CUDA); counted without initialising CUDA here."""
+    try:
+        import torch
+    except ImportError:
+        return 0
+    return torch.cuda.device_count()
+
+
+def pool_gpus(config: RunConfig) -> dict[str, tuple[int, ...]]:
+    """Each pool's GPU indices on this machine: `devices` as given, then `gpus: N` from the lowest free index."""
+    taken = {index for pool in config.resource_pools.values() for index in pool.devices}
+    gpus: dict[str, tuple[int, ...]] = {}
+    next_free = 0
+    for name, pool in config.resource_pools.items():
+        if pool.devices:
+            gpus[name] = tuple(pool.devices)
+            continue
+        chosen = []
+        while len(chosen) < pool.gpus:
+            if next_free not in taken:
+                chosen.append(next_free)
+                taken.add(next_free)
+            next_free += 1
+        gpus[name] = tuple(chosen)
+    return gpus
+
+
+def plan_placement(config: RunConfig, services: list[tuple[str, str]],
+                   gpu_count: int | None = None) -> dict[str, Placement]:
+    """The placement of every (service name, role) in `services` (launch.local.service_names). With
+    gpu_count (the GPUs this machine has), a pool that asks for more, a multi-node pool or a core the
+    launcher may not use is a ConfigError naming the pool."""
+    gpus_of_pool = pool_gpus(config)
+    if gpu_count is not None:
+        check_fits_this_machine(config, gpus_of_pool, gpu_count)
+    placements = {}
+    for name, role in services:
+        pool_name = config.pool_of(role)
+        if not pool_name:
+            placements[name] = Placement(name, role, "", None, None)
+            continue
+        pool_gpus_ = gpus_of_pool[pool_name]
+        cpus = tuple(config.resource_pools[pool_name].cpus) or None
+        placements[name] = Placement(name, role, pool_name, _role_gpus(config, name, role, pool_gpus_), cpus)
+    return placements
+
+
+def _role_gpus(config: RunConfig, name: str, role: str, pool: tuple[int, ...]) -> tuple[int, ...]:
+    if not pool:
+        return ()
+    if role in ("actor", "reference", "critic"):
+        return pool[: getattr(config, role).world_size]
+    if role == "rollout":
+        replica = int(name.rpartition("-")[2])
+        return (pool[replica % len(pool)],)
+    return pool
+
+
+def check_fits_this_machine(config: RunConfig, gpus_of_pool: dict[str, tuple[int, ...]], gpu_count: int) -> None:
+    """The pools ask for what this one machine has: its GPUs, its cores, one node."""
+    usable_cores = os.sched_getaffinity(0)
+    for name, pool in config.resource_pools.items():
+        if pool.nodes > 1:
+            raise ConfigError(f"resource_pools.{name}.nodes {pool.nodes}: the local launcher runs on one node "
+                              "(use --launcher ray or the Helm chart)")
+        beyond = [index for index in gpus_of_pool[name] if index >= gpu_count]
+        if beyond:
+            raise ConfigError(f"resource_pools.{name} needs GPU(s) {list(gpus_of_pool[name])}; this machine "
+                              f"has {gpu_count} (indices 0..{gpu_count - 1})" if gpu_count else
+                              f"resource_pools.{name} needs {len(gpus_of_pool[name])} GPU(s); this machine has none")
+        missing = sorted(set(pool.cpus) - usable_cores)
+        if missing:
+            raise ConfigError(f"resource_pools.{name}.cpus {missing}: not cores this launcher may use "
+                              f"({_ranges(sorted(usable_cores))})")
+
+
+def describe_placement(config: RunConfig, placements: dict[str, Placement]) -> str:
+    """A table of the pools and of where each service runs (`rlfabric up --dry-run`)."""
+    lines = []
+    gpus_of_pool = pool_gpus(config)
+    for name, pool in config.resource_pools.items():
+        roles = sorted({p.role for p in placements.values() if p.pool == name})
+        lines.append(f"pool {name}: GPUs {_ranges(gpus_of_pool[name]) or 'none'}, CPUs {_ranges(pool.cpus) or 'any'}"
+                     f", nodes {pool.nodes}; roles: {', '.join(roles) or 'none'}")
+    width = max((len(name) for name in placements), default=0)
+    pool_width = max((len(p.pool) for p in placements.values()), default=1) or 1
+    for name, placement in placements.items():
+        gpus = "all" if placement.gpus is None else (_ranges(placement.gpus) or "none (CPU)")
+        cpus = "any" if placement.cpus is None else _ranges(placement.cpus)
+        lines.append(f"{name:<{width}}  pool {placement.pool or '-':<{pool_width}}  GPUs {gpus:<10}  CPUs {cpus}")
+    return "\n".join(lines)
+
+
+def _ranges(indices) -> str:
+    """[0, 1, 2, 5] -> "0-2,5"."""
+    indices = sorted(indices)
+    parts, start = [], None
+    for i, index in enumerate(indices):
+        if start is None:
+            start = index
+        if i + 1 == len(indices) or indices[i + 1] != index + 1:
+            parts.append(str(start) if start == index else f"{start}-{index}")
+            start = None
+    return ",".join(parts)

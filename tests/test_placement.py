@@ -1,0 +1,135 @@
+"""Resource pools: the config names them and checks them at load, the local launcher gives each pool's
+services its GPUs (CUDA_VISIBLE_DEVICES) and cores (CPU affinity, read back from /proc), and
+`rlfabric up --dry-run` prints the placement without starting anything."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from rlfabric.core.config import ConfigError, load_config, load_run_config
+from rlfabric.launch.local import LocalMesh, service_names
+from rlfabric.launch.placement import plan_placement
+
+TWO_POOLS = ["resource_pools={train: {gpus: 2}, infer: {devices: [0]}}", "actor.pool=train", "actor.world_size=2",
+             "rollout.pool=infer", "rollout.replicas=2"]
+
+
+def test_a_role_naming_an_unknown_pool_is_an_error_naming_the_key_and_the_pools():
+    with pytest.raises(ConfigError, match=r"rollout.pool: no resource pool 'gpu' \(resource_pools: train\)"):
+        load_config(None, ["resource_pools={train: {gpus: 1}}", "rollout.pool=gpu"])
+
+
+def test_a_pool_too_small_for_a_world_size_is_an_error_naming_both():
+    with pytest.raises(ConfigError, match=r"resource_pools.train has 2 GPU\(s\), too few for critic.world_size 4"):
+        load_config(None, ["resource_pools={train: {gpus: 1, nodes: 2}}", "critic.pool=train", "critic.world_size=4"])
+
+
+def test_gpus_and_devices_of_a_pool_must_agree():
+    with pytest.raises(ConfigError, match=r"resource_pools.p: .*gpus 2 disagrees with devices \[3\]"):
+        load_config(None, ["resource_pools={p: {gpus: 2, devices: [3]}}"])
+
+
+def test_pools_get_their_gpus_and_roles_share_them_inside_a_pool():
+    config = load_config(None, TWO_POOLS)
+    placements = plan_placement(config, service_names(config), gpu_count=3)
+    # infer names GPU 0, so train's two GPUs are the next free ones.
+    assert placements["actor"].gpus == (1, 2)
+    assert placements["rollout-0"].gpus == placements["rollout-1"].gpus == (0,)
+    assert placements["reward"].gpus is None  # no pool: every GPU, as without pools
+    assert placements["actor"].env() == {"CUDA_VISIBLE_DEVICES": "1,2"}
+
+
+def test_pool_indices_count_the_gpus_the_launcher_sees(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6")
+    config = load_config(None, TWO_POOLS)
+    placements = plan_placement(config, service_names(config), gpu_count=3)
+    assert placements["actor"].env()["CUDA_VISIBLE_DEVICES"] == "5,6"
+    assert placements["rollout-1"].env()["CUDA_VISIBLE_DEVICES"] == "4"
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (TWO_POOLS, r"resource_pools.train needs GPU\(s\) \[1, 2\]; this machine has 2"),
+    (["resource_pools={p: {nodes: 2}}", "actor.pool=p"], r"resource_pools.p.nodes 2: the local launcher runs on one node"),
+    (["resource_pools={p: {cpus: [4096]}}"], r"resource_pools.p.cpus \[4096\]: not cores this launcher may use"),
+])
+def test_pools_this_machine_cannot_hold_are_refused_before_anything_starts(overrides, message):
+    config = load_config(None, overrides)
+    with pytest.raises(ConfigError, match=message):
+        plan_placement(config, service_names(config), gpu_count=2)
+
+
+def _rlfabric(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "rlfabric", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_dry_run_prints_the_placement_and_starts_nothing(tmp_path):
+    result = _rlfabric("up", "--dry-run", "--run-dir", str(tmp_path / "run"),
+                       "resource_pools={train: {cpus: [0]}, infer: {cpus: [1]}}", "actor.pool=train",
+                       "rollout.pool=infer", "rollout.replicas=2")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert "pool train: GPUs none, CPUs 0, nodes 1; roles: actor" in lines
+    assert "pool infer: GPUs none, CPUs 1, nodes 1; roles: rollout" in lines
+    rows = {line.split()[0]: line.split()[1:] for line in lines if not line.startswith("pool ")}
+    assert rows["rollout-1"] == ["pool", "infer", "GPUs", "none", "(CPU)", "CPUs", "1"]
+    assert rows["coordinator"] == ["pool", "-", "GPUs", "all", "CPUs", "any"]
+    assert not (tmp_path / "run").exists()
+
+
+def test_dry_run_says_when_this_machine_cannot_hold_the_pools():
+    result = _rlfabric("up", "--dry-run", *TWO_POOLS)
+    assert result.returncode == 1
+    assert "actor        pool train  GPUs 1-2" in result.stdout
+    assert "this machine cannot run it with the local launcher: resource_pools.train needs" in result.stdout
+
+
+def test_dry_run_for_ray_prints_a_placement_group_per_pool():
+    pytest.importorskip("ray")
+    result = _rlfabric("up", "--dry-run", "--launcher", "ray", *TWO_POOLS)
+    assert result.returncode == 0, result.stderr
+    assert "ray placement group train: bundles [{'CPU': 1.0, 'GPU': 2.0}]" in result.stdout
+    assert "ray placement group infer: bundles [{'CPU': 2.0, 'GPU': 1.0}]" in result.stdout  # two replicas
+
+
+def _proc_status(pid: int, field: str) -> str:
+    with open(f"/proc/{pid}/status") as status:
+        return next(line.split(":", 1)[1].strip() for line in status if line.startswith(field + ":"))
+
+
+def _proc_environ(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/environ", "rb") as environ:
+        entries = environ.read().split(b"\0")
+    return dict(entry.decode().split("=", 1) for entry in entries if b"=" in entry)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to give two pools one each")
+def test_the_local_launcher_pins_each_pool_to_its_cores(tmp_path):
+    config = load_run_config(None, ["resource_pools={train: {cpus: [0]}, infer: {cpus: [1]}}", "actor.pool=train",
+                                    "rollout.pool=infer"])
+    with LocalMesh(config, tmp_path / "run") as mesh:
+        pids = {proc.name: proc.process.pid for proc in mesh.processes}
+        assert _proc_status(pids["actor"], "Cpus_allowed_list") == "0"
+        assert _proc_status(pids["rollout-0"], "Cpus_allowed_list") == "1"
+        # No pool: the launcher's cores and GPUs.
+        assert _proc_status(pids["reward"], "Cpus_allowed_list") == _proc_status(os.getpid(), "Cpus_allowed_list")
+        actor_env = _proc_environ(pids["actor"])
+        assert actor_env["CUDA_VISIBLE_DEVICES"] == ""  # a pool without GPUs hides them
+        assert actor_env["OMP_NUM_THREADS"] == "1"
+        assert _proc_environ(pids["reward"]).get("CUDA_VISIBLE_DEVICES") == os.environ.get("CUDA_VISIBLE_DEVICES")
+
+
+@pytest.mark.parametrize("overrides, transport", [
+    (["resource_pools={shared: {gpus: 1}}", "actor.pool=shared", "rollout.pool=shared"], "gloo"),
+    (["resource_pools={shared: {gpus: 1}}", "actor.pool=shared", "rollout.pool=shared",
+      "weight_sync.transport=nccl"], "nccl"),  # as asked
+    (["resource_pools={train: {gpus: 1}, infer: {gpus: 1}}", "actor.pool=train", "rollout.pool=infer"], ""),
+    (["resource_pools={shared: {cpus: [0]}}", "actor.pool=shared", "rollout.pool=shared"], ""),
+])
+def test_auto_weight_sync_avoids_nccl_between_roles_sharing_a_gpu_pool(overrides, transport):
+    from rlfabric.coordinator.weight_sync import WeightSyncPlane
+
+    assert WeightSyncPlane(None, {}, load_config(None, overrides)).transport == transport  # "" = the actor's choice
