@@ -13,6 +13,8 @@ Measured on this machine's CPU (500 steps, then GRPO with examples/lookup_multi_
 - key_fraction 1 (the default): the model scores about 0.73 (about 20% of its calls ask for a wrong key);
   GRPO at actor.lr 1e-4 raised it to about 0.80 within 3 steps (wrong-key calls 20% -> 13%); at
   actor.lr 2e-3 the policy collapsed within 2 steps (calls lost their format).
+- 200 steps instead of 500: the model has not learned to copy the key yet (about 80% wrong-key calls,
+  score about 0.01), and GRPO at actor.lr 3e-4 then loses the call format within 10 steps.
 - key_fraction 0.25: the model does not learn to copy the key at all (about 95% wrong-key calls, score
   about 0.05), and 15 GRPO steps did not teach it: learning to copy from rewards alone takes far longer
   (as rlfabric.quickstart.warm_start says of the letters).

@@ -129,3 +129,10 @@ def test_a_colocated_run_needs_a_rollout_that_can_sleep_between_its_steps(overri
     with pytest.raises(ConfigError, match=message):
         load_run_config(None, overrides)
     load_run_config(None, ["trainer.colocated=true"])  # the hf engine sleeps on any device
+
+
+def test_multi_turn_needs_an_environment_service():
+    with pytest.raises(ConfigError, match="rollout.multi_turn.enable needs an environment service"):
+        load_run_config(None, ["rollout.multi_turn.enable=true"])
+    for where in ("env.enable=true", "rollout.multi_turn.env_address=10.0.0.5:50057", "cluster.env=[10.0.0.5:50057]"):
+        assert load_run_config(None, ["rollout.multi_turn.enable=true", where]).rollout.multi_turn.enable
