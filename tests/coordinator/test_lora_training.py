@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -80,3 +81,18 @@ def test_in_process_the_rollout_gets_the_adapter_alone(tiny_model, tmp_path):
     assert any(".lora_B." in name and tensor.abs().max() > 0 for name, tensor in served.items())  # trained
     for step in (1, 2):  # the adapter's bytes, rank 8 on the tiny model's 14 linear layers, float32
         assert round(metrics[step]["weight_sync/gbytes"] * 1e9) == 69_632
+
+
+@pytest.mark.parametrize(("setting", "message"), [
+    ("actor.lora.target_modules=[no_such_layer]", r"actor.lora.target_modules \['no_such_layer'\] match no layer"),
+    ("actor.lora.rank=100", r"actor.lora.rank 100 exceeds layer .* \(64 -> 64\)"),
+    ("rollout.engine=sglang", r"weight_sync.lora: adapter needs a rollout engine that loads LoRA adapters"),
+])
+def test_bad_lora_settings_stop_rlfabric_train_at_start_naming_the_key(tmp_path, setting, message):
+    overrides = ["actor.lora.rank=8", setting]
+    if "sglang" in setting:  # auto picks merged for SGLang; adapter is what SGLang cannot do
+        overrides.append("weight_sync.lora=adapter")
+    done = subprocess.run([sys.executable, "-m", "rlfabric", "train", *overrides, "trainer.progress_bar=false"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    assert re.search(message, done.stdout + done.stderr), done.stdout[-3000:] + done.stderr[-3000:]
