@@ -88,8 +88,8 @@ def test_in_process_the_rollout_gets_the_adapter_alone(tiny_model, tmp_path):
     ("actor.lora.rank=100", r"actor.lora.rank 100 exceeds layer .* \(64 -> 64\)"),
     ("rollout.engine=sglang", r"weight_sync.lora: adapter needs a rollout engine that loads LoRA adapters"),
 ])
-def test_bad_lora_settings_stop_rlfabric_train_at_start_naming_the_key(tmp_path, setting, message):
-    overrides = ["actor.lora.rank=8", setting]
+def test_bad_lora_settings_stop_rlfabric_train_at_start_naming_the_key(tiny_model, tmp_path, setting, message):
+    overrides = [f"model.path={tiny_model}", "actor.lora.rank=8", setting]
     if "sglang" in setting:  # auto picks merged for SGLang; adapter is what SGLang cannot do
         overrides.append("weight_sync.lora=adapter")
     done = subprocess.run([sys.executable, "-m", "rlfabric", "train", *overrides, "trainer.progress_bar=false"],
