@@ -310,14 +310,25 @@ class TrainerEngine:
         if self.config.syncs_lora_adapters():  # weight_sync.lora: the adapters alone, peft names
             settings = self.worker.lora
             adapter = AdapterSpec.of(settings.rank, settings.alpha, settings.target_modules)
-            trained, _, _ = self._command(Command.GATHER_STATE, [0.0, 1.0], [None] * self.world_size)
-            return sender.prepare(group_id, version, lora.adapter_state(trained), adapter)
+            return sender.prepare(group_id, version, self.adapter_weights(), adapter)
         return sender.prepare(group_id, version, self.policy_weights())
+
+    def adapter_weights(self) -> dict[str, torch.Tensor]:
+        """The LoRA adapters alone under peft's file names: what an adapter-only weight sync sends."""
+        if self.worker.lora is None:
+            raise FailedPrecondition(f"{self.role}: there are no LoRA adapters to send (actor.lora.rank is 0)")
+        trained, _, _ = self._command(Command.GATHER_STATE, [0.0, 1.0], [None] * self.world_size)
+        return lora.adapter_state(trained)
 
     async def gather_weights(self) -> dict[str, torch.Tensor]:
         """policy_weights on the torch thread: what a weight sync sends, and what the in-process mesh
         hands its rollout engines directly (rlfabric.launch.inprocess)."""
         return await self._run(self.policy_weights)
+
+    async def gather_adapter(self) -> dict[str, torch.Tensor]:
+        """adapter_weights on the torch thread: what the in-process mesh hands its rollout engines when
+        weight_sync.lora resolves to adapter."""
+        return await self._run(self.adapter_weights)
 
     async def broadcast_weights(self, group_id: str, version: int) -> BroadcastResult:
         result = await self._weight_sender().broadcast(group_id, version)

