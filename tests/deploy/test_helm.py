@@ -882,6 +882,7 @@ KNOWN_METRICS = {
     "rlfabric_rollout_kv_cache_usage_ratio",
     "rlfabric_rollout_agent_turns_total",
     "rlfabric_rollout_env_step_seconds_count",
+    "rlfabric_rollout_env_step_seconds_sum",
     "rlfabric_reward_items_total",
     "rlfabric_reward_failures_total",
     "rlfabric_train_tokens_total",
