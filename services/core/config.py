@@ -322,6 +322,10 @@ class RolloutConfig(Section):
     """Samples per validation prompt."""
     drain_timeout_s: float = Field(300.0, gt=0)
     """Pause, Sleep and shutdown: longest wait for in-flight generation to finish."""
+    partial_rollouts: bool = True
+    """At a weight switch, samples in flight stop, take the new weights and go on from what they generated
+    (hf, vllm; each sample's version_spans say which version made which tokens); false = they finish on the
+    old weights first, and the switch waits for them."""
 
 
 class CustomSandboxConfig(Section):

@@ -57,6 +57,7 @@ def sample_to_proto(sample: FinishedSample) -> rollout_pb2.Sample:
         prompt_index=sample.prompt_index, sample_index=sample.sample_index, token_ids=sample.token_ids,
         logprobs=sample.logprobs, finish_reason=_FINISH_TO_PROTO[sample.finish_reason],
         weight_version=sample.weight_version, text=sample.text,
+        version_spans=[rollout_pb2.VersionSpan(version=v, first_token=i) for v, i in sample.version_spans],
     )
 
 
@@ -65,6 +66,7 @@ def sample_from_proto(sample: rollout_pb2.Sample) -> FinishedSample:
         prompt_index=sample.prompt_index, sample_index=sample.sample_index, token_ids=list(sample.token_ids),
         logprobs=list(sample.logprobs), finish_reason=_FINISH_FROM_PROTO[sample.finish_reason],
         weight_version=sample.weight_version, text=sample.text,
+        version_spans=[(span.version, span.first_token) for span in sample.version_spans],
     )
 
 
