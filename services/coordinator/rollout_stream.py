@@ -72,6 +72,7 @@ class Group:
     samples: dict[int, FinishedSample] = field(default_factory=dict)  # by sample index
     results: dict[int, ItemResult] = field(default_factory=dict)  # by sample index
     state: str = GENERATING
+    resolved_at: float = 0.0  # perf_counter() when it was scored and kept (or dropped)
 
     def oldest_version(self) -> int:
         return min(sample.weight_version for sample in self.samples.values())
@@ -134,8 +135,9 @@ class RolloutStream:
 
     async def take(self, step: int, timer: StepTimer) -> TakenGroups:
         """B groups for `step`, each within the staleness bound of its policy (version(step - 1)); waits
-        under timer "gen" for what is not ready yet. timer "gen_overlapped": the rest of their generation,
-        which ran while earlier steps trained."""
+        under timer "gen" for what is not ready yet. timer "gen_overlapped": the rest of their generation
+        and scoring (from their gen batches' start to the last one scored), which ran hidden while earlier
+        steps trained."""
         policy = self.trainer._version(step - 1)
         waited_from = time.perf_counter()
         with timer("gen"):
@@ -158,7 +160,8 @@ class RolloutStream:
             group.state = TAKEN
         self.steps_taken += 1
         started = min(group.gen_batch.started_at for group in taken)
-        timer.seconds["gen_overlapped"] = max(0.0, (taken_at - started) - (taken_at - waited_from))
+        generating = max(group.resolved_at for group in taken) - started
+        timer.seconds["gen_overlapped"] = max(0.0, generating - (taken_at - waited_from))
         metrics = self._metrics(step, taken, policy)
         self._drop_stale(self.trainer._version(step))  # what no later step may train on
         return self._layout(taken, metrics)
@@ -296,6 +299,7 @@ class RolloutStream:
 
     def _resolve(self, group: Group) -> None:
         """A scored group: ready for a step, or dropped by dynamic sampling."""
+        group.resolved_at = time.perf_counter()
         if self.filter.enable and not self._varies(group):
             group.state = FILTERED
             self.counts["filtered"] += 1
