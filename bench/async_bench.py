@@ -41,12 +41,12 @@ RESULTS = Path(__file__).parent / "results" / "async.json"
 PLOT = RESULTS.with_suffix(".png")
 MODES = {"sync": ("sync", 0), "async k=1": ("async", 1), "async k=2": ("async", 2), "async k=4": ("async", 4)}
 WORKLOADS = {
-    "quickstart": {"config": None, "steps": 15, "rounds": 2, "modes": list(MODES)},
+    "quickstart": {"config": None, "steps": 15, "rounds": 3, "modes": list(MODES)},
     # SmolLM2-135M-Instruct on arithmetic, vLLM rollout (`rlfabric make-model smollm2` first): ~0.5 min a step.
     "real_model": {"config": Path(__file__).parents[1] / "examples" / "smollm2_arithmetic.yaml", "steps": 6,
                    "rounds": 1, "modes": ["sync", "async k=1", "async k=2"]},
 }
-POOLS = "rollout,reward=0;actor,reference,critic,coordinator=1"
+POOLS = "rollout,reward,coordinator=0;actor,reference,critic=1"
 REWARD = "critic/score/mean"
 
 
@@ -127,8 +127,7 @@ def plot(results: dict) -> None:
         for panel in (by_step, by_time):
             panel.grid(alpha=0.3)
             panel.legend(fontsize=8)
-    figure.suptitle("rollout + reward on CPU 0, actor + coordinator on CPU 1: sync vs async (max_staleness k)",
-                    fontsize=10)
+    figure.suptitle(f"sync vs async (max_staleness k), CPU pools {POOLS}", fontsize=10)
     figure.tight_layout()
     figure.savefig(PLOT, dpi=110)
 
