@@ -29,6 +29,10 @@ filter_groups.max_num_gen_batches caps the gen batches drawn for one step (0 = n
 short of B groups fails with FAILED_PRECONDITION, as VeRL raises: training on a smaller batch would change the
 step's batch size and loss scale behind the user's back.
 
+Tracing: a gen batch started while its step waits for it (always, in sync mode, where a step's generation
+starts when the step does) runs in the step's `gen` phase, so its Generate and Score calls are in the step's
+trace; generation running ahead of its step is traced on its own (its calls are roots of their own traces).
+
 A resume continues from the first gen batch not wholly trained on (or dropped), so a checkpoint taken while
 generation runs ahead regenerates the prompts in flight; groups of that gen batch already trained on (groups
 are taken out of order) are trained on again.
@@ -37,6 +41,7 @@ are taken out of order) are trained on again.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import time
 from collections.abc import Iterator
@@ -129,6 +134,7 @@ class RolloutStream:
         self.next_index = first_step
         self.error: BaseException | None = None
         self.changed = asyncio.Event()  # a group was resolved, or generation failed
+        self.waiting_step: int | None = None  # the step take() waits for
         self.counts = {"stale": 0, "kept": 0, "filtered": 0}  # since the last take
 
     # -- the trainer's side ------------------------------------------------------------------------
@@ -140,6 +146,7 @@ class RolloutStream:
         steps trained."""
         policy = self.trainer._version(step - 1)
         waited_from = time.perf_counter()
+        self.waiting_step = step
         with timer("gen"):
             while True:
                 if self.error is not None:
@@ -153,6 +160,7 @@ class RolloutStream:
                 self.changed.clear()
                 await self.changed.wait()
         taken_at = time.perf_counter()
+        self.waiting_step = None
         self.ready.sort(key=lambda g: (g.oldest_version(), g.order()))
         taken, self.ready = self.ready[: self.batch_size], self.ready[self.batch_size :]
         taken.sort(key=Group.order)
@@ -167,9 +175,11 @@ class RolloutStream:
         return self._layout(taken, metrics)
 
     def trained(self, step: int) -> None:
-        """Step `step`'s weights are synced: generation may run one step further."""
+        """Step `step`'s weights are synced: generation may run one step further (in sync mode it starts
+        when the next step does: take())."""
         self.trained_step = step
-        self._top_up()
+        if self.max_staleness > 0:
+            self._top_up()
 
     def untrained_cursor(self) -> DataCursor:
         """Where a resume continues: the first gen batch not wholly trained on or dropped."""
@@ -208,7 +218,10 @@ class RolloutStream:
         gen_batch = GenBatch(self.next_index, cursor_before, fill_step, trainer.weight_version, time.perf_counter())
         gen_batch.groups = [Group(row, gen_batch, position) for position, row in enumerate(rows)]
         self.next_index += 1
-        gen_batch.task = asyncio.create_task(self._generate(gen_batch), name=f"gen-batch-{gen_batch.index}")
+        # The trace of the step that waits for it, or (generation running ahead) none: a context of its own.
+        context = None if fill_step == self.waiting_step else contextvars.Context()
+        gen_batch.task = asyncio.create_task(self._generate(gen_batch), name=f"gen-batch-{gen_batch.index}",
+                                             context=context)
         self.gen_batches.append(gen_batch)
 
     def _drop_stale(self, policy: int) -> None:
