@@ -1,6 +1,6 @@
 """Generation streaming ahead of training (rlfabric.coordinator.rollout_stream) on the in-process mesh: the
 staleness bound per sample and per token, dynamic sampling filling a batch and hitting its cap, and
-timing_s/step against the wall clock."""
+timing_s/step against the wall clock; and, over stand-in services, a gen batch dropped for staleness."""
 
 from __future__ import annotations
 
@@ -14,8 +14,10 @@ from pathlib import Path
 import pytest
 
 from rlfabric.reward.items import ItemResult
+from rlfabric.rollout.types import Finish, FinishedSample
 from rlfabric.v1 import coordinator_pb2
 from tests.coordinator.meshes import fast_config, in_process
+from tests.coordinator.test_loop import PROMPTS, ModelService, config, trainer_over
 from tests.coordinator.test_loop_control import run_wrapped
 
 
@@ -130,3 +132,48 @@ def test_step_time_is_the_wall_clock_between_steps(tiny_model, tmp_path, mode):
         assert reported["perf/throughput"] == pytest.approx(reported["perf/total_num_tokens"] / reported["timing_s/step"])
         assert reported["timing_s/gen"] <= reported["timing_s/step"]
         assert reported["timing_s/gen_overlapped"] >= 0
+
+
+class Rollout:
+    """Stands in for the rollout router: each request's samples carry the weight version the rollout serves
+    when they finish, and the request's number in their last token; request `stuck` never finishes."""
+
+    def __init__(self, trainer, stuck: int):
+        self.trainer, self.stuck, self.requests = trainer, stuck, []
+
+    def healthy(self):
+        return [self]
+
+    async def generate_stream(self, prompts, params, chunk_prompts=None):
+        self.requests.append(asyncio.current_task())
+        number = len(self.requests)
+        if number == self.stuck:
+            await asyncio.Event().wait()
+        for p in range(len(prompts)):
+            for i in range(params.n):
+                yield FinishedSample(p, i, [4, number], [], Finish.STOP, self.trainer.weight_version)
+
+
+class Reward:
+    async def score(self, items, timeout_s=None):
+        return [ItemResult(float(i % 2)) for i in range(len(items))]
+
+
+def test_a_gen_batch_that_falls_behind_the_staleness_bound_is_dropped_never_trained_on(tmp_path):
+    """k = 1: gen batches 1 and 2 start on the first weights; 2 hangs, so step 2 trains on gen batch 3
+    (started after step 1's sync). Once step 2 is taken, gen batch 2 could only train at step 3, two
+    versions behind: it is cancelled and its groups counted in rollout/stale_groups."""
+    actor = ModelService("actor")
+    run_config = config("trainer.mode=async", "trainer.max_staleness=1", "trainer.save_final=false",
+                        "trainer.export_final=false")
+    trainer = trainer_over(run_config, tmp_path, actor)
+    rollout = Rollout(trainer, stuck=2)
+    trainer.peers = dataclasses.replace(trainer.peers, rollout=rollout, reward=Reward())
+    metrics: dict[int, dict[str, float]] = {}
+    trainer.on_metrics = lambda step, step_metrics: metrics.update({step: step_metrics})
+    asyncio.run(trainer.run())
+    trained_on = [int(update["responses"][0, 1]) for update in actor.updates]  # the request of each step's batch
+    assert trained_on == [1, 3, 4]
+    assert rollout.requests[1].cancelled()
+    assert [metrics[step]["rollout/stale_groups"] for step in (1, 2, 3)] == [0, 0, PROMPTS]
+    assert all(metrics[step]["rollout/staleness/max"] <= 1 for step in (1, 2, 3))
