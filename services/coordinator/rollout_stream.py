@@ -171,6 +171,7 @@ class RolloutStream:
         generating = max(group.resolved_at for group in taken) - started
         timer.seconds["gen_overlapped"] = max(0.0, generating - (taken_at - waited_from))
         metrics = self._metrics(step, taken, policy)
+        self.gen_batches_per_step = {s: count for s, count in self.gen_batches_per_step.items() if s > step}
         self._drop_stale(self.trainer._version(step))  # what no later step may train on
         return self._layout(taken, metrics)
 
