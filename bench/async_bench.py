@@ -5,8 +5,9 @@ CPU pools, side by side on one mesh. Writes bench/results/async.json and bench/r
     python -m bench.async_bench real_model              # SmolLM2 (after `rlfabric make-model smollm2`)
 
 The quickstart workload (tiny model, hf rollout, GRPO on the synthetic task), every role its own process,
-pinned with RLFABRIC_CPU_AFFINITY (rlfabric.launch.local): the rollout and the reward service on CPU 0, the
-actor and the coordinator on CPU 1, so generation and training each have a core of their own. Every run starts
+on two resource pools (rlfabric.launch.placement): the rollout and the reward service pinned to CPU 0, the
+actor to CPU 1, so generation and training each have a core of their own (the coordinator, in no pool, runs
+on either). Every run starts
 from the same initial weights (a fresh run on a mesh loads them back); the modes are
 alternated over rounds so machine noise hits them alike (WORKLOADS: steps, rounds, modes of each).
 
@@ -46,7 +47,7 @@ WORKLOADS = {
     "real_model": {"config": Path(__file__).parents[1] / "examples" / "smollm2_arithmetic.yaml", "steps": 6,
                    "rounds": 1, "modes": ["sync", "async k=1", "async k=2"]},
 }
-POOLS = "rollout,reward,coordinator=0;actor,reference,critic=1"
+POOLS = {"generation": ([0], ("rollout", "reward")), "training": ([1], ("actor", "reference", "critic"))}
 REWARD = "critic/score/mean"
 
 
@@ -127,7 +128,8 @@ def plot(results: dict) -> None:
         for panel in (by_step, by_time):
             panel.grid(alpha=0.3)
             panel.legend(fontsize=8)
-    figure.suptitle(f"sync vs async (max_staleness k), CPU pools {POOLS}", fontsize=10)
+    pools = "; ".join(f"{', '.join(roles)} on CPU {cpus}" for cpus, roles in POOLS.values())
+    figure.suptitle(f"sync vs async (max_staleness k): {pools}", fontsize=10)
     figure.tight_layout()
     figure.savefig(PLOT, dpi=110)
 
@@ -136,10 +138,11 @@ def measure(workload: str) -> dict:
     """Every mode of WORKLOADS[workload] on one pinned mesh, alternated over its rounds."""
     spec = WORKLOADS[workload]
     root = Path(tempfile.mkdtemp(prefix="async-bench-"))
-    os.environ["RLFABRIC_CPU_AFFINITY"] = POOLS
-    config = load_config(spec["config"], ["trainer.progress_bar=false", "trainer.plot=false",
+    pools = [override for name, (cpus, roles) in POOLS.items()
+             for override in (f"resource_pools.{name}.cpus={cpus}", *(f"{role}.pool={name}" for role in roles))]
+    config = load_config(spec["config"], [*pools, "trainer.progress_bar=false", "trainer.plot=false",
                                           "trainer.export_final=false", "trainer.save_final=false"])
-    results: dict = {"steps": spec["steps"], "rounds": spec["rounds"], "pools": POOLS,
+    results: dict = {"steps": spec["steps"], "rounds": spec["rounds"], "pools": pools,
                      "load_average_before": os.getloadavg(), "modes": {}}
     rounds: dict[str, list[dict]] = {name: [] for name in spec["modes"]}
     with LocalMesh(config, root / "mesh") as mesh:
