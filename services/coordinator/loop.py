@@ -2,7 +2,8 @@
 `train_step`, top to bottom:
 
     1. generate and score    n samples per prompt over the rollout replicas; Score requests go out
-                             as samples finish (`_rollout`, started by `run` as a task of its own)
+                             as samples finish (RolloutStream, rollout_stream.py: `run` takes each
+                             step's groups from it)
     2. log-probs and values  reference, old policy and critic, concurrently
     3. advantages            KL in the reward (optional), then the estimator (rlfabric.algorithms)
     4. updates               critic and actor, concurrently
@@ -10,10 +11,11 @@
     then metrics, validation and checkpoints on schedule (`run`).
 
 Modes: `sync` generates each step's batch with the weights trained so far (on-policy). `async`
-generates step k+1's batch while step k trains (one-step off-policy): its samples come from weights
-one version old, bounded by trainer.max_staleness and checked on every sample. The "old" log-probs
-come from the actor at train time, so the PPO ratio is taken against the right policy; when the update
-is one optimizer step they are the updated policy's own, taken inside that step
+keeps generating for up to trainer.max_staleness steps ahead while the trainer trains; weight syncs
+do not wait for it (partial rollouts: samples in flight take the new weights), and no sample whose
+oldest token is more than max_staleness versions behind the policy is trained on (rollout_stream.py).
+The "old" log-probs come from the actor at train time, so the PPO ratio is taken against the right
+policy; when the update is one optimizer step they are the updated policy's own, taken inside that step
 (algorithm.old_log_prob_source says where they come from; `rollout`: the sampler's own).
 
 Rollout correction (algorithm.rollout_correction, rlfabric.algorithms.rollout_correction) compares the
@@ -34,8 +36,6 @@ import logging
 import random
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 
 import torch
@@ -61,27 +61,17 @@ from rlfabric.coordinator.multi_turn import (
 )
 from rlfabric.coordinator.peers import Peers
 from rlfabric.coordinator.rollout_batch import RolloutBatch, build_rollout_batch, token_level_scores
+from rlfabric.coordinator.rollout_stream import SCORE_CHUNK, RolloutStream, TakenGroups
 from rlfabric.coordinator.step_metrics import StepTimer, data_metrics
 from rlfabric.coordinator.weight_sync import WeightSyncPlane
 from rlfabric.core import tracing
 from rlfabric.core.config import ConfigError, RunConfig, check_run_rules
 from rlfabric.core.errors import FailedPrecondition, InvalidArgument
-from rlfabric.reward.items import ScoreItem
+from rlfabric.reward.items import ItemResult, ScoreItem
 from rlfabric.rollout.types import FinishedSample, SamplingSpec
 
 log = logging.getLogger("rlfabric.coordinator")
 
-SCORE_CHUNK = 64  # samples per Score request while generation is still streaming
-
-
-@dataclass
-class PendingRollout:
-    """A step's prompts on their way through generation and scoring."""
-
-    step: int
-    rows: list[PromptRow]
-    cursor_before: DataCursor  # the dataloader position before this batch was drawn
-    task: asyncio.Task  # -> (RolloutBatch, timings)
 
 
 class PPOTrainer:
@@ -110,8 +100,8 @@ class PPOTrainer:
         self.cursor = DataCursor()
         self.kl_ctrl = self._kl_controller(config)
         self.checkpoint_requested: asyncio.Future | None = None
-        # Where a resume continues: the first batch not trained yet. In async mode a prefetched batch
-        # is drawn but not trained, so this lags self.cursor between steps.
+        # Where a resume continues: the first batch not trained yet. In async mode batches generating
+        # ahead are drawn but not trained, so this lags self.cursor between steps.
         self.untrained_cursor = DataCursor()
         self.last_checkpoint_step: int | None = None
         self.save_at_end = False  # StopRun asked for a checkpoint: the end of the run saves one in any case
@@ -177,26 +167,25 @@ class PPOTrainer:
         if trainer.val_before_train and self.step == 0:
             self.on_metrics(0, await self.validate())
         batches = self.train_data.batches(self.config.data.train_batch_size, self.config.data.seed, self.cursor)
-        overlap = trainer.mode == "async" and trainer.max_staleness > 0
-        pending: PendingRollout | None = None  # the rollout not trained on yet: cancelled if the run ends first
+        stream = RolloutStream(self, batches, first_step=self.step + 1)  # what generates: cancelled at the end
         try:
             while self.step < trainer.total_steps:
                 await self._between_steps()
                 step = self.step + 1
-                pending = pending or self._start_rollout(step, batches)
-                # async: the next batch generates on the current weights while this one trains.
-                prefetch = partial(self._start_rollout, step + 1, batches) if overlap and step < trainer.total_steps else None
-                metrics, pending = await self.train_step(step, pending, prefetch)
+                timer = StepTimer(step)  # and the step's trace: its root span starts with generation
+                batch, rollout_metrics = await self.generated(step, stream, timer)
+                metrics = await self.train_step(step, batch, timer)
+                metrics.update(rollout_metrics)
                 self.step = step
+                stream.trained(step)  # generation may run one step further ahead
                 if trainer.test_freq and (step % trainer.test_freq == 0 or step == trainer.total_steps):
                     metrics.update(await self.validate())
                 self.on_metrics(step, metrics)
-                self.untrained_cursor = pending.cursor_before if pending else self._copy(self.cursor)
+                self.untrained_cursor = stream.untrained_cursor()
                 if self._checkpoint_due(step):
                     await self.save_checkpoint()
         finally:
-            if pending is not None:
-                pending.task.cancel()
+            stream.close()
         await self.keep_policy(checkpoint=trainer.save_final or self.save_at_end)
 
     async def keep_policy(self, checkpoint: bool) -> None:
@@ -216,17 +205,28 @@ class PPOTrainer:
     def final_model_dir(self) -> Path:
         return self.run_dir / "final_model"
 
-    async def train_step(self, step: int, rollout: PendingRollout,
-                         prefetch: Callable[[], PendingRollout] | None = None,
-                         ) -> tuple[dict[str, float], PendingRollout | None]:
-        """One PPO step on `rollout`'s prompts; returns its metrics and the next step's rollout when
-        `prefetch` starts one (async mode), which a failing step cancels."""
-        # 1. Generate and score (timing_s/gen): `run` started this rollout. In async mode the next one
-        #    starts now, on the weights the rollout serves, and generates while this batch trains.
-        batch, timer = await rollout.task
-        next_rollout = prefetch() if prefetch is not None else None
+    async def generated(self, step: int, stream: RolloutStream, timer: StepTimer,
+                        ) -> tuple[RolloutBatch, dict[str, float]]:
+        """1. Generate and score (timing_s/gen: the wait for the step's groups; timing_s/gen_overlapped:
+        their generation that ran while earlier steps trained): the step's batch and the stream's metrics."""
+        self.on_phase("generating")
         try:
-            metrics = self._staleness_metrics(step, batch)
+            taken = await stream.take(step, timer)
+            batch = self._scored_batch(step, taken)
+            if self.config.algorithm.adv_estimator == "remax":
+                with timer("gen_max"):
+                    batch.baselines = await self._greedy_baselines(taken.rows, self._max_tokens())
+            if self.hybrid is not None:  # done generating until the next sync: the devices go to the trainers
+                await self.hybrid.sleep()
+        except BaseException as error:
+            timer.end(error)
+            raise
+        return batch, taken.metrics
+
+    async def train_step(self, step: int, batch: RolloutBatch, timer: StepTimer) -> dict[str, float]:
+        """Phases 2 to 5 of one PPO step on a generated and scored batch; its metrics (timings under `timer`)."""
+        metrics: dict[str, float] = {}
+        try:
             # 2. Log-probs and values (timing_s/old_log_prob, timing_s/ref, timing_s/values).
             self.on_phase("computing")
             await self._log_probs_and_values(batch, timer)
@@ -238,11 +238,8 @@ class PPOTrainer:
             self.on_phase("updating")
             with timer("update"):
                 metrics.update(await self._updates(step, batch))
-            # 5. Weight sync (timing_s/update_weights), in async mode once the next batch's generation is
-            #    done with the old weights.
-            if next_rollout is not None:
-                with timer("wait_prefetch"):
-                    await asyncio.wait([next_rollout.task])
+            # 5. Weight sync (timing_s/update_weights). Generation running ahead (async mode) goes on:
+            #    the samples in flight switch to the new weights.
             self.on_phase("syncing")
             with timer("update_weights"):
                 if self.hybrid is not None:  # VeRL's order: the weights wake, take the sync, then the KV cache
@@ -252,8 +249,6 @@ class PPOTrainer:
                     await self.hybrid.wake_kv_cache()
                     metrics.update(self.hybrid.metrics())
         except BaseException as error:
-            if next_rollout is not None:
-                next_rollout.task.cancel()
             timer.end(error)
             raise
         metrics.update(data_metrics(batch, self._max_tokens()))
@@ -263,20 +258,9 @@ class PPOTrainer:
         self._last_step_end = time.perf_counter()
         if self.config.trainer.dump_rollouts:
             self._dump_rollouts(step, batch)
-        return metrics, next_rollout
+        return metrics
 
     # -- the phases of a step ---------------------------------------------------------------------
-
-    def _staleness_metrics(self, step: int, batch: RolloutBatch) -> dict[str, float]:
-        """Versions behind the policy being trained (the one after step - 1 updates); FailedPrecondition
-        beyond trainer.max_staleness."""
-        staleness = self._version(step - 1) - batch.weight_versions()
-        if int(staleness.max()) > self.config.trainer.max_staleness or int(staleness.min()) < 0:
-            raise FailedPrecondition(f"step {step}: samples from weight versions {sorted(set(batch.weight_versions().tolist()))} "
-                                     f"but the actor is at version {self._version(step - 1)} (trainer.max_staleness "
-                                     f"{self.config.trainer.max_staleness})")
-        return {"rollout/staleness/mean": staleness.float().mean().item(),
-                "rollout/staleness/max": float(staleness.max())}
 
     async def _log_probs_and_values(self, batch: RolloutBatch, timer: StepTimer) -> None:
         """batch.old_log_probs, ref_log_probs and values: three services at once, each timed on its own.
@@ -363,37 +347,18 @@ class PPOTrainer:
 
     # -- generation and scoring -----------------------------------------------------------------
 
-    def _start_rollout(self, step: int, batches) -> PendingRollout:
-        cursor_before = self._copy(self.cursor)
-        rows = next(batches)
-        task = asyncio.create_task(self._rollout(step, rows), name=f"rollout-step-{step}")
-        return PendingRollout(step, rows, cursor_before, task)
-
-    async def _rollout(self, step: int, rows: list[PromptRow]) -> tuple[RolloutBatch, StepTimer]:
-        """Generates n samples per prompt and scores each chunk of samples as it finishes."""
-        timer = StepTimer(step)  # and the step's trace: its root span starts with generation
-        rollout = self.config.rollout
-        self.on_phase("generating")
-        params = SamplingSpec(n=rollout.n, temperature=rollout.temperature, top_p=rollout.top_p,
-                              top_k=rollout.top_k, max_tokens=self._max_tokens(), seed=self._step_seed(step),
-                              multi_turn=multi_turn_spec(self.config, self._max_tokens()))
-        with timer("gen"):
-            samples, results = await self._generate_and_score(rows, params)
-        batch = build_rollout_batch(rows, samples, rollout.n, self.pad_token_id)
-        by_key = {key: result for key, result in results}
-        batch.scores = torch.tensor([by_key[(s.prompt_index, s.sample_index)].score for s in batch.samples])
-        batch.score_failed = torch.tensor([not by_key[(s.prompt_index, s.sample_index)].ok for s in batch.samples])
-        failures = [result for result in by_key.values() if not result.ok]
+    def _scored_batch(self, step: int, taken: TakenGroups) -> RolloutBatch:
+        """The step's groups as a RolloutBatch with their scores; scoring failures logged."""
+        batch = build_rollout_batch(taken.rows, taken.samples, self.config.rollout.n, self.pad_token_id)
+        results = [taken.results[(s.prompt_index, s.sample_index)] for s in batch.samples]
+        batch.scores = torch.tensor([result.score for result in results])
+        batch.score_failed = torch.tensor([not result.ok for result in results])
+        failures = [result for result in results if not result.ok]
         if failures:
             kept = "trained on with score 0" if self.config.algorithm.score_failure == "zero" else "left out of training"
             log.warning("step %d: scoring failed for %d of %d samples (%s); the first: %s: %s", step, len(failures),
-                        len(by_key), kept, failures[0].status, failures[0].message)
-        if self.config.algorithm.adv_estimator == "remax":
-            with timer("gen_max"):
-                batch.baselines = await self._greedy_baselines(rows, params)
-        if self.hybrid is not None:  # done generating until the next sync: the devices go to the trainers
-            await self.hybrid.sleep()
-        return batch, timer
+                        len(results), kept, failures[0].status, failures[0].message)
+        return batch
 
     async def _generate_and_score(self, rows: list[PromptRow], params: SamplingSpec):
         """(samples, [((prompt_index, sample_index), ItemResult)]): Score requests go out while
@@ -401,7 +366,7 @@ class PPOTrainer:
         samples: list[FinishedSample] = []
         chunk: list[FinishedSample] = []
         scoring: list[asyncio.Task] = []
-        prompts = [agent_prompt(row) if params.multi_turn else row.prompt_ids for row in rows]
+        prompts = [self.prompt_of(row) for row in rows]
         async for sample in self.peers.rollout.generate_stream(prompts, params, chunk_prompts=self._chunk_prompts()):
             samples.append(sample)
             chunk.append(sample)
@@ -414,14 +379,31 @@ class PPOTrainer:
         return samples, results
 
     async def _score(self, rows: list[PromptRow], samples: list[FinishedSample]):
+        results = await self.score_samples([(rows[s.prompt_index], s) for s in samples])
+        return [((s.prompt_index, s.sample_index), r) for s, r in zip(samples, results, strict=True)]
+
+    async def score_samples(self, pairs: list[tuple[PromptRow, FinishedSample]]) -> list[ItemResult]:
+        """The score of each (row, sample): the reward service's, and with rollout.multi_turn the
+        environment's rewards instead or added (rollout.multi_turn.reward)."""
         multi_turn = self.config.rollout.multi_turn
         if multi_turn.enable and multi_turn.reward == "env":  # the environment's rewards alone: no Score call
-            return [((s.prompt_index, s.sample_index), env_result(s)) for s in samples]
-        items = [self._score_item(rows[s.prompt_index], s) for s in samples]
+            return [env_result(sample) for _, sample in pairs]
+        items = [self._score_item(row, sample) for row, sample in pairs]
         results = await self.peers.score(items, self.config.trainer.reward_retry_window_s)
         if multi_turn.enable:
-            results = [combined_result(s, r, multi_turn.reward) for s, r in zip(samples, results, strict=True)]
-        return [((s.prompt_index, s.sample_index), r) for s, r in zip(samples, results, strict=True)]
+            results = [combined_result(sample, result, multi_turn.reward)
+                       for (_, sample), result in zip(pairs, results, strict=True)]
+        return results
+
+    def sampling_spec(self, n: int, seed: int | None) -> SamplingSpec:
+        """A training step's sampling settings (multi-turn ones included when rollout.multi_turn is on)."""
+        rollout, max_tokens = self.config.rollout, self._max_tokens()
+        return SamplingSpec(n=n, temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k,
+                            max_tokens=max_tokens, seed=seed, multi_turn=multi_turn_spec(self.config, max_tokens))
+
+    def prompt_of(self, row: PromptRow):
+        """What the rollout gets for a row: its token ids, or with rollout.multi_turn its agent task."""
+        return agent_prompt(row) if self.config.rollout.multi_turn.enable else row.prompt_ids
 
     @staticmethod
     def _score_item(row: PromptRow, sample: FinishedSample) -> ScoreItem:
@@ -430,9 +412,10 @@ class PPOTrainer:
                          prompt=row.messages[-1]["content"] if row.messages else "",
                          prompt_messages=row.messages, response_length=len(sample.token_ids))
 
-    async def _greedy_baselines(self, rows: list[PromptRow], params: SamplingSpec) -> torch.Tensor:
+    async def _greedy_baselines(self, rows: list[PromptRow], max_tokens: int) -> torch.Tensor:
         """ReMax's baseline: the score of each prompt's greedy response, repeated for its n samples."""
-        greedy = SamplingSpec(n=1, temperature=0.0, max_tokens=params.max_tokens, multi_turn=params.multi_turn)
+        greedy = SamplingSpec(n=1, temperature=0.0, max_tokens=max_tokens,
+                              multi_turn=multi_turn_spec(self.config, max_tokens))
         samples, results = await self._generate_and_score(rows, greedy)
         by_prompt = {key[0]: result.score for key, result in results}
         return torch.tensor([by_prompt[p] for p in range(len(rows))]).repeat_interleave(self.config.rollout.n)
@@ -590,6 +573,7 @@ class PPOTrainer:
                                       "prompt": row.messages[-1]["content"] if row.messages else "",
                                       "response": sample.text, "score": score, "score_failed": score_failed,
                                       "weight_version": sample.weight_version,
+                                      "version_spans": sample.version_spans,
                                       "ground_truth": row.ground_truth}) + "\n")
 
 

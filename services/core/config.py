@@ -349,6 +349,10 @@ class RolloutConfig(Section):
     """Pause, Sleep and shutdown: longest wait for in-flight generation to finish."""
     multi_turn: MultiTurnConfig = MultiTurnConfig()
     """Agentic multi-turn rollouts against the environment service (tool calls, observations, loss mask)."""
+    partial_rollouts: bool = True
+    """At a weight switch, samples in flight stop, take the new weights and go on from what they generated
+    (hf, vllm; each sample's version_spans say which version made which tokens); false = they finish on the
+    old weights first, and the switch waits for them."""
 
 
 class CustomSandboxConfig(Section):
@@ -524,6 +528,20 @@ class EnvConfig(Section):
     """The python environment's code execution."""
 
 
+class FilterGroupsConfig(Section):
+    """DAPO's dynamic sampling (VeRL: algorithm.filter_groups): groups with no spread in their reward teach
+    nothing to a group baseline, so they are dropped and generation goes on until the step's batch is full."""
+
+    enable: bool = False
+    """Drop each prompt's group whose samples all have the same `metric`, and generate more prompts instead."""
+    metric: str = "score"
+    """What must vary within a group: score (the reward) or the name of a numeric output of the scorer (e.g.
+    acc). VeRL's default is acc; rlfabric's is score, which every scorer gives."""
+    max_num_gen_batches: int = Field(0, ge=0)
+    """Most gen batches (data.train_batch_size prompts each) one step may draw; 0 = no limit. A step that
+    reaches it with fewer groups than its batch needs fails (FAILED_PRECONDITION), as in VeRL."""
+
+
 class AlgorithmConfig(Section):
     adv_estimator: str = "grpo"
     """Advantage estimator: gae, grpo, rloo, reinforce_plus_plus, remax, or one you registered."""
@@ -565,6 +583,8 @@ class AlgorithmConfig(Section):
     """Python modules the coordinator and the actor import at start, so their register_advantage_estimator
     and register_policy_loss calls add names adv_estimator and actor.loss_mode can pick
     (rlfabric.algorithms.plugins). Only the mesh's own config may name them: a StartRun cannot add one."""
+    filter_groups: FilterGroupsConfig = FilterGroupsConfig()
+    """Dynamic sampling (DAPO): groups whose samples all scored alike are dropped and more prompts drawn."""
 
 
 class MlflowConfig(Section):
@@ -592,9 +612,11 @@ class TrainerConfig(Section):
     """Grouping name for loggers: the mlflow experiment and the wandb project (the run is named after
     trainer.experiment_name, else the run dir)."""
     mode: Literal["sync", "async"] = "sync"
-    """sync: on-policy steps; async: step k+1 generates while step k trains (one-step off-policy)."""
+    """sync: on-policy steps (generation waits for each weight sync); async: generation streams on while the
+    trainer trains, up to max_staleness steps ahead."""
     max_staleness: int = Field(1, ge=0)
-    """async: most weight versions a sample's policy may lag the policy being trained."""
+    """async: most weight versions the oldest token of a sample may lag the policy trained on it; generation
+    runs up to this many steps ahead of training (0 = as sync). Samples past it are dropped, never trained on."""
     colocated: bool = False
     """The hybrid engine: the rollout shares devices with the trainers (one resource pool). After generating it
     sleeps (level 2, or 1 with LoRA adapter syncs); before the weight sync its weights wake, after it its KV

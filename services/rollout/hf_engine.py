@@ -12,6 +12,12 @@ for its n samples; finished rows leave the batch. Weight loads and sleep take th
 batch, so they happen between batches. Pause(abort=True) drops the queued rows and the running
 batch ends its aborted rows at its next step, each with Finish.ABORT.
 
+Partial rollouts (rollout.partial_rollouts): a weight swap asks the running batch to stop at its next
+decode step; its unfinished rows go back to the front of the queue with what they generated (tokens,
+log-probs, their own RNG), the weights change, and the next batch prefills prompt + generated prefix
+under the new weights and decodes on. Each row records the version of each span of its tokens
+(FinishedSample.version_spans). Without it, a swap waits for the running batch to finish.
+
 LoRA (weight_sync.lora resolved to adapter): the model is wrapped once at start with the actor's
 adapter settings (peft, lora_B zero: it serves the base model until the first sync), and each sync
 copies a new adapter version into it (swap_adapter). Full weights still load into its base layers.
@@ -34,7 +40,14 @@ from rlfabric.core.dtypes import rollout_dtype, torch_dtype
 from rlfabric.core.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument
 from rlfabric.rollout.engine import Generation, RolloutEngine, load_tokenizer, trust_remote_code
 from rlfabric.rollout.sampling import sample_tokens
-from rlfabric.rollout.types import EngineLimits, Finish, FinishedSample, row_seed, truncate_at_stop
+from rlfabric.rollout.types import (
+    EngineLimits,
+    Finish,
+    FinishedSample,
+    compact_versions,
+    row_seed,
+    truncate_at_stop,
+)
 from rlfabric.weight_sync import WeightLimits, WeightSwap
 from rlfabric.weight_sync.manifest import PEFT_PREFIX
 
@@ -52,10 +65,15 @@ class _Row:
     generator: torch.Generator
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    versions: list[tuple[int, int]] = field(default_factory=list)  # (weight version, first token index)
 
     @property
     def prompt(self) -> list[int]:
         return self.generation.prompts[self.prompt_index]
+
+    def prefill_key(self) -> tuple[int, int] | int:
+        """Rows of one prompt with nothing generated yet share its prefill; a resumed row has its own."""
+        return id(self) if self.token_ids else (id(self.generation), self.prompt_index)
 
 
 class HFEngine(RolloutEngine):
@@ -69,6 +87,7 @@ class HFEngine(RolloutEngine):
         self._running: list[_Row] = []
         self._lock = asyncio.Lock()  # held by a running batch, a weight load or sleep
         self._wakeup = asyncio.Event()  # rows were queued
+        self._preempt = False  # a weight swap waits: the running batch hands its rows back (partial rollouts)
         self._scheduler: asyncio.Task | None = None
         self._discarded_shapes: dict[torch.nn.Parameter, torch.Size] = {}  # asleep at level 2: their real shapes
 
@@ -131,7 +150,8 @@ class HFEngine(RolloutEngine):
             async with self._lock:
                 self._running = batch
                 try:
-                    await asyncio.to_thread(self._run_batch, batch, self.weight_version)
+                    unfinished = await asyncio.to_thread(self._run_batch, batch, self.weight_version)
+                    self._pending.extendleft(reversed([r for r in unfinished if not r.generation.aborted]))
                 except Exception as error:  # the engine failed: the batch's requests get UNAVAILABLE
                     log.exception("hf engine batch failed")
                     for generation in {row.generation for row in batch}:
@@ -162,18 +182,23 @@ class HFEngine(RolloutEngine):
         if params.stop:
             text, _ = truncate_at_stop(text, params.stop)
         logprobs = row.logprobs if params.logprobs else []
-        return FinishedSample(row.prompt_index, row.sample_index, row.token_ids, logprobs, reason, version, text)
+        first_version, spans = compact_versions(row.versions or [(version, 0)])
+        return FinishedSample(row.prompt_index, row.sample_index, row.token_ids, logprobs, reason, first_version,
+                              text, spans)
 
     @torch.inference_mode()
-    def _run_batch(self, rows: list[_Row], version: int) -> None:
-        """Prefill then decode until every row is finished (worker thread)."""
+    def _run_batch(self, rows: list[_Row], version: int) -> list[_Row]:
+        """Prefill then decode until every row is finished, or until a weight swap asks for the rows
+        still going (partial rollouts), which it returns (worker thread)."""
         device = self.device
-        # 1. Prefill each unique prompt once, left-padded.
-        unique: dict[tuple[int, int], int] = {}  # (generation, prompt index) -> row of the prefill
+        for r in rows:
+            r.versions.append((version, len(r.token_ids)))
+        # 1. Prefill each unique prompt (or a resumed row's prompt + generated prefix) once, left-padded.
+        unique: dict[tuple[int, int] | int, int] = {}  # Row.prefill_key() -> row of the prefill
         prompts = []
         for r in rows:
-            if unique.setdefault((id(r.generation), r.prompt_index), len(prompts)) == len(prompts):
-                prompts.append(r.prompt)
+            if unique.setdefault(r.prefill_key(), len(prompts)) == len(prompts):
+                prompts.append(r.prompt + r.token_ids)
         width = max(map(len, prompts))
         pad = self.tokenizer.pad_token_id or 0
         input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)  # (U, P)
@@ -185,7 +210,7 @@ class HFEngine(RolloutEngine):
         out = self.net(input_ids=input_ids, attention_mask=mask, position_ids=positions,
                        past_key_values=cache, use_cache=True, logits_to_keep=1)
         # 2. Repeat each prompt's cache for its samples.
-        expand = torch.tensor([unique[(id(r.generation), r.prompt_index)] for r in rows], device=device)  # (B,)
+        expand = torch.tensor([unique[r.prefill_key()] for r in rows], device=device)  # (B,)
         logits = out.logits[:, -1, :][expand]  # (B, V)
         cache.batch_select_indices(expand)
         mask, next_pos = mask[expand], positions[expand, -1] + 1  # (B, P), (B,)
@@ -211,7 +236,9 @@ class HFEngine(RolloutEngine):
                 else:
                     row.generation.put_threadsafe(self._finish(row, reason, version))
             if not alive:
-                break
+                return []
+            if self._preempt:
+                return [rows[i] for i in alive]
             if len(alive) < len(rows):
                 keep = torch.tensor(alive, device=device)
                 cache.batch_select_indices(keep)
@@ -223,6 +250,7 @@ class HFEngine(RolloutEngine):
             out = self.net(input_ids=tokens[:, None], attention_mask=mask, position_ids=next_pos[:, None],
                            past_key_values=cache, use_cache=True)
             logits, next_pos = out.logits[:, -1, :], next_pos + 1
+        return []
 
     def _finish_reason(self, row: _Row, token: int) -> Finish | None:
         params = row.generation.params
@@ -325,11 +353,18 @@ class HFEngine(RolloutEngine):
         return await self._swap(named, version, self._adapter_weights)
 
     async def _swap(self, named: list[tuple[str, torch.Tensor]], version: int | None, targets) -> WeightSwap:
-        async with self._lock:
-            started = time.monotonic()
-            await asyncio.to_thread(self._copy_weights, named, targets())
-            self.weight_version = self.weight_version + 1 if version is None else int(version)
-            paused = time.monotonic() - started
+        """With partial rollouts the running batch stops at its next step and its rows go on after the swap;
+        otherwise the swap waits for the batch to finish."""
+        self._preempt = self.config.rollout.partial_rollouts
+        try:
+            async with self._lock:
+                started = time.monotonic()
+                await asyncio.to_thread(self._copy_weights, named, targets())
+                self.weight_version = self.weight_version + 1 if version is None else int(version)
+                paused = time.monotonic() - started
+        finally:
+            self._preempt = False
+            self._wakeup.set()  # rows handed back wait in the queue
         log.info("weights loaded", extra={"fields": {"tensors": len(named), "version": self.weight_version,
                                                      "paused_s": round(paused, 4)}})
         return WeightSwap(self.weight_version, paused)

@@ -98,7 +98,13 @@ class TurnInfo:
 
 @dataclass
 class FinishedSample:
-    """One generated response."""
+    """One generated response.
+
+    Per-token weight versions, run-length: a sample generated under one version has weight_version
+    and no version_spans. A partial rollout (a weight switch reached it mid-generation, and it went on
+    from its prefix under the new weights) has version_spans [(version, first token index), ...] in
+    order, the first (weight_version, 0): weight_version is always the version of its first token,
+    the oldest it holds."""
 
     prompt_index: int
     sample_index: int
@@ -114,10 +120,34 @@ class FinishedSample:
     agent_status: str = ""  # done, max_turns, max_tokens or env_failed
     agent_error: str = ""  # what failed, with env_failed
     env_reward: float = 0.0  # the sum of the environment's step rewards
+    version_spans: list[tuple[int, int]] = field(default_factory=list)
 
     def model_token_mask(self) -> list[int]:
         """(L,) 1 for each token the model sampled (every token of a single-turn sample)."""
         return self.loss_mask or [1] * len(self.token_ids)
+
+    def token_versions(self) -> list[int]:
+        """(L,) the weight version that produced each token."""
+        spans = self.version_spans or [(self.weight_version, 0)]
+        ends = [first for _, first in spans[1:]] + [len(self.token_ids)]
+        return [version for (version, first), end in zip(spans, ends, strict=True) for _ in range(first, end)]
+
+    @property
+    def newest_version(self) -> int:
+        return self.version_spans[-1][0] if self.version_spans else self.weight_version
+
+
+def compact_versions(spans: list[tuple[int, int]]) -> tuple[int, list[tuple[int, int]]]:
+    """(weight_version, version_spans) of a FinishedSample whose generation went through `spans`
+    [(version, first token index)] in order: spans that hold no token are dropped, and a sample of one
+    version has no spans (its weight_version says it all)."""
+    kept: list[tuple[int, int]] = []
+    for version, first in spans:
+        if kept and kept[-1][1] == first:
+            kept.pop()  # the span before ended before its first token
+        if not kept or kept[-1][0] != version:
+            kept.append((version, first))
+    return kept[0][0], (kept if len(kept) > 1 else [])
 
 
 @dataclass

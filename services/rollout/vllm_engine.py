@@ -15,9 +15,13 @@ Weights: load_weights stages the tensors as a safetensors file in shared memory 
 workers' rlfabric_load_weights_file (rlfabric.rollout.vllm_worker) through collective_rpc. Weight
 sync over gloo or nccl lands in the worker process itself: the worker joins the actor's group
 (rlfabric_sync_join) and receives on a thread of its own (rlfabric_sync_start / _poll) while
-generation goes on. Either way the switch (_switch) holds generation with pause_generation("wait"),
-so in-flight requests finish on the old weights and no request sees a mix, applies the new weights,
-resets the prefix cache (its KV came from the old weights) and resumes.
+generation goes on. Either way the switch (_switch) holds generation with pause_generation, applies
+the new weights, resets the prefix cache (its KV came from the old weights) and resumes. With
+rollout.partial_rollouts it pauses with "abort": each sample in flight ends early and goes on as a new
+request for prompt + what it generated, with the max_tokens left, under the new weights (abort and
+resume from the prefix, so the version of each token is exact: FinishedSample.version_spans; vLLM's
+"keep" mode would keep the requests but not say how many tokens each had when the weights changed).
+Without it, the pause is "wait": samples in flight finish on the old weights first.
 
 LoRA (weight_sync.lora resolved to adapter): the engine starts with vLLM's LoRA support (enable_lora,
 max_lora_rank the actor's rank rounded up to one vLLM accepts). Each adapter version is staged in shared
@@ -34,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import math
 import os
@@ -58,7 +63,15 @@ from rlfabric.core.errors import (
 )
 from rlfabric.core.storage import create_private_file
 from rlfabric.rollout.engine import Generation, RolloutEngine, load_tokenizer, trust_remote_code
-from rlfabric.rollout.types import EngineLimits, Finish, FinishedSample, SamplingSpec, row_seed
+from rlfabric.rollout.types import (
+    EngineLimits,
+    Finish,
+    FinishedSample,
+    SamplingSpec,
+    compact_versions,
+    row_seed,
+    truncate_at_stop,
+)
 from rlfabric.rollout.vllm_worker import stage_adapter
 from rlfabric.weight_sync import Manifest, SyncGroup, WeightSwap
 from rlfabric.weight_sync.manifest import parse_adapter_tensor_name
@@ -88,6 +101,7 @@ class VLLMEngine(RolloutEngine):
         self.llm = None
         self._update_lock = asyncio.Lock()  # one weight switch (or abort) at a time
         self._asleep_tags: set[str] = set()  # what Sleep released and no WakeUp has restored yet
+        self._switches = 0  # weight switches so far: a request aborted by one goes on (partial rollouts)
         self._sync_group: SyncGroup | None = None  # joined from inside the worker (gloo, nccl)
         self._lora_request = None  # the adapter version the next requests use (weight_sync.lora adapter)
         self._lora_directory: Path | None = None  # where that version is staged
@@ -178,32 +192,46 @@ class VLLMEngine(RolloutEngine):
 
     # -- generation ----------------------------------------------------------------------------
 
-    def _sampling(self, params: SamplingSpec, prompt_index: int, sample_index: int):
+    def _sampling(self, params: SamplingSpec, prompt_index: int, sample_index: int, generated: int = 0, part: int = 0):
+        """vLLM's SamplingParams of one sample, or of its part-th continuation after `generated` tokens."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        seed = None if params.seed is None else row_seed(params.seed, prompt_index, sample_index)
+        seed = None if params.seed is None else (row_seed(params.seed, prompt_index, sample_index) + part) % (1 << 63)
         return SamplingParams(
             n=1, temperature=params.temperature, top_p=params.top_p, top_k=max(params.top_k, 0),
-            max_tokens=params.max_tokens, stop=list(params.stop), stop_token_ids=list(params.stop_token_ids),
+            max_tokens=params.max_tokens - generated, stop=list(params.stop), stop_token_ids=list(params.stop_token_ids),
             seed=seed, logprobs=0 if params.logprobs else None, output_kind=RequestOutputKind.FINAL_ONLY,
         )
 
     async def _generate_row(self, generation: Generation, prompt_index: int, sample_index: int) -> FinishedSample:
-        """One vLLM request; cancelling it (the caller went away) aborts it in the engine."""
+        """One vLLM request, and with partial rollouts one more from its prefix after each weight switch that
+        aborted it; cancelling it (the caller went away) aborts it in the engine."""
         llm = self._alive()
-        version, lora_request = self.weight_version, self._lora_request  # both change in a switch only
-        sampling = self._sampling(generation.params, prompt_index, sample_index)
-        request_id = f"{generation.request_id}-{prompt_index}-{sample_index}"
-        final = None
-        async for output in llm.generate({"prompt_token_ids": generation.prompts[prompt_index]}, sampling, request_id,
-                                         lora_request=lora_request):
-            final = output
-        out = final.outputs[0]
-        token_ids = list(out.token_ids)
-        logprobs = [float(lp[t].logprob) for t, lp in zip(token_ids, out.logprobs or [], strict=False)]
-        reason = _FINISH.get(out.finish_reason, Finish.ABORT)
-        return FinishedSample(prompt_index, sample_index, token_ids, logprobs, reason, version, out.text)
+        params, prompt = generation.params, generation.prompts[prompt_index]
+        token_ids: list[int] = []
+        logprobs: list[float] = []
+        spans: list[tuple[int, int]] = []
+        for part in itertools.count():
+            async with self._update_lock:  # a switch in progress: this part runs on the weights it brings
+                version, lora_request, switches = self.weight_version, self._lora_request, self._switches
+            spans.append((version, len(token_ids)))
+            sampling = self._sampling(params, prompt_index, sample_index, len(token_ids), part)
+            request_id = f"{generation.request_id}-{prompt_index}-{sample_index}" + (f"-{part}" if part else "")
+            final = None
+            async for output in llm.generate({"prompt_token_ids": prompt + token_ids}, sampling, request_id,
+                                             lora_request=lora_request):
+                final = output
+            out = final.outputs[0]
+            token_ids += out.token_ids
+            logprobs += [float(lp[t].logprob) for t, lp in zip(out.token_ids, out.logprobs or [], strict=False)]
+            reason = _FINISH.get(out.finish_reason, Finish.ABORT)
+            switched = switches != self._switches and not generation.aborted
+            if not (reason == Finish.ABORT and switched and len(token_ids) < params.max_tokens):
+                break
+        text = out.text if part == 0 else truncate_at_stop(self.decode(token_ids), params.stop)[0]
+        first_version, version_spans = compact_versions(spans)
+        return FinishedSample(prompt_index, sample_index, token_ids, logprobs, reason, first_version, text, version_spans)
 
     # -- control -------------------------------------------------------------------------------
 
@@ -301,14 +329,17 @@ class VLLMEngine(RolloutEngine):
         return swap
 
     async def _switch(self, apply, version: int | None) -> WeightSwap:
-        """Holds generation (in-flight requests finish on the old weights, new ones wait), awaits
-        apply(llm), resets the prefix cache and resumes; one switch at a time."""
+        """Holds generation (partial rollouts: in-flight requests end now and go on after the switch;
+        otherwise they finish on the old weights; new ones wait), awaits apply(llm), resets the prefix
+        cache and resumes; one switch at a time."""
         llm = self._alive()
         timeout = self.config.rollout.drain_timeout_s
+        mode = "abort" if self.config.rollout.partial_rollouts else "wait"
         async with self._update_lock:
             started = time.monotonic()
+            self._switches += 1
             try:
-                await asyncio.wait_for(llm.pause_generation(mode="wait"), timeout)
+                await asyncio.wait_for(llm.pause_generation(mode=mode), timeout)
                 try:
                     await apply(llm)
                 except Exception as error:

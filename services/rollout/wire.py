@@ -111,6 +111,7 @@ def sample_to_proto(sample: FinishedSample) -> rollout_pb2.Sample:
             step_status=t.step_status, reward=t.reward, weight_version=t.weight_version,
             env_seconds=t.env_seconds, finish_reason=t.finish_reason) for t in sample.turns],
         agent_status=sample.agent_status, agent_error=sample.agent_error, env_reward=sample.env_reward,
+        version_spans=[rollout_pb2.VersionSpan(version=v, first_token=i) for v, i in sample.version_spans],
     )
 
 
@@ -123,6 +124,7 @@ def sample_from_proto(sample: rollout_pb2.Sample) -> FinishedSample:
         turns=[TurnInfo(t.model_tokens, t.observation_tokens, list(t.tool_calls), t.step_status, t.reward,
                         t.finish_reason, t.weight_version, t.env_seconds) for t in sample.turns],
         agent_status=sample.agent_status, agent_error=sample.agent_error, env_reward=sample.env_reward,
+        version_spans=[(span.version, span.first_token) for span in sample.version_spans],
     )
 
 

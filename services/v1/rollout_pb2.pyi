@@ -86,7 +86,7 @@ class SamplingParams(_message.Message):
     def __init__(self, n: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., logprobs: _Optional[bool] = ..., multi_turn: _Optional[_Union[MultiTurnParams, _Mapping]] = ...) -> None: ...
 
 class Sample(_message.Message):
-    __slots__ = ("prompt_index", "sample_index", "token_ids", "logprobs", "finish_reason", "weight_version", "text", "prompt_token_ids", "loss_mask", "turns", "agent_status", "agent_error", "env_reward")
+    __slots__ = ("prompt_index", "sample_index", "token_ids", "logprobs", "finish_reason", "weight_version", "text", "version_spans", "prompt_token_ids", "loss_mask", "turns", "agent_status", "agent_error", "env_reward")
     PROMPT_INDEX_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -94,6 +94,7 @@ class Sample(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
+    VERSION_SPANS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOSS_MASK_FIELD_NUMBER: _ClassVar[int]
     TURNS_FIELD_NUMBER: _ClassVar[int]
@@ -107,13 +108,22 @@ class Sample(_message.Message):
     finish_reason: FinishReason
     weight_version: int
     text: str
+    version_spans: _containers.RepeatedCompositeFieldContainer[VersionSpan]
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     loss_mask: _containers.RepeatedScalarFieldContainer[int]
     turns: _containers.RepeatedCompositeFieldContainer[AgentTurn]
     agent_status: str
     agent_error: str
     env_reward: float
-    def __init__(self, prompt_index: _Optional[int] = ..., sample_index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., weight_version: _Optional[int] = ..., text: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., loss_mask: _Optional[_Iterable[int]] = ..., turns: _Optional[_Iterable[_Union[AgentTurn, _Mapping]]] = ..., agent_status: _Optional[str] = ..., agent_error: _Optional[str] = ..., env_reward: _Optional[float] = ...) -> None: ...
+    def __init__(self, prompt_index: _Optional[int] = ..., sample_index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., weight_version: _Optional[int] = ..., text: _Optional[str] = ..., version_spans: _Optional[_Iterable[_Union[VersionSpan, _Mapping]]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., loss_mask: _Optional[_Iterable[int]] = ..., turns: _Optional[_Iterable[_Union[AgentTurn, _Mapping]]] = ..., agent_status: _Optional[str] = ..., agent_error: _Optional[str] = ..., env_reward: _Optional[float] = ...) -> None: ...
+
+class VersionSpan(_message.Message):
+    __slots__ = ("version", "first_token")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    first_token: int
+    def __init__(self, version: _Optional[int] = ..., first_token: _Optional[int] = ...) -> None: ...
 
 class AgentTurn(_message.Message):
     __slots__ = ("model_tokens", "observation_tokens", "tool_calls", "step_status", "reward", "weight_version", "env_seconds", "finish_reason")

@@ -4,19 +4,21 @@ tensors of the right shapes and record what they were sent."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from rlfabric.coordinator.dataset import DataCursor, PromptRow
-from rlfabric.coordinator.loop import PendingRollout, PPOTrainer, check_roles
+from rlfabric.coordinator.dataset import PromptRow
+from rlfabric.coordinator.loop import PPOTrainer, check_roles
 from rlfabric.coordinator.peers import Peers
 from rlfabric.coordinator.rollout_batch import RolloutBatch, build_rollout_batch
 from rlfabric.coordinator.step_metrics import StepTimer
 from rlfabric.core.config import RunConfig, config_from_dict
 from rlfabric.core.errors import FailedPrecondition, InvalidArgument
+from rlfabric.reward.items import ItemResult
 from rlfabric.rollout.types import Finish, FinishedSample
 
 N = 2  # samples per prompt
@@ -98,16 +100,7 @@ def rollout_batch(scores: list[float], failed: list[bool] | None = None, version
 
 def train_step(trainer: PPOTrainer, batch: RolloutBatch, step: int = 1) -> dict[str, float]:
     """trainer.train_step on a batch already generated and scored (phase 1 done); its metrics."""
-    async def generated():
-        return batch, StepTimer()
-
-    async def scenario():
-        rollout = PendingRollout(step, ROWS, DataCursor(), asyncio.ensure_future(generated()))
-        metrics, next_rollout = await trainer.train_step(step, rollout)
-        assert next_rollout is None
-        return metrics
-
-    return asyncio.run(scenario())
+    return asyncio.run(trainer.train_step(step, batch, StepTimer()))
 
 
 def trainer_over(run_config: RunConfig, tmp_path, actor: ModelService, reference: ModelService | None = None,
@@ -124,32 +117,41 @@ def trainer_over(run_config: RunConfig, tmp_path, actor: ModelService, reference
     return trainer
 
 
-def test_a_failing_step_in_async_mode_cancels_the_prefetched_rollout(tmp_path):
+class Rollout:
+    """Stands in for the rollout router: step 1's prompts generate at once, every later request waits
+    until cancelled (it is still generating when step 1 fails)."""
+
+    def __init__(self):
+        self.requests: list[asyncio.Task] = []
+
+    def healthy(self):
+        return [self]
+
+    async def generate_stream(self, prompts, params, chunk_prompts=None):
+        self.requests.append(asyncio.current_task())
+        if len(self.requests) > 1:
+            await asyncio.Event().wait()
+        for p in range(len(prompts)):
+            for i in range(params.n):
+                yield FinishedSample(p, i, [4, 5], [], Finish.STOP, 0)
+
+
+class Reward:
+    async def score(self, items, timeout_s=None):
+        return [ItemResult(float(i % 2)) for i in range(len(items))]
+
+
+def test_a_failing_step_in_async_mode_cancels_the_generation_running_ahead(tmp_path):
     trainer = trainer_over(config("trainer.mode=async"), tmp_path, ModelService("actor", fail_update=True))
-    started: list = []
-
-    async def rollout(step, rows):
-        if step == 1:
-            return rollout_batch([1.0, 0.0, 1.0, 0.0]), StepTimer()
-        await asyncio.Event().wait()  # the next batch is still generating when step 1 fails
-
-    trainer._rollout = rollout
-    start_rollout = trainer._start_rollout
-
-    def recording(step, batches):
-        pending = start_rollout(step, batches)
-        started.append(pending)
-        return pending
-
-    trainer._start_rollout = recording
+    trainer.peers = dataclasses.replace(trainer.peers, rollout=Rollout(), reward=Reward())
 
     async def scenario():
         with pytest.raises(FailedPrecondition, match="the update failed"):
             await trainer.run()
-        prefetched = started[-1]
-        assert prefetched.step == 2
-        await asyncio.wait([prefetched.task], timeout=10)
-        assert prefetched.task.cancelled()  # (asyncio.run would cancel it at the end in any case)
+        ahead = trainer.peers.rollout.requests[-1]
+        assert len(trainer.peers.rollout.requests) == 2  # step 2's prompts were generating while step 1 trained
+        await asyncio.wait([ahead], timeout=10)
+        assert ahead.done()  # (asyncio.run would cancel it at the end in any case)
 
     asyncio.run(scenario())
 

@@ -263,7 +263,9 @@ def test_a_failing_rollout_replica_is_routed_around(tiny_model, tmp_path):
     assert metrics[2]["weight_sync/replicas"] == 2  # the replica that failed a generation still gets the weights
 
 
-def test_samples_older_than_the_staleness_bound_fail_the_step(tiny_model, tmp_path):
+def test_a_replica_serving_weights_older_than_the_last_sync_fails_the_step(tiny_model, tmp_path):
+    """Samples too old to train on are dropped and generated again, but samples from weights older than the
+    rollout served when their generation started would come back as old every time: that fails the run."""
     def wrap(peers):
         for replica in peers.rollout.replicas:
             replica.client = OldWeights(replica.client, behind=2)
@@ -271,4 +273,4 @@ def test_samples_older_than_the_staleness_bound_fail_the_step(tiny_model, tmp_pa
 
     metrics, status = run_wrapped(tiny_model, tmp_path / "run", wrap, "trainer.mode=async", "trainer.max_staleness=1")
     assert status.state == coordinator_pb2.RUN_STATE_FAILED and metrics == {}
-    assert "trainer.max_staleness 1" in status.error
+    assert "serves stale weights" in status.error and "trainer.max_staleness 1" in status.error

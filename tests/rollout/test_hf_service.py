@@ -279,6 +279,36 @@ def test_a_chat_template_that_rejects_the_messages_is_invalid_argument(served):
     assert "prompt 1" in details and "the first message must be from the user" in details
 
 
+def test_a_weight_swap_mid_generation_continues_the_samples_under_the_new_weights(served, tiny_model, slow_decode):
+    """Partial rollouts: the samples in flight stop at the swap, take the new weights (here: token 50 wins
+    everywhere) and go on from their prefix; version_spans mark the boundary, across the wire."""
+    server, channel, engine = served
+    prompts, params = [PROMPTS[0]], {"n": 2, "max_tokens": 120, "temperature": 1.0, "seed": 11}
+    uninterrupted = generate(channel, prompts, **params)
+    before = engine.weight_version
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            streaming = pool.submit(stream, channel, prompts, **params)
+            deadline = time.monotonic() + 20
+            while not any(len(row.token_ids) >= 3 for row in list(engine._running)):
+                assert time.monotonic() < deadline and not streaming.done(), "the samples never got going"
+                time.sleep(0.005)
+            server.run(engine.load_weights(tampered_weights(tiny_model, winner=50).items(), version=before + 7))
+            samples = sorted(streaming.result(timeout=30), key=lambda s: s.sample_index)
+    finally:
+        server.run(engine.load_weights(original_weights(tiny_model).items(), version=before + 8))
+    straddling = [s for s in samples if s.version_spans]
+    assert straddling, "no sample was in flight at the swap"
+    for sample in straddling:
+        (old, start), (new, boundary) = sample.version_spans
+        assert (old, start, new) == (before, 0, before + 7) and sample.weight_version == before
+        assert 3 <= boundary < len(sample.token_ids) == len(sample.logprobs)
+        # Before the boundary: the old weights' tokens (the same seed gives the same prefix); from it on: 50s.
+        assert sample.token_ids[:boundary] == uninterrupted[sample.sample_index].token_ids[:boundary]
+        assert set(sample.token_ids[boundary:]) == {50}
+        assert sample.token_versions() == [before] * boundary + [before + 7] * (len(sample.token_ids) - boundary)
+
+
 def test_health_answers_while_generating_and_metrics_count(served, slow_decode):
     server, channel, _ = served
     health = health_pb2_grpc.HealthStub(channel)

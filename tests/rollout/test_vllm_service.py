@@ -8,6 +8,9 @@ served on loopback, so the same module can drive it over gRPC and call engine.lo
 
 from __future__ import annotations
 
+import concurrent.futures
+import time
+
 import grpc
 import pytest
 import torch
@@ -86,6 +89,32 @@ def test_load_weights_switches_generation_and_bumps_the_version(served, tiny_mod
     assert any(t != 50 for s in generate(channel, PROMPTS, max_tokens=10, seed=0) for t in s.token_ids)
     status = stub(channel).GetStatus(rollout_pb2.RolloutServiceGetStatusRequest(), timeout=10)
     assert (status.engine, status.weight_version) == ("vllm", before + 2)
+
+
+def test_a_weight_switch_mid_generation_continues_the_samples_under_the_new_weights(served, tiny_model):
+    """Partial rollouts: the switch aborts the requests in flight and each goes on from its prefix under the
+    new weights (here: token 50 wins everywhere); version_spans mark the boundary, across the wire."""
+    server, channel, engine = served
+    before = engine.status().weight_version
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        streaming = pool.submit(stream, channel, [PROMPTS[1]], n=2, max_tokens=480, temperature=1.0, seed=4,
+                                stop_token_ids=(0, 1, 2))
+        deadline = time.monotonic() + 60
+        while not (engine.status().queue_depth and engine.kv_cache_usage > 0):  # the samples are decoding
+            assert time.monotonic() < deadline and not streaming.done(), "the samples never got going"
+            time.sleep(0.005)
+        version = server.run(engine.load_weights(tampered_weights(tiny_model, winner=50).items()))
+        try:
+            samples = streaming.result(timeout=120)
+        finally:
+            server.run(engine.load_weights(original_weights(tiny_model).items()))
+    straddling = [s for s in samples if s.version_spans]
+    assert straddling, [(s.finish_reason, len(s.token_ids)) for s in samples]
+    for sample in straddling:
+        (old, start), (new, boundary) = sample.version_spans
+        assert (old, start, new, sample.weight_version) == (before, 0, version, before)
+        assert 0 < boundary < len(sample.token_ids) == len(sample.logprobs) == 480
+        assert set(sample.token_ids[boundary:]) == {50} and sample.finish_reason == Finish.LENGTH
 
 
 def test_pause_abort_resume_and_sleep_needs_sleep_mode(served):
