@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import dataclasses
 import logging
 import time
 from collections.abc import Iterator
@@ -371,8 +372,6 @@ class RolloutStream:
             rows.append(group.row)
             for sample_index in sorted(group.samples):
                 sample = group.samples[sample_index]
-                samples.append(FinishedSample(
-                    prompt_index, sample_index, sample.token_ids, sample.logprobs, sample.finish_reason,
-                    sample.weight_version, sample.text, sample.version_spans))
+                samples.append(dataclasses.replace(sample, prompt_index=prompt_index))
                 results[(prompt_index, sample_index)] = group.results[sample_index]
         return TakenGroups(rows, samples, results, metrics)

@@ -184,7 +184,7 @@ class HFEngine(RolloutEngine):
         logprobs = row.logprobs if params.logprobs else []
         first_version, spans = compact_versions(row.versions or [(version, 0)])
         return FinishedSample(row.prompt_index, row.sample_index, row.token_ids, logprobs, reason, first_version,
-                              text, spans)
+                              text, version_spans=spans)
 
     @torch.inference_mode()
     def _run_batch(self, rows: list[_Row], version: int) -> list[_Row]:

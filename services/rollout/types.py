@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from enum import Enum
 
 from rlfabric.core.errors import InvalidArgument
@@ -113,6 +113,7 @@ class FinishedSample:
     finish_reason: Finish
     weight_version: int
     text: str = ""
+    _: KW_ONLY  # the fields below by name only: they are many, and optional
     # Multi-turn samples only (empty otherwise):
     prompt_ids: list[int] = field(default_factory=list)  # (P,) the prompt as rendered with the session's tools
     loss_mask: list[int] = field(default_factory=list)  # (L,) 1 = the model's token, 0 = the environment's

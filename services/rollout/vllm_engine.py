@@ -231,7 +231,8 @@ class VLLMEngine(RolloutEngine):
                 break
         text = out.text if part == 0 else truncate_at_stop(self.decode(token_ids), params.stop)[0]
         first_version, version_spans = compact_versions(spans)
-        return FinishedSample(prompt_index, sample_index, token_ids, logprobs, reason, first_version, text, version_spans)
+        return FinishedSample(prompt_index, sample_index, token_ids, logprobs, reason, first_version, text,
+                              version_spans=version_spans)
 
     # -- control -------------------------------------------------------------------------------
 
