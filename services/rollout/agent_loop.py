@@ -31,7 +31,7 @@ from typing import Any, Protocol
 from rlfabric.core.errors import DeadlineExceeded, RlfabricError
 from rlfabric.env.client import EnvInterface
 from rlfabric.env.items import Action, Message, StepResult, Task, ToolCall, ToolSpec
-from rlfabric.rollout.types import Finish, FinishedSample, SamplingSpec, TurnInfo, row_seed
+from rlfabric.rollout.types import Finish, FinishedSample, SamplingSpec, TurnInfo, compact_versions, row_seed
 
 log = logging.getLogger("rlfabric.rollout")
 
@@ -80,11 +80,31 @@ class Trajectory:
     error: str = ""
     """What failed, when status is ENV_FAILED."""
 
-    def append(self, token_ids: Sequence[int], model: bool, logprobs: Sequence[float] = (), version: int = 0) -> None:
+    def append(self, token_ids: Sequence[int], model: bool, logprobs: Sequence[float] = (), version: int = 0,
+               versions: Sequence[int] = ()) -> None:
+        """Adds a model turn (its tokens sampled under `version`, or per token under `versions` when a
+        weight switch reached the turn mid-generation) or the environment's tokens (model=False)."""
         self.response_ids += token_ids
         self.loss_mask += [1 if model else 0] * len(token_ids)
         self.logprobs += list(logprobs) if model else [0.0] * len(token_ids)
-        self.weight_versions += [version if model else ENV_TOKEN_VERSION] * len(token_ids)
+        if not model:
+            self.weight_versions += [ENV_TOKEN_VERSION] * len(token_ids)
+        elif versions:
+            if len(versions) != len(token_ids):
+                raise ValueError(f"{len(versions)} versions for {len(token_ids)} tokens")
+            self.weight_versions += versions
+        else:
+            self.weight_versions += [version] * len(token_ids)
+
+    def versions(self, default: int) -> tuple[int, list[tuple[int, int]]]:
+        """(weight_version, version_spans) of the response as a FinishedSample has them (compact_versions):
+        an environment token takes the version of the model turn before it, so the oldest token's version
+        is exact; `default` for a response with no model token."""
+        spans: list[tuple[int, int]] = []
+        for index, version in enumerate(self.weight_versions):
+            if version != ENV_TOKEN_VERSION and (not spans or spans[-1][0] != version):
+                spans.append((version, index))
+        return compact_versions(spans) if spans else (default, [])
 
 
 class EnvFailure(Exception):
@@ -199,7 +219,8 @@ class AgentLoop:
             # 1. The model's turn, from the ids so far.
             sample = await self.generator.generate_turn(trajectory.prompt_ids + trajectory.response_ids,
                                                         min(limits.max_tokens_per_turn, room))
-            trajectory.append(sample.token_ids, model=True, logprobs=sample.logprobs, version=sample.weight_version)
+            trajectory.append(sample.token_ids, model=True, logprobs=sample.logprobs, version=sample.weight_version,
+                              versions=sample.token_versions() if sample.version_spans else ())
             text = self.tokenizer.decode(sample.token_ids, skip_special_tokens=True)
             action = Action(text, parse_tool_calls(text))
             turn = TurnInfo(len(sample.token_ids), 0, [c.name for c in action.tool_calls], "", 0.0,

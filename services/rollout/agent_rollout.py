@@ -126,13 +126,14 @@ class AgentRollouts:
             finish = Finish.ABORT
         else:
             finish = Finish.LENGTH if trajectory.status == MAX_TOKENS else Finish.STOP
-        versions = [turn.weight_version for turn in turns]
+        # Per-token versions over the turns (a model turn under the version that sampled it, or its own spans
+        # when it was a partial rollout): the oldest token's version is weight_version, as for one turn.
+        weight_version, version_spans = trajectory.versions(default=self.engine.weight_version)
         return FinishedSample(
-            prompt_index, sample_index, trajectory.response_ids, trajectory.logprobs, finish,
-            min(versions) if versions else self.engine.weight_version,
+            prompt_index, sample_index, trajectory.response_ids, trajectory.logprobs, finish, weight_version,
             text=self.engine.decode(trajectory.response_ids), prompt_ids=trajectory.prompt_ids,
             loss_mask=trajectory.loss_mask, turns=turns, agent_status=trajectory.status,
-            agent_error=trajectory.error, env_reward=trajectory.reward)
+            agent_error=trajectory.error, env_reward=trajectory.reward, version_spans=version_spans)
 
     async def close(self) -> None:
         for client in self._env_clients.values():

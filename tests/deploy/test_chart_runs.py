@@ -21,7 +21,7 @@ No Kubernetes runs on this machine, so the test plays the rendered chart:
   and runs the run Job's command to its end.
 Pass: the Job exits 0 after both steps, a complete checkpoint (actor and coordinator parts) and the final
 model are on the "PVC", and every pod drains and exits 0 on SIGTERM. The same with TLS from cert-manager
-and mutual TLS; and a mesh whose actor does not mount the shared volume fails its run at the start with
+and mutual TLS; the same for a multi-turn run with the chart's env role; and a mesh whose actor does not mount the shared volume fails its run at the start with
 a message naming the storage requirement.
 """
 
@@ -257,3 +257,23 @@ def test_an_actor_without_the_shared_volume_fails_the_run_at_its_start(tmp_path,
     assert "FAILED_PRECONDITION" in output and "must share the run directory" in output, output
     assert "ReadWriteMany" in output, output
     assert not [line for line in job["stdout"].splitlines() if line.startswith("step ")], job["stdout"]
+
+
+def test_a_multi_turn_run_calls_the_charts_environment_service(tmp_path, model):
+    """config.env.enable deploys the env role: the rollout replica's agent loops reach it through the
+    cluster.env address the chart writes (its Service's DNS name), and the run goes to its end."""
+    workdir = tmp_path / "cluster"
+    values = cpu_values(workdir, model)
+    config = values["config"]
+    config["data"].update(builtin_task="lookup", max_response_length=24)
+    config["rollout"]["multi_turn"] = {"enable": True, "max_turns": 2, "reward": "env"}
+    config["env"] = {"enable": True}
+    docs = render(values)
+    assert pod_names(docs) == {"actor-0", "rollout-0", "reward-0", "env-0", "coordinator-0"}
+    result, logs = play(docs, workdir)
+    check_run_completed(result, logs, workdir)
+    metrics_file = workdir / "volumes" / f"pvc-{RELEASE}-rlfabric-data" / "runs" / RELEASE / "metrics.jsonl"
+    steps = [json.loads(line) for line in metrics_file.read_text().splitlines()]
+    assert len(steps) == 2
+    for step in steps:  # every sample's turns reached the environment, whose Steps answered
+        assert step["agent/env_failed/count"] == 0 and step["agent/env_seconds/max"] > 0, step

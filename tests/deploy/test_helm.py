@@ -36,9 +36,9 @@ FULLNAME = f"{RELEASE}-rlfabric"
 KUBE_VERSION = "1.30.0"
 MONITORING_API = "monitoring.coreos.com/v1"
 
-ROLES = ("actor", "reference", "critic", "rollout", "reward", "coordinator")
+ROLES = ("actor", "reference", "critic", "rollout", "reward", "env", "coordinator")
 MULTI_RANK = ("actor", "critic")
-CLUSTER_ROLES = ("actor", "reference", "critic", "rollout", "reward")
+CLUSTER_ROLES = ("actor", "reference", "critic", "rollout", "reward", "env")
 STANDARD_LABELS = (
     "app.kubernetes.io/name",
     "app.kubernetes.io/instance",
@@ -62,11 +62,12 @@ CASES: dict[str, dict[str, Any]] = {
     "gpu-separate": yaml.safe_load((CHART / "ci" / "gpu-separate-values.yaml").read_text()),
     "colocated": yaml.safe_load((CHART / "ci" / "colocated-values.yaml").read_text()),
     "mtls": TLS_VALUES,
-    # TLS from a cert-manager Certificate, critic and reference on (every name the certificate must cover).
+    # TLS from a cert-manager Certificate, critic, reference and env on (every name the certificate must cover).
     "cert-manager": {
         "tls": {"enabled": True, "mtls": True, "certManager": {"enabled": True,
                                                                "issuerRef": {"name": "mesh-ca", "kind": "ClusterIssuer"}}},
         "roles": {"rollout": {"replicas": 2}, "critic": {"enabled": True}, "reference": {"enabled": True}},
+        "config": {"env": {"enable": True}, "rollout": {"multi_turn": {"enable": True}}},
     },
 }
 
@@ -144,12 +145,14 @@ def deployed(values: dict[str, Any], role: str) -> bool:
     """roles.<role>.enabled, with "auto" decided as the launchers decide: by RunConfig.roles_in_use of
     the keys of `config` that choose the roles."""
     enabled = values["roles"][role]["enabled"]
+    if role == "env" and values["roles"]["env"].get("external"):
+        return False  # the user's own environment service
     if enabled != "auto":
         return bool(enabled)
     config = values.get("config") or {}
     deciding = {section: {key: config[section][key] for key in keys if key in config.get(section, {})}
                 for section, keys in (("algorithm", ("adv_estimator", "use_kl_in_reward")),
-                                      ("actor", ("use_kl_loss",)), ("reference", ("enable",)))}
+                                      ("actor", ("use_kl_loss",)), ("reference", ("enable",)), ("env", ("enable",)))}
     return role in config_from_dict(deciding).roles_in_use()
 
 
@@ -648,7 +651,7 @@ def test_a_cert_manager_certificate_names_every_address_the_mesh_dials(by_case):
     (job,) = r.of_kind("Job")
     dialed = [a for addrs in r.run_config()["cluster"].values() for a in addrs]
     dialed.append(job["spec"]["template"]["spec"]["containers"][0]["args"][2])  # train --coordinator HOST:PORT
-    assert len(dialed) == 1 + 1 + 1 + 2 + 1 + 1  # actor, reference, critic, 2 rollouts, reward, coordinator
+    assert len(dialed) == 1 + 1 + 1 + 2 + 1 + 1 + 1  # actor, reference, critic, 2 rollouts, reward, env, coordinator
     for address in dialed:
         assert covered(address.rsplit(":", 1)[0]), address
     for workload in [*(r.workload(role) for role in r.enabled()), job]:
@@ -1111,13 +1114,7 @@ def test_dockerfile_lints():
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
-# The chart has no env role yet: an example with env.enable (multi-turn) lacks its environment service.
-NEEDS_ENV_ROLE = pytest.mark.xfail(strict=True, reason="the chart does not deploy the env role yet")
-
-
-@pytest.mark.parametrize("example", [
-    pytest.param(p.name, marks=NEEDS_ENV_ROLE) if (yaml.safe_load(p.read_text()).get("env") or {}).get("enable")
-    else p.name for p in sorted(EXAMPLES.glob("*.yaml"))])
+@pytest.mark.parametrize("example", sorted(p.name for p in EXAMPLES.glob("*.yaml")))
 def test_the_chart_deploys_the_roles_the_config_uses(chart, example):
     """Each example config as the chart's `config`, roles left at their defaults (critic and
     reference: auto): the workloads are exactly the roles the launchers would start."""
@@ -1128,7 +1125,7 @@ def test_the_chart_deploys_the_roles_the_config_uses(chart, example):
     assert components == set(load_config(EXAMPLES / example).roles_in_use())
     # The coordinator's cluster section lists no address for a role that is not deployed.
     cluster = yaml.safe_load(next(d for d in docs if d["kind"] == "ConfigMap")["data"]["config.yaml"])["cluster"]
-    for role in ("critic", "reference"):
+    for role in ("critic", "reference", "env"):
         assert bool(cluster[role]) == (role in components), role
 
 
@@ -1146,3 +1143,24 @@ def test_with_lora_no_reference_is_deployed(chart):
     assert "reference" not in components
     without = parse_manifests(render_chart(chart, {"config": {"actor": {"use_kl_loss": True}}}))
     assert any(d["metadata"]["name"].endswith("-reference") for d in without if d["kind"] == "StatefulSet")
+
+
+def test_an_external_environment_replaces_the_env_role(chart, tmp_path):
+    """roles.env.external: no env workload, its address is the run config's cluster.env, which the rollout
+    replicas (and the coordinator's multi-turn requests) call; a bad address fails at template time."""
+    from rlfabric.coordinator.multi_turn import multi_turn_spec
+
+    config = yaml.safe_load((EXAMPLES / "lookup_multi_turn.yaml").read_text())
+    address = "lookup-env.agents.svc:50051"
+    docs = parse_manifests(render_chart(chart, {"config": config, "roles": {"env": {"external": address}}}))
+    components = {d["metadata"]["labels"]["app.kubernetes.io/component"]
+                  for d in docs if d["kind"] in ("StatefulSet", "Deployment", "Service")}
+    assert "env" not in components and "rollout" in components
+    (config_map,) = [d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == f"{FULLNAME}-config"]
+    path = tmp_path / "config.yaml"
+    path.write_text(config_map["data"]["config.yaml"])
+    loaded = load_config(path)
+    assert loaded.cluster.env == [address]
+    assert multi_turn_spec(loaded, max_tokens=64).env_address == address
+    with pytest.raises(helm.HelmError, match="roles.env.external"):
+        render_chart(chart, {"config": config, "roles": {"env": {"external": "http://lookup-env"}}})

@@ -77,7 +77,7 @@ def light_roles(values: dict) -> list[str]:
 def test_every_role_of_the_light_image_builds_in_it(light_venv, tmp_path):
     values = yaml.safe_load((CHART / "values.yaml").read_text())
     roles = light_roles(values)
-    assert roles == ["reward"]
+    assert roles == ["reward", "env"]
     with helm.Chart.load(CHART) as chart:
         docs = parse_manifests(render_chart(chart, {}))
     (config_map,) = [d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == f"{FULLNAME}-config"]

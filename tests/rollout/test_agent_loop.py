@@ -28,6 +28,7 @@ from rlfabric.rollout.agent_loop import (
     AgentLoop,
     AgentLoopLimits,
     EngineTurns,
+    Trajectory,
     parse_tool_calls,
     render_prompt,
 )
@@ -128,6 +129,10 @@ def test_a_tool_call_episode_is_exact_token_in_token_out(env):
     assert trajectory.weight_versions == [3] * len(turn1) + [ENV_TOKEN_VERSION] * len(observation) + [4] * len(turn2)
     assert [(t.model_tokens, t.observation_tokens, t.tool_calls, t.step_status, t.reward) for t in trajectory.turns] == [
         (len(turn1), len(observation), ["lookup"], "ok", 0.0), (len(turn2), 0, [], "ok", 1.0)]
+
+    # Per-token versions as a FinishedSample carries them: each turn under its own, the observation under
+    # turn 1's; the oldest token's is weight_version.
+    assert trajectory.versions(default=0) == (3, [(3, 0), (4, len(turn1) + len(observation))])
 
     # The whole is the chat template's rendering of the conversation (its last newline aside).
     conversation = [*QUESTION, {"role": "assistant", "content": LOOKUP_CALL}, {"role": "tool", "content": "7"},
@@ -336,3 +341,35 @@ def test_the_lookup_warm_start_demonstrates_episodes_as_the_loop_renders_them():
         "<|im_start|>assistant\n#### 6<|im_end|>")
     trained = TOKENIZER.decode([t for t, label in zip(ids_, labels, strict=True) if label != -100])
     assert trained == '<tool_call>{"name": "lookup", "arguments": {"key": "m"}}</tool_call><|im_end|>#### 6<|im_end|>'
+
+
+class PartialFirstTurn(ScriptedTurns):
+    """ScriptedTurns whose first turn was a partial rollout: its first two tokens under version 2, the rest
+    under 3 (a weight switch reached it mid-generation)."""
+
+    async def generate_turn(self, prompt_ids, max_tokens):
+        sample = await super().generate_turn(prompt_ids, max_tokens)
+        if len(self.prompts) == 1:
+            sample.weight_version, sample.version_spans = 2, [(2, 0), (3, 2)]
+        return sample
+
+
+def test_a_partial_rollout_turn_keeps_its_version_spans(env):
+    trajectory = env(lambda client: loop(PartialFirstTurn(LOOKUP_CALL, "#### 7"), client).run(QUESTION, LOOKUP_TASK))
+    first, second = trajectory.turns
+    turn1, observation, turn2 = first.model_tokens, first.observation_tokens, second.model_tokens
+    weight_version, spans = trajectory.versions(default=0)
+    assert (weight_version, spans) == (2, [(2, 0), (3, 2), (4, turn1 + observation)])
+    sample = FinishedSample(0, 0, trajectory.response_ids, trajectory.logprobs, Finish.STOP, weight_version,
+                            version_spans=spans)
+    assert sample.token_versions() == [2, 2] + [3] * (turn1 - 2 + observation) + [4] * turn2
+    assert min(sample.token_versions()) == sample.weight_version and sample.newest_version == 4
+
+
+def test_a_trajectory_of_one_version_has_no_spans():
+    trajectory = Trajectory([1, 2])
+    trajectory.append([5, 6], model=True, logprobs=[-0.1, -0.2], version=7)
+    trajectory.append([8], model=False)
+    trajectory.append([9], model=True, logprobs=[-0.3], version=7)
+    assert trajectory.versions(default=0) == (7, [])
+    assert Trajectory([1]).versions(default=9) == (9, [])  # no model token: the engine's version

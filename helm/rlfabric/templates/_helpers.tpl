@@ -32,7 +32,7 @@ stay within the 63-character limit.
 
 {{/* All roles, in start-up order. */}}
 {{- define "rlfabric.roleNames" -}}
-actor reference critic rollout reward coordinator
+actor reference critic rollout reward env coordinator
 {{- end }}
 
 {{/* Roles whose replicas are the ranks of one torch.distributed group (rank 0 serves gRPC). */}}
@@ -126,17 +126,21 @@ Images and ports
 "true" when the role is deployed, else "": roles.<role>.enabled true, or "auto" and the run config
 uses the role, as the launchers decide (rlfabric RunConfig.roles_in_use): a critic only for GAE, a
 reference only when reference.enable (default true), a KL term reads it and the actor has no LoRA
-adapters (with them, the actor's base model is the reference). Args: dict ctx role.
+adapters (with them, the actor's base model is the reference), an env only when env.enable. An env
+given as roles.env.external is never deployed. Args: dict ctx role.
 */}}
 {{- define "rlfabric.roleEnabled" -}}
 {{- $r := index .ctx.Values.roles .role }}
-{{- if eq (toString $r.enabled) "auto" }}
+{{- if and (eq .role "env") $r.external }}
+{{- else if eq (toString $r.enabled) "auto" }}
 {{- $config := .ctx.Values.config | default dict }}
 {{- $algorithm := $config.algorithm | default dict }}
 {{- $actor := $config.actor | default dict }}
 {{- $reference := $config.reference | default dict }}
 {{- if eq .role "critic" }}
 {{- if eq (toString ($algorithm.adv_estimator | default "grpo")) "gae" }}true{{ end }}
+{{- else if eq .role "env" }}
+{{- if (get $config "env" | default dict).enable }}true{{ end }}
 {{- else if eq .role "reference" }}
 {{- $on := or (not (hasKey $reference "enable")) $reference.enable }}
 {{- $lora := $actor.lora | default dict }}
@@ -216,9 +220,12 @@ Run config
 {{- $_ := set $cfg "tracing" $tracing }}
 {{- end }}
 {{- $cluster := dict }}
-{{- range $role := list "actor" "reference" "critic" "rollout" "reward" }}
+{{- range $role := list "actor" "reference" "critic" "rollout" "reward" "env" }}
 {{- $addrs := include "rlfabric.addresses" (dict "ctx" $ "role" $role "port" $.Values.ports.grpc) | fromYamlArray }}
 {{- $_ := set $cluster $role $addrs }}
+{{- end }}
+{{- with .Values.roles.env.external }}
+{{- $_ := set $cluster "env" (list .) }}
 {{- end }}
 {{- $_ := set $cfg "cluster" $cluster }}
 {{- /*
@@ -502,6 +509,11 @@ spec:
 {{- $reward := get (.Values.config | default dict) "reward" | default dict }}
 {{- if and (get $reward "model_path") (eq .Values.roles.reward.image.variant "light") }}
 {{- fail "config.reward.model_path: a reward model runs on torch, which the light image lacks: set roles.reward.image.variant: train" }}
+{{- end }}
+{{- with .Values.roles.env.external }}
+{{- if not (regexMatch "^[^:/ ]+:[0-9]+$" .) }}
+{{- fail (printf "roles.env.external: %q is not host:port" .) }}
+{{- end }}
 {{- end }}
 {{- if not .Values.persistence.enabled }}
 {{- fail "persistence.enabled=false gives every pod an emptyDir of its own, but the coordinator, actor and critic write one run folder together (initial weights, checkpoints, final model): keep persistence on (ReadWriteMany, or ReadWriteOnce when every pod runs on one node)" }}
