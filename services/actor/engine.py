@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import os
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -33,6 +32,7 @@ from rlfabric.core.config import RunConfig
 from rlfabric.core.errors import FailedPrecondition, InvalidArgument
 from rlfabric.core.metrics import service_counter, service_gauge, service_histogram
 from rlfabric.core.storage import StorageRoot
+from rlfabric.launch.placement import cpu_thread_budget
 from rlfabric.weight_sync import AdapterSpec, Manifest, Membership, SyncGroup, WeightLimits
 from rlfabric.weight_sync.sender import BroadcastResult, WeightSender
 
@@ -106,7 +106,7 @@ class TrainerEngine:
         device = rank_device(0)
         if device.type == "cpu" and self.world_size > 1:  # the ranks share this machine's cores
             self._threads_before = torch.get_num_threads()
-            torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // self.world_size))
+            torch.set_num_threads(max(1, cpu_thread_budget() // self.world_size))
         started = time.perf_counter()
         self.group = WorkerGroup(self.role, self.config, self.world_size, device)
         self.group.start()

@@ -758,6 +758,9 @@ class LauncherConfig(Section):
     """How long `rlfabric up` waits for every service to report readiness (model loads included)."""
     stop_timeout_s: float = Field(40.0, gt=0)
     """After SIGTERM, how long a service may drain before the launcher kills it."""
+    threads_per_service: int = Field(0, ge=0)
+    """OMP_NUM_THREADS (torch's CPU threads) of each service the local launcher starts; 0 = its cores (a pool's
+    cpus, else the machine's) divided by the torch services sharing them, at least 1, so they do not oversubscribe."""
     ray: RayLauncherConfig = RayLauncherConfig()
     """Resources and namespace of the Ray launcher."""
 
