@@ -29,6 +29,16 @@ def sleep_level(config: RunConfig) -> int:
     return 1 if config.syncs_lora_adapters() else 2
 
 
+async def wake_sleeping(rollout) -> None:
+    """At the start of every run, colocated or not: a replica a stopped colocated run left asleep wakes up
+    whole (a run that does not sleep its replicas would otherwise sync into freed weights and wait forever
+    for generation). `rollout` is the RolloutRouter."""
+    statuses = await rollout.status()
+    asleep = [r for r in rollout.healthy()
+              if isinstance(statuses.get(r.address), EngineStatus) and statuses[r.address].sleeping]
+    await asyncio.gather(*(r.client.wake_up() for r in asleep))
+
+
 class HybridEngine:
     """Sleep and WakeUp of the rollout replicas around a colocated step, and the memory of each phase."""
 
@@ -36,13 +46,6 @@ class HybridEngine:
         self.rollout = rollout  # the RolloutRouter: healthy() replicas, status()
         self.level = sleep_level(config)
         self._memory: dict[str, float] = {}
-
-    async def wake_sleeping(self) -> None:
-        """At the start of a run: a replica a stopped run left asleep wakes up whole."""
-        statuses = await self.rollout.status()
-        asleep = [r for r in self.rollout.healthy()
-                  if isinstance(statuses.get(r.address), EngineStatus) and statuses[r.address].sleeping]
-        await asyncio.gather(*(r.client.wake_up() for r in asleep))
 
     async def sleep(self) -> None:
         """After generation: every replica releases its memory for the trainers."""
