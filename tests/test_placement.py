@@ -75,8 +75,10 @@ def test_dry_run_prints_the_placement_and_starts_nothing(tmp_path):
     assert "pool train: GPUs none, CPUs 0, nodes 1; roles: actor" in lines
     assert "pool infer: GPUs none, CPUs 1, nodes 1; roles: rollout" in lines
     rows = {line.split()[0]: line.split()[1:] for line in lines if not line.startswith("pool ")}
-    assert rows["rollout-1"] == ["pool", "infer", "GPUs", "none", "(CPU)", "CPUs", "1"]
-    assert rows["coordinator"] == ["pool", "-", "GPUs", "all", "CPUs", "any"]
+    # Two rollout replicas share pool infer's one core; the coordinator has the launcher's cores to itself.
+    assert rows["rollout-1"] == ["pool", "infer", "GPUs", "none", "(CPU)", "CPUs", "1", "threads", "1"]
+    assert rows["coordinator"] == ["pool", "-", "GPUs", "all", "CPUs", "any", "threads",
+                                   str(len(os.sched_getaffinity(0)))]
     assert not (tmp_path / "run").exists()
 
 

@@ -182,7 +182,8 @@ def describe_placement(config: RunConfig, placements: dict[str, Placement]) -> s
     for name, placement in placements.items():
         gpus = "all" if placement.gpus is None else (_ranges(placement.gpus) or "none (CPU)")
         cpus = "any" if placement.cpus is None else _ranges(placement.cpus)
-        lines.append(f"{name:<{width}}  pool {placement.pool or '-':<{pool_width}}  GPUs {gpus:<10}  CPUs {cpus}")
+        threads = "" if placement.threads is None else f"  threads {placement.threads}"  # OMP_NUM_THREADS
+        lines.append(f"{name:<{width}}  pool {placement.pool or '-':<{pool_width}}  GPUs {gpus:<10}  CPUs {cpus:<6}{threads}")
     return "\n".join(lines)
 
 
