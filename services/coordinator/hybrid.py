@@ -35,9 +35,9 @@ async def wake_sleeping(rollout) -> None:
     whole (a run that does not sleep its replicas would otherwise sync into freed weights and wait forever
     for generation). `rollout` is the RolloutRouter."""
     statuses = await rollout.status()
-    asleep = [r for r in rollout.healthy()
-              if isinstance(statuses.get(r.address), EngineStatus) and statuses[r.address].sleeping]
-    await asyncio.gather(*(r.client.wake_up() for r in asleep))
+    asleep = {address for address, status in statuses.items() if isinstance(status, EngineStatus) and status.sleeping}
+    if asleep:
+        await asyncio.gather(*(r.client.wake_up() for r in rollout.healthy() if r.address in asleep))
 
 
 class HybridEngine:
