@@ -40,7 +40,7 @@ def test_pools_get_their_gpus_and_roles_share_them_inside_a_pool():
     assert placements["actor"].gpus == (1, 2)
     assert placements["rollout-0"].gpus == placements["rollout-1"].gpus == (0,)
     assert placements["reward"].gpus is None  # no pool: every GPU, as without pools
-    assert placements["actor"].env() == {"CUDA_VISIBLE_DEVICES": "1,2"}
+    assert placements["actor"].env()["CUDA_VISIBLE_DEVICES"] == "1,2"
 
 
 def test_pool_indices_count_the_gpus_the_launcher_sees(monkeypatch):
@@ -75,8 +75,10 @@ def test_dry_run_prints_the_placement_and_starts_nothing(tmp_path):
     assert "pool train: GPUs none, CPUs 0, nodes 1; roles: actor" in lines
     assert "pool infer: GPUs none, CPUs 1, nodes 1; roles: rollout" in lines
     rows = {line.split()[0]: line.split()[1:] for line in lines if not line.startswith("pool ")}
-    assert rows["rollout-1"] == ["pool", "infer", "GPUs", "none", "(CPU)", "CPUs", "1"]
-    assert rows["coordinator"] == ["pool", "-", "GPUs", "all", "CPUs", "any"]
+    # Two rollout replicas share pool infer's one core; the coordinator has the launcher's cores to itself.
+    assert rows["rollout-1"] == ["pool", "infer", "GPUs", "none", "(CPU)", "CPUs", "1", "threads", "1"]
+    assert rows["coordinator"] == ["pool", "-", "GPUs", "all", "CPUs", "any", "threads",
+                                   str(len(os.sched_getaffinity(0)))]
     assert not (tmp_path / "run").exists()
 
 
@@ -133,3 +135,25 @@ def test_auto_weight_sync_avoids_nccl_between_roles_sharing_a_gpu_pool(overrides
     from rlfabric.coordinator.weight_sync import WeightSyncPlane
 
     assert WeightSyncPlane(None, {}, load_config(None, overrides)).transport == transport  # "" = the actor's choice
+
+
+def test_services_share_the_launchers_cores_instead_of_each_taking_them_all(tmp_path):
+    config = load_run_config(None, ["algorithm.adv_estimator=gae", "rollout.replicas=2"])
+    torch_services = [name for name, role in service_names(config) if role in ("actor", "reference", "critic", "rollout")]
+    expected = str(max(1, len(os.sched_getaffinity(0)) // len(torch_services)))
+    with LocalMesh(config, tmp_path / "run") as mesh:
+        threads = {proc.name: _proc_environ(proc.process.pid).get("OMP_NUM_THREADS") for proc in mesh.processes}
+    assert len(torch_services) == 4 and {"critic", "rollout-1", "coordinator"} <= threads.keys()
+    assert set(threads.values()) == {expected}, threads
+
+
+def test_threads_per_service_overrides_the_share_and_a_pools_cores_are_shared_by_its_torch_services():
+    pinned = load_run_config(None, ["resource_pools={train: {cpus: [0, 1]}}", "actor.pool=train",
+                                    "algorithm.adv_estimator=gae", "critic.pool=train", "reward.pool=train"])
+    placements = plan_placement(pinned, service_names(pinned))
+    assert placements["actor"].env()["OMP_NUM_THREADS"] == "1"  # two cores, two torch services
+    assert placements["reward"].env()["OMP_NUM_THREADS"] == "1"
+    # The only torch service left on the launcher's cores has them all.
+    assert placements["rollout-0"].env()["OMP_NUM_THREADS"] == str(len(os.sched_getaffinity(0)))
+    fixed = load_run_config(None, ["launcher.threads_per_service=3"])
+    assert {p.env()["OMP_NUM_THREADS"] for p in plan_placement(fixed, service_names(fixed)).values()} == {"3"}

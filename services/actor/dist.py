@@ -34,6 +34,7 @@ import torch.distributed as dist
 from rlfabric.actor.batch import TENSOR_NAMES, SequenceBatch
 from rlfabric.core import codec
 from rlfabric.core.config import RunConfig, load_config
+from rlfabric.launch.placement import cpu_thread_budget
 from rlfabric.weight_sync.gloo import master_store
 
 MAX_DIMS = 4
@@ -193,7 +194,7 @@ def run_worker(role: str, config: RunConfig, rank: int, world_size: int, store=N
 
     device = rank_device(rank)
     if device.type == "cpu":
-        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world_size))
+        torch.set_num_threads(max(1, cpu_thread_budget() // world_size))
     init_group(device, rank, world_size, store)
     try:
         worker = RankWorker(role, config, rank, world_size, device)

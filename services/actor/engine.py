@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import os
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -33,10 +32,13 @@ from rlfabric.core.config import RunConfig
 from rlfabric.core.errors import FailedPrecondition, InvalidArgument
 from rlfabric.core.metrics import service_counter, service_gauge, service_histogram
 from rlfabric.core.storage import StorageRoot
+from rlfabric.launch.placement import cpu_thread_budget
+from rlfabric.rollout.engine import current_rss_bytes
 from rlfabric.weight_sync import AdapterSpec, Manifest, Membership, SyncGroup, WeightLimits
 from rlfabric.weight_sync.sender import BroadcastResult, WeightSender
 
 log = logging.getLogger("rlfabric.actor")
+MB = 1 << 20
 
 
 @dataclass
@@ -106,7 +108,7 @@ class TrainerEngine:
         device = rank_device(0)
         if device.type == "cpu" and self.world_size > 1:  # the ranks share this machine's cores
             self._threads_before = torch.get_num_threads()
-            torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // self.world_size))
+            torch.set_num_threads(max(1, cpu_thread_budget() // self.world_size))
         started = time.perf_counter()
         self.group = WorkerGroup(self.role, self.config, self.world_size, device)
         self.group.start()
@@ -175,14 +177,31 @@ class TrainerEngine:
                 f"(one mini-batch of {rows} rows and actor.ppo_epochs 1), not {batch.num_rows} rows x "
                 f"{self.section.ppo_epochs} epochs")
         shards = [batch.select(index) for index in shard_rows(batch.num_rows, self.world_size, rows)]
+        memory = self._memory_metrics("before_update")
         metrics = self._command(Command.UPDATE, [], shards)
         seconds = time.perf_counter() - started
         metrics[f"{self.role}/update_s"] = seconds
+        metrics.update(memory)
+        metrics.update(self._memory_metrics("after_update"))
         self._update_seconds.labels(self.role).observe(seconds)
         self._tokens.labels(self.role).inc(batch.num_tokens())
         self._grad_norm.labels(self.role).set(metrics[f"{self.role}/grad_norm"])
         log.info("update", extra={"fields": {"global_step": global_step, "rows": batch.num_rows,
                                              **{k: round(v, 6) for k, v in metrics.items()}}})
+        return metrics
+
+    def _memory_metrics(self, phase: str) -> dict[str, float]:
+        """Rank 0's memory now: memory/<role>/rss_mb/<phase> (the process's resident memory) and on a GPU
+        memory/<role>/device_mb/<phase> (what torch holds allocated); after the update also the update's peak
+        (device_mb/peak_update), the figure that decides whether a colocated rollout fits beside it."""
+        metrics = {f"memory/{self.role}/rss_mb/{phase}": current_rss_bytes() / MB}
+        device = rank_device(0)
+        if device.type == "cuda":
+            metrics[f"memory/{self.role}/device_mb/{phase}"] = torch.cuda.memory_allocated(device) / MB
+            if phase == "before_update":
+                torch.cuda.reset_peak_memory_stats(device)
+            else:
+                metrics[f"memory/{self.role}/device_mb/peak_update"] = torch.cuda.max_memory_allocated(device) / MB
         return metrics
 
     async def save_checkpoint(self, path: str) -> int:

@@ -10,7 +10,8 @@ A step, in VeRL's order:
 
 Memory is read from each replica's GetStatus around the phases (the largest over replicas) and reported
 as memory/rollout/{rss,device}_mb/{generated,asleep,synced}: the process's RSS and what the engine holds
-on its device by its own accounting (GPU memory on a GPU).
+on its device by its own accounting (GPU memory on a GPU). The actor's side comes with its update's metrics
+(memory/actor/*, rlfabric.actor.engine).
 """
 
 from __future__ import annotations
@@ -29,6 +30,16 @@ def sleep_level(config: RunConfig) -> int:
     return 1 if config.syncs_lora_adapters() else 2
 
 
+async def wake_sleeping(rollout) -> None:
+    """At the start of every run, colocated or not: a replica a stopped colocated run left asleep wakes up
+    whole (a run that does not sleep its replicas would otherwise sync into freed weights and wait forever
+    for generation). `rollout` is the RolloutRouter."""
+    statuses = await rollout.status()
+    asleep = {address for address, status in statuses.items() if isinstance(status, EngineStatus) and status.sleeping}
+    if asleep:
+        await asyncio.gather(*(r.client.wake_up() for r in rollout.healthy() if r.address in asleep))
+
+
 class HybridEngine:
     """Sleep and WakeUp of the rollout replicas around a colocated step, and the memory of each phase."""
 
@@ -36,13 +47,6 @@ class HybridEngine:
         self.rollout = rollout  # the RolloutRouter: healthy() replicas, status()
         self.level = sleep_level(config)
         self._memory: dict[str, float] = {}
-
-    async def wake_sleeping(self) -> None:
-        """At the start of a run: a replica a stopped run left asleep wakes up whole."""
-        statuses = await self.rollout.status()
-        asleep = [r for r in self.rollout.healthy()
-                  if isinstance(statuses.get(r.address), EngineStatus) and statuses[r.address].sleeping]
-        await asyncio.gather(*(r.client.wake_up() for r in asleep))
 
     async def sleep(self) -> None:
         """After generation: every replica releases its memory for the trainers."""

@@ -51,7 +51,7 @@ from rlfabric.coordinator.checkpoints import (
     require_part_visible,
 )
 from rlfabric.coordinator.dataset import DataCursor, PromptRow, RLHFDataset
-from rlfabric.coordinator.hybrid import HybridEngine
+from rlfabric.coordinator.hybrid import HybridEngine, wake_sleeping
 from rlfabric.coordinator.multi_turn import (
     agent_metrics,
     agent_prompt,
@@ -160,8 +160,7 @@ class PPOTrainer:
         """Steps until trainer.total_steps (or StopRun), with validation and checkpoints on schedule."""
         trainer = self.config.trainer
         await self.weight_sync.open()
-        if self.hybrid is not None:
-            await self.hybrid.wake_sleeping()
+        await wake_sleeping(self.peers.rollout)
         # Every replica starts from the weights this run starts from (fresh, reset or resumed).
         await self._sync_weights(self._version(self.step))
         if trainer.val_before_train and self.step == 0:

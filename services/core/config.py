@@ -620,7 +620,8 @@ class TrainerConfig(Section):
     colocated: bool = False
     """The hybrid engine: the rollout shares devices with the trainers (one resource pool). After generating it
     sleeps (level 2, or 1 with LoRA adapter syncs); before the weight sync its weights wake, after it its KV
-    cache (VeRL's order); memory/rollout/* report each phase's memory. Needs trainer.mode sync."""
+    cache (VeRL's order); memory/rollout/* report each phase's memory (memory/actor/* the actor's around its
+    update, in every run). Needs trainer.mode sync."""
     test_freq: int = Field(0, ge=0)
     """Validate on data.val_files every this many steps (and after the last); 0 = never."""
     val_before_train: bool = False
@@ -758,6 +759,9 @@ class LauncherConfig(Section):
     """How long `rlfabric up` waits for every service to report readiness (model loads included)."""
     stop_timeout_s: float = Field(40.0, gt=0)
     """After SIGTERM, how long a service may drain before the launcher kills it."""
+    threads_per_service: int = Field(0, ge=0)
+    """OMP_NUM_THREADS (torch's CPU threads) of each service the local launcher starts; 0 = its cores (a pool's
+    cpus, else the machine's) divided by the torch services sharing them, at least 1, so they do not oversubscribe."""
     ray: RayLauncherConfig = RayLauncherConfig()
     """Resources and namespace of the Ray launcher."""
 

@@ -9,7 +9,8 @@
 
 Services bind port 0 and report their ports through RUN_DIR/ports/<name>.json (no port races).
 Logs go to RUN_DIR/logs/<name>.log. A role in a resource pool sees only the pool's GPUs and runs on its
-cores (rlfabric.launch.placement). Every RPC needs the mesh's token (RUN_DIR/auth_token, 0600)
+cores (rlfabric.launch.placement); every service gets an OMP_NUM_THREADS that keeps the services together
+within the machine's cores (launcher.threads_per_service). Every RPC needs the mesh's token (RUN_DIR/auth_token, 0600)
 unless server.auth_token_file names another. Children get SIGTERM if the launcher dies (PR_SET_PDEATHSIG),
 and stop() terminates, then kills, every child: no orphans.
 """
@@ -35,7 +36,7 @@ from typing import Protocol
 from rlfabric.core.client import ChannelOptions, wait_until_serving
 from rlfabric.core.config import ConfigError, RunConfig, dump_config
 from rlfabric.core.storage import create_private_file
-from rlfabric.launch.placement import Placement, plan_placement, visible_gpu_count
+from rlfabric.launch.placement import Placement, plan_placement, threads_per_service, visible_gpu_count
 
 log = logging.getLogger("rlfabric.launch.local")
 
@@ -359,7 +360,8 @@ class LocalMesh(MeshContext):
         port_file = self.run_dir / "ports" / f"{name}.json"
         port_file.unlink(missing_ok=True)
         command = serve_command(role, config_path, self.host, port_file, self.run_id, port)
-        placement = self.placements.get(name, Placement(name, role, "", None, None))
+        placement = self.placements.get(name) or Placement(
+            name, role, "", None, None, threads_per_service(self.config, service_names(self.config), role))
 
         def start_child() -> None:
             die_with_parent()

@@ -10,7 +10,10 @@ the devices, as in VeRL's hybrid engine: a trainer with world_size W takes the p
 replica i takes GPU i mod the pool's size, the reward service sees them all. A pool without GPUs hides every
 GPU (its roles run on CPU). A pool's `cpus` pin its services (and the ranks and engine workers they start,
 which inherit the affinity) to those cores, so separate pools are separate on a CPU-only machine too.
-Services of no pool (and the coordinator) keep the launcher's devices and cores. The Ray launcher places
+Services of no pool (and the coordinator) keep the launcher's devices and cores, and each gets OMP_NUM_THREADS =
+cores // torch services (actor, reference, critic, rollout replicas), at least 1: four services each spinning
+one OpenMP thread per core on a small machine made the actor's update several times slower
+(launcher.threads_per_service sets the count instead). The Ray launcher places
 pools as placement groups instead (rlfabric.launch.ray); the in-process mesh runs every role in one process,
 where pools do not apply.
 """
@@ -32,13 +35,16 @@ class Placement:
     pool: str  # "" = no pool: the launcher's own devices and cores
     gpus: tuple[int, ...] | None  # GPU indices as the launcher sees them; None = unrestricted, () = none
     cpus: tuple[int, ...] | None  # CPU cores; None = any
+    threads: int | None = None  # OMP_NUM_THREADS; None = the pool's core count (or torch's own default)
 
     def env(self) -> dict[str, str]:
         """Environment variables that confine the service to its GPUs (and size its thread pools to its cores)."""
         env = {}
         if self.gpus is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(_launcher_gpu_ids()[i] for i in self.gpus)
-        if self.cpus is not None:
+        if self.threads is not None:
+            env["OMP_NUM_THREADS"] = str(self.threads)
+        elif self.cpus is not None:
             env["OMP_NUM_THREADS"] = str(len(self.cpus))
         return env
 
@@ -54,6 +60,35 @@ def _launcher_gpu_ids() -> list[str]:
     if visible is None:
         return [str(i) for i in range(64)]
     return [entry.strip() for entry in visible.split(",") if entry.strip()]
+
+
+TORCH_ROLES = ("actor", "reference", "critic", "rollout")  # roles whose service computes with torch
+
+
+def threads_per_service(config: RunConfig, services: list[tuple[str, str]], role: str) -> int:
+    """OMP_NUM_THREADS of a service of `role`: launcher.threads_per_service, or when that is 0 the cores it runs
+    on (its pool's cpus, else the launcher's) shared evenly by the torch services running on them (they overlap
+    in time: rollout with training, reference and critic with the actor), at least 1."""
+    if config.launcher.threads_per_service:
+        return config.launcher.threads_per_service
+    cores_of = _cores_pool(config, role)
+    cores = len(config.resource_pools[cores_of].cpus) if cores_of else len(os.sched_getaffinity(0))
+    sharing = sum(1 for _, other in services if other in TORCH_ROLES and _cores_pool(config, other) == cores_of)
+    return max(1, cores // max(1, sharing))
+
+
+def _cores_pool(config: RunConfig, role: str) -> str:
+    """The pool whose cpus the role is pinned to; "" = the launcher's cores."""
+    pool = config.pool_of(role)
+    return pool if pool and config.resource_pools[pool].cpus else ""
+
+
+def cpu_thread_budget() -> int:
+    """The CPU threads this process may use: its OMP_NUM_THREADS (set by the launcher), else its cores."""
+    try:
+        return max(1, int(os.environ["OMP_NUM_THREADS"]))
+    except (KeyError, ValueError):
+        return len(os.sched_getaffinity(0))
 
 
 def visible_gpu_count() -> int:
@@ -95,12 +130,13 @@ def plan_placement(config: RunConfig, services: list[tuple[str, str]],
     placements = {}
     for name, role in services:
         pool_name = config.pool_of(role)
+        threads = threads_per_service(config, services, role)
         if not pool_name:
-            placements[name] = Placement(name, role, "", None, None)
+            placements[name] = Placement(name, role, "", None, None, threads)
             continue
         pool_gpus_ = gpus_of_pool[pool_name]
         cpus = tuple(config.resource_pools[pool_name].cpus) or None
-        placements[name] = Placement(name, role, pool_name, _role_gpus(config, name, role, pool_gpus_), cpus)
+        placements[name] = Placement(name, role, pool_name, _role_gpus(config, name, role, pool_gpus_), cpus, threads)
     return placements
 
 
@@ -146,7 +182,8 @@ def describe_placement(config: RunConfig, placements: dict[str, Placement]) -> s
     for name, placement in placements.items():
         gpus = "all" if placement.gpus is None else (_ranges(placement.gpus) or "none (CPU)")
         cpus = "any" if placement.cpus is None else _ranges(placement.cpus)
-        lines.append(f"{name:<{width}}  pool {placement.pool or '-':<{pool_width}}  GPUs {gpus:<10}  CPUs {cpus}")
+        threads = "" if placement.threads is None else f"  threads {placement.threads}"  # OMP_NUM_THREADS
+        lines.append(f"{name:<{width}}  pool {placement.pool or '-':<{pool_width}}  GPUs {gpus:<10}  CPUs {cpus:<6}{threads}")
     return "\n".join(lines)
 
 

@@ -38,6 +38,8 @@ def test_positive_advantages_raise_the_log_probs_of_their_tokens(tiny_model):
     assert abs(metrics["actor/pg_loss"] + 1.0) < 1e-5 and abs(metrics["actor/ppo_kl"]) < 1e-6
     assert metrics["actor/pg_clipfrac"] == 0 and metrics["actor/grad_norm"] > 0 and metrics["actor/lr"] == 1e-2
     assert status.optimizer_step == 1 and status.num_parameters > 80_000
+    # The process's memory around the update (a step reports it as is; on a GPU also device_mb/*).
+    assert metrics["memory/actor/rss_mb/before_update"] > 0 and metrics["memory/actor/rss_mb/after_update"] > 0
     for name in ("rlfabric_train_update_seconds_count", "rlfabric_train_tokens_total", "rlfabric_train_grad_norm"):
         assert f'{name}{{role="actor"}}' in exposition
 

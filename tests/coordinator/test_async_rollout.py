@@ -144,6 +144,9 @@ class Rollout:
     def healthy(self):
         return [self]
 
+    async def status(self, timeout_s=None):
+        return {}  # no replica to wake at the run's start
+
     async def generate_stream(self, prompts, params, chunk_prompts=None):
         self.requests.append(asyncio.current_task())
         number = len(self.requests)

@@ -41,6 +41,7 @@ def test_the_quickstart_learns_colocated_and_the_rollout_frees_its_weights_while
     assert versions == list(range(versions[0], versions[0] + len(records)))
     for record in records:
         assert record["memory/rollout/rss_mb/asleep"] > 0
+        assert record["memory/actor/rss_mb/after_update"] > 0  # the actor's side, from its update
         if engine:
             continue  # vLLM's memory lives in its engine process: the service cannot account for it
         generated, asleep = record["memory/rollout/device_mb/generated"], record["memory/rollout/device_mb/asleep"]

@@ -386,6 +386,7 @@ def test_statefulsets_start_in_parallel_with_headless_service(rendered):
 def test_gpu_limits_follow_values(rendered):
     for role in rendered.enabled():
         gpus = rendered.values["roles"][role]["gpus"]
+        gpus = 1 if gpus == "auto" else gpus  # auto: one per pod (no run-config pool here)
         resources = container(rendered.workload(role))["resources"]
         limits = resources.get("limits", {})
         if gpus > 0:
@@ -813,6 +814,30 @@ def test_gpu_pools_schedule_roles(by_case):
     assert rollout["nodeSelector"]["rlfabric.io/pool"] == "inference"
     assert "podAntiAffinity" in rollout["affinity"]
     assert len(r.run_config()["cluster"]["rollout"]) == 2
+
+
+def test_gpus_auto_follow_the_roles_run_config_pool_and_a_number_overrides_it(chart):
+    """roles.<role>.gpus auto: one GPU per pod (rank, replica) when the role's run-config pool has GPUs, none
+    when it has none (a CPU pool); a number in roles.<role>.gpus wins."""
+    values = {
+        "config": {"resource_pools": {"train": {"gpus": 2}, "infer": {"devices": [0]}, "cpus": {"cpus": [0, 1]}},
+                   "actor": {"pool": "train"}, "rollout": {"pool": "infer"}, "reward": {"pool": "cpus"},
+                   "algorithm": {"adv_estimator": "gae"}, "critic": {"pool": "cpus"}},
+        "pools": {"train": {}, "infer": {}, "cpus": {}},
+        "roles": {"actor": {"pool": "", "replicas": 2}, "rollout": {"pool": ""}, "critic": {"pool": ""},
+                  "reward": {"pool": ""}},
+    }
+
+    def gpu_limits(values) -> dict[str, int | None]:
+        docs = parse_manifests(render_chart(chart, values))
+        return {d["metadata"]["labels"]["app.kubernetes.io/component"]:
+                d["spec"]["template"]["spec"]["containers"][0]["resources"].get("limits", {}).get("nvidia.com/gpu")
+                for d in docs if d["kind"] in ("StatefulSet", "Deployment")}
+
+    assert gpu_limits(values) == {"actor": 1, "rollout": 1, "critic": None, "reward": None, "coordinator": None}
+    values["roles"]["critic"]["gpus"] = 1
+    values["roles"]["actor"]["gpus"] = 0
+    assert gpu_limits(values) == {"actor": None, "rollout": 1, "critic": 1, "reward": None, "coordinator": None}
 
 
 def test_a_roles_run_config_pool_picks_its_node_pool_and_resources(chart):

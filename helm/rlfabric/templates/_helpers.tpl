@@ -298,15 +298,30 @@ affinity:
 {{- end }}
 {{- end }}
 
+{{/* GPUs per pod of a role: roles.<role>.gpus, or for auto one per pod (a rank, a replica, as the local
+launcher gives each), none when the role's run-config pool has no GPUs. Args: dict ctx role. */}}
+{{- define "rlfabric.gpus" -}}
+{{- $r := index .ctx.Values.roles .role }}
+{{- if eq (toString $r.gpus) "auto" }}
+{{- $config := .ctx.Values.config | default dict }}
+{{- $section := index $config .role | default dict }}
+{{- $runPool := index ($config.resource_pools | default dict) ($section.pool | default "") }}
+{{- if and $runPool (not (gt (int ($runPool.gpus | default 0)) 0)) (empty $runPool.devices) }}0{{ else }}1{{ end }}
+{{- else }}
+{{- int $r.gpus }}
+{{- end }}
+{{- end }}
+
 {{/* Container resources of a role (its pool's fill what the role leaves out), with the GPU limit from
-.gpus. Args: dict ctx role. */}}
+rlfabric.gpus. Args: dict ctx role. */}}
 {{- define "rlfabric.resources" -}}
 {{- $r := index .ctx.Values.roles .role }}
 {{- $pool := index .ctx.Values.pools (include "rlfabric.poolName" .) | default dict }}
 {{- $res := merge (deepCopy ($r.resources | default dict)) (deepCopy ($pool.resources | default dict)) }}
-{{- if gt (int $r.gpus) 0 }}
+{{- $gpus := int (include "rlfabric.gpus" .) }}
+{{- if gt $gpus 0 }}
 {{- $limits := get $res "limits" | default dict }}
-{{- $_ := set $limits .ctx.Values.gpuResourceName (int $r.gpus) }}
+{{- $_ := set $limits .ctx.Values.gpuResourceName $gpus }}
 {{- $_ := set $res "limits" $limits }}
 {{- end }}
 {{- toYaml $res }}
