@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import sys
 from pathlib import Path
 
 import pytest
 
+from rlfabric.algorithms import registry
 from rlfabric.algorithms.plugins import load_plugin_modules
 from rlfabric.coordinator.client import CoordinatorClient
 from rlfabric.coordinator.run_controller import RunController
@@ -26,9 +28,13 @@ PLUGINS = Path(__file__).resolve().parents[2] / "examples" / "plugins"
 
 @pytest.fixture
 def example_plugin(monkeypatch):
-    """The example plugin module, importable as `cispo_plugin`."""
+    """The example plugin module, importable as `cispo_plugin`. Its registrations go into copies of the
+    registries that the test's end discards (the in-process mesh shares this process with other tests)."""
+    monkeypatch.setattr(registry, "_ADVANTAGE_ESTIMATORS", dict(registry._ADVANTAGE_ESTIMATORS))
+    monkeypatch.setattr(registry, "_POLICY_LOSSES", dict(registry._POLICY_LOSSES))
     monkeypatch.syspath_prepend(str(PLUGINS))
-    return importlib.import_module("cispo_plugin")
+    yield importlib.import_module("cispo_plugin")
+    sys.modules.pop("cispo_plugin", None)
 
 
 def test_a_run_trains_with_the_plugins_loss_and_estimator(tiny_model, tmp_path, example_plugin):

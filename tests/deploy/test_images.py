@@ -16,6 +16,7 @@ import venv
 from pathlib import Path
 
 import pytest
+import tomllib
 import yaml
 
 from tests.deploy.test_helm import (
@@ -88,3 +89,13 @@ def test_every_role_of_the_light_image_builds_in_it(light_venv, tmp_path):
                               capture_output=True, text=True, timeout=300, cwd=tmp_path)
         assert done.returncode == 0, f"{role}: {done.stdout[-1000:]}{done.stderr[-3000:]}"
         assert "ready to serve" in done.stdout
+
+
+def test_every_subpackage_of_the_source_tree_is_packaged():
+    """pyproject lists the packages by hand: a role folder missing from it imports from the checkout
+    (the editable install) but not from an image's installed wheel."""
+    root = Path(__file__).resolve().parents[2]
+    listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    on_disk = {"rlfabric." + ".".join(init.parent.relative_to(root / "services").parts)
+               for init in (root / "services").rglob("__init__.py") if init.parent != root / "services"}
+    assert on_disk - listed == set(), f"packages missing from pyproject.toml: {sorted(on_disk - listed)}"

@@ -241,7 +241,9 @@ def test_a_rollout_replica_killed_mid_generation_rejoins_when_restarted(mesh, co
     address, other = victim.grpc_address, service(mesh, "rollout-0").grpc_address
     log = mesh.run_dir / "logs" / "coordinator.log"
     offset = log.stat().st_size
-    coordinator.start(*run_overrides(experiment_dir, 100))
+    # Steps of this tiny mesh take tens of milliseconds: the run must outlast the replica's restart
+    # (StopRun ends it).
+    coordinator.start(*run_overrides(experiment_dir, 100_000))
     killed_in = stall_mid_generation(coordinator, victim, service(mesh, "rollout-0"))
     kill(victim)
     # The run goes on with the other replica: the killed step's samples are generated there.
