@@ -275,9 +275,16 @@ def test_cannot_read_root_only_files(pool, open_directory):
     assert_next_batch_works(pool)
 
 
+def live_children(recursive: bool = False) -> list[psutil.Process]:
+    """This process's children that still run: earlier tests of the session may leave others, exited but
+    not yet reaped (zombies have no command line or environment to read)."""
+    return [child for child in psutil.Process().children(recursive=recursive)
+            if child.is_running() and child.status() != psutil.STATUS_ZOMBIE]
+
+
 def supervisor_pids() -> list[int]:
     # Only the pool's workers: earlier tests of the session may leave other children (a resource tracker).
-    return [child.pid for child in psutil.Process().children() if "custom_worker" in " ".join(child.cmdline())]
+    return [child.pid for child in live_children() if "custom_worker" in " ".join(child.cmdline())]
 
 
 def test_cannot_signal_the_supervisor_or_the_service(pool):
@@ -294,7 +301,7 @@ def test_environment_is_empty_but_for_the_configured(pool):
     result = score(pool, "environment", name=SECRET_VARIABLE, passed=PASSED_VARIABLE, expected=expected)
     assert result.score == 0.0  # not in os.environ, nor in the scorer's or supervisor's /proc/PID/environ
     assert result.metrics == {"passed": 1.0, "configured": 1.0, "others": 0.0}
-    for child in psutil.Process().children(recursive=True):  # read as root: the workers never had it
+    for child in live_children(recursive=True):  # read as root: the workers never had it
         assert SECRET_VARIABLE not in child.environ()
 
 
