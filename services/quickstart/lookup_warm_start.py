@@ -32,7 +32,7 @@ import torch
 from rlfabric.env.items import Message
 from rlfabric.env.lookup import LOOKUP_SPEC, QUESTION
 from rlfabric.quickstart.tiny_model import make_tiny_model
-from rlfabric.quickstart.warm_start import QUICKSTART_INIT_RANGE, WarmStartResult, _one_thread
+from rlfabric.quickstart.warm_start import QUICKSTART_INIT_RANGE, WarmStartResult, fine_tune
 from rlfabric.rollout.agent_loop import observation_ids, render_prompt
 
 CALL = '<tool_call>{{"name": "lookup", "arguments": {{"key": "{key}"}}}}</tool_call>'
@@ -71,22 +71,13 @@ def warm_start_lookup(model_dir: str | Path, steps: int = 500, batch_size: int =
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     rng = random.Random(seed)
-    with _one_thread(), torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-        model.train()
-        for step in range(steps):
-            for group in optimizer.param_groups:
-                group["lr"] = lr * (1 - step / steps)
-            examples = [demonstration(tokenizer, rng, key_fraction) for _ in range(batch_size)]
-            batch = _collate(examples, tokenizer.pad_token_id)
-            loss = model(**batch, use_cache=False).loss
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-    model.eval()
+    def next_batch() -> dict[str, torch.Tensor]:
+        return _collate([demonstration(tokenizer, rng, key_fraction) for _ in range(batch_size)],
+                        tokenizer.pad_token_id)
+
+    loss = fine_tune(model, next_batch, steps, lr, seed)
     model.save_pretrained(model_dir)
-    return WarmStartResult(model_dir, loss.item(), time.perf_counter() - started)
+    return WarmStartResult(model_dir, loss, time.perf_counter() - started)
 
 
 def make_lookup_model(out_dir: str | Path, seed: int = 0, steps: int = 500) -> Path:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -91,6 +92,19 @@ def warm_start(model_dir: str | Path, steps: int = 400, batch_size: int = 16, lr
                 [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=False))
         return prompt_ids[prompt], tokenizer.encode(answer, add_special_tokens=False) + [tokenizer.eos_token_id]
 
+    def next_batch() -> dict[str, torch.Tensor]:
+        examples = [synthetic.make_warm_start_example(rng) for _ in range(batch_size)]
+        return _collate([encode(prompt, answer) for prompt, answers in examples for answer in answers],
+                        tokenizer.pad_token_id)
+
+    loss = fine_tune(model, next_batch, steps, lr, seed)
+    model.save_pretrained(model_dir)
+    return WarmStartResult(model_dir, loss, time.perf_counter() - started)
+
+
+def fine_tune(model, next_batch: Callable[[], dict[str, torch.Tensor]], steps: int, lr: float, seed: int) -> float:
+    """`steps` AdamW steps on next_batch()'s labelled batches, the learning rate decaying linearly to 0, on
+    one thread and a forked torch RNG; returns the last loss and leaves the model in eval mode."""
     with _one_thread(), torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
@@ -98,16 +112,12 @@ def warm_start(model_dir: str | Path, steps: int = 400, batch_size: int = 16, lr
         for step in range(steps):
             for group in optimizer.param_groups:
                 group["lr"] = lr * (1 - step / steps)
-            examples = [synthetic.make_warm_start_example(rng) for _ in range(batch_size)]
-            batch = _collate([encode(prompt, answer) for prompt, answers in examples for answer in answers],
-                             tokenizer.pad_token_id)
-            loss = model(**batch, use_cache=False).loss
+            loss = model(**next_batch(), use_cache=False).loss
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
     model.eval()
-    model.save_pretrained(model_dir)
-    return WarmStartResult(model_dir, loss.item(), time.perf_counter() - started)
+    return loss.item()
 
 
 def make_quickstart_model(out_dir: str | Path, seed: int = 0) -> Path:
