@@ -18,6 +18,11 @@ Measured on this machine's CPU (500 steps, then GRPO with examples/lookup_multi_
 - key_fraction 0.25: the model does not learn to copy the key at all (about 95% wrong-key calls, score
   about 0.05), and 15 GRPO steps did not teach it: learning to copy from rewards alone takes far longer
   (as rlfabric.quickstart.warm_start says of the letters).
+- 1000 steps, then 100 steps on episodes of which 10% call the tool and the rest guess (call_fraction
+  0.1): greedy validation scores 0.08-0.09 and 4-5% of samples call; 12 GRPO steps at actor.lr 5e-4
+  take validation to 1.0 and the calls to 96% (the sampled score 0.10-0.14 -> 0.82), for seeds 0 and 3.
+  Wrong-key calls are rare after 1000 steps: the remaining failures are calls whose format breaks when
+  sampled at temperature 1.
 """
 
 from __future__ import annotations
@@ -38,13 +43,19 @@ from rlfabric.rollout.agent_loop import observation_ids, render_prompt
 CALL = '<tool_call>{{"name": "lookup", "arguments": {{"key": "{key}"}}}}</tool_call>'
 
 
-def demonstration(tokenizer, rng: random.Random, key_fraction: float = 1.0) -> tuple[list[int], list[int]]:
-    """(token ids, labels) of one episode: labels on the assistant's two turns (with their end), -100 elsewhere.
-    The call asks for the question's key with probability key_fraction, else for an arbitrary one."""
+def demonstration(tokenizer, rng: random.Random, key_fraction: float = 1.0,
+                  call_fraction: float = 1.0) -> tuple[list[int], list[int]]:
+    """(token ids, labels) of one episode: labels on the assistant's turns (with their end), -100 elsewhere.
+    With probability call_fraction the assistant calls lookup (for the question's key with probability
+    key_fraction, else for an arbitrary one) and answers with the tool's digit; otherwise it answers at
+    once with a guessed digit."""
     key, value = rng.choice(string.ascii_lowercase), str(rng.randint(0, 9))
-    called = key if rng.random() < key_fraction else rng.choice(string.ascii_lowercase)
     eos = tokenizer.eos_token_id
     prompt = render_prompt(tokenizer, [{"role": "user", "content": QUESTION.format(key=key)}], [LOOKUP_SPEC])
+    if rng.random() >= call_fraction:
+        guess = tokenizer.encode(f"#### {rng.randint(0, 9)}", add_special_tokens=False) + [eos]
+        return prompt + guess, [-100] * len(prompt) + guess
+    called = key if rng.random() < key_fraction else rng.choice(string.ascii_lowercase)
     call = tokenizer.encode(CALL.format(key=called), add_special_tokens=False) + [eos]
     observed = observation_ids(tokenizer, [Message("tool", value)], call)
     final = tokenizer.encode(f"#### {value}", add_special_tokens=False) + [eos]
@@ -62,7 +73,7 @@ def _collate(examples: list[tuple[list[int], list[int]]], pad_id: int) -> dict[s
 
 
 def warm_start_lookup(model_dir: str | Path, steps: int = 500, batch_size: int = 16, lr: float = 3e-3,
-                      seed: int = 0, key_fraction: float = 1.0) -> WarmStartResult:
+                      seed: int = 0, key_fraction: float = 1.0, call_fraction: float = 1.0) -> WarmStartResult:
     """Fine-tunes the model in model_dir in place on lookup demonstrations; the learning rate decays to 0."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -72,7 +83,7 @@ def warm_start_lookup(model_dir: str | Path, steps: int = 500, batch_size: int =
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     rng = random.Random(seed)
     def next_batch() -> dict[str, torch.Tensor]:
-        return _collate([demonstration(tokenizer, rng, key_fraction) for _ in range(batch_size)],
+        return _collate([demonstration(tokenizer, rng, key_fraction, call_fraction) for _ in range(batch_size)],
                         tokenizer.pad_token_id)
 
     loss = fine_tune(model, next_batch, steps, lr, seed)
@@ -80,7 +91,15 @@ def warm_start_lookup(model_dir: str | Path, steps: int = 500, batch_size: int =
     return WarmStartResult(model_dir, loss, time.perf_counter() - started)
 
 
-def make_lookup_model(out_dir: str | Path, seed: int = 0, steps: int = 500) -> Path:
-    """The tiny model (the quickstart's wider initialisation), warm-started on lookup episodes; returns its path."""
+def make_lookup_model(out_dir: str | Path, seed: int = 0, steps: int = 500, call_fraction: float = 1.0) -> Path:
+    """The tiny model (the quickstart's wider initialisation), warm-started on lookup episodes; returns its path.
+
+    With call_fraction < 1 a second, short warm start (100 steps) on episodes that call the tool with that
+    probability, and otherwise guess, leaves a model that can use the tool but mostly guesses: its score is
+    about the guess's 0.1, and RL has to learn that calling the tool pays (tests/coordinator/
+    test_multi_turn_learning.py)."""
     make_tiny_model(out_dir, initializer_range=QUICKSTART_INIT_RANGE, seed=seed)
-    return warm_start_lookup(out_dir, steps=steps, seed=seed).path
+    warm_start_lookup(out_dir, steps=steps, seed=seed)
+    if call_fraction < 1:
+        warm_start_lookup(out_dir, steps=100, lr=1e-3, seed=seed + 1, call_fraction=call_fraction)
+    return Path(out_dir)
