@@ -69,14 +69,15 @@ def _rlfabric(*args: str) -> subprocess.CompletedProcess:
 def test_dry_run_prints_the_placement_and_starts_nothing(tmp_path):
     result = _rlfabric("up", "--dry-run", "--run-dir", str(tmp_path / "run"),
                        "resource_pools={train: {cpus: [0]}, infer: {cpus: [1]}}", "actor.pool=train",
-                       "rollout.pool=infer", "rollout.replicas=2")
+                       "rollout.pool=infer", "rollout.replicas=2", "env.enable=true", "env.pool=infer")
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert "pool train: GPUs none, CPUs 0, nodes 1; roles: actor" in lines
-    assert "pool infer: GPUs none, CPUs 1, nodes 1; roles: rollout" in lines
+    assert "pool infer: GPUs none, CPUs 1, nodes 1; roles: env, rollout" in lines
     rows = {line.split()[0]: line.split()[1:] for line in lines if not line.startswith("pool ")}
     # Two rollout replicas share pool infer's one core; the coordinator has the launcher's cores to itself.
     assert rows["rollout-1"] == ["pool", "infer", "GPUs", "none", "(CPU)", "CPUs", "1", "threads", "1"]
+    assert rows["env"][:6] == ["pool", "infer", "GPUs", "none", "(CPU)", "CPUs"]  # no torch: no share of threads
     assert rows["coordinator"] == ["pool", "-", "GPUs", "all", "CPUs", "any", "threads",
                                    str(len(os.sched_getaffinity(0)))]
     assert not (tmp_path / "run").exists()

@@ -526,6 +526,8 @@ class EnvConfig(Section):
     """Most Steps of one session; more get FAILED_PRECONDITION."""
     python: PythonToolConfig = PythonToolConfig()
     """The python environment's code execution."""
+    pool: str = ""
+    """Key of resource_pools this role runs on; empty = no pool (every device of the machine, as before)."""
 
 
 class FilterGroupsConfig(Section):
@@ -766,7 +768,7 @@ class LauncherConfig(Section):
     """Resources and namespace of the Ray launcher."""
 
 
-POOL_ROLES = ("actor", "reference", "critic", "rollout", "reward")  # roles whose section has a `pool` key
+POOL_ROLES = ("actor", "reference", "critic", "rollout", "reward", "env")  # roles whose section has a `pool` key
 
 
 class ResourcePoolConfig(Section):
