@@ -22,8 +22,9 @@ them alike.
 Per mode: wall time of the run, the wall-clock time to reach the workload's reward target (the first step at
 or above it: async has to learn as well, not only step faster), the median step time (timing_s/step, step 1
 left out: warm-up), what the step waited for generation (timing_s/gen) and what generation hid behind
-training (timing_s/gen_overlapped), the reward curve (critic/score/mean) and the final reward (mean of the last 3 steps), staleness, the groups
-dropped as too stale and the share of samples that straddled a weight sync (partial rollouts). The speed-up
+training (timing_s/gen_overlapped), the reward curve (critic/score/mean) and the final reward (mean of the
+last 3 steps), staleness, the groups dropped as too stale and the share of samples that straddled a weight
+sync (partial rollouts). The speed-up
 of a mode is sync's median step time over its own. The load average is recorded: other work on the machine
 skews every figure.
 """
@@ -45,12 +46,16 @@ from rlfabric.coordinator.client import CoordinatorClient
 from rlfabric.core.client import ChannelOptions
 from rlfabric.core.config import load_config
 from rlfabric.launch.local import LocalMesh
+from rlfabric.quickstart.lookup_warm_start import LEARNER, make_lookup_model
 from rlfabric.v1 import coordinator_pb2
 
 RESULTS = Path(__file__).parent / "results" / "async.json"
 PLOT = RESULTS.with_suffix(".png")
 MODES = {"sync": ("sync", 0), "async k=1": ("async", 1), "async k=2": ("async", 2), "async k=4": ("async", 4)}
-LEARNER = {"steps": 1000, "call_fraction": 0.1}  # rlfabric.quickstart.lookup_warm_start.make_lookup_model
+LOOKUP_EXAMPLE = Path(__file__).parents[1] / "examples" / "lookup_multi_turn.yaml"
+# 16 prompts x 8 samples and three PPO epochs: training takes about as long as generation
+BALANCED_LOOKUP = ["data.train_batch_size=16", "actor.ppo_mini_batch_size=16", "actor.ppo_epochs=3",
+                   "algorithm.rollout_correction.rollout_is=token"]
 WORKLOADS = {
     "quickstart": {"config": None, "steps": 15, "rounds": 3, "modes": list(MODES), "reward_target": 0.9},
     # SmolLM2-135M-Instruct on arithmetic, vLLM rollout (`rlfabric make-model smollm2` first): ~0.5 min a step.
@@ -59,24 +64,19 @@ WORKLOADS = {
     # Agentic: the lookup task's tool-calling episodes (examples/lookup_multi_turn.yaml), ~100 generated tokens
     # and an environment round trip per sample. The tiny model is warm-started to write the call but to use
     # it in 10% of episodes, so reward climbs from ~0.1 as RL teaches it to call (as in
-    # tests/coordinator/test_multi_turn_learning.py). Three PPO epochs on 16 prompts x 8 make training take
-    # about as long as generation (1.8 s and 2.2 s a step in sync mode), as pools are sized in practice:
-    # overlap can hide at most the shorter of the two. Token-level truncated IS corrects for stale samples.
-    "multi_turn": {"config": Path(__file__).parents[1] / "examples" / "lookup_multi_turn.yaml", "steps": 14,
-                   "rounds": 2, "modes": list(MODES), "lookup_model": LEARNER, "reward_target": 0.75,
-                   "overrides": ["data.train_batch_size=16", "actor.ppo_mini_batch_size=16", "actor.ppo_epochs=3",
-                                 "actor.lr=2e-4", "algorithm.rollout_correction.rollout_is=token"]},
+    # tests/coordinator/test_multi_turn_learning.py). BALANCED_LOOKUP makes training take about as long as
+    # generation (1.8 s and 2.2 s a step in sync mode), as pools are sized in practice: overlap can hide at
+    # most the shorter of the two. Token-level truncated IS corrects for stale samples.
+    "multi_turn": {"config": LOOKUP_EXAMPLE, "steps": 14, "rounds": 2, "modes": list(MODES),
+                   "lookup_model": LEARNER, "reward_target": 0.75, "overrides": [*BALANCED_LOOKUP, "actor.lr=2e-4"]},
     # multi_turn learning 3x slower (actor.lr 7e-5 for 2e-4) over 30 steps: async's first k+1 batches come from
     # the starting weights, a delay of a few steps that weighs less the longer learning takes.
-    "multi_turn_slow": {"config": Path(__file__).parents[1] / "examples" / "lookup_multi_turn.yaml", "steps": 30,
-                        "rounds": 1, "modes": ["sync", "async k=1"], "lookup_model": LEARNER, "reward_target": 0.75,
-                        "overrides": ["data.train_batch_size=16", "actor.ppo_mini_batch_size=16",
-                                      "actor.ppo_epochs=3", "actor.lr=7e-5",
-                                      "algorithm.rollout_correction.rollout_is=token"]},
+    "multi_turn_slow": {"config": LOOKUP_EXAMPLE, "steps": 30, "rounds": 1, "modes": ["sync", "async k=1"],
+                        "lookup_model": LEARNER, "reward_target": 0.75,
+                        "overrides": [*BALANCED_LOOKUP, "actor.lr=7e-5"]},
     # The example's batch (32 prompts x 8, one epoch): generation takes ~3x as long as training.
-    "multi_turn_one_epoch": {"config": Path(__file__).parents[1] / "examples" / "lookup_multi_turn.yaml",
-                             "steps": 12, "rounds": 1, "modes": list(MODES), "lookup_model": LEARNER,
-                             "reward_target": 0.75, "overrides": ["actor.lr=5e-4"]},
+    "multi_turn_one_epoch": {"config": LOOKUP_EXAMPLE, "steps": 12, "rounds": 1, "modes": list(MODES),
+                             "lookup_model": LEARNER, "reward_target": 0.75, "overrides": ["actor.lr=5e-4"]},
 }
 POOLS = {"generation": ([0], ("rollout", "reward", "env")), "training": ([1], ("actor", "reference", "critic"))}
 REWARD = "critic/score/mean"
@@ -176,8 +176,6 @@ def measure(workload: str) -> dict:
              for override in (f"resource_pools.{name}.cpus={cpus}", *(f"{role}.pool={name}" for role in roles))]
     model = []
     if "lookup_model" in spec:
-        from rlfabric.quickstart.lookup_warm_start import make_lookup_model
-
         log(f"warm-starting the lookup model {spec['lookup_model']}")
         model = [f"model.path={make_lookup_model(root / 'lookup-model', **spec['lookup_model'])}"]
     config = load_config(spec["config"], [*pools, *model, *spec.get("overrides", []),

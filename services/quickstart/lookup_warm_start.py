@@ -40,6 +40,9 @@ from rlfabric.quickstart.tiny_model import make_tiny_model
 from rlfabric.quickstart.warm_start import QUICKSTART_INIT_RANGE, WarmStartResult, fine_tune
 from rlfabric.rollout.agent_loop import observation_ids, render_prompt
 
+# make_lookup_model's arguments for a model that can write the call but mostly guesses: the starting point
+# where RL has to learn that the tool pays (tests/coordinator/test_multi_turn_learning.py, bench.async_bench).
+LEARNER = {"steps": 1000, "call_fraction": 0.1}
 CALL = '<tool_call>{{"name": "lookup", "arguments": {{"key": "{key}"}}}}</tool_call>'
 
 
