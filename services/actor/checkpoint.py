@@ -27,7 +27,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from rlfabric.core.errors import FailedPrecondition, InvalidArgument, NotFound
-from rlfabric.core.storage import fsync, fsync_tree
+from rlfabric.core.storage import disk_full, fsync, fsync_tree
 
 FORMAT_VERSION = 1
 WEIGHTS = "model.safetensors"
@@ -76,6 +76,7 @@ def write_atomically(path: str, write: Callable[[Path], None], replaceable: Call
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
+        full = None
         try:
             write(tmp)
             fsync_tree(tmp)  # on disk before it takes the name: a crash leaves the old one or the new one
@@ -85,13 +86,20 @@ def write_atomically(path: str, write: Callable[[Path], None], replaceable: Call
                 target.rename(old)
             tmp.rename(target)
             fsync(target.parent)
-        except BaseException:
+        except BaseException as error:
+            # Asked before the partial write is removed and frees its space.
+            full = disk_full(target, error) if isinstance(error, Exception) else None
             shutil.rmtree(tmp, ignore_errors=True)
-            raise
+            if full is None:
+                raise
+        if full is not None:
+            # Raised here, not from the writer's error: that one holds the writer, whose open file (removed but
+            # open: torch's) keeps the disk full for as long as the error lives.
+            raise full
         shutil.rmtree(old, ignore_errors=True)
         return num_bytes
     except OSError as error:
-        raise FailedPrecondition(f"cannot write {target}: {error}") from error
+        raise disk_full(target, error) or FailedPrecondition(f"cannot write {target}: {error}") from error
 
 
 def _split_aliases(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:

@@ -15,20 +15,16 @@ from prometheus_client import CollectorRegistry
 from rlfabric.algorithms.plugins import load_plugin_modules
 from rlfabric.coordinator.checkpoints import step_dir
 from rlfabric.coordinator.loop import PPOTrainer, check_roles
+from rlfabric.coordinator.overrides import config_for_run
 from rlfabric.coordinator.setup import Connect, build_trainer, connect_services
 from rlfabric.coordinator.trackers import check_tracker_packages
 from rlfabric.coordinator.tracking import RunTracker
-from rlfabric.core.config import ConfigError, RunConfig, apply_override, config_from_dict, run_dir_of
-from rlfabric.core.errors import FailedPrecondition, InvalidArgument, PermissionDenied
-from rlfabric.core.storage import StorageRoot
+from rlfabric.core.config import ConfigError, RunConfig, run_dir_of
+from rlfabric.core.errors import FailedPrecondition
 from rlfabric.v1 import coordinator_pb2
 
 log = logging.getLogger("rlfabric.coordinator")
 
-# StartRun may change how the loop runs, not how the services were started (their model, dtype,
-# optimizer and sampling temperature are fixed when they start).
-RUN_OVERRIDABLE = ("trainer.", "data.", "algorithm.", "rollout.n=", "rollout.top_p=", "rollout.top_k=",
-                   "rollout.response_length=", "rollout.seed=", "rollout.val_", "weight_sync.timeout_s=")
 ACTIVE = (coordinator_pb2.RUN_STATE_RUNNING, coordinator_pb2.RUN_STATE_PAUSED)
 
 
@@ -38,7 +34,7 @@ class RunController:
 
     def __init__(self, config: RunConfig, registry: CollectorRegistry | None = None,
                  connect: Connect = connect_services):
-        load_plugin_modules(config.algorithm.plugin_modules)  # the operator's config, at start: see _config_with
+        load_plugin_modules(config.algorithm.plugin_modules)  # the operator's config, at start: see overrides.py
         self.base_config = config
         self.connect = connect
         self.registry = registry or CollectorRegistry()
@@ -86,7 +82,7 @@ class RunController:
             self._starting = False
 
     async def _start_run(self, overrides: list[str]) -> tuple[str, int]:
-        config = self._config_with(overrides)
+        config = config_for_run(self.base_config, overrides)  # what a StartRun may change: overrides.py
         check_roles(config)
         try:
             check_tracker_packages(config.trainer.loggers)
@@ -235,44 +231,6 @@ class RunController:
     async def _notify(self) -> None:
         async with self._changed:
             self._changed.notify_all()
-
-    def _config_with(self, overrides: list[str]) -> RunConfig:
-        for override in overrides:
-            if override.startswith("trainer.run_dir="):
-                raise InvalidArgument("StartRun cannot set trainer.run_dir (a run must not write into another's "
-                                      "folder); set trainer.experiment_name to keep this run in "
-                                      "RUN_DIR/experiments/<name>")
-            if not override.startswith(RUN_OVERRIDABLE):
-                raise InvalidArgument(f"override {override!r} cannot change a running mesh; StartRun accepts "
-                                      f"{', '.join(RUN_OVERRIDABLE)}")
-        tree = self.base_config.model_dump(mode="json")
-        try:
-            for override in overrides:
-                apply_override(tree, override)
-            config = config_from_dict(tree)
-        except ConfigError as error:
-            raise InvalidArgument(str(error)) from None
-        self._confine_paths(config)
-        added = sorted(set(config.algorithm.plugin_modules) - set(self.base_config.algorithm.plugin_modules))
-        if added:
-            # An import runs code with the service's rights: only the operator's config may name one.
-            raise PermissionDenied(f"StartRun cannot add algorithm.plugin_modules {added}: plugin modules are "
-                                   "imported when the mesh starts, from its own config; this mesh has "
-                                   f"{self.base_config.algorithm.plugin_modules}")
-        return config
-
-    def _confine_paths(self, config: RunConfig) -> None:
-        """Paths a StartRun changed must lie under the storage root (PermissionDenied naming it) and are
-        replaced by their resolved form; the mesh's own config, written by its operator, may name data
-        anywhere."""
-        storage, base = StorageRoot.from_config(self.base_config), self.base_config
-        for what in ("train_files", "val_files"):
-            paths = getattr(config.data, what)
-            if paths != getattr(base.data, what):
-                setattr(config.data, what, [str(storage.resolve(path, f"data.{what}")) for path in paths])
-        resume = config.trainer.resume_from_path
-        if resume and resume != base.trainer.resume_from_path:
-            config.trainer.resume_from_path = str(storage.resolve(resume, "trainer.resume_from_path"))
 
     def _require_active(self) -> None:
         if self.state not in ACTIVE:

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Protocol
 
 from rlfabric.core.config import ConfigError, RunConfig
+from rlfabric.core.errors import FailedPrecondition
 
 log = logging.getLogger("rlfabric.coordinator")
 
@@ -58,19 +59,33 @@ def check_tracker_packages(loggers: list[str]) -> None:
 
 
 def open_trackers(run_dir: Path, config: RunConfig, start_step: int) -> list[Tracker]:
-    """The trackers trainer.loggers selects, each with a run started (or continued, for a resumed run)."""
+    """The trackers trainer.loggers selects, each with a run started (or continued, for a resumed run);
+    FailedPrecondition naming the tracker and where it sends the run when one cannot start."""
     loggers = config.trainer.loggers
     check_tracker_packages(loggers)
     ids_path = run_dir / "trackers.json"
     ids = json.loads(ids_path.read_text()) if start_step and ids_path.exists() else {}
     trackers: list[Tracker] = []
-    if "mlflow" in loggers:
-        trackers.append(MlflowTracker(run_dir, config, ids.get("mlflow")))
-    if "wandb" in loggers:
-        trackers.append(WandbTracker(run_dir, config, ids.get("wandb")))
+    for name, start in (("mlflow", MlflowTracker), ("wandb", WandbTracker)):
+        if name not in loggers:
+            continue
+        try:
+            trackers.append(start(run_dir, config, ids.get(name)))
+        except Exception as error:  # its server unreachable, its store unwritable, ...
+            _end_as_failed(trackers)  # the run will not start: those opened before it end
+            raise FailedPrecondition(f"trainer.loggers: the {name} tracker could not start "
+                                     f"({_destination(name, run_dir, config)}): {type(error).__name__}: {error}") from None
     if trackers:
         ids_path.write_text(json.dumps({t.name: t.run_id for t in trackers}))
     return trackers
+
+
+def _end_as_failed(trackers: list[Tracker]) -> None:
+    for tracker in trackers:
+        try:
+            tracker.finish([], None, "failed")
+        except Exception:
+            log.exception("%s logger: finish failed", tracker.name)
 
 
 def flat_config(config: RunConfig) -> dict[str, str]:
@@ -104,8 +119,7 @@ class MlflowTracker:
         from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
 
-        uri = (config.trainer.mlflow.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
-               or f"sqlite:///{run_dir.resolve() / 'mlflow.db'}")
+        uri = mlflow_tracking_uri(run_dir, config)
         self.client = MlflowClient(tracking_uri=uri)
         if resume_id:
             self.run_id = resume_id
@@ -137,6 +151,19 @@ class MlflowTracker:
             self.client.set_tag(self.run_id, "rlfabric.final_model", str(final_model))
             self.client.log_text(self.run_id, f"{final_model}\n", "final_model.txt")
         self.client.set_terminated(self.run_id, status=MLFLOW_STATUS[outcome])
+
+
+def mlflow_tracking_uri(run_dir: Path, config: RunConfig) -> str:
+    """trainer.mlflow.tracking_uri, else $MLFLOW_TRACKING_URI, else sqlite:///RUN_DIR/mlflow.db."""
+    return (config.trainer.mlflow.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+            or f"sqlite:///{run_dir.resolve() / 'mlflow.db'}")
+
+
+def _destination(name: str, run_dir: Path, config: RunConfig) -> str:
+    """Where a tracker sends the run, for its error message."""
+    if name == "mlflow":
+        return f"tracking store {mlflow_tracking_uri(run_dir, config)}"
+    return f"mode {config.trainer.wandb.mode}, files in {run_dir / 'wandb'}"
 
 
 def _local_artifact_location(uri: str) -> str | None:

@@ -176,7 +176,14 @@ class RunTracker:
                 str(self.run_dir / "tensorboard"), purge_step=start_step + 1 if start_step else None
             )
 
-        self._trackers = open_trackers(self.run_dir, config, start_step)
+        try:
+            self._trackers = open_trackers(self.run_dir, config, start_step)
+        except BaseException:  # a tracker that cannot start: the run does not start, nothing stays open
+            self._closed = True
+            for sink in (self._jsonl, self._tensorboard):
+                if sink is not None:
+                    sink.close()
+            raise
         self._gauges = _PrometheusGauges.of(registry) if registry is not None else None
         if self._gauges:
             self._gauges.start_run(total_steps, start_step)

@@ -12,6 +12,8 @@ The built-in default (`rlfabric/quickstart/quickstart.yaml`) is the quickstart.
 
 from __future__ import annotations
 
+import re
+import reprlib
 import typing
 from importlib.resources import files
 from pathlib import Path
@@ -32,6 +34,12 @@ ROLES = ("actor", "reference", "critic", "rollout", "reward", "env", "coordinato
 # Policy loss modes whose own loss aggregation differs from actor.loss_agg_mode's default, token-mean.
 LOSS_MODE_AGGREGATION = {"gspo": "seq-mean-token-mean"}
 DEFAULT_CONFIG_NAME = "quickstart.yaml"
+_DOTTED_KEY = re.compile(r"[A-Za-z0-9_-]+(?:\.[A-Za-z0-9_-]+)*")
+# Messages quote inputs through this: an input of megabytes (a value, an override) shows as its start.
+_QUOTE = reprlib.Repr()
+_QUOTE.maxstring = _QUOTE.maxother = 200
+_QUOTE.maxlist = _QUOTE.maxdict = 10
+_QUOTE.maxlevel = 3
 
 
 class ConfigError(ValueError):
@@ -897,22 +905,51 @@ def default_config_path() -> Path:
     return Path(str(files("rlfabric.quickstart") / DEFAULT_CONFIG_NAME))
 
 
-def apply_override(tree: dict[str, Any], override: str) -> None:
-    """Applies one `dotted.key=value` override in place; the value is parsed as YAML."""
+class _OverrideLoader(yaml.SafeLoader):
+    """YAML of an override's value without anchors and aliases: `{a: &a [x, x], b: [*a, *a], ...}` nests
+    copies of copies, a few hundred bytes that print as gigabytes ("billion laughs")."""
+
+    def compose_node(self, parent, index):
+        event = self.peek_event()
+        if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None):
+            raise yaml.composer.ComposerError(None, None, "anchors and aliases (&name, *name) are not allowed in "
+                                              "an override", event.start_mark)
+        return super().compose_node(parent, index)
+
+
+def parse_override(override: str) -> tuple[str, Any]:
+    """(dotted key, value) of one `dotted.key=value` override: the key without the spaces around it, made of
+    ASCII letters, digits, _ and - between dots; the value parsed as YAML without aliases. Callers decide on
+    this key, never on the raw text ("trainer.run_dir =x" is trainer.run_dir)."""
+    shown = _QUOTE.repr(override)
     key, sep, raw = override.partition("=")
-    if not sep or not key.strip():
-        raise ConfigError(f"override {override!r} is not of the form dotted.key=value")
-    parts = key.strip().split(".")
+    key = key.strip()
+    if not sep or not key:
+        raise ConfigError(f"override {shown} is not of the form dotted.key=value")
+    if not _DOTTED_KEY.fullmatch(key):
+        raise ConfigError(f"override {shown}: {_QUOTE.repr(key)} is not a dotted key (ASCII letters, digits, _ "
+                          "and - between dots)")
+    try:
+        return key, yaml.load(raw, Loader=_OverrideLoader) if raw.strip() else ""
+    except yaml.YAMLError as error:
+        raise ConfigError(f"override {shown}: the value of {key} is not valid YAML: {error}") from None
+
+
+def apply_override(tree: dict[str, Any], override: str) -> None:
+    """Applies one `dotted.key=value` override in place (parse_override)."""
+    set_key(tree, *parse_override(override))
+
+
+def set_key(tree: dict[str, Any], key: str, value: Any) -> None:
+    """tree[a][b][c] = value for the dotted key a.b.c, making the sections on the way."""
+    parts = key.split(".")
     node = tree
     for depth, part in enumerate(parts[:-1]):
         child = node.setdefault(part, {})
         if not isinstance(child, dict):
-            raise ConfigError(f"override {override!r}: {'.'.join(parts[: depth + 1])} is not a section")
+            raise ConfigError(f"{key}: {'.'.join(parts[: depth + 1])} is not a section")
         node = child
-    try:
-        node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError as error:
-        raise ConfigError(f"override {override!r}: the value of {key.strip()} is not valid YAML: {error}") from None
+    node[parts[-1]] = value
 
 
 def _describe(error: ValidationError) -> str:
@@ -924,7 +961,7 @@ def _describe(error: ValidationError) -> str:
         elif not key:  # a rule across sections: its message names the keys; the input is the whole config
             lines.append(item["msg"].removeprefix("Value error, "))
         else:
-            lines.append(f"{key}: {item['msg']} (got {item.get('input')!r})")
+            lines.append(f"{key}: {item['msg']} (got {_QUOTE.repr(item.get('input'))})")
     return "invalid config: " + "; ".join(lines)
 
 

@@ -119,6 +119,29 @@ _CLASS_OF_CODE: dict[grpc.StatusCode, type[RlfabricError]] = {
     cls.code: cls for cls in RlfabricError.__subclasses__() if cls.__module__ == __name__}
 
 
+
+# Most bytes of error details on the wire. They travel as the grpc-message trailer, percent-encoded
+# (anything outside printable ASCII takes 3 bytes per UTF-8 byte), and gRPC clients refuse trailers of
+# more than 8-16 KiB (the call then fails with "metadata size exceeds hard limit", its message lost).
+MAX_DETAILS_BYTES = 4096
+
+
+def shorten(text: str, limit: int = MAX_DETAILS_BYTES) -> str:
+    """text, or its start and end around a note of what was cut, within `limit` bytes as the grpc-message
+    trailer encodes them: a message that quotes a huge input still says what was wrong, and stays small."""
+    costs = [1 if " " <= char <= "~" and char != "%" else 3 * len(char.encode("utf-8", "replace")) for char in text]
+    if sum(costs) <= limit:
+        return text
+    budget = (limit - 64) // 2  # 64: the note
+    head = tail = spent = 0
+    while spent + costs[head] <= budget:
+        spent, head = spent + costs[head], head + 1
+    spent = 0
+    while spent + costs[-1 - tail] <= budget:
+        spent, tail = spent + costs[-1 - tail], tail + 1
+    return f"{text[:head]} [... {len(text) - head - tail} characters cut ...] {text[len(text) - tail:]}"
+
+
 def error_for_code(code: grpc.StatusCode, message: str) -> RlfabricError:
     """The domain error of a gRPC status code: the class above whose `code` it is. (Every code but OK
     has one; OK, which no failure carries, gives an Unknown.)"""

@@ -6,7 +6,8 @@
 3. ReadinessInterceptor answers UNAVAILABLE while the engine loads or the server drains.
 4. ConcurrencyLimitInterceptor answers RESOURCE_EXHAUSTED while server.max_concurrent_rpcs RPCs run
                         (health and reflection exempt), when a limit is set.
-5. ErrorInterceptor     maps domain errors to status codes; unexpected ones to INTERNAL (logged).
+5. ErrorInterceptor     maps domain errors to status codes; a full disk to RESOURCE_EXHAUSTED; unexpected
+                        errors to INTERNAL (logged). Details and their log line are capped (errors.shorten).
                         A request that is not a valid protobuf message of the method's type
                         (random bytes, bad UTF-8 in a string field) is INVALID_ARGUMENT.
 
@@ -29,8 +30,9 @@ import grpc
 from google.protobuf.message import DecodeError
 from grpc import aio
 
-from rlfabric.core.errors import InvalidArgument, RlfabricError
+from rlfabric.core.errors import InvalidArgument, RlfabricError, shorten
 from rlfabric.core.metrics import GrpcServerMetrics
+from rlfabric.core.storage import out_of_space
 
 log = logging.getLogger("rlfabric.rpc")
 
@@ -297,17 +299,28 @@ class ErrorInterceptor(aio.ServerInterceptor):
             try:
                 yield
             except RlfabricError as error:
-                log.info("rpc failed", extra={"fields": {"method": method, "code": error.code.name, "error": str(error)}})
-                await context.abort(error.code, str(error))
+                await self._refuse(context, method, error.code, str(error))
             except NotImplementedError as error:
-                await context.abort(grpc.StatusCode.UNIMPLEMENTED, str(error) or f"{method} is not implemented")
+                await context.abort(grpc.StatusCode.UNIMPLEMENTED, shorten(str(error) or f"{method} is not implemented"))
             except (aio.AbortError, grpc.RpcError):
                 raise
             except Exception as error:  # the server must keep serving whatever a handler does
+                if out_of_space(error):  # a write the handler did not expect to fail
+                    await self._refuse(context, method, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                       f"the disk is full: {type(error).__name__}: {error}")
                 log.exception("unexpected error", extra={"fields": {"method": method}})
-                await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(error).__name__}: {error}")
+                await context.abort(grpc.StatusCode.INTERNAL,
+                                    shorten(f"internal error in {method}: {type(error).__name__}: {error}"))
 
         return wrap_handler(handler, map_errors, check_decoding=True)
+
+    @staticmethod
+    async def _refuse(context, method: str, code: grpc.StatusCode, message: str) -> None:
+        """Logs and answers a refusal, its message shortened: one quoting a huge input (a path, a value)
+        must not become a huge reply or log line."""
+        details = shorten(message)
+        log.info("rpc failed", extra={"fields": {"method": method, "code": code.name, "error": details}})
+        await context.abort(code, details)
 
 
 def bearer_metadata(token: str | None) -> tuple[tuple[str, Any], ...]:

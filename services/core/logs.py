@@ -7,6 +7,10 @@ import logging
 import sys
 import time
 
+# Longest text of one log field, and of a traceback (kept whole but for a huge message in it).
+MAX_FIELD_CHARS = 16384
+MAX_EXCEPTION_CHARS = 65536
+
 
 class _JsonLineFormatter(logging.Formatter):
     def __init__(self, role: str, run_id: str):
@@ -21,12 +25,22 @@ class _JsonLineFormatter(logging.Formatter):
             "role": self.role,
             "run_id": self.run_id,
             "logger": record.name,
-            "event": record.getMessage(),
+            "event": _capped(record.getMessage()),
         }
-        line.update(getattr(record, "fields", {}))
+        line.update({key: _capped(value) if isinstance(value, str) else value
+                     for key, value in getattr(record, "fields", {}).items()})
         if record.exc_info:
-            line["exception"] = self.formatException(record.exc_info)
+            line["exception"] = _capped(self.formatException(record.exc_info), MAX_EXCEPTION_CHARS)
         return json.dumps(line, default=str)
+
+
+def _capped(text: str, limit: int = MAX_FIELD_CHARS) -> str:
+    """text, or its start and end around a note of what was cut: a message quoting a client's huge input
+    must not become megabytes of log."""
+    if len(text) <= limit:
+        return text
+    half = limit // 2
+    return f"{text[:half]} [... {len(text) - 2 * half} characters cut ...] {text[-half:]}"
 
 
 def setup_logging(role: str, run_id: str = "", level: str = "INFO") -> None:

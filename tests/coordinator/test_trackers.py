@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import struct
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from rlfabric.coordinator.tracking import RunTracker, read_metrics
 from rlfabric.core.config import ConfigError, config_from_dict, load_config
 from rlfabric.core.errors import FailedPrecondition
 from rlfabric.v1 import coordinator_pb2
-from tests.coordinator.meshes import fast_config, in_process
+from tests.coordinator.meshes import fast_config, in_process, over_grpc
 
 mlflow = pytest.importorskip("mlflow", reason="the extra `trackers` is not installed")
 wandb = pytest.importorskip("wandb", reason="the extra `trackers` is not installed")
@@ -188,3 +189,28 @@ def test_wandb_offline_run_has_the_metrics_the_config_and_the_artifacts(tracked_
     summary = {item.key: item.value_json for r in by_kind["summary"] for item in r.summary.update if item.key}
     assert json.loads(summary["final_model"]) == str(run_dir / "final_model")
     assert by_kind["exit"][0].exit.exit_code == 0
+
+
+def test_a_tracker_that_cannot_start_fails_start_run_naming_it(tiny_model, tmp_path, monkeypatch):
+    """The mesh's mlflow store is an address nothing answers at. StartRun answered INTERNAL; it is
+    FAILED_PRECONDITION naming the tracker and its store, no run starts, and the mesh takes the next run."""
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # refused at once, not after mlflow's backoff
+    with socket.socket() as unused:  # a port nothing listens on
+        unused.bind(("127.0.0.1", 0))
+        store = f"http://127.0.0.1:{unused.getsockname()[1]}"
+    config = fast_config(tiny_model, "trainer.loggers=[jsonl,mlflow]", f"trainer.mlflow.tracking_uri={store}",
+                         "trainer.total_steps=1")
+
+    async def scenario():
+        async with over_grpc(config, tmp_path / "run") as client:
+            with pytest.raises(FailedPrecondition, match=rf"trainer.loggers: the mlflow tracker could not start "
+                                                         rf"\(tracking store {store}\): MlflowException"):
+                await client.start_run()
+            assert (await client.run_status()).state == coordinator_pb2.RUN_STATE_UNSPECIFIED
+            await client.start_run(["trainer.loggers=[jsonl]"])
+            async for _ in client.stream_metrics(from_step=1):
+                pass
+            return await client.run_status()
+
+    status = asyncio.run(scenario())
+    assert status.state == coordinator_pb2.RUN_STATE_COMPLETED, status.error

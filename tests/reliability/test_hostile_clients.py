@@ -18,7 +18,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
+import re
+import socket
 import subprocess
 import sys
 import time
@@ -27,7 +30,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from rlfabric.core.config import config_from_dict
+from rlfabric.core.config import config_from_dict, config_reference
 from rlfabric.core.server import ServerOptions
 from rlfabric.serve import build_service
 from rlfabric.serve import build_service as build_trainer_service
@@ -187,6 +190,172 @@ def test_start_run_cannot_pick_the_run_dir_nor_read_outside_the_root(coordinator
     status = coordinator.GetRunStatus(coordinator_pb2.GetRunStatusRequest(), timeout=10, metadata=BEARER)
     assert status.state == coordinator_pb2.RUN_STATE_UNSPECIFIED  # nothing started
     assert snapshot(disk["base"]) == before
+
+
+# --- 2. StartRun's overrides: decided on the parsed key, on what they change, without amplification ---
+
+
+def test_start_run_decides_on_the_parsed_key_not_the_raw_text(coordinator, disk):
+    """A guard on the raw text let "trainer.run_dir =/elsewhere" through (the key was stripped after it):
+    that run wrote outside the root and truncated the folder's metrics.jsonl. Every spelling is refused."""
+    elsewhere = disk["home"] / "elsewhere"
+    elsewhere.mkdir(exist_ok=True)
+    (elsewhere / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+    before = snapshot(disk["base"])
+    spellings = {  # override -> what the refusal names
+        f"trainer.run_dir ={elsewhere}": "trainer.run_dir",
+        f"trainer.run_dir\t={elsewhere}": "trainer.run_dir",
+        f" trainer.run_dir = {elsewhere}": "trainer.run_dir",
+        f"trainer={{run_dir: {elsewhere}}}": "trainer.run_dir",  # the whole section at once
+        f"trainer . run_dir={elsewhere}": "not a dotted key",
+        f"trainer..run_dir={elsewhere}": "not a dotted key",
+        f"trainer.run_dir\u200b={elsewhere}": "not a dotted key",  # a zero-width space
+        f"\uff54rainer.run_dir={elsewhere}": "not a dotted key",  # a fullwidth t
+        f"trainer.mlflow={{tracking_uri: 'sqlite:///{elsewhere}/mlflow.db'}}": "trainer.mlflow.tracking_uri",
+        "rollout={multi_turn: {env_address: '127.0.0.1:1'}}": "rollout.multi_turn.env_address",
+    }
+    for override, named in spellings.items():
+        error = refusal(start_run, coordinator, override)
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, (override, error.code(), error.details())
+        assert named in error.details(), (override, error.details())
+    assert snapshot(disk["base"]) == before  # metrics.jsonl elsewhere untouched, nothing new anywhere
+
+
+# Keys that name a file, a folder, an address or code to import (by their last part; cluster.* are addresses).
+NAMES_A_PLACE = re.compile(r"(path|files?|dir|uri|url|address|endpoint|root|host|modules)$")
+CONFINED = ("data.train_files", "data.val_files", "trainer.resume_from_path")  # resolved under storage.root
+
+
+def test_every_key_naming_a_file_or_an_address_is_confined_or_refused(coordinator, disk):
+    """The audit of issue 35: a StartRun that names a path or an address either stays inside the storage
+    root (PERMISSION_DENIED outside it) or is refused (only the mesh's own config sets the key). A key added
+    later that names a place fails this test until it is one or the other."""
+    outside = disk["home"] / "projects"
+    keys = [(key, default) for key, default, _ in config_reference()
+            if key.startswith("cluster.") or NAMES_A_PLACE.search(key.rsplit(".", 1)[-1])]
+    assert len(keys) > 25, keys
+    before = snapshot(disk["base"])
+    for key, default in keys:
+        value = f"[{outside}]" if default.startswith("[") else str(outside)
+        error = refusal(start_run, coordinator, f"{key}={value}")
+        expected = (grpc.StatusCode.PERMISSION_DENIED if key in CONFINED or key == "algorithm.plugin_modules"
+                    else grpc.StatusCode.INVALID_ARGUMENT)
+        assert error.code() == expected, (key, error.code(), error.details())
+        assert key in error.details(), (key, error.details())
+    assert snapshot(disk["base"]) == before
+
+
+def test_start_run_cannot_make_the_coordinator_call_an_address_or_write_a_store(coordinator, disk):
+    """trainer.mlflow.tracking_uri: a sqlite file outside the root was created; an http:// URI made the
+    coordinator send requests wherever the caller chose. Only the mesh's own config sets it now."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.setblocking(False)
+    port = listener.getsockname()[1]
+    before = snapshot(disk["base"])
+    try:
+        for uri in (f"sqlite:///{disk['home'] / 'mlflow.db'}", f"http://127.0.0.1:{port}", "file:///tmp/mlruns"):
+            error = refusal(coordinator.StartRun, coordinator_pb2.StartRunRequest(
+                overrides=["trainer.loggers=[jsonl,mlflow]", f"trainer.mlflow.tracking_uri={uri}"]),
+                timeout=60, metadata=BEARER)
+            assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, (uri, error.details())
+            assert "trainer.mlflow.tracking_uri" in error.details() and "mesh's own config" in error.details()
+        with pytest.raises(BlockingIOError):
+            listener.accept()  # nobody called
+    finally:
+        listener.close()
+    assert snapshot(disk["base"]) == before
+
+
+def test_yaml_aliases_in_an_override_are_refused_without_amplification(coordinator, caplog):
+    """A ~300-byte override whose aliases nest copies of copies ("billion laughs") gave a 28 MB error
+    message and 27 MiB of log. Aliases and anchors are refused; the error and the log stay small."""
+    levels = ["a: &a [lol, lol, lol, lol, lol, lol, lol, lol, lol]"]
+    for name, below in zip("bcdef", "abcde", strict=True):
+        levels.append(f"{name}: &{name} [{', '.join([f'*{below}'] * 9)}]")
+    override = f"trainer.project_name={{{', '.join(levels)}}}"
+    assert len(override) < 400
+    caplog.set_level(logging.INFO)
+    caplog.clear()
+    error = refusal(start_run, coordinator, override)
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error.details()[:500]
+    assert "trainer.project_name" in error.details() and "aliases" in error.details()
+    assert len(error.details()) < 2000, len(error.details())
+    logged = sum(len(record.getMessage()) + len(str(getattr(record, "fields", ""))) for record in caplog.records)
+    assert logged < 8192, logged
+
+
+def test_error_details_and_their_log_lines_are_capped(actor, coordinator, caplog):
+    """Whatever a message quotes (here a 1 MiB path, a 1 MiB value) the client gets a few KiB that still
+    say what was wrong, and so does the log; the service keeps serving."""
+    caplog.set_level(logging.INFO)
+    caplog.clear()
+    error = refusal(export, actor, "../" + "x" * (1 << 20))
+    assert error.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert len(error.details()) <= 4096 and "outside the storage root" in error.details(), len(error.details())
+    error = refusal(start_run, coordinator, f"trainer.total_steps={'9' * (1 << 20)}x")
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert len(error.details()) <= 4096 and "trainer.total_steps" in error.details(), len(error.details())
+    logged = max(len(record.getMessage()) + len(str(getattr(record, "fields", ""))) for record in caplog.records)
+    assert logged < 8192, logged
+    assert export(actor, "exports/after-the-big-ones").num_bytes > 0
+
+
+# --- 9. the right status code, naming the cause --------------------------------------------------------
+
+
+def test_a_nul_byte_in_a_path_is_invalid_argument_naming_the_field(actor, coordinator, disk):
+    before = snapshot(disk["base"])
+    for rpc, field in ((export, "export path"), (save, "checkpoint path"), (load, "checkpoint path")):
+        error = refusal(rpc, actor, "exports/a\x00b")
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, (rpc.__name__, error.code(), error.details())
+        assert field in error.details() and "NUL" in error.details(), error.details()
+    for override in ('data.train_files=["a\\0b.parquet"]', 'trainer.resume_from_path="a\\0b"'):
+        error = refusal(start_run, coordinator, override)
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, (override, error.code(), error.details())
+        assert override.split("=")[0] in error.details() and "NUL" in error.details(), error.details()
+    assert snapshot(disk["base"]) == before
+
+
+@pytest.fixture
+def full_disk(disk):
+    """A folder of the storage root on a 128 KiB tmpfs of its own: a disk too small for any export."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root (run as root to test a full disk)")
+    where = disk["root"] / "small-disk"
+    where.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=128k", "tmpfs", str(where)], check=True)
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", str(where)], check=True)
+        where.rmdir()
+
+
+def test_a_full_disk_is_resource_exhausted_saying_so_and_leaves_nothing_behind(actor, full_disk):
+    """ExportHF and SaveCheckpoint onto a full disk answered INTERNAL with safetensors' or torch's message
+    (torch's, "unexpected pos 576 vs 534", does not say the disk is full)."""
+    for rpc, path in ((export, "small-disk/policy"), (save, "small-disk/checkpoint")):
+        error = refusal(rpc, actor, path)
+        assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, (rpc.__name__, error.code(), error.details())
+        assert "disk" in error.details() and "full" in error.details(), error.details()
+        assert str(full_disk / path.split("/")[1]) in error.details(), error.details()
+        assert os.listdir(full_disk) == []  # the partial write is gone
+    assert export(actor, "exports/after-a-full-disk").num_bytes > 0
+
+
+def test_a_writer_whose_error_does_not_say_the_disk_is_full_is_still_reported_so(full_disk):
+    """torch.save on a full disk raises RuntimeError("... unexpected pos ..."): the free space tells."""
+    import torch
+
+    from rlfabric.actor.checkpoint import write_atomically
+    from rlfabric.core.errors import ResourceExhausted
+
+    def write(directory: Path) -> None:
+        torch.save(torch.zeros(1 << 16), directory / "state.pt")  # 256 KiB
+
+    with pytest.raises(ResourceExhausted, match=r"cannot write .*small-disk/state: the disk holding it is full"):
+        write_atomically(str(full_disk / "state"), write, replaceable=lambda _: False)
+    assert os.listdir(full_disk) == []
 
 
 # --- 3. without the token -----------------------------------------------------------------------------
