@@ -1,7 +1,8 @@
 """The NCCL transport: a cupy.cuda.nccl communicator over GPU buffers.
 
 Rank 0 (the actor) makes the NCCL unique id; it travels to the receivers inside WeightSyncGroup
-(bytes) through the gRPC control plane, and every rank builds one communicator from it. cupy is
+(bytes) through the gRPC control plane, and every rank builds one communicator from it, handing cupy
+the id in the form its version takes (bytes from cupy 14 on, a tuple of C chars before). cupy is
 imported lazily: nothing here needs it until a GPU group is opened.
 
 NCCL has no timeout of its own, so each operation is watched: the communicator's creation runs on a
@@ -11,6 +12,7 @@ stream and aborted (ncclCommAbort) when the timeout passes, so a dead peer gives
 
 from __future__ import annotations
 
+import platform
 import threading
 import time
 
@@ -32,19 +34,32 @@ def cupy_nccl():
     return nccl
 
 
-def encode_unique_id(unique_id) -> bytes:
-    """cupy's unique id (a tuple of 128 C chars as ints, signed) -> 128 bytes for the wire."""
+def encode_unique_id(unique_id: bytes | tuple[int, ...]) -> bytes:
+    """cupy's unique id -> the 128 bytes WeightSyncGroup.nccl_unique_id carries. cupy >= 14 returns
+    bytes already; cupy 13 a tuple of 128 C chars as ints (signed where C's char is)."""
     values = list(unique_id)
     if len(values) != UNIQUE_ID_BYTES:
         raise ValueError(f"an NCCL unique id has {UNIQUE_ID_BYTES} bytes, got {len(values)}")
     return bytes(v & 0xFF for v in values)
 
 
-def decode_unique_id(data: bytes) -> tuple[int, ...]:
-    """The inverse of encode_unique_id: the tuple cupy's NcclCommunicator takes."""
+def c_char_is_signed(machine: str | None = None) -> bool:
+    """Whether C's plain `char` is signed on this machine's ABI: on x86 it is; on Arm, POWER and
+    IBM Z it is unsigned. cupy 13's NcclCommunicator converts each int of the id to a char and
+    refuses one out of that char's range (OverflowError)."""
+    machine = (machine or platform.machine()).lower()
+    return not machine.startswith(("aarch64", "arm", "ppc", "s390"))
+
+
+def cupy_unique_id(data: bytes, cupy_version: str, char_signed: bool | None = None) -> bytes | tuple[int, ...]:
+    """The wire's 128 bytes as the installed cupy's NcclCommunicator takes them: bytes from cupy 14
+    on (`bytes commId`), a tuple of C chars as ints before (`tuple commId`)."""
     if len(data) != UNIQUE_ID_BYTES:
         raise FailedPrecondition(f"nccl_unique_id has {len(data)} bytes, expected {UNIQUE_ID_BYTES}")
-    return tuple(b - 256 if b > 127 else b for b in data)
+    if int(cupy_version.split(".")[0]) >= 14:
+        return bytes(data)
+    signed = c_char_is_signed() if char_signed is None else char_signed
+    return tuple(b - 256 if signed and b > 127 else b for b in data)
 
 
 def new_unique_id() -> bytes:
@@ -60,14 +75,14 @@ class NcclTransport:
         if device.type != "cuda":
             raise FailedPrecondition(f"the nccl weight-sync transport needs a CUDA device, this rank has {device}")
         nccl = cupy_nccl()
+        import cupy  # loaded by cupy_nccl()
+
         self.group, self.rank, self.device = group, rank, device
         self._nccl = nccl
-        unique_id = decode_unique_id(group.nccl_unique_id)
+        unique_id = cupy_unique_id(group.nccl_unique_id, cupy.__version__)
         made: list = []
 
         def init():
-            import cupy
-
             with cupy.cuda.Device(device.index or 0):
                 try:
                     made.append(nccl.NcclCommunicator(group.world_size, unique_id, rank))
