@@ -297,8 +297,9 @@ async def _start_and_watch(client, overrides: list[str], progress_bar: bool, ste
 
     try:
         started = await client.start_run(overrides)
-    except RlfabricError as error:
-        print(f"rlfabric: the coordinator refused the run: {error}", file=sys.stderr)
+    except RlfabricError as error:  # over gRPC its words start with the status code; in process they do not
+        words = str(error) if str(error).startswith(error.code.name) else f"{error.code.name}: {error}"
+        print(f"rlfabric: the coordinator refused the run: {words}", file=sys.stderr)
         return None
     total = (await client.run_status(timeout_s=30)).total_steps
     print(f"rlfabric: run {started.run_id} started at step {started.start_step} of {total}", flush=True)

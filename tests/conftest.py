@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import socket
 import threading
 
 import pytest
@@ -42,6 +43,13 @@ class ServerThread:
         self.run(self.server.stop(grace))
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=10)
+
+
+def closed_port() -> int:
+    """A loopback port nothing listens at (bound, then released): connections to it are refused."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 @pytest.fixture

@@ -3,7 +3,8 @@
 
     1. generate and score    n samples per prompt over the rollout replicas; Score requests go out
                              as samples finish (RolloutStream, rollout_stream.py: `run` takes each
-                             step's groups from it)
+                             step's groups from it); a step where more than algorithm.max_failed_fraction
+                             of the samples failed fails the run here (sample_failures.py)
     2. log-probs and values  reference, old policy and critic, concurrently
     3. advantages            KL in the reward (optional), then the estimator (rlfabric.algorithms)
     4. updates               critic and actor, concurrently
@@ -62,6 +63,8 @@ from rlfabric.coordinator.multi_turn import (
 from rlfabric.coordinator.peers import Peers
 from rlfabric.coordinator.rollout_batch import RolloutBatch, build_rollout_batch, token_level_scores
 from rlfabric.coordinator.rollout_stream import SCORE_CHUNK, RolloutStream, TakenGroups
+from rlfabric.coordinator.sample_failures import TooManyFailedSamples, check_failed_fraction, failure_of
+from rlfabric.coordinator.sample_failures import describe as describe_failures
 from rlfabric.coordinator.step_metrics import StepTimer, data_metrics
 from rlfabric.coordinator.weight_sync import WeightSyncPlane
 from rlfabric.core import tracing
@@ -212,6 +215,7 @@ class PPOTrainer:
         try:
             taken = await stream.take(step, timer)
             batch = self._scored_batch(step, taken)
+            self._check_failed_fraction(step, batch)
             if self.config.algorithm.adv_estimator == "remax":
                 with timer("gen_max"):
                     batch.baselines = await self._greedy_baselines(taken.rows, self._max_tokens())
@@ -347,17 +351,27 @@ class PPOTrainer:
     # -- generation and scoring -----------------------------------------------------------------
 
     def _scored_batch(self, step: int, taken: TakenGroups) -> RolloutBatch:
-        """The step's groups as a RolloutBatch with their scores; scoring failures logged."""
+        """The step's groups as a RolloutBatch with their scores; failed samples logged, counted by reason."""
         batch = build_rollout_batch(taken.rows, taken.samples, self.config.rollout.n, self.pad_token_id)
         results = [taken.results[(s.prompt_index, s.sample_index)] for s in batch.samples]
         batch.scores = torch.tensor([result.score for result in results])
         batch.score_failed = torch.tensor([not result.ok for result in results])
-        failures = [result for result in results if not result.ok]
-        if failures:
+        batch.failures = [failure_of(result) for result in results]
+        failed = describe_failures(step, batch.failures)
+        if failed:
             kept = "trained on with score 0" if self.config.algorithm.score_failure == "zero" else "left out of training"
-            log.warning("step %d: scoring failed for %d of %d samples (%s); the first: %s: %s", step, len(failures),
-                        len(results), kept, failures[0].status, failures[0].message)
+            log.warning("%s (%s)", failed, kept)
         return batch
+
+    def _check_failed_fraction(self, step: int, batch: RolloutBatch) -> None:
+        """Fails the step (and the run) when more than algorithm.max_failed_fraction of its samples failed;
+        with trainer.dump_rollouts its samples and their failures are written first."""
+        try:
+            check_failed_fraction(step, batch.failures, self.config.algorithm.max_failed_fraction)
+        except TooManyFailedSamples:
+            if self.config.trainer.dump_rollouts:
+                self._dump_rollouts(step, batch)
+            raise
 
     async def _generate_and_score(self, rows: list[PromptRow], params: SamplingSpec):
         """(samples, [((prompt_index, sample_index), ItemResult)]): Score requests go out while
@@ -561,16 +575,19 @@ class PPOTrainer:
 
     def _dump_rollouts(self, step: int, batch: RolloutBatch) -> None:
         """RUN_DIR/rollouts/step_<step>.jsonl: what was generated, from which weights, and its score
-        (score_failed: the reward service could not score it)."""
+        (score_failed: it got none; failure: why, {source, status, message}, see sample_failures.py)."""
         folder = self.run_dir / "rollouts"
         folder.mkdir(parents=True, exist_ok=True)
         scores, failed = batch.scores.tolist(), batch.score_failed.tolist()
+        failures = batch.failures or [None] * len(scores)
         with open(folder / f"step_{step}.jsonl", "w") as out:
-            for row, sample, score, score_failed in zip(batch.rows, batch.samples, scores, failed, strict=True):
+            for row, sample, score, score_failed, failure in zip(batch.rows, batch.samples, scores, failed, failures,
+                                                                  strict=True):
                 out.write(json.dumps({"uid": row.uid, "sample_index": sample.sample_index,
                                       "data_source": row.data_source,
                                       "prompt": row.messages[-1]["content"] if row.messages else "",
                                       "response": sample.text, "score": score, "score_failed": score_failed,
+                                      "failure": failure.record() if failure is not None else None,
                                       "weight_version": sample.weight_version,
                                       "version_spans": sample.version_spans,
                                       "ground_truth": row.ground_truth}) + "\n")

@@ -3,7 +3,9 @@ messages and the row's environment task, MultiTurnSpec in the sampling parameter
 comes from (the environment's rewards, the reward service, or both), and the agent/* step metrics.
 
 A sample whose environment failed (agent_status env_failed) scores as failed: like a sample the reward
-service could not score, it is left out of training (algorithm.score_failure: mask) or scored 0.
+service could not score, it is left out of training (algorithm.score_failure: mask) or scored 0, and
+counts towards algorithm.max_failed_fraction (sample_failures.py). The run waits for the environment to
+be ready before it starts (Peers.wait_until_ready).
 """
 
 from __future__ import annotations
@@ -26,10 +28,20 @@ def multi_turn_spec(config: RunConfig, max_tokens: int) -> MultiTurnSpec | None:
     multi_turn = config.rollout.multi_turn
     if not multi_turn.enable:
         return None
-    address = multi_turn.env_address or next(iter(config.cluster.env), "")
+    address, _ = env_address_of(config)
     return MultiTurnSpec(env_address=address, max_turns=multi_turn.max_turns,
                          max_total_tokens=multi_turn.max_total_tokens or max_tokens,
                          tool_call_format=multi_turn.tool_call_format, env_timeout_s=multi_turn.env_timeout_s)
+
+
+def env_address_of(config: RunConfig) -> tuple[str, str]:
+    """(address, the key that names it) of the environment service a multi-turn run's replicas call:
+    rollout.multi_turn.env_address, else the first of cluster.env; ("", "") when the config names none."""
+    if config.rollout.multi_turn.env_address:
+        return config.rollout.multi_turn.env_address, "rollout.multi_turn.env_address"
+    if config.cluster.env:
+        return config.cluster.env[0], "cluster.env"
+    return "", ""
 
 
 def agent_prompt(row: PromptRow) -> AgentPrompt:

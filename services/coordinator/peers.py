@@ -12,10 +12,12 @@ import logging
 from dataclasses import dataclass
 
 from rlfabric.actor.client import ActorClient, ActorInterface
+from rlfabric.coordinator.multi_turn import env_address_of
 from rlfabric.core.client import ChannelOptions, ServiceClient, wait_until_serving
 from rlfabric.core.config import RunConfig
 from rlfabric.core.errors import DeadlineExceeded, FailedPrecondition, Unavailable
 from rlfabric.critic.client import CriticClient, CriticInterface
+from rlfabric.env.client import EnvClient
 from rlfabric.reference.client import ActorAsReference, ReferenceClient, ReferenceInterface
 from rlfabric.reward.client import RewardInterface, ShardedRewardClient
 from rlfabric.reward.items import ItemResult, ScoreItem
@@ -34,6 +36,10 @@ class Peers:
     reference: ReferenceInterface | None
     critic: CriticInterface | None
     rollout_addresses: list[str]
+    # The environment the rollout replicas call (rollout.multi_turn over gRPC), for the readiness wait
+    # only: the coordinator itself never calls it. env_key is the config key that named its address.
+    env: EnvClient | None = None
+    env_key: str = ""
 
     @classmethod
     def connect(cls, config: RunConfig) -> Peers:
@@ -57,22 +63,26 @@ class Peers:
             reference=reference,
             critic=CriticClient(cluster.critic[0], options) if wanted["critic"] else None,
             rollout_addresses=list(cluster.rollout),
+            **environment_of(config, options),
         )
 
     def grpc_clients(self) -> list[ServiceClient]:
         """The gRPC clients behind the peers, one per service."""
         reward = self.reward.clients if isinstance(self.reward, ShardedRewardClient) else [self.reward]
-        clients = [self.actor, self.reference, self.critic, *reward, *(r.client for r in self.rollout.replicas)]
+        clients = [self.actor, self.reference, self.critic, *reward, *(r.client for r in self.rollout.replicas),
+                   self.env]
         return [client for client in clients if isinstance(client, ServiceClient)]
 
     async def wait_until_ready(self, timeout_s: float) -> None:
-        """Every service answers readiness SERVING (UNAVAILABLE names the one that does not)."""
+        """Every service answers readiness SERVING, the environment of a multi-turn run included
+        (UNAVAILABLE names the one that does not, and for the environment the key that named it)."""
 
         async def one(client: ServiceClient):
             try:
                 await wait_until_serving(client.address, client.options, timeout_s=timeout_s)
             except Exception as error:
-                raise Unavailable(f"{client.role} at {client.address} is not ready: {error}") from None
+                named = f" ({self.env_key})" if client is self.env else ""
+                raise Unavailable(f"{client.role} at {client.address}{named} is not ready: {error}") from None
 
         await asyncio.gather(*(one(client) for client in self.grpc_clients()))
 
@@ -103,5 +113,14 @@ class Peers:
 
     async def close(self) -> None:
         closers = [self.actor.close(), self.rollout.close(), self.reward.close()]
-        closers += [c.close() for c in (self.reference, self.critic) if c is not None]
+        closers += [c.close() for c in (self.reference, self.critic, self.env) if c is not None]
         await asyncio.gather(*closers, return_exceptions=True)
+
+
+def environment_of(config: RunConfig, options: ChannelOptions) -> dict:
+    """Peers' env and env_key for a multi-turn run whose environment address the config names (none
+    otherwise: the replicas may still know one from their own config)."""
+    address, key = env_address_of(config)
+    if not config.rollout.multi_turn.enable or not address:
+        return {}
+    return {"env": EnvClient(address, options), "env_key": key}

@@ -19,11 +19,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from rlfabric.coordinator.dataset import PromptRow
 from rlfabric.rollout.types import Finish, FinishedSample
+
+if TYPE_CHECKING:
+    from rlfabric.coordinator.sample_failures import SampleFailure
 
 
 @dataclass
@@ -36,7 +40,8 @@ class RolloutBatch:
     group_ids: torch.Tensor  # [B] int64, index of the prompt within the step
     # Scoring (generation phase):
     scores: torch.Tensor | None = None  # [B] the reward service's score
-    score_failed: torch.Tensor | None = None  # [B] bool: the reward service could not score the sample
+    score_failed: torch.Tensor | None = None  # [B] bool: the sample got no score (reward or environment failed)
+    failures: list[SampleFailure | None] | None = None  # [B] why each sample failed (None: scored)
     baselines: torch.Tensor | None = None  # [B] ReMax: the score of the prompt's greedy response
     rollout_log_probs: torch.Tensor | None = None  # [B, T] the sampler's (pi_rollout), None if a sample had none
     # Log-probs and values phase:

@@ -10,7 +10,7 @@ import json
 import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import grpc
@@ -200,9 +200,13 @@ async def check_health(channel: aio.Channel, service: str = "readiness", timeout
 async def wait_until_serving(
     address: str, options: ChannelOptions | None = None, service: str = "readiness", timeout_s: float = 120.0
 ) -> None:
-    """Polls the health service until `service` is SERVING; DeadlineExceeded after timeout_s."""
+    """Polls the health service until `service` is SERVING; DeadlineExceeded after timeout_s, with the
+    last check's answer (e.g. UNAVAILABLE: ... Connection refused)."""
     deadline = time.monotonic() + timeout_s
     last_error = "no answer yet"
+    # One attempt per check: this loop is the retry, and gRPC's own retries would hide a refused
+    # connection behind DEADLINE_EXCEEDED.
+    options = replace(options or ChannelOptions(), retry_max_attempts=1)
     async with open_channel(address, options) as channel:
         while time.monotonic() < deadline:
             try:

@@ -576,7 +576,12 @@ class AlgorithmConfig(Section):
     score_failure: Literal["mask", "zero"] = "mask"
     """A sample whose scoring failed (the reward function raised, timed out or crashed): mask = left out of
     the advantages and losses, its group's baseline included; zero = trained on with score 0. Either way
-    reward/score_failed/{count,fraction} counts them and the coordinator logs the first failure."""
+    reward/score_failed/{count,fraction} counts them, the coordinator logs them counted by reason, and
+    trainer.dump_rollouts records each one's reason (failure) in RUN_DIR/rollouts/step_N.jsonl."""
+    max_failed_fraction: float = Field(0.5, ge=0, le=1)
+    """Most of a step's samples that may fail (the reward function failed on them, or with rollout.multi_turn
+    their environment did): a step with more fails the run before it trains (RUN_STATE_FAILED, no final
+    model), its error counting the failures by reason (e.g. "env UNAVAILABLE: 32"); 1 = never."""
     old_log_prob_source: Literal["auto", "actor", "rollout"] = "auto"
     """Where the PPO ratio's old log-probs come from. auto: a separate actor forward pass, skipped when the
     update is one optimizer step (one mini-batch, actor.ppo_epochs 1) and nothing reads them before it (KL

@@ -9,13 +9,17 @@ Two implementations of one interface (EnvInterface: reset, step, close_session, 
 - EnvClient:      one service over gRPC (any language behind it: its answers are checked against the
                   contract, InvalidArgument when broken);
 - LocalEnvClient: an EnvEngine in this process (tests, single-process runs).
-Failures come back as rlfabric.core.errors exceptions (NotFound, DeadlineExceeded, ...).
+Failures come back as rlfabric.core.errors exceptions (NotFound, DeadlineExceeded, ...); a call that
+never reached the service (nothing listening at the address) is Unavailable, even past its deadline.
 """
 
 from __future__ import annotations
 
 from abc import abstractmethod
 
+import grpc
+
+from rlfabric.core import errors
 from rlfabric.core.client import RoleInterface, ServiceClient
 from rlfabric.env import wire
 from rlfabric.env.engine import EnvEngine, EnvStatus
@@ -68,6 +72,16 @@ class EnvClient(ServiceClient, EnvInterface):
 
     def _who(self) -> str:
         return f"the environment service at {self.address}"
+
+    def domain_error(self, error: grpc.RpcError, method: str, timeout_s: float) -> errors.RlfabricError:
+        """As every client's, except that a deadline passed before the channel ever connected (a refused
+        or unroutable address: gRPC retries the connection until the deadline) is UNAVAILABLE, saying so,
+        not DEADLINE_EXCEEDED: the environment was never reached, so it cannot have been slow."""
+        state = self.channel.get_state(try_to_connect=False)
+        if error.code() != grpc.StatusCode.DEADLINE_EXCEEDED or state == grpc.ChannelConnectivity.READY:
+            return super().domain_error(error, method, timeout_s)
+        return errors.Unavailable(f"UNAVAILABLE: {self.role} at {self.address} ({method}): could not connect within "
+                                  f"the {timeout_s:g} s deadline (channel {state.name})")
 
 
 class LocalEnvClient(EnvInterface):

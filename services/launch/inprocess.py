@@ -12,7 +12,8 @@ after the same request checks the servicers make, so a bad request gets the same
 its traceback, where gRPC would answer INTERNAL. A breakpoint anywhere (the loop, an engine, a scorer)
 stops the whole run in one debugger. What stays out is the wire: no gRPC servers, auth, TLS, message
 limits, readiness probes or servicer metrics. A role with world_size > 1 still runs its other ranks as
-processes of their own.
+processes of their own. A multi-turn run without env.enable calls its environment
+(rollout.multi_turn.env_address) over gRPC, and waits for it to be ready before its first step.
 
 Weight sync is a direct handoff (LocalWeightSync): the actor gathers its full weights, as it does for
 every transport, casts them to the receivers' dtype, and each rollout engine swaps them in through
@@ -27,6 +28,7 @@ dataclasses.replace(peers, reward=FailingReward(peers.reward))).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -34,9 +36,10 @@ from pathlib import Path
 
 from rlfabric.actor.client import LocalActorClient
 from rlfabric.coordinator.client import LocalCoordinatorClient
-from rlfabric.coordinator.peers import Peers
+from rlfabric.coordinator.peers import Peers, environment_of
 from rlfabric.coordinator.run_controller import RunController
 from rlfabric.coordinator.weight_sync import SyncReport, target_dtype
+from rlfabric.core.client import ChannelOptions
 from rlfabric.core.config import RunConfig
 from rlfabric.critic.client import LocalCriticClient
 from rlfabric.env.client import LocalEnvClient
@@ -185,6 +188,15 @@ class InProcessMesh:
             critic=LocalCriticClient(self.engines[cluster.critic[0]]) if config.uses_critic() else None,
             rollout_addresses=rollouts,
         )
+        if not any(address in self.engines for address in cluster.env):
+            # No environment in this process: the replicas' agent loops call the run's over gRPC, and the
+            # run waits for it to be ready as over the mesh (rlfabric.coordinator.setup.connect_services).
+            peers = dataclasses.replace(peers, **environment_of(config, ChannelOptions.from_config(config)))
+            try:
+                await peers.wait_until_ready(config.client.connect_timeout_s)
+            except BaseException:
+                await peers.close()
+                raise
         if self.wrap_peers is not None:
             peers = self.wrap_peers(peers)
         weight_sync = LocalWeightSync(self.engines[cluster.actor[0]], {a: self.engines[a] for a in rollouts}, config)

@@ -28,6 +28,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
+from rlfabric.core.client import ServiceClient
 from rlfabric.core.errors import DeadlineExceeded, RlfabricError
 from rlfabric.env.client import EnvInterface
 from rlfabric.env.items import Action, Message, StepResult, Task, ToolCall, ToolSpec
@@ -41,6 +42,7 @@ MAX_TURNS = "max_turns"
 MAX_TOKENS = "max_tokens"  # max_total_tokens reached, or a turn cut at its own max_tokens
 ENV_FAILED = "env_failed"  # the environment failed (error, deadline, garbage): the sample is unusable
 
+ENV_CALL_GRACE_S = 1.0  # how long past a gRPC environment call's deadline the agent loop gives up on it itself
 ENV_TOKEN_VERSION = -1  # weight_versions entry of a token the environment gave (not sampled)
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 _TURN_MARKER = "@@rlfabric-assistant-turn@@"
@@ -249,9 +251,12 @@ class AgentLoop:
 
     async def _env_call(self, name: str, call):
         """An environment call, also bounded here (an in-process client has no gRPC deadline); its
-        failure as an EnvFailure naming the call and the status code."""
+        failure as an EnvFailure naming the call and the status code. Over gRPC the bound here comes a
+        little after the call's own deadline, so the client says what went wrong (it knows whether the
+        environment was reached: UNAVAILABLE, or DEADLINE_EXCEEDED)."""
         try:
-            return await asyncio.wait_for(call, self.limits.env_timeout_s)
+            grace = ENV_CALL_GRACE_S if isinstance(self.env, ServiceClient) else 0.0
+            return await asyncio.wait_for(call, self.limits.env_timeout_s + grace)
         except TimeoutError:
             error = DeadlineExceeded(f"the environment took longer than {self.limits.env_timeout_s:g} s")
             raise EnvFailure(f"{name}: {error.code.name}: {error}") from None

@@ -15,10 +15,12 @@ from rlfabric.coordinator.dataset import PromptRow
 from rlfabric.coordinator.loop import PPOTrainer, check_roles
 from rlfabric.coordinator.peers import Peers
 from rlfabric.coordinator.rollout_batch import RolloutBatch, build_rollout_batch
+from rlfabric.coordinator.sample_failures import TooManyFailedSamples, failure_of
 from rlfabric.coordinator.step_metrics import StepTimer
 from rlfabric.core.config import RunConfig, config_from_dict
 from rlfabric.core.errors import FailedPrecondition, InvalidArgument
 from rlfabric.reward.items import ItemResult
+from rlfabric.reward.items import failed as failed_result
 from rlfabric.rollout.types import Finish, FinishedSample
 
 N = 2  # samples per prompt
@@ -185,11 +187,55 @@ def test_failed_scores_are_counted_and_left_out_of_the_update_by_default(tmp_pat
     assert batch.response_mask.sum(-1).tolist() == [2, 2, 2, 2]  # the batch itself (its metrics) unchanged
 
 
-def test_the_rollout_dump_says_which_samples_failed_scoring(tmp_path):
+def test_the_rollout_dump_says_which_samples_failed_scoring_and_why(tmp_path):
     trainer = trainer_over(config("trainer.dump_rollouts=true"), tmp_path, ModelService("actor"))
-    train_step(trainer, rollout_batch([1.0, 0.0, 1.0, 0.0], failed=[False, True, False, False]))
-    lines = (tmp_path / "rollouts" / "step_1.jsonl").read_text().splitlines()
-    assert [json.loads(line)["score_failed"] for line in lines] == [False, True, False, False]
+    batch = rollout_batch([1.0, 0.0, 1.0, 0.0], failed=[False, True, False, False])
+    batch.failures = [None, failure_of(failed_result("crashed", "the scorer died")), None, None]
+    train_step(trainer, batch)
+    lines = [json.loads(line) for line in (tmp_path / "rollouts" / "step_1.jsonl").read_text().splitlines()]
+    assert [line["score_failed"] for line in lines] == [False, True, False, False]
+    assert lines[1]["failure"] == {"source": "reward", "status": "crashed", "message": "the scorer died"}
+    assert lines[0]["failure"] is None
+
+
+class FailingReward:
+    """Stands in for the reward client: every item but the first `scored` fails with `status`, saying why
+    at length (a scorer's traceback can be long)."""
+
+    def __init__(self, scored: int, status: str = "timeout"):
+        self.scored, self.status = scored, status
+
+    async def score(self, items, timeout_s=None):
+        return [ItemResult(1.0) if i < self.scored else failed_result(self.status, f"item {i} took too long " + "x" * 500)
+                for i in range(len(items))]
+
+
+def test_a_step_where_most_samples_failed_fails_the_run_before_training_with_the_reasons(tmp_path, caplog):
+    actor = ModelService("actor")
+    trainer = trainer_over(config("trainer.dump_rollouts=true"), tmp_path, actor)
+    assert trainer.config.algorithm.max_failed_fraction == 0.5
+    trainer.peers = dataclasses.replace(trainer.peers, rollout=Rollout(), reward=FailingReward(scored=1))
+    trainer.keep_policy = None  # a run that failed must not get to keep (export) its policy
+
+    with pytest.raises(TooManyFailedSamples) as failure:
+        asyncio.run(trainer.run())
+    assert str(failure.value).startswith("step 1: 3 of 4 samples failed (reward timeout: 3); the first: item 1 took")
+    assert "algorithm.max_failed_fraction=0.5" in str(failure.value)
+    assert actor.updates == [] and trainer.step == 0
+    # The step's samples, each with its failure, for the error to be looked into.
+    dumped = [json.loads(line) for line in (tmp_path / "rollouts" / "step_1.jsonl").read_text().splitlines()]
+    assert [row["failure"] and row["failure"]["status"] for row in dumped] == [None, "timeout", "timeout", "timeout"]
+    assert all(row["failure"] is None or (row["failure"]["source"] == "reward" and
+                                          len(row["failure"]["message"]) == 300) for row in dumped)
+    assert "step 1: 3 of 4 samples failed (reward timeout: 3)" in caplog.text
+
+
+def test_a_step_at_the_failed_fraction_trains_on_the_rest(tmp_path):
+    actor = ModelService("actor")
+    trainer = trainer_over(config("trainer.total_steps=1", "trainer.export_final=false", "trainer.save_final=false"), tmp_path, actor)
+    trainer.peers = dataclasses.replace(trainer.peers, rollout=Rollout(), reward=FailingReward(scored=2))
+    asyncio.run(trainer.run())  # 2 of 4 failed: not more than half
+    assert trainer.step == 1 and actor.updates[0]["response_mask"].sum(-1).tolist() == [2, 2, 0, 0]
 
 
 def test_failed_scores_train_as_zero_when_configured(tmp_path):

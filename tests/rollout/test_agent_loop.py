@@ -11,13 +11,14 @@ import threading
 
 import pytest
 
-from rlfabric.core.config import EnvConfig
+from rlfabric.core.config import EnvConfig, RunConfig
 from rlfabric.core.errors import Unavailable
 from rlfabric.env import Environment, register_environment
-from rlfabric.env.client import LocalEnvClient
+from rlfabric.env.client import EnvClient, LocalEnvClient
 from rlfabric.env.engine import EnvEngine
 from rlfabric.env.items import Message, StepResult, Task, ToolCall
 from rlfabric.env.lookup import LOOKUP_SPEC
+from rlfabric.env.servicer import build_service as build_env_service
 from rlfabric.quickstart.tiny_model import build_tokenizer
 from rlfabric.rollout.agent_loop import (
     DONE,
@@ -33,6 +34,7 @@ from rlfabric.rollout.agent_loop import (
     render_prompt,
 )
 from rlfabric.rollout.types import Finish, FinishedSample, SamplingSpec
+from tests.conftest import closed_port
 
 TOKENIZER = build_tokenizer()
 IM_END = TOKENIZER.convert_tokens_to_ids("<|im_end|>")
@@ -224,6 +226,35 @@ def test_a_slow_environment_fails_the_sample_after_its_deadline(env):
     assert trajectory.status == ENV_FAILED
     assert trajectory.error == "Step: DEADLINE_EXCEEDED: the environment took longer than 0.3 s"
     assert trajectory.loss_mask == [1] * 3  # what was sampled stays, for the record
+
+
+def test_a_slow_environment_over_grpc_is_past_its_deadline(serve_in_thread):
+    server = serve_in_thread(build_env_service(RunConfig()))
+
+    async def sample():
+        async with EnvClient(server.address) as client:
+            trajectory = await loop(ScriptedTurns("hi"), client, env_timeout_s=0.3).run(
+                QUESTION, Task("agent-loop-hanging"))
+        release.set()
+        return trajectory
+
+    trajectory = asyncio.run(sample())
+    assert trajectory.status == ENV_FAILED
+    assert trajectory.error.startswith(f"Step: DEADLINE_EXCEEDED: env at {server.address} (Step, deadline 0.3 s)")
+
+
+def test_an_environment_nobody_listens_at_is_unavailable_not_past_a_deadline():
+    """A refused connection: gRPC retries it until the call's deadline, and the sample says it never got through."""
+    address = f"127.0.0.1:{closed_port()}"
+
+    async def sample():
+        async with EnvClient(address) as client:
+            return await loop(ScriptedTurns("hi"), client, env_timeout_s=1).run(QUESTION, LOOKUP_TASK)
+
+    trajectory = asyncio.run(sample())
+    assert trajectory.status == ENV_FAILED
+    assert trajectory.error.startswith(f"Reset: UNAVAILABLE: env at {address} (Reset): could not connect within "
+                                       "the 1 s deadline"), trajectory.error
 
 
 def test_an_environment_answering_garbage_or_unknown_fails_the_sample(env):
