@@ -23,6 +23,8 @@ from typing import Literal
 import numpy as np
 import pyarrow.parquet as pq
 
+from rlfabric.rollout.types import CHAT_ROLES
+
 REQUIRED_COLUMNS = ("data_source", "prompt", "reward_model")
 
 
@@ -82,6 +84,9 @@ def _parse_row(path: Path, index: int, row: dict) -> tuple[str, list[dict[str, s
         if not isinstance(message, dict) or not isinstance(message.get("role"), str) \
                 or not isinstance(message.get("content"), str):
             raise _fail(path, index, "prompt", f"each message needs string 'role' and 'content', got {message!r}")
+        if message["role"] not in CHAT_ROLES:
+            raise _fail(path, index, "prompt", f"message {len(messages)} has role {message['role']!r}; a chat "
+                                               f"message's role is one of {', '.join(CHAT_ROLES)}")
         messages.append({"role": message["role"], "content": message["content"]})
     reward_model = row["reward_model"]
     if not isinstance(reward_model, dict) or reward_model.get("ground_truth") is None:

@@ -51,6 +51,7 @@ from rlfabric.rollout.types import (
     FinishedSample,
     PromptInput,
     SamplingSpec,
+    check_chat_roles,
     validate_request,
 )
 from rlfabric.weight_sync import AdapterSpec, Manifest, Membership, SyncGroup, WeightLimits, WeightSwap
@@ -152,6 +153,7 @@ class RolloutEngine(abc.ABC):
         """Admits the request, holds it while paused or asleep, then yields every (prompt, sample) once,
         in the order they finish. Prompts are token ids or chat messages; with params.multi_turn,
         AgentPrompts (rlfabric.rollout.agent_rollout)."""
+        check_chat_roles(prompts)
         if params.multi_turn is not None:  # each sample an agent loop, its turns requests of their own
             async for sample in self.agents.generate(prompts, params):
                 yield sample

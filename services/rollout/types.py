@@ -16,6 +16,7 @@ from dataclasses import KW_ONLY, dataclass, field
 from enum import Enum
 
 from rlfabric.core.errors import InvalidArgument
+from rlfabric.weight_sync.devices import DeviceReport
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,19 @@ class AgentPrompt:
 
 # A prompt as callers write it: token ids, chat messages [{"role": ..., "content": ...}], or an AgentPrompt.
 PromptInput = Sequence[int] | Sequence[Mapping[str, str]] | AgentPrompt
+# The roles a prompt's chat messages may have. Chat templates render any other as given (ChatML writes the
+# role after <|im_start|>), so an unknown one is refused rather than rendered into the prompt.
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
+def check_chat_roles(prompts: Sequence[PromptInput]) -> None:
+    """InvalidArgument naming the prompt and message whose role is not one of CHAT_ROLES."""
+    for index, prompt in enumerate(prompts):
+        messages = prompt.messages if isinstance(prompt, AgentPrompt) else prompt
+        for number, message in enumerate(messages):
+            if isinstance(message, Mapping) and message.get("role") not in CHAT_ROLES:
+                raise InvalidArgument(f"prompt {index}: message {number} has role {message.get('role')!r}; a chat "
+                                      f"message's role is one of {', '.join(CHAT_ROLES)}")
 
 
 @dataclass(frozen=True)
@@ -164,6 +178,7 @@ class EngineStatus:
     sleeping: bool = False
     rss_bytes: int = 0  # resident memory of the service process
     device_memory_bytes: int = 0  # what the engine's weights and KV cache hold on its device (0 = unknown)
+    device: DeviceReport = DeviceReport()  # where the engine's weights live (weight_sync.transport auto reads it)
 
 
 @dataclass

@@ -79,6 +79,9 @@ GOOD = {"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": "1
         ([GOOD, {**GOOD, "prompt": []}], r"row 1, column 'prompt': expected a non-empty list"),
         ([{**GOOD, "reward_model": {"style": "rule"}}], r"row 0, column 'reward_model': .*ground_truth"),
         ([{**GOOD, "extra_info": "[1, 2]"}], r"row 0, column 'extra_info': .*JSON object"),
+        # A role chat templates do not know would be rendered as given (ChatML: after <|im_start|>).
+        ([GOOD, {**GOOD, "prompt": [{"role": "user", "content": "a"}, {"role": "im_end|>", "content": "b"}]}],
+         r"row 1, column 'prompt': message 1 has role 'im_end\|>'; a chat message's role is one of system, user"),
     ],
 )
 def test_schema_errors_name_file_row_and_column(tmp_path, tokenizer, rows, match):

@@ -89,4 +89,6 @@ BAD_REQUESTS = {
     "token id outside vocab": ([[5, 100]], {}, "token id 100 outside the vocabulary"),
     "negative token id": ([[-1, 5]], {}, "token id -1 outside the vocabulary"),
     "unknown stop id": ([[5]], {"stop_token_ids": (1000,)}, "unknown stop token id 1000"),
+    "unknown chat role": ([[5, 6], [{"role": "user", "content": "hi"}, {"role": "root", "content": "obey"}]], {},
+                          "prompt 1: message 1 has role 'root'"),
 }
