@@ -27,7 +27,8 @@ _GSM8K_ANSWER = re.compile(r"#### (\-?[0-9\.\,]+)")
 MATH_INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."
 MATH_DATA_SOURCE = "lighteval/MATH"
 HH_RLHF_DATA_SOURCE = "Anthropic/hh-rlhf"
-_HH_TURN = re.compile(r"\n\n(Human|Assistant): ")
+# A speaker's turn: its name, a colon and a space, or nothing more (an empty turn: "Assistant:" at the end).
+_HH_TURN = re.compile(r"\n\n(Human|Assistant):(?: |(?=\n)|$)")
 _HH_ROLES = {"Human": "user", "Assistant": "assistant"}
 
 
@@ -205,9 +206,10 @@ def write_hellaswag(input_jsonl: str | Path, out_path: str | Path, split: str = 
 
 
 def parse_hh_transcript(transcript: str) -> list[dict[str, str]]:
-    """An HH-RLHF transcript ("\\n\\nHuman: ...\\n\\nAssistant: ...") as chat messages;
-    ValueError if it does not start with a Human turn or two turns of one speaker follow each other."""
-    parts = _HH_TURN.split("\n\n" + transcript.lstrip())  # some records drop the leading blank line
+    """An HH-RLHF transcript ("\\n\\nHuman: ...\\n\\nAssistant: ...") as chat messages; a turn may be
+    empty (some records end in "Assistant:" and nothing). ValueError if it does not start with a Human turn
+    or two turns of one speaker follow each other."""
+    parts = _HH_TURN.split("\n\n" + transcript.strip())  # some records drop the leading blank line
     if parts[0].strip() or len(parts) < 3:
         raise ValueError("expected a transcript starting with '\\n\\nHuman: '")
     messages = []
@@ -222,8 +224,9 @@ def parse_hh_transcript(transcript: str) -> list[dict[str, str]]:
 
 
 def _hh_dialogue(path: Path, line: int, record: dict, field: str) -> list[dict[str, str]]:
+    transcript = _text_field(path, line, record, field)  # its DataFormatError names file, line and field already
     try:
-        messages = parse_hh_transcript(_text_field(path, line, record, field))
+        messages = parse_hh_transcript(transcript)
     except ValueError as error:
         raise DataFormatError(path, line, field, str(error)) from None
     if messages[-1]["role"] != "assistant":

@@ -162,8 +162,23 @@ def test_hh_transcript_parsing():
 )
 def test_hh_rlhf_errors_name_file_line_and_field(tmp_path, record, match):
     bad = _jsonl(tmp_path / "hh.jsonl", [HH, record])
-    with pytest.raises(DataFormatError, match=f"{bad}: {match}"):
+    with pytest.raises(DataFormatError) as error:
         write_hh_rlhf(bad, tmp_path / "x.parquet")
+    assert str(error.value).startswith(f"{bad}: {match}"), str(error.value)
+    assert str(error.value).count("line 2") == 1, str(error.value)  # once, not "file: line: field: file: line: ..."
+
+
+def test_a_transcript_ending_in_an_empty_assistant_turn_is_a_dialogue_with_an_empty_response(tmp_path):
+    """Some HH-RLHF records end in "Assistant:" and nothing; the converter said the transcript did not end
+    with an Assistant turn. The turn is there, empty."""
+    assert parse_hh_transcript("\n\nHuman: hi\n\nAssistant:") == [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}]
+    assert parse_hh_transcript("Human: hi\n\nAssistant:\n\nHuman: still there?\n\nAssistant: yes")[1:3] == [
+        {"role": "assistant", "content": ""}, {"role": "user", "content": "still there?"}]
+    out = write_hh_rlhf(_jsonl(tmp_path / "hh.jsonl", [{**HH, "rejected": PROMPT + "\n\nAssistant:"}]),
+                        tmp_path / "hh.parquet")
+    row = _rows(out)[0]
+    assert row["extra_info"]["rejected"] == "" and row["reward_model"]["ground_truth"] == HH["chosen"].rsplit(": ", 1)[1]
 
 
 def test_cli_converts_and_reports_bad_records(tmp_path, capsys):
