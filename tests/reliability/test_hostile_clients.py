@@ -5,7 +5,11 @@ disk changed. The storage root is one folder; "the user's" files lie beside it a
 1. Paths: absolute paths, `..` traversal and a symlink out of the root are PERMISSION_DENIED naming the
    root, for ExportHF, SaveCheckpoint and LoadCheckpoint, and for StartRun's data files and resume path;
    a folder inside the root that is not an rlfabric export or checkpoint is FAILED_PRECONDITION.
-2. StartRun cannot set trainer.run_dir (INVALID_ARGUMENT), so one run cannot write into another's folder.
+2. StartRun cannot set trainer.run_dir (INVALID_ARGUMENT), so one run cannot write into another's folder,
+   however the key is spelt (decided on the parsed key and on what the overrides changed); every key that
+   names a file or an address is confined to the root or refused (trainer.mlflow.tracking_uri among them);
+   YAML aliases are refused, and error details and their log lines stay a few KiB whatever they quote.
+   A NUL byte in a path is INVALID_ARGUMENT, a full disk (a tmpfs in the root) RESOURCE_EXHAUSTED.
 3. Without the token: UNAUTHENTICATED, nothing written, and a 128 MiB request is refused unread (the
    server's peak memory is measured).
 4. `rlfabric serve` on a non-loopback address without TLS and a token refuses to start.
