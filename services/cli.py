@@ -235,7 +235,12 @@ def cmd_up(args) -> int:
 def _print_placement(args) -> int:
     """`rlfabric up --dry-run`: the services the config starts and the devices each gets; nothing starts."""
     from rlfabric.launch.local import service_names
-    from rlfabric.launch.placement import describe_placement, plan_placement, visible_gpu_count
+    from rlfabric.launch.placement import (
+        describe_placement,
+        plan_placement,
+        predicted_transport,
+        visible_gpu_count,
+    )
 
     config_path, overrides = _split_config_and_overrides(args)
     config = load_run_config(config_path, overrides)
@@ -244,16 +249,25 @@ def _print_placement(args) -> int:
     if args.launcher == "ray":  # one placement group per pool; Ray picks the devices within it
         try:
             from rlfabric.launch.ray import pool_bundles
+            from rlfabric.launch.ray import predicted_transport as ray_transport
         except ImportError as error:
             raise ConfigError(f"--launcher ray needs Ray ({error}); pip install 'rlfabric[ray]'") from None
         for name, bundles in pool_bundles(config).items():
             print(f"ray placement group {name}: bundles {bundles}")
+        try:
+            choice = ray_transport(config, cluster_has_gpus=True)
+        except ConfigError as error:
+            print(f"rlfabric: a Ray cluster with GPUs cannot run it: {error}")
+            return 1
+        print(f"weight sync on a cluster with GPUs: {choice.transport or 'as the actor chooses'} ({choice.reason})")
         return 0
     try:
-        plan_placement(config, services, gpu_count=visible_gpu_count())
+        gpu_count = visible_gpu_count()
+        choice = predicted_transport(config, plan_placement(config, services, gpu_count=gpu_count), gpu_count)
     except ConfigError as error:
         print(f"rlfabric: this machine cannot run it with the local launcher: {error}")
         return 1
+    print(f"weight sync: {choice.transport or 'as the actor chooses'} ({choice.reason})")
     return 0
 
 

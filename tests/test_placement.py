@@ -12,7 +12,7 @@ import pytest
 
 from rlfabric.core.config import ConfigError, load_config, load_run_config
 from rlfabric.launch.local import LocalMesh, service_names
-from rlfabric.launch.placement import plan_placement
+from rlfabric.launch.placement import plan_placement, predicted_transport
 
 TWO_POOLS = ["resource_pools={train: {gpus: 2}, infer: {devices: [0]}}", "actor.pool=train", "actor.world_size=2",
              "rollout.pool=infer", "rollout.replicas=2"]
@@ -125,17 +125,60 @@ def test_the_local_launcher_pins_each_pool_to_its_cores(tmp_path):
         assert _proc_environ(pids["reward"]).get("CUDA_VISIBLE_DEVICES") == os.environ.get("CUDA_VISIBLE_DEVICES")
 
 
-@pytest.mark.parametrize("overrides, transport", [
-    (["resource_pools={shared: {gpus: 1}}", "actor.pool=shared", "rollout.pool=shared"], "gloo"),
-    (["resource_pools={shared: {gpus: 1}}", "actor.pool=shared", "rollout.pool=shared",
-      "weight_sync.transport=nccl"], "nccl"),  # as asked
-    (["resource_pools={train: {gpus: 1}, infer: {gpus: 1}}", "actor.pool=train", "rollout.pool=infer"], ""),
-    (["resource_pools={shared: {cpus: [0]}}", "actor.pool=shared", "rollout.pool=shared"], ""),
-])
-def test_auto_weight_sync_avoids_nccl_between_roles_sharing_a_gpu_pool(overrides, transport):
-    from rlfabric.coordinator.weight_sync import WeightSyncPlane
+SPLIT = ["resource_pools={train: {gpus: 1}, infer: {gpus: 1}}", "actor.pool=train", "rollout.pool=infer"]
+SHARED = ["resource_pools={shared: {gpus: 1}}", "actor.pool=shared", "rollout.pool=shared"]
 
-    assert WeightSyncPlane(None, {}, load_config(None, overrides)).transport == transport  # "" = the actor's choice
+
+@pytest.mark.parametrize("overrides, gpu_count, visible, transport, reason", [
+    ([], 1, None, "gloo", "the actor and rollout-0 share GPU 0"),  # one GPU, the defaults: both take cuda:0
+    ([], 0, None, "gloo", "the actor is on CPU"),
+    (SPLIT, 2, None, "nccl", "every member holds a GPU of its own"),
+    (SPLIT, 2, "GPU-aa,GPU-bb", "nccl", "every member holds a GPU of its own"),
+    (SHARED, 1, None, "gloo", "the actor and rollout-0 share GPU 0"),
+    ([*SPLIT, "rollout.replicas=2"], 2, None, "gloo", "rollout-0 and rollout-1 share GPU 1"),
+    (["resource_pools={train: {gpus: 1}}", "actor.pool=train"], 2, "5,7", "gloo",  # the rollout sees every GPU
+     "the actor and rollout-0 share GPU 5"),
+    (["resource_pools={cpu: {cpus: [0]}}", "actor.pool=cpu", "rollout.pool=cpu"], 1, None, "gloo",
+     "the actor is on CPU"),
+])
+def test_the_local_launcher_predicts_the_transport_from_the_gpus_it_gives(overrides, gpu_count, visible, transport,
+                                                                          reason, monkeypatch):
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    config = load_config(None, overrides)
+    choice = predicted_transport(config, plan_placement(config, service_names(config), gpu_count), gpu_count)
+    assert (choice.transport, choice.reason) == (transport, reason)
+
+
+def test_nccl_forced_onto_one_gpu_is_refused_before_any_service_starts(tmp_path, monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    config = load_config(None, ["weight_sync.transport=nccl"])
+    with pytest.raises(ConfigError, match="weight_sync.transport nccl cannot run on these devices: the actor and "
+                                          "rollout-0 share GPU 0"):
+        predicted_transport(config, plan_placement(config, service_names(config), 1), 1)
+    # This machine has no GPU: the local launcher refuses it before it starts anything.
+    with pytest.raises(ConfigError, match="weight_sync.transport nccl needs every member on a GPU"):
+        with LocalMesh(load_run_config(None, ["weight_sync.transport=nccl"]), tmp_path / "run"):
+            pass
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("overrides, transport, reason", [
+    ([], "nccl", "every member holds a GPU of its own"),  # a whole GPU each
+    (SHARED, "gloo", "the actor and rollout-0 share GPU 0 of resource pool shared"),
+    (["launcher.ray.rollout.num_gpus=0"], "gloo", "rollout-0 is on CPU"),
+    (["rollout.engine=sglang"], "nccl", "rollout-0 did not report its GPU; the resource pools keep them apart"),
+])
+def test_the_ray_launcher_predicts_the_transport_from_what_it_reserves(overrides, transport, reason):
+    ray_launcher = pytest.importorskip("rlfabric.launch.ray")
+    choice = ray_launcher.predicted_transport(load_config(None, overrides), cluster_has_gpus=True)
+    assert (choice.transport, choice.reason) == (transport, reason)
+    without_gpus = ray_launcher.predicted_transport(load_config(None, overrides), cluster_has_gpus=False)
+    assert (without_gpus.transport, without_gpus.reason) == ("gloo", "the actor is on CPU")
+    with pytest.raises(ConfigError, match="weight_sync.transport nccl cannot run on these devices"):
+        ray_launcher.predicted_transport(load_config(None, [*SHARED, "weight_sync.transport=nccl"]), True)
 
 
 def test_services_share_the_launchers_cores_instead_of_each_taking_them_all(tmp_path):

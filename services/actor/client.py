@@ -215,7 +215,7 @@ class LocalActorClient(LocalTrainerClient, ActorInterface):
         status = self.engine.status()
         return actor_pb2.ActorServiceGetStatusResponse(
             model=status.model, world_size=status.world_size, optimizer_step=status.optimizer_step,
-            num_parameters=status.num_parameters)
+            num_parameters=status.num_parameters, device=status.device.to_proto())
 
     async def open_weight_sync_group(self, transport: str, num_receivers: int, bucket_bytes: int = 0,
                                      target_dtype: torch.dtype | None = None, timeout_s: float = 0.0,

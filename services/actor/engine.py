@@ -9,6 +9,7 @@ the event loop keeps answering health checks during a long update, and commands 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import socket
@@ -35,6 +36,7 @@ from rlfabric.core.storage import StorageRoot
 from rlfabric.launch.placement import cpu_thread_budget
 from rlfabric.rollout.engine import current_rss_bytes
 from rlfabric.weight_sync import AdapterSpec, Manifest, Membership, SyncGroup, WeightLimits
+from rlfabric.weight_sync.devices import DeviceReport, report_of
 from rlfabric.weight_sync.sender import BroadcastResult, WeightSender
 
 log = logging.getLogger("rlfabric.actor")
@@ -47,6 +49,7 @@ class EngineStatus:
     world_size: int
     optimizer_step: int
     num_parameters: int
+    device: DeviceReport = DeviceReport()  # rank 0's: where weight syncs start (actor) or land (reference)
 
 
 class TrainerEngine:
@@ -295,7 +298,12 @@ class TrainerEngine:
         worker = self.worker
         return EngineStatus(model=self.model_path, world_size=self.world_size,
                             optimizer_step=worker.optimizer_steps if worker else 0,
-                            num_parameters=worker.num_parameters if worker else 0)
+                            num_parameters=worker.num_parameters if worker else 0,
+                            device=self._device_report if worker else DeviceReport())
+
+    @functools.cached_property
+    def _device_report(self) -> DeviceReport:  # asked once the worker exists: a GPU's UUID does not change
+        return report_of(self.worker.device)
 
     # -- weight sync: the actor sends (rank 0 of each group), the reference receives ----------------
 

@@ -75,7 +75,7 @@ class ActorServicer(actor_pb2_grpc.ActorServiceServicer):
         status = self.engine.status()
         return actor_pb2.ActorServiceGetStatusResponse(
             model=status.model, world_size=status.world_size, optimizer_step=status.optimizer_step,
-            num_parameters=status.num_parameters)
+            num_parameters=status.num_parameters, device=status.device.to_proto())
 
 
 def build_trainer_service(role: str, config: RunConfig, servicer_class, add_to_server, full_name: str) -> ServiceDefinition:

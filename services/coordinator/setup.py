@@ -42,11 +42,13 @@ def load_datasets(config: RunConfig, run_dir: Path, tokenizer) -> tuple[RLHFData
 
 
 async def connect_services(config: RunConfig) -> tuple[Peers, WeightSyncPlane]:
-    """Clients of the services in config.cluster (all of them ready) and the weight-sync plane over them."""
+    """Clients of the services in config.cluster (all of them ready) and the weight-sync plane over them, its
+    transport chosen from the devices the actor and the replicas report."""
     peers = Peers.connect(config)
     try:
         await peers.wait_until_ready(config.client.connect_timeout_s)
         plane = WeightSyncPlane(peers.actor, {address: address for address in peers.rollout_addresses}, config)
+        await plane.choose_transport()  # from the devices they hold; a forced nccl they cannot run fails here
     except BaseException:
         await peers.close()
         raise

@@ -36,9 +36,11 @@ from rlfabric.actor.client import ActorInterface
 from rlfabric.core.client import ChannelOptions
 from rlfabric.core.config import RunConfig
 from rlfabric.core.dtypes import rollout_dtype, torch_dtype
+from rlfabric.core.errors import FailedPrecondition
 from rlfabric.reference.client import ReferenceClient
 from rlfabric.rollout.client import RolloutClient
 from rlfabric.weight_sync import Manifest, SyncGroup
+from rlfabric.weight_sync.devices import DeviceReport, TransportChoice, choose_transport
 from rlfabric.weight_sync.grpc_stream import PushResult
 from rlfabric.weight_sync.receiver import SLACK_S
 
@@ -48,7 +50,8 @@ PROBE_TIMEOUT_S = 3.0  # a member that does not answer GetStatus this fast is le
 
 
 def shares_gpus(config: RunConfig, role: str, other: str) -> bool:
-    """Both roles run in one resource pool that has GPUs (the hybrid engine's): the same devices."""
+    """Both roles run in one resource pool that has GPUs (the hybrid engine's): the same devices. What auto
+    falls back on for a member that does not report its GPU."""
     pool = config.pool_of(role)
     return bool(pool) and pool == config.pool_of(other) and config.resource_pools[pool].total_gpus > 0
 
@@ -112,9 +115,11 @@ class WeightSyncPlane:
         self.config = config
         # No channel-level retries towards receivers: the plane decides what a failure means.
         self.options = dataclasses.replace(options or ChannelOptions.from_config(config), retry_max_attempts=1)
-        self.transport = "" if config.weight_sync.transport == "auto" else config.weight_sync.transport
-        if not self.transport and shares_gpus(config, "actor", "rollout"):
-            self.transport = "gloo"  # auto: NCCL cannot join two ranks on one GPU (a shared resource pool)
+        # weight_sync.transport; auto is decided from the devices the members report (choose_transport), again
+        # at every rebuild, since a replica that (re)joins may hold another GPU. "" = the actor's own default.
+        self.configured = config.weight_sync.transport
+        self.transport = "" if self.configured == "auto" else self.configured
+        self.choice: TransportChoice | None = None
         self.timeout_s = config.weight_sync.timeout_s
         self._members: dict[str, _Member] = {}
         self._retired: list[_Member] = []  # removed members whose channels close at the next rebuild
@@ -173,12 +178,35 @@ class WeightSyncPlane:
 
     async def _probe(self, member: _Member) -> str:
         """"" when the member answers, else why not."""
+        return (await self._probe_device(member))[0]
+
+    async def _probe_device(self, member: _Member) -> tuple[str, DeviceReport]:
+        """("", the device it reports) when the member answers, else (why not, an empty report)."""
         try:
             call = member.client.get_status() if member.is_reference else member.client.status()
-            await asyncio.wait_for(call, PROBE_TIMEOUT_S)
-            return ""
+            status = await asyncio.wait_for(call, PROBE_TIMEOUT_S)
         except Exception as error:
-            return f"unreachable: {type(error).__name__}: {error}"
+            return f"unreachable: {type(error).__name__}: {error}", DeviceReport()
+        return "", (DeviceReport.from_proto(status.device) if member.is_reference else status.device)
+
+    async def choose_transport(self) -> TransportChoice:
+        """Asks the actor and every receiver that answers which device they hold and decides the transport
+        (weight_sync.transport auto) from it; FailedPrecondition, naming the key, when weight_sync.transport
+        nccl cannot run on those devices. Runs before a run starts, so such a run never starts."""
+        members = list(self._members.values())
+        probes = await asyncio.gather(*map(self._probe_device, members))
+        return await self._choose({m.name: report for m, (reason, report) in zip(members, probes, strict=True)
+                                   if not reason})
+
+    async def _choose(self, receivers: dict[str, DeviceReport]) -> TransportChoice:
+        status = await asyncio.wait_for(self.actor.get_status(), PROBE_TIMEOUT_S)
+        choice = choose_transport(self.configured, DeviceReport.from_proto(status.device), receivers,
+                                  shares_gpus(self.config, "actor", "rollout"))
+        if choice != self.choice:
+            log.info("weight-sync transport chosen", extra={"fields": {
+                "transport": choice.transport or "the actor's default", "why": choice.reason}})
+        self.transport, self.choice = choice.transport, choice
+        return choice
 
     async def _rebuild(self) -> dict[str, str]:
         """A new group of the members that answer; every one of them joined (or reported failed)."""
@@ -187,8 +215,16 @@ class WeightSyncPlane:
             await member.close()
         self._retired = []
         members = list(self._members.values())
-        reasons = dict(zip([m.name for m in members], await asyncio.gather(*map(self._probe, members)), strict=True))
+        probes = dict(zip([m.name for m in members], await asyncio.gather(*map(self._probe_device, members)),
+                          strict=True))
+        reasons = {name: reason for name, (reason, _) in probes.items()}
         live = [m for m in members if not reasons[m.name]]
+        if live and self.configured in ("auto", "nccl"):
+            try:
+                await self._choose({m.name: probes[m.name][1] for m in live})
+            except FailedPrecondition as error:  # forced nccl on devices that cannot run it: nobody joins
+                return {**{name: reason for name, reason in reasons.items() if reason},
+                        **{m.name: str(error) for m in live}}
         if self.transport == "grpc":
             for m in [m for m in live if m.is_reference]:
                 reasons[m.name] = "the grpc transport reaches rollout replicas only (PushWeights)"

@@ -36,7 +36,13 @@ from typing import Protocol
 from rlfabric.core.client import ChannelOptions, wait_until_serving
 from rlfabric.core.config import ConfigError, RunConfig, dump_config
 from rlfabric.core.storage import create_private_file
-from rlfabric.launch.placement import Placement, plan_placement, threads_per_service, visible_gpu_count
+from rlfabric.launch.placement import (
+    Placement,
+    plan_placement,
+    predicted_transport,
+    threads_per_service,
+    visible_gpu_count,
+)
 
 log = logging.getLogger("rlfabric.launch.local")
 
@@ -297,7 +303,9 @@ class LocalMesh(MeshContext):
 
     def start(self) -> None:
         """Starts the workers, then the coordinator (configured with their addresses); waits for all."""
-        self.placements = plan_placement(self.config, service_names(self.config), gpu_count=visible_gpu_count())
+        gpu_count = visible_gpu_count()
+        self.placements = plan_placement(self.config, service_names(self.config), gpu_count=gpu_count)
+        predicted_transport(self.config, self.placements, gpu_count, self.external)  # nccl where it cannot run: refused
         worker_config = prepare_run_dir(self.config, self.run_dir)
         (self.run_dir / "ports").mkdir(exist_ok=True)
         for name, role in service_names(self.config):

@@ -24,6 +24,8 @@ import os
 from dataclasses import dataclass
 
 from rlfabric.core.config import ConfigError, RunConfig
+from rlfabric.core.errors import FailedPrecondition
+from rlfabric.weight_sync.devices import DeviceReport, TransportChoice, choose_transport
 
 
 @dataclass(frozen=True)
@@ -185,6 +187,35 @@ def describe_placement(config: RunConfig, placements: dict[str, Placement]) -> s
         threads = "" if placement.threads is None else f"  threads {placement.threads}"  # OMP_NUM_THREADS
         lines.append(f"{name:<{width}}  pool {placement.pool or '-':<{pool_width}}  GPUs {gpus:<10}  CPUs {cpus:<6}{threads}")
     return "\n".join(lines)
+
+
+def weight_sync_devices(config: RunConfig, placements: dict[str, Placement], gpu_count: int,
+                        external=()) -> tuple[DeviceReport, dict[str, DeviceReport]]:
+    """The devices the actor and each rollout replica will report as placed here, each GPU named by its
+    launcher's CUDA_VISIBLE_DEVICES entry (a service outside any pool sees every GPU and computes on the first).
+    Unknown (empty) for a role started elsewhere (`external`) and for SGLang, whose server picks its own GPU."""
+    gpu_ids = _launcher_gpu_ids()
+
+    def report(name: str, role: str) -> DeviceReport:
+        if role in external or (role == "rollout" and config.rollout.engine == "sglang"):
+            return DeviceReport()
+        gpus = placements[name].gpus
+        gpus = ((0,) if gpu_count else ()) if gpus is None else gpus
+        return DeviceReport("cuda:0", gpu_ids[gpus[0]]) if gpus else DeviceReport("cpu")
+
+    replicas = [name for name, placement in placements.items() if placement.role == "rollout"]
+    return report("actor", "actor"), {name: report(name, "rollout") for name in replicas}
+
+
+def predicted_transport(config: RunConfig, placements: dict[str, Placement], gpu_count: int,
+                        external=()) -> TransportChoice:
+    """The weight-sync transport the coordinator will choose on these placements (where they tell the GPUs
+    apart); a ConfigError naming weight_sync.transport for nccl forced where it cannot run."""
+    actor, replicas = weight_sync_devices(config, placements, gpu_count, external)
+    try:
+        return choose_transport(config.weight_sync.transport, actor, replicas)
+    except FailedPrecondition as error:
+        raise ConfigError(str(error)) from None
 
 
 def _ranges(indices) -> str:

@@ -45,6 +45,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from rlfabric.core.config import ConfigError, RunConfig, read_auth_token
+from rlfabric.core.errors import FailedPrecondition
 from rlfabric.core.storage import create_private_file
 from rlfabric.launch.local import (
     MeshContext,
@@ -61,6 +62,7 @@ from rlfabric.launch.local import (
     write_coordinator_config,
     write_endpoints,
 )
+from rlfabric.weight_sync.devices import DeviceReport, TransportChoice, choose_transport
 
 log = logging.getLogger("rlfabric.launch.local")
 
@@ -237,6 +239,43 @@ def pool_gpu_share(config: RunConfig, pool: str, role: str, num_gpus: float) -> 
     return num_gpus / sharers
 
 
+def requested_gpus(config: RunConfig, role: str, cluster_has_gpus: bool) -> float:
+    """launcher.ray.<role>.num_gpus, null resolved: default_num_gpus on a cluster with GPUs, else 0."""
+    num_gpus = getattr(config.launcher.ray, role).num_gpus
+    if num_gpus is None:
+        return default_num_gpus(config, role) if cluster_has_gpus else 0
+    return num_gpus
+
+
+def weight_sync_devices(config: RunConfig, cluster_has_gpus: bool) -> tuple[DeviceReport, dict[str, DeviceReport]]:
+    """The devices the actor and each rollout replica will hold as Ray places them, as far as the launcher can
+    tell: none reserved = CPU; services sharing a pool share its GPU (each reserves a fraction of one, which
+    Ray packs onto the same device); a service reserving whole GPUs alone gets its own. SGLang's server picks
+    its own GPU: unknown."""
+    def report(name: str, role: str) -> DeviceReport:
+        if role == "rollout" and config.rollout.engine == "sglang":
+            return DeviceReport()
+        if not requested_gpus(config, role, cluster_has_gpus):
+            return DeviceReport("cpu")
+        pool = config.pool_of(role)
+        if pool and len(pool_services(config)[pool]) > 1:
+            return DeviceReport("cuda:0", f"0 of resource pool {pool}")
+        return DeviceReport("cuda:0", f"0 of {name}")
+
+    replicas = [name for name, role in service_names(config) if role == "rollout"]
+    return report("actor", "actor"), {name: report(name, "rollout") for name in replicas}
+
+
+def predicted_transport(config: RunConfig, cluster_has_gpus: bool) -> TransportChoice:
+    """The weight-sync transport the coordinator will choose as Ray places the services; a ConfigError naming
+    weight_sync.transport for nccl forced where it cannot run."""
+    actor, replicas = weight_sync_devices(config, cluster_has_gpus)
+    try:
+        return choose_transport(config.weight_sync.transport, actor, replicas)
+    except FailedPrecondition as error:
+        raise ConfigError(str(error)) from None
+
+
 class RayMesh(MeshContext):
     """Starts and stops the roles the config uses as Ray actors; the same surface as LocalMesh."""
 
@@ -258,6 +297,7 @@ class RayMesh(MeshContext):
         """Starts the workers, then the coordinator (configured with their addresses); waits for all."""
         worker_config = prepare_run_dir(self.config, self.run_dir)
         self._connect()
+        predicted_transport(self.config, bool(ray.cluster_resources().get("GPU", 0)))  # a forced nccl that cannot run
         self._host = self._service_host()
         self._reserve_pools()
         for name, role in service_names(self.config):
@@ -306,9 +346,7 @@ class RayMesh(MeshContext):
     def resources(self, role: str) -> dict[str, float]:
         """What one service of `role` asks Ray for (launcher.ray.<role>, null num_gpus resolved)."""
         spec = getattr(self.config.launcher.ray, role)
-        num_gpus = spec.num_gpus
-        if num_gpus is None:
-            num_gpus = default_num_gpus(self.config, role) if ray.cluster_resources().get("GPU", 0) else 0
+        num_gpus = requested_gpus(self.config, role, bool(ray.cluster_resources().get("GPU", 0)))
         pool = self.config.pool_of(role)
         if pool and num_gpus:
             num_gpus = pool_gpu_share(self.config, pool, role, num_gpus)

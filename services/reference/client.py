@@ -58,7 +58,7 @@ class ActorAsReference(ReferenceInterface):
 
     async def get_status(self) -> reference_pb2.ReferenceServiceGetStatusResponse:
         status = await self.actor.get_status()
-        return reference_pb2.ReferenceServiceGetStatusResponse(model=status.model)
+        return reference_pb2.ReferenceServiceGetStatusResponse(model=status.model, device=status.device)
 
     async def join_weight_sync_group(self, group: SyncGroup, rank: int, timeout_s: float | None = None) -> None:
         raise FailedPrecondition("the reference is the actor's base model (LoRA): it joins no weight sync")
@@ -101,8 +101,10 @@ class LocalReferenceClient(LocalTrainerClient, ReferenceInterface):
         return await self._forward(batch, temperature, compute_entropy)
 
     async def get_status(self) -> reference_pb2.ReferenceServiceGetStatusResponse:
-        return reference_pb2.ReferenceServiceGetStatusResponse(model=self.engine.status().model,
-                                                               weight_version=self.engine.weight_version)
+        status = self.engine.status()
+        return reference_pb2.ReferenceServiceGetStatusResponse(model=status.model,
+                                                               weight_version=self.engine.weight_version,
+                                                               device=status.device.to_proto())
 
     async def join_weight_sync_group(self, group: SyncGroup, rank: int, timeout_s: float | None = None) -> None:
         await self.engine.join_weight_sync(group, rank)

@@ -32,8 +32,10 @@ class ReferenceServicer(reference_pb2_grpc.ReferenceServiceServicer):
 
     async def GetStatus(self, request, context):
         # weight_version 0: the weights as loaded from the model path
-        return reference_pb2.ReferenceServiceGetStatusResponse(model=self.engine.status().model,
-                                                               weight_version=self.engine.weight_version)
+        status = self.engine.status()
+        return reference_pb2.ReferenceServiceGetStatusResponse(model=status.model,
+                                                               weight_version=self.engine.weight_version,
+                                                               device=status.device.to_proto())
 
 
 def build_service(config: RunConfig) -> ServiceDefinition:

@@ -55,6 +55,7 @@ from rlfabric.rollout.types import (
     validate_request,
 )
 from rlfabric.weight_sync import AdapterSpec, Manifest, Membership, SyncGroup, WeightLimits, WeightSwap
+from rlfabric.weight_sync.devices import DeviceReport
 
 if TYPE_CHECKING:
     import torch
@@ -141,11 +142,16 @@ class RolloutEngine(abc.ABC):
         return EngineStatus(engine=self.name, model=self.model, weight_version=self.weight_version,
                             queue_depth=len(self._requests), kv_cache_usage=self.kv_cache_usage,
                             paused=self._paused, sleeping=self._sleeping, rss_bytes=current_rss_bytes(),
-                            device_memory_bytes=self.device_memory_bytes())
+                            device_memory_bytes=self.device_memory_bytes(), device=self.device_report())
 
     def device_memory_bytes(self) -> int:
         """What the engine's weights and KV cache hold on its device, by its own accounting; 0 = unknown."""
         return 0
+
+    def device_report(self) -> DeviceReport:
+        """The device weight syncs land on, and its GPU's UUID (weight_sync.transport auto decides from it);
+        empty = the engine cannot tell."""
+        return DeviceReport()
 
     # -- generation ----------------------------------------------------------------------------
 

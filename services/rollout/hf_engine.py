@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections import deque
@@ -49,6 +50,7 @@ from rlfabric.rollout.types import (
     truncate_at_stop,
 )
 from rlfabric.weight_sync import WeightLimits, WeightSwap
+from rlfabric.weight_sync.devices import DeviceReport, report_of
 from rlfabric.weight_sync.manifest import PEFT_PREFIX
 
 log = logging.getLogger("rlfabric.rollout.hf")
@@ -307,6 +309,13 @@ class HFEngine(RolloutEngine):
             self._discarded_shapes = {}
             await asyncio.to_thread(self.net.to, self.device)
         return True
+
+    def device_report(self) -> DeviceReport:
+        return self._device_report
+
+    @functools.cached_property
+    def _device_report(self) -> DeviceReport:  # asked once: a GPU's UUID does not change
+        return report_of(self.device)
 
     def device_memory_bytes(self) -> int:
         """Bytes of the model's parameters and buffers on this engine's device (none while asleep)."""

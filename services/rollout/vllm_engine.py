@@ -74,6 +74,7 @@ from rlfabric.rollout.types import (
 )
 from rlfabric.rollout.vllm_worker import stage_adapter
 from rlfabric.weight_sync import Manifest, SyncGroup, WeightSwap
+from rlfabric.weight_sync.devices import DeviceReport, gpu_uuid
 from rlfabric.weight_sync.manifest import parse_adapter_tensor_name
 from rlfabric.weight_sync.receiver import SLACK_S
 
@@ -106,6 +107,7 @@ class VLLMEngine(RolloutEngine):
         self._lora_request = None  # the adapter version the next requests use (weight_sync.lora adapter)
         self._lora_directory: Path | None = None  # where that version is staged
         self._lora_ids = 0
+        self._device_report: DeviceReport | None = None
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -350,6 +352,15 @@ class VLLMEngine(RolloutEngine):
             finally:
                 await llm.resume_generation()
             return WeightSwap(self.weight_version, time.monotonic() - started)
+
+    def device_report(self) -> DeviceReport:
+        """vLLM's worker (one, tensor_parallel_size 1) computes on device 0 of this process's CUDA_VISIBLE_DEVICES;
+        its UUID comes from NVML, so this process makes no CUDA context of its own."""
+        if not torch.cuda.is_available():
+            return DeviceReport("cpu")
+        if self._device_report is None:
+            self._device_report = DeviceReport("cuda:0", gpu_uuid(0, init_cuda=False))
+        return self._device_report
 
     # -- weight sync inside the worker process (gloo, nccl) --------------------------------------
 

@@ -18,6 +18,7 @@ from rlfabric.rollout.types import (
     TurnInfo,
 )
 from rlfabric.v1 import rollout_pb2
+from rlfabric.weight_sync.devices import DeviceReport
 
 _FINISH_TO_PROTO = {
     Finish.STOP: rollout_pb2.FINISH_REASON_STOP,
@@ -133,6 +134,7 @@ def status_to_proto(status: EngineStatus) -> rollout_pb2.RolloutServiceGetStatus
         engine=status.engine, model=status.model, weight_version=status.weight_version,
         queue_depth=status.queue_depth, kv_cache_usage=status.kv_cache_usage, paused=status.paused,
         sleeping=status.sleeping, rss_bytes=status.rss_bytes, device_memory_bytes=status.device_memory_bytes,
+        device=status.device.to_proto(),
     )
 
 
@@ -141,6 +143,7 @@ def status_from_proto(status: rollout_pb2.RolloutServiceGetStatusResponse) -> En
         engine=status.engine, model=status.model, weight_version=status.weight_version,
         queue_depth=status.queue_depth, kv_cache_usage=status.kv_cache_usage, paused=status.paused,
         sleeping=status.sleeping, rss_bytes=status.rss_bytes, device_memory_bytes=status.device_memory_bytes,
+        device=DeviceReport.from_proto(status.device),
     )
 
 

@@ -176,13 +176,15 @@ class ActorServiceGetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ActorServiceGetStatusResponse(_message.Message):
-    __slots__ = ("model", "world_size", "optimizer_step", "num_parameters")
+    __slots__ = ("model", "world_size", "optimizer_step", "num_parameters", "device")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_STEP_FIELD_NUMBER: _ClassVar[int]
     NUM_PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
     model: str
     world_size: int
     optimizer_step: int
     num_parameters: int
-    def __init__(self, model: _Optional[str] = ..., world_size: _Optional[int] = ..., optimizer_step: _Optional[int] = ..., num_parameters: _Optional[int] = ...) -> None: ...
+    device: _weight_sync_pb2.WeightSyncDevice
+    def __init__(self, model: _Optional[str] = ..., world_size: _Optional[int] = ..., optimizer_step: _Optional[int] = ..., num_parameters: _Optional[int] = ..., device: _Optional[_Union[_weight_sync_pb2.WeightSyncDevice, _Mapping]] = ...) -> None: ...

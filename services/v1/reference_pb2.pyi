@@ -49,9 +49,11 @@ class ReferenceServiceGetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ReferenceServiceGetStatusResponse(_message.Message):
-    __slots__ = ("model", "weight_version")
+    __slots__ = ("model", "weight_version", "device")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
     model: str
     weight_version: int
-    def __init__(self, model: _Optional[str] = ..., weight_version: _Optional[int] = ...) -> None: ...
+    device: _weight_sync_pb2.WeightSyncDevice
+    def __init__(self, model: _Optional[str] = ..., weight_version: _Optional[int] = ..., device: _Optional[_Union[_weight_sync_pb2.WeightSyncDevice, _Mapping]] = ...) -> None: ...

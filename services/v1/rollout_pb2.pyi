@@ -178,7 +178,7 @@ class RolloutServiceGetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RolloutServiceGetStatusResponse(_message.Message):
-    __slots__ = ("engine", "model", "weight_version", "queue_depth", "kv_cache_usage", "paused", "sleeping", "rss_bytes", "device_memory_bytes")
+    __slots__ = ("engine", "model", "weight_version", "queue_depth", "kv_cache_usage", "paused", "sleeping", "rss_bytes", "device_memory_bytes", "device")
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -188,6 +188,7 @@ class RolloutServiceGetStatusResponse(_message.Message):
     SLEEPING_FIELD_NUMBER: _ClassVar[int]
     RSS_BYTES_FIELD_NUMBER: _ClassVar[int]
     DEVICE_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
     engine: str
     model: str
     weight_version: int
@@ -197,7 +198,8 @@ class RolloutServiceGetStatusResponse(_message.Message):
     sleeping: bool
     rss_bytes: int
     device_memory_bytes: int
-    def __init__(self, engine: _Optional[str] = ..., model: _Optional[str] = ..., weight_version: _Optional[int] = ..., queue_depth: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., paused: _Optional[bool] = ..., sleeping: _Optional[bool] = ..., rss_bytes: _Optional[int] = ..., device_memory_bytes: _Optional[int] = ...) -> None: ...
+    device: _weight_sync_pb2.WeightSyncDevice
+    def __init__(self, engine: _Optional[str] = ..., model: _Optional[str] = ..., weight_version: _Optional[int] = ..., queue_depth: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., paused: _Optional[bool] = ..., sleeping: _Optional[bool] = ..., rss_bytes: _Optional[int] = ..., device_memory_bytes: _Optional[int] = ..., device: _Optional[_Union[_weight_sync_pb2.WeightSyncDevice, _Mapping]] = ...) -> None: ...
 
 class PauseRequest(_message.Message):
     __slots__ = ("abort",)

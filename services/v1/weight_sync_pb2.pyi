@@ -84,3 +84,11 @@ class LoraAdapterSpec(_message.Message):
     alpha: float
     target_modules: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, rank: _Optional[int] = ..., alpha: _Optional[float] = ..., target_modules: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class WeightSyncDevice(_message.Message):
+    __slots__ = ("device", "uuid")
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    UUID_FIELD_NUMBER: _ClassVar[int]
+    device: str
+    uuid: str
+    def __init__(self, device: _Optional[str] = ..., uuid: _Optional[str] = ...) -> None: ...
