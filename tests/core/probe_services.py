@@ -24,7 +24,8 @@ from rlfabric.v1 import (
 
 
 class ProbeReward(reward_pb2_grpc.RewardServiceServicer):
-    """Score's behaviour follows items[0].data_source: ok, invalid, crash, or sleep:<seconds>."""
+    """Score's behaviour follows items[0].data_source: ok, invalid, crash, sleep:<seconds>, or write:<path>
+    (writes 1 MiB there, as a handler that does not expect its disk to be full)."""
 
     def __init__(self):
         self.finished = 0
@@ -37,6 +38,9 @@ class ProbeReward(reward_pb2_grpc.RewardServiceServicer):
             raise RuntimeError("scorer blew up")
         if source.startswith("sleep:"):
             await asyncio.sleep(float(source.split(":")[1]))
+        if source.startswith("write:"):
+            with open(source.removeprefix("write:"), "wb") as file:
+                file.write(bytes(1 << 20))
         self.finished += 1
         return reward_pb2.ScoreResponse(results=[reward_pb2.ScoreResult(score=1.0) for _ in request.items])
 

@@ -3,6 +3,8 @@ error mapping, message limits, streaming through the interceptors, readiness gat
 
 from __future__ import annotations
 
+import os
+import subprocess
 import urllib.request
 
 import grpc
@@ -77,6 +79,25 @@ def test_unexpected_exception_is_internal_and_server_keeps_serving(probe):
         score(channel, "crash")
     assert info.value.code() == grpc.StatusCode.INTERNAL
     assert "RuntimeError: scorer blew up" in info.value.details()
+    assert score(channel, "ok").results[0].score == 1.0
+
+
+def test_a_full_disk_is_resource_exhausted_saying_so(probe, tmp_path):
+    """A handler's write fails with ENOSPC on a real full disk (a 64 KiB tmpfs): not INTERNAL, but
+    RESOURCE_EXHAUSTED saying the disk is full; the server keeps serving."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root (run as root to test a full disk)")
+    small = tmp_path / "small"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(small)], check=True)
+    try:
+        _, channel = probe
+        with pytest.raises(grpc.RpcError) as info:
+            score(channel, f"write:{small / 'big'}")
+    finally:
+        subprocess.run(["umount", str(small)], check=True)
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, info.value.details()
+    assert "the disk is full" in info.value.details() and "No space left on device" in info.value.details()
     assert score(channel, "ok").results[0].score == 1.0
 
 
