@@ -607,7 +607,8 @@ class MlflowConfig(Section):
 
     tracking_uri: str = ""
     """MLflow tracking store (sqlite:///path.db, http://host:5000, ...); empty = the MLFLOW_TRACKING_URI
-    environment variable, else sqlite:///RUN_DIR/mlflow.db."""
+    environment variable, else sqlite:///RUN_DIR/mlflow.db. Only the mesh's own config sets it: a StartRun
+    cannot (a file anywhere, or an address the coordinator would send requests to)."""
 
 
 class WandbConfig(Section):
