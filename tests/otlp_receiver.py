@@ -23,6 +23,16 @@ class ReceivedSpan:
     status_code: int  # 0 unset, 1 ok, 2 error
     start_ns: int = 0  # unix time in nanoseconds
     end_ns: int = 0
+    links: tuple[ReceivedLink, ...] = ()
+
+
+@dataclass(frozen=True)
+class ReceivedLink:
+    """A span link: the span it points to (in another trace) and its attributes."""
+
+    trace_id: str  # hex
+    span_id: str
+    attributes: dict
 
 
 def _value(any_value):
@@ -53,7 +63,10 @@ class OtlpReceiver(trace_service_pb2_grpc.TraceServiceServicer):
                         service=resource.get("service.name", ""), name=span.name, trace_id=span.trace_id.hex(),
                         span_id=span.span_id.hex(), parent_span_id=span.parent_span_id.hex(), kind=span.kind,
                         attributes={a.key: _value(a.value) for a in span.attributes}, status_code=span.status.code,
-                        start_ns=span.start_time_unix_nano, end_ns=span.end_time_unix_nano))
+                        start_ns=span.start_time_unix_nano, end_ns=span.end_time_unix_nano,
+                        links=tuple(ReceivedLink(link.trace_id.hex(), link.span_id.hex(),
+                                                 {a.key: _value(a.value) for a in link.attributes})
+                                    for link in span.links)))
         with self._lock:
             self._spans.extend(received)
         return trace_service_pb2.ExportTraceServiceResponse()

@@ -31,7 +31,13 @@ step's batch size and loss scale behind the user's back.
 
 Tracing: a gen batch started while its step waits for it (always, in sync mode, where a step's generation
 starts when the step does) runs in the step's `gen` phase, so its Generate and Score calls are in the step's
-trace; generation running ahead of its step is traced on its own (its calls are roots of their own traces).
+trace. A gen batch started ahead of its step (async mode) is a trace of its own: a root span `generate`
+(rlfabric.gen_batch, rlfabric.step: the step it was drawn for, rlfabric.weight_version: the version served
+when it started) over its Generate and Score calls. A step's `train_step` span links (OpenTelemetry span
+links, rlfabric.gen_batch and rlfabric.groups: how many of its groups) to the span every gen batch it takes
+groups from ran under, when that is not in the step's own trace: a `generate` span, or the `gen` phase of
+the earlier step that waited while it ran (groups finish out of order: a step may train on groups
+generated for the next one).
 
 A resume continues from the first gen batch not wholly trained on (or dropped), so a checkpoint taken while
 generation runs ahead regenerates the prompts in flight; groups of that gen batch already trained on (groups
@@ -45,6 +51,7 @@ import contextvars
 import dataclasses
 import logging
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -54,11 +61,14 @@ import torch
 from rlfabric.algorithms.dapo import filter_groups
 from rlfabric.coordinator.dataset import DataCursor, PromptRow
 from rlfabric.coordinator.step_metrics import StepTimer
+from rlfabric.core import tracing
 from rlfabric.core.errors import FailedPrecondition
 from rlfabric.reward.items import ItemResult
 from rlfabric.rollout.types import FinishedSample
 
 if TYPE_CHECKING:
+    from opentelemetry.trace import SpanContext
+
     from rlfabric.coordinator.loop import PPOTrainer
 
 log = logging.getLogger("rlfabric.coordinator.rollout")
@@ -98,6 +108,8 @@ class GenBatch:
     started_version: int  # the weight version the rollout served when it started
     started_at: float  # perf_counter()
     groups: list[Group] = field(default_factory=list)
+    ahead: bool = False  # started before its step waited for it: traced on its own (own_trace)
+    trace: SpanContext | None = None  # while tracing, the span it ran under: steps of other traces link to it
     task: asyncio.Task | None = None
     scoring: set[asyncio.Task] = field(default_factory=set)
 
@@ -136,6 +148,7 @@ class RolloutStream:
         self.error: BaseException | None = None
         self.changed = asyncio.Event()  # a group was resolved, or generation failed
         self.waiting_step: int | None = None  # the step take() waits for
+        self.waiting_context: contextvars.Context | None = None  # ... in its `gen` phase (its trace)
         self.counts = {"stale": 0, "kept": 0, "filtered": 0}  # since the last take
 
     # -- the trainer's side ------------------------------------------------------------------------
@@ -149,6 +162,7 @@ class RolloutStream:
         waited_from = time.perf_counter()
         self.waiting_step = step
         with timer("gen"):
+            self.waiting_context = contextvars.copy_context()  # the gen batches started for the step run in it
             while True:
                 if self.error is not None:
                     raise self.error
@@ -161,12 +175,14 @@ class RolloutStream:
                 self.changed.clear()
                 await self.changed.wait()
         taken_at = time.perf_counter()
-        self.waiting_step = None
+        self.waiting_step, self.waiting_context = None, None
         self.ready.sort(key=lambda g: (g.oldest_version(), g.order()))
         taken, self.ready = self.ready[: self.batch_size], self.ready[self.batch_size :]
         taken.sort(key=Group.order)
         for group in taken:
             group.state = TAKEN
+        for gen_batch, groups in Counter(group.gen_batch for group in taken).items():
+            timer.trace.link(gen_batch.trace, gen_batch=gen_batch.index, groups=groups)
         self.steps_taken += 1
         started = min(group.gen_batch.started_at for group in taken)
         generating = max(group.resolved_at for group in taken) - started
@@ -217,11 +233,13 @@ class RolloutStream:
         trainer = self.trainer
         cursor_before = DataCursor(trainer.cursor.epoch, trainer.cursor.position)
         rows = next(self.batches)
-        gen_batch = GenBatch(self.next_index, cursor_before, fill_step, trainer.weight_version, time.perf_counter())
+        gen_batch = GenBatch(self.next_index, cursor_before, fill_step, trainer.weight_version, time.perf_counter(),
+                             ahead=fill_step != self.waiting_step)
         gen_batch.groups = [Group(row, gen_batch, position) for position, row in enumerate(rows)]
         self.next_index += 1
-        # The trace of the step that waits for it, or (generation running ahead) none: a context of its own.
-        context = None if fill_step == self.waiting_step else contextvars.Context()
+        # The trace of the step that waits for it (whichever task starts it), or, running ahead, a context
+        # of its own (where _generate opens its own trace).
+        context = contextvars.Context() if gen_batch.ahead else self.waiting_context.copy()
         gen_batch.task = asyncio.create_task(self._generate(gen_batch), name=f"gen-batch-{gen_batch.index}",
                                              context=context)
         self.gen_batches.append(gen_batch)
@@ -261,34 +279,44 @@ class RolloutStream:
 
     async def _generate(self, gen_batch: GenBatch) -> None:
         """Generates the gen batch's groups, scores each chunk of complete groups as it fills, and resolves
-        each group once scored (ready or filtered)."""
-        trainer = self.trainer
-        params = trainer.sampling_spec(self.n, trainer._step_seed(gen_batch.index))
+        each group once scored (ready or filtered). Ahead of its step, all of it is one trace of its own."""
         try:
-            chunk: list[Group] = []
-            prompts = [trainer.prompt_of(group.row) for group in gen_batch.groups]
-            async for sample in trainer.peers.rollout.generate_stream(prompts, params,
-                                                                      chunk_prompts=trainer._chunk_prompts()):
-                if sample.weight_version < gen_batch.started_version:
-                    raise FailedPrecondition(
-                        f"a rollout replica generated a sample with weight version {sample.weight_version} after the "
-                        f"weight sync of version {gen_batch.started_version}: it serves stale weights (staleness "
-                        f"bound trainer.max_staleness {self.max_staleness})")
-                group = gen_batch.groups[sample.prompt_index]
-                group.samples[sample.sample_index] = sample
-                if len(group.samples) == self.n:
-                    chunk.append(group)
-                    if len(chunk) * self.n >= SCORE_CHUNK:
-                        self._score_later(gen_batch, chunk)
-                        chunk = []
-            if chunk:
-                self._score_later(gen_batch, chunk)
-            while gen_batch.scoring:
-                await asyncio.wait(set(gen_batch.scoring))
+            if not gen_batch.ahead:  # in the `gen` phase of the step waiting for it
+                gen_batch.trace = tracing.current_span_context()
+                await self._generate_and_score(gen_batch)
+                return
+            with tracing.own_trace("generate", gen_batch=gen_batch.index, step=gen_batch.fill_step,
+                                   weight_version=gen_batch.started_version) as context:
+                gen_batch.trace = context
+                await self._generate_and_score(gen_batch)
         except asyncio.CancelledError:
             raise
         except BaseException as error:
             self._fail(error)
+
+    async def _generate_and_score(self, gen_batch: GenBatch) -> None:
+        trainer = self.trainer
+        params = trainer.sampling_spec(self.n, trainer._step_seed(gen_batch.index))
+        chunk: list[Group] = []
+        prompts = [trainer.prompt_of(group.row) for group in gen_batch.groups]
+        async for sample in trainer.peers.rollout.generate_stream(prompts, params,
+                                                                  chunk_prompts=trainer._chunk_prompts()):
+            if sample.weight_version < gen_batch.started_version:
+                raise FailedPrecondition(
+                    f"a rollout replica generated a sample with weight version {sample.weight_version} after the "
+                    f"weight sync of version {gen_batch.started_version}: it serves stale weights (staleness "
+                    f"bound trainer.max_staleness {self.max_staleness})")
+            group = gen_batch.groups[sample.prompt_index]
+            group.samples[sample.sample_index] = sample
+            if len(group.samples) == self.n:
+                chunk.append(group)
+                if len(chunk) * self.n >= SCORE_CHUNK:
+                    self._score_later(gen_batch, chunk)
+                    chunk = []
+        if chunk:
+            self._score_later(gen_batch, chunk)
+        while gen_batch.scoring:
+            await asyncio.wait(set(gen_batch.scoring))
 
     def _score_later(self, gen_batch: GenBatch, groups: list[Group]) -> None:
         task = asyncio.create_task(self._score(groups))

@@ -12,6 +12,8 @@
   weight-sync push channels), whose context goes out in that metadata.
 - The coordinator's StepTimer (rlfabric.coordinator.step_metrics) opens a root span per training step
   and a child span per timed phase, so a phase's timing_s metric and its span are one measurement.
+  Generation running ahead of its step (trainer.mode async) is a trace of its own (`own_trace`), which
+  the step that trains on it links to (`StepSpan.link`, OpenTelemetry span links).
 
 Why interceptors of our own rather than opentelemetry-instrumentation-grpc: the server side is one
 more scope over the interceptor chain's shared handler wrapper (rlfabric.core.interceptors), so it
@@ -115,6 +117,15 @@ class StepSpan:
         if self.span is not None:
             self.span.set_attributes(_named(attributes))
 
+    def link(self, context: trace.SpanContext | None, **attributes: Any) -> None:
+        """A span link from the step to `context`, a span whose work the step uses (the `generate` span of
+        generation that ran ahead of it: own_trace), with rlfabric.<name> attributes; none to a span of
+        the step's own trace."""
+        if self.span is None or context is None:
+            return
+        if context.trace_id != self.span.get_span_context().trace_id:
+            self.span.add_link(context, _named(attributes))
+
     def end(self, error: BaseException | None = None) -> None:
         if self.span is None:
             return
@@ -135,6 +146,40 @@ def phase_span(step: StepSpan, phase: str) -> Iterator[None]:
     parent = trace.set_span_in_context(step.span)
     with _tracer.start_as_current_span(phase, context=parent, attributes={PHASE: phase}):
         yield
+
+
+@contextlib.contextmanager
+def own_trace(name: str, **attributes: Any) -> Iterator[trace.SpanContext | None]:
+    """A root span `name` (rlfabric.<name> attributes), current while the block runs, for work done before
+    the step that uses it is known (generation running ahead of training): the RPCs made in the block hang
+    under it, and the step links to it (StepSpan.link). Yields its span context, None while tracing is off.
+    Attach and detach happen in one task. Cancelled, the span says so (rlfabric.cancelled) without an error."""
+    if _tracer is None:
+        yield None
+        return
+    span = _tracer.start_span(name, context=otel_context.Context(), attributes=_named(attributes))
+    token = otel_context.attach(trace.set_span_in_context(span))
+    try:
+        yield span.get_span_context()
+    except asyncio.CancelledError:
+        span.set_attribute("rlfabric.cancelled", True)
+        raise
+    except BaseException as error:
+        span.record_exception(error)
+        span.set_status(Status(StatusCode.ERROR, f"{type(error).__name__}: {error}"))
+        raise
+    finally:
+        otel_context.detach(token)
+        span.end()
+
+
+def current_span_context() -> trace.SpanContext | None:
+    """The context of the current span (a phase's, a handler's), for a step to link to; None when tracing is off
+    or there is none."""
+    if _tracer is None:
+        return None
+    context = trace.get_current_span().get_span_context()
+    return context if context.is_valid else None
 
 
 def annotate(**attributes: Any) -> None:

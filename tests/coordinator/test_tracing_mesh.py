@@ -12,10 +12,12 @@ from collections import Counter
 import pytest
 
 from rlfabric.coordinator.client import CoordinatorClient
+from rlfabric.core import tracing
 from rlfabric.core.client import ChannelOptions
-from rlfabric.core.config import load_config
+from rlfabric.core.config import TracingConfig, load_config
 from rlfabric.launch.local import LocalMesh
 from rlfabric.v1 import coordinator_pb2
+from tests.coordinator.meshes import fast_config, over_grpc
 from tests.otlp_receiver import OtlpReceiver, ReceivedSpan
 
 pytestmark = pytest.mark.slow
@@ -128,3 +130,60 @@ def test_each_step_is_a_trace_of_its_own(traced_run):
     # The same phases and calls in both steps.
     shape = lambda spans: Counter((s.service, s.name) for s in spans if s.name != "rlfabric.v1.RewardService/Score")  # noqa: E731
     assert shape(first).keys() == shape(second).keys()
+
+
+async def run_over_grpc(config, run_dir) -> coordinator_pb2.GetRunStatusResponse:
+    async with over_grpc(config, run_dir) as coordinator:
+        await coordinator.start_run()
+        async for _ in coordinator.stream_metrics(from_step=1):
+            pass
+        return await coordinator.run_status()
+
+
+def test_async_steps_link_to_the_generation_of_the_samples_they_train_on(tiny_model, tmp_path):
+    """trainer.mode=async on the gRPC mesh in this process (tests.coordinator.meshes.over_grpc, every service
+    tracing as test-mesh): generation for step 2 starts while step 1 waits (max_staleness 1) in a trace of
+    its own, whose root span `generate` holds its GenerateStream and Score calls; every step links to the
+    span each of its gen batches ran under when that is not in its own trace, so its samples' generation is
+    one click away."""
+    with OtlpReceiver() as receiver:
+        assert tracing.setup(TracingConfig(endpoint=receiver.endpoint, service_name_prefix="test-"), "mesh")
+        try:
+            config = fast_config(tiny_model, "trainer.mode=async", "trainer.max_staleness=1", "trainer.total_steps=3")
+            status = asyncio.run(run_over_grpc(config, tmp_path / "run"))
+        finally:
+            tracing.shutdown()  # exports the spans
+        received = receiver.spans()
+    assert status.state == coordinator_pb2.RUN_STATE_COMPLETED, status.error
+    by_id = {s.span_id: s for s in received}
+    generating = ("rlfabric.v1.RolloutService/GenerateStream", "rlfabric.v1.RewardService/Score")
+
+    linked_generate = set()
+    for step in (1, 2, 3):
+        root, spans = step_trace(received, step)
+        in_trace = sum(s.name == generating[0] and s.kind == CLIENT for s in spans)  # gen batches of this trace
+        groups = 0
+        for link in root.links:
+            target = by_id[link.span_id]
+            assert link.trace_id == target.trace_id != root.trace_id
+            assert target.name in ("generate", "gen") and target.service == "test-mesh"
+            groups += link.attributes["rlfabric.groups"]
+            if target.name == "generate":
+                assert target.parent_span_id == "" and link.attributes["rlfabric.gen_batch"] == \
+                    target.attributes["rlfabric.gen_batch"]
+                linked_generate.add(target.span_id)
+        assert groups <= config.data.train_batch_size, root.links
+        assert groups == config.data.train_batch_size or in_trace, root.links  # the rest: from its own trace
+    # The generation that ran ahead: its calls, client and server, all under its `generate` root span.
+    for generate_id in linked_generate:
+        generate = by_id[generate_id]
+        trace = {s.span_id: s for s in received if s.trace_id == generate.trace_id}
+        calls = Counter((s.name, s.kind) for s in trace.values())
+        for method in generating:
+            assert calls[(method, CLIENT)] >= 1 and calls[(method, SERVER)] == calls[(method, CLIENT)], calls
+        for span in trace.values():
+            node = span
+            while node.parent_span_id:
+                node = trace[node.parent_span_id]
+            assert node is generate
+    assert {by_id[g].attributes["rlfabric.step"] for g in linked_generate} >= {2, 3}  # drawn ahead, trained on
