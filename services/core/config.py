@@ -688,8 +688,10 @@ class WeightSyncConfig(Section):
     """How the actor's weights reach the rollout replicas after every update."""
 
     transport: Literal["auto", "nccl", "gloo", "grpc"] = "auto"
-    """auto = nccl when the actor is on a GPU (gloo when it shares a GPU pool with the rollout: NCCL cannot join
-    two ranks on one GPU), else gloo; grpc = chunked stream (works anywhere)."""
+    """auto = decided at run start from the GPUs the actor and the rollout replicas report (UUIDs): nccl when each
+    holds a GPU of its own; when two share one (one GPU for everything), the same-device path (gloo today);
+    gloo when one is on CPU. nccl where two members share a GPU or one is on CPU is refused before the run
+    starts. grpc = chunked stream (works anywhere)."""
     bucket_mb: int = Field(512, gt=0)
     """Weights move in flattened buckets of about this many MiB."""
     timeout_s: float = Field(120.0, gt=0)
