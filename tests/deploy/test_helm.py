@@ -266,6 +266,12 @@ def test_the_schema_accepts_every_key_the_loader_accepts(chart):
         ({"config": {"reward": {"model_path": "/data/rm"}}}, "set roles.reward.image.variant: train"),
         ({"roles": {"actor": {"mountData": False}}}, "roles.actor.mountData=false"),
         ({"roles": {"critic": {"enabled": True, "mountData": False}}}, "roles.critic.mountData=false"),
+        # nccl forced where a weight-sync member's pods get no GPU (a pod's GPUs are its own otherwise).
+        ({"config": {"weight_sync": {"transport": "nccl"}}, "roles": {"rollout": {"gpus": 0}}},
+         "config.weight_sync.transport nccl needs the actor and the rollout on GPUs, and roles.rollout.gpus gives "
+         "the rollout pods none"),
+        ({"config": {"weight_sync": {"transport": "nccl"}, "resource_pools": {"cpu": {"cpus": [0]}},
+                     "actor": {"pool": "cpu"}}, "pools": {"cpu": {}}}, "roles.actor.gpus gives the actor pods none"),
     ],
 )
 def test_template_guards(chart, values, message):
@@ -381,6 +387,12 @@ def test_statefulsets_start_in_parallel_with_headless_service(rendered):
         assert headless["spec"]["clusterIP"] == "None"
         assert headless["spec"]["publishNotReadyAddresses"] is True
         assert headless["spec"]["selector"] == sts["spec"]["selector"]["matchLabels"], role
+
+
+def test_nccl_renders_where_every_weight_sync_member_has_gpus(chart):
+    render_chart(chart, {"config": {"weight_sync": {"transport": "nccl"}}})  # one GPU per actor and rollout pod
+    render_chart(chart, {"config": {"weight_sync": {"transport": "nccl"}, "rollout": {"engine": "sglang"}},
+                         "roles": {"rollout": {"gpus": 0}}})  # SGLang's own server holds the rollout's GPU
 
 
 def test_gpu_limits_follow_values(rendered):
@@ -878,7 +890,8 @@ def test_colocated_rollout_follows_actor(by_case):
     } in terms
     assert "affinity" not in actor_pod or "podAffinity" not in actor_pod["affinity"]
     assert r.run_config()["rollout"]["enable_sleep_mode"] is True
-    assert r.run_config()["trainer"]["colocated"] is True and r.run_config()["weight_sync"]["transport"] == "gloo"
+    # Time-slicing may give both one GPU: auto tells from the GPU UUIDs at run start (gloo then, else NCCL).
+    assert r.run_config()["trainer"]["colocated"] is True and r.run_config()["weight_sync"]["transport"] == "auto"
 
 
 # --- monitoring ------------------------------------------------------------------------------

@@ -538,6 +538,18 @@ spec:
 {{- fail (printf "roles.%s.mountData=false: the %s writes its part of every checkpoint into the run folder on the data volume, which it must mount" $role $role) }}
 {{- end }}
 {{- end }}
+{{- /* weight_sync.transport: each pod gets GPUs of its own from the device plugin, so the chart can tell a
+role on CPU (no GPUs), not whether two pods share a GPU (time-slicing): auto decides that at run start from
+the GPU UUIDs the services report. A forced nccl with the actor or the rollout on CPU cannot run. */}}
+{{- $config := .Values.config | default dict }}
+{{- if eq (toString (get (get $config "weight_sync" | default dict) "transport")) "nccl" }}
+{{- $sglang := eq (toString (get (get $config "rollout" | default dict) "engine")) "sglang" }}
+{{- range $role := list "actor" "rollout" }}
+{{- if and (not (and $sglang (eq $role "rollout"))) (eq (int (include "rlfabric.gpus" (dict "ctx" $ "role" $role))) 0) }}
+{{- fail (printf "config.weight_sync.transport nccl needs the actor and the rollout on GPUs, and roles.%s.gpus gives the %s pods none: set config.weight_sync.transport to auto (it picks gloo then), gloo or grpc" $role $role) }}
+{{- end }}
+{{- end }}
+{{- end }}
 {{- if and .Values.tls.mtls (not .Values.tls.enabled) }}
 {{- fail "tls.mtls requires tls.enabled" }}
 {{- end }}
