@@ -697,7 +697,8 @@ class WeightSyncConfig(Section):
     timeout_s: float = Field(120.0, gt=0)
     """Every collective and stream of a sync fails after this long (a dead peer never hangs the run)."""
     max_timeout_s: float = Field(600.0, gt=0, validate_default=True)
-    """Longest timeout_s the actor accepts in OpenWeightSyncGroup (more is INVALID_ARGUMENT); >= timeout_s."""
+    """Longest timeout_s the actor accepts in OpenWeightSyncGroup, and a receiver (rollout, reference) in
+    JoinWeightSyncGroup (more is INVALID_ARGUMENT): a join or collective holds a thread that long; >= timeout_s."""
     max_open_groups: int = Field(4, ge=1)
     """Weight-sync groups the actor keeps open; one more evicts the longest-unused one not mid-sync."""
     host: str = ""

@@ -23,7 +23,8 @@ class ReferenceServicer(reference_pb2_grpc.ReferenceServiceServicer):
         return reference_pb2.ReferenceServiceComputeLogProbsResponse(outputs=codec.encode_batch(outputs))
 
     async def JoinWeightSyncGroup(self, request, context):
-        await self.engine.join_weight_sync(SyncGroup.from_proto(request.group), request.rank)
+        group = SyncGroup.from_proto(request.group, self.engine.config.weight_sync.max_timeout_s)
+        await self.engine.join_weight_sync(group, request.rank)
         return reference_pb2.ReferenceServiceJoinWeightSyncGroupResponse()
 
     async def ReceiveWeights(self, request, context):

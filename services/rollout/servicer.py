@@ -111,7 +111,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         return rollout_pb2.WakeUpResponse()
 
     async def JoinWeightSyncGroup(self, request, context):
-        await self.engine.join_weight_sync(SyncGroup.from_proto(request.group), request.rank)
+        group = SyncGroup.from_proto(request.group, self.engine.config.weight_sync.max_timeout_s)
+        await self.engine.join_weight_sync(group, request.rank)
         return rollout_pb2.JoinWeightSyncGroupResponse()
 
     async def ReceiveWeights(self, request, context):

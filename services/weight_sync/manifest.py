@@ -34,6 +34,9 @@ _TRANSPORT_WIRE = {
 _TRANSPORT_NAME = {wire: name for name, wire in _TRANSPORT_WIRE.items()}
 # Tensors start at multiples of this many bytes inside a bucket, so every dtype can view its slice.
 ALIGNMENT = 64
+# Most ranks of one group (the sender included). Far above any mesh (gloo connects every pair of ranks),
+# far below what torch's int32 ranks and a rank's per-peer tables could take from an absurd request.
+MAX_WORLD_SIZE = 1 << 14
 
 
 def aligned(num_bytes: int) -> int:
@@ -71,16 +74,22 @@ class SyncGroup:
             timeout_s=self.timeout_s, torch_group=self.torch_group)
 
     @classmethod
-    def from_proto(cls, message: weight_sync_pb2.WeightSyncGroup) -> SyncGroup:
+    def from_proto(cls, message: weight_sync_pb2.WeightSyncGroup, max_timeout_s: float = math.inf) -> SyncGroup:
+        """The group a message describes; InvalidArgument naming the field when it cannot be joined. A
+        receiver passes `max_timeout_s` (weight_sync.max_timeout_s): a join or collective blocks a
+        thread for up to timeout_s."""
         transport = transport_from_proto(message.transport)
         if not message.group_id:
             raise InvalidArgument("weight-sync group has no group_id")
         if not transport:
             raise InvalidArgument(f"weight-sync group {message.group_id} has no transport")
-        if message.world_size < 2:
-            raise InvalidArgument(f"weight-sync group {message.group_id}: world_size {message.world_size} < 2")
-        if not (math.isfinite(message.timeout_s) and message.timeout_s > 0):
-            raise InvalidArgument(f"weight-sync group {message.group_id}: timeout_s must be > 0")
+        if not 2 <= message.world_size <= MAX_WORLD_SIZE:
+            raise InvalidArgument(f"weight-sync group {message.group_id}: world_size must be 2..{MAX_WORLD_SIZE}, "
+                                  f"got {message.world_size}")
+        if not (math.isfinite(message.timeout_s) and 0 < message.timeout_s <= max_timeout_s):
+            cap = f" and at most weight_sync.max_timeout_s={max_timeout_s:g}" if math.isfinite(max_timeout_s) else ""
+            raise InvalidArgument(f"weight-sync group {message.group_id}: timeout_s must be > 0{cap}, "
+                                  f"got {message.timeout_s:g}")
         if message.torch_group and transport == "grpc":
             raise InvalidArgument(f"grpc group {message.group_id} cannot be a torch_group")
         needs_store = transport == "gloo" or message.torch_group

@@ -6,7 +6,8 @@ worker extension.
 - BucketAssembler: the same for the grpc transport, fed chunk by chunk (in any order) from the
   PushWeights streams of a push (rlfabric.weight_sync.grpc_stream).
 - Membership: a service's async handle on at most one group (join, rejoin, receive, leave); the
-  blocking work runs on a thread, so the event loop keeps serving.
+  blocking work runs on threads, so the event loop keeps serving, and a new group replaces one whose
+  join or receive is stuck.
 
 Either way the result is a list of (name, tensor) views that nothing has loaded yet: the engine swaps
 them in atomically afterwards, and a checksum mismatch raises before anything changed. A manifest is
@@ -19,13 +20,19 @@ import asyncio
 import bisect
 import threading
 from collections.abc import Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
 
-from rlfabric.core.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument
+from rlfabric.core.errors import (
+    Aborted,
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    ResourceExhausted,
+)
 from rlfabric.weight_sync.buckets import ChecksumMismatch, crc32, crc32_combine, unpack, verify
 from rlfabric.weight_sync.manifest import Manifest, SyncGroup, WeightLimits
 
@@ -183,8 +190,18 @@ class BucketAssembler:
 
 
 class Membership:
-    """A service's place in at most one weight-sync group. Joining a new group leaves the old one;
-    joins and receives run one at a time on a helper thread, each bounded by the group's timeout."""
+    """A service's place in at most one weight-sync group. Joins and receives run on helper threads,
+    each bounded by the group's timeout (itself at most weight_sync.max_timeout_s, checked where the
+    group arrives: SyncGroup.from_proto).
+
+    Joining a new group leaves the old one at once, whatever still runs on it: a join whose sender
+    never comes or a receive whose peer died is abandoned (its caller gets ABORTED), and the receiver
+    it was using is closed when its thread ends. A call given up on (timeout, cancelled RPC) leaves its
+    group the same way. So a stuck group never blocks the next one, and no thread holds anything the
+    next group needs. At most MAX_ABANDONED abandoned threads may still run: a rendezvous cannot be
+    interrupted, each ends within its group's timeout."""
+
+    MAX_ABANDONED = 8
 
     def __init__(self, device: torch.device | None = None,
                  limits: Callable[[], WeightLimits | None] | None = None):
@@ -192,8 +209,11 @@ class Membership:
         self.device = device or torch.device("cpu")
         self.limits = limits
         self._receiver: WeightReceiver | None = None
-        self._lock = asyncio.Lock()
-        self._thread_lock = threading.Lock()  # a timed-out call's thread may still be running
+        self._left = asyncio.Event()  # set when the current group (or the join under way) is left
+        self._lock = asyncio.Lock()  # one receive at a time
+        self._busy: tuple[WeightReceiver, Future] | None = None  # the receive running on its thread
+        self._abandoned: set[Future] = set()  # threads of given-up calls, still running
+        self.joining: SyncGroup | None = None  # the group of the join under way
 
     @property
     def group(self) -> SyncGroup | None:
@@ -201,47 +221,108 @@ class Membership:
 
     async def join(self, group: SyncGroup, rank: int) -> None:
         group.check_rank(rank)
-        async with self._lock:
-            await self._call(group.timeout_s, self._join, group, rank)
+        self._abandoned = {call for call in self._abandoned if not call.done()}
+        if len(self._abandoned) >= self.MAX_ABANDONED:
+            raise ResourceExhausted(f"{len(self._abandoned)} abandoned weight-sync joins or receives still run until "
+                                    "their groups' timeouts (weight_sync.max_timeout_s at most); retry after that")
+        await self._leave()  # the old group, or a join still under way, is left at once
+        left = self._left = asyncio.Event()
+        self.joining = group
+        try:
+            joining = in_thread(f"weight-sync-join-{group.group_id}", self._new_receiver, group, rank)
+            self._receiver = await self._wait(joining, group.timeout_s, f"joining weight-sync group {group.group_id}",
+                                              left)
+        finally:
+            if self.joining is group:
+                self.joining = None
 
-    def _join(self, group: SyncGroup, rank: int) -> None:
-        self._leave()
-        self._receiver = WeightReceiver(group, rank, self.device, self.limits() if self.limits else None)
+    def _new_receiver(self, group: SyncGroup, rank: int) -> WeightReceiver:
+        return WeightReceiver(group, rank, self.device, self.limits() if self.limits else None)
 
     async def receive(self, manifest: Manifest, apply: Callable[[Weights], Awaitable[T]]) -> T:
         """Receives the manifest's weights and returns `await apply(weights)`; apply runs before any
         other receive may reuse the buffers the weights are views of."""
         async with self._lock:
-            receiver = self._receiver
+            receiver, left = self._receiver, self._left
             if receiver is None:
                 raise FailedPrecondition("this service has not joined a weight-sync group (JoinWeightSyncGroup first)")
             receiver.check(manifest)
+            # each bucket's collective times out on its own; this is only a backstop
+            bound = receiver.group.timeout_s * (len(manifest.buckets) + 1)
+            receiving = in_thread(f"weight-sync-receive-{receiver.group.group_id}", receiver.receive, manifest)
+            self._busy = (receiver, receiving)
             try:
-                # each bucket's collective times out on its own; this is only a backstop
-                bound = receiver.group.timeout_s * (len(manifest.buckets) + 1)
-                weights = await self._call(bound, receiver.receive, manifest)
+                weights = await self._wait(receiving, bound, f"receiving weight version {manifest.version}", left,
+                                           close_result=False)
             except InvalidArgument:
-                raise  # a bad manifest or checksum: the group itself is fine
-            except Exception:
-                await asyncio.to_thread(self._locked, self._leave)  # a failed collective breaks the group
+                raise  # a bad manifest or checksum: every bucket arrived, the group is in step
+            except BaseException:
+                if self._receiver is receiver:
+                    await self._leave()  # a failed or abandoned collective breaks the group
                 raise
             return await apply(weights)
 
     async def leave(self) -> None:
-        async with self._lock:
-            await asyncio.to_thread(self._locked, self._leave)
+        await self._leave()
 
-    def _leave(self) -> None:
-        if self._receiver is not None:
-            self._receiver.close()
-            self._receiver = None
+    async def _leave(self) -> None:
+        """Leaves the current group: the receiver is closed now, or when the receive using it ends."""
+        self._left.set()
+        receiver, self._receiver = self._receiver, None
+        if receiver is None:
+            return
+        busy = self._busy
+        if busy is not None and busy[0] is receiver and not busy[1].done():
+            busy[1].add_done_callback(lambda _: receiver.close())
+        else:
+            await asyncio.to_thread(receiver.close)
 
-    def _locked(self, fn, *args):
-        with self._thread_lock:
-            return fn(*args)
-
-    async def _call(self, timeout_s: float, fn, *args):
+    async def _wait(self, call: Future, timeout_s: float, what: str, left: asyncio.Event, close_result: bool = True):
+        """The result of `call` (running on its thread). When the group is left meanwhile (ABORTED), the
+        timeout passes (DEADLINE_EXCEEDED) or the caller is cancelled, the call is abandoned: with
+        `close_result`, the receiver it makes is closed when it ends."""
+        result = asyncio.wrap_future(call)
+        leaving = asyncio.ensure_future(left.wait())
         try:
-            return await asyncio.wait_for(asyncio.to_thread(self._locked, fn, *args), timeout_s + SLACK_S)
-        except TimeoutError:
-            raise DeadlineExceeded(f"weight sync step {fn.__name__} did not finish within {timeout_s:g} s") from None
+            done, _ = await asyncio.wait({result, leaving}, timeout=timeout_s + SLACK_S,
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if result in done:
+                return result.result()
+        except BaseException:
+            self._abandon(call, result, close_result)
+            raise
+        finally:
+            leaving.cancel()
+        self._abandon(call, result, close_result)
+        if leaving in done:
+            raise Aborted(f"{what}: abandoned, this service joined another weight-sync group meanwhile")
+        raise DeadlineExceeded(f"{what}: did not finish within {timeout_s:g} s (the group's timeout_s)")
+
+    def _abandon(self, call: Future, result: asyncio.Future, close_result: bool) -> None:
+        result.cancel()  # nothing waits for it any more (and the loop may be gone when it ends)
+        if close_result:
+            call.add_done_callback(_close_receiver)
+        if not call.done():
+            self._abandoned.add(call)
+
+
+def _close_receiver(call: Future) -> None:
+    """Closes the receiver an abandoned join made, once it is made."""
+    if not call.cancelled() and call.exception() is None:
+        call.result().close()
+
+
+def in_thread(name: str, fn: Callable[..., T], *args) -> Future:
+    """fn(*args) on a new daemon thread: a call that never returns blocks nothing but its own thread."""
+    future: Future = Future()
+
+    def run() -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(fn(*args))
+        except BaseException as error:  # handed to whoever waits on the future
+            future.set_exception(error)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return future

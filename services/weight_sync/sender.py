@@ -29,7 +29,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -45,8 +45,8 @@ from rlfabric.core.errors import (
 )
 from rlfabric.weight_sync.buckets import dedupe_shared, pack
 from rlfabric.weight_sync.grpc_stream import PushPayload, PushResult, push_weights
-from rlfabric.weight_sync.manifest import AdapterSpec, Manifest, SyncGroup
-from rlfabric.weight_sync.receiver import SLACK_S
+from rlfabric.weight_sync.manifest import MAX_WORLD_SIZE, AdapterSpec, Manifest, SyncGroup
+from rlfabric.weight_sync.receiver import SLACK_S, in_thread
 
 log = logging.getLogger("rlfabric.weight_sync")
 
@@ -106,8 +106,9 @@ class WeightSender:
         whose buckets are packed densely, as SGLang's flattened buckets are."""
         transport = transport or self.default_transport()
         timeout_s = timeout_s or self.timeout_s
-        if num_receivers < 1:
-            raise InvalidArgument(f"num_receivers must be >= 1, got {num_receivers}")
+        if not 1 <= num_receivers < MAX_WORLD_SIZE:
+            raise InvalidArgument(f"num_receivers must be 1..{MAX_WORLD_SIZE - 1} (a group has at most "
+                                  f"{MAX_WORLD_SIZE} ranks), got {num_receivers}")
         if bucket_bytes < 0:
             raise InvalidArgument(f"bucket_bytes must be >= 0 (0 = the default), got {bucket_bytes}")
         if not 0 < timeout_s <= self.max_timeout_s:
@@ -136,7 +137,7 @@ class WeightSender:
             entry.group = SyncGroup(group_id, transport, world_size, timeout_s, store_host=self.host,
                                     store_port=entry.store.port, torch_group=True)
             client = GlooTransport.connect_store(entry.group)  # as for gloo: closing the store ends the rendezvous
-            entry.connecting = _in_thread(f"weight-sync-{group_id}", TorchGroupTransport, entry.group, 0,
+            entry.connecting = in_thread(f"weight-sync-{group_id}", TorchGroupTransport, entry.group, 0,
                                           self.device, client)
         elif transport == "gloo":
             from rlfabric.weight_sync.gloo import GlooTransport
@@ -148,12 +149,12 @@ class WeightSender:
             # (entry.store, the only reference to the server) then fails an abandoned rendezvous at
             # once, where a client still connecting would retry until the timeout.
             client = GlooTransport.connect_store(entry.group)
-            entry.connecting = _in_thread(f"weight-sync-{group_id}", GlooTransport, entry.group, 0, client)
+            entry.connecting = in_thread(f"weight-sync-{group_id}", GlooTransport, entry.group, 0, client)
         elif transport == "nccl":
             from rlfabric.weight_sync.nccl import NcclTransport, new_unique_id
 
             entry.group = SyncGroup(group_id, transport, world_size, timeout_s, nccl_unique_id=new_unique_id())
-            entry.connecting = _in_thread(f"weight-sync-{group_id}", NcclTransport, entry.group, 0, self.device)
+            entry.connecting = in_thread(f"weight-sync-{group_id}", NcclTransport, entry.group, 0, self.device)
         self._groups[group_id] = entry
         log.info("weight-sync group opened", extra={"fields": {
             "group_id": group_id, "transport": transport, "world_size": world_size, "timeout_s": timeout_s,
@@ -233,7 +234,7 @@ class WeightSender:
                 return BroadcastResult(manifest.num_bytes, time.perf_counter() - started, pushes)
             try:
                 await self._wait(entry, len(payload), asyncio.wrap_future(
-                    _in_thread(f"weight-sync-send-{group_id}", self._send, entry, payload)))
+                    in_thread(f"weight-sync-send-{group_id}", self._send, entry, payload)))
             except Exception as error:
                 self._check_not_evicted(entry)  # its rendezvous was abandoned under this broadcast
                 entry.broken = f"{type(error).__name__}: {error}"
@@ -249,7 +250,7 @@ class WeightSender:
         deadline = entry.group.timeout_s * len(manifest.buckets)  # the group's timeout per bucket
         lock = entry.buffers_lock
         if not lock.acquire(blocking=False):  # a pack is running (on the actor's torch thread)
-            acquiring = asyncio.wrap_future(_in_thread(f"weight-sync-wait-{entry.group.group_id}", lock.acquire))
+            acquiring = asyncio.wrap_future(in_thread(f"weight-sync-wait-{entry.group.group_id}", lock.acquire))
             try:
                 await asyncio.shield(acquiring)
             except asyncio.CancelledError:
@@ -299,19 +300,3 @@ class WeightSender:
         for group_id in list(self._groups):
             self.close(group_id)
 
-
-def _in_thread(name: str, fn: Callable, *args) -> Future:
-    """fn(*args) on a new daemon thread: a rendezvous or send blocks only its own group's thread, and
-    an abandoned one cannot hold up another group."""
-    future: Future = Future()
-
-    def run() -> None:
-        if not future.set_running_or_notify_cancel():
-            return
-        try:
-            future.set_result(fn(*args))
-        except BaseException as error:  # handed to whoever waits on the future
-            future.set_exception(error)
-
-    threading.Thread(target=run, name=name, daemon=True).start()
-    return future

@@ -442,3 +442,101 @@ def test_allow_insecure_is_the_explicit_way_to_serve_plaintext_beyond_loopback(t
     finally:
         server.terminate()
         server.wait(30)
+
+
+# --- 6. weight sync: a stuck group never blocks the next one -------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def sync_mesh(tiny_model):
+    """An actor and one hf rollout replica (gloo), real gRPC servers on loopback, no token."""
+    from tests.weight_sync.helpers import Mesh, mesh_config
+
+    config = mesh_config(tiny_model, "weight_sync.transport=gloo")
+    mesh = Mesh(config, {"r0": config})
+    yield mesh
+    mesh.stop()
+
+
+def hostile_join(address: str, timeout_s: float, store_port: int, deadline_s: float | None):
+    """JoinWeightSyncGroup as rank 1 of a gloo group whose store (`store_port`) never answers."""
+    from rlfabric.v1 import rollout_pb2, rollout_pb2_grpc, weight_sync_pb2
+
+    group = weight_sync_pb2.WeightSyncGroup(group_id="ws-hostile", transport=weight_sync_pb2.WEIGHT_TRANSPORT_GLOO,
+                                            world_size=2, store_host="127.0.0.1", store_port=store_port,
+                                            timeout_s=timeout_s)
+    with grpc.insecure_channel(address) as channel:
+        stub = rollout_pb2_grpc.RolloutServiceStub(channel)
+        return stub.JoinWeightSyncGroup(rollout_pb2.JoinWeightSyncGroupRequest(group=group, rank=1),
+                                        timeout=deadline_s)
+
+
+def test_a_weight_sync_join_that_never_completes_does_not_block_the_next_group(sync_mesh):
+    """A join with an absurd timeout is refused; one within weight_sync.max_timeout_s whose sender never
+    comes is abandoned (by its caller's deadline, or by the next group) and a real sync from the actor
+    works at once, in the same replica, without a restart."""
+    import concurrent.futures
+    import socket
+
+    from tests.weight_sync.test_sync_services import rollout_version
+
+    mesh = sync_mesh
+    address = mesh.addresses["r0"]
+    membership = mesh.rollouts["r0"].server.service.engine.weight_sync
+    max_timeout_s = mesh.config.weight_sync.max_timeout_s
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # listens, never answers: a sender that never comes
+        port = silent.getsockname()[1]
+        for absurd in (1e9, float("inf"), max_timeout_s * 2):
+            error = refusal(hostile_join, address, absurd, port, 10)
+            assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error.details()
+            assert "weight_sync.max_timeout_s" in error.details()
+        # Within the cap: the caller gives up after a second; the rendezvous goes on on its thread.
+        assert refusal(hostile_join, address, max_timeout_s, port, 1).code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(refusal, hostile_join, address, max_timeout_s, port, None)  # no deadline at all
+            deadline = time.monotonic() + 30
+            while membership.joining is None:  # the replica is in the hostile rendezvous
+                assert time.monotonic() < deadline and not waiting.done(), "the hostile join never started"
+                time.sleep(0.01)
+            plane = mesh.run(_plane(mesh))
+            started = time.monotonic()
+            assert mesh.run(plane.open()) == {}  # the real group replaces the stuck one
+            error = waiting.result(30)
+            assert error.code() == grpc.StatusCode.ABORTED, error.details()  # its caller hears why
+            assert "joined another weight-sync group" in error.details()
+        mesh.train_step(seed=3)
+        report = mesh.run(plane.sync(1))
+        assert report.failed == {}, report.failed
+        assert time.monotonic() - started < 30
+        assert rollout_version(address) == 1
+        mesh.run(plane.close())
+
+
+async def _plane(mesh):
+    from rlfabric.coordinator.weight_sync import WeightSyncPlane
+
+    return WeightSyncPlane(mesh.actor_client, mesh.addresses, mesh.config)
+
+
+def test_an_absurd_weight_sync_group_size_is_invalid_argument_naming_the_field(sync_mesh):
+    """Issue 35, item 9: num_receivers 2^31-1 was INTERNAL (torch's TCPStore takes no such world size)."""
+    from rlfabric.v1 import rollout_pb2, rollout_pb2_grpc, weight_sync_pb2
+
+    with grpc.insecure_channel(sync_mesh.actor.address) as channel:
+        stub = actor_pb2_grpc.ActorServiceStub(channel)
+        for num_receivers in (2**31 - 1, 2**31 - 2, 1 << 20, -1):
+            request = actor_pb2.OpenWeightSyncGroupRequest(
+                transport=weight_sync_pb2.WEIGHT_TRANSPORT_GLOO, num_receivers=num_receivers)
+            error = refusal(stub.OpenWeightSyncGroup, request, timeout=30)
+            assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, (num_receivers, error.details())
+            assert "num_receivers" in error.details()
+    for world_size in (2**31 - 1, 1 << 20, 1):
+        group = weight_sync_pb2.WeightSyncGroup(group_id="ws-big", transport=weight_sync_pb2.WEIGHT_TRANSPORT_GLOO,
+                                                world_size=world_size, store_host="127.0.0.1", store_port=1,
+                                                timeout_s=1)
+        with grpc.insecure_channel(sync_mesh.addresses["r0"]) as channel:
+            stub = rollout_pb2_grpc.RolloutServiceStub(channel)
+            error = refusal(stub.JoinWeightSyncGroup, rollout_pb2.JoinWeightSyncGroupRequest(group=group, rank=1),
+                            timeout=30)
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, (world_size, error.details())
+        assert "world_size" in error.details()
