@@ -71,7 +71,11 @@ class ServerConfig(Section):
     host: str = "127.0.0.1"
     """Address services bind to; 0.0.0.0 in a container."""
     max_receive_message_mb: int = Field(256, gt=0)
-    """Largest request a service accepts (MiB); bigger ones get RESOURCE_EXHAUSTED. Stream larger data."""
+    """Largest request of a method that carries batches, prompts or weights (MiB); bigger ones get
+    RESOURCE_EXHAUSTED. Stream larger data."""
+    max_control_message_kb: int = Field(4096, gt=0)
+    """Largest request of any other method (KiB): an env Step, a status, a path, a run's overrides. A service
+    with no batch, prompt or weight method (env, coordinator) refuses a bigger one before reading it."""
     max_send_message_mb: int = Field(256, gt=0)
     """Largest response a service sends (MiB)."""
     grace_period_s: float = Field(30.0, ge=0)

@@ -9,7 +9,11 @@
 5. ErrorInterceptor     maps domain errors to status codes; a full disk to RESOURCE_EXHAUSTED; unexpected
                         errors to INTERNAL (logged). Details and their log line are capped (errors.shorten).
                         A request that is not a valid protobuf message of the method's type
-                        (random bytes, bad UTF-8 in a string field) is INVALID_ARGUMENT.
+                        (random bytes, bad UTF-8 in a string field) is INVALID_ARGUMENT; one larger
+                        than its method's limit (rlfabric.core.message_limits) RESOURCE_EXHAUSTED,
+                        unparsed. It sets the status rather than raising (context.abort): an exception
+                        in flight keeps the request alive through its traceback until a garbage
+                        collection, and a refused large request would stay resident until then.
 
 Each wraps the method handler's behaviour in an async context manager (`wrap_handler`), so
 the four RPC kinds (unary/streaming in and out) share one code path.
@@ -30,7 +34,9 @@ import grpc
 from google.protobuf.message import DecodeError
 from grpc import aio
 
-from rlfabric.core.errors import InvalidArgument, RlfabricError, shorten
+from rlfabric.core import message_limits
+from rlfabric.core.errors import InvalidArgument, ResourceExhausted, RlfabricError, shorten
+from rlfabric.core.message_limits import MessageLimits
 from rlfabric.core.metrics import GrpcServerMetrics
 from rlfabric.core.storage import out_of_space
 
@@ -64,35 +70,41 @@ async def _maybe_await(value):
     return await value if inspect.isawaitable(value) else value
 
 
-class _Undecodable:
-    """What a request that does not parse as the method's message type deserializes to.
+class _BadRequest:
+    """What a request that is too large, or does not parse as the method's message type, deserializes to.
 
-    gRPC runs the deserializer before any interceptor code, and a DecodeError raised there reaches
-    the client as UNKNOWN; the lenient deserializer returns this instead, and the wrapped behaviour
-    raises InvalidArgument for it inside the ErrorInterceptor's scope.
+    gRPC runs the deserializer before any interceptor code, and an error raised there reaches the
+    client as UNKNOWN; the lenient deserializer returns this instead, and the wrapped behaviour raises
+    the error inside the ErrorInterceptor's scope.
     """
 
-    def __init__(self, error: DecodeError):
+    def __init__(self, error: RlfabricError):
         self.error = error
 
     def check(self) -> None:
-        raise InvalidArgument(f"the request is not a valid protobuf message of this method's type: {self.error}")
+        raise self.error
 
 
-def _lenient(deserializer: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+def _lenient(deserializer: Callable[[bytes], Any], max_bytes: int | None) -> Callable[[bytes], Any]:
     def deserialize(data: bytes):
+        message_limits.note_request_size(len(data))
+        if max_bytes is not None and len(data) > max_bytes:
+            return _BadRequest(ResourceExhausted(
+                f"request of {len(data)} bytes is larger than this method's limit of {max_bytes} bytes "
+                "(server.max_control_message_kb; batches, prompts and weights: server.max_receive_message_mb)"))
         try:
             return deserializer(data)
         except DecodeError as error:
-            return _Undecodable(error)
+            return _BadRequest(InvalidArgument(f"the request is not a valid protobuf message of this method's "
+                                               f"type: {error}"))
 
     return deserialize
 
 
 async def _checked_stream(requests):
-    """A request stream that raises InvalidArgument at the first message that did not parse."""
+    """A request stream that raises at the first message that was too large or did not parse."""
     async for request in requests:
-        if isinstance(request, _Undecodable):
+        if isinstance(request, _BadRequest):
             request.check()
         yield request
 
@@ -100,18 +112,20 @@ async def _checked_stream(requests):
 def _check_decoded(request_or_iterator, streaming: bool):
     if streaming:
         return _checked_stream(request_or_iterator)
-    if isinstance(request_or_iterator, _Undecodable):
+    if isinstance(request_or_iterator, _BadRequest):
         request_or_iterator.check()
     return request_or_iterator
 
 
 def wrap_handler(
-    handler: grpc.RpcMethodHandler | None, scope: Scope, check_decoding: bool = False
+    handler: grpc.RpcMethodHandler | None, scope: Scope, check_decoding: bool = False,
+    max_request_bytes: int | None = None,
 ) -> grpc.RpcMethodHandler | None:
     """Returns a handler that runs the original behaviour inside `async with scope(context)`.
 
-    check_decoding: deserialize leniently and raise InvalidArgument, inside the scope, for a request
-    that is not a valid message (the ErrorInterceptor's job).
+    check_decoding: deserialize leniently and raise, inside the scope, InvalidArgument for a request
+    that is not a valid message and ResourceExhausted, unparsed, for one over `max_request_bytes` (the
+    ErrorInterceptor's job).
     """
     if handler is None:
         return None
@@ -120,7 +134,7 @@ def wrap_handler(
     deserializer = handler.request_deserializer
     check_decoding = check_decoding and deserializer is not None
     if check_decoding:
-        deserializer = _lenient(deserializer)
+        deserializer = _lenient(deserializer, max_request_bytes)
 
     def request_of(request_or_iterator):
         if not check_decoding:
@@ -288,7 +302,11 @@ class ConcurrencyLimitInterceptor(aio.ServerInterceptor):
 
 
 class ErrorInterceptor(aio.ServerInterceptor):
-    """Domain errors -> their status code; NotImplementedError -> UNIMPLEMENTED; the rest -> INTERNAL."""
+    """Domain errors -> their status code; NotImplementedError -> UNIMPLEMENTED; the rest -> INTERNAL.
+    With `limits`, a request over its method's limit is RESOURCE_EXHAUSTED before it is parsed."""
+
+    def __init__(self, limits: MessageLimits | None = None):
+        self.limits = limits
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -299,28 +317,39 @@ class ErrorInterceptor(aio.ServerInterceptor):
             try:
                 yield
             except RlfabricError as error:
-                await self._refuse(context, method, error.code, str(error))
+                self._refuse(context, method, error.code, str(error))
             except NotImplementedError as error:
-                await context.abort(grpc.StatusCode.UNIMPLEMENTED, shorten(str(error) or f"{method} is not implemented"))
+                _fail(context, grpc.StatusCode.UNIMPLEMENTED, shorten(str(error) or f"{method} is not implemented"))
             except (aio.AbortError, grpc.RpcError):
+                message_limits.release_after_failure()
                 raise
             except Exception as error:  # the server must keep serving whatever a handler does
                 if out_of_space(error):  # a write the handler did not expect to fail
-                    await self._refuse(context, method, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                       f"the disk is full: {type(error).__name__}: {error}")
+                    self._refuse(context, method, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                 f"the disk is full: {type(error).__name__}: {error}")
+                    return
                 log.exception("unexpected error", extra={"fields": {"method": method}})
-                await context.abort(grpc.StatusCode.INTERNAL,
-                                    shorten(f"internal error in {method}: {type(error).__name__}: {error}"))
+                _fail(context, grpc.StatusCode.INTERNAL,
+                      shorten(f"internal error in {method}: {type(error).__name__}: {error}"))
 
-        return wrap_handler(handler, map_errors, check_decoding=True)
+        limit = self.limits.of(method) if self.limits else None
+        return wrap_handler(handler, map_errors, check_decoding=True, max_request_bytes=limit)
 
     @staticmethod
-    async def _refuse(context, method: str, code: grpc.StatusCode, message: str) -> None:
+    def _refuse(context, method: str, code: grpc.StatusCode, message: str) -> None:
         """Logs and answers a refusal, its message shortened: one quoting a huge input (a path, a value)
         must not become a huge reply or log line."""
         details = shorten(message)
         log.info("rpc failed", extra={"fields": {"method": method, "code": code.name, "error": details}})
-        await context.abort(code, details)
+        _fail(context, code, details)
+
+
+def _fail(context: aio.ServicerContext, code: grpc.StatusCode, details: str) -> None:
+    """Ends the RPC with code and details without raising (see the module doc), and has a large
+    request's memory returned to the kernel once the RPC is over."""
+    context.set_code(code)
+    context.set_details(details)
+    message_limits.release_after_failure()
 
 
 def bearer_metadata(token: str | None) -> tuple[tuple[str, Any], ...]:

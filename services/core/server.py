@@ -10,6 +10,10 @@ Lifecycle:
   RPCs that arrive before that get UNAVAILABLE from the readiness interceptor.
 - back-pressure: past server.max_concurrent_rpcs RPCs at once, more get RESOURCE_EXHAUSTED
   (interceptors.ConcurrencyLimitInterceptor); health and reflection always answer.
+- message limits per method (rlfabric.core.message_limits): batches, prompts and weights up to
+  server.max_receive_message_mb, anything else up to server.max_control_message_kb; gRPC's own
+  limit is the largest method limit of the role, so a role without bulk methods (env, coordinator)
+  refuses a big request before reading it.
 - stop(): health NOT_SERVING everywhere, new RPCs refused, in-flight RPCs get `grace_period_s`
   to finish, then the engine stops. SIGTERM/SIGINT trigger it; `serve()` then returns, exit 0.
 """
@@ -36,6 +40,7 @@ from prometheus_client import CollectorRegistry
 
 from rlfabric.core import interceptors, tracing
 from rlfabric.core.config import ConfigError, ServerConfig, TlsConfig, read_auth_token, read_named_file
+from rlfabric.core.message_limits import MessageLimits
 from rlfabric.core.metrics import GrpcServerMetrics, MetricsEndpoint, start_metrics_endpoint
 
 log = logging.getLogger("rlfabric.server")
@@ -80,7 +85,8 @@ class ServerOptions:
     port: int = 0
     metrics_port: int | None = 0
     health_port: int | None = None
-    max_receive_bytes: int = 256 * MIB
+    max_receive_bytes: int = 256 * MIB  # methods that carry batches, prompts or weights
+    max_control_receive_bytes: int = 4 * MIB  # every other method
     max_send_bytes: int = 256 * MIB
     grace_period_s: float = 30.0
     keepalive_time_s: float = 30.0
@@ -96,6 +102,7 @@ class ServerOptions:
         options = cls(
             host=server.host,
             max_receive_bytes=server.max_receive_message_mb * MIB,
+            max_control_receive_bytes=server.max_control_message_kb * 1024,
             max_send_bytes=server.max_send_message_mb * MIB,
             grace_period_s=server.grace_period_s,
             keepalive_time_s=server.keepalive_time_s,
@@ -122,9 +129,14 @@ class ServerOptions:
             "the service, and a token would cross the network in clear. Configure both, bind 127.0.0.1, or "
             "set server.allow_insecure: true to accept the risk (e.g. a private network with a NetworkPolicy)")
 
-    def grpc_options(self) -> list[tuple[str, Any]]:
+    @property
+    def message_limits(self) -> MessageLimits:
+        return MessageLimits(self.max_receive_bytes, self.max_control_receive_bytes)
+
+    def grpc_options(self, max_receive_bytes: int | None = None) -> list[tuple[str, Any]]:
+        """The aio server's options; `max_receive_bytes`: gRPC's own request limit (default: the bulk one)."""
         return [
-            ("grpc.max_receive_message_length", self.max_receive_bytes),
+            ("grpc.max_receive_message_length", max_receive_bytes or self.max_receive_bytes),
             ("grpc.max_send_message_length", self.max_send_bytes),
             ("grpc.keepalive_time_ms", int(self.keepalive_time_s * 1000)),
             ("grpc.keepalive_timeout_ms", int(self.keepalive_timeout_s * 1000)),
@@ -233,18 +245,19 @@ class RlfabricServer:
             self.concurrency_limit = interceptors.ConcurrencyLimitInterceptor(
                 self.options.max_concurrent_rpcs, self.service.role)
             chain.append(self.concurrency_limit)
-        chain.append(interceptors.ErrorInterceptor())
+        chain.append(interceptors.ErrorInterceptor(self.options.message_limits))
         return chain
 
     async def start(self) -> None:
         """Binds, serves health/reflection/metrics, loads the engine, then reports ready."""
         opts = self.options
         opts.check_exposure()
-        self._server = aio.server(interceptors=self._interceptors(), options=opts.grpc_options())
+        names = [b.full_name for b in self.service.bindings]
+        receive_limit = opts.message_limits.of_server(names)  # a bigger request is refused unread
+        self._server = aio.server(interceptors=self._interceptors(), options=opts.grpc_options(receive_limit))
         for binding in self.service.bindings:
             binding.add_to_server(binding.servicer, self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
-        names = [b.full_name for b in self.service.bindings]
         reflection.enable_server_reflection([*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
                                              reflection.SERVICE_NAME], self._server)
         address = f"{opts.host}:{opts.port}"
@@ -256,7 +269,7 @@ class RlfabricServer:
             raise OSError(f"could not bind gRPC port {address}")
         if opts.health_port is not None:
             # A plaintext health-only port for Kubernetes probes, which cannot do mTLS.
-            self._health_server = aio.server(options=opts.grpc_options())
+            self._health_server = aio.server(options=opts.grpc_options(opts.message_limits.of("")))
             health_pb2_grpc.add_HealthServicer_to_server(self.health, self._health_server)
             self.health_port = self._health_server.add_insecure_port(f"{opts.host}:{opts.health_port}")
             await self._health_server.start()

@@ -145,6 +145,49 @@ def test_oversized_message_is_resource_exhausted(probe):
     assert score(channel, "ok").results[0].score == 1.0
 
 
+def _unknown_field(num_bytes: int) -> bytes:
+    """A valid serialized message of any type: field 15 (unknown to it), num_bytes long."""
+    from google.protobuf.internal.encoder import _VarintBytes
+
+    return bytes([15 << 3 | 2]) + _VarintBytes(num_bytes) + bytes(num_bytes)
+
+
+def test_a_method_without_bulk_data_refuses_a_large_request_unparsed(serve_in_thread):
+    """Bulk methods (batches, prompts, weights) take up to max_receive_bytes; the others (here
+    StreamMetrics) up to max_control_receive_bytes, refused by length before protobuf parses."""
+    options = ServerOptions(port=0, metrics_port=None, max_receive_bytes=8 << 20, max_control_receive_bytes=64 << 10)
+    server = serve_in_thread(probe_service(), options)
+    with grpc.insecure_channel(server.address) as channel:
+        stream = channel.unary_stream("/rlfabric.v1.CoordinatorService/StreamMetrics")
+        with pytest.raises(grpc.RpcError) as info:
+            list(stream(_unknown_field(100 << 10), timeout=10))
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "larger than this method's limit of 65536 bytes" in info.value.details()
+        assert "server.max_control_message_kb" in info.value.details()
+        assert len(list(stream(_unknown_field(1 << 10), timeout=10))) == 3
+        score = channel.unary_unary("/rlfabric.v1.RewardService/Score")  # a bulk method: 1 MiB is fine
+        assert reward_pb2.ScoreResponse.FromString(score(_unknown_field(1 << 20), timeout=10))
+
+
+def test_a_role_without_bulk_methods_has_grpc_refuse_a_large_request_unread(serve_in_thread):
+    from rlfabric.core.server import ServiceBinding, ServiceDefinition
+
+    from .probe_services import ProbeCoordinator
+
+    binding = ServiceBinding(ProbeCoordinator(), coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server,
+                             "rlfabric.v1.CoordinatorService")
+    options = ServerOptions(port=0, metrics_port=None, max_receive_bytes=8 << 20, max_control_receive_bytes=64 << 10)
+    assert options.message_limits.of_server(["rlfabric.v1.CoordinatorService"]) == 64 << 10
+    assert options.message_limits.of_server(["rlfabric.v1.RewardService"]) == 8 << 20
+    server = serve_in_thread(ServiceDefinition("coordinator", [binding], GatedEngine()), options)
+    with grpc.insecure_channel(server.address) as channel:
+        stream = channel.unary_stream("/rlfabric.v1.CoordinatorService/StreamMetrics")
+        with pytest.raises(grpc.RpcError) as info:
+            list(stream(_unknown_field(100 << 10), timeout=10))
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "larger than max" in info.value.details()  # gRPC's own refusal, from the length prefix
+
+
 def test_streaming_rpcs_pass_through_interceptors(probe):
     _, channel = probe
     metrics = coordinator_pb2_grpc.CoordinatorServiceStub(channel).StreamMetrics(

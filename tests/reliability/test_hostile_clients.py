@@ -540,3 +540,89 @@ def test_an_absurd_weight_sync_group_size_is_invalid_argument_naming_the_field(s
                             timeout=30)
         assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, (world_size, error.details())
         assert "world_size" in error.details()
+
+
+# --- 7. refused big requests do not stay resident ------------------------------------------------------
+
+
+class Served:
+    """`rlfabric serve ROLE` in a process of its own (its RSS is its own), ready to serve."""
+
+    def __init__(self, workdir: Path, role: str, *overrides: str):
+        port_file = workdir / f"{role}.ports.json"
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "rlfabric", "serve", role, "--port", "0", "--metrics-port", "0",
+             "--port-file", str(port_file), *overrides], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 120
+        while not port_file.exists():
+            assert self.process.poll() is None and time.monotonic() < deadline, f"the {role} service did not start"
+            time.sleep(0.05)
+        self.address = f"127.0.0.1:{json.loads(port_file.read_text())['grpc']}"
+        self.channel = grpc.insecure_channel(self.address, options=[("grpc.max_send_message_length", 512 << 20)])
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        health = health_pb2_grpc.HealthStub(self.channel)
+        ready = health_pb2.HealthCheckRequest(service="readiness")
+        while health.Check(ready, timeout=60, wait_for_ready=True).status != health_pb2.HealthCheckResponse.SERVING:
+            assert time.monotonic() < deadline, f"the {role} service did not get ready"
+            time.sleep(0.05)
+
+    def rss_mib(self) -> int:
+        import psutil
+
+        return psutil.Process(self.process.pid).memory_info().rss >> 20
+
+    def close(self) -> None:
+        self.channel.close()
+        self.process.terminate()
+        self.process.wait(30)
+
+
+def assert_stays_small(service: Served, attacks, bound_mib: int) -> None:
+    """Four of each attack (a call with a ~100 MiB request) are refused with their code, and the
+    service's resident memory ends within `bound_mib` of where it started."""
+    before = service.rss_mib()
+    for call, request, code in attacks:
+        for _ in range(4):
+            error = refusal(call, request, timeout=120)
+            assert error.code() == code, error.details()
+    deadline = time.monotonic() + 10  # a large refused request's memory is returned once its RPC has ended
+    while (grown := service.rss_mib() - before) >= bound_mib:
+        assert time.monotonic() < deadline, f"RSS grew by {grown} MiB over refused requests"
+        time.sleep(0.05)
+
+
+def test_refused_large_steps_do_not_stay_resident_in_the_env_service(tmp_path):
+    """Issue 35, item 7: 65 -> 734 MiB over four refused 100 MiB Steps. A Step needs kilobytes: the env
+    service takes no request over server.max_control_message_kb, refused by gRPC before it is read."""
+    from rlfabric.v1 import environment_pb2, environment_pb2_grpc
+
+    service = Served(tmp_path, "env")
+    try:
+        stub = environment_pb2_grpc.EnvironmentServiceStub(service.channel)
+        step = environment_pb2.StepRequest(session_id="s", action=environment_pb2.Action(text="x" * (100 << 20)))
+        assert_stays_small(service, [(stub.Step, step, grpc.StatusCode.RESOURCE_EXHAUSTED)], bound_mib=32)
+        assert stub.GetStatus(environment_pb2.EnvironmentServiceGetStatusRequest(), timeout=10).environments
+    finally:
+        service.close()
+
+
+def test_refused_large_tensors_do_not_stay_resident_in_the_actor(tiny_model, tmp_path):
+    """Issue 35, item 7: 489 -> 1205 MiB over four refused 100 MiB tensors. ComputeLogProbs takes batches,
+    so a malformed 100 MiB one is parsed, then refused; it does not stay resident. (A method that takes
+    no batch refuses one unparsed: tests/core/test_server.py.)"""
+    import torch
+
+    from rlfabric.core import codec
+
+    service = Served(tmp_path, "actor", f"model.path={tiny_model}", f"storage.root={tmp_path}")
+    try:
+        stub = actor_pb2_grpc.ActorServiceStub(service.channel)
+        batch = codec.encode_batch({"input_ids": torch.zeros(2, 3, dtype=torch.int64)})
+        batch.tensors["input_ids"].raw_data = bytes(100 << 20)  # 100 MiB for 6 int64s
+        malformed = actor_pb2.ComputeLogProbsRequest(input=actor_pb2.LogProbsInput(batch=batch))
+        assert_stays_small(service, [(stub.ComputeLogProbs, malformed, grpc.StatusCode.INVALID_ARGUMENT)],
+                           bound_mib=32)
+        assert stub.GetStatus(actor_pb2.ActorServiceGetStatusRequest(), timeout=10).num_parameters > 0
+    finally:
+        service.close()
