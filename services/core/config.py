@@ -368,8 +368,10 @@ class RolloutConfig(Section):
 
 
 class CustomSandboxConfig(Section):
-    uid: int = Field(65534, ge=1)
-    """User code runs as this uid when the service runs as root (65534 = nobody); best one no other process uses: RLIMIT_NPROC counts every process of the uid, and processes of one uid may signal each other."""
+    uid: int = Field(64000, ge=1)
+    """First uid of the sandbox's range (root only): each reward worker runs its user code as a uid of uid .. uid + uid_count - 1 of its own, one no other worker, call or process uses, so its signals (kill(-1) included) and RLIMIT_NPROC reach its own processes only. Keep the range apart from env.python.sandbox's and below 65536 (user namespaces map no more)."""
+    uid_count: int = Field(64, ge=1)
+    """How many uids the range holds: at least the workers (or concurrent python calls) of every service of this machine using it; a uid some process already runs as is skipped."""
     gid: int = Field(65534, ge=1)
     """Group of user code when the service runs as root (65534 = nogroup); no supplementary groups."""
     allow_network: bool = False
@@ -381,13 +383,28 @@ class CustomSandboxConfig(Section):
     env_passthrough: list[str] = []
     """Names of the service's environment variables passed on to user code (e.g. an API key's)."""
     max_processes: int = Field(128, ge=8)
-    """RLIMIT_NPROC of user code (root only): most processes and threads of the sandbox uid, all workers' together."""
+    """RLIMIT_NPROC of user code (root only): most processes and threads of one worker's (or python call's) uid."""
     max_file_mb: int = Field(64, ge=1)
     """RLIMIT_FSIZE of user code: largest file it may write (MiB); writing more fails with EFBIG."""
     max_open_files: int = Field(256, ge=16)
     """RLIMIT_NOFILE of user code: most file descriptors one of its processes may hold."""
     cpu_limit_s: int = Field(60, ge=1)
     """RLIMIT_CPU of user code: CPU seconds (all threads together) one item may use, renewed before each item; a hard limit only where the worker has CAP_SYS_RESOURCE."""
+    private_tmp: bool = False
+    """Give user code empty /tmp, /var/tmp and /dev/shm of its own (tmpfs in a mount namespace, each at most the memory limit), gone when it ends; they hide the host's, so keep files the function reads elsewhere. false, or where no mount namespace can be made: the host's, and what the sandbox uid left there is deleted when its worker ends (root only)."""
+    memory_cgroup: bool = True
+    """Bound the memory of all the sandbox's processes together with a cgroup v1 memory controller where one can be made (root, a writable cgroup file system); false, or where none can be made: by counting its processes' memory (every 0.2 s while user code runs) and killing them past the limit."""
+
+
+class PythonSandboxConfig(CustomSandboxConfig):
+    """The python tool's sandbox: the reward sandbox's settings, with a uid range of its own and a private /tmp."""
+
+    uid: int = Field(64064, ge=1)
+    """First uid of the python tool's range (root only): each call runs as a uid of uid .. uid + uid_count - 1 of its own, one no other call, reward worker or process uses, so its signals (kill(-1) included) and RLIMIT_NPROC reach its own processes only. Keep the range apart from reward.custom_sandbox's and below 65536."""
+    uid_count: int = Field(256, ge=1)
+    """How many uids the range holds: at least the python calls that may run at once (env.threads) on this machine; a call waits for a free one."""
+    private_tmp: bool = True
+    """Give the code empty /tmp, /var/tmp and /dev/shm of its own for each call (tmpfs in a mount namespace, each at most env.python.memory_limit_mb), so nothing written there is kept between calls; false, or where no mount namespace can be made: the host's, and what the call's uid left there is deleted after the call (root only)."""
 
 
 class RewardConfig(Section):
@@ -407,7 +424,7 @@ class RewardConfig(Section):
     timeout_s: float = Field(10.0, gt=0)
     """A custom function call running longer is killed; its item gets status TIMEOUT and score 0."""
     memory_limit_mb: int = Field(4096, ge=0)
-    """Address-space cap of each custom-function worker (MiB; 0 = none); a hog gets MemoryError."""
+    """Memory cap of each custom-function worker (MiB; 0 = none): each of its processes' address space (RLIMIT_AS: a hog gets MemoryError) and all of them together (see custom_sandbox.memory_cgroup: past it the item fails, the worker is replaced)."""
     custom_sandbox: CustomSandboxConfig = CustomSandboxConfig()
     """How the custom function is confined: network, uid, environment and resource limits."""
     compute_score_kwargs: dict[str, Any] = {}
@@ -505,11 +522,11 @@ class PythonToolConfig(Section):
     timeout_s: float = Field(5.0, gt=0)
     """Longest one run of the python tool's code may take (wall clock); then it is killed and the model reads a timeout. Keep it below env.step_timeout_s, which would otherwise end the Step first."""
     memory_limit_mb: int = Field(512, ge=0)
-    """RLIMIT_AS of the code (MiB); 0 = no limit."""
+    """Memory cap of one call (MiB; 0 = none): each of its processes' address space (RLIMIT_AS) and all of them together (see sandbox.memory_cgroup: past it the call is killed and the model reads why)."""
     max_output_bytes: int = Field(8192, ge=256)
     """stdout and stderr the model reads back, together; the rest is cut off (and says so)."""
-    sandbox: CustomSandboxConfig = CustomSandboxConfig()
-    """The confinement of the code: the reward sandbox's settings (reward.custom_sandbox), applied the same way."""
+    sandbox: PythonSandboxConfig = PythonSandboxConfig()
+    """The confinement of the code: the reward sandbox's settings (reward.custom_sandbox), applied the same way, with a uid range of its own and a private /tmp per call."""
 
 
 class EnvConfig(Section):
@@ -872,6 +889,19 @@ class RunConfig(Section):
     def pool_of(self, role: str) -> str:
         """The resource pool `role` runs on ("" = none; the coordinator never has one)."""
         return getattr(self, role).pool if role in POOL_ROLES else ""
+
+    @model_validator(mode="after")
+    def _sandboxes_have_uids_apart(self) -> RunConfig:
+        """The reward workers and the python tool's calls never share a uid (signals and RLIMIT_NPROC go by uid)."""
+        reward, python = self.reward.custom_sandbox, self.env.python.sandbox
+        if reward.uid < python.uid + python.uid_count and python.uid < reward.uid + reward.uid_count:
+            raise ValueError(
+                f"reward.custom_sandbox's uids ({reward.uid}..{reward.uid + reward.uid_count - 1}) overlap "
+                f"env.python.sandbox's ({python.uid}..{python.uid + python.uid_count - 1}): keep them apart")
+        if self.reward.num_workers > reward.uid_count:
+            raise ValueError(f"reward.num_workers {self.reward.num_workers} > reward.custom_sandbox.uid_count "
+                             f"{reward.uid_count}: each worker needs a uid of its own")
+        return self
 
     @model_validator(mode="after")
     def _sglang_takes_a_process_group(self) -> RunConfig:

@@ -3,7 +3,11 @@ the reward sandbox's confinement) and answers with what it printed.
 
 Each call is a fresh interpreter, killed with every process it started when it runs past
 env.python.timeout_s or prints more than env.python.max_output_bytes (the output then ends with a
-note saying so). Start-up costs one interpreter (~0.1 s); a session keeps no state between calls.
+note saying so), or when all its processes together hold more than env.python.memory_limit_mb (the
+model reads why). Start-up costs one interpreter (~0.1 s). Nothing is kept between calls: each runs
+as a uid of its own (as root; env.python.sandbox.uid, uid_count), with its own empty /tmp, /var/tmp
+and /dev/shm (a mount namespace; where none can be made, the host's, cleared of the call's files
+after it) and a fresh working directory; it cannot signal another call or the reward scorer.
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ PYTHON_SPEC = ToolSpec(
                 "required": ["code"]},
 )
 _warned: set[str] = set()  # confinement warnings logged once per process
+# How long the supervisor may take to clean up (release the uid, delete its temp files) once the code is killed.
+_SUPERVISOR_EXIT_S = 5.0
 
 
 class PythonEnvironment(ToolEnvironment):
@@ -66,13 +72,21 @@ def run_python(code: str, config: PythonToolConfig) -> str:
     except BrokenPipeError:  # the runner died before reading the code
         output, ending = b"", ENDED
     finally:
+        # The code's processes first: the supervisor then releases the call's uid (its temp files
+        # deleted) and exits; killed only if it does not.
         kill_descendants(process.pid)
-        process.kill()
-        process.wait()
-        _log_warnings(process.stderr.read(1 << 16))
+        try:
+            process.wait(timeout=_SUPERVISOR_EXIT_S)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        reports = _reports(process.stderr.read(1 << 16))
         process.stderr.close()
         process.stdout.close()
     text = output[: config.max_output_bytes].decode(errors="replace")
+    exceeded = [report["memory_exceeded"] for report in reports if "memory_exceeded" in report]
+    if exceeded:
+        raise ToolError(f"the code was killed: {exceeded[0]}; its output so far:\n{text}")
     if ending == CUT_OFF:
         return text + f"\n[output cut off at {config.max_output_bytes} bytes]"
     if ending == TIMED_OUT:
@@ -107,13 +121,19 @@ def _read_output(process: subprocess.Popen, max_bytes: int, deadline: float) -> 
     return b"".join(chunks), CUT_OFF
 
 
-def _log_warnings(stderr: bytes) -> None:
+def _reports(stderr: bytes) -> list[dict]:
+    """The JSON lines the supervisor and the runner wrote to stderr; their warnings logged once per process."""
+    reports = []
     for line in stderr.splitlines():
         try:
             report = json.loads(line)
         except ValueError:
             continue
+        if not isinstance(report, dict):
+            continue
+        reports.append(report)
         for warning in report.get("warnings", []) + ([report["sandbox_error"]] if "sandbox_error" in report else []):
             if warning not in _warned:
                 _warned.add(warning)
                 log.warning("python tool sandbox: %s", warning)
+    return reports

@@ -8,13 +8,23 @@ command line, where `ps` would show them. The process splits in two (one fork, n
   checks the reply (sent by the scorer's own pid, per SO_PASSCRED, for that nonce, numbers only) and
   only then writes a result to the pool; a reply out of protocol fails the item and ends the worker.
   It is a child subreaper (prctl PR_SET_CHILD_SUBREAPER): every process the user's code starts stays
-  its descendant, even one that calls setsid() or double-forks into a daemon. When the scorer ends
-  it kills every descendant left, reaps them and exits as the scorer did (same exit code or signal);
-  when the pool's process dies, it does the same.
-- the scorer, its child, confines itself (rlfabric.reward.sandbox: own network namespace, another
-  uid, empty environment, resource limits) before it runs any user code, then loads the function
-  from the source the supervisor read and scores items. Its stdin is /dev/null, its stdout goes to
-  stderr: what the user's code prints or writes to any descriptor it has reaches no result channel.
+  its descendant, even one that calls setsid() or double-forks into a daemon. It claims the worker's
+  own uid (rlfabric.reward.sandbox.claim_uid) and makes its memory bound (process_tree.MemoryBound),
+  which it checks while an item runs. When the scorer ends it kills every descendant left, reaps
+  them, releases the uid (deleting what it left in the host's temp dirs) and exits as the
+  scorer did (same exit code or signal); when the pool's process dies, it does the same.
+- the scorer, its child, confines itself (rlfabric.reward.sandbox: own network namespace, the
+  worker's uid, empty environment, resource limits, the memory cgroup) before it runs any user code,
+  then loads the function from the source the supervisor read and scores items. Its stdin is
+  /dev/null, its stdout goes to stderr: what the user's code prints or writes to any descriptor it
+  has reaches no result channel.
+Nothing an item starts outlives it: before the scorer replies it kills and reaps every process below
+it (a child subreaper too, so orphans included), and before the supervisor passes the reply on it
+kills whatever is left but the scorer and waits until it is reaped; both skip the process-table scan
+where /proc/stat says nothing forked since. So no leftover reads the next item, holds memory or
+counts against RLIMIT_NPROC. A process the function forks finds the channel's descriptor pointing at
+/dev/null (os.register_at_fork), and one it execs never has it (close-on-exec). The sandbox past its
+memory limit (all its processes together) fails the item with that reason, and the worker is replaced.
 So the pool kills a worker by killing every descendant of the supervisor (kill_descendants), which
 reaches whatever the user's code started, whatever session or process group it moved to.
 Without PR_SET_CHILD_SUBREAPER (not Linux) a process that leaves the tree (its parent exits) escapes.
@@ -59,10 +69,19 @@ from typing import Any, NoReturn
 import psutil
 
 from rlfabric.reward.items import describe_exception, short_message
-from rlfabric.reward.process_tree import kill_descendants, set_child_subreaper
+from rlfabric.reward.process_tree import (
+    MEMORY_CHECK_S,
+    MemoryBound,
+    kill_descendants,
+    reap_children,
+    set_child_subreaper,
+    wait_for_children,
+)
 from rlfabric.reward.sandbox import (
     SandboxError,
+    UidClaim,
     can_renew_hard_cpu_limit,
+    claim_uid,
     confine,
     make_workdir,
     renew_cpu_limit,
@@ -174,13 +193,18 @@ def _exit_when_orphaned(parent_pid: int, cleanup: Callable[[], object] | None = 
 def main() -> int:
     settings = _read_settings()
     set_child_subreaper()
+    sandbox = settings["sandbox"]
     try:  # read here, as root: the sandbox uid may not be allowed to
         with open(settings["path"], "rb") as file:
             source = file.read()
-    except OSError as exc:
+        # A uid of this worker's alone (root only): its processes are the only ones its code may signal.
+        claim = claim_uid(sandbox["uid"], sandbox["uid_count"]) if os.geteuid() == 0 else None
+    except (OSError, SandboxError) as exc:
         _write_all(1, _line({"type": "load_error", "message": describe_exception(exc)}))
         return 1
-    sandbox = settings["sandbox"]
+    if claim is not None:
+        sandbox["uid"] = claim.uid
+    bound = MemoryBound(settings["memory_limit_mb"], sandbox["memory_cgroup"])
     workdir = make_workdir(sandbox["uid"], sandbox["gid"])
     hard_cpu_limit = can_renew_hard_cpu_limit()
     channel, scorer_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -189,9 +213,26 @@ def main() -> int:
     scorer = os.fork()
     if scorer == 0:
         channel.close()
-        return score_items(scorer_end, source, settings, workdir, hard_cpu_limit, supervisor)
+        return score_items(scorer_end, source, settings, workdir, hard_cpu_limit, supervisor, bound.cgroup)
     scorer_end.close()
-    supervise(scorer, channel, settings, workdir, hard_cpu_limit)
+    supervise(scorer, channel, settings, hard_cpu_limit, _Sandbox(workdir, bound, claim))
+
+
+class _Sandbox:
+    """What the supervisor made for its scorer and removes when it ends: the working directory, the
+    memory bound (a cgroup, maybe) and the claimed uid (with what it left in the host's temp dirs)."""
+
+    def __init__(self, workdir: str, bound: MemoryBound, claim: UidClaim | None):
+        self.workdir = workdir
+        self.bound = bound
+        self.claim = claim
+
+    def remove(self) -> None:
+        """Once every process of the sandbox is dead."""
+        if self.claim is not None:
+            self.claim.release()
+        self.bound.close()
+        shutil.rmtree(self.workdir, ignore_errors=True)
 
 
 def _read_settings() -> dict:
@@ -206,7 +247,7 @@ def _read_settings() -> dict:
 
 
 def supervise(
-    scorer: int, channel: socket.socket, settings: dict, workdir: str, hard_cpu_limit: bool
+    scorer: int, channel: socket.socket, settings: dict, hard_cpu_limit: bool, sandbox: _Sandbox
 ) -> NoReturn:
     """The supervisor's part: relay items and checked replies until the scorer ends or breaks the
     protocol, or the pool goes; then kill and reap whatever is left and end as the scorer ended."""
@@ -214,11 +255,11 @@ def supervise(
 
     def clean_up() -> None:
         kill_descendants(me)
-        shutil.rmtree(workdir, ignore_errors=True)
+        sandbox.remove()
 
     threading.Thread(target=_exit_when_orphaned, args=(settings["parent_pid"], clean_up), daemon=True).start()
     cpu_limit_s = settings["sandbox"]["cpu_limit_s"] if hard_cpu_limit else None  # else the scorer's job
-    relay = _Relay(psutil.Process(scorer), channel, cpu_limit_s)
+    relay = _Relay(psutil.Process(scorer), channel, cpu_limit_s, sandbox.bound)
     reaper = _Reaper(scorer)
     relay.run(reaper.exited_fd)
     kill_descendants(me)
@@ -226,7 +267,7 @@ def supervise(
     with contextlib.suppress(ChildProcessError):
         while True:  # every descendant is dead: each zombie comes to us once its parent is reaped
             os.waitpid(-1, 0)
-    shutil.rmtree(workdir, ignore_errors=True)
+    sandbox.remove()
     sys.stderr.flush()
     if os.WIFSIGNALED(status):  # die of the same signal, so the pool can say how the scorer ended
         number = os.WTERMSIG(status)
@@ -273,25 +314,42 @@ class _OutOfProtocol(Exception):
 class _Relay:
     """The supervisor's side of both protocols: items from the pool to the scorer, checked replies back."""
 
-    def __init__(self, scorer: psutil.Process, channel: socket.socket, cpu_limit_s: int | None):
+    def __init__(
+        self, scorer: psutil.Process, channel: socket.socket, cpu_limit_s: int | None, bound: MemoryBound
+    ):
         self.scorer = scorer
         self.channel = channel
         self.cpu_limit_s = cpu_limit_s
+        self.bound = bound
+        self.me = os.getpid()
         self.state = _LOADING
         self.nonce = ""
         self.from_pool = b""
         self.from_scorer = b""
         self.selector = selectors.DefaultSelector()
+        self.next_memory_check = time.monotonic() + MEMORY_CHECK_S
 
     def run(self, scorer_exited_fd: int) -> None:
-        """Relay until the scorer ends, the pool closes its pipe or the scorer breaks the protocol."""
+        """Relay until the scorer ends, the pool closes its pipe, the scorer breaks the protocol or the
+        sandbox goes past its memory limit (checked every MEMORY_CHECK_S while user code runs)."""
         self.selector.register(0, selectors.EVENT_READ, self._on_pool)
         self.selector.register(self.channel, selectors.EVENT_READ, self._on_scorer)
         self.selector.register(scorer_exited_fd, selectors.EVENT_READ, None)
         try:
             while True:
-                for key, _ in self.selector.select():
-                    if key.data is None or not key.data():
+                watch = self.state in (_LOADING, _BUSY) and self.bound.limit_mb
+                timeout = max(0.0, self.next_memory_check - time.monotonic()) if watch else None
+                for key, _ in self.selector.select(timeout):
+                    if key.data is None:
+                        self._scorer_ended()
+                        return
+                    if not key.data():
+                        return
+                if watch and time.monotonic() >= self.next_memory_check:
+                    self.next_memory_check = time.monotonic() + MEMORY_CHECK_S
+                    reason = self.bound.check(self.me)
+                    if reason:
+                        self._fail(reason)
                         return
         finally:
             self.selector.close()
@@ -310,6 +368,7 @@ class _Relay:
                 with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
                     renew_cpu_limit(self.scorer, self.cpu_limit_s)
             self.state = _BUSY
+            self.next_memory_check = time.monotonic() + MEMORY_CHECK_S
             with contextlib.suppress(OSError):  # the scorer is gone: the reaper says so next
                 self.channel.sendall(_line(item))
         return True
@@ -330,10 +389,37 @@ class _Relay:
             if len(self.from_scorer) > MAX_REPLY_BYTES:
                 raise _OutOfProtocol(f"a reply longer than {MAX_REPLY_BYTES} bytes")
             for line in lines:
-                _write_all(1, _line(self._checked(line)))
+                ending = self.state
+                message = self._checked(line)
+                if message["type"] != "load_error":  # the load or an item has ended: so has all it started
+                    reason = self._end_item(message.pop("ended", True))  # (the load: always)
+                    if reason:
+                        self.state = ending
+                        return self._fail(reason)
+                _write_all(1, _line(message))
         except _OutOfProtocol as exc:
             return self._broken(str(exc))
         return True
+
+    def _end_item(self, scorer_ended_some: bool) -> str:
+        """Kill every process the item (or the load) started that the scorer left, and wait until they
+        are reaped; the scan of the process table (milliseconds) only where the scorer says it had some
+        to end (always after the load). Why the sandbox went past its memory limit, or ''.
+
+        The scorer's word is the function's process's: its own code could make it lie, the processes it
+        starts cannot (the scorer is not dumpable after its uid change: no ptrace, no /proc/PID/mem), and
+        the cgroup's count of OOM kills is the kernel's."""
+        if scorer_ended_some:
+            kill_descendants(self.me, spare=self.scorer.pid)
+            wait_for_children(self.me, keep=self.scorer.pid)  # orphans are ours, reaped by the _Reaper
+        return self.bound.check(self.me) if self.bound.cgroup else ""
+
+    def _scorer_ended(self) -> None:
+        """The scorer died: where the memory bound killed it, say so rather than leave a bare crash."""
+        if self.state in (_LOADING, _BUSY):
+            reason = self.bound.check(self.me)
+            if reason:
+                self._fail(reason)
 
     def _checked(self, line: bytes) -> dict:
         """The message for the pool that a reply line of the scorer stands for."""
@@ -344,7 +430,8 @@ class _Relay:
         kind = reply.get("type") if isinstance(reply, dict) else None
         if self.state == _LOADING and kind == "ready" and _strings(reply.get("warnings")):
             self.state = _IDLE
-            return {"type": "ready", "warnings": reply["warnings"]}
+            warnings = reply["warnings"] + ([self.bound.warning] if self.bound.warning else [])
+            return {"type": "ready", "warnings": warnings}
         if self.state == _LOADING and kind == "load_error" and isinstance(reply.get("message"), str):
             self.state = _IDLE  # it exits next: anything more is out of protocol
             return {"type": "load_error", "message": short_message(reply["message"])}
@@ -352,21 +439,28 @@ class _Relay:
             raise _OutOfProtocol(f"a {kind!r} reply while no item was being scored")
         if reply.get("nonce") != self.nonce:
             raise _OutOfProtocol("a reply without the item's nonce")
+        if not isinstance(reply.get("ended"), bool):
+            raise _OutOfProtocol(f"a {kind!r} reply without 'ended'")
+        ended = reply["ended"]  # (for the supervisor's _end_item; never sent to the pool)
         if kind == "result" and _is_score(reply.get("value")):
             self.state = _IDLE
-            return {"type": "result", "value": reply["value"]}
+            return {"type": "result", "value": reply["value"], "ended": ended}
         if (
             kind == "error"
             and isinstance(reply.get("message"), str)
             and isinstance(reply.get("recycle"), bool)
         ):
             self.state = _IDLE
-            return {"type": "error", "message": short_message(reply["message"]), "recycle": reply["recycle"]}
+            message = short_message(reply["message"])
+            return {"type": "error", "message": message, "recycle": reply["recycle"], "ended": ended}
         raise _OutOfProtocol(f"a malformed {kind!r} reply")
 
     def _broken(self, reason: str) -> bool:
         """Fail what the scorer was doing and stop relaying: nothing it sends is trusted any more."""
-        message = f"the scorer broke the result protocol ({reason}); no score was taken from it"
+        return self._fail(f"the scorer broke the result protocol ({reason}); no score was taken from it")
+
+    def _fail(self, message: str) -> bool:
+        """Fail the item being scored (the pool replaces the worker) or the load, with `message`."""
         if self.state == _BUSY:
             _write_all(1, _line({"type": "error", "message": message, "recycle": True}))
         elif self.state == _LOADING:
@@ -381,6 +475,7 @@ def score_items(
     workdir: str,
     hard_cpu_limit: bool,
     supervisor_pid: int,
+    cgroup: str,
 ) -> int:
     """The scorer's part: confine itself, load the user's function and score the items the
     supervisor sends until it closes the channel."""
@@ -391,6 +486,10 @@ def score_items(
     os.dup2(2, 1)
     os.closerange(3, channel.fileno())
     os.closerange(channel.fileno() + 1, os.sysconf("SC_OPEN_MAX"))
+    # No process the function forks gets the channel (an exec'd one never does: it is close-on-exec).
+    os.register_at_fork(after_in_child=lambda: _cut_off(channel.fileno()))
+    # Orphans of the function's processes come to the scorer, which kills and reaps them after each item.
+    set_child_subreaper()
 
     def send(message: dict) -> None:
         channel.sendall(_line(message))
@@ -399,7 +498,7 @@ def score_items(
     # longer read, the installed modules the file imports, is imported first.
     import_installed_modules(source, settings["path"])
     try:
-        warnings = confine(settings["sandbox"], settings["memory_limit_mb"], workdir, hard_cpu_limit)
+        warnings = confine(settings["sandbox"], settings["memory_limit_mb"], workdir, hard_cpu_limit, cgroup)
     except SandboxError as exc:
         send({"type": "load_error", "message": str(exc)})
         return 1
@@ -414,6 +513,7 @@ def score_items(
     except Exception as exc:
         send({"type": "load_error", "message": describe_exception(exc)})
         return 1
+    _end_own_processes()
     send({"type": "ready", "warnings": warnings})
     kwargs = settings["function_kwargs"]
     cpu_limit_s = settings["sandbox"]["cpu_limit_s"]
@@ -438,8 +538,30 @@ def score_items(
             }
         # Sent after the except block, so the traceback and the user's locals are freed by now.
         reply["nonce"] = nonce
+        reply["ended"] = _end_own_processes()
         send(reply)
     return 0
+
+
+def _end_own_processes() -> bool:
+    """Kill and reap every process below the scorer, if it has any; whether it had. Exact and cheap:
+    the scorer is a child subreaper, so with no child (waitid: ECHILD) it has no descendant either.
+    Told it had some, the supervisor kills whatever is left too (see _Relay._end_item)."""
+    try:
+        os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return False
+    kill_descendants(os.getpid())
+    reap_children()
+    return True
+
+
+def _cut_off(channel_fd: int) -> None:
+    """In a process the function forked: the channel's descriptor now reads and writes /dev/null."""
+    with contextlib.suppress(OSError):
+        devnull = os.open(os.devnull, os.O_RDWR)
+        os.dup2(devnull, channel_fd)
+        os.close(devnull)
 
 
 def _line(message: dict) -> bytes:

@@ -470,18 +470,26 @@ def test_a_function_writing_without_end_hits_the_file_size_limit(custom_reward, 
     assert_next_item_is_scored(custom_reward)
 
 
-def test_children_of_a_finished_function_die_with_the_pool(tmp_path, marker_dir):
+def test_what_a_finished_function_started_dies_with_its_item(tmp_path, marker_dir):
+    """A double-forked daemon (a session of its own) that the function left running when it returned is
+    killed and reaped before the item's result comes back: it cannot read the next items."""
     from rlfabric.reward.custom import CustomScorerPool
 
     path = tmp_path / "reward_fn.py"
     path.write_text(CUSTOM_REWARD)
-    with CustomScorerPool(str(path), num_workers=1, timeout_s=5, function_kwargs={"marker_dir": str(marker_dir)}) as pool:
-        result = pool.score_batch([ScoreItem("x", "r", "g", extra_info={"mode": "fork_and_return"})])[0]
-        assert result.ok and result.score == 1.0
-        wait_until(lambda: len(_children(marker_dir, "fork_and_return")) == 1, 10, "the forked child's marker")
-        child = _children(marker_dir, "fork_and_return")[0]
-        assert _alive(child)  # left running by the function...
-    wait_until(lambda: not _alive(child), 10, "the forked child to die")  # ...and killed with its worker's process tree
+    with _no_survivors(marker_dir, "daemon_and_return"):
+        with CustomScorerPool(str(path), num_workers=1, timeout_s=5,
+                              function_kwargs={"marker_dir": str(marker_dir)}) as pool:
+            result = pool.score_batch([ScoreItem("x", "r", "g", extra_info={"mode": "daemon_and_return"})])[0]
+            assert result.ok and result.score == 1.0
+            (daemon,) = _children(marker_dir, "daemon_and_return")  # left before the function returned
+            assert not _alive(daemon)
+            assert_pool_scores(pool)
+
+
+def assert_pool_scores(pool) -> None:
+    result = pool.score_batch([ScoreItem("x", "r", "g", extra_info={"mode": "plain"})])[0]
+    assert result.ok and result.score == 1.0, result
 
 
 @contextlib.contextmanager
@@ -514,55 +522,39 @@ def test_a_double_forked_daemon_is_cut_off_with_the_timeout(custom_reward, custo
         assert_next_item_is_scored(custom_reward)
 
 
-def test_a_double_forked_daemon_dies_with_its_worker(tmp_path, marker_dir):
-    """After a normal return the daemon runs on with its worker (a function may keep a helper process
-    between calls); it dies when the worker does: the pool closes, or the worker crashes."""
+def test_a_double_forked_daemon_dies_with_its_crashed_worker(tmp_path, marker_dir):
     from rlfabric.reward.custom import CustomScorerPool
 
     path = tmp_path / "reward_fn.py"
     path.write_text(CUSTOM_REWARD)
-    with _no_survivors(marker_dir, "daemon_and_return"), _no_survivors(marker_dir, "daemon_and_crash"):
+    with _no_survivors(marker_dir, "daemon_and_crash"):
         with CustomScorerPool(str(path), num_workers=1, timeout_s=5,
                               function_kwargs={"marker_dir": str(marker_dir)}) as pool:
-            result = pool.score_batch([ScoreItem("x", "r", "g", extra_info={"mode": "daemon_and_return"})])[0]
-            assert result.ok and result.score == 1.0
-            wait_until(lambda: len(_children(marker_dir, "daemon_and_return")) == 1, 10, "the daemon's marker")
-            daemon = _children(marker_dir, "daemon_and_return")[0]
-            assert _alive(daemon)
-
             crashed = pool.score_batch([ScoreItem("x", "r", "g", extra_info={"mode": "daemon_and_crash"})])[0]
             assert crashed.status == STATUS_CRASHED and "exited with code 3" in crashed.message, crashed
-            wait_until(lambda: len(_children(marker_dir, "daemon_and_crash")) == 1, 10, "the daemon's marker")
-            # The crash ended the worker, so both daemons are gone, the pool still open.
-            for pid in [daemon, *_children(marker_dir, "daemon_and_crash")]:
-                wait_until(lambda pid=pid: not _alive(pid), 3, f"daemon {pid} to die")
-
-            again = pool.score_batch([ScoreItem("x", "r", "g", extra_info={"mode": "daemon_and_return"})])[0]
-            assert again.ok  # a fresh worker
-            wait_until(lambda: len(_children(marker_dir, "daemon_and_return")) == 2, 10, "the second daemon's marker")
-            (second,) = [pid for pid in _children(marker_dir, "daemon_and_return") if pid != daemon]
-        wait_until(lambda: not _alive(second), 3, "the daemon to die with the closed pool")
+            (daemon,) = _children(marker_dir, "daemon_and_crash")
+            wait_until(lambda: not _alive(daemon), 3, "the daemon to die with the crashed worker")
+            assert_pool_scores(pool)  # a fresh worker
 
 
 def test_a_double_forked_daemon_dies_when_the_pool_process_is_killed(tmp_path, marker_dir):
-    """The service process itself dies (SIGKILL, OOM kill): the orphaned worker kills what its function started."""
+    """The service process itself dies (SIGKILL, OOM kill) while an item runs: the orphaned worker kills
+    what its function started."""
     path = tmp_path / "reward_fn.py"
     path.write_text(CUSTOM_REWARD)
     script = textwrap.dedent(f"""
-        import sys, time
         from rlfabric.reward.custom import CustomScorerPool
         from rlfabric.reward.items import ScoreItem
-        pool = CustomScorerPool({str(path)!r}, num_workers=1, function_kwargs={{"marker_dir": {str(marker_dir)!r}}})
-        print(pool.score_batch([ScoreItem("x", "r", "g", extra_info={{"mode": "daemon_and_return"}})])[0].status, flush=True)
-        time.sleep(60)
+        pool = CustomScorerPool({str(path)!r}, num_workers=1, timeout_s=60,
+                                function_kwargs={{"marker_dir": {str(marker_dir)!r}}})
+        pool.score_batch([ScoreItem("x", "r", "g", extra_info={{"mode": "daemon"}})])
         """)
-    with _no_survivors(marker_dir, "daemon_and_return"):
-        service = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    with _no_survivors(marker_dir, "daemon"):
+        service = subprocess.Popen([sys.executable, "-c", script])
         try:
-            assert service.stdout.readline().strip() == "ok"
-            wait_until(lambda: len(_children(marker_dir, "daemon_and_return")) == 1, 10, "the daemon's marker")
-            daemon = _children(marker_dir, "daemon_and_return")[0]
-            assert _alive(daemon)
+            wait_until(lambda: len(_children(marker_dir, "daemon")) == 1, 20, "the daemon's marker")
+            daemon = _children(marker_dir, "daemon")[0]
+            assert _alive(daemon)  # the item is still running
         finally:
             service.kill()
             service.wait()

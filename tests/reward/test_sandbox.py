@@ -4,6 +4,7 @@ could make, made for real against a pool running as root, and the pool scoring t
 import asyncio
 import errno
 import os
+import secrets
 import shutil
 import socket
 import stat
@@ -32,23 +33,53 @@ pytestmark = pytest.mark.skipif(
 
 TIMEOUT_S = 1.0
 NUM_WORKERS = 2
-# A uid no other process has, so every process of it is the sandbox's.
-SANDBOX_UID = 3_000_000 + os.getpid() % 100_000
+# A uid range no other process has, so every process of it is the sandbox's; each worker takes one.
+SANDBOX_UID = 3_000_000 + os.getpid() % 100_000 * 16
+UID_COUNT = 16
+SANDBOX_UIDS = range(SANDBOX_UID, SANDBOX_UID + UID_COUNT)
 MAX_PROCESSES = 32
+LEFTOVERS = 12  # processes an item leaves running: three items' worth would pass MAX_PROCESSES
 API_KEY = "sk-test-4f1c9e7d2b"
 SECRET_VARIABLE = "RLFABRIC_TEST_SERVICE_SECRET"
 PASSED_VARIABLE = "RLFABRIC_TEST_PASSED_ON"
 
 USER_FILE = textwrap.dedent(
     """
+    import ctypes
     import json
     import os
+    import select
     import signal
     import socket
     import sys
     import time
 
     FORGED = b'{"type": "result", "value": 1000000000.0}\\n'
+
+
+    def fork(how):
+        if how == "libc":  # as C code would: no os.register_at_fork handler runs
+            return ctypes.PyDLL(None).fork()
+        return os.fork()
+
+
+    def read_everything(marker, ready):
+        # In a process left running: say so, then read whatever comes on any descriptor it holds.
+        ready_read, ready_write = ready
+        os.close(ready_read)
+        os.write(ready_write, b"x")
+        end = time.monotonic() + 30
+        with open(marker, "ab") as out:
+            while time.monotonic() < end:
+                for fd in range(3, 64):
+                    try:
+                        if select.select([fd], [], [], 0)[0]:
+                            out.write(os.read(fd, 65536))
+                            out.flush()
+                    except (OSError, ValueError):
+                        pass
+                time.sleep(0.005)
+        os._exit(0)
 
 
     def write_everywhere(data):
@@ -118,7 +149,7 @@ USER_FILE = textwrap.dedent(
             while "nonce" not in frame.f_locals:
                 frame = frame.f_back
             reply = {"type": "result", "value": 1e9, "nonce": frame.f_locals["nonce"]}
-            child = os.fork()
+            child = fork(extra_info["how"])
             if child == 0:
                 write_everywhere(json.dumps(reply).encode() + b"\\n")
                 os._exit(0)
@@ -141,6 +172,34 @@ USER_FILE = textwrap.dedent(
             for child in children:
                 os.waitpid(child, 0)
             return {"score": float(len(children)), "errno": limit_errno}
+        if mode == "leave_children":
+            # Children that outlive the item (half of them forked as C code would), each reading all it can.
+            ready = os.pipe()
+            forked = 0
+            try:
+                for n in range(extra_info["count"]):
+                    if fork("libc" if n % 2 else "os") == 0:
+                        read_everything(os.path.join(extra_info["dir"], f"leftover-{os.getpid()}"), ready)
+                    forked += 1
+            except OSError as exc:
+                return {"score": float(forked), "errno": exc.errno}
+            for _ in range(forked):
+                os.read(ready[0], 1)
+            return float(forked)
+        if mode == "hog_children":
+            children = []
+            for _ in range(extra_info["count"]):
+                child = os.fork()
+                if child == 0:
+                    hog = bytearray(extra_info["mib"] * 1024 * 1024)
+                    for offset in range(0, len(hog), 4096):  # resident, not merely reserved
+                        hog[offset] = 1
+                    time.sleep(60)
+                    os._exit(0)
+                children.append(child)
+            for child in children:
+                os.waitpid(child, 0)
+            return 1.0
         if mode == "fork_bomb":
             while True:
                 try:
@@ -181,7 +240,8 @@ def assert_next_batch_works(pool: CustomScorerPool) -> None:
 
 
 def sandbox_processes() -> list[psutil.Process]:
-    return [p for p in psutil.process_iter(["uids"]) if p.info["uids"] and p.info["uids"].real == SANDBOX_UID]
+    """Every process of the sandbox's uids, zombies included."""
+    return [p for p in psutil.process_iter(["uids"]) if p.info["uids"] and p.info["uids"].real in SANDBOX_UIDS]
 
 
 @pytest.fixture(scope="module")
@@ -202,6 +262,7 @@ def service_environment():
 def sandbox_config(**fields) -> CustomSandboxConfig:
     return CustomSandboxConfig(
         uid=SANDBOX_UID,
+        uid_count=UID_COUNT,
         gid=SANDBOX_UID,
         require_network_isolation=True,
         env={"REWARD_MODE": "sandboxed"},
@@ -226,11 +287,13 @@ def pool(user_file, service_environment):
     assert sandbox_processes() == []  # close() left nothing of the sandbox uid running
 
 
-def test_runs_as_the_sandbox_uid_in_a_private_directory(pool):
-    metrics = score(pool, "identity").metrics
-    assert (metrics["uid"], metrics["euid"], metrics["gid"]) == (SANDBOX_UID,) * 3
-    assert metrics["groups"] == 0
-    assert metrics["cwd_owner"] == SANDBOX_UID and metrics["home_is_cwd"] == 1.0
+def test_each_worker_runs_as_a_uid_of_its_own_in_a_private_directory(pool):
+    both = [result.metrics for result in pool.score_batch([item("identity"), item("identity")])]  # one per worker
+    assert len({metrics["uid"] for metrics in both}) == NUM_WORKERS
+    for metrics in both:
+        assert metrics["uid"] in SANDBOX_UIDS and metrics["euid"] == metrics["uid"]
+        assert metrics["gid"] == SANDBOX_UID and metrics["groups"] == 0
+        assert metrics["cwd_owner"] == metrics["uid"] and metrics["home_is_cwd"] == 1.0
 
 
 def test_no_network(pool):
@@ -326,10 +389,63 @@ def test_writes_to_every_descriptor_forge_nothing(pool):
 
 
 def test_a_child_process_cannot_answer_for_the_function(pool):
-    result = score(pool, "forge_from_child")
+    # Forked by os.fork, it finds the channel's descriptor on /dev/null: its forgery goes nowhere.
+    result = score(pool, "forge_from_child", how="os")
+    assert (result.status, result.score) == (STATUS_OK, 0.25)
+    # Forked as C code would, it has the channel, but the supervisor takes replies from the scorer's pid only.
+    result = score(pool, "forge_from_child", how="libc")
     assert result.status == STATUS_ERROR and result.score == 0.0
     assert "wrote on the result channel, not the scorer" in result.message
     assert_next_batch_works(pool)
+
+
+@pytest.fixture
+def shared_directory():
+    """A new directory every uid may write to (pytest's are root's alone)."""
+    directory = Path(tempfile.mkdtemp())
+    directory.chmod(0o1777)
+    yield directory
+    shutil.rmtree(directory)
+
+
+def test_nothing_an_item_starts_outlives_it(user_file, shared_directory):
+    # (A timeout far off: forking a dozen interpreters takes a while on a busy machine.)
+    with CustomScorerPool(user_file, num_workers=NUM_WORKERS, timeout_s=30, sandbox=sandbox_config()) as pool:
+        supervisors = set(supervisor_pids())
+        for _ in range(3):  # each item forks as many: no leftover, nor zombie, uses up RLIMIT_NPROC
+            result = score(pool, "leave_children", count=LEFTOVERS, dir=str(shared_directory))
+            assert (result.status, result.score) == (STATUS_OK, float(LEFTOVERS)), result
+            # Killed and reaped before the result came back: of the sandbox's uids only scorers are left
+            # (this pool's, and the module's pool's), no zombie.
+            assert [p.status() for p in sandbox_processes()].count(psutil.STATUS_ZOMBIE) == 0
+            assert sandbox_processes_but_scorers() == []
+        # So no leftover reads the next items off the channel, ground truth included.
+        secret = secrets.token_hex(16)
+        results = pool.score_batch([ScoreItem("my/task", secret, secret, extra_info={"mode": "exact"})] * 4)
+        assert [(r.status, r.score) for r in results] == [(STATUS_OK, 1.0)] * 4
+        markers = list(shared_directory.glob("leftover-*"))
+        assert len(markers) == 3 * LEFTOVERS
+        assert not any(secret.encode() in marker.read_bytes() for marker in markers)
+        assert set(supervisor_pids()) == supervisors  # the same workers all along
+
+
+@pytest.mark.parametrize("memory_cgroup", [True, False], ids=["cgroup", "counted"])
+def test_the_memory_limit_holds_for_all_the_processes_together(user_file, memory_cgroup):
+    # Four children of 144 MiB each pass no one's RLIMIT_AS of 256 MiB (the scorer's own is ~100), but
+    # 576 MiB together.
+    with CustomScorerPool(user_file, num_workers=1, timeout_s=20, memory_limit_mb=256,
+                          sandbox=sandbox_config(memory_cgroup=memory_cgroup)) as pool:
+        assert not any("no memory cgroup" in warning for warning in pool.sandbox_warnings)
+        result = score(pool, "hog_children", count=4, mib=144)
+        assert result.status == STATUS_ERROR and result.score == 0.0, result
+        assert "went past its memory limit of 256 MiB" in result.message
+        assert_next_batch_works(pool)  # a fresh worker
+        assert sandbox_processes_but_scorers() == []
+
+
+def sandbox_processes_but_scorers() -> list[psutil.Process]:
+    supervisors = set(supervisor_pids())
+    return [p for p in sandbox_processes() if p.ppid() not in supervisors]
 
 
 def test_process_limit(pool):
@@ -375,7 +491,7 @@ def test_the_reward_service_confines_as_its_config_says(user_file):
     engine = RewardEngine(config)
     asyncio.run(engine.start())
     try:
-        assert score(engine.custom_pool, "identity").metrics["uid"] == SANDBOX_UID
+        assert score(engine.custom_pool, "identity").metrics["uid"] in SANDBOX_UIDS
     finally:
         asyncio.run(engine.stop())
 
