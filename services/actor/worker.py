@@ -47,6 +47,36 @@ def warmup_factor(updates: int, warmup_steps: int) -> float:
     return 1.0 if warmup_steps <= 0 else min(1.0, (updates + 1) / warmup_steps)
 
 
+def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device | str) -> None:
+    """Every tensor of the optimizer's state to `device`, but a step count that lives on the CPU: Adam keeps
+    it there unless the group is fused or capturable (then on the parameters' device, and it moves too)."""
+    for group in optimizer.param_groups:
+        steps_follow = bool(group.get("fused") or group.get("capturable"))
+        for param in group["params"]:
+            state = optimizer.state.get(param, {})
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and (key != "step" or steps_follow):
+                    state[key] = value.to(device, non_blocking=True)
+
+
+def release_device_memory(device: torch.device) -> None:
+    """Hands back to the driver what this process's torch still holds on `device` once nothing of the model is
+    there: torch's cache of freed blocks (empty_cache), and cuBLAS's workspaces. cuBLAS keeps one workspace per
+    (handle, stream) that ran a matmul -- a handle per thread: the phase's own and autograd's backward thread
+    -- of 32 MiB on Hopper and Blackwell (CUBLAS_WORKSPACE_CONFIG; cuBLASLt shares it), allocated through
+    torch's caching allocator, so they count in memory_allocated and empty_cache() cannot free them: they were
+    the colocated actor's 64 MiB left on the GPU after every update. torch frees them only through
+    torch._C._cuda_clearCublasWorkspaces (no public API; its CUDA-graph trees call it to drop the same
+    workspaces), after a synchronize so no kernel still uses one; the next matmul allocates a new one."""
+    if device.type != "cuda":
+        return
+    torch.cuda.synchronize(device)  # the non-blocking copies to the host have landed; no kernel uses a workspace
+    clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear_workspaces is not None:
+        clear_workspaces()
+    torch.cuda.empty_cache()
+
+
 class RankWorker:
     """The model and training state of one rank, and the per-rank steps of each command."""
 
@@ -75,6 +105,7 @@ class RankWorker:
         # offload does it; one rank moves them itself (onload before a phase, offload after).
         offload = config.trainer.colocated and device.type == "cuda"
         self.offloads = offload and not self.sharded
+        self.frees_gpu = offload  # between phases nothing of this rank stays allocated on the GPU
         self.model = (models.shard_model(model, world_size, device, self.dtype, offload) if self.sharded
                       else model.to("cpu" if self.offloads else device))
         self.objective = None
@@ -96,6 +127,8 @@ class RankWorker:
         self.mini_batch_rows = self.section.ppo_mini_batch_size * config.rollout.n if self.trainable else 0
 
     # -- helpers ----------------------------------------------------------------------------------
+        if self.frees_gpu:  # the GPU starts as free as between phases (loading may have left blocks behind)
+            release_device_memory(device)
 
     def _all_reduce(self, values: list[float], op=dist.ReduceOp.SUM) -> list[float]:
         if not self.sharded:
@@ -120,13 +153,8 @@ class RankWorker:
     def _move(self, device: torch.device | str) -> None:
         """The model and the optimizer's state to `device` (the hybrid engine's onload and offload)."""
         self.model.to(device)
-        for state in self.optimizer.state.values() if self.optimizer is not None else ():
-            for key, value in state.items():
-                if isinstance(value, torch.Tensor) and key != "step":
-                    state[key] = value.to(device, non_blocking=True)
-        if torch.device(device).type == "cpu":
-            self._sync()
-            torch.cuda.empty_cache()  # give the freed blocks back, for the rollout engine
+        if self.optimizer is not None:
+            move_optimizer_state(self.optimizer, device)
 
     def onload(self) -> None:
         """Before a phase: the model (and optimizer state) to the GPU, when the hybrid engine offloads them."""
@@ -134,11 +162,15 @@ class RankWorker:
             self._move(self.device)
 
     def offload(self) -> None:
-        """After a phase: the model (and optimizer state) to host memory, when the hybrid engine offloads them."""
+        """After a phase: the model (and optimizer state) to host memory, when the hybrid engine offloads them
+        (FSDP2's CPU offload does it for a sharded model), and what torch still holds on the GPU back to the
+        driver, for the rollout engine that shares it."""
         if self.offloads:
             self._move("cpu")
 
     # -- inference --------------------------------------------------------------------------------
+        if self.frees_gpu:
+            release_device_memory(self.device)
 
     @torch.no_grad()
     def compute(self, shard: SequenceBatch, temperature: float = 1.0, with_entropy: bool = False,
