@@ -402,7 +402,7 @@ class PythonSandboxConfig(CustomSandboxConfig):
     uid: int = Field(64064, ge=1)
     """First uid of the python tool's range (root only): each call runs as a uid of uid .. uid + uid_count - 1 of its own, one no other call, reward worker or process uses, so its signals (kill(-1) included) and RLIMIT_NPROC reach its own processes only. Keep the range apart from reward.custom_sandbox's and below 65536."""
     uid_count: int = Field(256, ge=1)
-    """How many uids the range holds: at least the python calls that may run at once (env.threads) on this machine; a call waits for a free one."""
+    """How many uids the range holds: at least the python calls that may run at once (env.threads) on this machine; a call waits for a free one up to half its timeout_s."""
     private_tmp: bool = True
     """Give the code empty /tmp, /var/tmp and /dev/shm of its own for each call (tmpfs in a mount namespace, each at most env.python.memory_limit_mb), so nothing written there is kept between calls; false, or where no mount namespace can be made: the host's, and what the call's uid left there is deleted after the call (root only)."""
 

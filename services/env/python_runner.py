@@ -23,11 +23,12 @@ import os
 import select
 import shutil
 import sys
+import time
 import traceback
 
 from rlfabric.reward.custom_worker import import_installed_modules
 from rlfabric.reward.process_tree import MEMORY_CHECK_S, MemoryBound, kill_descendants, set_child_subreaper
-from rlfabric.reward.sandbox import SandboxError, claim_uid, confine, make_workdir
+from rlfabric.reward.sandbox import SandboxError, UidClaim, claim_uid, confine, make_workdir
 
 
 def main() -> int:
@@ -37,7 +38,7 @@ def main() -> int:
     set_child_subreaper()
     sandbox = settings["sandbox"]
     try:  # a uid of this call's own (root only): its signals and RLIMIT_NPROC reach only its processes
-        claim = claim_uid(sandbox["uid"], sandbox["uid_count"]) if os.geteuid() == 0 else None
+        claim = claim_free_uid(sandbox, time.monotonic() + settings["timeout_s"] / 2) if os.geteuid() == 0 else None
     except SandboxError as error:
         _report({"sandbox_error": str(error)})
         return 1
@@ -61,6 +62,18 @@ def main() -> int:
     bound.close()
     shutil.rmtree(workdir, ignore_errors=True)
     return os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status)
+
+
+def claim_free_uid(sandbox: dict, deadline: float) -> UidClaim:
+    """A uid of the sandbox's range, waiting for one while every one is taken (by concurrent calls)
+    until `deadline` (half the call's timeout: the other half is the code's); then SandboxError."""
+    while True:
+        try:
+            return claim_uid(sandbox["uid"], sandbox["uid_count"])
+        except SandboxError:
+            if time.monotonic() > deadline:
+                raise
+        time.sleep(0.05)
 
 
 def wait_within_memory(runner: int, bound: MemoryBound) -> int:

@@ -59,7 +59,7 @@ def run_python(code: str, config: PythonToolConfig) -> str:
     ToolTimeout when it runs past config.timeout_s."""
     sandbox = config.sandbox.model_dump()
     sandbox["variables"] = user_variables(config.sandbox.env, config.sandbox.env_passthrough)
-    settings = {"sandbox": sandbox, "memory_limit_mb": config.memory_limit_mb}
+    settings = {"sandbox": sandbox, "memory_limit_mb": config.memory_limit_mb, "timeout_s": config.timeout_s}
     process = subprocess.Popen(
         [sys.executable, "-m", "rlfabric.env.python_runner"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -87,6 +87,9 @@ def run_python(code: str, config: PythonToolConfig) -> str:
     exceeded = [report["memory_exceeded"] for report in reports if "memory_exceeded" in report]
     if exceeded:
         raise ToolError(f"the code was killed: {exceeded[0]}; its output so far:\n{text}")
+    refused = [report["sandbox_error"] for report in reports if "sandbox_error" in report]
+    if refused:
+        raise ToolError(f"the code did not run: {refused[0]}")
     if ending == CUT_OFF:
         return text + f"\n[output cut off at {config.max_output_bytes} bytes]"
     if ending == TIMED_OUT:

@@ -7,15 +7,18 @@ The config names a Python file and a function in it with VeRL's custom_reward_fu
 A dict's "score" is the reward; its other numeric entries become metrics. The function never runs in
 the caller's process. An item whose function raises (MemoryError included) gets status "error", one
 that runs past timeout_s gets "timeout", one whose worker dies (segfault, os._exit) gets "crashed";
-each scores 0, and a hung or dead worker (or one that hit MemoryError) is killed and replaced, so the
-next item and batch go on. Killing a worker kills every process the function started, whatever
-session or process group it moved to (setsid, a double-forked daemon): see custom_worker.
+each scores 0, and a hung or dead worker (or one that hit MemoryError, or whose processes together
+went past memory_limit_mb: "error" saying so) is killed and replaced, so the next item and batch go
+on. Every process the function started is killed and reaped when its item ends, and killing a worker
+kills them too, whatever session or process group they moved to (setsid, a double-forked daemon):
+see custom_worker.
 
-The function is confined (rlfabric.reward.sandbox, settings in reward.custom_sandbox): as root, no
-network, another uid, an empty environment plus what the config lists, limits on processes, file
-size, descriptors and CPU time; its keyword arguments reach it over a pipe, not the command line,
-and only its worker's supervisor, which runs no user code, writes results to the pool.
-What cannot be done here (not root, no network namespace) is logged once as a warning.
+The function is confined (rlfabric.reward.sandbox, settings in reward.custom_sandbox; docs/sandbox.md):
+as root, no network, a uid of the worker's own, an empty environment plus what the config lists,
+limits on processes, memory (all its processes together), file size, descriptors and CPU time; its
+keyword arguments reach it over a pipe, not the command line, and only its worker's supervisor, which
+runs no user code, writes results to the pool.
+What cannot be done here (not root, no network namespace, no cgroup) is logged once as a warning.
 
     with CustomScorerPool("my_reward.py", "compute_score", num_workers=2, timeout_s=5) as pool:
         results = pool.score_batch(items)
@@ -164,8 +167,9 @@ class CustomScorerPool:
     ):
         """Start the workers and wait until each has loaded the function.
 
-        memory_limit_mb caps each worker's address space (RLIMIT_AS; None = no cap); it counts
-        virtual memory, so a function that imports torch needs a few GB. function_kwargs (JSON
+        memory_limit_mb caps each of a worker's processes' address space (RLIMIT_AS, virtual memory:
+        a function that imports torch needs a few GB) and all of them together (resident; see
+        rlfabric.reward.process_tree.MemoryBound); None = no cap. function_kwargs (JSON
         values) are passed to every call, as VeRL's custom_reward_function.reward_kwargs.
         sandbox confines the function (None = the defaults of reward.custom_sandbox).
         Raises FileNotFoundError or CustomFunctionLoadError when the function cannot be loaded.

@@ -239,7 +239,7 @@ def confine(
         drop_privileges(sandbox["uid"], sandbox["gid"])
     else:
         warnings.append(
-            f"the reward service does not run as root, so user code runs as its uid {os.getuid()}: it can "
+            f"the service does not run as root, so user code runs as its uid {os.getuid()}: it can "
             "read every file the service can and signal the service's processes; no RLIMIT_NPROC either"
         )
     _libc().prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)

@@ -11,6 +11,7 @@ import secrets
 import shutil
 import tempfile
 import textwrap
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from rlfabric.env import PythonEnvironment
 from rlfabric.env.items import STEP_OK, STEP_TOOL_ERROR, Action, Task, ToolCall
 from rlfabric.env.python_tool import run_python
 from rlfabric.reward import STATUS_OK, CustomScorerPool, ScoreItem
-from rlfabric.reward.sandbox import SHARED_TEMP_DIRS
+from rlfabric.reward.sandbox import SHARED_TEMP_DIRS, claim_uid
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.skipif(
@@ -172,3 +173,16 @@ def test_tool_code_cannot_signal_the_reward_scorer_nor_use_up_its_processes(shar
     assert output == "forked 8\nsurvived\n"
     assert result.status == STATUS_OK, result
     assert result.score == float((shared_directory / "full").read_text()) > 8
+
+
+def test_a_call_waits_for_a_free_uid_and_says_when_none_came():
+    first = 3_600_000 + os.getpid() % 100_000  # a range of one uid, no one else's
+    sandbox = {"uid": first, "uid_count": 1}
+    held = claim_uid(first, 1)  # as a concurrent call would
+    try:
+        status, output = run_code("print(1)", timeout_s=4, sandbox=sandbox)
+        assert status == STEP_TOOL_ERROR and "did not run: no free uid for the sandbox" in output, output
+        threading.Timer(0.5, held.release).start()  # the other call ends meanwhile
+        assert run_code("import os\nprint(os.getuid())", timeout_s=10, sandbox=sandbox) == (STEP_OK, f"{first}\n")
+    finally:
+        held.release()
