@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 PROTO_FILES := $(wildcard protos/rlfabric/v1/*.proto)
 
-.PHONY: run test setup system-deps protos docs lint bench clean
+.PHONY: run test setup system-deps protos docs lint bench gpu-check gpu-wheels clean
 
 # torch, pinned to the CPU build this machine kind serves (a plain `torch` pulls CUDA wheels). It is
 # installed first and repeated in every later pip call, so no dependency can swap it for a CUDA build.
@@ -70,6 +70,19 @@ lint: setup
 
 bench: setup
 	$(PY) -m bench.run_all
+
+## On a machine with one GPU (at most ~8 minutes): the GPU tests, the quickstart (defaults and colocated) and
+## rlfabric against TRL on a SmolLM2-1.7B-shaped model; writes bench/results/gpu.json and gpu.png. No `make
+## setup` there: it runs with the machine's own Python and torch (GPU_PYTHON), plus gpu-wheels/ when copied.
+GPU_PYTHON ?= $(if $(wildcard $(PY)),$(PY),python3)
+gpu-check:
+	$(GPU_PYTHON) -m bench.gpu_check $(GPU_CHECK_ARGS)
+
+## On a machine with internet: what a GPU machine without it lacks for gpu-check, into gpu-wheels/ (git-ignored;
+## ~40 MB: copy it over with the checkout). GPU_PYTHON_VERSION: that machine's Python.
+GPU_PYTHON_VERSION ?= 3.12
+gpu-wheels: setup
+	$(PY) -m bench.gpu_wheels gpu-wheels --python-version $(GPU_PYTHON_VERSION)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -4,9 +4,11 @@
     python bench/trl_grpo.py SPEC.json OUT.json
 
 SPEC: {"model", "train_parquet", "reward_file", "prompts_per_step", "n", "max_tokens", "lr", "steps",
-       "temperature", "max_prompt_length", "seed"}. The reward is the same function rlfabric's reward
+       "temperature", "max_prompt_length", "seed"}, and for a GPU (bench.gpu_check) optionally "device"
+("cpu" by default, or "cuda"), "bf16" (false), "micro_batch" (rows per forward/backward; all of a step's by
+default) and "gradient_checkpointing" (false). The reward is the same function rlfabric's reward
 service runs (compute_score of a file in services/reward/, loaded by path). OUT: per step the wall
-time between step ends and the mean reward.
+time between step ends and the mean reward; on a GPU the peak of torch's allocated memory.
 """
 
 from __future__ import annotations
@@ -44,14 +46,17 @@ def main() -> None:
                 for c, truth in zip(completions, ground_truth, strict=True)]
 
     rows = spec["prompts_per_step"] * spec["n"]
+    micro = spec.get("micro_batch", rows)  # one optimizer step per step: the step's rows in micro-batches
+    on_cpu = spec.get("device", "cpu") == "cpu"
     config = GRPOConfig(
         output_dir=spec["output_dir"], max_steps=spec["steps"], learning_rate=spec["lr"],
         lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.01, max_grad_norm=1.0,
-        per_device_train_batch_size=rows, gradient_accumulation_steps=1, num_generations=spec["n"],
+        per_device_train_batch_size=micro, gradient_accumulation_steps=rows // micro, num_generations=spec["n"],
         max_completion_length=spec["max_tokens"], temperature=spec["temperature"], top_p=1.0,
         num_iterations=1, beta=0.0, loss_type="dapo", scale_rewards="group",
-        logging_steps=1, save_strategy="no", report_to=[], seed=spec["seed"], bf16=False, fp16=False,
-        use_cpu=True, dataloader_num_workers=0, disable_tqdm=True,
+        logging_steps=1, save_strategy="no", report_to=[], seed=spec["seed"], bf16=spec.get("bf16", False),
+        fp16=False, use_cpu=on_cpu, dataloader_num_workers=0, disable_tqdm=True,
+        gradient_checkpointing=spec.get("gradient_checkpointing", False),
     )
     tokenizer = AutoTokenizer.from_pretrained(spec["model"])
     tokenizer.padding_side = "left"
@@ -81,9 +86,10 @@ def main() -> None:
     import transformers
     import trl
 
+    peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() and not on_cpu else None
     with open(out_path, "w") as out:
         json.dump({"steps": steps, "trl": trl.__version__, "transformers": transformers.__version__,
-                   "torch": torch.__version__}, out, indent=2)
+                   "torch": torch.__version__, "peak_device_mb": peak / 2**20 if peak else None}, out, indent=2)
 
 
 if __name__ == "__main__":
