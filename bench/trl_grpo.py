@@ -6,7 +6,7 @@
 SPEC: {"model", "train_parquet", "reward_file", "prompts_per_step", "n", "max_tokens", "lr", "steps",
        "temperature", "max_prompt_length", "seed"}, and for a GPU (bench.gpu_check) optionally "device"
 ("cpu" by default, or "cuda"), "bf16" (false), "micro_batch" (rows per forward/backward; all of a step's by
-default) and "gradient_checkpointing" (false). The reward is the same function rlfabric's reward
+default) and "gradient_checkpointing" (TRL's default when absent). The reward is the same function rlfabric's reward
 service runs (compute_score of a file in services/reward/, loaded by path). OUT: per step the wall
 time between step ends and the mean reward; on a GPU the peak of torch's allocated memory.
 """
@@ -56,7 +56,7 @@ def main() -> None:
         num_iterations=1, beta=0.0, loss_type="dapo", scale_rewards="group",
         logging_steps=1, save_strategy="no", report_to=[], seed=spec["seed"], bf16=spec.get("bf16", False),
         fp16=False, use_cpu=on_cpu, dataloader_num_workers=0, disable_tqdm=True,
-        gradient_checkpointing=spec.get("gradient_checkpointing", False),
+        **({"gradient_checkpointing": spec["gradient_checkpointing"]} if "gradient_checkpointing" in spec else {}),
     )
     tokenizer = AutoTokenizer.from_pretrained(spec["model"])
     tokenizer.padding_side = "left"
