@@ -150,6 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_serve(args) -> int:
+    from rlfabric.core.config import read_env_token
     from rlfabric.core.server import ServerOptions
     from rlfabric.serve import build_service, run_service
 
@@ -161,9 +162,10 @@ def cmd_serve(args) -> int:
         service = build_service(args.role, config)
         print(f"rlfabric serve {args.role}: {type(service.engine).__name__} builds; ready to serve")
         return 0
+    token = read_env_token(config) if args.role == "env" else None  # an environment never holds the mesh's token
     options = ServerOptions.from_config(
-        config.server, host=args.host, port=args.port, metrics_port=args.metrics_port, health_port=args.health_port
-    )
+        config.server, token, host=args.host, port=args.port, metrics_port=args.metrics_port,
+        health_port=args.health_port)
     run_service(args.role, config, options, port_file=args.port_file)
     return 0
 

@@ -63,7 +63,7 @@ class Peers:
             reference=reference,
             critic=CriticClient(cluster.critic[0], options) if wanted["critic"] else None,
             rollout_addresses=list(cluster.rollout),
-            **environment_of(config, options),
+            **environment_of(config, ChannelOptions.for_env(config)),  # the environment's token, not the mesh's
         )
 
     def grpc_clients(self) -> list[ServiceClient]:

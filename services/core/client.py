@@ -18,7 +18,15 @@ from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rlfabric.core import errors, tracing
-from rlfabric.core.config import ClientConfig, RunConfig, TlsConfig, read_auth_token, read_named_file
+from rlfabric.core.config import (
+    ClientConfig,
+    ConfigError,
+    RunConfig,
+    TlsConfig,
+    read_auth_token,
+    read_env_token,
+    read_named_file,
+)
 from rlfabric.core.interceptors import bearer_metadata
 
 MIB = 1024 * 1024
@@ -64,6 +72,18 @@ class ChannelOptions:
             tls=config.server.tls,
             auth_token=read_auth_token(config.server),
         )
+
+    @classmethod
+    def for_env(cls, config: RunConfig) -> ChannelOptions:
+        """To the environment service: as from_config, with the environment's own token
+        (env.auth_token_file) instead of the mesh's, which must not reach an environment (a ConfigError
+        when the file holds the mesh's token)."""
+        options = cls.from_config(config)
+        token = read_env_token(config)
+        if token and token == options.auth_token:
+            raise ConfigError("env.auth_token_file holds the mesh's token (server.auth_token_file): an environment "
+                              "must get a token of its own, which authorises nothing else")
+        return replace(options, auth_token=token)
 
     def service_config(self) -> str:
         """gRPC service config: retry every method on UNAVAILABLE with exponential backoff.

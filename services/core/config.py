@@ -553,6 +553,11 @@ class EnvConfig(Section):
     """Largest observation an environment may return; larger is the environment's fault (INVALID_ARGUMENT)."""
     max_steps_per_session: int = Field(64, ge=1)
     """Most Steps of one session; more get FAILED_PRECONDITION."""
+    auth_token_file: str = ""
+    """File holding the bearer token of the environment link: the env service requires it, and the rollout
+    replicas and the coordinator send it to the environment instead of the mesh's token
+    (server.auth_token_file), which an environment never gets; empty = no token on that link.
+    `rlfabric up`/`train` create one (RUN_DIR/env_token, 0600) when the mesh has a token."""
     python: PythonToolConfig = PythonToolConfig()
     """The python environment's code execution."""
     pool: str = ""
@@ -1099,6 +1104,17 @@ def read_auth_token(server: ServerConfig) -> str:
     token = read_named_file("server.auth_token_file", server.auth_token_file).decode().strip()
     if not token:
         raise ConfigError(f"server.auth_token_file: {server.auth_token_file} is empty (authentication would be off)")
+    return token
+
+
+def read_env_token(config: RunConfig) -> str:
+    """env.auth_token_file's token ("" when none is configured); an empty file is a ConfigError. The env
+    service reads this one only: where it runs, the mesh's token need not exist."""
+    if not config.env.auth_token_file:
+        return ""
+    token = read_named_file("env.auth_token_file", config.env.auth_token_file).decode().strip()
+    if not token:
+        raise ConfigError(f"env.auth_token_file: {config.env.auth_token_file} is empty")
     return token
 
 

@@ -97,8 +97,10 @@ class ServerOptions:
     allow_insecure: bool = False
 
     @classmethod
-    def from_config(cls, server: ServerConfig, **overrides) -> ServerOptions:
-        token = read_auth_token(server)
+    def from_config(cls, server: ServerConfig, token: str | None = None, **overrides) -> ServerOptions:
+        """`token`: the bearer token RPCs must carry; None = server.auth_token_file's (the mesh's). The env
+        service passes env.auth_token_file's (rlfabric.core.config.read_env_token) and never reads the mesh's."""
+        token = read_auth_token(server) if token is None else token
         options = cls(
             host=server.host,
             max_receive_bytes=server.max_receive_message_mb * MIB,

@@ -191,7 +191,7 @@ class InProcessMesh:
         if not any(address in self.engines for address in cluster.env):
             # No environment in this process: the replicas' agent loops call the run's over gRPC, and the
             # run waits for it to be ready as over the mesh (rlfabric.coordinator.setup.connect_services).
-            peers = dataclasses.replace(peers, **environment_of(config, ChannelOptions.from_config(config)))
+            peers = dataclasses.replace(peers, **environment_of(config, ChannelOptions.for_env(config)))
             try:
                 await peers.wait_until_ready(config.client.connect_timeout_s)
             except BaseException:

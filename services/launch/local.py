@@ -11,7 +11,7 @@ Services bind port 0 and report their ports through RUN_DIR/ports/<name>.json (n
 Logs go to RUN_DIR/logs/<name>.log. A role in a resource pool sees only the pool's GPUs and runs on its
 cores (rlfabric.launch.placement); every service gets an OMP_NUM_THREADS that keeps the services together
 within the machine's cores (launcher.threads_per_service). Every RPC needs the mesh's token (RUN_DIR/auth_token, 0600)
-unless server.auth_token_file names another. Children get SIGTERM if the launcher dies (PR_SET_PDEATHSIG),
+unless server.auth_token_file names another; the environment link has a token of its own (RUN_DIR/env_token). Children get SIGTERM if the launcher dies (PR_SET_PDEATHSIG),
 and stop() terminates, then kills, every child: no orphans.
 """
 
@@ -121,6 +121,9 @@ def prepare_run_dir(config: RunConfig, run_dir: Path) -> Path:
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     if not config.server.auth_token_file:
         config.server.auth_token_file = str(write_mesh_token(run_dir).resolve())
+    multi_turn = config.env.enable or config.rollout.multi_turn.enable
+    if multi_turn and not config.env.auth_token_file:  # the environment's own: it never gets the mesh's
+        config.env.auth_token_file = str(write_mesh_token(run_dir, "env_token").resolve())
     if not config.trainer.run_dir:
         config.trainer.run_dir = str(run_dir.resolve())
     if not config.storage.root:
@@ -137,11 +140,12 @@ def prepare_run_dir(config: RunConfig, run_dir: Path) -> Path:
     return worker_config
 
 
-def write_mesh_token(run_dir: Path) -> Path:
+def write_mesh_token(run_dir: Path, name: str = "auth_token") -> Path:
     """RUN_DIR/auth_token: a new random bearer token, readable by this user only (0600), that every
-    service of the mesh requires and every client of it (the CLI, `rlfabric status`) sends."""
-    path = run_dir / "auth_token"
-    tmp = run_dir / f".auth_token.{os.getpid()}.tmp"
+    service of the mesh requires and every client of it (the CLI, `rlfabric status`) sends; with `name`
+    env_token, the environment link's (env.auth_token_file)."""
+    path = run_dir / name
+    tmp = run_dir / f".{name}.{os.getpid()}.tmp"
     tmp.unlink(missing_ok=True)
     create_private_file(tmp, secrets.token_urlsafe(32)).replace(path)
     return path

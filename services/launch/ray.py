@@ -44,7 +44,7 @@ import yaml
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
-from rlfabric.core.config import ConfigError, RunConfig, read_auth_token
+from rlfabric.core.config import ConfigError, RunConfig, read_auth_token, read_env_token
 from rlfabric.core.errors import FailedPrecondition
 from rlfabric.core.storage import create_private_file
 from rlfabric.launch.local import (
@@ -67,14 +67,16 @@ from rlfabric.weight_sync.devices import DeviceReport, TransportChoice, choose_t
 log = logging.getLogger("rlfabric.launch.local")
 
 
-def with_local_token(config_text: str, token: str, workdir: Path) -> str:
-    """The config text with server.auth_token_file pointing at a 0600 copy of the mesh's token in
-    workdir: on another node the launcher's RUN_DIR/auth_token does not exist."""
-    if not token:
-        return config_text
-    path = create_private_file(workdir / "auth_token", token)
+def with_local_token(config_text: str, token: str, workdir: Path, env_token: str = "", role: str = "") -> str:
+    """The config text with server.auth_token_file and env.auth_token_file pointing at 0600 copies of the
+    mesh's and the environment link's tokens in workdir: on another node the launcher's RUN_DIR/auth_token
+    and env_token do not exist. The env service gets its own token only, never the mesh's."""
     config = yaml.safe_load(config_text)
-    config.setdefault("server", {})["auth_token_file"] = str(path)
+    for section, name, value in (("server", "auth_token", token), ("env", "env_token", env_token)):
+        if role == "env" and section == "server":
+            config.setdefault(section, {})["auth_token_file"] = ""
+        elif value:
+            config.setdefault(section, {})["auth_token_file"] = str(create_private_file(workdir / name, value))
     return yaml.safe_dump(config, sort_keys=False)
 
 
@@ -83,7 +85,7 @@ class ServiceSupervisor:
     """One `rlfabric serve ROLE` process on this actor's node, holding the role's Ray resources."""
 
     def __init__(self, name: str, role: str, config_path: str, config_text: str, run_dir: str, run_id: str,
-                 host: str | None, cwd: str, token: str = ""):
+                 host: str | None, cwd: str, token: str = "", env_token: str = ""):
         self.name = name
         self.host = host or ray.util.get_node_ip_address()
         run_dir_here = Path(run_dir)
@@ -97,7 +99,7 @@ class ServiceSupervisor:
             # Another node: a private directory; stop() hands the log back to the launcher.
             self.workdir = Path(tempfile.mkdtemp(prefix=f"rlfabric-{run_id}-{name}-"))
             config_path = str(self.workdir / Path(config_path).name)
-            Path(config_path).write_text(with_local_token(config_text, token, self.workdir))
+            Path(config_path).write_text(with_local_token(config_text, token, self.workdir, env_token, role))
             self.log_path = self.workdir / f"{name}.log"
             self.port_file = self.workdir / "ports.json"
         self.port_file.unlink(missing_ok=True)
@@ -401,7 +403,7 @@ class RayMesh(MeshContext):
                 ray.get_runtime_context().get_node_id(), soft=False)
         actor = ServiceSupervisor.options(**options).remote(
             name, role, str(config_path.resolve()), config_path.read_text(), str(self.run_dir.resolve()),
-            self.run_id, self._host, os.getcwd(), read_auth_token(self.config.server))
+            self.run_id, self._host, os.getcwd(), read_auth_token(self.config.server), read_env_token(self.config))
         self.services.append(RayService(name, role, actor, resources, placed=actor.node_ip.remote()))
 
     def _await_ports(self, services: list[RayService]) -> None:

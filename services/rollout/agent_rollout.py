@@ -117,7 +117,7 @@ class AgentRollouts:
             raise FailedPrecondition("a multi-turn request names no environment service, and this rollout replica "
                                      "knows none: set rollout.multi_turn.env_address or cluster.env")
         if address not in self._env_clients:
-            self._env_clients[address] = EnvClient(address, ChannelOptions.from_config(config))
+            self._env_clients[address] = EnvClient(address, ChannelOptions.for_env(config))  # not the mesh's token
         return self._env_clients[address]
 
     def _sample(self, prompt_index: int, sample_index: int, trajectory: Trajectory) -> FinishedSample:

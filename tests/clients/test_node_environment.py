@@ -39,7 +39,8 @@ from tests.waiting import wait_until
 
 CLIENT_DIR = Path(__file__).parents[2] / "examples" / "clients" / "node"
 NODE = shutil.which("node")
-TOKEN = "node-env-test-token"
+TOKEN = "node-env-test-token"  # the environment link's (env.auth_token_file), which the Node service checks
+MESH_TOKEN = "node-env-test-mesh-token"  # the mesh's: the environment never sees it
 
 pytestmark = pytest.mark.skipif(NODE is None, reason="node is not installed (`make system-deps` installs it)")
 
@@ -184,21 +185,29 @@ def test_a_node_environment_that_never_answers_fails_the_call_not_the_caller(mis
         call(misbehaving, "step", other.session_id, Action("hi"))
 
 
+def token_files(folder) -> list[str]:
+    """Overrides naming the mesh's token and the environment link's, each in a 0600 file."""
+    overrides = []
+    for key, token in (("server.auth_token_file", MESH_TOKEN), ("env.auth_token_file", TOKEN)):
+        path = folder / key.split(".")[0]
+        path.write_text(token)
+        path.chmod(0o600)
+        overrides.append(f"{key}={path}")
+    return overrides
+
+
 def test_the_node_environment_is_the_env_role_of_a_live_mesh(start_node, tmp_path):
     """`rlfabric up --external env=ADDRESS`: the mesh takes the Node environment as its env role, the
-    launcher's readiness check and the mesh's token work with it, and the resolved config names it."""
-    token_file = tmp_path / "token"
-    token_file.write_text(TOKEN)
-    token_file.chmod(0o600)
+    launcher's readiness check and the environment's token work with it, and the resolved config names it."""
     address = start_node(["env_server.js"])
-    config = load_config(None, ["env.enable=true", f"server.auth_token_file={token_file}", "trainer.total_steps=1"])
+    config = load_config(None, ["env.enable=true", *token_files(tmp_path), "trainer.total_steps=1"])
     with LocalMesh(config, tmp_path / "run", external={"env": [address]}) as mesh:
         resolved = yaml.safe_load((mesh.run_dir / "config.resolved.yaml").read_text())
         assert resolved["cluster"]["env"] == [address]
         assert "env" not in mesh.endpoints  # served by Node, not launched
 
         async def episode():
-            options = ChannelOptions.from_config(mesh.config)
+            options = ChannelOptions.for_env(mesh.config)
             await wait_until_serving(address, options, timeout_s=10)
             async with EnvClient(address, options) as client:
                 session = await client.reset(Task("guess", ground_truth="2"))
@@ -215,23 +224,20 @@ def test_the_launchers_start_an_env_service_only_when_enabled():
 @pytest.mark.slow
 def test_a_multi_turn_run_trains_against_the_node_environment_in_a_live_mesh(start_node, tmp_path):
     """rollout.multi_turn with the Node environment as the mesh's env role: the rollout replicas' agent loops
-    call it over gRPC (with the mesh's token), its first observation comes back as masked tokens, and a
-    training step completes with no sample failed by the environment."""
+    call it over gRPC (with the environment's token, not the mesh's), its first observation comes back as
+    masked tokens, and a training step completes with no sample failed by the environment."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     from rlfabric.coordinator.client import CoordinatorClient
     from rlfabric.v1 import coordinator_pb2
 
-    token_file = tmp_path / "token"
-    token_file.write_text(TOKEN)
-    token_file.chmod(0o600)
     rows = [{"data_source": "guess", "prompt": [{"role": "user", "content": "Find my number."}], "ability": "tool",
              "reward_model": {"style": "rule", "ground_truth": str(n)}, "extra_info": {"environment": "guess"}}
             for n in range(16)]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "guess.parquet")
     address = start_node(["env_server.js"])
-    config = load_config(None, ["env.enable=true", f"server.auth_token_file={token_file}", "trainer.total_steps=1",
+    config = load_config(None, ["env.enable=true", *token_files(tmp_path), "trainer.total_steps=1",
                                 f"data.train_files=[{tmp_path / 'guess.parquet'}]", "data.train_batch_size=4",
                                 "actor.ppo_mini_batch_size=4", "rollout.multi_turn.enable=true",
                                 "rollout.multi_turn.max_turns=2", "rollout.multi_turn.max_total_tokens=160",

@@ -692,6 +692,35 @@ def test_auth_is_on_by_default_with_a_generated_token(by_case):
         assert {"name": "auth", "secret": {"secretName": f"{FULLNAME}-auth", "defaultMode": 288}} in pod["volumes"]
 
 
+def test_the_environment_gets_a_token_of_its_own_never_the_mesh_token(chart, by_case):
+    """With an environment in the run, the chart makes its own Secret (auth.env) and points env.auth_token_file
+    at it: the env pod mounts that one only, never the mesh's token, which authorises every RPC of every
+    service; the rollout and coordinator pods, which call the environment, mount both."""
+    external = {"roles": {"env": {"external": "env.example.org:50057"}},
+                "config": {"rollout": {"multi_turn": {"enable": True}}}}
+    files = render_chart(chart, external)
+    cases = {**by_case, "external-env": Rendered("external-env", chart.merge_values(external),
+                                                 parse_manifests(files), "")}
+    for name in ("cert-manager", "external-env"):
+        r = cases[name]
+        assert r.run_config()["env"]["auth_token_file"] == "/etc/rlfabric/env-auth/token", name
+        secrets = {s["metadata"]["name"]: base64.b64decode(s["data"]["token"]) for s in r.of_kind("Secret")}
+        assert set(secrets) == {f"{FULLNAME}-auth", f"{FULLNAME}-env-auth"}, name
+        assert len(secrets[f"{FULLNAME}-env-auth"]) == 48
+        for role in r.enabled():
+            pod = r.workload(role)["spec"]["template"]["spec"]
+            volumes = {v["name"]: v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v and v["name"] != "tls"}
+            mounts = {m["name"]: m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}
+            expected = {"env": {"env-auth"}, "rollout": {"auth", "env-auth"}, "coordinator": {"auth", "env-auth"}}
+            assert set(volumes) == expected.get(role, {"auth"}), (name, role, volumes)
+            assert set(volumes) <= set(mounts), (name, role)
+            if "env-auth" in volumes:
+                assert (volumes["env-auth"], mounts["env-auth"]) == (f"{FULLNAME}-env-auth", "/etc/rlfabric/env-auth")
+    assert "env" in by_case["cert-manager"].enabled()
+    for r in (by_case["default"], by_case["mtls"]):  # no environment: nothing of it
+        assert "env-auth" not in str(r.docs) and "auth_token_file" not in r.run_config().get("env", {})
+
+
 # --- one config language: what the pods read, through the project's own loader and parser -----------
 
 

@@ -67,6 +67,25 @@ actor reference critic rollout reward env coordinator
 {{- .Values.auth.secretName | default (printf "%s-auth" (include "rlfabric.fullname" .)) }}
 {{- end }}
 
+{{/* The Secret holding the environment link's token: auth.env.secretName, or the one the chart creates. */}}
+{{- define "rlfabric.envAuthSecretName" -}}
+{{- .Values.auth.env.secretName | default (printf "%s-env-auth" (include "rlfabric.fullname" .)) }}
+{{- end }}
+
+{{/*
+"true" when the environment link gets a token of its own (auth.env): the mesh has one and the run uses an
+environment (the chart's env role, roles.env.external, or rollout.multi_turn). The env pod then mounts it
+instead of the mesh's token, which authorises every RPC of every service; the rollout and coordinator pods
+mount it beside the mesh's.
+*/}}
+{{- define "rlfabric.envAuth" -}}
+{{- if .Values.auth.enabled }}
+{{- $rollout := get (.Values.config | default dict) "rollout" | default dict }}
+{{- $multiTurn := (get $rollout "multi_turn" | default dict).enable }}
+{{- if or (include "rlfabric.roleEnabled" (dict "ctx" . "role" "env")) .Values.roles.env.external $multiTurn }}true{{ end }}
+{{- end }}
+{{- end }}
+
 {{/* The Secret holding the TLS certificate: tls.secretName, or the one the chart's cert-manager
 Certificate writes. */}}
 {{- define "rlfabric.tlsSecretName" -}}
@@ -214,6 +233,11 @@ Run config
 {{- end }}
 {{- end }}
 {{- $_ := set $cfg "server" $server }}
+{{- if include "rlfabric.envAuth" . }}
+{{- $env := get $cfg "env" | default dict }}
+{{- $_ := set $env "auth_token_file" (printf "%s/%s" .Values.auth.env.mountPath .Values.auth.env.secretKey) }}
+{{- $_ := set $cfg "env" $env }}
+{{- end }}
 {{- $tracing := get $cfg "tracing" | default dict }}
 {{- if and .Values.tracing.endpoint (not (hasKey $tracing "endpoint")) }}
 {{- $_ := set $tracing "endpoint" .Values.tracing.endpoint }}
@@ -478,9 +502,14 @@ spec:
           mountPath: {{ $ctx.Values.tls.mountPath }}
           readOnly: true
         {{- end }}
-        {{- if $ctx.Values.auth.enabled }}
+        {{- if and $ctx.Values.auth.enabled (ne $role "env") }}
         - name: auth
           mountPath: {{ $ctx.Values.auth.mountPath }}
+          readOnly: true
+        {{- end }}
+        {{- if and (include "rlfabric.envAuth" $ctx) (has $role (list "env" "rollout" "coordinator")) }}
+        - name: env-auth
+          mountPath: {{ $ctx.Values.auth.env.mountPath }}
           readOnly: true
         {{- end }}
   volumes:
@@ -511,10 +540,16 @@ spec:
         secretName: {{ include "rlfabric.tlsSecretName" $ctx }}
         defaultMode: 288  # 0440
     {{- end }}
-    {{- if $ctx.Values.auth.enabled }}
+    {{- if and $ctx.Values.auth.enabled (ne $role "env") }}
     - name: auth
       secret:
         secretName: {{ include "rlfabric.authSecretName" $ctx }}
+        defaultMode: 288  # 0440
+    {{- end }}
+    {{- if and (include "rlfabric.envAuth" $ctx) (has $role (list "env" "rollout" "coordinator")) }}
+    - name: env-auth
+      secret:
+        secretName: {{ include "rlfabric.envAuthSecretName" $ctx }}
         defaultMode: 288  # 0440
     {{- end }}
 {{- end }}
