@@ -295,7 +295,8 @@ class Membership:
             leaving.cancel()
         self._abandon(call, result, close_result)
         if leaving in done:
-            raise Aborted(f"{what}: abandoned, this service joined another weight-sync group meanwhile")
+            raise Aborted(f"{what}: abandoned, this service joined another weight-sync group (or left this one) "
+                          "meanwhile")
         raise DeadlineExceeded(f"{what}: did not finish within {timeout_s:g} s (the group's timeout_s)")
 
     def _abandon(self, call: Future, result: asyncio.Future, close_result: bool) -> None:
