@@ -70,6 +70,7 @@ from rlfabric.coordinator.weight_sync import WeightSyncPlane
 from rlfabric.core import tracing
 from rlfabric.core.config import ConfigError, RunConfig, check_run_rules
 from rlfabric.core.errors import FailedPrecondition, InvalidArgument
+from rlfabric.core.start_phases import StartPhases
 from rlfabric.reward.items import ItemResult, ScoreItem
 from rlfabric.rollout.types import FinishedSample, SamplingSpec
 
@@ -84,7 +85,8 @@ class PPOTrainer:
                  val_data: RLHFDataset | None, weight_sync: WeightSyncPlane,
                  on_phase: Callable[[str], None] = lambda phase: None,
                  on_metrics: Callable[[int, dict[str, float]], None] = lambda step, metrics: None,
-                 between_steps: Callable[[], Awaitable[None]] | None = None):
+                 between_steps: Callable[[], Awaitable[None]] | None = None,
+                 start_phases: StartPhases | None = None):
         self.config = config
         self.peers = peers
         self.run_dir = run_dir
@@ -114,15 +116,23 @@ class PPOTrainer:
         self.actor_mini_batch_rows = config.actor.ppo_mini_batch_size * config.rollout.n
         self._last_step_end: float | None = None  # perf_counter() at the end of the previous step
         self.run_id = run_dir.name
+        # The run's start, from StartRun to its first Generate (RunController starts it; prepare and run add to it).
+        self.start_phases = start_phases or StartPhases("run", log)
+        self._group_opened = False  # prepare() built the weight-sync group
+        self._first_sync: dict[str, float] = {}  # the metrics of the run's first sync
+        self._initial_saves: list[tuple[object, Path]] = []  # (client, directory) prepare() left to run()
 
     # -- the run ---------------------------------------------------------------------------------
 
     async def prepare(self, initial_dir: Path) -> int:
-        """Puts the actor (and critic) where this run starts; returns the step it continues from.
+        """Puts the actor (and critic) where this run starts and builds the weight-sync group meanwhile;
+        returns the step it continues from.
 
         A resumed run loads its checkpoint (trainer.resume / resume_from_path). A fresh run starts
         from the initial weights: the first run on a mesh saves them into `initial_dir`, and a later
-        fresh run on the same (already trained) services loads them back.
+        fresh run on the same (already trained) services loads them back. The save waits: run() makes it
+        while the first step generates (nothing changes the trainers' weights before its update), except
+        with trainer.colocated, where the trainers keep off the devices while the rollout generates.
         """
         trainer = self.config.trainer
         path = Path(trainer.resume_from_path) if trainer.resume_from_path else (
@@ -130,22 +140,19 @@ class PPOTrainer:
         self.on_phase("resuming" if path else "starting")
         if path is not None:
             require_complete(path)
-        for client in (self.peers.actor, self.peers.critic):
-            if client is None:
-                continue
-            role = client.role
-            if path is not None:
-                await client.load_checkpoint(str(path / role))
-            elif (await client.get_status()).optimizer_step == 0:
-                if not (initial_dir / role / "meta.json").exists():
-                    await client.save_checkpoint(str(initial_dir / role))
-                    # Storage the coordinator and this role do not share fails here, not at the first checkpoint.
-                    require_part_visible(role, initial_dir / role, self.run_dir)
-            elif (initial_dir / role / "meta.json").exists():
-                await client.load_checkpoint(str(initial_dir / role))
-            else:
-                raise FailedPrecondition(f"the {role} was trained by an earlier run and its initial weights were "
-                                         "not saved: resume that run (trainer.resume_from_path) or restart the mesh")
+        phases = self.start_phases
+        # The group's rendezvous waits on the network, the save or load on the trainers' disks: side by side.
+        outcomes = await asyncio.gather(
+            phases.timed("resume" if path else "initial_weights", self._initial_weights(path, initial_dir)),
+            phases.timed("weight_sync_group", self.weight_sync.open()),
+            phases.timed("rollout_status", self.peers.rollout.status()), return_exceptions=True)
+        self._group_opened = not isinstance(outcomes[1], BaseException)
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                raise outcome
+        self._initial_saves = outcomes[0]
+        if self._initial_saves and self.hybrid is not None:
+            await phases.timed("initial_save", self._save_initial_weights())
         if path is not None:
             state = read_state(path)
             self.step = state.step
@@ -155,29 +162,66 @@ class PPOTrainer:
             self.kl_ctrl.value = state.kl_coef
             log.info("resumed from %s at step %d", path, self.step)
         # Weight versions only grow on a replica: this run's versions start above what they serve now.
-        served = [s.weight_version for s in (await self.peers.rollout.status()).values() if not isinstance(s, str)]
+        served = [s.weight_version for s in outcomes[2].values() if not isinstance(s, str)]
         self.version_base = max(served, default=0) + 1 - self.step
         return self.step
+
+    async def _initial_weights(self, path: Path | None, initial_dir: Path) -> list[tuple[object, Path]]:
+        """The actor's (and critic's) weights where the run starts: the checkpoint `path`, or the initial ones;
+        the (client, directory) of each untrained role whose initial weights are still to be saved."""
+        saves = []
+        for client in (self.peers.actor, self.peers.critic):
+            if client is None:
+                continue
+            role = client.role
+            if path is not None:
+                await client.load_checkpoint(str(path / role))
+            elif (await client.get_status()).optimizer_step == 0:
+                if not (initial_dir / role / "meta.json").exists():
+                    saves.append((client, initial_dir / role))
+            elif (initial_dir / role / "meta.json").exists():
+                await client.load_checkpoint(str(initial_dir / role))
+            else:
+                raise FailedPrecondition(f"the {role} was trained by an earlier run and its initial weights were "
+                                         "not saved: resume that run (trainer.resume_from_path) or restart the mesh")
+        return saves
+
+    async def _save_initial_weights(self) -> None:
+        """Saves the untrained roles' initial weights (prepare() found them missing), side by side."""
+        saves, self._initial_saves = self._initial_saves, []
+
+        async def save(client, directory: Path) -> None:
+            await client.save_checkpoint(str(directory))
+            # Storage the coordinator and this role do not share fails here, not at the first checkpoint.
+            require_part_visible(client.role, directory, self.run_dir)
+
+        await asyncio.gather(*(save(client, directory) for client, directory in saves))
 
     async def run(self) -> None:
         """Steps until trainer.total_steps (or StopRun), with validation and checkpoints on schedule."""
         trainer = self.config.trainer
-        await self.weight_sync.open()
-        await wake_sleeping(self.peers.rollout)
-        # Every replica starts from the weights this run starts from (fresh, reset or resumed).
-        await self._sync_weights(self._version(self.step))
-        if trainer.val_before_train and self.step == 0:
-            self.on_metrics(0, await self.validate())
+        await self._start()
         batches = self.train_data.batches(self.config.data.train_batch_size, self.config.data.seed, self.cursor)
         stream = RolloutStream(self, batches, first_step=self.step + 1)  # what generates: cancelled at the end
+        self._finish_start()
+        first_step = self.step + 1
+        # The initial weights go to disk while the first step generates; its trainers wait for them.
+        saving = asyncio.ensure_future(self.start_phases.timed("initial_save", self._save_initial_weights())
+                                       ) if self._initial_saves else None
         try:
             while self.step < trainer.total_steps:
                 await self._between_steps()
                 step = self.step + 1
                 timer = StepTimer(step)  # and the step's trace: its root span starts with generation
                 batch, rollout_metrics = await self.generated(step, stream, timer)
+                if saving is not None:
+                    await self._initial_save_done(saving, timer)
+                    saving = None
                 metrics = await self.train_step(step, batch, timer)
                 metrics.update(rollout_metrics)
+                if step == first_step:
+                    metrics.update(self.start_phases.metrics())
+                    self._write_run_start()  # again, with the initial save
                 self.step = step
                 stream.trained(step)  # generation may run one step further ahead
                 if trainer.test_freq and (step % trainer.test_freq == 0 or step == trainer.total_steps):
@@ -188,7 +232,48 @@ class PPOTrainer:
                     await self.save_checkpoint()
         finally:
             stream.close()
+            if saving is not None:  # the run ended before its first update: the save ends with it
+                saving.cancel()
+                await asyncio.gather(saving, return_exceptions=True)
         await self.keep_policy(checkpoint=trainer.save_final or self.save_at_end)
+
+    async def _start(self) -> None:
+        """The run's start after StartRun: the group (unless prepare() built it), wake, the first sync."""
+        phases = self.start_phases
+        if not self._group_opened:
+            await phases.timed("weight_sync_group", self.weight_sync.open())
+        await phases.timed("wake", wake_sleeping(self.peers.rollout))  # replicas an earlier run left asleep
+        # Every replica starts from the weights this run starts from (fresh, reset or resumed).
+        with phases.phase("first_sync"):
+            self._first_sync = await self._sync_weights(self._version(self.step))
+        if self.config.trainer.val_before_train and self.step == 0:
+            with phases.phase("validate"):
+                self.on_metrics(0, await self.validate())
+
+    @staticmethod
+    async def _initial_save_done(saving: asyncio.Future, timer: StepTimer) -> None:
+        """The first step's trainers wait for the initial save (timing_s/initial_save: how long)."""
+        try:
+            with timer("initial_save"):
+                await saving
+        except BaseException as error:
+            timer.end(error)
+            raise
+
+    def _finish_start(self) -> None:
+        """The first Generate goes out next: the start's total, logged and in RUN_DIR/run_start.json."""
+        self.start_phases.finish()
+        self._write_run_start()
+
+    def _write_run_start(self) -> None:
+        """RUN_DIR/run_start.json: the start's phases (one that began after the total ran beside the first step)."""
+        sync = self._first_sync
+        try:
+            self.start_phases.write(self.run_dir / "run_start.json", run_id=self.run_id, start_step=self.step,
+                                    weight_transfer_s=sync.get("weight_sync/seconds", 0.0),
+                                    weight_gbytes=sync.get("weight_sync/gbytes", 0.0))
+        except OSError as error:  # a record of timings is no reason to fail the run
+            log.warning("could not write run_start.json: %s", error)
 
     async def keep_policy(self, checkpoint: bool) -> None:
         """The end of a run (completed, or stopped with a save): a checkpoint of the last step unless

@@ -16,11 +16,12 @@ from rlfabric.algorithms.plugins import load_plugin_modules
 from rlfabric.coordinator.checkpoints import step_dir
 from rlfabric.coordinator.loop import PPOTrainer, check_roles
 from rlfabric.coordinator.overrides import config_for_run
-from rlfabric.coordinator.setup import Connect, build_trainer, connect_services
+from rlfabric.coordinator.setup import Connect, PolicyTokenizer, build_trainer, connect_services
 from rlfabric.coordinator.trackers import check_tracker_packages
 from rlfabric.coordinator.tracking import RunTracker
 from rlfabric.core.config import ConfigError, RunConfig, run_dir_of
 from rlfabric.core.errors import FailedPrecondition
+from rlfabric.core.start_phases import StartPhases
 from rlfabric.v1 import coordinator_pb2
 
 log = logging.getLogger("rlfabric.coordinator")
@@ -37,6 +38,7 @@ class RunController:
         load_plugin_modules(config.algorithm.plugin_modules)  # the operator's config, at start: see overrides.py
         self.base_config = config
         self.connect = connect
+        self.policy = PolicyTokenizer(config)  # model.path is the mesh's: one check and tokenizer for every run
         self.registry = registry or CollectorRegistry()
         self.run_id = ""
         self.state = coordinator_pb2.RUN_STATE_UNSPECIFIED
@@ -57,7 +59,9 @@ class RunController:
     # -- engine protocol (the server calls these) -------------------------------------------------
 
     async def start(self) -> None:
-        """Nothing to load: the coordinator holds no model."""
+        """Checks the policy model and loads its tokenizer on a thread, so that a StartRun finds them ready;
+        serving does not wait for it (a StartRun that comes first waits for the same load)."""
+        self.policy.preload()
 
     async def stop(self) -> None:
         """Server shutdown: stop the loop where it is (the last checkpoint stays the resume point)."""
@@ -82,23 +86,28 @@ class RunController:
             self._starting = False
 
     async def _start_run(self, overrides: list[str]) -> tuple[str, int]:
-        config = config_for_run(self.base_config, overrides)  # what a StartRun may change: overrides.py
-        check_roles(config)
-        try:
-            check_tracker_packages(config.trainer.loggers)
-        except ConfigError as error:  # the coordinator's environment lacks it, not the request
-            raise FailedPrecondition(str(error)) from None
+        # Every phase from here to the first Generate logs its seconds (the trainer's run() ends the start).
+        phases = StartPhases("run", log)
+        with phases.phase("config"):
+            config = config_for_run(self.base_config, overrides)  # what a StartRun may change: overrides.py
+            check_roles(config)
+            try:
+                check_tracker_packages(config.trainer.loggers)
+            except ConfigError as error:  # the coordinator's environment lacks it, not the request
+                raise FailedPrecondition(str(error)) from None
         trainer = await build_trainer(config, self._between_steps, self._set_phase, self._record_metrics,
-                                      self.connect)
+                                      self.connect, phases, self.policy)
         # The actor was started with the mesh's config: its mini-batch (in rows) does not follow a StartRun
         # override of rollout.n.
         base = self.base_config
         trainer.actor_mini_batch_rows = base.actor.ppo_mini_batch_size * base.rollout.n
         try:
             start_step = await trainer.prepare(run_dir_of(self.base_config) / "initial_weights")
-            tracker = RunTracker(trainer.run_dir, config, self.registry, total_steps=config.trainer.total_steps,
-                                 start_step=start_step)
+            with phases.phase("trackers"):
+                tracker = RunTracker(trainer.run_dir, config, self.registry, total_steps=config.trainer.total_steps,
+                                     start_step=start_step)
         except BaseException:
+            await trainer.weight_sync.close()
             await trainer.peers.close()
             raise
         self.trainer, self._tracker = trainer, tracker

@@ -7,6 +7,8 @@ engines in this process. Everything else is built the same way for both.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -18,7 +20,10 @@ from rlfabric.coordinator.peers import Peers
 from rlfabric.coordinator.weight_sync import WeightSyncPlane
 from rlfabric.core.config import RunConfig, run_dir_of
 from rlfabric.core.errors import FailedPrecondition, InvalidArgument
+from rlfabric.core.start_phases import StartPhases
 from rlfabric.rollout.engine import load_tokenizer
+
+log = logging.getLogger("rlfabric.coordinator")
 
 
 def load_datasets(config: RunConfig, run_dir: Path, tokenizer) -> tuple[RLHFDataset, RLHFDataset | None]:
@@ -60,20 +65,75 @@ async def connect_services(config: RunConfig) -> tuple[Peers, WeightSyncPlane]:
 Connect = Callable[[RunConfig], Awaitable[tuple[Peers, WeightSyncPlane]]]
 
 
+class PolicyTokenizer:
+    """The policy model, checked (check_policy_model), and its tokenizer, loaded once per coordinator:
+    model.path is the mesh's (a StartRun cannot change it), so the coordinator's start loads them on a
+    thread while the other services load their models, and every run takes them from here. A load that
+    failed is tried again at the next StartRun (and fails it, FAILED_PRECONDITION naming the problem)."""
+
+    def __init__(self, config: RunConfig):
+        self.path = config.model.path
+        self.trust_remote_code = config.model.trust_remote_code
+        self.tensorboard = "tensorboard" in config.trainer.loggers
+        self._loading: asyncio.Future | None = None
+
+    def preload(self) -> None:
+        """Starts loading on a thread of the running loop's executor; returns at once."""
+        if self._loading is None and self.path:
+            self._loading = asyncio.get_running_loop().run_in_executor(None, self._load)
+            self._loading.add_done_callback(_log_preload_failure)
+
+    async def get(self):
+        """The tokenizer (FailedPrecondition when the model is unusable); loads it now unless preload() did."""
+        loading = self._loading
+        if loading is None or (loading.done() and (loading.cancelled() or loading.exception() is not None)):
+            self._loading = asyncio.get_running_loop().run_in_executor(None, self._load)
+        return await asyncio.shield(self._loading)  # a cancelled StartRun leaves the load to the next one
+
+    def _load(self):
+        phases = StartPhases("coordinator", log)
+        with phases.phase("model_check"):
+            try:
+                check_policy_model(self.path, self.trust_remote_code)
+            except ValueError as error:
+                raise FailedPrecondition(str(error)) from None
+        with phases.phase("tokenizer"):
+            tokenizer = load_tokenizer(self.path, self.trust_remote_code)
+        if self.tensorboard:  # RunTracker's first SummaryWriter: an import of a few seconds, done here
+            with phases.phase("tensorboard_import"):
+                import torch.utils.tensorboard  # noqa: F401
+        return tokenizer
+
+
+def _log_preload_failure(future: asyncio.Future) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        log.warning("the policy model could not be loaded at the coordinator's start; StartRun tries again: %s",
+                    future.exception())
+
+
 async def build_trainer(config: RunConfig, between_steps, on_phase, on_metrics,
-                        connect: Connect = connect_services) -> PPOTrainer:
+                        connect: Connect = connect_services, phases: StartPhases | None = None,
+                        policy: PolicyTokenizer | None = None) -> PPOTrainer:
     """A PPOTrainer for one run, connected to its services by `connect` (default: over gRPC, to
-    config.cluster's addresses)."""
+    config.cluster's addresses). The tokenizer (`policy`'s, loaded at the coordinator's start) and the data
+    (on a thread) are made ready while the connections are made (waits on the services); each is a phase
+    of `phases`."""
+    phases = phases or StartPhases("run", log)
     if not config.model.path:
         raise FailedPrecondition("model.path is empty: the coordinator needs the policy's tokenizer")
-    try:
-        check_policy_model(config.model.path, config.model.trust_remote_code)
-    except ValueError as error:
-        raise FailedPrecondition(str(error)) from None
     run_dir = run_dir_of(config)
     run_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer = load_tokenizer(config.model.path, config.model.trust_remote_code)
-    train, val = load_datasets(config, run_dir, tokenizer)
-    peers, plane = await connect(config)
+    connecting = asyncio.ensure_future(phases.timed("connect", connect(config)))
+    try:
+        tokenizer = await phases.timed("tokenizer", (policy or PolicyTokenizer(config)).get())
+        with phases.phase("data"):
+            train, val = await asyncio.to_thread(load_datasets, config, run_dir, tokenizer)
+    except BaseException:
+        connecting.cancel()
+        connected = (await asyncio.gather(connecting, return_exceptions=True))[0]
+        if not isinstance(connected, BaseException):  # connected before the cancel reached it
+            await connected[0].close()
+        raise
+    peers, plane = await connecting
     return PPOTrainer(config, peers, tokenizer, run_dir, train, val, plane, on_phase=on_phase,
-                      on_metrics=on_metrics, between_steps=between_steps)
+                      on_metrics=on_metrics, between_steps=between_steps, start_phases=phases)

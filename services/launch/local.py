@@ -35,6 +35,7 @@ from typing import Protocol
 
 from rlfabric.core.client import ChannelOptions, wait_until_serving
 from rlfabric.core.config import ConfigError, RunConfig, dump_config
+from rlfabric.core.start_phases import StartPhases
 from rlfabric.core.storage import create_private_file
 from rlfabric.launch.placement import (
     Placement,
@@ -114,10 +115,12 @@ def service_names(config: RunConfig) -> list[tuple[str, str]]:
     return names
 
 
-def prepare_run_dir(config: RunConfig, run_dir: Path) -> Path:
+def prepare_run_dir(config: RunConfig, run_dir: Path, phases: StartPhases | None = None) -> Path:
     """Creates RUN_DIR/logs and the mesh's token, sets the storage root to the runs folder, builds the tiny model when model.path is empty (or the cached registry model
     for "pypi:NAME"), points trainer.run_dir at
-    RUN_DIR, writes RUN_DIR/config.yaml (what every service but the coordinator reads), returns its path."""
+    RUN_DIR, writes RUN_DIR/config.yaml (what every service but the coordinator reads), returns its path.
+    The model's build and check are phases of `phases` (the mesh's start)."""
+    phases = phases or StartPhases("mesh", log)
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     if not config.server.auth_token_file:
         config.server.auth_token_file = str(write_mesh_token(run_dir).resolve())
@@ -129,12 +132,15 @@ def prepare_run_dir(config: RunConfig, run_dir: Path) -> Path:
     if not config.storage.root:
         config.storage.root = str(run_dir.resolve().parent)  # the runs folder: RPC paths stay inside it
     if not config.model.path:
-        config.model.path = str(build_tiny_model(run_dir))
+        with phases.phase("model_build"):
+            config.model.path = str(build_tiny_model(run_dir))
     elif config.model.path.startswith(REGISTRY_PREFIX):
         from rlfabric.actor.pretrained import cached_model
 
-        config.model.path = str(cached_model(config.model.path.removeprefix(REGISTRY_PREFIX)))
-    check_model(config)
+        with phases.phase("model_cache"):
+            config.model.path = str(cached_model(config.model.path.removeprefix(REGISTRY_PREFIX)))
+    with phases.phase("model_check"):
+        check_model(config)
     worker_config = run_dir / "config.yaml"
     dump_config(config, worker_config)
     return worker_config
@@ -306,26 +312,34 @@ class LocalMesh(MeshContext):
     # -- lifecycle ---------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Starts the workers, then the coordinator (configured with their addresses); waits for all."""
-        gpu_count = visible_gpu_count()
-        self.placements = plan_placement(self.config, service_names(self.config), gpu_count=gpu_count)
-        predicted_transport(self.config, self.placements, gpu_count, self.external)  # nccl where it cannot run: refused
-        worker_config = prepare_run_dir(self.config, self.run_dir)
-        (self.run_dir / "ports").mkdir(exist_ok=True)
-        for name, role in service_names(self.config):
-            if role not in self.external:
-                self._spawn(name, role, worker_config)
-        for proc in self.processes:
-            self._await_ports(proc)
-        self._record_endpoints()
-        # The coordinator reads the others' addresses from its config's cluster section.
-        external = {role: [{"name": f"{role}-{i}", "grpc": address} for i, address in enumerate(addresses)]
-                    for role, addresses in self.external.items()}
-        coordinator_config = write_coordinator_config(self.config, {**self.endpoints, **external}, self.run_dir)
-        coordinator = self._spawn("coordinator", "coordinator", coordinator_config)
-        self._await_ports(coordinator)
-        self._record_endpoints()
-        asyncio.run(await_readiness(self.config, self.processes))
+        """Starts the workers, then the coordinator (configured with their addresses); waits for all. Each
+        phase logs its seconds; RUN_DIR/mesh_start.json records them."""
+        phases = StartPhases("mesh", log)
+        with phases.phase("placement"):
+            gpu_count = visible_gpu_count()
+            self.placements = plan_placement(self.config, service_names(self.config), gpu_count=gpu_count)
+            predicted_transport(self.config, self.placements, gpu_count, self.external)  # nccl where it cannot run
+        worker_config = prepare_run_dir(self.config, self.run_dir, phases)
+        with phases.phase("workers_bound"):  # started, and listening (their models load after that)
+            (self.run_dir / "ports").mkdir(exist_ok=True)
+            for name, role in service_names(self.config):
+                if role not in self.external:
+                    self._spawn(name, role, worker_config)
+            for proc in self.processes:
+                self._await_ports(proc)
+            self._record_endpoints()
+        with phases.phase("coordinator_bound"):
+            # The coordinator reads the others' addresses from its config's cluster section.
+            external = {role: [{"name": f"{role}-{i}", "grpc": address} for i, address in enumerate(addresses)]
+                        for role, addresses in self.external.items()}
+            coordinator_config = write_coordinator_config(self.config, {**self.endpoints, **external}, self.run_dir)
+            coordinator = self._spawn("coordinator", "coordinator", coordinator_config)
+            self._await_ports(coordinator)
+            self._record_endpoints()
+        with phases.phase("readiness"):  # every model loaded
+            asyncio.run(await_readiness(self.config, self.processes))
+        phases.finish()
+        phases.write(self.run_dir / "mesh_start.json")
         log.info("mesh ready", extra={"fields": {"run_dir": str(self.run_dir), "services": len(self.processes)}})
 
     def stop(self) -> None:

@@ -1,0 +1,108 @@
+"""A run's start, phase by phase: every phase from StartRun to the first Generate logs its seconds, the
+first step's metrics carry them (timing_s/start/<phase>) and RUN_DIR/run_start.json records where each
+began; together they cover the wall time from StartRun to the first Generate (no silent gap), and what
+need not wait for each other runs side by side: the connections beside the data, the weight-sync group
+beside the trainers' status, the initial save beside the first step's generation."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+
+import pytest
+
+from rlfabric.core.start_phases import METRIC_PREFIX, Phase, StartPhases
+from rlfabric.rollout.engine import RolloutEngine
+from rlfabric.v1 import coordinator_pb2
+from tests.coordinator.meshes import fast_config, over_grpc
+
+# A fresh run's phases up to its first Generate, as they begin; then the initial save, beside generation.
+RUN_PHASES = ["config", "tokenizer", "data", "connect", "initial_weights", "weight_sync_group", "rollout_status",
+              "trackers", "wake", "first_sync"]
+
+
+def test_overlapping_phases_count_once_and_a_gap_is_unaccounted():
+    phases = StartPhases("run")
+    phases.started -= 10.0  # a start that began 10 s ago, with phases recorded where they began
+    phases.phases = [Phase("a", 0.0, 4.0), Phase("b", 1.0, 2.0), Phase("c", 3.0, 3.0), Phase("d", 8.0, 1.0)]
+    total = phases.finish()
+    assert total == pytest.approx(10.0, abs=0.5)
+    assert phases.unaccounted_s() == pytest.approx(total - 7.0)  # covered: [0, 6] and [8, 9]
+    assert phases.metrics() == {f"{METRIC_PREFIX}a": 4.0, f"{METRIC_PREFIX}b": 2.0, f"{METRIC_PREFIX}c": 3.0,
+                                f"{METRIC_PREFIX}d": 1.0, f"{METRIC_PREFIX}total": total}
+
+
+def test_a_failed_phase_is_logged_as_failed(caplog):
+    phases = StartPhases("run")
+    with caplog.at_level(logging.INFO, logger="rlfabric.start"), pytest.raises(ValueError):
+        with phases.phase("data"):
+            raise ValueError("bad file")
+    [record] = [r for r in caplog.records if getattr(r, "fields", {}).get("phase") == "data"]
+    assert record.fields["failed"] is True and record.fields["seconds"] >= 0
+
+
+def test_a_run_logs_each_start_phase_and_they_account_for_the_time_to_the_first_generate(
+        tiny_model, tmp_path, monkeypatch, caplog):
+    first_generate: list[float] = []
+    original = RolloutEngine.generate
+
+    def recording(self, prompts, params):  # the rollout service's engine: when the first Generate arrives
+        first_generate.append(time.perf_counter())
+        return original(self, prompts, params)
+
+    monkeypatch.setattr(RolloutEngine, "generate", recording)
+    config = fast_config(tiny_model, "trainer.total_steps=1", "weight_sync.transport=gloo")
+
+    async def scenario():
+        async with over_grpc(config, tmp_path / "run") as client:
+            asked = time.perf_counter()
+            await client.start_run()
+            metrics = {update.step: dict(update.metrics) async for update in client.stream_metrics(from_step=1)}
+            return asked, metrics, await client.run_status()
+
+    with caplog.at_level(logging.INFO):
+        asked, metrics, status = asyncio.run(scenario())
+    assert status.state == coordinator_pb2.RUN_STATE_COMPLETED, status.error
+    record = json.loads((tmp_path / "run" / "run_start.json").read_text())
+    started = {phase["name"]: phase for phase in record["phases"]}
+
+    # Present, one log line each, and the first step's metrics carry the same seconds.
+    assert sorted(started) == sorted([*RUN_PHASES, "initial_save"])
+    logged = [r.fields["phase"] for r in caplog.records if r.getMessage().startswith("run start:")]
+    assert sorted(logged) == sorted(started)
+    for name, seconds in record["phases_s"].items():
+        assert metrics[1][METRIC_PREFIX + name] == pytest.approx(seconds)
+    assert metrics[1][METRIC_PREFIX + "total"] == pytest.approx(record["total_s"])
+    assert metrics[1]["timing_s/initial_save"] >= 0  # what the first step's update waited for the save
+    assert (tmp_path / "run" / "initial_weights" / "actor" / "meta.json").exists()
+    assert record["weight_transfer_s"] > 0 and record["weight_gbytes"] > 0
+    # The coordinator checked the model and loaded its tokenizer when it started, not in StartRun.
+    preloaded = [r.fields["phase"] for r in caplog.records if r.getMessage().startswith("coordinator start:")]
+    assert preloaded == ["model_check", "tokenizer"]
+
+    # Ordered: each phase begins once what it needs has ended; the independent ones overlap.
+    def begin(name):
+        return started[name]["start_s"]
+
+    def end(name):
+        return started[name]["start_s"] + started[name]["seconds"]
+
+    assert begin("config") == min(p["start_s"] for p in record["phases"])
+    assert end("config") <= begin("tokenizer") <= end("tokenizer") <= begin("data")
+    assert end("config") <= begin("connect") < end("data")  # the connections are made while the data load
+    for name in ("initial_weights", "weight_sync_group", "rollout_status"):
+        assert max(end("data"), end("connect")) <= begin(name) < end("initial_weights")
+        assert end(name) <= begin("trackers")
+    assert end("trackers") <= begin("wake") <= end("wake") <= begin("first_sync") <= end("first_sync")
+    assert end("first_sync") <= record["total_s"] <= begin("initial_save")  # after the first Generate left
+
+    # They add up: no part of the start is without a phase, and the start is the wall time from the
+    # StartRun call to the first Generate but for the two hops (StartRun in, Generate out).
+    assert len(first_generate) >= 1
+    wall = first_generate[0] - asked
+    total = record["total_s"]
+    assert total <= wall
+    assert wall - total < max(1.0, 0.2 * wall)
+    assert record["unaccounted_s"] < max(0.25, 0.1 * total)
