@@ -35,6 +35,24 @@ def test_synthetic_rows_tokenize_with_the_chat_template(synthetic, tokenizer):
     assert json.loads(row.extra_info_json) == {"split": "train", "index": 0}
 
 
+def test_rows_of_several_turns_and_files_tokenize_as_the_chat_template_does_one_by_one(tmp_path, tokenizer):
+    # The dataset encodes a file's rows in one batched call: each row's ids are still its own conversation's.
+    conversations = [[{"role": "user", "content": "a" * (i + 1)}] if i % 2 else
+                     [{"role": "system", "content": "be brief"}, {"role": "user", "content": f"q{i}"},
+                      {"role": "assistant", "content": "ok"}, {"role": "user", "content": "again " * i}]
+                     for i in range(9)]
+    files = []
+    for part in (conversations[:5], conversations[5:]):
+        files.append(tmp_path / f"part{len(files)}.parquet")
+        pq.write_table(pa.table({"data_source": ["t"] * len(part), "prompt": part,
+                                 "reward_model": [{"ground_truth": "x"}] * len(part)}), files[-1])
+    data = RLHFDataset(files, tokenizer, max_prompt_length=512)
+    expected = [list(tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=False))
+                for c in conversations]
+    assert [row.prompt_ids for row in data.rows] == expected
+    assert [row.uid for row in data.rows] == [f"part0:{i}" for i in range(5)] + [f"part1:{i}" for i in range(4)]
+
+
 def test_batches_are_seeded_and_resume_from_the_cursor(synthetic, tokenizer):
     data = RLHFDataset([synthetic["train"]], tokenizer, max_prompt_length=64)
     uninterrupted = [[r.uid for r in b] for b in itertools.islice(data.batches(8, 1, DataCursor()), 12)]
