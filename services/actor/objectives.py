@@ -37,27 +37,21 @@ def _model_inputs(batch: SequenceBatch) -> dict:
                 position_ids=batch["position_ids"], use_cache=False)
 
 
-def response_logits(model: nn.Module, batch: SequenceBatch, temperature: float, keep_logits: bool) -> torch.Tensor:
-    """Logits that predict each response token, divided by the temperature: [B, T, vocab] float32.
+def forward_log_probs(
+    model: nn.Module, batch: SequenceBatch, temperature: float, with_entropy: bool, keep_logits: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log p(response token) [B, T] and, optionally, the entropy of each predicting distribution [B, T],
+    both under softmax(logits / temperature), as the rollout's sampler draws.
 
     Position t of the sequence predicts token t + 1, so the response's T tokens are predicted from
-    positions S-T-1 .. S-2. Dividing in float32 matches the rollout's sampler (logits / temperature).
+    positions S-T-1 .. S-2 (with logits_to_keep, the first T of the T+1 kept). The logits stay in the
+    model's dtype; log_probs_and_entropy upcasts one block at a time and keeps no float32 copy.
     """
     response_len = batch.response_len
     extra = {"logits_to_keep": response_len + 1} if keep_logits else {}
     logits = model(**_model_inputs(batch), **extra).logits  # [B, S or T+1, vocab]
-    logits = logits[:, -response_len - 1 : -1].float()  # [B, T, vocab]
-    return logits / temperature if temperature != 1.0 else logits
-
-
-def forward_log_probs(
-    model: nn.Module, batch: SequenceBatch, temperature: float, with_entropy: bool, keep_logits: bool
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log p(response token) [B, T] and, optionally, the entropy of each predicting distribution [B, T]."""
-    logits = response_logits(model, batch, temperature, keep_logits)
-    log_probs = algos.log_probs_from_logits(logits, batch["responses"])
-    entropy = algos.entropy_from_logits(logits) if with_entropy else None
-    return log_probs, entropy
+    start = logits.shape[1] - response_len - 1
+    return algos.log_probs_and_entropy(logits, batch["responses"], temperature, with_entropy, start=start)
 
 
 def forward_values(model: nn.Module, batch: SequenceBatch) -> torch.Tensor:
@@ -92,13 +86,11 @@ class PolicyObjective:
         cfg = self.config
         mask = batch["response_mask"].float()  # [B, T]
         want_entropy_grad = cfg.entropy_coeff != 0
-        logits = response_logits(model, batch, self.temperature, self.keep_logits)  # [B, T, vocab]
-        log_probs = algos.log_probs_from_logits(logits, batch["responses"])  # [B, T]
-        if want_entropy_grad:
-            entropy = algos.entropy_from_logits(logits)
-        else:
-            with torch.no_grad():  # for the metric only: no softmax copies kept for backward
-                entropy = algos.entropy_from_logits(logits.detach())
+        # The entropy comes from the same pass over the logits as the log-probs (the actor/entropy metric
+        # reads it); it sends a gradient only with an entropy bonus.
+        log_probs, entropy = forward_log_probs(model, batch, self.temperature, True, self.keep_logits)  # [B, T]
+        if not want_entropy_grad:
+            entropy = entropy.detach()
         agg = counts.aggregation()
         # Without old_log_probs the update is one optimizer step on the policy that sampled the batch
         # (TrainerEngine checks), so the old policy is the current one: its log-probs, detached.

@@ -22,7 +22,7 @@ from .advantages import (
 )
 from .dapo import filter_groups, overlong_penalty
 from .kl import AdaptiveKLController, FixedKLController, kl_in_reward, kl_penalty
-from .logits import entropy_from_logits, log_probs_from_logits
+from .logits import entropy_from_logits, log_probs_and_entropy, log_probs_from_logits
 from .losses import AGG_MODES, aggregate_loss, gspo_loss, policy_loss, ppo_clip_loss, value_loss
 from .registry import (
     ADVANTAGE_ESTIMATOR_KWARGS,
@@ -55,6 +55,7 @@ __all__ = [
     "gspo_loss",
     "kl_in_reward",
     "kl_penalty",
+    "log_probs_and_entropy",
     "log_probs_from_logits",
     "masked_mean",
     "masked_var",
