@@ -66,6 +66,7 @@ class TrainerEngine:
         self.group: WorkerGroup | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{role}-engine")
         self._threads_before: int | None = None
+        self._rss_peak_reset = False  # whether the resident high-water mark was reset before this update
         self.weight_version = 0  # the reference's: bumped by each weight sync it receives
         self._sender: WeightSender | None = None  # the actor's weight-sync groups, made on first use
         self._membership = Membership(limits=self._weight_limits)  # the reference's weight-sync group
@@ -195,9 +196,14 @@ class TrainerEngine:
 
     def _memory_metrics(self, phase: str) -> dict[str, float]:
         """Rank 0's memory now: memory/<role>/rss_mb/<phase> (the process's resident memory) and on a GPU
-        memory/<role>/device_mb/<phase> (what torch holds allocated); after the update also the update's peak
-        (device_mb/peak_update), the figure that decides whether a colocated rollout fits beside it."""
+        memory/<role>/device_mb/<phase> (what torch holds allocated); after the update also the update's peaks
+        (rss_mb/peak_update on Linux, device_mb/peak_update), the figures that decide whether a colocated
+        rollout fits beside it."""
         metrics = {f"memory/{self.role}/rss_mb/{phase}": current_rss_bytes() / MB}
+        if phase == "before_update":
+            self._rss_peak_reset = reset_peak_rss()
+        elif self._rss_peak_reset:  # rank 0's resident high-water mark during the update
+            metrics[f"memory/{self.role}/rss_mb/peak_update"] = peak_rss_bytes() / MB
         device = rank_device(0)
         if device.type == "cuda":
             metrics[f"memory/{self.role}/device_mb/{phase}"] = torch.cuda.memory_allocated(device) / MB
@@ -391,6 +397,29 @@ class TrainerEngine:
         self._sync_seconds.labels(self.role).observe(time.perf_counter() - started)
         self._sync_bytes.labels(self.role).inc(manifest.num_bytes)
         return self.weight_version
+
+
+def reset_peak_rss() -> bool:
+    """Starts a new resident-memory high-water mark for this process (Linux: writing 5 to clear_refs
+    resets VmHWM); False where that is not possible."""
+    try:
+        with open("/proc/self/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_bytes() -> int:
+    """This process's resident high-water mark (VmHWM) since start or the last reset_peak_rss; 0 if unknown."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
 
 
 def sync_host(config: RunConfig) -> str:

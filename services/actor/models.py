@@ -66,7 +66,7 @@ def load_model(role: str, config: RunConfig, device: torch.device) -> nn.Module:
         model.requires_grad_(False)
         model.eval()
         return model
-    if config.model.gradient_checkpointing:
+    if uses_gradient_checkpointing(config, device):
         enable_gradient_checkpointing(model)
     if role == "actor" and config.actor.lora.enabled:
         from rlfabric.actor.lora import apply_lora
@@ -74,6 +74,13 @@ def load_model(role: str, config: RunConfig, device: torch.device) -> nn.Module:
         model = apply_lora(model, config.actor.lora)  # freezes the base; only the adapters train
     model.train()
     return model
+
+
+def uses_gradient_checkpointing(config: RunConfig, device: torch.device) -> bool:
+    """model.gradient_checkpointing, with auto resolved: on for a GPU, where activations bound the
+    micro-batch; off on CPU, where compute does."""
+    setting = config.model.gradient_checkpointing
+    return device.type == "cuda" if setting == "auto" else bool(setting)
 
 
 def enable_gradient_checkpointing(model: nn.Module) -> None:

@@ -121,8 +121,10 @@ class RankWorker:
             self.objective = ValueObjective(config.critic)
         if self.trainable:
             trained = [p for p in self.model.parameters() if p.requires_grad]  # with LoRA: the adapters
+            # fused: one kernel updates every parameter in place. The default (foreach on a GPU) builds
+            # temporaries the size of all parameters, in float32, at every step (transformers' Trainer fuses too).
             self.optimizer = torch.optim.AdamW(trained, lr=self.section.lr, betas=(0.9, 0.999),
-                                               weight_decay=self.section.weight_decay)
+                                               weight_decay=self.section.weight_decay, fused=True)
         # VeRL's ppo_mini_batch_size counts prompts; the batch has rollout.n rows per prompt.
         self.mini_batch_rows = self.section.ppo_mini_batch_size * config.rollout.n if self.trainable else 0
 

@@ -136,8 +136,9 @@ class ModelConfig(Section):
     """Parameter dtype: auto = float32 on CPU, bfloat16 on GPU."""
     attn_implementation: str = "sdpa"
     """transformers attention backend: sdpa, eager, flash_attention_2, ..."""
-    gradient_checkpointing: bool = False
-    """Recompute activations in the backward pass (actor and critic): less memory, ~30% more compute."""
+    gradient_checkpointing: bool | Literal["auto"] = "auto"
+    """Recompute activations in the backward pass (actor and critic): less memory, ~30% more compute.
+    auto = on where the model trains on a GPU (VeRL's and TRL's default there), off on CPU."""
     trust_remote_code: bool = False
     """Allow model code shipped inside the model directory (transformers' trust_remote_code)."""
 
