@@ -7,6 +7,7 @@ beside the trainers' status, the initial save beside the first step's generation
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -16,7 +17,7 @@ import pytest
 from rlfabric.core.start_phases import METRIC_PREFIX, Phase, StartPhases
 from rlfabric.rollout.engine import RolloutEngine
 from rlfabric.v1 import coordinator_pb2
-from tests.coordinator.meshes import fast_config, over_grpc
+from tests.coordinator.meshes import fast_config, in_process, over_grpc
 
 # A fresh run's phases up to its first Generate, as they begin; then the initial save, beside generation.
 RUN_PHASES = ["config", "tokenizer", "data", "connect", "initial_weights", "weight_sync_group", "rollout_status",
@@ -106,3 +107,79 @@ def test_a_run_logs_each_start_phase_and_they_account_for_the_time_to_the_first_
     assert total <= wall
     assert wall - total < max(1.0, 0.2 * wall)
     assert record["unaccounted_s"] < max(0.25, 0.1 * total)
+
+
+class GatedActor:
+    """The run's actor client, its SaveCheckpoint held until generation has begun (or failing, `fail`), and
+    a record of the order of saves and updates; every other call passes through."""
+
+    def __init__(self, actor, generating: asyncio.Event, fail: bool = False):
+        self.actor, self.generating, self.fail = actor, generating, fail
+        self.calls: list[str] = []
+
+    def __getattr__(self, name):
+        return getattr(self.actor, name)
+
+    async def save_checkpoint(self, path: str, timeout_s: float | None = None) -> int:
+        self.calls.append("save")
+        # Before the initial save ran beside generation, StartRun waited here for a Generate that never came.
+        await asyncio.wait_for(self.generating.wait(), timeout=30)
+        if self.fail:
+            raise OSError(28, "No space left on device")
+        written = await self.actor.save_checkpoint(path, timeout_s)
+        self.calls.append("saved")
+        return written
+
+    async def update_policy(self, *args, **kwargs):
+        self.calls.append("update")
+        return await self.actor.update_policy(*args, **kwargs)
+
+
+class SignallingRollout:
+    """The run's rollout router; sets `generating` when the first generation request goes out."""
+
+    def __init__(self, router, generating: asyncio.Event):
+        self.router, self.generating = router, generating
+
+    def __getattr__(self, name):
+        return getattr(self.router, name)
+
+    def generate_stream(self, *args, **kwargs):
+        self.generating.set()
+        return self.router.generate_stream(*args, **kwargs)
+
+
+def gated_run(tiny_model, run_dir, fail: bool = False):
+    """One step on the in-process mesh with the gated actor; (actor, final status, metrics by step)."""
+    config = fast_config(tiny_model, "trainer.total_steps=1")
+    actors: list[GatedActor] = []
+
+    def wrap(peers):
+        generating = asyncio.Event()
+        actors.append(GatedActor(peers.actor, generating, fail))
+        return dataclasses.replace(peers, actor=actors[-1], rollout=SignallingRollout(peers.rollout, generating))
+
+    async def scenario():
+        async with in_process(config, run_dir, wrap_peers=wrap) as client:
+            await client.start_run()
+            metrics = {update.step: dict(update.metrics) async for update in client.stream_metrics(from_step=1)}
+            return metrics, await client.run_status()
+
+    metrics, status = asyncio.run(scenario())
+    return actors[0], status, metrics
+
+
+def test_the_initial_save_runs_beside_the_first_generation_and_the_first_update_waits_for_it(tiny_model, tmp_path):
+    actor, status, metrics = gated_run(tiny_model, tmp_path / "run")
+    assert status.state == coordinator_pb2.RUN_STATE_COMPLETED, status.error
+    assert actor.calls[:3] == ["save", "saved", "update"]
+    assert (tmp_path / "run" / "initial_weights" / "actor" / "meta.json").exists()
+    assert metrics[1]["timing_s/initial_save"] >= 0
+
+
+def test_a_failed_initial_save_fails_the_run_before_its_first_update(tiny_model, tmp_path):
+    actor, status, _ = gated_run(tiny_model, tmp_path / "run", fail=True)
+    assert status.state == coordinator_pb2.RUN_STATE_FAILED
+    assert "No space left on device" in status.error and status.step == 0
+    assert "update" not in actor.calls
+    assert not (tmp_path / "run" / "initial_weights" / "actor" / "meta.json").exists()
