@@ -59,9 +59,10 @@ class RunController:
     # -- engine protocol (the server calls these) -------------------------------------------------
 
     async def start(self) -> None:
-        """Checks the policy model and loads its tokenizer on a thread, so that a StartRun finds them ready;
-        serving does not wait for it (a StartRun that comes first waits for the same load)."""
-        self.policy.preload()
+        """Checks the policy model and loads its tokenizer (on a thread, as the other services load their
+        models before they are ready), so that a StartRun finds them ready. A model that cannot be used
+        does not stop the coordinator: StartRun tries again and answers why."""
+        await self.policy.preload()
 
     async def stop(self) -> None:
         """Server shutdown: stop the loop where it is (the last checkpoint stays the resume point)."""

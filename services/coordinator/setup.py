@@ -77,11 +77,13 @@ class PolicyTokenizer:
         self.tensorboard = "tensorboard" in config.trainer.loggers
         self._loading: asyncio.Future | None = None
 
-    def preload(self) -> None:
-        """Starts loading on a thread of the running loop's executor; returns at once."""
+    async def preload(self) -> None:
+        """Loads them on a thread; a failure is logged here and raised by the next get()."""
         if self._loading is None and self.path:
             self._loading = asyncio.get_running_loop().run_in_executor(None, self._load)
             self._loading.add_done_callback(_log_preload_failure)
+        if self._loading is not None:
+            await asyncio.wait([self._loading])
 
     async def get(self):
         """The tokenizer (FailedPrecondition when the model is unusable); loads it now unless preload() did."""
