@@ -452,7 +452,8 @@ def sync_mesh(tiny_model):
     """An actor and one hf rollout replica (gloo), real gRPC servers on loopback, no token."""
     from tests.weight_sync.helpers import Mesh, mesh_config
 
-    config = mesh_config(tiny_model, "weight_sync.transport=gloo")
+    # A short cap: the hostile joins' rendezvous threads, which nothing can interrupt, end soon after the test.
+    config = mesh_config(tiny_model, "weight_sync.transport=gloo", "weight_sync.max_timeout_s=20")
     mesh = Mesh(config, {"r0": config})
     yield mesh
     mesh.stop()
