@@ -250,12 +250,11 @@ def _print_placement(args) -> int:
     print(describe_placement(config, plan_placement(config, services)))
     if args.launcher == "ray":  # one placement group per pool; Ray picks the devices within it
         try:
-            from rlfabric.launch.ray import pool_bundles
+            from rlfabric.launch.ray import describe_pools
             from rlfabric.launch.ray import predicted_transport as ray_transport
         except ImportError as error:
             raise ConfigError(f"--launcher ray needs Ray ({error}); pip install 'rlfabric[ray]'") from None
-        for name, bundles in pool_bundles(config).items():
-            print(f"ray placement group {name}: bundles {bundles}")
+        print("\n".join(describe_pools(config)))
         try:
             choice = ray_transport(config, cluster_has_gpus=True)
         except ConfigError as error:

@@ -14,9 +14,12 @@ Ray only places and supervises them. Why a child process rather than the service
 - the service keeps its own process, signals and graceful drain, unchanged from the other launchers.
 
 Resource pools (resource_pools, <role>.pool): one placement group per pool, a bundle per node of the pool
-({CPU: its services' num_cpus, GPU: the pool's gpus}, spread over distinct nodes when it has several), and
-each service of the pool is placed in that group. Services sharing a pool share its GPUs: each asks for its
-share (the pool's GPUs / its services), so Ray gives them the same devices, as VeRL colocates roles.
+(STRICT_SPREAD over distinct nodes when it has several). The pool's i-th service (start order: actor,
+reference, critic, rollout-0, rollout-1, ..., reward, env) goes into bundle i mod `nodes`; a bundle holds
+{CPU: the num_cpus of its services, GPU: the pool's gpus}. Services in one bundle share its GPUs: each asks
+for its share (1 / the bundle's services), so Ray gives them the same devices, as VeRL colocates roles.
+Each service reports its Ray node id (RUN_DIR/endpoints.json). A pool Ray cannot reserve (`nodes: 2` on a
+one-node cluster without an autoscaler) fails the start after launcher.startup_timeout_s, naming the key.
 
 Addresses: on a one-node cluster services bind 127.0.0.1; on a multi-node cluster (or through Ray Client)
 each binds and advertises its node's IP. The coordinator is placed on the launcher's node, so RUN_DIR
@@ -41,7 +44,12 @@ from pathlib import Path
 
 import ray
 import yaml
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.placement_group import (
+    PlacementGroup,
+    placement_group,
+    placement_group_table,
+    remove_placement_group,
+)
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from rlfabric.core.config import ConfigError, RunConfig, read_auth_token, read_env_token
@@ -125,11 +133,13 @@ class ServiceSupervisor:
         return ray.get_runtime_context().get_placement_group_id()
 
     def await_ports(self) -> dict:
-        """{grpc, metrics, pid, host, log} once the service bound its ports, or {exit_code, log} if it exited first."""
+        """{grpc, metrics, pid, host, log, node_id} once the service bound its ports, or {exit_code, log} if it
+        exited first. node_id: the Ray node this actor, and so its service process, runs on."""
         ports = await_port_file(self.port_file, self.process, timeout_s=float("inf"))
         if ports is None:
             return {"exit_code": self.process.returncode, "log": str(self.log_path)}
-        return {**ports, "host": self.host, "log": str(self.log_path)}
+        return {**ports, "host": self.host, "log": str(self.log_path),
+                "node_id": ray.get_runtime_context().get_node_id()}
 
     def wait(self) -> int:
         """Blocks until the service process exits; its exit code."""
@@ -207,44 +217,84 @@ def default_num_gpus(config: RunConfig, role: str) -> float:
     return 0
 
 
-def pool_services(config: RunConfig) -> dict[str, list[str]]:
-    """Pool -> the roles of the services placed in it (a role once per service: rollout replicas each)."""
-    pools: dict[str, list[str]] = {}
-    for _, role in service_names(config):
+def pool_nodes(config: RunConfig) -> dict[str, list[list[tuple[str, str]]]]:
+    """Pool -> its nodes (placement group bundles), each the (service name, role) placed there: the pool's
+    i-th service in start order on node i mod resource_pools.<pool>.nodes. A ConfigError naming the key when
+    a pool spans more nodes than it has services (a node of it would hold nothing)."""
+    services: dict[str, list[tuple[str, str]]] = {}
+    for name, role in service_names(config):
         if config.pool_of(role):
-            pools.setdefault(config.pool_of(role), []).append(role)
-    return pools
+            services.setdefault(config.pool_of(role), []).append((name, role))
+    layout = {}
+    for pool, members in services.items():
+        count = config.resource_pools[pool].nodes
+        if len(members) < count:
+            raise ConfigError(f"resource_pools.{pool}.nodes {count}: the pool holds {len(members)} service(s) "
+                              f"({', '.join(name for name, _ in members)}) and each node of a pool runs at least one; "
+                              f"lower nodes or put more services in it (rollout.replicas, <role>.pool)")
+        layout[pool] = [members[node::count] for node in range(count)]
+    return layout
+
+
+def node_of(config: RunConfig, name: str, role: str) -> tuple[str, int, list[tuple[str, str]]]:
+    """(pool, bundle index, the services of that bundle) of a pooled service."""
+    pool = config.pool_of(role)
+    for index, members in enumerate(pool_nodes(config)[pool]):
+        if (name, role) in members:
+            return pool, index, members
+    raise KeyError(name)
 
 
 def pool_bundles(config: RunConfig) -> dict[str, list[dict[str, float]]]:
     """The placement group of each pool in use: a bundle per node, holding the CPUs its services reserve
-    (launcher.ray.<role>.num_cpus, spread over the nodes) and the pool's GPUs of that node."""
+    (launcher.ray.<role>.num_cpus) and the pool's GPUs per node."""
     bundles = {}
-    for name, roles in pool_services(config).items():
-        pool = config.resource_pools[name]
-        cpus = sum(getattr(config.launcher.ray, role).num_cpus for role in roles) / pool.nodes
-        bundle = {"CPU": cpus, **({"GPU": float(pool.gpus_per_node)} if pool.gpus_per_node else {})}
-        bundles[name] = [dict(bundle) for _ in range(pool.nodes)]
+    for name, nodes in pool_nodes(config).items():
+        gpus = config.resource_pools[name].gpus_per_node
+        bundles[name] = [{"CPU": float(sum(getattr(config.launcher.ray, role).num_cpus for _, role in members)),
+                          **({"GPU": float(gpus)} if gpus else {})} for members in nodes]
     return bundles
 
 
-def pool_gpu_share(config: RunConfig, pool: str, role: str, num_gpus: float) -> float:
-    """What a service of a pool asks Ray for: alone in it, its GPUs; shared, its share of one GPU (1 / the
-    pool's services), so Ray gives the pool's services the same devices. (Ray does not pin CPU cores: a
-    pool's `cpus` apply to the local launcher only.)"""
-    sharers = len(pool_services(config)[pool])
-    if sharers == 1:
+def describe_pools(config: RunConfig) -> list[str]:
+    """One line per pool: its placement group's bundles and the services in each (`rlfabric up --dry-run`)."""
+    lines = []
+    bundles = pool_bundles(config)
+    for name, nodes in pool_nodes(config).items():
+        strategy = "STRICT_SPREAD" if len(nodes) > 1 else "PACK"
+        where = "; ".join(f"node {index}: {', '.join(service for service, _ in members)}"
+                          for index, members in enumerate(nodes))
+        lines.append(f"ray placement group {name}: bundles {bundles[name]} ({strategy}; {where})")
+    return lines
+
+
+def pool_gpu_share(config: RunConfig, name: str, role: str, num_gpus: float) -> float:
+    """What a service of a pool asks Ray for: alone on its node of the pool, its GPUs; shared, its share of one
+    GPU (1 / the services on that node), so Ray gives them the same devices. (Ray does not pin CPU cores: a
+    pool's `cpus` apply to the local launcher only.) A ConfigError naming the key when the service needs more
+    GPUs than one node of the pool has: a service's ranks all run on its node."""
+    pool, _, members = node_of(config, name, role)
+    per_node = config.resource_pools[pool].gpus_per_node
+    if per_node and num_gpus > per_node:
+        raise ConfigError(f"resource_pools.{pool}.gpus {per_node} per node: {name} needs {num_gpus:g} GPUs on one "
+                          f"node (launcher.ray.{role}.num_gpus, else {role}.world_size): give the pool more GPUs "
+                          "per node, not more nodes")
+    if len(members) == 1:
         return num_gpus
     if num_gpus > 1:
-        raise ConfigError(f"{role}.pool {pool}: a service on {num_gpus:g} GPUs cannot share a pool with others on "
-                          "Ray (a Ray actor takes at most a fraction of one GPU when it shares): give it a pool of its own")
-    return num_gpus / sharers
+        raise ConfigError(f"{role}.pool {pool}: a service on {num_gpus:g} GPUs cannot share a node of a pool with "
+                          "others on Ray (a Ray actor takes at most a fraction of one GPU when it shares): give it "
+                          "a pool of its own, or the pool one node per service (resource_pools.<pool>.nodes)")
+    return num_gpus / len(members)
 
 
 def requested_gpus(config: RunConfig, role: str, cluster_has_gpus: bool) -> float:
     """launcher.ray.<role>.num_gpus, null resolved: default_num_gpus on a cluster with GPUs, else 0."""
     num_gpus = getattr(config.launcher.ray, role).num_gpus
     if num_gpus is None:
+        pool = config.pool_of(role)
+        if pool and not config.resource_pools[pool].gpus_per_node:
+            return 0  # a pool without GPUs: its roles run on CPU, as with the local launcher
         return default_num_gpus(config, role) if cluster_has_gpus else 0
     return num_gpus
 
@@ -259,9 +309,12 @@ def weight_sync_devices(config: RunConfig, cluster_has_gpus: bool) -> tuple[Devi
             return DeviceReport()
         if not requested_gpus(config, role, cluster_has_gpus):
             return DeviceReport("cpu")
-        pool = config.pool_of(role)
-        if pool and len(pool_services(config)[pool]) > 1:
-            return DeviceReport("cuda:0", f"0 of resource pool {pool}")
+        if config.pool_of(role):
+            pool, node, members = node_of(config, name, role)
+            if len(members) > 1:
+                where = f"node {node} of resource pool {pool}" if config.resource_pools[pool].nodes > 1 else (
+                    f"resource pool {pool}")
+                return DeviceReport("cuda:0", f"0 of {where}")
         return DeviceReport("cuda:0", f"0 of {name}")
 
     replicas = [name for name, role in service_names(config) if role == "rollout"]
@@ -297,11 +350,12 @@ class RayMesh(MeshContext):
 
     def start(self) -> None:
         """Starts the workers, then the coordinator (configured with their addresses); waits for all."""
+        bundles = pool_bundles(self.config)  # a pool with more nodes than services: refused before anything starts
         worker_config = prepare_run_dir(self.config, self.run_dir)
         self._connect()
         predicted_transport(self.config, bool(ray.cluster_resources().get("GPU", 0)))  # a forced nccl that cannot run
         self._host = self._service_host()
-        self._reserve_pools()
+        self._reserve_pools(bundles)
         for name, role in service_names(self.config):
             self._launch(name, role, worker_config)
         self._await_ports(self.services)
@@ -345,26 +399,46 @@ class RayMesh(MeshContext):
         """Services whose process (or Ray actor) is gone."""
         return [s for s in self.services if s.exit_report() is not None]
 
-    def resources(self, role: str) -> dict[str, float]:
-        """What one service of `role` asks Ray for (launcher.ray.<role>, null num_gpus resolved)."""
+    def resources(self, name: str, role: str) -> dict[str, float]:
+        """What service `name` of `role` asks Ray for (launcher.ray.<role>, null num_gpus resolved; in a pool,
+        its share of its node's GPUs)."""
         spec = getattr(self.config.launcher.ray, role)
         num_gpus = requested_gpus(self.config, role, bool(ray.cluster_resources().get("GPU", 0)))
-        pool = self.config.pool_of(role)
-        if pool and num_gpus:
-            num_gpus = pool_gpu_share(self.config, pool, role, num_gpus)
+        if self.config.pool_of(role) and num_gpus:
+            num_gpus = pool_gpu_share(self.config, name, role, num_gpus)
         return {"num_cpus": spec.num_cpus, "num_gpus": num_gpus}
 
-    def _reserve_pools(self) -> None:
-        """One placement group per resource pool the run's services use, ready before they are placed."""
-        for name, bundles in pool_bundles(self.config).items():
-            strategy = "STRICT_SPREAD" if len(bundles) > 1 else "PACK"
-            self.pools[name] = placement_group(bundles, strategy=strategy, name=f"{self.namespace}-{name}")
+    def _reserve_pools(self, bundles: dict[str, list[dict[str, float]]]) -> None:
+        """One placement group per resource pool the run's services use, ready before they are placed. A pool
+        that spans more nodes than the cluster has alive is waited for up to launcher.startup_timeout_s (an
+        autoscaler may add them), then the start fails naming resource_pools.<pool>.nodes."""
+        timeout = self.config.launcher.startup_timeout_s
+        alive = sum(1 for node in ray.nodes() if node["Alive"])
+        for name, specs in bundles.items():
+            strategy = "STRICT_SPREAD" if len(specs) > 1 else "PACK"
+            self.pools[name] = placement_group(specs, strategy=strategy, name=f"{self.namespace}-{name}")
+            if len(specs) > alive:
+                log.warning("resource pool spans more nodes than the Ray cluster has", extra={"fields": {
+                    "key": f"resource_pools.{name}.nodes", "nodes": len(specs), "alive_nodes": alive,
+                    "waiting_s": timeout}})
+        deadline = time.monotonic() + timeout
         for name, group in self.pools.items():
-            if not group.wait(self.config.launcher.startup_timeout_s):
-                free = ray.available_resources()
-                raise MeshStartError(f"resource pool {name} ({group.bundle_specs}) was not reserved on the Ray cluster "
-                                     f"within {self.config.launcher.startup_timeout_s:g} s; free now: CPU "
-                                     f"{free.get('CPU', 0):g}, GPU {free.get('GPU', 0):g}")
+            if not group.wait(max(0.0, deadline - time.monotonic())):
+                raise MeshStartError(self._not_reserved(name, group, timeout))
+            nodes = placement_group_table(group)["bundles_to_node_id"]
+            log.info("resource pool reserved", extra={"fields": {
+                "pool": name, "nodes": [nodes[index] for index in sorted(nodes)]}})
+
+    def _not_reserved(self, name: str, group: PlacementGroup, timeout: float) -> str:
+        free = ray.available_resources()
+        alive = sum(1 for node in ray.nodes() if node["Alive"])
+        nodes = len(group.bundle_specs)
+        why = ""
+        if nodes > 1:
+            why = (f"resource_pools.{name}.nodes {nodes} needs {nodes} distinct Ray nodes, each with one bundle's "
+                   f"resources free, and the cluster has {alive} alive node(s); ")
+        return (f"resource pool {name} ({group.bundle_specs}) was not reserved on the Ray cluster within "
+                f"{timeout:g} s: {why}free now: CPU {free.get('CPU', 0):g}, GPU {free.get('GPU', 0):g}")
 
     # -- helpers -----------------------------------------------------------------------------
 
@@ -393,11 +467,12 @@ class RayMesh(MeshContext):
         return "127.0.0.1" if len(alive) == 1 else None
 
     def _launch(self, name: str, role: str, config_path: Path) -> None:
-        resources = self.resources(role)
+        resources = self.resources(name, role)
         options = {"name": name, "namespace": self.namespace, **resources}
-        pool = self.config.pool_of(role)
-        if pool:
-            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(self.pools[pool])
+        if self.config.pool_of(role):
+            pool, node, _ = node_of(self.config, name, role)
+            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                self.pools[pool], placement_group_bundle_index=node)
         if role == "coordinator" and not (self.address or "").startswith("ray://"):
             options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(
                 ray.get_runtime_context().get_node_id(), soft=False)
@@ -454,7 +529,8 @@ class RayMesh(MeshContext):
         endpoints: dict[str, list[dict]] = {}
         for service in self.services:
             if service.ports is not None:
-                entry = endpoint(service.name, service.ports["host"], service.ports)
+                entry = {**endpoint(service.name, service.ports["host"], service.ports),
+                         "node_id": service.ports["node_id"]}
                 endpoints.setdefault(service.role, []).append(entry)
         self.endpoints = endpoints
         write_endpoints(self.run_dir, endpoints)

@@ -277,3 +277,27 @@ def test_a_multi_turn_run_calls_the_charts_environment_service(tmp_path, model):
     assert len(steps) == 2
     for step in steps:  # every sample's turns reached the environment, whose Steps answered
         assert step["agent/env_failed/count"] == 0 and step["agent/env_seconds/max"] > 0, step
+
+
+def test_a_two_node_resource_pool_runs_with_its_pods_apart(tmp_path, model):
+    """config.resource_pools.<pool>.nodes 2 with the actor and the rollout in the pool: the chart spreads their pods
+    over distinct nodes (topologySpreadConstraints, checked in test_helm.py). There is no scheduler here, so what
+    this run shows is the rest: every service accepts the two-node pool in its config, and the actor and the rollout,
+    each on a pod address of its own, build their weight-sync group and sync every step of a run that completes."""
+    workdir = tmp_path / "cluster"
+    values = cpu_values(workdir, model)
+    values["config"].update(resource_pools={"spread": {"nodes": 2}})
+    for role in ("actor", "rollout"):
+        values["config"].setdefault(role, {})["pool"] = "spread"
+    docs = render(values)
+    spread = {d["metadata"]["name"].removeprefix(f"{RELEASE}-rlfabric-") for d in docs
+              if d["kind"] in ("StatefulSet", "Deployment") and d["spec"]["template"]["spec"].get("topologySpreadConstraints")}
+    assert spread == {"actor", "rollout"}
+    result, logs = play(docs, workdir)
+    check_run_completed(result, logs, workdir)
+    events = log_events(workdir, "coordinator-0")
+    (group,) = [e for e in events if e["event"] == "weight-sync group built"]
+    assert (group["transport"], group["failed"]) == ("gloo", {})
+    assert [m.split(".")[0] for m in group["members"]] == [f"{RELEASE}-rlfabric-rollout-0"]  # the rollout pod's name
+    syncs = [e for e in events if e["event"] == "weights synced"]
+    assert len(syncs) >= 2 and all(s["failed"] == {} for s in syncs), syncs

@@ -69,6 +69,12 @@ CASES: dict[str, dict[str, Any]] = {
         "roles": {"rollout": {"replicas": 2}, "critic": {"enabled": True}, "reference": {"enabled": True}},
         "config": {"env": {"enable": True}, "rollout": {"multi_turn": {"enable": True}}},
     },
+    # A run-config resource pool across two nodes: the actor and two rollout replicas, spread over distinct nodes.
+    "multi-node-pool": {
+        "config": {"resource_pools": {"spread": {"gpus": 1, "nodes": 2}}, "actor": {"pool": "spread"},
+                   "rollout": {"pool": "spread"}},
+        "roles": {"rollout": {"replicas": 2}},
+    },
 }
 
 
@@ -272,6 +278,11 @@ def test_the_schema_accepts_every_key_the_loader_accepts(chart):
          "the rollout pods none"),
         ({"config": {"weight_sync": {"transport": "nccl"}, "resource_pools": {"cpu": {"cpus": [0]}},
                      "actor": {"pool": "cpu"}}, "pools": {"cpu": {}}}, "roles.actor.gpus gives the actor pods none"),
+        # A pool of 3 nodes with 2 pods: a node of it would hold nothing (the Ray launcher refuses it too).
+        ({"config": {"resource_pools": {"spread": {"nodes": 3}}, "actor": {"pool": "spread"},
+                     "rollout": {"pool": "spread"}}},
+         "config.resource_pools.spread.nodes 3: the pool has 2 pod(s) (actor: 1, rollout: 1) and each of its nodes "
+         "runs at least one"),
     ],
 )
 def test_template_guards(chart, values, message):
@@ -905,6 +916,25 @@ def test_a_roles_run_config_pool_picks_its_node_pool_and_resources(chart):
     del values["pools"]["infer"]
     with pytest.raises(helm.HelmError, match=re.escape('config.rollout.pool: "infer" is not a key of .Values.pools')):
         render_chart(chart, values)
+
+
+def test_a_multi_node_pool_spreads_its_pods_over_distinct_nodes(by_case):
+    """config.resource_pools.<pool>.nodes N (on Ray a STRICT_SPREAD placement group): the pool's pods carry its
+    label and spread evenly over distinct nodes, over N at least (minDomains: with fewer nodes, a pod that would
+    share one stays Pending); the selector picks exactly the pool's pods, and the other roles are left alone."""
+    r = by_case["multi-node-pool"]
+    spread = [{"maxSkew": 1, "minDomains": 2, "topologyKey": "kubernetes.io/hostname",
+               "whenUnsatisfiable": "DoNotSchedule",
+               "labelSelector": {"matchLabels": {"app.kubernetes.io/name": "rlfabric", "app.kubernetes.io/instance": RELEASE,
+                                                 "rlfabric.io/resource-pool": "spread"}}}]
+    selector = spread[0]["labelSelector"]["matchLabels"]
+    selected = {role for role in r.enabled()
+                if selector.items() <= r.workload(role)["spec"]["template"]["metadata"]["labels"].items()}
+    assert selected == {"actor", "rollout"}
+    for role in r.enabled():
+        pod = r.workload(role)["spec"]["template"]["spec"]
+        assert pod.get("topologySpreadConstraints") == (spread if role in selected else None), role
+    assert r.workload("actor")["spec"]["replicas"] + r.workload("rollout")["spec"]["replicas"] == 3  # 2 + 1 on 2 nodes
 
 
 def test_colocated_rollout_follows_actor(by_case):

@@ -276,17 +276,46 @@ def test_a_pool_reserves_its_gpus_per_node_and_its_services_share_them():
     from rlfabric.core.config import ConfigError
     from rlfabric.launch.ray import pool_bundles, pool_gpu_share
 
-    config = load_config(None, ["resource_pools={shared: {gpus: 1}, critic: {gpus: 2, nodes: 2}}", "actor.pool=shared",
+    config = load_config(None, ["resource_pools={shared: {gpus: 1}, critic: {gpus: 2}}", "actor.pool=shared",
                                 "rollout.pool=shared", "algorithm.adv_estimator=gae", "critic.pool=critic",
                                 "critic.world_size=2", "launcher.ray.critic.num_cpus=4"])
-    assert pool_bundles(config) == {"shared": [{"CPU": 2.0, "GPU": 1.0}],
-                                    "critic": [{"CPU": 2.0, "GPU": 2.0}, {"CPU": 2.0, "GPU": 2.0}]}
-    assert pool_gpu_share(config, "shared", "rollout", 1) == 0.5  # the actor and the rollout: one GPU, half each
+    assert pool_bundles(config) == {"shared": [{"CPU": 2.0, "GPU": 1.0}], "critic": [{"CPU": 4.0, "GPU": 2.0}]}
+    assert pool_gpu_share(config, "rollout-0", "rollout", 1) == 0.5  # the actor and the rollout: one GPU, half each
     assert pool_gpu_share(config, "critic", "critic", 2) == 2  # alone in its pool
+    # One service cannot span nodes (its ranks run on its node): a critic alone in a two-node pool is refused.
+    with pytest.raises(ConfigError, match=r"resource_pools.critic.nodes 2: the pool holds 1 service\(s\) \(critic\)"):
+        pool_bundles(load_config(None, ["resource_pools={critic: {gpus: 1, nodes: 2}}", "algorithm.adv_estimator=gae",
+                                        "critic.pool=critic", "critic.world_size=2"]))
     two_rank_actor = load_config(None, ["resource_pools={shared: {gpus: 2}}", "actor.pool=shared", "rollout.pool=shared",
                                         "actor.world_size=2"])
-    with pytest.raises(ConfigError, match="actor.pool shared: a service on 2 GPUs cannot share a pool"):
-        pool_gpu_share(two_rank_actor, "shared", "actor", 2)
+    with pytest.raises(ConfigError, match="actor.pool shared: a service on 2 GPUs cannot share a node of a pool"):
+        pool_gpu_share(two_rank_actor, "actor", "actor", 2)
+
+
+def test_a_multi_node_pool_puts_its_ith_service_on_node_i_mod_nodes():
+    from rlfabric.core.config import ConfigError
+    from rlfabric.launch.ray import pool_bundles, pool_gpu_share, pool_nodes, predicted_transport
+
+    config = load_config(None, ["resource_pools={spread: {gpus: 1, nodes: 2}}", "actor.pool=spread",
+                                "rollout.pool=spread", "rollout.replicas=3", "launcher.ray.rollout.num_cpus=0.5"])
+    assert pool_nodes(config) == {"spread": [[("actor", "actor"), ("rollout-1", "rollout")],
+                                             [("rollout-0", "rollout"), ("rollout-2", "rollout")]]}
+    assert pool_bundles(config) == {"spread": [{"CPU": 1.5, "GPU": 1.0}, {"CPU": 1.0, "GPU": 1.0}]}
+    assert pool_gpu_share(config, "rollout-0", "rollout", 1) == 0.5  # shares node 1's GPU with rollout-2
+    # The actor shares node 0's GPU with rollout-1 (same-device path); rollout-0 holds another node's GPU.
+    assert predicted_transport(config, cluster_has_gpus=True).reason == (
+        "the actor and rollout-1 share GPU 0 of node 0 of resource pool spread")
+    apart = load_config(None, ["resource_pools={spread: {gpus: 1, nodes: 2}}", "actor.pool=spread", "rollout.pool=spread"])
+    assert pool_gpu_share(apart, "actor", "actor", 1) == 1  # alone on its node: its own GPU
+    assert predicted_transport(apart, cluster_has_gpus=True).transport == "nccl"
+    # Bad input, named by its key before anything starts.
+    with pytest.raises(ConfigError, match=r"resource_pools.spread.nodes 3: the pool holds 2 service\(s\) "
+                                          r"\(actor, rollout-0\) and each node of a pool runs at least one"):
+        pool_nodes(load_config(None, ["resource_pools={spread: {nodes: 3}}", "actor.pool=spread", "rollout.pool=spread"]))
+    wide_actor = load_config(None, ["resource_pools={spread: {gpus: 1, nodes: 2}}", "actor.pool=spread",
+                                    "rollout.pool=spread", "actor.world_size=2"])
+    with pytest.raises(ConfigError, match="resource_pools.spread.gpus 1 per node: actor needs 2 GPUs on one node"):
+        pool_gpu_share(wide_actor, "actor", "actor", 2)
 
 
 def test_a_service_ray_cannot_place_fails_within_the_startup_timeout(ray_address, small, tmp_path):
@@ -300,6 +329,19 @@ def test_a_service_ray_cannot_place_fails_within_the_startup_timeout(ray_address
     assert time.monotonic() - started < 40
     assert _actors_in(mesh.namespace) == []
     assert _wait_dead(_services_of(tmp_path)) == []
+
+
+def test_a_two_node_pool_on_a_one_node_cluster_fails_the_start_naming_the_key(ray_address, small, tmp_path):
+    config = load_config(None, [*small, "resource_pools={spread: {nodes: 2}}", "actor.pool=spread",
+                                "rollout.pool=spread", "launcher.startup_timeout_s=5"])
+    mesh = RayMesh(config, tmp_path / "run")
+    started = time.monotonic()
+    with pytest.raises(MeshStartError, match=r"resource pool spread .* within 5 s: resource_pools.spread.nodes 2 needs "
+                                             r"2 distinct Ray nodes.*the cluster has 1 alive node\(s\)"):
+        with mesh:
+            pass
+    assert time.monotonic() - started < 40
+    assert mesh.services == [] and _actors_in(mesh.namespace) == []  # nothing was started
 
 
 # -- a private local Ray instance ----------------------------------------------------------------

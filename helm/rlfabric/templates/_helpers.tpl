@@ -271,6 +271,19 @@ Pod template
 {{- $r.pool | default ($section.pool | default "") }}
 {{- end }}
 
+{{/* The run-config resource pool of a role (config.<role>.pool), "" for none. Args: dict ctx role. */}}
+{{- define "rlfabric.resourcePool" -}}
+{{- $section := index (.ctx.Values.config | default dict) .role | default dict }}
+{{- $section.pool | default "" }}
+{{- end }}
+
+{{/* Nodes the role's run-config pool spans (config.resource_pools.<pool>.nodes); 1 without a pool. Args: dict ctx role. */}}
+{{- define "rlfabric.poolNodes" -}}
+{{- $pools := (.ctx.Values.config | default dict).resource_pools | default dict }}
+{{- $spec := index $pools (include "rlfabric.resourcePool" .) | default dict }}
+{{- int ($spec.nodes | default 1) }}
+{{- end }}
+
 {{/* Checks a role's settings that the schema cannot express. Args: dict ctx role. */}}
 {{- define "rlfabric.validateRole" -}}
 {{- $r := index .ctx.Values.roles .role }}
@@ -319,6 +332,21 @@ tolerations:
 {{- with $affinity }}
 affinity:
   {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- /* A run-config pool of N nodes (config.resource_pools.<pool>.nodes, as Ray's STRICT_SPREAD placement group):
+its pods spread evenly over distinct nodes, and over at least N of them (minDomains: with fewer schedulable
+nodes, a pod that would share a node with another of the pool stays Pending) */}}
+{{- $nodes := int (include "rlfabric.poolNodes" .) }}
+{{- if gt $nodes 1 }}
+topologySpreadConstraints:
+  - maxSkew: 1
+    minDomains: {{ $nodes }}
+    topologyKey: kubernetes.io/hostname
+    whenUnsatisfiable: DoNotSchedule
+    labelSelector:
+      matchLabels:
+        {{- include "rlfabric.selectorLabels" (dict "ctx" .ctx "role" "") | nindent 8 }}
+        rlfabric.io/resource-pool: {{ include "rlfabric.resourcePool" . }}
 {{- end }}
 {{- end }}
 
@@ -369,6 +397,9 @@ grpc:
 metadata:
   labels:
     {{- include "rlfabric.labels" . | nindent 4 }}
+    {{- with include "rlfabric.resourcePool" . }}
+    rlfabric.io/resource-pool: {{ . }}
+    {{- end }}
     {{- with $r.podLabels }}
     {{- toYaml . | nindent 4 }}
     {{- end }}
@@ -583,6 +614,23 @@ the GPU UUIDs the services report. A forced nccl with the actor or the rollout o
 {{- if and (not (and $sglang (eq $role "rollout"))) (eq (int (include "rlfabric.gpus" (dict "ctx" $ "role" $role))) 0) }}
 {{- fail (printf "config.weight_sync.transport nccl needs the actor and the rollout on GPUs, and roles.%s.gpus gives the %s pods none: set config.weight_sync.transport to auto (it picks gloo then), gloo or grpc" $role $role) }}
 {{- end }}
+{{- end }}
+{{- end }}
+{{- /* A pool of N nodes needs at least N pods (Ray refuses it too: a node of the pool would hold nothing). */}}
+{{- range $name, $pool := ($config.resource_pools | default dict) }}
+{{- $nodes := int ($pool.nodes | default 1) }}
+{{- $pods := 0 }}
+{{- $members := list }}
+{{- range $role := list "actor" "reference" "critic" "rollout" "reward" "env" }}
+{{- $args := dict "ctx" $ "role" $role }}
+{{- if and (eq (include "rlfabric.resourcePool" $args) $name) (include "rlfabric.roleEnabled" $args) }}
+{{- $replicas := int (index $.Values.roles $role).replicas }}
+{{- $pods = add $pods $replicas }}
+{{- $members = append $members (printf "%s: %d" $role $replicas) }}
+{{- end }}
+{{- end }}
+{{- if and (gt $nodes 1) (gt $pods 0) (lt $pods $nodes) }}
+{{- fail (printf "config.resource_pools.%s.nodes %d: the pool has %d pod(s) (%s) and each of its nodes runs at least one: lower nodes, or add pods (roles.<role>.replicas, config.<role>.pool)" $name $nodes $pods (join ", " $members)) }}
 {{- end }}
 {{- end }}
 {{- if and .Values.tls.mtls (not .Values.tls.enabled) }}
