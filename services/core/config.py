@@ -828,8 +828,9 @@ class ResourcePoolConfig(Section):
     """CPU cores the pool's services are pinned to (CPU affinity, inherited by their ranks and engine workers);
     empty = any core."""
     nodes: int = Field(1, ge=1)
-    """Nodes the pool spans (Ray: a placement group of one bundle per node; Helm: pods of the pool's roles);
-    the local launcher runs one node."""
+    """Nodes the pool spans, at most its services (pods). Ray: a placement group of one bundle per node
+    (STRICT_SPREAD), the pool's i-th service on node i mod nodes; Helm: the pool's pods spread over distinct
+    nodes, at least this many (topologySpreadConstraints); the local launcher runs one node."""
 
     @model_validator(mode="after")
     def _gpus_or_devices(self) -> ResourcePoolConfig:
