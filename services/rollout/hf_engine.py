@@ -12,9 +12,16 @@ for its n samples; finished rows leave the batch. Weight loads and sleep take th
 batch, so they happen between batches. Pause(abort=True) drops the queued rows and the running
 batch ends its aborted rows at its next step, each with Finish.ABORT.
 
+Decoding keeps the host out of the per-token path: each token's random number comes from (row seed,
+position) on the device (sampling.counter_uniforms), and the host reads the sampled tokens once every
+`steps_per_sync` steps (8 on a GPU, where each read stalls the queue of kernels; 1 on the CPU, where it
+costs nothing and decoding past a row's end would), to finish rows (EOS, stop ids and strings, length),
+stream them, and drop them from the batch. Tokens a row sampled after its end are discarded; a row's
+tokens are the same whatever the number of steps per read.
+
 Partial rollouts (rollout.partial_rollouts): a weight swap asks the running batch to stop at its next
 decode step; its unfinished rows go back to the front of the queue with what they generated (tokens,
-log-probs, their own RNG), the weights change, and the next batch prefills prompt + generated prefix
+log-probs; their random numbers go on from their position), the weights change, and the next batch prefills prompt + generated prefix
 under the new weights and decodes on. Each row records the version of each span of its tokens
 (FinishedSample.version_spans). Without it, a swap waits for the running batch to finish.
 
@@ -29,6 +36,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Iterable, Sequence
@@ -40,7 +48,7 @@ from rlfabric.core.config import RunConfig
 from rlfabric.core.dtypes import rollout_dtype, torch_dtype
 from rlfabric.core.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument
 from rlfabric.rollout.engine import Generation, RolloutEngine, load_tokenizer, trust_remote_code
-from rlfabric.rollout.sampling import sample_tokens
+from rlfabric.rollout.hf_decode import DecodeBatch
 from rlfabric.rollout.types import (
     EngineLimits,
     Finish,
@@ -55,6 +63,7 @@ from rlfabric.weight_sync.manifest import PEFT_PREFIX
 
 log = logging.getLogger("rlfabric.rollout.hf")
 WAKE_TAGS = ("weights", "kv_cache")
+GPU_STEPS_PER_SYNC = 8  # decode steps between two host reads of the sampled tokens on a GPU
 
 
 @dataclass(eq=False)
@@ -64,7 +73,8 @@ class _Row:
     generation: Generation
     prompt_index: int
     sample_index: int
-    generator: torch.Generator
+    seed: int  # row_seed: with the token's position, it fixes the token's random number
+    limit: int  # most tokens it may have: max_tokens, or what the context length leaves after the prompt
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[tuple[int, int]] = field(default_factory=list)  # (weight version, first token index)
@@ -72,6 +82,10 @@ class _Row:
     @property
     def prompt(self) -> list[int]:
         return self.generation.prompts[self.prompt_index]
+
+    def budget(self) -> int:
+        """How many more tokens it may generate."""
+        return self.limit - len(self.token_ids)
 
     def prefill_key(self) -> tuple[int, int] | int:
         """Rows of one prompt with nothing generated yet share its prefill; a resumed row has its own."""
@@ -86,12 +100,15 @@ class HFEngine(RolloutEngine):
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.net = None
         self._pending: deque[_Row] = deque()
+        self._pending_lock = threading.Lock()  # the running batch takes rows from the queue on its thread
         self._running: list[_Row] = []
         self._lock = asyncio.Lock()  # held by a running batch, a weight load or sleep
         self._wakeup = asyncio.Event()  # rows were queued
+        self._swap_waiting = False  # a weight swap waits for the lock: no row joins the running batch
         self._preempt = False  # a weight swap waits: the running batch hands its rows back (partial rollouts)
         self._scheduler: asyncio.Task | None = None
         self._discarded_shapes: dict[torch.nn.Parameter, torch.Size] = {}  # asleep at level 2: their real shapes
+        self.steps_per_sync = GPU_STEPS_PER_SYNC if self.device.type == "cuda" else 1
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -134,9 +151,11 @@ class HFEngine(RolloutEngine):
     # -- generation ----------------------------------------------------------------------------
 
     def _start_request(self, generation: Generation) -> None:
-        params = generation.params
-        self._pending.extend(_Row(generation, p, s, torch.Generator().manual_seed(row_seed(params.seed, p, s)))
-                             for p, s in generation.rows())
+        params, max_len = generation.params, self.limits.max_model_len
+        rows = [_Row(generation, p, s, row_seed(params.seed, p, s), min(params.max_tokens, max_len - len(prompt)))
+                for p, s in generation.rows() for prompt in [generation.prompts[p]]]
+        with self._pending_lock:
+            self._pending.extend(rows)
         self._wakeup.set()
 
     def _end_request(self, generation: Generation) -> None:
@@ -153,26 +172,29 @@ class HFEngine(RolloutEngine):
                 self._running = batch
                 try:
                     unfinished = await asyncio.to_thread(self._run_batch, batch, self.weight_version)
-                    self._pending.extendleft(reversed([r for r in unfinished if not r.generation.aborted]))
+                    with self._pending_lock:
+                        self._pending.extendleft(reversed([r for r in unfinished if not r.generation.aborted]))
                 except Exception as error:  # the engine failed: the batch's requests get UNAVAILABLE
                     log.exception("hf engine batch failed")
-                    for generation in {row.generation for row in batch}:
+                    for generation in {row.generation for row in self._running}:  # rows that joined too
                         generation.put(self.failure(error))
                 finally:
                     self._running = []
                     self.kv_cache_usage = 0.0
 
-    def _take_batch(self) -> list[_Row]:
-        """Up to max_num_seqs queued rows, oldest first."""
-        size = min(len(self._pending), self.config.rollout.max_num_seqs)
-        return [self._pending.popleft() for _ in range(size)]
+    def _take_batch(self, room: int | None = None) -> list[_Row]:
+        """Up to `room` (max_num_seqs) queued rows, oldest first."""
+        with self._pending_lock:
+            size = min(len(self._pending), self.config.rollout.max_num_seqs if room is None else room)
+            return [self._pending.popleft() for _ in range(size)]
 
     def _drop_pending(self, which, deliver: bool = True) -> int:
         """Removes queued rows matching `which`; delivers them as empty ABORT samples when asked."""
         kept, dropped = deque(), []
-        for row in self._pending:
-            (dropped if which(row) else kept).append(row)
-        self._pending = kept
+        with self._pending_lock:
+            for row in self._pending:
+                (dropped if which(row) else kept).append(row)
+            self._pending = kept
         if deliver:
             for row in dropped:
                 row.generation.put(self._finish(row, Finish.ABORT, self.weight_version))
@@ -191,80 +213,100 @@ class HFEngine(RolloutEngine):
     @torch.inference_mode()
     def _run_batch(self, rows: list[_Row], version: int) -> list[_Row]:
         """Prefill then decode until every row is finished, or until a weight swap asks for the rows
-        still going (partial rollouts), which it returns (worker thread)."""
-        device = self.device
+        still going (partial rollouts), which it returns (worker thread). At each read of the tokens,
+        queued rows join while there is room."""
+        batch = self._prefill(rows, version)
+        stop_ids = self._stop_ids(rows)
+        while True:
+            steps = min(self.steps_per_sync, min(r.budget() for r in rows))  # no row decodes past its limit
+            must_stop = functools.partial(self._must_stop, {r.generation for r in rows})
+            tokens, logprobs = batch.sample([len(r.token_ids) for r in rows], steps, must_stop)
+            alive = self._take_tokens(rows, tokens.tolist(), logprobs.tolist(), stop_ids, version)  # the host sync
+            if self._preempt or not alive:
+                return [rows[i] for i in alive]
+            last = tokens[:, -1]
+            if len(alive) < len(rows):
+                keep = torch.tensor(alive, device=self.device)
+                batch.select(keep)
+                last, rows = last[keep], [rows[i] for i in alive]
+            batch.feed(last)
+            rows = self._join(batch, rows, version, stop_ids)
+            self.kv_cache_usage = min(1.0, batch.mask.numel() / (self.config.rollout.max_num_seqs
+                                                                 * self.limits.max_model_len))
+
+    def _must_stop(self, generations: set[Generation]) -> bool:
+        """Read the tokens now: a weight swap waits (partial rollouts), or a request was aborted."""
+        return self._preempt or any(g.aborted for g in generations)
+
+    def _prefill(self, rows: list[_Row], version: int) -> DecodeBatch:
+        """The rows on the device: each unique prompt (or a resumed row's prompt + generated prefix) once."""
         for r in rows:
             r.versions.append((version, len(r.token_ids)))
-        # 1. Prefill each unique prompt (or a resumed row's prompt + generated prefix) once, left-padded.
-        unique: dict[tuple[int, int] | int, int] = {}  # Row.prefill_key() -> row of the prefill
+        unique: dict[tuple[int, int] | int, int] = {}  # Row.prefill_key() -> index of its prompt
         prompts = []
         for r in rows:
             if unique.setdefault(r.prefill_key(), len(prompts)) == len(prompts):
                 prompts.append(r.prompt + r.token_ids)
-        width = max(map(len, prompts))
-        pad = self.tokenizer.pad_token_id or 0
-        input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)  # (U, P)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)  # (U, P)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # (U, P)
-        from transformers import DynamicCache
+        return DecodeBatch.prefill(self.net, prompts, [unique[r.prefill_key()] for r in rows],
+                                   [r.generation.params for r in rows], [r.seed for r in rows],
+                                   self.tokenizer.pad_token_id or 0)
 
-        cache = DynamicCache(config=self.net.config)
-        out = self.net(input_ids=input_ids, attention_mask=mask, position_ids=positions,
-                       past_key_values=cache, use_cache=True, logits_to_keep=1)
-        # 2. Repeat each prompt's cache for its samples.
-        expand = torch.tensor([unique[r.prefill_key()] for r in rows], device=device)  # (B,)
-        logits = out.logits[:, -1, :][expand]  # (B, V)
-        cache.batch_select_indices(expand)
-        mask, next_pos = mask[expand], positions[expand, -1] + 1  # (B, P), (B,)
-        params = [r.generation.params for r in rows]
-        temperature = torch.tensor([p.temperature for p in params], device=device)
-        top_k = torch.tensor([p.top_k for p in params], device=device)
-        top_p = torch.tensor([p.top_p for p in params], device=device)
-        capacity = self.config.rollout.max_num_seqs * self.limits.max_model_len
-        # 3. Decode: sample, finish rows, feed the survivors.
-        while rows:
-            uniforms = torch.stack([torch.rand((), generator=r.generator, dtype=torch.float64) for r in rows])
-            tokens, logprobs = sample_tokens(logits, temperature, top_k, top_p, uniforms.to(device))
-            alive = []
-            for i, (row, token, logprob) in enumerate(zip(rows, tokens.tolist(), logprobs.tolist(), strict=True)):
-                if row.generation.aborted:
-                    row.generation.put_threadsafe(self._finish(row, Finish.ABORT, version))
-                    continue
-                row.token_ids.append(token)
-                row.logprobs.append(logprob)
-                reason = self._finish_reason(row, token)
-                if reason is None:
-                    alive.append(i)
-                else:
-                    row.generation.put_threadsafe(self._finish(row, reason, version))
-            if not alive:
-                return []
-            if self._preempt:
-                return [rows[i] for i in alive]
-            if len(alive) < len(rows):
-                keep = torch.tensor(alive, device=device)
-                cache.batch_select_indices(keep)
-                mask, next_pos, tokens = mask[keep], next_pos[keep], tokens[keep]
-                temperature, top_k, top_p = temperature[keep], top_k[keep], top_p[keep]
-                rows = [rows[i] for i in alive]
-            mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=1)  # (B, P + t)
-            self.kv_cache_usage = min(1.0, len(rows) * mask.shape[1] / capacity)
-            out = self.net(input_ids=tokens[:, None], attention_mask=mask, position_ids=next_pos[:, None],
-                           past_key_values=cache, use_cache=True)
-            logits, next_pos = out.logits[:, -1, :], next_pos + 1
-        return []
+    def _join(self, batch: DecodeBatch, rows: list[_Row], version: int,
+              stop_ids: dict[Generation, set[int]]) -> list[_Row]:
+        """Queued rows join the running batch, up to max_num_seqs, unless a weight swap waits (it would wait
+        for them too). Returns the batch's rows."""
+        room = self.config.rollout.max_num_seqs - len(rows)
+        if room <= 0 or not self._pending or self._swap_waiting or not batch.can_join():
+            return rows
+        joiners = self._take_batch(room)
+        if not joiners:
+            return rows
+        batch.join(self._prefill(joiners, version))
+        stop_ids.update(self._stop_ids(joiners))
+        self._running = rows = rows + joiners
+        return rows
 
-    def _finish_reason(self, row: _Row, token: int) -> Finish | None:
+    def _stop_ids(self, rows: list[_Row]) -> dict[Generation, set[int]]:
+        """The token ids that end each request's rows: EOS and its stop_token_ids."""
+        return {r.generation: {*self.limits.eos_token_ids, *r.generation.params.stop_token_ids} for r in rows}
+
+    def _take_tokens(self, rows: list[_Row], tokens: list[list[int]], logprobs: list[list[float]],
+                     stop_ids: dict[Generation, set[int]], version: int) -> list[int]:
+        """Appends each row's new tokens up to its end and delivers the rows that ended (and those aborted),
+        with one wake-up of the event loop; returns the indices of the rows going on."""
+        alive, finished = [], []
+        for i, (row, new, new_logprobs) in enumerate(zip(rows, tokens, logprobs, strict=True)):
+            if row.generation.aborted:
+                reason = Finish.ABORT
+            else:
+                reason = self._append(row, new, new_logprobs, stop_ids[row.generation])
+            if reason is None:
+                alive.append(i)
+            else:
+                finished.append((row.generation, self._finish(row, reason, version)))
+        if finished:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is waiting any more
+                finished[0][0].loop.call_soon_threadsafe(_put_each, finished)
+        return alive
+
+    def _append(self, row: _Row, new: list[int], new_logprobs: list[float], stop_ids: set[int]) -> Finish | None:
+        """Appends the tokens up to the first that ends the row (an EOS or stop id, the end of a stop string,
+        or its limit); the rest were sampled past its end and are dropped. Returns why it ended."""
         params = row.generation.params
-        if token in self.limits.eos_token_ids or token in params.stop_token_ids:
-            return Finish.STOP
-        if params.stop:
-            tail = self.decode(row.token_ids[-(max(map(len, params.stop)) + 8):])
-            if truncate_at_stop(tail, params.stop)[1]:
-                return Finish.STOP
-        if len(row.token_ids) >= params.max_tokens or len(row.prompt) + len(row.token_ids) >= self.limits.max_model_len:
-            return Finish.LENGTH
-        return None
+        start, end, reason = len(row.token_ids), len(new), None
+        if not stop_ids.isdisjoint(new):
+            end, reason = next(j for j, token in enumerate(new) if token in stop_ids) + 1, Finish.STOP
+        row.token_ids.extend(new[:end])
+        row.logprobs.extend(new_logprobs[:end])
+        if params.stop:  # the first token whose text completes a stop string
+            window = max(map(len, params.stop)) + 8
+            for length in range(start + 1, start + end + 1):
+                if truncate_at_stop(self.decode(row.token_ids[max(0, length - window):length]), params.stop)[1]:
+                    del row.token_ids[length:], row.logprobs[length:]
+                    return Finish.STOP
+        if reason is None and row.budget() <= 0:
+            reason = Finish.LENGTH
+        return reason
 
     # -- control -------------------------------------------------------------------------------
 
@@ -365,6 +407,7 @@ class HFEngine(RolloutEngine):
         """With partial rollouts the running batch stops at its next step and its rows go on after the swap;
         otherwise the swap waits for the batch to finish."""
         self._preempt = self.config.rollout.partial_rollouts
+        self._swap_waiting = True
         try:
             async with self._lock:
                 started = time.monotonic()
@@ -372,7 +415,7 @@ class HFEngine(RolloutEngine):
                 self.weight_version = self.weight_version + 1 if version is None else int(version)
                 paused = time.monotonic() - started
         finally:
-            self._preempt = False
+            self._preempt = self._swap_waiting = False
             self._wakeup.set()  # rows handed back wait in the queue
         log.info("weights loaded", extra={"fields": {"tensors": len(named), "version": self.weight_version,
                                                      "paused_s": round(paused, 4)}})
@@ -389,6 +432,12 @@ class HFEngine(RolloutEngine):
         with torch.no_grad():
             for name, tensor in named:
                 targets[name].copy_(tensor.to(device=targets[name].device, dtype=targets[name].dtype))
+
+
+def _put_each(finished: list[tuple[Generation, FinishedSample]]) -> None:
+    """Hands finished samples to their requests (on the event loop every request of the engine shares)."""
+    for generation, sample in finished:
+        generation.put(sample)
 
 
 def _base_name(name: str) -> str:

@@ -41,6 +41,15 @@ def served(tiny_model):
     server.stop()
 
 
+@pytest.fixture(params=[1, 8], ids=["read_every_step", "read_every_8_steps"])
+def steps_per_sync(request, served):
+    """The engine reads the sampled tokens every step (its default on the CPU) or every 8 (on a GPU)."""
+    engine = served[2]
+    default, engine.steps_per_sync = engine.steps_per_sync, request.param
+    yield request.param
+    engine.steps_per_sync = default
+
+
 def test_logprobs_match_a_direct_transformers_forward(served, tiny_model):
     from transformers import AutoModelForCausalLM
 
@@ -56,7 +65,7 @@ def test_logprobs_match_a_direct_transformers_forward(served, tiny_model):
     assert torch.cat(diffs).mean() <= 1e-3, torch.cat(diffs).max()
 
 
-def test_same_seed_same_samples_whatever_the_batch(served):
+def test_same_seed_same_samples_whatever_the_batch(served, steps_per_sync):
     _, channel, _ = served
     first = generate(channel, PROMPTS, n=3, max_tokens=12, seed=7)
     again = generate(channel, PROMPTS, n=3, max_tokens=12, seed=7)
@@ -151,12 +160,12 @@ def wait_for_queue_depth(channel, depth: int, timeout: float = 20) -> None:
         time.sleep(0.02)
 
 
-def test_pause_holds_new_requests_until_resume_and_abort_ends_in_flight(served, slow_decode):
+def test_pause_holds_new_requests_until_resume_and_abort_ends_in_flight(served, slow_decode, steps_per_sync):
     _, channel, _ = served
     rollout = stub(channel)
     try:
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            # 48 samples run as three batches of 16 (>= 0.45 s): Pause returns only once all have finished.
+            # 48 samples, at most 16 decoded at a time (>= 0.45 s): Pause returns only once all have finished.
             accepted = pool.submit(stream, channel, [[5, 6]], n=48, max_tokens=30)
             wait_for_queue_depth(channel, 1)
             assert rollout.Pause(rollout_pb2.PauseRequest(), timeout=30).num_aborted == 0
@@ -279,21 +288,25 @@ def test_a_chat_template_that_rejects_the_messages_is_invalid_argument(served):
     assert "prompt 1" in details and "the first message must be from the user" in details
 
 
-def test_a_weight_swap_mid_generation_continues_the_samples_under_the_new_weights(served, tiny_model, slow_decode):
+def test_a_weight_swap_mid_generation_continues_the_samples_under_the_new_weights(served, tiny_model, slow_decode,
+                                                                                  steps_per_sync):
     """Partial rollouts: the samples in flight stop at the swap, take the new weights (here: token 50 wins
     everywhere) and go on from their prefix; version_spans mark the boundary, across the wire."""
     server, channel, engine = served
-    prompts, params = [PROMPTS[0]], {"n": 2, "max_tokens": 120, "temperature": 1.0, "seed": 11}
+    prompts, params = [PROMPTS[0]], {"n": 2, "max_tokens": 120, "temperature": 1.0, "seed": 8}  # 120 and 70 tokens
     uninterrupted = generate(channel, prompts, **params)
-    before = engine.weight_version
+    before, tampered = engine.weight_version, tampered_weights(tiny_model, winner=50)
     try:
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            streaming = pool.submit(stream, channel, prompts, **params)
             deadline = time.monotonic() + 20
+            while engine._running:  # the uninterrupted run's batch ends just after its samples are delivered
+                assert time.monotonic() < deadline, "the batch before never ended"
+                time.sleep(0.005)
+            streaming = pool.submit(stream, channel, prompts, **params)
             while not any(len(row.token_ids) >= 3 for row in list(engine._running)):
                 assert time.monotonic() < deadline and not streaming.done(), "the samples never got going"
                 time.sleep(0.005)
-            server.run(engine.load_weights(tampered_weights(tiny_model, winner=50).items(), version=before + 7))
+            server.run(engine.load_weights(tampered.items(), version=before + 7))
             samples = sorted(streaming.result(timeout=30), key=lambda s: s.sample_index)
     finally:
         server.run(engine.load_weights(original_weights(tiny_model).items(), version=before + 8))

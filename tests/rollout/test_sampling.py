@@ -1,10 +1,14 @@
-"""The hf engine's per-row sampling: filters, log-probs, and independence from the other rows."""
+"""The hf engine's per-row sampling: filters, log-probs, independence from the other rows, and the random
+numbers keyed by (row seed, position)."""
 
 from __future__ import annotations
 
-import torch
+import random
 
-from rlfabric.rollout.sampling import filter_mask, sample_tokens
+import torch
+from torch.overrides import TorchFunctionMode
+
+from rlfabric.rollout.sampling import counter_uniforms, filter_mask, sample_tokens
 from rlfabric.rollout.types import row_seed, truncate_at_stop
 
 
@@ -54,7 +58,8 @@ def test_a_row_does_not_depend_on_the_other_rows():
 
 def test_sampling_follows_the_distribution():
     logits = torch.tensor([[0.0, 1.0, 2.0]]).expand(20000, 3)
-    tokens, _ = sample_tokens(logits, *rows(20000), torch.rand(20000, dtype=torch.float64, generator=torch.Generator().manual_seed(0)))
+    uniforms = counter_uniforms(torch.arange(20000), torch.zeros(20000, 1, dtype=torch.int64))[:, 0]  # 20000 seeds
+    tokens, _ = sample_tokens(logits, *rows(20000), uniforms)
     frequencies = torch.bincount(tokens, minlength=3).float() / 20000
     torch.testing.assert_close(frequencies, torch.tensor([0.0, 1.0, 2.0]).softmax(-1), atol=0.015, rtol=0)
 
@@ -64,3 +69,58 @@ def test_row_seeds_and_stop_strings():
     assert row_seed(None, 0, 0) != row_seed(None, 0, 0)
     assert truncate_at_stop("abc END def STOP", ["STOP", "END"]) == ("abc ", True)
     assert truncate_at_stop("abc", ["x"]) == ("abc", False)
+
+
+def splitmix64(seed: int, count: int) -> list[float]:
+    """The first `count` numbers of SplitMix64 seeded with `seed`, as [0, 1) floats (the top 53 bits), in
+    plain Python integers: the reference of counter_uniforms."""
+    mask, state, numbers = (1 << 64) - 1, seed, []
+    for _ in range(count):
+        state = (state + 0x9E3779B97F4A7C15) & mask
+        z = ((state ^ (state >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+        z ^= z >> 31
+        numbers.append((z >> 11) * 2.0**-53)
+    return numbers
+
+
+def test_counter_uniforms_are_splitmix64_of_the_row_seed_at_each_position():
+    seeds = [0, 1, 12345, 2**63 - 1, random.Random(0).getrandbits(63)]
+    positions = torch.arange(40).expand(len(seeds), 40)
+    assert counter_uniforms(torch.tensor(seeds), positions).tolist() == [splitmix64(seed, 40) for seed in seeds]
+    # Any positions, in any order: a resumed row (partial rollouts) goes on where it was.
+    later = counter_uniforms(torch.tensor(seeds[:1]), torch.tensor([[39, 7, 12]]))
+    assert later.tolist() == [[splitmix64(seeds[0], 40)[i] for i in (39, 7, 12)]]
+
+
+def test_counter_uniforms_are_uniform_and_uncorrelated():
+    numbers = counter_uniforms(torch.arange(500), torch.arange(400).expand(500, 400))  # (seed, position)
+    assert 0 <= numbers.min() and numbers.max() < 1
+    counts = torch.histc(numbers.float(), bins=20, min=0, max=1)
+    chi2 = ((counts - numbers.numel() / 20) ** 2 / (numbers.numel() / 20)).sum()
+    assert chi2 < 45  # 19 degrees of freedom: p < 0.001 past 43.8
+    for a, b in ((numbers[:, 1:], numbers[:, :-1]), (numbers[1:], numbers[:-1])):  # next position, next seed
+        assert abs(torch.corrcoef(torch.stack([a.flatten(), b.flatten()]))[0, 1]) < 0.01
+
+
+class HostReads(TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.reads = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.reads += getattr(func, "__name__", "") in ("tolist", "item", "__bool__", "__int__", "__float__", "cpu")
+        return func(*args, **(kwargs or {}))
+
+
+def test_sampling_reads_nothing_back_when_the_caller_says_whether_rows_filter():
+    """No host sync per token on a GPU: the engine decides on the host, once per batch, whether any row
+    filters; only without that does sample_tokens read the filters back."""
+    logits, uniforms = torch.randn(4, 50), counter_uniforms(torch.arange(4), torch.zeros(4, 1, dtype=torch.int64))[:, 0]
+    for filters, top_k in ((False, -1), (True, 5)):
+        with HostReads() as reads:
+            sample_tokens(logits, *rows(4, top_k=top_k), uniforms, filters=filters)
+        assert reads.reads == 0
+    with HostReads() as reads:
+        sample_tokens(logits, *rows(4), uniforms)
+    assert reads.reads > 0

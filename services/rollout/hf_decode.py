@@ -1,0 +1,125 @@
+"""One batch of the hf engine on the device: its rows' KV cache and sampling state, and the moves of a
+decode loop that keeps the host out of the per-token path.
+
+`DecodeBatch.prefill` runs the prompts; `sample` then samples up to k tokens a row, feeding each but the
+last back, with no host sync (each token's random number comes from (row seed, position) on the device);
+the engine reads the tokens once per `sample`, then `select`s the rows going on, `feed`s them their last
+token, and may `join` rows that were prefilled meanwhile (continuous batching: a request that arrives
+while a batch runs starts within k steps instead of waiting for the batch to end).
+
+Rows are left-padded: a row's mask is 0 over its padding, and its position ids count its real tokens only,
+so a row's logits do not depend on how much padding the others give it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from rlfabric.rollout.sampling import counter_uniforms, sample_tokens
+from rlfabric.rollout.types import SamplingSpec
+
+
+@dataclass
+class DecodeBatch:
+    """The rows of a batch on the device, one entry a row (B); W is the cache's length."""
+
+    net: torch.nn.Module
+    cache: object  # transformers DynamicCache
+    logits: torch.Tensor  # (B, V) of each row's next token
+    mask: torch.Tensor  # (B, W) 1 = a real token, 0 = left padding
+    next_pos: torch.Tensor  # (B,) position id of each row's next token
+    temperature: torch.Tensor  # (B,)
+    top_k: torch.Tensor  # (B,)
+    top_p: torch.Tensor  # (B,)
+    seeds: torch.Tensor  # (B,) int64 row seeds (types.row_seed)
+    filters: bool  # some sampled row uses top-k or top-p (known on the host, so sampling needs no sync)
+
+    @classmethod
+    def prefill(cls, net, prompts: list[list[int]], expand: list[int], params: Sequence[SamplingSpec],
+                seeds: Sequence[int], pad: int) -> DecodeBatch:
+        """Runs each of `prompts` once (left-padded) and repeats its cache for its rows: row i is prompt
+        expand[i], sampled with params[i] and seeds[i]."""
+        from transformers import DynamicCache
+
+        device = net.device
+        width = max(map(len, prompts))
+        input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)  # (U, W)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)  # (U, W)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # (U, W)
+        cache = DynamicCache(config=net.config)
+        out = net(input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                  use_cache=True, logits_to_keep=1)
+        rows = torch.tensor(expand, device=device)  # (B,)
+        cache.batch_select_indices(rows)
+        return cls(
+            net=net, cache=cache, logits=out.logits[:, -1, :][rows], mask=mask[rows], next_pos=positions[rows, -1] + 1,
+            temperature=torch.tensor([p.temperature for p in params], device=device),
+            top_k=torch.tensor([p.top_k for p in params], device=device),
+            top_p=torch.tensor([p.top_p for p in params], device=device),
+            seeds=torch.tensor(list(seeds), dtype=torch.int64, device=device),
+            filters=any(p.temperature > 0 and (p.top_k > 0 or p.top_p < 1) for p in params),
+        )
+
+    def __len__(self) -> int:
+        return len(self.seeds)
+
+    def sample(self, generated: Sequence[int], steps: int, interrupted: Callable[[], bool],
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Samples `steps` tokens a row (fewer when interrupted() turns true), feeding each but the last
+        back, with no host sync. generated: how many tokens each row has so far (the position of its next
+        token in its response, which keys the token's random number).
+        Returns the tokens (B, k) int64 and their log-probs (B, k) float32, k <= steps."""
+        device = self.seeds.device
+        first = torch.tensor(list(generated), device=device)  # (B,)
+        uniforms = counter_uniforms(self.seeds, first[:, None] + torch.arange(steps, device=device))  # (B, steps)
+        tokens, logprobs = [], []
+        for step in range(steps):
+            token, logprob = sample_tokens(self.logits, self.temperature, self.top_k, self.top_p, uniforms[:, step],
+                                           filters=self.filters)
+            tokens.append(token)
+            logprobs.append(logprob)
+            if step == steps - 1 or interrupted():
+                break
+            self.feed(token)
+        return torch.stack(tokens, dim=1), torch.stack(logprobs, dim=1)
+
+    def feed(self, tokens: torch.Tensor) -> None:
+        """Runs one token a row (B,) through the model; its logits become the rows' next."""
+        self.mask = torch.cat([self.mask, self.mask.new_ones(len(tokens), 1)], dim=1)  # (B, W + 1)
+        out = self.net(input_ids=tokens[:, None], attention_mask=self.mask, position_ids=self.next_pos[:, None],
+                       past_key_values=self.cache, use_cache=True)
+        self.logits, self.next_pos = out.logits[:, -1, :], self.next_pos + 1
+
+    def select(self, keep: torch.Tensor) -> None:
+        """Keeps the rows `keep` (indices on the device, in that order)."""
+        self.cache.batch_select_indices(keep)
+        for name in ("logits", "mask", "next_pos", "temperature", "top_k", "top_p", "seeds"):
+            setattr(self, name, getattr(self, name)[keep])
+
+    def can_join(self) -> bool:
+        """Whether other rows can join: every cache layer a plain growing one (not a sliding window, whose
+        layers keep their own offsets), so joining is left-padding and concatenating."""
+        from transformers.cache_utils import DynamicLayer
+
+        return all(type(layer) is DynamicLayer for layer in self.cache.layers)
+
+    def join(self, other: DecodeBatch) -> None:
+        """Appends other's rows (same model, both at "sample next"): the shorter cache is left-padded."""
+        width = max(self.mask.shape[1], other.mask.shape[1])
+        for mine, theirs in zip(self.cache.layers, other.cache.layers, strict=True):
+            mine.keys = torch.cat([_left_pad(mine.keys, width), _left_pad(theirs.keys, width)])
+            mine.values = torch.cat([_left_pad(mine.values, width), _left_pad(theirs.values, width)])
+        self.mask = torch.cat([F.pad(self.mask, (width - self.mask.shape[1], 0)),
+                               F.pad(other.mask, (width - other.mask.shape[1], 0))])
+        for name in ("logits", "next_pos", "temperature", "top_k", "top_p", "seeds"):
+            setattr(self, name, torch.cat([getattr(self, name), getattr(other, name)]))
+        self.filters = self.filters or other.filters
+
+
+def _left_pad(states: torch.Tensor, width: int) -> torch.Tensor:
+    """Cached keys or values (B, H, T, D) left-padded with zeros to T = width (masked out: never attended)."""
+    return F.pad(states, (0, 0, width - states.shape[-2], 0))
