@@ -243,11 +243,17 @@ def _print_placement(args) -> int:
         predicted_transport,
         visible_gpu_count,
     )
+    from rlfabric.rollout.tensor_parallel import check_model_splits
 
     config_path, overrides = _split_config_and_overrides(args)
     config = load_run_config(config_path, overrides)
     services = service_names(config) + [("coordinator", "coordinator")]
     print(describe_placement(config, plan_placement(config, services)))
+    try:
+        check_model_splits(config)  # rollout.tensor_parallel_size against the model's heads
+    except ConfigError as error:
+        print(f"rlfabric: the rollout replicas cannot start: {error}")
+        return 1
     if args.launcher == "ray":  # one placement group per pool; Ray picks the devices within it
         try:
             from rlfabric.launch.ray import describe_pools

@@ -313,7 +313,12 @@ class RolloutConfig(Section):
     replicas: int = Field(1, ge=1)
     """Rollout replicas the local launcher starts."""
     pool: str = ""
-    """Key of resource_pools the replicas run on (replica i on the pool's device i mod its size); empty = no pool."""
+    """Key of resource_pools the replicas run on (replica i on the pool's device i mod its size; with
+    tensor_parallel_size T, on the pool's T devices of slice i mod its size / T); empty = no pool."""
+    tensor_parallel_size: int = Field(1, ge=1)
+    """vLLM: GPUs (on CPU, worker processes) one replica's model is split over. The replicas of a pool split its
+    devices: a pool of D GPUs holds D / tensor_parallel_size replicas, and T must divide the pool's GPUs per node and
+    the model's attention heads. Weights reach TP rank 0 of each replica, which forwards them to its TP peers."""
     n: int = Field(1, ge=1)
     """Samples per prompt (GRPO's group size)."""
     temperature: float = Field(1.0, ge=0)
@@ -915,6 +920,24 @@ class RunConfig(Section):
         if self.rollout.engine == "sglang" and self.weight_sync.transport == "grpc":
             raise ValueError("weight_sync.transport grpc cannot reach an SGLang server, which takes weights over a "
                              "process group only: use auto, gloo or nccl with rollout.engine sglang")
+        return self
+
+    @model_validator(mode="after")
+    def _tensor_parallel_possible(self) -> RunConfig:
+        """rollout.tensor_parallel_size on an engine that has it, dividing the rollout pool's GPUs per node."""
+        tp, engine = self.rollout.tensor_parallel_size, self.rollout.engine
+        if tp == 1:
+            return self
+        if engine != "vllm":
+            why = ("the hf engine runs one process per replica" if engine == "hf" else
+                   "an SGLang server's tensor parallelism is its own --tp-size, set where the server starts")
+            raise ValueError(f"rollout.tensor_parallel_size {tp} needs rollout.engine vllm; {engine} has none here "
+                             f"({why}): use rollout.engine vllm or rollout.tensor_parallel_size 1")
+        pool = self.resource_pools.get(self.rollout.pool)
+        if pool is not None and pool.gpus_per_node and pool.gpus_per_node % tp:
+            raise ValueError(f"rollout.tensor_parallel_size {tp} does not divide resource_pools.{self.rollout.pool}'s "
+                             f"{pool.gpus_per_node} GPU(s) per node: a replica's TP ranks share one node, and the "
+                             "pool's devices split into replicas of tensor_parallel_size GPUs each")
         return self
 
     @model_validator(mode="after")

@@ -160,11 +160,13 @@ def write_mesh_token(run_dir: Path, name: str = "auth_token") -> Path:
 def check_model(config: RunConfig) -> None:
     """A model directory the services cannot use is a ConfigError naming it, before any service starts."""
     from rlfabric.actor.models import check_policy_model
+    from rlfabric.rollout.tensor_parallel import check_model_splits
 
     try:
         check_policy_model(config.model.path, config.model.trust_remote_code)
     except ValueError as error:
         raise ConfigError(str(error)) from None
+    check_model_splits(config)  # rollout.tensor_parallel_size against the model's heads
 
 
 def check_external(config: RunConfig, external: Mapping[str, Sequence[str]]) -> None:

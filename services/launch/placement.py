@@ -7,7 +7,8 @@
 A pool's GPUs: its `devices`, or for `gpus: N` the next N indices no pool names. Indices count the GPUs the
 launcher itself sees (so under CUDA_VISIBLE_DEVICES=2,3, device 0 is GPU 2). Inside a pool the roles share
 the devices, as in VeRL's hybrid engine: a trainer with world_size W takes the pool's first W GPUs, rollout
-replica i takes GPU i mod the pool's size, the reward service sees them all. A pool without GPUs hides every
+replica i takes GPU i mod the pool's size (with rollout.tensor_parallel_size T, the pool's GPUs split into slices
+of T and replica i takes slice i mod their count), the reward service sees them all. A pool without GPUs hides every
 GPU (its roles run on CPU). A pool's `cpus` pin its services (and the ranks and engine workers they start,
 which inherit the affinity) to those cores, so separate pools are separate on a CPU-only machine too.
 Services of no pool (and the coordinator) keep the launcher's devices and cores, and each gets OMP_NUM_THREADS =
@@ -147,9 +148,10 @@ def _role_gpus(config: RunConfig, name: str, role: str, pool: tuple[int, ...]) -
         return ()
     if role in ("actor", "reference", "critic"):
         return pool[: getattr(config, role).world_size]
-    if role == "rollout":
-        replica = int(name.rpartition("-")[2])
-        return (pool[replica % len(pool)],)
+    if role == "rollout":  # the pool's devices in slices of tensor_parallel_size (checked to divide them)
+        tp = config.rollout.tensor_parallel_size
+        start = int(name.rpartition("-")[2]) % max(1, len(pool) // tp) * tp
+        return pool[start : start + tp]
     return pool
 
 
@@ -186,7 +188,31 @@ def describe_placement(config: RunConfig, placements: dict[str, Placement]) -> s
         cpus = "any" if placement.cpus is None else _ranges(placement.cpus)
         threads = "" if placement.threads is None else f"  threads {placement.threads}"  # OMP_NUM_THREADS
         lines.append(f"{name:<{width}}  pool {placement.pool or '-':<{pool_width}}  GPUs {gpus:<10}  CPUs {cpus:<6}{threads}")
-    return "\n".join(lines)
+    tp_line = tensor_parallel_layout(config, placements)
+    return "\n".join(lines + ([tp_line] if tp_line else []))
+
+
+def tensor_parallel_layout(config: RunConfig, placements: dict[str, Placement]) -> str:
+    """How the rollout replicas split their devices with rollout.tensor_parallel_size ("" without it)."""
+    tp = config.rollout.tensor_parallel_size
+    replicas = [p for p in placements.values() if p.role == "rollout"]
+    if tp == 1 or not replicas:
+        return ""
+    pool = config.rollout.pool
+    gpus = pool_gpus(config).get(pool, ()) if pool else ()
+    if gpus:
+        holds = len(gpus) // tp
+        shared = f"; {len(replicas) - holds} more share them" if len(replicas) > holds else ""
+        return (f"rollout: tensor_parallel_size {tp}: {len(replicas)} replica(s) of {tp} GPUs each; pool {pool}'s "
+                f"{len(gpus)} GPUs hold {holds}{shared}. Weight sync reaches each replica's TP rank 0, which "
+                "forwards to its TP peers")
+    from rlfabric.rollout.tensor_parallel import cpu_binding, numa_node_count
+
+    cpus = replicas[0].cpus or tuple(sorted(os.sched_getaffinity(0)))
+    binding = cpu_binding(list(cpus), tp, numa_node_count()) or "one NUMA node each (vLLM's auto binding)"
+    return (f"rollout: tensor_parallel_size {tp}: each replica runs {tp} vLLM workers (on GPUs 0-{tp - 1} of "
+            f"those it sees; on CPU, cores {binding}). Weight sync reaches each replica's TP rank 0, which forwards "
+            "to its TP peers")
 
 
 def weight_sync_devices(config: RunConfig, placements: dict[str, Placement], gpu_count: int,

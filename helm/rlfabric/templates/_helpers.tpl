@@ -351,14 +351,16 @@ topologySpreadConstraints:
 {{- end }}
 
 {{/* GPUs per pod of a role: roles.<role>.gpus, or for auto one per pod (a rank, a replica, as the local
-launcher gives each), none when the role's run-config pool has no GPUs. Args: dict ctx role. */}}
+launcher gives each; a rollout replica config.rollout.tensor_parallel_size), none when the role's run-config
+pool has no GPUs. Args: dict ctx role. */}}
 {{- define "rlfabric.gpus" -}}
 {{- $r := index .ctx.Values.roles .role }}
 {{- if eq (toString $r.gpus) "auto" }}
 {{- $config := .ctx.Values.config | default dict }}
 {{- $section := index $config .role | default dict }}
 {{- $runPool := index ($config.resource_pools | default dict) ($section.pool | default "") }}
-{{- if and $runPool (not (gt (int ($runPool.gpus | default 0)) 0)) (empty $runPool.devices) }}0{{ else }}1{{ end }}
+{{- $perPod := ternary (int ($section.tensor_parallel_size | default 1)) 1 (eq .role "rollout") }}
+{{- if and $runPool (not (gt (int ($runPool.gpus | default 0)) 0)) (empty $runPool.devices) }}0{{ else }}{{ $perPod }}{{ end }}
 {{- else }}
 {{- int $r.gpus }}
 {{- end }}
