@@ -29,6 +29,7 @@ from rlfabric.v1 import actor_pb2, actor_pb2_grpc
 from rlfabric.weight_sync import Manifest, SyncGroup
 from rlfabric.weight_sync.grpc_stream import PushResult
 from rlfabric.weight_sync.manifest import transport_to_proto
+from rlfabric.weight_sync.phases import SyncPhases
 from rlfabric.weight_sync.sender import BroadcastResult
 
 if TYPE_CHECKING:
@@ -164,8 +165,9 @@ class ActorClient(ServiceClient, ActorInterface):
     async def broadcast_weights(self, group_id: str, version: int, timeout_s: float | None = None) -> BroadcastResult:
         request = actor_pb2.BroadcastWeightsRequest(group_id=group_id, version=version)
         response = await self.call("BroadcastWeights", request, timeout_s)
-        pushes = tuple(PushResult(p.address, p.version, p.paused_seconds, p.error) for p in response.pushes)
-        return BroadcastResult(response.num_bytes, response.seconds, pushes)
+        pushes = tuple(PushResult(p.address, p.version, p.paused_seconds, p.error, SyncPhases.from_proto(p.phases))
+                       for p in response.pushes)
+        return BroadcastResult(response.num_bytes, response.seconds, pushes, SyncPhases.from_proto(response.phases))
 
     async def close_weight_sync_group(self, group_id: str, timeout_s: float | None = None) -> None:
         await self.call("CloseWeightSyncGroup", actor_pb2.CloseWeightSyncGroupRequest(group_id=group_id), timeout_s)

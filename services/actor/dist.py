@@ -51,7 +51,7 @@ class Command(IntEnum):
     STOP = 0
     COMPUTE = 1  # log-probs (actor, reference) or values (critic) of the shard
     UPDATE = 2  # PPO epochs over the shard (actor, critic)
-    GATHER_STATE = 3  # full model + optimizer state and RNG to rank 0
+    GATHER_STATE = 3  # full model + optimizer state and RNG to rank 0 (params: with optimizer, trained only, on device)
     SCATTER_STATE = 4  # rank 0's loaded state to every rank
     LOAD_WEIGHTS = 5  # rank 0's named weights (from a weight sync) into every rank's model
 
@@ -141,7 +141,8 @@ def run_command(worker, channel: Channel, command: Command, params: list[float],
     if command == Command.UPDATE:
         return worker.update(shard)
     if command == Command.GATHER_STATE:
-        model_state, optimizer_state = worker.full_state(with_optimizer=bool(params[0]), trained_only=bool(params[1]))
+        model_state, optimizer_state = worker.full_state(with_optimizer=bool(params[0]), trained_only=bool(params[1]),
+                                                         on_device=len(params) > 2 and bool(params[2]))
         if rank != 0:
             channel.send_tensors(worker.rng_state(), dst=0)
             return None

@@ -35,12 +35,13 @@ from rlfabric.core.metrics import service_counter, service_gauge, service_histog
 from rlfabric.core.storage import StorageRoot
 from rlfabric.launch.placement import cpu_thread_budget
 from rlfabric.rollout.engine import current_rss_bytes
-from rlfabric.weight_sync import AdapterSpec, Manifest, Membership, SyncGroup, WeightLimits
+from rlfabric.weight_sync import AdapterSpec, Manifest, Membership, SyncGroup, WeightLimits, WeightSwap
 from rlfabric.weight_sync.devices import DeviceReport, report_of
 from rlfabric.weight_sync.sender import BroadcastResult, WeightSender
 
 log = logging.getLogger("rlfabric.actor")
 MB = 1 << 20
+WEIGHT_CHANGES = (Command.UPDATE, Command.SCATTER_STATE, Command.LOAD_WEIGHTS)  # commands that change the weights
 
 
 @dataclass
@@ -69,7 +70,10 @@ class TrainerEngine:
         self._rss_peak_reset = False  # whether the resident high-water mark was reset before this update
         self.weight_version = 0  # the reference's: bumped by each weight sync it receives
         self._sender: WeightSender | None = None  # the actor's weight-sync groups, made on first use
-        self._membership = Membership(limits=self._weight_limits)  # the reference's weight-sync group
+        # the reference's weight-sync group; the bytes land on rank 0's device
+        self._membership = Membership(device=self._receive_device, limits=self._weight_limits)
+        self._weights_changes = 0  # commands that changed the weights so far (updates, loads)
+        self._prepared_at: dict[str, int] = {}  # weight-sync group -> _weights_changes when its sync was prepared
         registry = registry or CollectorRegistry()
         self._sync_seconds = service_histogram(
             registry, "rlfabric_weight_sync_seconds", "Wall time of one weight sync on this service "
@@ -78,6 +82,10 @@ class TrainerEngine:
             registry, "rlfabric_weight_sync_bytes_total", "Weight bytes moved by weight sync (actor: sent per "
             "receiver; reference: received).", ("role",))
         self._sync_bytes.labels(role)
+        self._sync_phases = service_histogram(
+            registry, "rlfabric_weight_sync_phase_seconds", "Seconds of each phase of one weight sync on this service "
+            "(actor: gather, pack, checksum, wire; reference: wire, checksum, apply). Phases of a pipelined sync "
+            "overlap.", ("role", "phase"))
         if role in TRAINABLE:
             self._update_seconds = service_histogram(
                 registry, "rlfabric_train_update_seconds", "Wall time of one update RPC inside the service.", ("role",))
@@ -138,6 +146,8 @@ class TrainerEngine:
         dead = self.group.dead_ranks()
         if dead:
             raise FailedPrecondition(f"{self.role}: rank(s) {', '.join(dead)} died; restart the service")
+        if command in WEIGHT_CHANGES:
+            self._weights_changes += 1
         self.group.send(command, params, shards)
         return run_command(self.worker, self.group.channel, command, params, shards[0], state)
 
@@ -288,14 +298,15 @@ class TrainerEngine:
         merged = lora.merged_state(full, lora.scaling(lora_config))
         return ckpt.export_hf(path, merged, self.worker.hf_config, source=self.model_path, also=write_adapter)
 
-    def _full_weights(self) -> dict[str, torch.Tensor]:
-        """Every weight, gathered on rank 0 (with LoRA: PeftModel's names, adapters included)."""
-        model_state, _, _ = self._command(Command.GATHER_STATE, [0.0, 0.0], [None] * self.world_size)
+    def _full_weights(self, on_device: bool = False) -> dict[str, torch.Tensor]:
+        """Every weight, gathered on rank 0 (with LoRA: PeftModel's names, adapters included); on_device: an
+        unsharded model's stay on its device (worker.full_state)."""
+        model_state, _, _ = self._command(Command.GATHER_STATE, [0.0, 0.0, float(on_device)], [None] * self.world_size)
         return model_state
 
-    def policy_weights(self) -> dict[str, torch.Tensor]:
+    def policy_weights(self, on_device: bool = False) -> dict[str, torch.Tensor]:
         """The policy's weights under the base model's names (with LoRA: merged), as rollouts load them."""
-        model_state = self._full_weights()
+        model_state = self._full_weights(on_device)
         if self.worker.lora is not None:
             model_state = lora.merged_state(model_state, lora.scaling(self.worker.lora))
         return model_state
@@ -334,17 +345,22 @@ class TrainerEngine:
                                           timeout_s, addresses, torch_group)
 
     async def prepare_weight_sync(self, group_id: str, version: int) -> Manifest:
-        """Gathers the full weights and packs them for `group_id` (on the torch thread, so no update
-        changes them half-way)."""
+        """Gathers the full weights for `group_id` and plans their buckets (grpc and torch groups: packs
+        them), on the torch thread, so no update changes them half-way."""
         sender = self._weight_sender()
         return await self._run(self._prepare_weight_sync, sender, group_id, version)
 
     def _prepare_weight_sync(self, sender: WeightSender, group_id: str, version: int) -> Manifest:
+        started = time.perf_counter()
         if self.config.syncs_lora_adapters():  # weight_sync.lora: the adapters alone, peft names
             settings = self.worker.lora
             adapter = AdapterSpec.of(settings.rank, settings.alpha, settings.target_modules)
-            return sender.prepare(group_id, version, self.adapter_weights(), adapter)
-        return sender.prepare(group_id, version, self.policy_weights())
+            state = self.adapter_weights()
+        else:  # read where they are (unsharded): packing copies them once, straight into the buckets
+            adapter, state = None, self.policy_weights(on_device=True)
+        manifest = sender.prepare(group_id, version, state, adapter, gather_s=time.perf_counter() - started)
+        self._prepared_at[group_id] = self._weights_changes
+        return manifest
 
     def adapter_weights(self) -> dict[str, torch.Tensor]:
         """The LoRA adapters alone under peft's file names: what an adapter-only weight sync sends."""
@@ -364,15 +380,32 @@ class TrainerEngine:
         return await self._run(self.adapter_weights)
 
     async def broadcast_weights(self, group_id: str, version: int) -> BroadcastResult:
-        result = await self._weight_sender().broadcast(group_id, version)
+        """Sends the prepared weights; pipelined transports pack them on the torch thread meanwhile (nothing
+        else runs there until they are packed), after checking that no update or load changed them since
+        PrepareWeightSync (FailedPrecondition: prepare again)."""
+        prepared_at = self._prepared_at.get(group_id)
+
+        def unchanged() -> None:
+            if prepared_at != self._weights_changes:
+                raise FailedPrecondition(f"the actor's weights changed since PrepareWeightSync of group {group_id} "
+                                         f"(an update or a load ran in between): prepare version {version} again")
+
+        result = await self._weight_sender().broadcast(group_id, version, self._executor, unchanged)
         self._sync_seconds.labels(self.role).observe(result.seconds)
         self._sync_bytes.labels(self.role).inc(result.num_bytes)
+        for phase in ("gather", "pack", "checksum", "wire"):
+            self._sync_phases.labels(self.role, phase).observe(getattr(result.phases, phase))
         log.info("weights sent", extra={"fields": {"group_id": group_id, "version": version, "bytes": result.num_bytes,
-                                                   "seconds": round(result.seconds, 3)}})
+                                                   "seconds": round(result.seconds, 3), **{
+                                                       f"{k}_s": round(v, 3) for k, v in result.phases.as_dict().items()
+                                                       if k != "apply"}}})
         return result
 
     async def close_weight_sync(self, group_id: str) -> None:
         self._weight_sender().close(group_id)
+
+    def _receive_device(self) -> torch.device:
+        return self.worker.device if self.worker else torch.device("cpu")
 
     def _weight_limits(self) -> WeightLimits | None:
         """The model's own weights, which a manifest must fit before its buckets are allocated."""
@@ -383,20 +416,25 @@ class TrainerEngine:
             raise FailedPrecondition(f"the {self.role} does not receive weights; the reference and rollout do")
         await self._membership.join(group, rank)
 
-    async def receive_weights(self, manifest: Manifest) -> int:
-        """Receives and loads one manifest's weights; the version now served."""
+    async def receive_weights(self, manifest: Manifest) -> WeightSwap:
+        """Receives and loads one manifest's weights: the version now served, how long the load held the
+        torch thread, and this side's phases."""
         started = time.perf_counter()
 
-        async def load(weights):
+        async def load(weights) -> float:
             named = dict(weights)
             self._check_names(named, f"weight manifest version {manifest.version}")
+            loading = time.perf_counter()
             await self._run(self._command, Command.LOAD_WEIGHTS, [], [None] * self.world_size, named)
+            return time.perf_counter() - loading
 
-        await self._membership.receive(manifest, load)
+        paused, phases = await self._membership.receive(manifest, load)
         self.weight_version = manifest.version
         self._sync_seconds.labels(self.role).observe(time.perf_counter() - started)
         self._sync_bytes.labels(self.role).inc(manifest.num_bytes)
-        return self.weight_version
+        for phase in ("wire", "checksum", "apply"):
+            self._sync_phases.labels(self.role, phase).observe(getattr(phases, phase))
+        return WeightSwap(self.weight_version, paused, phases)
 
 
 def reset_peak_rss() -> bool:

@@ -65,7 +65,8 @@ class ActorServicer(actor_pb2_grpc.ActorServiceServicer):
         result = await self.engine.broadcast_weights(request.group_id, request.version)
         return actor_pb2.BroadcastWeightsResponse(num_bytes=result.num_bytes, seconds=result.seconds, pushes=[
             actor_pb2.WeightPushResult(address=p.address, version=p.version, paused_seconds=p.paused_seconds,
-                                       error=p.error) for p in result.pushes])
+                                       error=p.error, phases=p.phases.to_proto()) for p in result.pushes],
+            phases=result.phases.to_proto())
 
     async def CloseWeightSyncGroup(self, request, context):
         await self.engine.close_weight_sync(request.group_id)

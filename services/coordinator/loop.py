@@ -565,7 +565,8 @@ class PPOTrainer:
         tracing.annotate(weight_version=version, bytes_synced=report.num_bytes, replicas=synced)
         return {"weight_sync/seconds": report.seconds, "weight_sync/gbytes": report.num_bytes / 1e9,
                 "weight_sync/paused_s": max(report.paused_seconds.values(), default=0.0),
-                "weight_sync/replicas": float(len(synced)), "rollout/weight_version": float(version)}
+                "weight_sync/replicas": float(len(synced)), "rollout/weight_version": float(version),
+                **report.phase_metrics()}
 
     def _checkpoint_due(self, step: int) -> bool:
         trainer = self.config.trainer

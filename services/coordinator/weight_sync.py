@@ -39,9 +39,10 @@ from rlfabric.core.dtypes import rollout_dtype, torch_dtype
 from rlfabric.core.errors import FailedPrecondition
 from rlfabric.reference.client import ReferenceClient
 from rlfabric.rollout.client import RolloutClient
-from rlfabric.weight_sync import Manifest, SyncGroup
+from rlfabric.weight_sync import Manifest, SyncGroup, WeightSwap
 from rlfabric.weight_sync.devices import DeviceReport, TransportChoice, choose_transport
 from rlfabric.weight_sync.grpc_stream import PushResult
+from rlfabric.weight_sync.phases import SyncPhases
 from rlfabric.weight_sync.receiver import SLACK_S
 
 log = logging.getLogger("rlfabric.coordinator.weight_sync")
@@ -62,15 +63,26 @@ class SyncReport:
 
     version: int
     num_bytes: int = 0  # per receiver
-    seconds: float = 0.0  # the whole sync: rebuild (if any), pack, transfer, switch
-    broadcast_seconds: float = 0.0  # the actor's transfer alone
+    seconds: float = 0.0  # the whole sync: rebuild (if any), gather, pack, transfer, switch
+    broadcast_seconds: float = 0.0  # the actor's BroadcastWeights (pipelined: packing and the wire)
     paused_seconds: dict[str, float] = field(default_factory=dict)  # per receiver that switched
     failed: dict[str, str] = field(default_factory=dict)  # receiver -> reason
     actor_error: str = ""  # the actor's side of a failed broadcast (gloo, nccl), if it failed
+    phases: SyncPhases = field(default_factory=SyncPhases)  # the actor's: gather, pack, checksum, wire
+    receiver_phases: SyncPhases = field(default_factory=SyncPhases)  # the slowest receiver's: wire, checksum, apply
 
     @property
     def ok(self) -> bool:
         return not self.failed
+
+    def phase_metrics(self) -> dict[str, float]:
+        """timing_s/update_weights/<phase>: the actor's gather, pack, checksum and wire; receive_wire,
+        receive_checksum and apply: the slowest receiver's."""
+        prefix = "timing_s/update_weights/"
+        metrics = {f"{prefix}{phase}": getattr(self.phases, phase) for phase in ("gather", "pack", "checksum", "wire")}
+        metrics.update({f"{prefix}receive_{phase}": getattr(self.receiver_phases, phase) for phase in ("wire", "checksum")})
+        metrics[f"{prefix}apply"] = self.receiver_phases.apply
+        return metrics
 
 
 @dataclass
@@ -201,7 +213,8 @@ class WeightSyncPlane:
     async def _choose(self, receivers: dict[str, DeviceReport]) -> TransportChoice:
         status = await asyncio.wait_for(self.actor.get_status(), PROBE_TIMEOUT_S)
         choice = choose_transport(self.configured, DeviceReport.from_proto(status.device), receivers,
-                                  shares_gpus(self.config, "actor", "rollout"))
+                                  shares_gpus(self.config, "actor", "rollout"),
+                                  cuda_ipc=self.config.rollout.engine != "sglang")
         if choice != self.choice:
             log.info("weight-sync transport chosen", extra={"fields": {
                 "transport": choice.transport or "the actor's default", "why": choice.reason}})
@@ -219,7 +232,7 @@ class WeightSyncPlane:
                           strict=True))
         reasons = {name: reason for name, (reason, _) in probes.items()}
         live = [m for m in members if not reasons[m.name]]
-        if live and self.configured in ("auto", "nccl"):
+        if live and self.configured in ("auto", "nccl", "cuda_ipc"):
             try:
                 await self._choose({m.name: probes[m.name][1] for m in live})
             except FailedPrecondition as error:  # forced nccl on devices that cannot run it: nobody joins
@@ -283,20 +296,22 @@ class WeightSyncPlane:
         for name, outcome in outcomes.items():
             if isinstance(outcome, BaseException):
                 report.failed[name] = f"{type(outcome).__name__}: {outcome}"
-            elif outcome[0] != version:
-                report.failed[name] = f"serves version {outcome[0]}, not {version}"
+            elif outcome.version != version:
+                report.failed[name] = f"serves version {outcome.version}, not {version}"
             else:
-                report.paused_seconds[name] = outcome[1]
+                report.paused_seconds[name] = outcome.paused_seconds
+        report.receiver_phases = SyncPhases.slowest(o.phases for o in outcomes.values() if isinstance(o, WeightSwap))
         if report.actor_error or any(name in report.failed for name in self.ranks):
             self._stale = True  # gloo/nccl groups do not survive a lost peer; rebuild before the next sync
         report.seconds = time.perf_counter() - started
         log.info("weights synced", extra={"fields": {
             "version": version, "bytes": report.num_bytes, "seconds": round(report.seconds, 3),
-            "broadcast_seconds": round(report.broadcast_seconds, 3), "failed": report.failed}})
+            "broadcast_seconds": round(report.broadcast_seconds, 3), "failed": report.failed,
+            **{key.rsplit("/", 1)[1] + "_s": round(value, 3) for key, value in report.phase_metrics().items()}}})
         return report
 
-    async def _transfer(self, manifest: Manifest, report: SyncReport) -> dict[str, tuple[int, float] | BaseException]:
-        """Runs the broadcast and every receive together; {member: (version, paused_s) or the error}."""
+    async def _transfer(self, manifest: Manifest, report: SyncReport) -> dict[str, WeightSwap | BaseException]:
+        """Runs the broadcast and every receive together; {member: its WeightSwap or the error}."""
         group = self.group
         deadline = self.timeout_s * (len(manifest.buckets) + 1) + SLACK_S  # a backstop: collectives time out first
         members = [self._members[name] for name in self.ranks]
@@ -305,19 +320,19 @@ class WeightSyncPlane:
                 result = await self.actor.broadcast_weights(group.group_id, manifest.version, deadline)
             except Exception as error:
                 return {m.name: error for m in members}
-            report.broadcast_seconds = result.seconds
+            report.broadcast_seconds, report.phases = result.seconds, result.phases
             pushes = {p.address: p for p in result.pushes}
             return {m.name: _push_outcome(pushes[m.address]) for m in members}
         broadcast, *receives = await asyncio.gather(
             self.actor.broadcast_weights(group.group_id, manifest.version, deadline),
             *(m.client.receive_weights(manifest, deadline) for m in members), return_exceptions=True)
         if not isinstance(broadcast, BaseException):
-            report.broadcast_seconds = broadcast.seconds
+            report.broadcast_seconds, report.phases = broadcast.seconds, broadcast.phases
         outcomes = dict(zip([m.name for m in members], receives, strict=True))
         if isinstance(broadcast, BaseException):
             report.actor_error = f"{type(broadcast).__name__}: {broadcast}"
         return outcomes
 
 
-def _push_outcome(push: PushResult) -> tuple[int, float] | BaseException:
-    return RuntimeError(push.error) if push.error else (push.version, push.paused_seconds)
+def _push_outcome(push: PushResult) -> WeightSwap | BaseException:
+    return RuntimeError(push.error) if push.error else WeightSwap(push.version, push.paused_seconds, push.phases)

@@ -719,13 +719,16 @@ class TrainerConfig(Section):
 class WeightSyncConfig(Section):
     """How the actor's weights reach the rollout replicas after every update."""
 
-    transport: Literal["auto", "nccl", "gloo", "grpc"] = "auto"
+    transport: Literal["auto", "nccl", "gloo", "grpc", "cuda_ipc"] = "auto"
     """auto = decided at run start from the GPUs the actor and the rollout replicas report (UUIDs): nccl when each
-    holds a GPU of its own; when two share one (one GPU for everything), the same-device path (gloo today);
-    gloo when one is on CPU. nccl where two members share a GPU or one is on CPU is refused before the run
-    starts. grpc = chunked stream (works anywhere)."""
-    bucket_mb: int = Field(512, gt=0)
-    """Weights move in flattened buckets of about this many MiB."""
+    holds a GPU of its own; cuda_ipc when every replica is on the actor's GPU (one GPU for everything: the actor
+    lends its packed buckets' GPU memory, no byte leaves the GPU; gloo with SGLang); gloo when one is on CPU or
+    GPUs are shared otherwise. nccl where two members share a GPU or one is on CPU, and cuda_ipc where a replica
+    is not on the actor's GPU, are refused before the run starts. grpc = chunked stream (works anywhere)."""
+    bucket_mb: int = Field(64, gt=0)
+    """Weights move in flattened buckets of about this many MiB. gloo, nccl and cuda_ipc pipeline them: bucket
+    k+1 is packed while bucket k is on the wire, and the actor stages two buckets at a time (not a second copy of
+    the model), so smaller buckets overlap more; each bucket costs one collective."""
     timeout_s: float = Field(120.0, gt=0)
     """Every collective and stream of a sync fails after this long (a dead peer never hangs the run)."""
     max_timeout_s: float = Field(600.0, gt=0, validate_default=True)
@@ -917,9 +920,10 @@ class RunConfig(Section):
 
     @model_validator(mode="after")
     def _sglang_takes_a_process_group(self) -> RunConfig:
-        if self.rollout.engine == "sglang" and self.weight_sync.transport == "grpc":
-            raise ValueError("weight_sync.transport grpc cannot reach an SGLang server, which takes weights over a "
-                             "process group only: use auto, gloo or nccl with rollout.engine sglang")
+        if self.rollout.engine == "sglang" and self.weight_sync.transport in ("grpc", "cuda_ipc"):
+            raise ValueError(f"weight_sync.transport {self.weight_sync.transport} cannot reach an SGLang server, which "
+                             "takes weights over a process group only: use auto, gloo or nccl with rollout.engine "
+                             "sglang")
         return self
 
     @model_validator(mode="after")

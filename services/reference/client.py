@@ -18,7 +18,8 @@ from rlfabric.actor.client import (
 from rlfabric.core.client import RoleInterface, ServiceClient
 from rlfabric.core.errors import FailedPrecondition
 from rlfabric.v1 import reference_pb2, reference_pb2_grpc
-from rlfabric.weight_sync import Manifest, SyncGroup
+from rlfabric.weight_sync import Manifest, SyncGroup, WeightSwap
+from rlfabric.weight_sync.phases import SyncPhases
 
 
 class ReferenceInterface(RoleInterface):
@@ -40,8 +41,8 @@ class ReferenceInterface(RoleInterface):
         """Joins (or rejoins) the actor's weight-sync group as `rank`."""
 
     @abstractmethod
-    async def receive_weights(self, manifest: Manifest, timeout_s: float | None = None) -> tuple[int, float]:
-        """(version now served, paused seconds: 0, the reference serves no generation)."""
+    async def receive_weights(self, manifest: Manifest, timeout_s: float | None = None) -> WeightSwap:
+        """The version now served (paused_seconds: how long the load took) and the reference's phases."""
 
 
 class ActorAsReference(ReferenceInterface):
@@ -63,7 +64,7 @@ class ActorAsReference(ReferenceInterface):
     async def join_weight_sync_group(self, group: SyncGroup, rank: int, timeout_s: float | None = None) -> None:
         raise FailedPrecondition("the reference is the actor's base model (LoRA): it joins no weight sync")
 
-    async def receive_weights(self, manifest: Manifest, timeout_s: float | None = None) -> tuple[int, float]:
+    async def receive_weights(self, manifest: Manifest, timeout_s: float | None = None) -> WeightSwap:
         raise FailedPrecondition("the reference is the actor's base model (LoRA): it takes no weights")
 
     async def close(self) -> None:
@@ -88,9 +89,10 @@ class ReferenceClient(ServiceClient, ReferenceInterface):
         request = reference_pb2.ReferenceServiceJoinWeightSyncGroupRequest(group=group.to_proto(), rank=rank)
         await self.call("JoinWeightSyncGroup", request, timeout_s)
 
-    async def receive_weights(self, manifest: Manifest, timeout_s: float | None = None) -> tuple[int, float]:
+    async def receive_weights(self, manifest: Manifest, timeout_s: float | None = None) -> WeightSwap:
         request = reference_pb2.ReferenceServiceReceiveWeightsRequest(manifest=manifest.to_proto())
-        return (await self.call("ReceiveWeights", request, timeout_s)).version, 0.0
+        response = await self.call("ReceiveWeights", request, timeout_s)
+        return WeightSwap(response.version, response.phases.apply_s, SyncPhases.from_proto(response.phases))
 
 
 class LocalReferenceClient(LocalTrainerClient, ReferenceInterface):
@@ -109,5 +111,5 @@ class LocalReferenceClient(LocalTrainerClient, ReferenceInterface):
     async def join_weight_sync_group(self, group: SyncGroup, rank: int, timeout_s: float | None = None) -> None:
         await self.engine.join_weight_sync(group, rank)
 
-    async def receive_weights(self, manifest: Manifest, timeout_s: float | None = None) -> tuple[int, float]:
-        return await self.engine.receive_weights(manifest), 0.0
+    async def receive_weights(self, manifest: Manifest, timeout_s: float | None = None) -> WeightSwap:
+        return await self.engine.receive_weights(manifest)

@@ -28,8 +28,8 @@ class ReferenceServicer(reference_pb2_grpc.ReferenceServiceServicer):
         return reference_pb2.ReferenceServiceJoinWeightSyncGroupResponse()
 
     async def ReceiveWeights(self, request, context):
-        version = await self.engine.receive_weights(Manifest.from_proto(request.manifest))
-        return reference_pb2.ReferenceServiceReceiveWeightsResponse(version=version)
+        swap = await self.engine.receive_weights(Manifest.from_proto(request.manifest))
+        return reference_pb2.ReferenceServiceReceiveWeightsResponse(version=swap.version, phases=swap.phases.to_proto())
 
     async def GetStatus(self, request, context):
         # weight_version 0: the weights as loaded from the model path

@@ -21,7 +21,8 @@ from rlfabric.core.client import RoleInterface, ServiceClient
 from rlfabric.rollout import wire
 from rlfabric.rollout.types import EngineStatus, FinishedSample, SamplingSpec
 from rlfabric.v1 import rollout_pb2, rollout_pb2_grpc
-from rlfabric.weight_sync import Manifest, SyncGroup
+from rlfabric.weight_sync import Manifest, SyncGroup, WeightSwap
+from rlfabric.weight_sync.phases import SyncPhases
 
 if TYPE_CHECKING:
     from rlfabric.rollout.engine import RolloutEngine
@@ -67,8 +68,9 @@ class RolloutInterface(RoleInterface):
         """Joins (or rejoins) the actor's weight-sync group as `rank`."""
 
     @abstractmethod
-    async def receive_weights(self, manifest: Manifest, timeout_s: float | None = None) -> tuple[int, float]:
-        """Receives the manifest's buckets while the actor broadcasts: (version now served, paused seconds)."""
+    async def receive_weights(self, manifest: Manifest, timeout_s: float | None = None) -> WeightSwap:
+        """Receives the manifest's buckets while the actor broadcasts: the version now served, how long
+        generation was paused, and the replica's phases of the sync."""
 
 
 class RolloutClient(ServiceClient, RolloutInterface):
@@ -111,10 +113,10 @@ class RolloutClient(ServiceClient, RolloutInterface):
         request = rollout_pb2.JoinWeightSyncGroupRequest(group=group.to_proto(), rank=rank)
         await self.call("JoinWeightSyncGroup", request, timeout_s)
 
-    async def receive_weights(self, manifest: Manifest, timeout_s: float | None = None) -> tuple[int, float]:
+    async def receive_weights(self, manifest: Manifest, timeout_s: float | None = None) -> WeightSwap:
         response = await self.call("ReceiveWeights", rollout_pb2.ReceiveWeightsRequest(manifest=manifest.to_proto()),
                                    timeout_s)
-        return response.version, response.paused_seconds
+        return WeightSwap(response.version, response.paused_seconds, SyncPhases.from_proto(response.phases))
 
 
 class LocalRolloutClient(RolloutInterface):
@@ -156,9 +158,8 @@ class LocalRolloutClient(RolloutInterface):
     async def join_weight_sync_group(self, group: SyncGroup, rank: int, timeout_s: float | None = None) -> None:
         await self.engine.join_weight_sync(group, rank)
 
-    async def receive_weights(self, manifest: Manifest, timeout_s: float | None = None) -> tuple[int, float]:
-        swap = await self.engine.receive_weights(manifest)
-        return swap.version, swap.paused_seconds
+    async def receive_weights(self, manifest: Manifest, timeout_s: float | None = None) -> WeightSwap:
+        return await self.engine.receive_weights(manifest)
 
     async def close(self) -> None:
         """Nothing to release: the engine belongs to whoever started it."""

@@ -119,7 +119,8 @@ class RolloutEngine(abc.ABC):
         self.tokenizer = None  # a Hugging Face tokenizer, for chat templates and text
         self.weight_version = 0  # of the weights being served
         self.kv_cache_usage = 0.0  # in [0, 1], as the engine last saw it
-        self.weight_sync = Membership(limits=self.weight_limits)  # the actor's weight-sync group, when joined
+        # the actor's weight-sync group, when joined; the bytes land on the device the engine reports
+        self.weight_sync = Membership(device=self.receive_device, limits=self.weight_limits)
         # The LoRA adapter weight syncs carry (weight_sync.lora), applied on this engine's base model.
         lora = config.actor.lora
         self.adapter = (AdapterSpec.of(lora.rank, lora.alpha, lora.target_modules)
@@ -358,13 +359,23 @@ class RolloutEngine(abc.ABC):
             self._checkpoint_limits = (limits and replace(limits, adapter=self.adapter),)
         return self._checkpoint_limits[0]
 
+    def receive_device(self) -> torch.device:
+        """Where weight syncs land in this process (nccl and cuda_ipc receive on the engine's GPU): the device
+        an engine that computes in this process holds (its `device`), else the host."""
+        import torch
+
+        device = getattr(self, "device", None)
+        return device if isinstance(device, torch.device) else torch.device("cpu")
+
     async def join_weight_sync(self, group: SyncGroup, rank: int) -> None:
         """Joins (or rejoins) the actor's weight-sync group as `rank`; blocks until every rank joined."""
         await self.weight_sync.join(group, rank)
 
     async def receive_weights(self, manifest: Manifest) -> WeightSwap:
-        """Receives the manifest's buckets while generation goes on, then swaps them in at once."""
-        return await self.weight_sync.receive(manifest, lambda weights: self.apply_weights(weights, manifest))
+        """Receives the manifest's buckets while generation goes on, then swaps them in at once; the swap
+        carries this replica's phases (wire, checksum, apply)."""
+        swap, phases = await self.weight_sync.receive(manifest, lambda weights: self.apply_weights(weights, manifest))
+        return replace(swap, phases=phases)
 
     async def apply_weights(self, weights: Iterable[tuple[str, torch.Tensor]], manifest: Manifest) -> WeightSwap:
         """Swaps in what a weight sync brought: full weights, or with manifest.adapter a LoRA adapter."""

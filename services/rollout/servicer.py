@@ -49,6 +49,9 @@ class RolloutMetrics:
             registry, "rlfabric_weight_sync_bytes_total", "Weight bytes moved by weight sync (rollout: received).",
             ("role",))
         self.sync_bytes.labels("rollout")
+        self.sync_phases = service_histogram(
+            registry, "rlfabric_weight_sync_phase_seconds", "Seconds of each phase of one weight sync on this service "
+            "(rollout: wire, checksum, apply).", ("role", "phase"))
         self.agent_samples = service_counter(
             registry, "rlfabric_rollout_agent_samples_total", "Multi-turn samples, by how they ended "
             "(done, max_turns, max_tokens, env_failed).", ("status",))
@@ -75,6 +78,8 @@ class RolloutMetrics:
         self.sync_seconds.labels("rollout").observe(seconds)
         self.paused_seconds.observe(swap.paused_seconds)
         self.sync_bytes.labels("rollout").inc(num_bytes)
+        for phase in ("wire", "checksum", "apply"):
+            self.sync_phases.labels("rollout", phase).observe(getattr(swap.phases, phase))
 
 
 class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
@@ -120,7 +125,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         manifest = Manifest.from_proto(request.manifest)
         swap = await self.engine.receive_weights(manifest)
         self.metrics.weight_swap(swap, time.monotonic() - started, manifest.num_bytes)
-        return rollout_pb2.ReceiveWeightsResponse(version=swap.version, paused_seconds=swap.paused_seconds)
+        return rollout_pb2.ReceiveWeightsResponse(version=swap.version, paused_seconds=swap.paused_seconds,
+                                                  phases=swap.phases.to_proto())
 
     async def PushWeights(self, request_iterator, context):
         """Raw request bytes (add_rollout_service): the manifest, checked against the engine's own
@@ -131,7 +137,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         swap = outcome.swap
         if outcome.applied_here:  # once per push, however many streams carried it
             self.metrics.weight_swap(swap, time.monotonic() - started, outcome.manifest.num_bytes)
-        return rollout_pb2.PushWeightsResponse(version=swap.version, paused_seconds=swap.paused_seconds)
+        return rollout_pb2.PushWeightsResponse(version=swap.version, paused_seconds=swap.paused_seconds,
+                                               phases=swap.phases.to_proto())
 
     async def _generate(self, prompts, params: rollout_pb2.SamplingParams) -> AsyncIterator[FinishedSample]:
         """The engine's samples, counted as they pass."""

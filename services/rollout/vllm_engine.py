@@ -52,6 +52,7 @@ import time
 import uuid
 from collections.abc import Iterable, Sequence
 from datetime import timedelta
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -84,6 +85,7 @@ from rlfabric.weight_sync import Manifest, SyncGroup, WeightSwap
 from rlfabric.weight_sync.devices import DeviceReport, gpu_uuid
 from rlfabric.weight_sync.gloo import master_store
 from rlfabric.weight_sync.manifest import parse_adapter_tensor_name
+from rlfabric.weight_sync.phases import SyncPhases
 from rlfabric.weight_sync.receiver import SLACK_S
 from rlfabric.weight_sync.relay import relay_group
 
@@ -465,9 +467,13 @@ class VLLMEngine(RolloutEngine):
                 self._sync_group = None
                 raise DeadlineExceeded(f"weights did not arrive within weight_sync.timeout_s={group.timeout_s:g}")
             await asyncio.sleep(SYNC_POLL_S)
+        received = SyncPhases.slowest(SyncPhases(**o.get("phases", {})) for o in outcomes)
+        started = time.perf_counter()
         if manifest.adapter is not None:  # the worker writes the adapter out; vLLM's LoRA API loads it
-            return await self._stage_received_adapter(llm, group, manifest)
-        swap = await self._switch(lambda llm: llm.collective_rpc("rlfabric_sync_apply"), manifest.version)
+            swap = await self._stage_received_adapter(llm, group, manifest)
+        else:
+            swap = await self._switch(lambda llm: llm.collective_rpc("rlfabric_sync_apply"), manifest.version)
+        swap = replace(swap, phases=received + SyncPhases(apply=time.perf_counter() - started))
         log.info("weights received", extra={"fields": {"version": swap.version, "bytes": manifest.num_bytes,
                                                        "paused_s": round(swap.paused_seconds, 4)}})
         return swap

@@ -17,7 +17,8 @@ writes it as a peft adapter directory (stage_adapter) that the engine then loads
 The sync receive runs on a thread of the worker, so the engine keeps stepping while the bytes land:
 rlfabric_sync_start returns at once, rlfabric_sync_poll reports progress, and rlfabric_sync_apply
 (called with generation held) swaps the checked weights in. Outcomes are plain dicts
-{"state": "running" | "done" | "error", "code": gRPC status name, "message": str}.
+{"state": "running" | "done" | "error", "code": gRPC status name, "message": str}; a done receive's also
+carries "phases": {"wire": s, "checksum": s} (rlfabric.weight_sync.phases).
 """
 
 from __future__ import annotations
@@ -166,15 +167,18 @@ class RlfabricWorkerExtension:
 
     def _rlfabric_receive(self, sync: _SyncState, manifest) -> None:
         from rlfabric.core.errors import InvalidArgument
+        from rlfabric.weight_sync.phases import PhaseClock
 
         try:
+            clock = PhaseClock()
             try:
-                sync.staged = sync.receiver.receive(manifest)
+                sync.staged = sync.receiver.receive(manifest, clock)
             finally:  # TP rank 0: done once its TP peers hold every bucket (and no forward reads a buffer after)
                 flush = getattr(sync.receiver.transport, "flush", None)
                 if flush is not None:
                     flush()
-            sync.outcome = DONE
+            phases = clock.phases()
+            sync.outcome = {**DONE, "phases": {"wire": phases.wire, "checksum": phases.checksum}}
         except Exception as error:
             if not isinstance(error, InvalidArgument):  # a failed collective breaks the group
                 sync.receiver.close()
@@ -191,6 +195,7 @@ class RlfabricWorkerExtension:
         if staged is None:
             raise RuntimeError("no received weights to apply")
         self.rlfabric_apply_weights(iter(staged))
+        sync.receiver.release_device_buffers()
         return len(staged)
 
     def rlfabric_sync_stage_adapter(self, directory: str, config: dict) -> int:

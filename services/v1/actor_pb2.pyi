@@ -140,26 +140,30 @@ class BroadcastWeightsRequest(_message.Message):
     def __init__(self, group_id: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
 
 class BroadcastWeightsResponse(_message.Message):
-    __slots__ = ("num_bytes", "seconds", "pushes")
+    __slots__ = ("num_bytes", "seconds", "pushes", "phases")
     NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     PUSHES_FIELD_NUMBER: _ClassVar[int]
+    PHASES_FIELD_NUMBER: _ClassVar[int]
     num_bytes: int
     seconds: float
     pushes: _containers.RepeatedCompositeFieldContainer[WeightPushResult]
-    def __init__(self, num_bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., pushes: _Optional[_Iterable[_Union[WeightPushResult, _Mapping]]] = ...) -> None: ...
+    phases: _weight_sync_pb2.WeightSyncPhases
+    def __init__(self, num_bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., pushes: _Optional[_Iterable[_Union[WeightPushResult, _Mapping]]] = ..., phases: _Optional[_Union[_weight_sync_pb2.WeightSyncPhases, _Mapping]] = ...) -> None: ...
 
 class WeightPushResult(_message.Message):
-    __slots__ = ("address", "version", "paused_seconds", "error")
+    __slots__ = ("address", "version", "paused_seconds", "error", "phases")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PAUSED_SECONDS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    PHASES_FIELD_NUMBER: _ClassVar[int]
     address: str
     version: int
     paused_seconds: float
     error: str
-    def __init__(self, address: _Optional[str] = ..., version: _Optional[int] = ..., paused_seconds: _Optional[float] = ..., error: _Optional[str] = ...) -> None: ...
+    phases: _weight_sync_pb2.WeightSyncPhases
+    def __init__(self, address: _Optional[str] = ..., version: _Optional[int] = ..., paused_seconds: _Optional[float] = ..., error: _Optional[str] = ..., phases: _Optional[_Union[_weight_sync_pb2.WeightSyncPhases, _Mapping]] = ...) -> None: ...
 
 class CloseWeightSyncGroupRequest(_message.Message):
     __slots__ = ("group_id",)

@@ -39,10 +39,12 @@ class ReferenceServiceReceiveWeightsRequest(_message.Message):
     def __init__(self, manifest: _Optional[_Union[_weight_sync_pb2.WeightManifest, _Mapping]] = ...) -> None: ...
 
 class ReferenceServiceReceiveWeightsResponse(_message.Message):
-    __slots__ = ("version",)
+    __slots__ = ("version", "phases")
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    PHASES_FIELD_NUMBER: _ClassVar[int]
     version: int
-    def __init__(self, version: _Optional[int] = ...) -> None: ...
+    phases: _weight_sync_pb2.WeightSyncPhases
+    def __init__(self, version: _Optional[int] = ..., phases: _Optional[_Union[_weight_sync_pb2.WeightSyncPhases, _Mapping]] = ...) -> None: ...
 
 class ReferenceServiceGetStatusRequest(_message.Message):
     __slots__ = ()

@@ -260,12 +260,14 @@ class ReceiveWeightsRequest(_message.Message):
     def __init__(self, manifest: _Optional[_Union[_weight_sync_pb2.WeightManifest, _Mapping]] = ...) -> None: ...
 
 class ReceiveWeightsResponse(_message.Message):
-    __slots__ = ("version", "paused_seconds")
+    __slots__ = ("version", "paused_seconds", "phases")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PAUSED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PHASES_FIELD_NUMBER: _ClassVar[int]
     version: int
     paused_seconds: float
-    def __init__(self, version: _Optional[int] = ..., paused_seconds: _Optional[float] = ...) -> None: ...
+    phases: _weight_sync_pb2.WeightSyncPhases
+    def __init__(self, version: _Optional[int] = ..., paused_seconds: _Optional[float] = ..., phases: _Optional[_Union[_weight_sync_pb2.WeightSyncPhases, _Mapping]] = ...) -> None: ...
 
 class PushWeightsRequest(_message.Message):
     __slots__ = ("manifest", "bucket_index", "offset", "data")
@@ -280,9 +282,11 @@ class PushWeightsRequest(_message.Message):
     def __init__(self, manifest: _Optional[_Union[_weight_sync_pb2.WeightManifest, _Mapping]] = ..., bucket_index: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class PushWeightsResponse(_message.Message):
-    __slots__ = ("version", "paused_seconds")
+    __slots__ = ("version", "paused_seconds", "phases")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PAUSED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PHASES_FIELD_NUMBER: _ClassVar[int]
     version: int
     paused_seconds: float
-    def __init__(self, version: _Optional[int] = ..., paused_seconds: _Optional[float] = ...) -> None: ...
+    phases: _weight_sync_pb2.WeightSyncPhases
+    def __init__(self, version: _Optional[int] = ..., paused_seconds: _Optional[float] = ..., phases: _Optional[_Union[_weight_sync_pb2.WeightSyncPhases, _Mapping]] = ...) -> None: ...

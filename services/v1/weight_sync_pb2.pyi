@@ -14,13 +14,15 @@ class WeightTransport(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     WEIGHT_TRANSPORT_NCCL: _ClassVar[WeightTransport]
     WEIGHT_TRANSPORT_GLOO: _ClassVar[WeightTransport]
     WEIGHT_TRANSPORT_GRPC: _ClassVar[WeightTransport]
+    WEIGHT_TRANSPORT_CUDA_IPC: _ClassVar[WeightTransport]
 WEIGHT_TRANSPORT_UNSPECIFIED: WeightTransport
 WEIGHT_TRANSPORT_NCCL: WeightTransport
 WEIGHT_TRANSPORT_GLOO: WeightTransport
 WEIGHT_TRANSPORT_GRPC: WeightTransport
+WEIGHT_TRANSPORT_CUDA_IPC: WeightTransport
 
 class WeightSyncGroup(_message.Message):
-    __slots__ = ("group_id", "transport", "world_size", "nccl_unique_id", "store_host", "store_port", "timeout_s", "torch_group")
+    __slots__ = ("group_id", "transport", "world_size", "nccl_unique_id", "store_host", "store_port", "timeout_s", "torch_group", "device_uuid")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +31,7 @@ class WeightSyncGroup(_message.Message):
     STORE_PORT_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     TORCH_GROUP_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     transport: WeightTransport
     world_size: int
@@ -37,7 +40,8 @@ class WeightSyncGroup(_message.Message):
     store_port: int
     timeout_s: float
     torch_group: bool
-    def __init__(self, group_id: _Optional[str] = ..., transport: _Optional[_Union[WeightTransport, str]] = ..., world_size: _Optional[int] = ..., nccl_unique_id: _Optional[bytes] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., timeout_s: _Optional[float] = ..., torch_group: _Optional[bool] = ...) -> None: ...
+    device_uuid: str
+    def __init__(self, group_id: _Optional[str] = ..., transport: _Optional[_Union[WeightTransport, str]] = ..., world_size: _Optional[int] = ..., nccl_unique_id: _Optional[bytes] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., timeout_s: _Optional[float] = ..., torch_group: _Optional[bool] = ..., device_uuid: _Optional[str] = ...) -> None: ...
 
 class WeightTensorSpec(_message.Message):
     __slots__ = ("name", "dtype", "shape", "offset")
@@ -92,3 +96,53 @@ class WeightSyncDevice(_message.Message):
     device: str
     uuid: str
     def __init__(self, device: _Optional[str] = ..., uuid: _Optional[str] = ...) -> None: ...
+
+class WeightSyncPhases(_message.Message):
+    __slots__ = ("gather_s", "pack_s", "checksum_s", "wire_s", "apply_s")
+    GATHER_S_FIELD_NUMBER: _ClassVar[int]
+    PACK_S_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_S_FIELD_NUMBER: _ClassVar[int]
+    WIRE_S_FIELD_NUMBER: _ClassVar[int]
+    APPLY_S_FIELD_NUMBER: _ClassVar[int]
+    gather_s: float
+    pack_s: float
+    checksum_s: float
+    wire_s: float
+    apply_s: float
+    def __init__(self, gather_s: _Optional[float] = ..., pack_s: _Optional[float] = ..., checksum_s: _Optional[float] = ..., wire_s: _Optional[float] = ..., apply_s: _Optional[float] = ...) -> None: ...
+
+class CudaIpcBucket(_message.Message):
+    __slots__ = ("group_id", "version", "bucket_index", "slot", "num_bytes", "device_uuid", "handles")
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_INDEX_FIELD_NUMBER: _ClassVar[int]
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    HANDLES_FIELD_NUMBER: _ClassVar[int]
+    group_id: str
+    version: int
+    bucket_index: int
+    slot: int
+    num_bytes: int
+    device_uuid: str
+    handles: _containers.RepeatedCompositeFieldContainer[CudaIpcHandle]
+    def __init__(self, group_id: _Optional[str] = ..., version: _Optional[int] = ..., bucket_index: _Optional[int] = ..., slot: _Optional[int] = ..., num_bytes: _Optional[int] = ..., device_uuid: _Optional[str] = ..., handles: _Optional[_Iterable[_Union[CudaIpcHandle, _Mapping]]] = ...) -> None: ...
+
+class CudaIpcHandle(_message.Message):
+    __slots__ = ("mem_handle", "storage_offset", "storage_size", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required")
+    MEM_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    EVENT_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    EVENT_SYNC_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    mem_handle: bytes
+    storage_offset: int
+    storage_size: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+    def __init__(self, mem_handle: _Optional[bytes] = ..., storage_offset: _Optional[int] = ..., storage_size: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ...) -> None: ...

@@ -19,6 +19,7 @@ from isal.isal_zlib import crc32, crc32_combine  # noqa: F401 - crc32_combine: t
 
 from rlfabric.core.errors import InvalidArgument
 from rlfabric.weight_sync.manifest import BucketSpec, Manifest, TensorSpec, aligned
+from rlfabric.weight_sync.phases import PhaseClock
 
 CRC32_IMPLEMENTATION = "isal"  # recorded by the weight-sync bench
 
@@ -59,6 +60,29 @@ def pack_bucket(spec: BucketSpec, tensors: Mapping[str, torch.Tensor], out: torc
     return buffer
 
 
+def pack_checksummed(spec: BucketSpec, tensors: Mapping[str, torch.Tensor], out: torch.Tensor,
+                     clock: PhaseClock | None = None, checksums: bool = True) -> int:
+    """Packs bucket `spec` into the first spec.num_bytes of `out` (a staging buffer the size of the largest
+    bucket, possibly holding an earlier bucket's bytes: the gaps are zeroed) and returns its CRC-32 (0 with
+    `checksums` False), taken tensor by tensor right after each is copied, while its bytes are still in the
+    cache. Seconds go to `clock`'s pack and checksum phases."""
+    clock = clock or PhaseClock()
+    crc, end = 0, 0
+    for tensor_spec in (*spec.tensors, None):
+        start = spec.num_bytes if tensor_spec is None else tensor_spec.offset
+        with clock.timing("pack"):
+            if start > end:  # alignment padding, and the bucket's tail
+                out[end:start].zero_()
+            if tensor_spec is not None:
+                tensor_view(out, tensor_spec).copy_(tensors[tensor_spec.name].detach().reshape(tensor_spec.shape))
+        stop = start if tensor_spec is None else start + tensor_spec.num_bytes
+        if checksums and stop > end:
+            with clock.timing("checksum"):
+                crc = crc32(out[end:stop].numpy(), crc)
+        end = stop
+    return crc
+
+
 def tensor_view(buffer: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
     """The tensor `spec` as a view into a bucket buffer (no copy)."""
     return buffer[spec.offset : spec.offset + spec.num_bytes].view(spec.dtype).view(spec.shape)
@@ -71,19 +95,36 @@ def checksum(buffer: torch.Tensor) -> int:
 
 def pack(tensors: Mapping[str, torch.Tensor], bucket_bytes: int, version: int, group_id: str,
          dtype: torch.dtype | None = None, reuse: Manifest | None = None,
-         buffers: list[torch.Tensor] | None = None, dense: bool = False) -> tuple[Manifest, list[torch.Tensor]]:
+         buffers: list[torch.Tensor] | None = None, dense: bool = False,
+         clock: PhaseClock | None = None) -> tuple[Manifest, list[torch.Tensor]]:
     """Plans, packs and checksums every bucket: the manifest and the buffers to send, in order.
     `buffers` packed for the manifest `reuse` are filled again when the plan is the same (every step
-    of a run): the bytes land in memory that is already mapped, which matters at GB scale."""
+    of a run): the bytes land in memory that is already mapped, which matters at GB scale. Seconds go to
+    `clock`'s pack and checksum phases."""
+    clock = clock or PhaseClock()
     plan = plan_buckets(tensors, bucket_bytes, dtype, dense)
     same = reuse is not None and buffers is not None and [(b.num_bytes, b.tensors) for b in reuse.buckets] == [
         (b.num_bytes, b.tensors) for b in plan]
     packed, buckets = [], []
     for spec in plan:
-        buffer = pack_bucket(spec, tensors, buffers[spec.index] if same else None)
+        with clock.timing("pack"):
+            buffer = pack_bucket(spec, tensors, buffers[spec.index] if same else None)
         packed.append(buffer)
-        buckets.append(BucketSpec(spec.index, spec.num_bytes, spec.tensors, checksum(buffer)))
+        with clock.timing("checksum"):
+            crc = checksum(buffer)
+        buckets.append(BucketSpec(spec.index, spec.num_bytes, spec.tensors, crc))
     return Manifest(version, group_id, tuple(buckets)), packed
+
+
+def crc_buffer(crcs: list[int]) -> torch.Tensor:
+    """The buckets' CRC-32s as the buffer broadcast after the last bucket: 4 bytes each, little-endian."""
+    return torch.frombuffer(bytearray(b"".join(crc.to_bytes(4, "little") for crc in crcs)), dtype=torch.uint8)
+
+
+def crcs_of_buffer(buffer: torch.Tensor) -> list[int]:
+    """crc_buffer's CRC-32s back."""
+    data = buffer.cpu().numpy().tobytes()
+    return [int.from_bytes(data[i : i + 4], "little") for i in range(0, len(data), 4)]
 
 
 class ChecksumMismatch(InvalidArgument):
@@ -92,10 +133,14 @@ class ChecksumMismatch(InvalidArgument):
 
 def verify(buffer: torch.Tensor, spec: BucketSpec) -> None:
     """Raises ChecksumMismatch when the bucket's bytes are not what the sender packed."""
-    actual = checksum(buffer)
-    if actual != spec.crc32:
-        raise ChecksumMismatch(f"weight bucket {spec.index}: CRC-32 {actual:#010x} of the received bytes != "
-                               f"{spec.crc32:#010x} in the manifest; update rejected, the old weights keep serving")
+    check_crc(spec.index, checksum(buffer), spec.crc32, "in the manifest")
+
+
+def check_crc(index: int, actual: int, expected: int, source: str = "sent by the actor") -> None:
+    """Raises ChecksumMismatch when bucket `index`'s CRC-32 is not the one the sender gave (`source`: where)."""
+    if actual != expected:
+        raise ChecksumMismatch(f"weight bucket {index}: CRC-32 {actual:#010x} of the received bytes != "
+                               f"{expected:#010x} {source}; update rejected, the old weights keep serving")
 
 
 def unpack(buffers: list[torch.Tensor], manifest: Manifest) -> list[tuple[str, torch.Tensor]]:

@@ -2,18 +2,23 @@
 
     actor = DeviceReport("cuda:0", "GPU-8f2c...")                  # what the actor's GetStatus reports
     choice = choose_transport("auto", actor, {"rollout-0": DeviceReport("cuda:0", "GPU-8f2c...")})
-    choice.transport, choice.reason     # "gloo", "the actor and rollout-0 share GPU GPU-8f2c..."
+    choice.transport, choice.reason     # "cuda_ipc", "the actor and rollout-0 share GPU GPU-8f2c..."
 
 weight_sync.transport auto decides from the devices the members really hold, not from how the run was
 configured: every service reports the device its weights live on and that GPU's UUID (CUDA_VISIBLE_DEVICES
 and the device index resolved to the physical GPU, so two processes that both say cuda:0 are told apart):
 - the actor or a receiver on CPU: gloo (NCCL needs a GPU on every rank);
-- two members on one GPU (colocated roles, one GPU for everything): the same-device transport. NCCL refuses
-  two ranks of one communicator on one GPU ("Duplicate GPU detected"), so it is never that;
+- every receiver on the actor's own GPU (colocated roles, one GPU for everything): the same-device transport,
+  cuda_ipc (the actor lends its buckets' GPU memory; rlfabric.weight_sync.cuda_ipc), unless a receiver cannot
+  take it (an SGLang server: gloo). NCCL refuses two ranks of one communicator on one GPU ("Duplicate GPU
+  detected"), so it is never nccl;
+- two members sharing a GPU otherwise (two replicas on one GPU, the actor on another): gloo;
 - every member on a GPU of its own: nccl;
 - a member on a GPU whose UUID it cannot tell (an older service, an engine in a process of its own that did
-  not say): the run's resource pools decide, as before (a pool with GPUs shared with the actor: same device).
-weight_sync.transport nccl on devices NCCL cannot join is refused with a message naming the key.
+  not say): the run's resource pools decide, as before (a pool with GPUs shared with the actor: gloo, as CUDA IPC
+  needs the GPU's identity to be known).
+weight_sync.transport nccl on devices NCCL cannot join, and cuda_ipc where a receiver is not on the actor's GPU,
+are refused with a message naming the key.
 
 The launchers (rlfabric.launch) and the Helm chart predict the same decision from what they place, where
 they can tell, and refuse a forced nccl before anything starts; the coordinator decides from the reports.
@@ -28,9 +33,10 @@ from dataclasses import dataclass
 from rlfabric.core.errors import FailedPrecondition
 from rlfabric.v1 import weight_sync_pb2
 
-# The transport for members that share one GPU. Today gloo, through host memory; a transport that shares the
-# actor's buckets on the device itself (CUDA IPC) goes here, and every "same GPU" decision follows it.
-SAME_DEVICE_TRANSPORT = "gloo"
+# The transport when every receiver is on the actor's GPU: the actor lends its buckets on the device itself.
+SAME_DEVICE_TRANSPORT = "cuda_ipc"
+# Where GPUs are shared otherwise, or CUDA IPC cannot be used: through host memory.
+SHARED_GPU_TRANSPORT = "gloo"
 
 
 @dataclass(frozen=True)
@@ -74,15 +80,24 @@ def normalize_uuid(uuid: str) -> str:
 
 
 def choose_transport(configured: str, actor: DeviceReport, receivers: Mapping[str, DeviceReport],
-                     pools_share_gpus: bool = False) -> TransportChoice:
+                     pools_share_gpus: bool = False, cuda_ipc: bool = True) -> TransportChoice:
     """The transport of a group of the actor (rank 0) and `receivers` for weight_sync.transport `configured`.
     pools_share_gpus: the run's resource pools put the actor and the rollout on shared GPUs (only used for
-    members whose GPU is unknown). FailedPrecondition when `configured` is nccl and these devices cannot
-    run it."""
+    members whose GPU is unknown). cuda_ipc: every receiver can take buckets by CUDA IPC (not an SGLang
+    server). FailedPrecondition when `configured` is nccl or cuda_ipc and these devices cannot run it."""
     members = {"the actor": actor, **receivers}
     on_cpu = [name for name, report in members.items() if report.on_cpu]
     shared = _sharing(members)
     unknown = [name for name, report in members.items() if not report.on_cpu and not report.gpu]
+    elsewhere = [name for name, report in receivers.items() if not actor.gpu or report.gpu != actor.gpu]
+    if configured == "cuda_ipc":
+        if elsewhere or not receivers:
+            where = f"the actor's GPU is unknown ({actor.device or 'not reported'})" if not actor.gpu else (
+                f"{elsewhere[0]} is on {receivers[elsewhere[0]].device or 'an unknown device'} "
+                f"{receivers[elsewhere[0]].uuid}, not on the actor's GPU {actor.uuid}")
+            raise FailedPrecondition(f"weight_sync.transport cuda_ipc needs every receiver on the actor's GPU, and "
+                                     f"{where}: set weight_sync.transport to auto")
+        return TransportChoice("cuda_ipc", "weight_sync.transport cuda_ipc")
     if configured == "nccl":
         if on_cpu:
             raise FailedPrecondition(f"weight_sync.transport nccl needs every member on a GPU, and {on_cpu[0]} is "
@@ -95,16 +110,20 @@ def choose_transport(configured: str, actor: DeviceReport, receivers: Mapping[st
         return TransportChoice(configured, f"weight_sync.transport {configured}")
     if on_cpu:
         return TransportChoice("gloo", f"{on_cpu[0]} is on CPU")
+    if shared and not elsewhere and receivers:
+        if cuda_ipc:
+            return TransportChoice(SAME_DEVICE_TRANSPORT, shared)
+        return TransportChoice(SHARED_GPU_TRANSPORT, f"{shared}; a receiver cannot take CUDA IPC (SGLang)")
     if shared:
-        return TransportChoice(SAME_DEVICE_TRANSPORT, shared)
+        return TransportChoice(SHARED_GPU_TRANSPORT, shared)
     if not actor.device:  # an actor that does not report: its own default (nccl on a GPU), as before
-        return TransportChoice(SAME_DEVICE_TRANSPORT if pools_share_gpus else "",
+        return TransportChoice(SHARED_GPU_TRANSPORT if pools_share_gpus else "",
                                "the actor did not report its device" + (
                                    "; the resource pools put it on the rollout's GPUs" if pools_share_gpus else ""))
     if unknown:
         if pools_share_gpus:
-            return TransportChoice(SAME_DEVICE_TRANSPORT, f"{unknown[0]} did not report its GPU and the resource "
-                                                          "pools put the actor and the rollout on the same GPUs")
+            return TransportChoice(SHARED_GPU_TRANSPORT, f"{unknown[0]} did not report its GPU and the resource "
+                                                         "pools put the actor and the rollout on the same GPUs")
         return TransportChoice("nccl", f"{unknown[0]} did not report its GPU; the resource pools keep them apart")
     return TransportChoice("nccl", "every member holds a GPU of its own")
 

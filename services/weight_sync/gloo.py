@@ -120,6 +120,38 @@ class GlooTransport:
             raise collective_error(error, f"weight-sync group {self.group.group_id} rank {self.rank} broadcast",
                                    self.group.timeout_s) from error
 
+    def broadcast_message(self, message: bytes, size: int) -> bytes:
+        """Rank 0's `message` to every rank, as one broadcast of `size` bytes (a 4-byte length, the message,
+        padding): what every rank returns. Unavailable on rank 0 for a message too long, on the others for
+        a length that does not fit (a sender that is not ours)."""
+        buffer = torch.zeros(size, dtype=torch.uint8)
+        if self.rank == 0:
+            if len(message) > size - 4:
+                raise Unavailable(f"weight-sync group {self.group.group_id}: a control message of {len(message)} "
+                                  f"bytes exceeds {size - 4}")
+            buffer[:4] = torch.frombuffer(bytearray(len(message).to_bytes(4, "little")), dtype=torch.uint8)
+            buffer[4 : 4 + len(message)] = torch.frombuffer(bytearray(message), dtype=torch.uint8)
+        self.broadcast(buffer)
+        data = buffer.numpy().tobytes()
+        length = int.from_bytes(data[:4], "little")
+        if length > size - 4:
+            raise Unavailable(f"weight-sync group {self.group.group_id}: a control message announces {length} "
+                              f"bytes in a buffer of {size}")
+        return data[4 : 4 + length]
+
+    def all_sum(self, value: int) -> int:
+        """The sum of every rank's `value` (blocking): how the ranks of a group tell each other, in step,
+        how many of them failed."""
+        tensor = torch.tensor([value], dtype=torch.int64)
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.SUM
+        try:
+            self._pg.allreduce([tensor], options).wait()
+        except RuntimeError as error:
+            raise collective_error(error, f"weight-sync group {self.group.group_id} rank {self.rank} all-reduce",
+                                   self.group.timeout_s) from error
+        return int(tensor)
+
     def close(self) -> None:
         """Drops the process group and the store connection (the sockets close with them)."""
         self._pg = None

@@ -32,11 +32,12 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import dataclasses
 import math
 import platform
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 import torch
@@ -49,6 +50,7 @@ from rlfabric.core.errors import DeadlineExceeded, InvalidArgument, RlfabricErro
 from rlfabric.core.interceptors import bearer_metadata
 from rlfabric.v1 import rollout_pb2
 from rlfabric.weight_sync.manifest import Manifest, WeightLimits
+from rlfabric.weight_sync.phases import PhaseClock, SyncPhases
 from rlfabric.weight_sync.receiver import BucketAssembler, Weights, WeightSwap
 
 # 4 MiB chunks: large enough that per-message costs vanish, small enough that a message is a
@@ -74,6 +76,7 @@ class PushResult:
     version: int = -1
     paused_seconds: float = 0.0
     error: str = ""
+    phases: SyncPhases = field(default_factory=SyncPhases)  # the receiver's: wire, checksum, apply
 
 
 # -- the wire format of a chunk -----------------------------------------------------------------------
@@ -282,7 +285,8 @@ async def push_weights(address: str, chunks: PushPayload | list[bytes], timeout_
             if not isinstance(cause, grpc.RpcError | RlfabricError | OSError):
                 raise cause
             return PushResult(address, error=_describe(cause))
-        return PushResult(address, outcomes[0].version, outcomes[0].paused_seconds)
+        return PushResult(address, outcomes[0].version, outcomes[0].paused_seconds, "",
+                          SyncPhases.from_proto(outcomes[0].phases))
     finally:
         for channel in channels:
             await channel.close()
@@ -305,6 +309,7 @@ class _Push:
 
     def __init__(self, manifest: Manifest, streams: int, assembler: BucketAssembler):
         self.manifest, self.streams, self.assembler = manifest, streams, assembler
+        self.started = time.perf_counter()  # wire time: from here until every bucket is in
         self.joined = self.attached = self.ended = 0
         self.applying = False
         self.done: asyncio.Future = asyncio.get_running_loop().create_future()
@@ -387,8 +392,12 @@ class PushReceiver:
                 raise
             if push.assembler.complete and not push.applying:  # the first stream to end on a complete push
                 push.applying = True
+                clock = push.assembler.clock
+                clock.add("wire", time.perf_counter() - push.started)
                 try:
-                    swap = await apply(push.assembler.finish(), manifest)
+                    with clock.timing("apply"):
+                        swap = await apply(push.assembler.finish(), manifest)
+                    swap = dataclasses.replace(swap, phases=clock.phases())
                 except asyncio.CancelledError:
                     push.fail(Unavailable(f"PushWeights: the stream switching to version {manifest.version} was "
                                           "cancelled"))
@@ -429,7 +438,7 @@ class PushReceiver:
                 sizes = [b.num_bytes for b in manifest.buckets]
                 reuse = self._buffers if [b.numel() for b in self._buffers] == sizes else None
                 self._buffers = []  # the old buffers go before new ones are mapped
-                assembler = BucketAssembler(manifest, reuse)
+                assembler = BucketAssembler(manifest, reuse, PhaseClock())
                 self._buffers = assembler.buffers
                 self._push = _Push(manifest, streams, assembler)
             push = self._push

@@ -25,11 +25,12 @@ from rlfabric.core import codec
 from rlfabric.core.errors import InvalidArgument, ResourceExhausted
 from rlfabric.v1 import weight_sync_pb2
 
-TRANSPORTS = ("nccl", "gloo", "grpc")
+TRANSPORTS = ("nccl", "gloo", "grpc", "cuda_ipc")
 _TRANSPORT_WIRE = {
     "nccl": weight_sync_pb2.WEIGHT_TRANSPORT_NCCL,
     "gloo": weight_sync_pb2.WEIGHT_TRANSPORT_GLOO,
     "grpc": weight_sync_pb2.WEIGHT_TRANSPORT_GRPC,
+    "cuda_ipc": weight_sync_pb2.WEIGHT_TRANSPORT_CUDA_IPC,
 }
 _TRANSPORT_NAME = {wire: name for name, wire in _TRANSPORT_WIRE.items()}
 # Tensors start at multiples of this many bytes inside a bucket, so every dtype can view its slice.
@@ -45,12 +46,12 @@ def aligned(num_bytes: int) -> int:
 
 
 def transport_to_proto(name: str) -> int:
-    """"nccl" | "gloo" | "grpc" -> WeightTransport; "auto" or "" -> UNSPECIFIED (the actor chooses)."""
+    """"nccl" | "gloo" | "grpc" | "cuda_ipc" -> WeightTransport; "auto" or "" -> UNSPECIFIED (the actor chooses)."""
     return _TRANSPORT_WIRE.get(name, weight_sync_pb2.WEIGHT_TRANSPORT_UNSPECIFIED)
 
 
 def transport_from_proto(wire: int) -> str:
-    """WeightTransport -> "nccl" | "gloo" | "grpc"; "" for UNSPECIFIED."""
+    """WeightTransport -> "nccl" | "gloo" | "grpc" | "cuda_ipc"; "" for UNSPECIFIED."""
     return _TRANSPORT_NAME.get(wire, "")
 
 
@@ -59,19 +60,29 @@ class SyncGroup:
     """Everything a receiver needs to join the actor's group (rlfabric.v1.WeightSyncGroup)."""
 
     group_id: str
-    transport: str  # "nccl" | "gloo" | "grpc"
+    transport: str  # "nccl" | "gloo" | "grpc" | "cuda_ipc"
     world_size: int  # the sender (rank 0) plus every receiver
     timeout_s: float
-    store_host: str = ""  # gloo, torch_group
-    store_port: int = 0  # gloo, torch_group
+    store_host: str = ""  # gloo, cuda_ipc, torch_group
+    store_port: int = 0  # gloo, cuda_ipc, torch_group
     nccl_unique_id: bytes = b""  # nccl (not torch_group)
     torch_group: bool = False  # a torch.distributed group an SGLang server can join (weight_sync.torch_group)
+    device_uuid: str = ""  # cuda_ipc: the sender's GPU, which every receiver must hold
 
     def to_proto(self) -> weight_sync_pb2.WeightSyncGroup:
         return weight_sync_pb2.WeightSyncGroup(
             group_id=self.group_id, transport=transport_to_proto(self.transport), world_size=self.world_size,
             nccl_unique_id=self.nccl_unique_id, store_host=self.store_host, store_port=self.store_port,
-            timeout_s=self.timeout_s, torch_group=self.torch_group)
+            timeout_s=self.timeout_s, torch_group=self.torch_group, device_uuid=self.device_uuid)
+
+    @property
+    def checksums(self) -> str:
+        """Where the buckets' CRC-32s travel: "manifest" (grpc pushes, torch groups: SGLang reads none of
+        ours), "after" (gloo, nccl: one more broadcast after the last bucket, so the actor checksums while
+        it sends) or "none" (cuda_ipc: the receivers copy from the actor's own memory, no byte travels)."""
+        if self.transport == "cuda_ipc":
+            return "none"
+        return "after" if self.transport in ("gloo", "nccl") and not self.torch_group else "manifest"
 
     @classmethod
     def from_proto(cls, message: weight_sync_pb2.WeightSyncGroup, max_timeout_s: float = math.inf) -> SyncGroup:
@@ -90,15 +101,17 @@ class SyncGroup:
             cap = f" and at most weight_sync.max_timeout_s={max_timeout_s:g}" if math.isfinite(max_timeout_s) else ""
             raise InvalidArgument(f"weight-sync group {message.group_id}: timeout_s must be > 0{cap}, "
                                   f"got {message.timeout_s:g}")
-        if message.torch_group and transport == "grpc":
-            raise InvalidArgument(f"grpc group {message.group_id} cannot be a torch_group")
-        needs_store = transport == "gloo" or message.torch_group
+        if message.torch_group and transport in ("grpc", "cuda_ipc"):
+            raise InvalidArgument(f"{transport} group {message.group_id} cannot be a torch_group")
+        if transport == "cuda_ipc" and not message.device_uuid:
+            raise InvalidArgument(f"cuda_ipc group {message.group_id} needs device_uuid (the sender's GPU)")
+        needs_store = transport in ("gloo", "cuda_ipc") or message.torch_group
         if needs_store and not (message.store_host and 0 < message.store_port < 65536):
             raise InvalidArgument(f"{transport} group {message.group_id} needs store_host and store_port")
         if transport == "nccl" and not message.torch_group and not message.nccl_unique_id:
             raise InvalidArgument(f"nccl group {message.group_id} needs nccl_unique_id")
         return cls(message.group_id, transport, message.world_size, message.timeout_s, message.store_host,
-                   message.store_port, bytes(message.nccl_unique_id), message.torch_group)
+                   message.store_port, bytes(message.nccl_unique_id), message.torch_group, message.device_uuid)
 
     def check_rank(self, rank: int) -> None:
         if not 1 <= rank < self.world_size:

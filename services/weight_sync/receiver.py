@@ -2,7 +2,9 @@
 worker extension.
 
 - WeightReceiver: rank >= 1 of one group (blocking calls): receives a manifest's buckets over the
-  group's collective and checks each bucket's CRC-32 while the next one lands.
+  group's collective and takes each bucket's CRC-32 while the next one lands; gloo and nccl groups send
+  the CRC-32s after the last bucket (the actor checksums while it sends), torch groups in the manifest,
+  and cuda_ipc has none (the bytes never leave the GPU: rlfabric.weight_sync.cuda_ipc).
 - BucketAssembler: the same for the grpc transport, fed chunk by chunk (in any order) from the
   PushWeights streams of a push (rlfabric.weight_sync.grpc_stream).
 - Membership: a service's async handle on at most one group (join, rejoin, receive, leave); the
@@ -19,9 +21,10 @@ from __future__ import annotations
 import asyncio
 import bisect
 import threading
+import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import torch
@@ -33,8 +36,17 @@ from rlfabric.core.errors import (
     InvalidArgument,
     ResourceExhausted,
 )
-from rlfabric.weight_sync.buckets import ChecksumMismatch, crc32, crc32_combine, unpack, verify
+from rlfabric.weight_sync.buckets import (
+    ChecksumMismatch,
+    check_crc,
+    checksum,
+    crc32,
+    crc32_combine,
+    crcs_of_buffer,
+    unpack,
+)
 from rlfabric.weight_sync.manifest import Manifest, SyncGroup, WeightLimits
+from rlfabric.weight_sync.phases import PhaseClock, SyncPhases
 
 # Extra seconds a caller waits beyond the group's timeout for the collective's own error to surface.
 SLACK_S = 5.0
@@ -49,6 +61,7 @@ class WeightSwap:
 
     version: int
     paused_seconds: float  # how long generation (or compute) was held for the switch
+    phases: SyncPhases = field(default_factory=SyncPhases)  # this receiver's: wire, checksum, apply
 
 
 def open_transport(group: SyncGroup, rank: int, device: torch.device):
@@ -65,6 +78,10 @@ def open_transport(group: SyncGroup, rank: int, device: torch.device):
         from rlfabric.weight_sync.nccl import NcclTransport
 
         return NcclTransport(group, rank, device)
+    if group.transport == "cuda_ipc":
+        from rlfabric.weight_sync.cuda_ipc import CudaIpcTransport
+
+        return CudaIpcTransport(group, rank, device)
     return None
 
 
@@ -92,20 +109,45 @@ class WeightReceiver:
         if self.limits is not None:
             self.limits.check(manifest)
 
-    def receive(self, manifest: Manifest) -> Weights:
+    def receive(self, manifest: Manifest, clock: PhaseClock | None = None) -> Weights:
         """Every bucket of `manifest`, checked; ChecksumMismatch after the last one lands if any is bad
         (all are received either way, so the group stays in step with the sender). The views stay
-        valid until the next receive, which reuses the buffers."""
+        valid until the next receive, which reuses the buffers. Seconds go to `clock`'s wire and checksum."""
         self.check(manifest)
+        clock = clock or PhaseClock()
         buffers = self._buffers_for(manifest)
+        mode = self.group.checksums
+
+        def crc_of(buffer: torch.Tensor) -> int:
+            with clock.timing("checksum"):
+                return checksum(buffer)
+
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-crc") as checker:
-            checks = []
+            actual = []
             for buffer, bucket in zip(buffers, manifest.buckets, strict=True):
-                self.transport.broadcast(buffer)
-                checks.append(checker.submit(verify, buffer, bucket))
-            for check in checks:
-                check.result()
+                with clock.timing("wire"):
+                    if mode == "none":
+                        self.transport.take(manifest.version, bucket.index, buffer)
+                    else:
+                        self.transport.broadcast(buffer)
+                if mode != "none":  # while the next bucket lands
+                    actual.append(checker.submit(crc_of, buffer))
+            if mode == "after":  # the sender's CRC-32s follow the last bucket
+                sent = torch.empty(4 * len(buffers), dtype=torch.uint8, device=self.transport.device)
+                with clock.timing("wire"):
+                    self.transport.broadcast(sent)
+                expected, source = crcs_of_buffer(sent), "sent by the actor"
+            else:
+                expected, source = [bucket.crc32 for bucket in manifest.buckets], "in the manifest"
+            for index, crc in enumerate(actual):
+                check_crc(index, crc.result(), expected[index], source)
         return unpack(buffers, manifest)
+
+    def release_device_buffers(self) -> None:
+        """Frees the receive buffers when they are on a GPU, once their weights are applied: a GPU's memory
+        is too dear to hold a second copy of the model between syncs (CPU buffers stay for the next sync)."""
+        if self._buffers and self._buffers[0].is_cuda:
+            self._buffers = []
 
     def _buffers_for(self, manifest: Manifest) -> list[torch.Tensor]:
         """Last sync's buffers when the sizes match (every step of a run): the bytes then land in
@@ -128,10 +170,13 @@ class BucketAssembler:
     is taken as it lands, and a bucket is checked as soon as its last chunk is in (ChecksumMismatch
     then), from the chunks' CRC-32s: no second pass over the bucket."""
 
-    def __init__(self, manifest: Manifest, buffers: list[torch.Tensor] | None = None):
+    def __init__(self, manifest: Manifest, buffers: list[torch.Tensor] | None = None,
+                 clock: PhaseClock | None = None):
         """`buffers` of the right sizes (an earlier push's) are reused, else new ones are made: the
-        caller checks the manifest first (Manifest.from_proto, WeightLimits.check)."""
+        caller checks the manifest first (Manifest.from_proto, WeightLimits.check). The CRC-32 seconds
+        go to `clock`'s checksum phase."""
         self.manifest = manifest
+        self.clock = clock or PhaseClock()
         sizes = [b.num_bytes for b in manifest.buckets]
         if buffers is None or [b.numel() for b in buffers] != sizes:
             buffers = None  # dropped before the new ones are mapped
@@ -166,7 +211,8 @@ class BucketAssembler:
                                   f"({self._filled[bucket_index]} of {size} received)")
         view = self._views[bucket_index][offset:end]
         view[:] = data
-        pieces.insert(at, (offset, end, crc32(view)))
+        with self.clock.timing("checksum"):
+            pieces.insert(at, (offset, end, crc32(view)))
         self._filled[bucket_index] += length
         if self._filled[bucket_index] == size:
             self._incomplete -= 1
@@ -203,10 +249,12 @@ class Membership:
 
     MAX_ABANDONED = 8
 
-    def __init__(self, device: torch.device | None = None,
+    def __init__(self, device: torch.device | Callable[[], torch.device] | None = None,
                  limits: Callable[[], WeightLimits | None] | None = None):
-        """`limits`: the owner's weights (read when joining a group), which every manifest must fit."""
-        self.device = device or torch.device("cpu")
+        """`device`: where the bytes land (nccl and cuda_ipc need the owner's GPU), or a function that tells
+        (read when joining a group: the owner may load its model later). `limits`: the owner's weights (read
+        when joining), which every manifest must fit."""
+        self._device = device or torch.device("cpu")
         self.limits = limits
         self._receiver: WeightReceiver | None = None
         self._left = asyncio.Event()  # set when the current group (or the join under way) is left
@@ -236,12 +284,16 @@ class Membership:
             if self.joining is group:
                 self.joining = None
 
+    @property
+    def device(self) -> torch.device:
+        return self._device() if callable(self._device) else self._device
+
     def _new_receiver(self, group: SyncGroup, rank: int) -> WeightReceiver:
         return WeightReceiver(group, rank, self.device, self.limits() if self.limits else None)
 
-    async def receive(self, manifest: Manifest, apply: Callable[[Weights], Awaitable[T]]) -> T:
-        """Receives the manifest's weights and returns `await apply(weights)`; apply runs before any
-        other receive may reuse the buffers the weights are views of."""
+    async def receive(self, manifest: Manifest, apply: Callable[[Weights], Awaitable[T]]) -> tuple[T, SyncPhases]:
+        """Receives the manifest's weights; returns `await apply(weights)` and this side's phases (wire,
+        checksum, apply). apply runs before any other receive may reuse the buffers the weights are views of."""
         async with self._lock:
             receiver, left = self._receiver, self._left
             if receiver is None:
@@ -249,7 +301,8 @@ class Membership:
             receiver.check(manifest)
             # each bucket's collective times out on its own; this is only a backstop
             bound = receiver.group.timeout_s * (len(manifest.buckets) + 1)
-            receiving = in_thread(f"weight-sync-receive-{receiver.group.group_id}", receiver.receive, manifest)
+            clock = PhaseClock()
+            receiving = in_thread(f"weight-sync-receive-{receiver.group.group_id}", receiver.receive, manifest, clock)
             self._busy = (receiver, receiving)
             try:
                 weights = await self._wait(receiving, bound, f"receiving weight version {manifest.version}", left,
@@ -260,7 +313,14 @@ class Membership:
                 if self._receiver is receiver:
                     await self._leave()  # a failed or abandoned collective breaks the group
                 raise
-            return await apply(weights)
+            started = time.perf_counter()
+            try:
+                result = await apply(weights)
+            finally:
+                del weights
+                receiver.release_device_buffers()
+            clock.add("apply", time.perf_counter() - started)
+            return result, clock.phases()
 
     async def leave(self) -> None:
         await self._leave()

@@ -1,9 +1,17 @@
 """The sending side of weight sync: rank 0 of every group the actor opens.
 
-    sender = WeightSender(host, device, channel_options, timeout_s=120, bucket_bytes=512 << 20)
+    sender = WeightSender(host, device, channel_options, timeout_s=120, bucket_bytes=64 << 20)
     group = sender.open("gloo", num_receivers=2)          # -> receivers' JoinWeightSyncGroup
-    manifest = sender.prepare(group.group_id, 7, state)    # packs; -> receivers' ReceiveWeights
+    manifest = sender.prepare(group.group_id, 7, state)    # plans; -> receivers' ReceiveWeights
     result = await sender.broadcast(group.group_id, 7)     # while the receivers receive
+    result.phases                                          # gather (given to prepare), pack, checksum, wire
+
+gloo, nccl and cuda_ipc syncs are pipelined (rlfabric.weight_sync.pipeline): prepare() only plans the
+buckets, and broadcast() packs bucket k+1 into one of two staging buffers while bucket k is on the wire,
+taking each bucket's CRC-32 as it packs (the receivers get the CRC-32s after the last bucket; cuda_ipc has
+none). The packing reads `state` then, on the thread broadcast() is given (the actor's torch thread, so no
+update changes the weights half-way). grpc pushes and torch groups (SGLang) pack and checksum every bucket in
+prepare(), as their manifests carry the CRC-32s, and keep the packed buffers for the next sync.
 
 open() returns at once: rank 0's half of the rendezvous runs on a thread of its own and completes
 when every receiver has joined; broadcast() waits for it. A group whose collective failed is broken
@@ -29,23 +37,26 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Mapping
-from concurrent.futures import Future
+from collections.abc import Callable, Mapping
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 
 import torch
 
 from rlfabric.core.client import ChannelOptions
 from rlfabric.core.errors import (
+    Aborted,
     DeadlineExceeded,
     FailedPrecondition,
     InvalidArgument,
     NotFound,
     ResourceExhausted,
 )
-from rlfabric.weight_sync.buckets import dedupe_shared, pack
+from rlfabric.weight_sync.buckets import crc_buffer, dedupe_shared, pack, plan_buckets
 from rlfabric.weight_sync.grpc_stream import PushPayload, PushResult, push_weights
 from rlfabric.weight_sync.manifest import MAX_WORLD_SIZE, AdapterSpec, Manifest, SyncGroup
+from rlfabric.weight_sync.phases import PhaseClock, SyncPhases
+from rlfabric.weight_sync.pipeline import Pipeline, Staged, staging_buffers
 from rlfabric.weight_sync.receiver import SLACK_S, in_thread
 
 log = logging.getLogger("rlfabric.weight_sync")
@@ -56,8 +67,20 @@ REMEMBERED_EVICTIONS = 256  # evicted group ids kept to explain a later call on 
 @dataclass(frozen=True)
 class BroadcastResult:
     num_bytes: int  # per receiver
-    seconds: float  # gloo, nccl: the collective; grpc: the pushes, each receiver's checks and switch included
+    seconds: float  # gloo, nccl, cuda_ipc: packing and the collective; grpc: the pushes, each receiver's checks
+    # and switch included
     pushes: tuple[PushResult, ...] = ()  # grpc transport: one per receiver
+    phases: SyncPhases = field(default_factory=SyncPhases)  # the actor's: gather, pack, checksum, wire
+
+
+@dataclass
+class _Prepared:
+    """A sync prepare() made ready for broadcast()."""
+
+    manifest: Manifest
+    phases: SyncPhases  # so far: the gather, and for grpc and torch groups the pack and checksum
+    buffers: list[torch.Tensor] | None = None  # grpc, torch groups: every bucket, packed
+    state: Mapping[str, torch.Tensor] | None = None  # pipelined: the weights, packed while they are sent
 
 
 @dataclass
@@ -67,14 +90,19 @@ class _Group:
     dtype: torch.dtype | None
     addresses: tuple[str, ...] = ()  # grpc
     connecting: Future | None = None  # rank 0's transport, once every receiver joined
-    store: object = None  # gloo: the TCPStore must outlive the process group
-    prepared: tuple[Manifest, list[torch.Tensor]] | None = None  # the manifest and its packed buffers
-    last: tuple[Manifest, list[torch.Tensor]] | None = None  # the packed buffers, kept for the next pack
+    store: object = None  # gloo, cuda_ipc: the TCPStore must outlive the process group
+    prepared: _Prepared | None = None
+    last: tuple[Manifest, list[torch.Tensor]] | None = None  # grpc, torch groups: kept for the next pack
+    staging: list[torch.Tensor] | None = None  # pipelined: the staging buffers, kept for the next sync
     broken: str = ""
     evicted: str = ""  # why, once evicted
     last_used: float = field(default_factory=time.monotonic)  # opened, or a prepare or broadcast ended
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one broadcast at a time
     buffers_lock: threading.Lock = field(default_factory=threading.Lock)  # no pack into buffers being sent
+
+    @property
+    def pipelined(self) -> bool:
+        return self.group.transport in ("gloo", "nccl", "cuda_ipc") and not self.group.torch_group
 
     @property
     def busy(self) -> bool:
@@ -117,13 +145,15 @@ class WeightSender:
         if transport == "grpc" and len(addresses) != num_receivers:
             raise InvalidArgument(f"the grpc transport needs one receiver address per receiver: got {len(addresses)} "
                                   f"for num_receivers {num_receivers}")
-        if transport not in ("gloo", "nccl", "grpc"):
+        if transport not in ("gloo", "nccl", "grpc", "cuda_ipc"):
             raise InvalidArgument(f"unknown weight-sync transport {transport!r}")
-        if torch_group and transport == "grpc":
-            raise InvalidArgument("the grpc transport cannot be a torch group (SGLang joins gloo or nccl groups)")
+        if torch_group and transport in ("grpc", "cuda_ipc"):
+            raise InvalidArgument(f"the {transport} transport cannot be a torch group (SGLang joins gloo or nccl "
+                                  "groups)")
         if transport == "nccl" and self.device.type != "cuda":
             raise FailedPrecondition("the nccl weight-sync transport needs the actor on a CUDA device; "
                                      "this actor runs on CPU (use gloo or grpc)")
+        sharing = self._sharing() if transport == "cuda_ipc" else None  # FailedPrecondition off a GPU
         self._make_room()
         group_id = f"ws-{uuid.uuid4().hex[:12]}"
         world_size = num_receivers + 1
@@ -150,6 +180,16 @@ class WeightSender:
             # once, where a client still connecting would retry until the timeout.
             client = GlooTransport.connect_store(entry.group)
             entry.connecting = in_thread(f"weight-sync-{group_id}", GlooTransport, entry.group, 0, client)
+        elif transport == "cuda_ipc":
+            from rlfabric.weight_sync.cuda_ipc import CudaIpcTransport
+            from rlfabric.weight_sync.gloo import GlooTransport
+
+            entry.store = GlooTransport.host_store(self.host, world_size, timeout_s)  # the control group's
+            entry.group = SyncGroup(group_id, transport, world_size, timeout_s, store_host=self.host,
+                                    store_port=entry.store.port, device_uuid=sharing.identity(self.device))
+            client = GlooTransport.connect_store(entry.group)
+            entry.connecting = in_thread(f"weight-sync-{group_id}", CudaIpcTransport, entry.group, 0, self.device,
+                                          client, sharing)
         elif transport == "nccl":
             from rlfabric.weight_sync.nccl import NcclTransport, new_unique_id
 
@@ -160,6 +200,15 @@ class WeightSender:
             "group_id": group_id, "transport": transport, "world_size": world_size, "timeout_s": timeout_s,
             "torch_group": torch_group}})
         return entry.group
+
+    def _sharing(self):
+        """How this actor lends buffers by CUDA IPC (its GPU must have a UUID every process can compare)."""
+        from rlfabric.weight_sync.cuda_ipc import sharing_for
+
+        sharing = sharing_for(self.device)
+        if not sharing.identity(self.device):
+            raise FailedPrecondition(f"the cuda_ipc weight-sync transport cannot tell the UUID of {self.device}")
+        return sharing
 
     def _make_room(self) -> None:
         """Evicts the group unused for longest, unless it is busy, when max_open_groups are open."""
@@ -181,6 +230,11 @@ class WeightSender:
         log.warning("weight-sync group evicted", extra={"fields": {
             "group_id": victim.group.group_id, "idle_s": round(time.monotonic() - victim.last_used, 3)}})
 
+    def transport_of(self, group_id: str) -> str:
+        """The transport of an open group ("" for none)."""
+        entry = self._groups.get(group_id)
+        return entry.group.transport if entry is not None else ""
+
     def _entry(self, group_id: str) -> _Group:
         entry = self._groups.get(group_id)
         if entry is None:
@@ -197,44 +251,61 @@ class WeightSender:
             raise NotFound(f"weight-sync group {entry.group.group_id} was {entry.evicted}; open a new one")
 
     def prepare(self, group_id: str, version: int, state: Mapping[str, torch.Tensor],
-                adapter: AdapterSpec | None = None) -> Manifest:
-        """Packs `state` (CPU tensors) into the group's buckets; they stay until broadcast(). With
-        `adapter`, `state` is LoRA adapters alone (peft names) and the manifest says so."""
+                adapter: AdapterSpec | None = None, gather_s: float = 0.0) -> Manifest:
+        """The manifest of sending `state` as `version`, ready for broadcast(). Pipelined transports only plan
+        the buckets here (`state` is packed while it is sent, so it must not change until then); grpc and
+        torch groups pack and checksum every bucket now. With `adapter`, `state` is LoRA adapters alone (peft
+        names) and the manifest says so. `gather_s`: how long the caller took to gather `state`."""
         entry = self._entry(group_id)
         if version < 0:
             raise InvalidArgument(f"weight version must be >= 0, got {version}")
-        with entry.buffers_lock:
-            entry.prepared = None
-            reuse, buffers = entry.last or (None, None)
-            manifest, buffers = pack(dedupe_shared(state), entry.bucket_bytes, version, group_id, entry.dtype,
-                                     reuse, buffers, dense=entry.group.torch_group)
-            manifest = dataclasses.replace(manifest, adapter=adapter)
-            entry.last = (manifest, buffers)
-            entry.prepared = (manifest, buffers)
+        if entry.pipelined:
+            state = dedupe_shared(state)
+            plan = plan_buckets(state, entry.bucket_bytes, entry.dtype)
+            manifest = Manifest(version, group_id, tuple(plan), adapter)
+            entry.prepared = _Prepared(manifest, SyncPhases(gather=gather_s), state=state)
+        else:
+            with entry.buffers_lock:
+                entry.prepared = None
+                reuse, buffers = entry.last or (None, None)
+                clock = PhaseClock(gather=gather_s)
+                manifest, buffers = pack(dedupe_shared(state), entry.bucket_bytes, version, group_id, entry.dtype,
+                                         reuse, buffers, dense=entry.group.torch_group, clock=clock)
+                manifest = dataclasses.replace(manifest, adapter=adapter)
+                entry.last = (manifest, buffers)
+                entry.prepared = _Prepared(manifest, clock.phases(), buffers=buffers)
         entry.last_used = time.monotonic()
         self._check_not_evicted(entry)
         return manifest
 
-    async def broadcast(self, group_id: str, version: int) -> BroadcastResult:
-        """Sends the prepared buckets to every receiver (the packed buffers stay for the next pack)."""
+    async def broadcast(self, group_id: str, version: int, pack_executor: Executor | None = None,
+                        before_pack: Callable[[], None] | None = None) -> BroadcastResult:
+        """Sends the prepared buckets to every receiver. Pipelined transports pack them on `pack_executor`
+        meanwhile (None: a thread of their own), after `before_pack()` there (which may raise to refuse)."""
         entry = self._entry(group_id)
         async with entry.lock:
             self._check_not_evicted(entry)  # while it waited for the broadcast before
-            if entry.prepared is None or entry.prepared[0].version != version:
-                prepared = "nothing" if entry.prepared is None else f"version {entry.prepared[0].version}"
+            if entry.prepared is None or entry.prepared.manifest.version != version:
+                prepared = "nothing" if entry.prepared is None else f"version {entry.prepared.manifest.version}"
                 raise FailedPrecondition(f"weight-sync group {group_id} has {prepared} prepared, not version "
                                          f"{version}: call PrepareWeightSync first")
-            (manifest, payload), entry.prepared = entry.prepared, None
+            prepared, entry.prepared = entry.prepared, None
+            manifest = prepared.manifest
             started = time.perf_counter()
             if entry.group.transport == "grpc":
                 try:
-                    pushes = await self._push(entry, manifest, payload)
+                    pushes = await self._push(entry, manifest, prepared.buffers)
                 finally:
                     entry.last_used = time.monotonic()
-                return BroadcastResult(manifest.num_bytes, time.perf_counter() - started, pushes)
+                seconds = time.perf_counter() - started
+                return BroadcastResult(manifest.num_bytes, seconds, pushes, prepared.phases + SyncPhases(wire=seconds))
             try:
-                await self._wait(entry, len(payload), asyncio.wrap_future(
-                    in_thread(f"weight-sync-send-{group_id}", self._send, entry, payload)))
+                if entry.pipelined:
+                    phases = await self._send_pipelined(entry, prepared, pack_executor, before_pack)
+                else:
+                    await self._wait(entry, len(prepared.buffers), asyncio.wrap_future(
+                        in_thread(f"weight-sync-send-{group_id}", self._send, entry, prepared.buffers)))
+                    phases = prepared.phases + SyncPhases(wire=time.perf_counter() - started)
             except Exception as error:
                 self._check_not_evicted(entry)  # its rendezvous was abandoned under this broadcast
                 entry.broken = f"{type(error).__name__}: {error}"
@@ -242,7 +313,7 @@ class WeightSender:
                 raise
             finally:
                 entry.last_used = time.monotonic()
-            return BroadcastResult(manifest.num_bytes, time.perf_counter() - started)
+            return BroadcastResult(manifest.num_bytes, time.perf_counter() - started, phases=phases)
 
     async def _push(self, entry: _Group, manifest: Manifest, buffers: list[torch.Tensor]) -> tuple[PushResult, ...]:
         """grpc: PushWeights to every receiver at once, each chunk encoded once for all of them while
@@ -263,27 +334,70 @@ class WeightSender:
         finally:
             lock.release()
 
-    def _send(self, entry: _Group, buffers: list[torch.Tensor]) -> None:
+    async def _send_pipelined(self, entry: _Group, prepared: _Prepared, pack_executor: Executor | None,
+                              before_pack: Callable[[], None] | None) -> SyncPhases:
+        """Packs on `pack_executor` while the wire thread sends (rlfabric.weight_sync.pipeline)."""
+        plan = list(prepared.manifest.buckets)
+        lends = entry.group.transport == "cuda_ipc"  # staged on the actor's GPU; otherwise on the host
+        entry.staging = staging_buffers(plan, self.device if lends else torch.device("cpu"), reuse=entry.staging)
+        clock = PhaseClock(**prepared.phases.as_dict())
+        pipeline = Pipeline(entry.staging, entry.group.timeout_s + SLACK_S, clock)
+        checksums = entry.group.checksums == "after"
+        sending = in_thread(f"weight-sync-send-{entry.group.group_id}", self._send_staged, entry, pipeline,
+                            prepared.manifest.version, checksums)
+        if pack_executor is None:
+            packing = in_thread(f"weight-sync-pack-{entry.group.group_id}", pipeline.pack_all, plan, prepared.state,
+                                checksums, before_pack)
+        else:
+            packing = pack_executor.submit(pipeline.pack_all, plan, prepared.state, checksums, before_pack)
         try:
-            transport = entry.connecting.result(timeout=entry.group.timeout_s)  # every receiver has joined
+            outcomes = await self._wait(entry, len(plan), asyncio.gather(
+                asyncio.wrap_future(sending), asyncio.wrap_future(packing), return_exceptions=True))
+        except BaseException:
+            pipeline.stop()  # neither side waits on for the other
+            raise
+        errors = [outcome for outcome in outcomes if isinstance(outcome, BaseException)]
+        if errors:  # the cause, not the other side's Aborted
+            raise next((error for error in errors if not isinstance(error, Aborted)), errors[0])
+        return clock.phases()
+
+    def _send_staged(self, entry: _Group, pipeline: Pipeline, version: int, checksums: bool) -> None:
+        """The wire thread: each bucket as the packer stages it, then (gloo, nccl) the CRC-32s."""
+        transport = self._connected(entry)
+        if entry.group.transport == "cuda_ipc":
+            crcs = pipeline.send_all(lambda staged: transport.lend(version, staged.spec.index, staged.slot,
+                                                                   staged.buffer))
+        else:
+            crcs = pipeline.send_all(lambda staged: transport.broadcast(_on(staged, transport.device)))
+        if checksums:
+            with pipeline.clock.timing("wire"):
+                transport.broadcast(crc_buffer(crcs).to(transport.device))
+
+    def _connected(self, entry: _Group):
+        """Rank 0's transport once every receiver has joined (DeadlineExceeded after the group's timeout)."""
+        try:
+            return entry.connecting.result(timeout=entry.group.timeout_s)
         except concurrent.futures.TimeoutError:
             raise DeadlineExceeded(f"weight-sync group {entry.group.group_id}: not every receiver joined within "
                                    f"weight_sync.timeout_s={entry.group.timeout_s:g}") from None
+
+    def _send(self, entry: _Group, buffers: list[torch.Tensor]) -> None:
+        transport = self._connected(entry)
         with entry.buffers_lock:
             for buffer in buffers:
                 transport.broadcast(buffer.to(transport.device, non_blocking=True))
 
-    async def _wait(self, entry: _Group, num_buckets: int, future) -> None:
+    async def _wait(self, entry: _Group, num_buckets: int, future):
         # The rendezvous and each bucket's collective time out on their own; this is only a backstop.
         timeout = (num_buckets + 1) * entry.group.timeout_s + SLACK_S
         try:
-            await asyncio.wait_for(future, timeout)
+            return await asyncio.wait_for(future, timeout)
         except TimeoutError:
             raise DeadlineExceeded(f"weight-sync group {entry.group.group_id}: broadcast did not finish within "
                                    f"{timeout:g} s") from None
 
     def _drop(self, entry: _Group) -> None:
-        entry.prepared = entry.last = None
+        entry.prepared = entry.last = entry.staging = None
         connecting, entry.connecting = entry.connecting, None
         if connecting is not None:
             connecting.add_done_callback(lambda f: f.exception() is None and f.result().close())
@@ -300,3 +414,8 @@ class WeightSender:
         for group_id in list(self._groups):
             self.close(group_id)
 
+
+
+def _on(staged: Staged, device: torch.device) -> torch.Tensor:
+    """A staged bucket on the transport's device (nccl: copied to the GPU; gloo: as it is)."""
+    return staged.buffer if staged.buffer.device == device else staged.buffer.to(device)

@@ -1,7 +1,8 @@
 """weight_sync.transport auto is chosen at run start from the devices the services report, over real services
-on loopback. This host has no GPU, so the engines' device reports are faked (the one fake here): one GPU for
-actor and rollout (a one-GPU machine with the defaults) trains over the same-device path; nccl forced onto it
-is refused by StartRun, naming the key, before the run starts; a GPU each gives nccl."""
+on loopback. This host has no GPU, so the engines' device reports are faked, and so is the CUDA IPC of the
+same-device path (FakeIpcSharing, which lends CPU buffers within this process): one GPU for actor and rollout
+(a one-GPU machine with the defaults) trains over the same-device path, cuda_ipc; nccl forced onto it is refused
+by StartRun, naming the key, before the run starts; a GPU each gives nccl."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from rlfabric.coordinator.weight_sync import WeightSyncPlane
 from rlfabric.core.errors import FailedPrecondition
 from rlfabric.rollout import hf_engine
 from rlfabric.v1 import coordinator_pb2
+from rlfabric.weight_sync import cuda_ipc
+from rlfabric.weight_sync.cuda_ipc import FakeIpcSharing
 from rlfabric.weight_sync.devices import DeviceReport
 from tests.coordinator.meshes import fast_config, over_grpc
 from tests.weight_sync.helpers import Mesh
@@ -35,6 +38,8 @@ def chosen(caplog) -> list[dict]:
 
 def test_one_gpu_with_the_defaults_trains_over_the_same_device_path(tiny_model, tmp_path, monkeypatch, caplog):
     fake_devices(monkeypatch, GPU_A, GPU_A)
+    lent = FakeIpcSharing()
+    monkeypatch.setattr(cuda_ipc, "sharing_for", lambda device: lent)
     caplog.set_level(logging.INFO, logger="rlfabric.coordinator.weight_sync")
     config = fast_config(tiny_model, "trainer.total_steps=1")
 
@@ -47,7 +52,8 @@ def test_one_gpu_with_the_defaults_trains_over_the_same_device_path(tiny_model, 
     steps, status, rollout = asyncio.run(asyncio.wait_for(scenario(), timeout=180))
     assert status.state == coordinator_pb2.RUN_STATE_COMPLETED, status.error
     assert steps == [1]
-    assert chosen(caplog) == [{"transport": "gloo", "why": f"the actor and {rollout} share GPU {GPU_A.uuid}"}]
+    assert chosen(caplog) == [{"transport": "cuda_ipc", "why": f"the actor and {rollout} share GPU {GPU_A.uuid}"}]
+    assert lent._lent  # the actor lent its staging buffers
 
 
 def test_nccl_forced_onto_one_gpu_is_refused_before_the_run_starts(tiny_model, tmp_path, monkeypatch):

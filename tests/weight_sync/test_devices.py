@@ -1,6 +1,6 @@
 """weight_sync.transport auto decides from the physical devices the members hold (fake layouts: what the
-services would report on machines this CPU-only host is not), and a forced nccl on devices NCCL cannot run
-on is refused naming the key."""
+services would report on machines this CPU-only host is not), and a forced nccl or cuda_ipc on devices it
+cannot run on is refused naming the key."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch
 from rlfabric.core.errors import FailedPrecondition
 from rlfabric.weight_sync.devices import (
     SAME_DEVICE_TRANSPORT,
+    SHARED_GPU_TRANSPORT,
     DeviceReport,
     choose_transport,
     gpu_uuid,
@@ -30,8 +31,11 @@ def on(index: int, uuid: str) -> DeviceReport:
 def test_one_gpu_for_everything_takes_the_same_device_path_not_nccl():
     # `rlfabric train` on a one-GPU machine, no pools: actor and rollout both see cuda:0.
     choice = choose_transport("auto", on(0, GPU_A), {"rollout-0": on(0, GPU_A)})
-    assert choice.transport == SAME_DEVICE_TRANSPORT == "gloo"
+    assert choice.transport == SAME_DEVICE_TRANSPORT == "cuda_ipc"
     assert choice.reason == f"the actor and rollout-0 share GPU {GPU_A}"
+    # An SGLang server cannot take CUDA IPC: through host memory instead.
+    sglang = choose_transport("auto", on(0, GPU_A), {"rollout-0": on(0, GPU_A)}, cuda_ipc=False)
+    assert sglang.transport == SHARED_GPU_TRANSPORT == "gloo" and "SGLang" in sglang.reason
 
 
 def test_the_same_index_in_two_processes_is_not_the_same_gpu():
@@ -48,9 +52,13 @@ def test_different_indices_can_be_one_gpu():
 
 
 def test_two_replicas_on_one_gpu_cannot_share_an_nccl_group_either():
+    # ... nor take CUDA IPC from an actor on another GPU: through host memory.
     choice = choose_transport("auto", on(0, GPU_A), {"rollout-0": on(0, GPU_B), "rollout-1": on(0, GPU_B)})
-    assert choice.transport == SAME_DEVICE_TRANSPORT
+    assert choice.transport == SHARED_GPU_TRANSPORT
     assert choice.reason == f"rollout-0 and rollout-1 share GPU {GPU_B}"
+    # The actor's GPU shared by one replica but not the other: gloo too.
+    mixed = choose_transport("auto", on(0, GPU_A), {"rollout-0": on(0, GPU_A), "rollout-1": on(0, GPU_B)})
+    assert mixed.transport == SHARED_GPU_TRANSPORT
 
 
 @pytest.mark.parametrize("actor, rollout, who", [(CPU, on(0, GPU_A), "the actor"), (on(0, GPU_A), CPU, "rollout-0")])
@@ -64,7 +72,7 @@ def test_a_gpu_nobody_can_name_falls_back_on_the_resource_pools():
     unknown = DeviceReport("cuda:0", "")
     assert choose_transport("auto", on(0, GPU_A), {"rollout-0": unknown}).transport == "nccl"
     shared = choose_transport("auto", on(0, GPU_A), {"rollout-0": unknown}, pools_share_gpus=True)
-    assert shared.transport == SAME_DEVICE_TRANSPORT and "resource pools" in shared.reason
+    assert shared.transport == SHARED_GPU_TRANSPORT and "resource pools" in shared.reason  # CUDA IPC needs the UUID
     # A service that reports nothing (an older one) counts as unknown too.
     assert choose_transport("auto", on(0, GPU_A), {"rollout-0": DeviceReport()}).transport == "nccl"
     # An actor that reports nothing keeps its own default, as before.
@@ -79,6 +87,18 @@ def test_forcing_nccl_onto_one_gpu_is_refused_naming_the_key():
                                                  "rollout-0 is on CPU"):
         choose_transport("nccl", on(0, GPU_A), {"rollout-0": CPU})
     assert choose_transport("nccl", on(0, GPU_A), {"rollout-0": on(0, GPU_B)}).transport == "nccl"
+
+
+def test_forcing_cuda_ipc_needs_every_receiver_on_the_actors_gpu():
+    assert choose_transport("cuda_ipc", on(0, GPU_A), {"rollout-0": on(1, GPU_A)}).transport == "cuda_ipc"
+    with pytest.raises(FailedPrecondition, match="weight_sync.transport cuda_ipc needs every receiver on the actor's "
+                                                 "GPU, and rollout-1 is on cuda:0 GPU-.*b, not on the actor's GPU"):
+        choose_transport("cuda_ipc", on(0, GPU_A), {"rollout-0": on(0, GPU_A), "rollout-1": on(0, GPU_B)})
+    for receiver in (CPU, DeviceReport("cuda:0", "")):
+        with pytest.raises(FailedPrecondition, match="weight_sync.transport cuda_ipc"):
+            choose_transport("cuda_ipc", on(0, GPU_A), {"rollout-0": receiver})
+    with pytest.raises(FailedPrecondition, match="the actor's GPU is unknown"):
+        choose_transport("cuda_ipc", CPU, {"rollout-0": on(0, GPU_A)})
 
 
 @pytest.mark.parametrize("configured", ["gloo", "grpc"])

@@ -20,6 +20,8 @@ from rlfabric.reference.client import ReferenceClient
 from rlfabric.rollout.client import RolloutClient
 from rlfabric.v1 import rollout_pb2, rollout_pb2_grpc
 from rlfabric.weight_sync import pack
+from rlfabric.weight_sync import sender as sender_module
+from rlfabric.weight_sync.buckets import crc_buffer
 from rlfabric.weight_sync.grpc_stream import (
     PUSH_METHOD,
     STREAMS_METADATA,
@@ -90,7 +92,7 @@ def _samples(address: str):
         return [(s.token_ids, s.logprobs, s.weight_version) for s in generate(channel, PROMPTS, max_tokens=8, seed=3)]
 
 
-def test_a_checksum_mismatch_is_rejected_and_the_old_weights_keep_serving(mesh, tiny_model):
+def test_a_checksum_mismatch_is_rejected_and_the_old_weights_keep_serving(mesh, tiny_model, monkeypatch):
     mesh, plane = mesh
     mesh.run(plane.sync(3))
     before = {name: _samples(address) for name, address in mesh.addresses.items()}
@@ -105,34 +107,32 @@ def test_a_checksum_mismatch_is_rejected_and_the_old_weights_keep_serving(mesh, 
                                       timeout_s=10))
         assert short.error.startswith("INVALID_ARGUMENT") and "ended before" in short.error
     else:
-        # The actor broadcasts the real bytes; r0 is handed a manifest with a wrong CRC-32, r1 the true one.
+        # gloo: the CRC-32s follow the buckets on the collective. The actor (in this process) announces CRC-32s
+        # its bytes do not have, as when bytes change on the way: every member rejects the update.
+        monkeypatch.setattr(sender_module, "crc_buffer", lambda crcs: crc_buffer([crc ^ 1 for crc in crcs]))
         manifest = mesh.run(mesh.actor_client.prepare_weight_sync(plane.group.group_id, 4))
-        bad = dataclasses.replace(manifest, buckets=tuple(dataclasses.replace(b, crc32=b.crc32 ^ 1)
-                                                           for b in manifest.buckets))
-        broadcast, r0, r1 = mesh.run(receive_with_one_bad(
-            mesh.actor_client, plane.group.group_id, manifest, bad, mesh.addresses["r0"], [mesh.addresses["r1"]],
-            mesh.reference.address if mesh.reference else None))[:3]
-        assert not isinstance(broadcast, BaseException) and r1[0] == 4
-        assert isinstance(r0, InvalidArgument) and "CRC-32" in str(r0) and "old weights keep serving" in str(r0)
-    assert rollout_version(mesh.addresses["r0"]) == 3
+        broadcast, *received = mesh.run(receive_all(
+            mesh.actor_client, plane.group.group_id, manifest, list(mesh.addresses.values()),
+            mesh.reference.address if mesh.reference else None))
+        monkeypatch.undo()
+        assert not isinstance(broadcast, BaseException)
+        assert len(received) == 3 and all(isinstance(r, InvalidArgument) and "CRC-32" in str(r) and
+                                          "old weights keep serving" in str(r) for r in received), received
+    assert rollout_version(mesh.addresses["r0"]) == rollout_version(mesh.addresses["r1"]) == 3
     assert _samples(mesh.addresses["r0"]) == before["r0"]  # same seed, same old weights, same samples
     report = mesh.run(plane.sync(5))  # the group survived the rejected update
     assert report.ok, report.failed
     assert all(rollout_version(a) == 5 and mesh.logprob_gap(a) <= TOLERANCE for a in mesh.addresses.values())
 
 
-async def receive_with_one_bad(actor, group_id: str, manifest, bad, bad_address: str, good_addresses,
-                               reference: str | None = None):
-    """The actor's broadcast while `bad_address` receives the manifest `bad` and every other member
-    the true one: [broadcast result, bad receiver's result, good receivers' results...]."""
-    clients = [RolloutClient(a) for a in (bad_address, *good_addresses)]
+async def receive_all(actor, group_id: str, manifest, addresses, reference: str | None = None):
+    """The actor's broadcast while every member receives `manifest`: [broadcast result, each receiver's]."""
+    clients = [RolloutClient(a) for a in addresses]
     if reference is not None:  # a member too: the broadcast waits for every rank
         clients.append(ReferenceClient(reference))
     try:
-        return await asyncio.gather(
-            actor.broadcast_weights(group_id, manifest.version),
-            clients[0].receive_weights(bad), *(c.receive_weights(manifest) for c in clients[1:]),
-            return_exceptions=True)
+        return await asyncio.gather(actor.broadcast_weights(group_id, manifest.version),
+                                    *(c.receive_weights(manifest) for c in clients), return_exceptions=True)
     finally:
         for client in clients:
             await client.close()

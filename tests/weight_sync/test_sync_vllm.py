@@ -4,15 +4,15 @@ where vLLM is not installed. One vLLM engine for the module; each transport gets
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
 from rlfabric.coordinator.weight_sync import WeightSyncPlane
 from rlfabric.core.errors import InvalidArgument
+from rlfabric.weight_sync import sender as sender_module
+from rlfabric.weight_sync.buckets import crc_buffer
 
 from .helpers import Mesh, mesh_config
-from .test_sync_services import _samples, receive_with_one_bad, rollout_version
+from .test_sync_services import _samples, receive_all, rollout_version
 
 pytest.importorskip("vllm")
 
@@ -49,19 +49,21 @@ def test_vllm_and_hf_replicas_serve_the_actors_weights_after_sync(mesh, transpor
         mesh.run(plane.close())
 
 
-def test_vllm_rejects_a_checksum_mismatch_and_keeps_serving_the_old_weights(mesh):
+def test_vllm_rejects_a_checksum_mismatch_and_keeps_serving_the_old_weights(mesh, monkeypatch):
     plane = mesh.run(_plane(mesh, "gloo"))
     try:
         assert mesh.run(plane.sync(10)).ok
         before = _samples(mesh.addresses["r1"])
         mesh.train_step(seed=10)
+        # The actor (in this process) announces CRC-32s its bytes do not have, after the last bucket.
+        monkeypatch.setattr(sender_module, "crc_buffer", lambda crcs: crc_buffer([crc ^ 1 for crc in crcs]))
         manifest = mesh.run(mesh.actor_client.prepare_weight_sync(plane.group.group_id, 11))
-        bad = dataclasses.replace(manifest, buckets=tuple(dataclasses.replace(b, crc32=b.crc32 ^ 1)
-                                                           for b in manifest.buckets))
-        broadcast, bad_receiver, good_receiver = mesh.run(receive_with_one_bad(
-            mesh.actor_client, plane.group.group_id, manifest, bad, mesh.addresses["r1"], [mesh.addresses["r0"]]))
-        assert not isinstance(broadcast, BaseException) and good_receiver[0] == 11
-        assert isinstance(bad_receiver, InvalidArgument) and "CRC-32" in str(bad_receiver)
+        broadcast, hf_receiver, vllm_receiver = mesh.run(receive_all(
+            mesh.actor_client, plane.group.group_id, manifest, [mesh.addresses["r0"], mesh.addresses["r1"]]))
+        monkeypatch.undo()
+        assert not isinstance(broadcast, BaseException)
+        assert isinstance(hf_receiver, InvalidArgument) and "CRC-32" in str(hf_receiver)
+        assert isinstance(vllm_receiver, InvalidArgument) and "CRC-32" in str(vllm_receiver)
         assert rollout_version(mesh.addresses["r1"]) == 10 and _samples(mesh.addresses["r1"]) == before
         assert mesh.run(plane.sync(12)).ok  # the group survived; both replicas are current again
         assert mesh.logprob_gap(mesh.addresses["r1"]) <= TOLERANCE

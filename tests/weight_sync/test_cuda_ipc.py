@@ -1,0 +1,223 @@
+"""The same-GPU transport (cuda_ipc): the actor lends its packed buckets by CUDA IPC, each receiver copies and
+acknowledges every bucket.
+
+Without a GPU the memory mapping itself cannot run, so the CPU tests put FakeIpcSharing (a FAKE: it lends CPU
+tensors within this process under random tokens) in place of CudaIpcSharing and run everything else for real:
+the actor and two hf replicas as gRPC services on loopback, the CudaIpcBucket messages and acknowledgements over
+the group's gloo collective, the staging buffers, and the failure paths. The handle's fields are checked against
+torch's sharing tuple through a stand-in for torch's two CUDA-only calls. The `gpu` test runs the real thing:
+an actor process and a receiving process on one GPU, bit for bit."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+import torch
+
+from rlfabric.core.errors import DeadlineExceeded, FailedPrecondition, Unavailable
+from rlfabric.rollout.client import RolloutClient
+from rlfabric.v1 import weight_sync_pb2
+from rlfabric.weight_sync import cuda_ipc
+from rlfabric.weight_sync.buckets import pack
+from rlfabric.weight_sync.cuda_ipc import HANDLE_BYTES, CudaIpcSharing, FakeIpcSharing, check_handle
+from rlfabric.weight_sync.manifest import SyncGroup
+from tests.rollout.helpers import original_weights
+
+from .helpers import Mesh, mesh_config
+from .test_sync_services import rollout_version
+
+TOLERANCE = 1e-3
+BUCKET_BYTES = 64 << 10  # the tiny model in ~6 buckets: both staging buffers, each refilled
+TIMEOUT_S = 3.0
+REAL_SHARING_FOR = cuda_ipc.sharing_for  # before the module's fixture replaces it
+
+
+@pytest.fixture(scope="module")
+def sharing():
+    """Every rank of these meshes (one process) shares buffers through one fake; tests may swap its class."""
+    fake = FakeIpcSharing()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cuda_ipc, "sharing_for", lambda device: fake)
+        yield fake
+
+
+@pytest.fixture(scope="module")
+def mesh(tiny_model, sharing):
+    config = mesh_config(tiny_model, f"weight_sync.timeout_s={TIMEOUT_S}")
+    mesh = Mesh(config, {"r0": config, "r1": config})
+    yield mesh
+    mesh.stop()
+
+
+async def _open(mesh: Mesh):
+    """A cuda_ipc group of the actor and both replicas, every one joined."""
+    group = await mesh.actor_client.open_weight_sync_group("cuda_ipc", 2, BUCKET_BYTES, timeout_s=TIMEOUT_S)
+    clients = [RolloutClient(address) for address in mesh.addresses.values()]
+    try:  # a join returns once every rank has joined
+        await asyncio.gather(*(c.join_weight_sync_group(group, rank, TIMEOUT_S + 5)
+                               for c, rank in zip(clients, (1, 2), strict=True)))
+    finally:
+        for client in clients:
+            await client.close()
+    return group
+
+
+async def _sync(mesh: Mesh, group: SyncGroup, version: int):
+    """PrepareWeightSync, then BroadcastWeights with every replica's ReceiveWeights: [broadcast, r0, r1]."""
+    manifest = await mesh.actor_client.prepare_weight_sync(group.group_id, version)
+    clients = [RolloutClient(address) for address in mesh.addresses.values()]
+    try:
+        return await asyncio.gather(mesh.actor_client.broadcast_weights(group.group_id, version),
+                                    *(c.receive_weights(manifest, 30) for c in clients), return_exceptions=True)
+    finally:
+        for client in clients:
+            await client.close()
+
+
+def test_a_sync_lends_every_bucket_and_each_replica_serves_the_actors_weights(mesh, sharing):
+    group = mesh.run(_open(mesh))
+    assert group.transport == "cuda_ipc" and group.device_uuid == sharing.identity(torch.device("cpu"))
+    for version, seed in ((1, 21), (2, 22)):  # the second sync reuses the staging buffers and their mappings
+        mesh.train_step(seed)
+        assert all(mesh.logprob_gap(a) > 10 * TOLERANCE for a in mesh.addresses.values())  # stale before
+        broadcast, *swaps = mesh.run(_sync(mesh, group, version))
+        assert not isinstance(broadcast, BaseException), (broadcast, swaps)
+        assert all(swap.version == version for swap in swaps), swaps
+        for address in mesh.addresses.values():
+            assert rollout_version(address) == version and mesh.logprob_gap(address) <= TOLERANCE
+        # The actor packed and lent; no CRC-32 anywhere (nothing travels); each replica copied and applied.
+        assert broadcast.phases.pack > 0 and broadcast.phases.wire > 0 and broadcast.phases.gather > 0
+        assert broadcast.phases.checksum == 0 and all(s.phases.checksum == 0 for s in swaps)
+        assert all(s.phases.wire > 0 and s.phases.apply > 0 for s in swaps)
+    assert len(sharing._lent) == 2 * 2  # two staging buffers, exported once per receiver, for both syncs
+    mesh.run(mesh.actor_client.close_weight_sync_group(group.group_id))
+
+
+def test_a_replica_that_cannot_map_a_bucket_fails_every_rank_at_once(mesh, sharing, monkeypatch):
+    group = mesh.run(_open(mesh))
+    before = {address: rollout_version(address) for address in mesh.addresses.values()}
+    mesh.train_step(23)
+
+    def refuse(handle, device):  # a FAKE CUDA refusing the handle
+        raise RuntimeError("CUDA error: invalid resource handle")
+
+    monkeypatch.setattr(sharing, "open", refuse)
+    started = time.monotonic()
+    broadcast, *received = mesh.run(_sync(mesh, group, 50))
+    assert time.monotonic() - started < TIMEOUT_S  # every rank learns it from the acknowledgement, not a timeout
+    assert isinstance(broadcast, Unavailable) and "2 receiver(s) could not take bucket 0" in str(broadcast)
+    assert all(isinstance(r, Unavailable) and "cannot map the sender's staging buffer" in str(r) for r in received)
+    assert {a: rollout_version(a) for a in mesh.addresses.values()} == before  # the old weights keep serving
+    with pytest.raises(FailedPrecondition, match="is broken"):  # the actor opens a new group next time
+        mesh.run(mesh.actor_client.prepare_weight_sync(group.group_id, 51))
+
+
+async def _sync_with_a_stuck_replica(mesh: Mesh, group: SyncGroup, version: int, release: threading.Event):
+    """Like _sync, but lets the stuck replica go once the broadcast has failed: (broadcast's error, its seconds,
+    the manifest, the replicas' outcomes)."""
+    manifest = await mesh.actor_client.prepare_weight_sync(group.group_id, version)
+    clients = [RolloutClient(address) for address in mesh.addresses.values()]
+    receives = [asyncio.ensure_future(c.receive_weights(manifest, 30)) for c in clients]
+    started = time.monotonic()
+    try:
+        try:
+            await mesh.actor_client.broadcast_weights(group.group_id, version)
+            error = None
+        except Exception as failure:
+            error = failure
+        seconds = time.monotonic() - started
+        release.set()
+        return error, seconds, manifest, await asyncio.gather(*receives, return_exceptions=True)
+    finally:
+        release.set()
+        for client in clients:
+            await client.close()
+
+
+def test_a_stuck_replica_fails_the_sync_at_the_timeout_and_its_bucket_is_never_refilled(mesh, sharing, monkeypatch):
+    group = mesh.run(_open(mesh))
+    mesh.train_step(24)
+    release, opened, real_open = threading.Event(), [], sharing.open
+
+    def stuck_once(handle, device):  # a FAKE mapping that hangs for the first replica to map
+        opened.append(device)
+        if len(opened) == 1:
+            release.wait(60)
+        return real_open(handle, device)
+
+    monkeypatch.setattr(sharing, "open", stuck_once)
+    exported = set(sharing._lent)
+    error, seconds, manifest, received = mesh.run(_sync_with_a_stuck_replica(mesh, group, 60, release))
+    assert isinstance(error, DeadlineExceeded) and "weight_sync.timeout_s" in str(error), error
+    assert TIMEOUT_S <= seconds < TIMEOUT_S + 10  # bounded by the group's timeout, never a hang
+    assert all(isinstance(r, BaseException) for r in received), received
+    # Bucket 0 was never acknowledged, so its staging buffer was never refilled: it still holds bucket 0,
+    # although the actor went on packing (bucket 1 into the other buffer) and 4 more buckets waited.
+    assert len(manifest.buckets) >= 4
+    lent = {buffer.data_ptr(): buffer for token, buffer in sharing._lent.items() if token not in exported}
+    assert len(lent) == 1  # only the buffer of bucket 0 was ever lent
+    weights = mesh.run(mesh.actor.server.service.engine.gather_weights())
+    _, packed = pack(weights, BUCKET_BYTES, 60, group.group_id, torch.float32)
+    bucket = manifest.buckets[0]
+    assert torch.equal(next(iter(lent.values()))[: bucket.num_bytes], packed[0])
+    with pytest.raises(FailedPrecondition, match="is broken"):
+        mesh.run(mesh.actor_client.prepare_weight_sync(group.group_id, 61))
+
+
+def test_the_handle_travels_field_by_field_and_back_into_torchs_call(monkeypatch):
+    """export -> CudaIpcBucket bytes -> parse -> open hands torch exactly what _share_cuda_ gave, with the
+    receiver's own device index. torch's two CUDA-only calls are stand-ins here (named fakes)."""
+    shared = (0, bytes(range(HANDLE_BYTES)), 1 << 20, 4096, b"/torch_123_456", 7, bytes(range(1, HANDLE_BYTES + 1)),
+              True)
+
+    class FakeStorage:  # a FAKE storage: what _share_cuda_ returns on a GPU
+        def _share_cuda_(self):
+            return shared
+
+    class FakeBuffer:
+        def untyped_storage(self):
+            return FakeStorage()
+
+    handle = CudaIpcSharing().export(FakeBuffer())
+    message = weight_sync_pb2.CudaIpcBucket(group_id="ws-1", version=3, bucket_index=2, slot=1, num_bytes=1000,
+                                            device_uuid="GPU-8f2c", handles=[handle])
+    parsed = weight_sync_pb2.CudaIpcBucket.FromString(message.SerializeToString())
+    check_handle(parsed.handles[0], 1000)
+    opened = []
+    monkeypatch.setattr(torch.UntypedStorage, "_new_shared_cuda", lambda *args: opened.append(args) or
+                        torch.UntypedStorage(16), raising=False)
+    monkeypatch.setattr(torch.Tensor, "set_", lambda self, storage, offset, size: torch.empty(size[0], dtype=torch.uint8))
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: torch.zeros(0, dtype=torch.uint8))
+    CudaIpcSharing().open(parsed.handles[0], torch.device("cuda", 3))
+    assert opened == [(3, *shared[1:])]  # device index 3: the receiver's own numbering of that GPU
+
+
+@pytest.mark.parametrize("tamper, phrase", [
+    (lambda h: h.__setattr__("mem_handle", b"short"), "not 64 bytes"),
+    (lambda h: h.__setattr__("storage_size", 999), "cannot hold the bucket's 1000"),
+    (lambda h: h.__setattr__("ref_counter_handle", b""), "no reference counter"),
+])
+def test_a_handle_that_cannot_hold_the_bucket_is_refused(tamper, phrase):
+    handle = weight_sync_pb2.CudaIpcHandle(mem_handle=bytes(HANDLE_BYTES), storage_size=1000,
+                                           ref_counter_handle=b"/c", event_handle=bytes(HANDLE_BYTES))
+    check_handle(handle, 1000)
+    tamper(handle)
+    with pytest.raises(Unavailable, match=phrase):
+        check_handle(handle, 1000)
+
+
+def test_a_cuda_ipc_group_names_its_gpu_and_a_cpu_actor_cannot_open_one(tiny_model, monkeypatch):
+    group = SyncGroup("g", "cuda_ipc", 2, 5.0, store_host="127.0.0.1", store_port=1234, device_uuid="GPU-8f2c")
+    assert SyncGroup.from_proto(group.to_proto()) == group and group.checksums == "none"
+    with pytest.raises(Exception, match="needs device_uuid"):
+        SyncGroup.from_proto(SyncGroup("g", "cuda_ipc", 2, 5.0, "127.0.0.1", 1234).to_proto())
+    from rlfabric.weight_sync.sender import WeightSender
+
+    monkeypatch.setattr(cuda_ipc, "sharing_for", REAL_SHARING_FOR)
+    with pytest.raises(FailedPrecondition, match="cuda_ipc weight-sync transport needs a CUDA device"):
+        WeightSender("127.0.0.1", torch.device("cpu")).open("cuda_ipc", 1)
+    _, buffers = pack(original_weights(tiny_model), 1 << 20, version=1, group_id="g")
+    assert buffers  # the tiny model packs (the fixtures above rely on it)
