@@ -374,14 +374,24 @@ class RolloutEngine(abc.ABC):
     async def receive_weights(self, manifest: Manifest) -> WeightSwap:
         """Receives the manifest's buckets while generation goes on, then swaps them in at once; the swap
         carries this replica's phases (wire, checksum, apply)."""
-        swap, phases = await self.weight_sync.receive(manifest, lambda weights: self.apply_weights(weights, manifest))
+        swap, phases = await self.weight_sync.receive(manifest, lambda weights: self.apply_weights(weights, manifest,
+                                                                                                   adopt=True))
         return replace(swap, phases=phases)
 
-    async def apply_weights(self, weights: Iterable[tuple[str, torch.Tensor]], manifest: Manifest) -> WeightSwap:
-        """Swaps in what a weight sync brought: full weights, or with manifest.adapter a LoRA adapter."""
+    async def apply_weights(self, weights: Iterable[tuple[str, torch.Tensor]], manifest: Manifest,
+                            adopt: bool = False) -> WeightSwap:
+        """Swaps in what a weight sync brought: full weights, or with manifest.adapter a LoRA adapter. `adopt`:
+        nobody else holds the tensors (a receiver's buffers, which it gives up when the swap says adopted)."""
         if manifest.adapter is not None:
             return await self.swap_adapter(weights, manifest.version)
+        if adopt:
+            return await self.adopt_weights(weights, manifest.version)
         return await self.swap_weights(weights, manifest.version)
+
+    async def adopt_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> WeightSwap:
+        """swap_weights for tensors nobody else holds: an engine may serve them as they are instead of copying
+        them (the swap then says adopted). This one copies."""
+        return await self.swap_weights(weights, version)
 
     async def swap_adapter(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> WeightSwap:
         """Serves a new LoRA adapter version (peft names, checked against self.adapter) from the next

@@ -393,6 +393,12 @@ class HFEngine(RolloutEngine):
         generation is held only while the copy runs."""
         return await self._swap(list(weights), version, self._base_weights)
 
+    async def adopt_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> WeightSwap:
+        """A weight sync's received tensors become the parameters themselves when each has its parameter's
+        dtype, device and shape (no copy: the switch takes microseconds whatever the model's size); else
+        they are copied as swap_weights does."""
+        return await self._swap(list(weights), version, self._base_weights, adopt=True)
+
     async def swap_adapter(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> WeightSwap:
         """A new adapter version, copied into the peft layers as swap_weights copies full weights."""
         if self.adapter is None:
@@ -403,7 +409,8 @@ class HFEngine(RolloutEngine):
             raise InvalidArgument(f"adapter version {version} lacks {len(missing)} weight(s), e.g. {missing[0]!r}")
         return await self._swap(named, version, self._adapter_weights)
 
-    async def _swap(self, named: list[tuple[str, torch.Tensor]], version: int | None, targets) -> WeightSwap:
+    async def _swap(self, named: list[tuple[str, torch.Tensor]], version: int | None, targets,
+                    adopt: bool = False) -> WeightSwap:
         """With partial rollouts the running batch stops at its next step and its rows go on after the swap;
         otherwise the swap waits for the batch to finish."""
         self._preempt = self.config.rollout.partial_rollouts
@@ -411,27 +418,38 @@ class HFEngine(RolloutEngine):
         try:
             async with self._lock:
                 started = time.monotonic()
-                await asyncio.to_thread(self._copy_weights, named, targets())
+                adopted = await asyncio.to_thread(self._copy_weights, named, targets(), adopt)
                 self.weight_version = self.weight_version + 1 if version is None else int(version)
                 paused = time.monotonic() - started
         finally:
             self._preempt = self._swap_waiting = False
             self._wakeup.set()  # rows handed back wait in the queue
         log.info("weights loaded", extra={"fields": {"tensors": len(named), "version": self.weight_version,
-                                                     "paused_s": round(paused, 4)}})
-        return WeightSwap(self.weight_version, paused)
+                                                     "paused_s": round(paused, 4), "adopted": adopted}})
+        return WeightSwap(self.weight_version, paused, adopted=adopted)
 
-    def _copy_weights(self, named: list[tuple[str, torch.Tensor]], targets: dict[str, torch.Tensor]) -> None:
-        """Checks every tensor first, then copies all of them: a bad update changes nothing."""
+    def _copy_weights(self, named: list[tuple[str, torch.Tensor]], targets: dict[str, torch.Tensor],
+                      adopt: bool = False) -> bool:
+        """Checks every tensor first, then copies all of them: a bad update changes nothing. With `adopt`
+        (tensors nobody else holds) and every tensor in its parameter's dtype and device, each parameter
+        takes the tensor itself instead (returns True). Copies on the host run on this thread alone: they
+        are memory-bound, and OpenMP's threads only wait for each other (pipeline.one_thread_on_the_host)."""
+        from rlfabric.weight_sync.pipeline import one_thread_on_the_host
+
         for name, tensor in named:
             if name not in targets:
                 raise InvalidArgument(f"unknown weight {name!r} for model {self.model}")
             if tuple(tensor.shape) != tuple(targets[name].shape):
                 raise InvalidArgument(f"weight {name!r} has shape {tuple(tensor.shape)}, "
                                       f"the model's is {tuple(targets[name].shape)}")
-        with torch.no_grad():
+        adopt = adopt and all(t.dtype == targets[n].dtype and t.device == targets[n].device for n, t in named)
+        with torch.no_grad(), one_thread_on_the_host(self.device):
             for name, tensor in named:
-                targets[name].copy_(tensor.to(device=targets[name].device, dtype=targets[name].dtype))
+                if adopt:
+                    targets[name].data = tensor
+                else:
+                    targets[name].copy_(tensor)  # casts and moves on the way
+        return adopt
 
 
 def _put_each(finished: list[tuple[Generation, FinishedSample]]) -> None:

@@ -62,6 +62,7 @@ class WeightSwap:
     version: int
     paused_seconds: float  # how long generation (or compute) was held for the switch
     phases: SyncPhases = field(default_factory=SyncPhases)  # this receiver's: wire, checksum, apply
+    adopted: bool = False  # the engine serves the received tensors themselves: their buffers are its now
 
 
 def open_transport(group: SyncGroup, rank: int, device: torch.device):
@@ -142,6 +143,12 @@ class WeightReceiver:
             for index, crc in enumerate(actual):
                 check_crc(index, crc.result(), expected[index], source)
         return unpack(buffers, manifest)
+
+    def hand_over(self) -> None:
+        """The engine adopted the received tensors as its weights: their buffers are its now, and the next
+        receive lands in new ones (the engine frees its previous weights meanwhile, so the memory stays two
+        copies of the model during a sync and one between syncs)."""
+        self._buffers = []
 
     def release_device_buffers(self) -> None:
         """Frees the receive buffers when they are on a GPU, once their weights are applied: a GPU's memory
@@ -314,11 +321,15 @@ class Membership:
                     await self._leave()  # a failed or abandoned collective breaks the group
                 raise
             started = time.perf_counter()
+            result = None
             try:
                 result = await apply(weights)
             finally:
                 del weights
-                receiver.release_device_buffers()
+                if getattr(result, "adopted", False):
+                    receiver.hand_over()
+                else:
+                    receiver.release_device_buffers()
             clock.add("apply", time.perf_counter() - started)
             return result, clock.phases()
 

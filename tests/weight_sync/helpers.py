@@ -105,25 +105,29 @@ def logprob_gap(rollout_address: str, client, loop: Loop, seed: int = 0) -> floa
     return float((actor_log_probs[mask] - rollout_log_probs[mask]).abs().max())
 
 
-class RolloutProcess:
-    """`python -m rlfabric serve rollout` in its own process (so a test can kill it)."""
+class ServiceProcess:
+    """`python -m rlfabric serve <role>` in its own process (so a test can kill it), ready once it serves."""
 
-    def __init__(self, config: RunConfig, workdir: Path, name: str):
+    def __init__(self, role: str, config: RunConfig, workdir: Path, name: str):
         workdir.mkdir(parents=True, exist_ok=True)
         config_path = workdir / f"{name}.yaml"
         dump_config(config, config_path)
         self.port_file = workdir / f"{name}-{time.monotonic_ns()}.ports.json"
-        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "rlfabric", "serve", "rollout", "--config", str(config_path), "--port", "0",
+            [sys.executable, "-m", "rlfabric", "serve", role, "--config", str(config_path), "--port", "0",
              "--metrics-port", "0", "--port-file", str(self.port_file)],
-            env=env, stdout=subprocess.DEVNULL, stderr=(workdir / f"{name}.log").open("ab"))
+            env=self.environment(), stdout=subprocess.DEVNULL, stderr=(workdir / f"{name}.log").open("ab"))
         deadline = time.monotonic() + 120
         while not self.port_file.exists():
             if self.process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"rollout process {name} did not start (exit code {self.process.poll()})")
+                self.kill()
+                raise RuntimeError(f"{role} process {name} did not start (exit code {self.process.poll()}); see "
+                                   f"{workdir / f'{name}.log'}")
             time.sleep(0.1)
         self.address = f"127.0.0.1:{json.loads(self.port_file.read_text())['grpc']}"
+
+    def environment(self) -> dict[str, str]:
+        return dict(os.environ)
 
     def wait_ready(self, loop: Loop) -> None:
         from rlfabric.core.client import wait_until_serving
@@ -134,3 +138,22 @@ class RolloutProcess:
         if self.process.poll() is None:
             self.process.kill()
         self.process.wait(10)
+
+    def stop(self) -> None:
+        """Asks the service to stop (SIGTERM), killing it after 30 s."""
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+class RolloutProcess(ServiceProcess):
+    """`python -m rlfabric serve rollout` in its own process (so a test can kill it)."""
+
+    def __init__(self, config: RunConfig, workdir: Path, name: str):
+        super().__init__("rollout", config, workdir, name)
+
+    def environment(self) -> dict[str, str]:
+        return {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}

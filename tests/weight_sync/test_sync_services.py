@@ -138,6 +138,26 @@ async def receive_all(actor, group_id: str, manifest, addresses, reference: str 
             await client.close()
 
 
+def test_a_replica_serves_the_received_buffers_themselves_and_they_are_never_written_again(mesh):
+    """gloo: the hf replica adopts the received tensors as its parameters (no copy), and the next sync lands
+    in new buffers: what it serves meanwhile never changes under it. grpc pushes copy into the parameters."""
+    mesh, plane = mesh
+    engine = mesh.rollouts["r0"].server.service.engine
+    parameter = engine.net.get_parameter("model.layers.0.mlp.up_proj.weight")
+    before = parameter.data_ptr()
+    mesh.train_step(31)
+    assert mesh.run(plane.sync(30)).ok
+    adopted = plane.group.transport != "grpc"
+    assert (parameter.data_ptr() != before) == adopted
+    served, values = parameter.data, parameter.detach().clone()
+    mesh.train_step(32)
+    assert mesh.run(plane.sync(31)).ok
+    assert (parameter.data_ptr() != served.data_ptr()) == adopted
+    if adopted:  # the tensors served until this sync were not written by it
+        assert torch.equal(served, values)
+    assert not torch.equal(parameter.detach(), values)  # the new version is served
+
+
 def test_misuse_is_a_clear_error(mesh):
     mesh, plane = mesh
     client = mesh.actor_client
