@@ -6,6 +6,7 @@ tears it all down (no orphans)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -88,6 +89,24 @@ def test_the_quickstart_roles_are_ready_and_reflect_their_services(mesh):
             assert 'grpc_server_handled_total{grpc_code="OK",grpc_method="Check",grpc_service="grpc.health.v1.Health"' \
                    in metrics, role
             assert (run_dir / "logs" / f"{entry['name']}.log").exists()
+
+
+def test_the_mesh_start_is_recorded_phase_by_phase_and_the_coordinator_is_ready_with_its_tokenizer(mesh):
+    _, run_dir, _ = mesh
+    record = json.loads((run_dir / "mesh_start.json").read_text())
+    phases = record["phases"]
+    assert [p["name"] for p in phases] == ["placement", "model_build", "model_check", "workers_bound",
+                                           "coordinator_bound", "readiness"]
+    for before, after in itertools.pairwise(phases):  # one after the other, no gap nobody logged
+        assert before["start_s"] + before["seconds"] <= after["start_s"]
+    assert record["total_s"] >= phases[-1]["start_s"] + phases[-1]["seconds"]
+    assert record["unaccounted_s"] < max(0.5, 0.05 * record["total_s"])
+    # The coordinator checked the model and loaded its tokenizer before it reported ready.
+    events = [json.loads(line)["event"] for line in (run_dir / "logs" / "coordinator.log").read_text().splitlines()
+              if line.startswith("{")]
+    loaded = events.index(next(e for e in events if e.startswith("coordinator start: tokenizer took")))
+    assert any(e.startswith("coordinator start: model_check took") for e in events[:loaded])
+    assert loaded < events.index("ready")
 
 
 def test_coordinator_knows_every_role_address(mesh):
