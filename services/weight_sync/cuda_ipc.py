@@ -39,7 +39,8 @@ from rlfabric.weight_sync.devices import normalize_uuid, report_of
 from rlfabric.weight_sync.gloo import GlooTransport
 from rlfabric.weight_sync.manifest import SyncGroup
 
-HANDLE_BYTES = 64  # CUDA_IPC_HANDLE_SIZE: a cudaIpcMemHandle_t, and a cudaIpcEventHandle_t
+HANDLE_BYTES = 64  # CUDA_IPC_HANDLE_SIZE: a cudaIpcEventHandle_t (and the fake's memory handles)
+MAX_MEMORY_HANDLE_BYTES = 1024  # torch serializes a memory handle with how its block was allocated: opaque here
 _MESSAGE_BYTES = 1024  # a CudaIpcBucket without handles, and room to spare
 _HANDLE_MESSAGE_BYTES = 512  # one CudaIpcHandle (its fields take about 200 bytes)
 
@@ -122,8 +123,10 @@ def sharing_for(device: torch.device):
 
 def check_handle(handle: weight_sync_pb2.CudaIpcHandle, num_bytes: int) -> None:
     """Unavailable unless `handle` describes a buffer that holds `num_bytes`."""
-    if len(handle.mem_handle) != HANDLE_BYTES or len(handle.event_handle) != HANDLE_BYTES:
-        raise Unavailable(f"CudaIpcBucket: a memory or event handle is not {HANDLE_BYTES} bytes")
+    if not 0 < len(handle.mem_handle) <= MAX_MEMORY_HANDLE_BYTES:
+        raise Unavailable(f"CudaIpcBucket: a memory handle of {len(handle.mem_handle)} bytes (1..{MAX_MEMORY_HANDLE_BYTES})")
+    if handle.event_sync_required and len(handle.event_handle) != HANDLE_BYTES:
+        raise Unavailable(f"CudaIpcBucket: an event handle of {len(handle.event_handle)} bytes, not {HANDLE_BYTES}")
     if handle.storage_offset < 0 or handle.storage_size < num_bytes or not handle.ref_counter_handle:
         raise Unavailable(f"CudaIpcBucket: a buffer of {handle.storage_size} bytes at offset {handle.storage_offset} "
                           f"cannot hold the bucket's {num_bytes}, or it has no reference counter")

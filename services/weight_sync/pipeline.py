@@ -117,6 +117,11 @@ class Pipeline:
             raise
         return crcs
 
+    @property
+    def stopped(self) -> bool:
+        """Either side failed, or the sync was given up."""
+        return self._failed.is_set()
+
     def stop(self) -> None:
         """Makes both sides stop at their next wait (Aborted): the sync was given up."""
         self._failed.set()

@@ -363,7 +363,7 @@ class WeightSender:
 
     def _send_staged(self, entry: _Group, pipeline: Pipeline, version: int, checksums: bool) -> None:
         """The wire thread: each bucket as the packer stages it, then (gloo, nccl) the CRC-32s."""
-        transport = self._connected(entry)
+        transport = self._connected(entry, pipeline)
         if entry.group.transport == "cuda_ipc":
             crcs = pipeline.send_all(lambda staged: transport.lend(version, staged.spec.index, staged.slot,
                                                                    staged.buffer))
@@ -373,13 +373,20 @@ class WeightSender:
             with pipeline.clock.timing("wire"):
                 transport.broadcast(crc_buffer(crcs).to(transport.device))
 
-    def _connected(self, entry: _Group):
-        """Rank 0's transport once every receiver has joined (DeadlineExceeded after the group's timeout)."""
-        try:
-            return entry.connecting.result(timeout=entry.group.timeout_s)
-        except concurrent.futures.TimeoutError:
-            raise DeadlineExceeded(f"weight-sync group {entry.group.group_id}: not every receiver joined within "
-                                   f"weight_sync.timeout_s={entry.group.timeout_s:g}") from None
+    def _connected(self, entry: _Group, pipeline: Pipeline | None = None):
+        """Rank 0's transport once every receiver has joined (DeadlineExceeded after the group's timeout);
+        Aborted as soon as `pipeline` stops (its packer failed: nothing will be sent)."""
+        deadline = time.monotonic() + entry.group.timeout_s
+        while True:
+            try:
+                return entry.connecting.result(timeout=0.05 if pipeline is not None else entry.group.timeout_s)
+            except concurrent.futures.TimeoutError:
+                if pipeline is not None and pipeline.stopped:
+                    raise Aborted(f"weight-sync group {entry.group.group_id}: the sync stopped before every "
+                                  "receiver joined") from None
+                if pipeline is None or time.monotonic() > deadline:
+                    raise DeadlineExceeded(f"weight-sync group {entry.group.group_id}: not every receiver joined "
+                                           f"within weight_sync.timeout_s={entry.group.timeout_s:g}") from None
 
     def _send(self, entry: _Group, buffers: list[torch.Tensor]) -> None:
         transport = self._connected(entry)

@@ -46,12 +46,16 @@ def test_one_gpu_with_the_defaults_trains_over_the_same_device_path(tiny_model, 
     async def scenario():
         async with over_grpc(config, tmp_path / "run") as coordinator:
             await coordinator.start_run()
-            steps = [update.step async for update in coordinator.stream_metrics(from_step=1)]
-            return steps, await coordinator.run_status(), config.cluster.rollout[0]
+            updates = [update async for update in coordinator.stream_metrics(from_step=1)]
+            return updates, await coordinator.run_status(), config.cluster.rollout[0]
 
-    steps, status, rollout = asyncio.run(asyncio.wait_for(scenario(), timeout=180))
+    updates, status, rollout = asyncio.run(asyncio.wait_for(scenario(), timeout=180))
     assert status.state == coordinator_pb2.RUN_STATE_COMPLETED, status.error
-    assert steps == [1]
+    assert [update.step for update in updates] == [1]
+    # The step's sync, phase by phase: the actor packed and lent, the replica copied and switched, no CRC-32.
+    metrics = updates[0].metrics
+    assert all(metrics[f"timing_s/update_weights/{phase}"] > 0 for phase in ("pack", "wire", "receive_wire", "apply"))
+    assert metrics["timing_s/update_weights/checksum"] == metrics["timing_s/update_weights/receive_checksum"] == 0
     assert chosen(caplog) == [{"transport": "cuda_ipc", "why": f"the actor and {rollout} share GPU {GPU_A.uuid}"}]
     assert lent._lent  # the actor lent its staging buffers
 

@@ -82,6 +82,14 @@ class Mesh:
         old = self.run(self.actor_client.compute_log_probs(batch))["log_probs"]
         self.run(self.actor_client.update_policy({**batch, "old_log_probs": old, "advantages": torch.ones(8, 5)}))
 
+    def serves_the_actors_weights(self, replica: str) -> bool:
+        """Every weight of the hf replica `replica` equals the actor's, cast to the replica's dtype, bit for bit
+        (whatever the device: log-probs agree to 1e-3 only in float32)."""
+        actor = self.run(self.actor.server.service.engine.gather_weights())
+        served = self.rollouts[replica].server.service.engine._base_weights()
+        return all(torch.equal(served[name], tensor.to(served[name].dtype).to(served[name].device))
+                   for name, tensor in actor.items())
+
     def logprob_gap(self, rollout_address: str, seed: int = 0) -> float:
         """Largest |rollout sampled log-prob - actor log-prob| over sampled tokens (temperature 1)."""
         return logprob_gap(rollout_address, self.actor_client, self.loop, seed)

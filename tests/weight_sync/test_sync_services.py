@@ -62,18 +62,26 @@ def test_sync_makes_every_replica_serve_the_actors_weights(mesh):
     mesh, plane = mesh
     for version, seed in ((1, 11), (2, 12)):
         mesh.train_step(seed)
-        assert all(mesh.logprob_gap(a) > 10 * TOLERANCE for a in mesh.addresses.values())  # stale before the sync
+        assert not any(mesh.serves_the_actors_weights(name) for name in mesh.rollouts)  # stale before the sync
         report = mesh.run(plane.sync(version))
         assert report.ok, report.failed
-        assert set(report.paused_seconds) == set(plane.ranks) and report.num_bytes > 300_000
+        assert set(report.paused_seconds) == set(plane.ranks) and report.num_bytes > 150_000  # bfloat16 on a GPU
         for address in mesh.addresses.values():
             assert rollout_version(address) == version
-            assert mesh.logprob_gap(address) <= TOLERANCE
+        assert all(mesh.serves_the_actors_weights(name) for name in mesh.rollouts)
+        if not torch.cuda.is_available():  # float32 on the host: their log-probs agree as well
+            assert all(mesh.logprob_gap(address) <= TOLERANCE for address in mesh.addresses.values())
     exposition = generate_latest(mesh.rollouts["r0"].server.service.registry).decode()
     assert 'rlfabric_weight_sync_seconds_count{role="rollout"} 2.0' in exposition
     assert "rlfabric_rollout_paused_seconds_count 2.0" in exposition and "rlfabric_rollout_weight_version 2.0" in exposition
+    assert 'rlfabric_weight_sync_phase_seconds_count{phase="apply",role="rollout"} 2.0' in exposition
     actor_metrics = generate_latest(mesh.actor.server.service.registry).decode()
     assert 'rlfabric_weight_sync_seconds_count{role="actor"} 2.0' in actor_metrics
+    assert all(f'rlfabric_weight_sync_phase_seconds_count{{phase="{phase}",role="actor"}} 2.0' in actor_metrics
+               for phase in ("gather", "pack", "checksum", "wire"))
+    phases = report.phase_metrics()  # the last sync's, as the step metrics carry them
+    assert phases["timing_s/update_weights/wire"] > 0 and phases["timing_s/update_weights/apply"] > 0
+    assert (phases["timing_s/update_weights/checksum"] > 0) == (phases["timing_s/update_weights/receive_checksum"] > 0)
     if mesh.reference is not None:  # the reference loaded the same weights
         status, ours, theirs = mesh.run(_reference_and_actor_log_probs(mesh))
         assert status.weight_version == 2 and torch.allclose(ours, theirs, atol=1e-5)
@@ -122,7 +130,8 @@ def test_a_checksum_mismatch_is_rejected_and_the_old_weights_keep_serving(mesh, 
     assert _samples(mesh.addresses["r0"]) == before["r0"]  # same seed, same old weights, same samples
     report = mesh.run(plane.sync(5))  # the group survived the rejected update
     assert report.ok, report.failed
-    assert all(rollout_version(a) == 5 and mesh.logprob_gap(a) <= TOLERANCE for a in mesh.addresses.values())
+    assert all(rollout_version(a) == 5 for a in mesh.addresses.values())
+    assert all(mesh.serves_the_actors_weights(name) for name in mesh.rollouts)
 
 
 async def receive_all(actor, group_id: str, manifest, addresses, reference: str | None = None):
@@ -139,15 +148,16 @@ async def receive_all(actor, group_id: str, manifest, addresses, reference: str 
 
 
 def test_a_replica_serves_the_received_buffers_themselves_and_they_are_never_written_again(mesh):
-    """gloo: the hf replica adopts the received tensors as its parameters (no copy), and the next sync lands
-    in new buffers: what it serves meanwhile never changes under it. grpc pushes copy into the parameters."""
+    """gloo to a replica on the host: the hf replica adopts the received tensors as its parameters (no copy),
+    and the next sync lands in new buffers: what it serves meanwhile never changes under it. grpc pushes, and
+    gloo to a replica on a GPU (the bytes land on the host), copy into the parameters."""
     mesh, plane = mesh
     engine = mesh.rollouts["r0"].server.service.engine
     parameter = engine.net.get_parameter("model.layers.0.mlp.up_proj.weight")
     before = parameter.data_ptr()
     mesh.train_step(31)
     assert mesh.run(plane.sync(30)).ok
-    adopted = plane.group.transport != "grpc"
+    adopted = plane.group.transport != "grpc" and engine.device.type == "cpu"
     assert (parameter.data_ptr() != before) == adopted
     served, values = parameter.data, parameter.detach().clone()
     mesh.train_step(32)
@@ -167,6 +177,8 @@ def test_misuse_is_a_clear_error(mesh):
         mesh.run(client.prepare_weight_sync("no-such-group", 1))
     with pytest.raises(InvalidArgument, match="num_receivers"):
         mesh.run(client.open_weight_sync_group("gloo", 0))
+    if torch.cuda.is_available():  # an actor on a GPU opens nccl groups; on CPU it cannot
+        return
     with pytest.raises(FailedPrecondition, match="needs the actor on a CUDA device"):
         mesh.run(client.open_weight_sync_group("nccl", 1))
 
