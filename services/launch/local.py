@@ -12,7 +12,9 @@ Logs go to RUN_DIR/logs/<name>.log. A role in a resource pool sees only the pool
 cores (rlfabric.launch.placement); every service gets an OMP_NUM_THREADS that keeps the services together
 within the machine's cores (launcher.threads_per_service). Every RPC needs the mesh's token (RUN_DIR/auth_token, 0600)
 unless server.auth_token_file names another; the environment link has a token of its own (RUN_DIR/env_token). Children get SIGTERM if the launcher dies (PR_SET_PDEATHSIG),
-and stop() terminates, then kills, every child: no orphans.
+and stop() terminates, then kills, every child: no orphans. The env service starts first: the rollout replicas
+start once its address is in RUN_DIR/config.yaml (cluster.env), as they call only an environment their own
+config names.
 """
 
 from __future__ import annotations
@@ -228,6 +230,22 @@ def write_endpoints(run_dir: Path, endpoints: dict[str, list[dict]]) -> None:
     tmp.rename(run_dir / "endpoints.json")
 
 
+def spawn_order(services: Sequence[tuple[str, str]]) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """(the services started at once, the env service first; the rollout replicas, started once the env's
+    address is in the workers' config: a replica calls only environment addresses its own config names)."""
+    early = sorted((s for s in services if s[1] != "rollout"), key=lambda service: service[1] != "env")
+    return early, [s for s in services if s[1] == "rollout"]
+
+
+def write_worker_config(config: RunConfig, path: Path, env_addresses: Sequence[str]) -> None:
+    """The workers' config (RUN_DIR/config.yaml) again, with the environment service's addresses as
+    cluster.env; replaced atomically, so a service starting now reads either version whole."""
+    config.cluster.env = list(env_addresses)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    dump_config(config, tmp)
+    tmp.replace(path)
+
+
 def write_coordinator_config(config: RunConfig, endpoints: dict[str, list[dict]], run_dir: Path) -> Path:
     """RUN_DIR/config.resolved.yaml: the config plus every role's addresses in its cluster section."""
     resolved = config.model_copy(deep=True)
@@ -314,21 +332,30 @@ class LocalMesh(MeshContext):
     # -- lifecycle ---------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Starts the workers, then the coordinator (configured with their addresses); waits for all. Each
-        phase logs its seconds; RUN_DIR/mesh_start.json records them."""
+        """Starts the workers (the env first: the rollout replicas once its address is in their config), then
+        the coordinator (configured with their addresses); waits for all. Each phase logs its seconds;
+        RUN_DIR/mesh_start.json records them."""
         phases = StartPhases("mesh", log)
         with phases.phase("placement"):
             gpu_count = visible_gpu_count()
             self.placements = plan_placement(self.config, service_names(self.config), gpu_count=gpu_count)
             predicted_transport(self.config, self.placements, gpu_count, self.external)  # nccl where it cannot run
+        if "env" in self.external:  # the replicas' config names the environment they may call
+            self.config.cluster.env = list(self.external["env"])
         worker_config = prepare_run_dir(self.config, self.run_dir, phases)
         with phases.phase("workers_bound"):  # started, and listening (their models load after that)
             (self.run_dir / "ports").mkdir(exist_ok=True)
-            for name, role in service_names(self.config):
-                if role not in self.external:
-                    self._spawn(name, role, worker_config)
+            early, rollouts = spawn_order([s for s in service_names(self.config) if s[1] not in self.external])
+            for name, role in early:
+                self._spawn(name, role, worker_config)
+            for env in [p for p in self.processes if p.role == "env"]:
+                self._await_ports(env)
+                write_worker_config(self.config, worker_config, [env.grpc_address])
+            for name, role in rollouts:
+                self._spawn(name, role, worker_config)
             for proc in self.processes:
-                self._await_ports(proc)
+                if proc.ports is None:
+                    self._await_ports(proc)
             self._record_endpoints()
         with phases.phase("coordinator_bound"):
             # The coordinator reads the others' addresses from its config's cluster section.

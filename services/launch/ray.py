@@ -67,8 +67,10 @@ from rlfabric.launch.local import (
     prepare_run_dir,
     serve_command,
     service_names,
+    spawn_order,
     write_coordinator_config,
     write_endpoints,
+    write_worker_config,
 )
 from rlfabric.weight_sync.devices import DeviceReport, TransportChoice, choose_transport
 
@@ -350,16 +352,23 @@ class RayMesh(MeshContext):
     # -- lifecycle ---------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Starts the workers, then the coordinator (configured with their addresses); waits for all."""
+        """Starts the workers (the env first: the rollout replicas once its address is in their config), then
+        the coordinator (configured with their addresses); waits for all."""
         bundles = pool_bundles(self.config)  # a pool with more nodes than services: refused before anything starts
         worker_config = prepare_run_dir(self.config, self.run_dir)
         self._connect()
         predicted_transport(self.config, bool(ray.cluster_resources().get("GPU", 0)))  # a forced nccl that cannot run
         self._host = self._service_host()
         self._reserve_pools(bundles)
-        for name, role in service_names(self.config):
+        early, rollouts = spawn_order(service_names(self.config))
+        for name, role in early:
             self._launch(name, role, worker_config)
-        self._await_ports(self.services)
+        for env in [s for s in self.services if s.role == "env"]:
+            self._await_ports([env])
+            write_worker_config(self.config, worker_config, [env.grpc_address])
+        for name, role in rollouts:
+            self._launch(name, role, worker_config)
+        self._await_ports([s for s in self.services if s.ports is None])
         self._record_endpoints()
         # The coordinator reads the others' addresses from its config's cluster section.
         coordinator_config = write_coordinator_config(self.config, self.endpoints, self.run_dir)

@@ -105,6 +105,31 @@ def test_train_exits_non_zero_when_the_environment_is_unreachable(tiny_model, tm
     assert not (run_dir / "final_model").exists()
 
 
+@pytest.mark.slow
+def test_the_process_launcher_gives_its_rollout_replicas_the_env_it_starts(tiny_model, tmp_path):
+    """A rollout replica calls only an environment its own config names: `rlfabric up` starts the env
+    service first and the replicas once its address is their config's cluster.env (RUN_DIR/config.yaml),
+    so a multi-turn run on the process mesh reaches it with every sample."""
+    from rlfabric.coordinator.client import CoordinatorClient
+    from rlfabric.core.client import ChannelOptions
+    from rlfabric.launch.local import LocalMesh
+
+    config = fast_config(tiny_model, *MULTI_TURN, "trainer.total_steps=1")
+    with LocalMesh(config, tmp_path / "run") as mesh:
+        assert load_config(mesh.run_dir / "config.yaml").cluster.env == [mesh.endpoints["env"][0]["grpc"]]
+
+        async def train():
+            options = ChannelOptions.from_config(mesh.config)
+            async with CoordinatorClient(mesh.endpoints["coordinator"][0]["grpc"], options) as client:
+                await client.start_run()
+                metrics = [dict(update.metrics) async for update in client.stream_metrics(timeout_s=300)]
+                return metrics, await client.run_status()
+
+        metrics, status = asyncio.run(train())
+    assert status.state == coordinator_pb2.RUN_STATE_COMPLETED, status.error
+    assert metrics[-1]["agent/env_failed/count"] == 0 and metrics[-1]["agent/turns/mean"] >= 1, metrics[-1]
+
+
 def lookup_data_for(tmp_path: Path, environment: str) -> Path:
     """The lookup task's training rows with extra_info.environment set to `environment`."""
     rows = pq.read_table(write_lookup(tmp_path / "data", train_size=16, val_size=1)["train"]).to_pylist()

@@ -389,3 +389,23 @@ def test_train_runs_two_steps_on_ray(ray_address, small, tmp_path):
     assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 2
     assert _actors_in(f"rlfabric-{run_dir.name}") == []
     assert _wait_dead(_services_of(run_dir)) == []
+
+
+def test_a_multi_turn_run_on_ray_reaches_the_env_it_starts(ray_address, small, tmp_path):
+    """A rollout replica calls only an environment its own config names: the Ray launcher starts the env
+    service first and the replicas once its address is their config's cluster.env, so every sample of a
+    multi-turn run reaches it."""
+    run_dir = tmp_path / "run"
+    launcher = Launcher("train", "--launcher", "ray", "--address", ray_address, "--run-dir", str(run_dir),
+                        *small, "launcher.ray.env.num_cpus=0.25", "trainer.total_steps=1", "data.builtin_task=lookup",
+                        "env.enable=true", "rollout.multi_turn.enable=true", "rollout.multi_turn.max_turns=2",
+                        "data.max_prompt_length=96", "data.max_response_length=24", "data.train_batch_size=8",
+                        "actor.ppo_mini_batch_size=8", "rollout.n=2", "trainer.loggers=[jsonl]")
+    try:
+        assert launcher.process.wait(timeout=540) == 0, launcher.text()
+    finally:
+        launcher.kill()
+    endpoints = json.loads((run_dir / "endpoints.json").read_text())
+    assert load_config(run_dir / "config.yaml").cluster.env == [endpoints["env"][0]["grpc"]]
+    (step,) = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert step["agent/env_failed/count"] == 0 and step["agent/turns/mean"] >= 1, step
