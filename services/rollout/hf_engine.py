@@ -8,21 +8,23 @@ Scheduling: a started request (RolloutEngine holds requests while paused or asle
 (prompt, sample); one scheduler task takes up to max_num_seqs queued rows, from any number of
 concurrent requests, and runs them as one batch on a worker thread, so the event loop (health
 checks, GetStatus) stays responsive. Each unique prompt is prefilled once and its KV cache repeated
-for its n samples; finished rows leave the batch. Weight loads and sleep take the same lock as a
-batch, so they happen between batches. Pause(abort=True) drops the queued rows and the running
-batch ends its aborted rows at its next step, each with Finish.ABORT.
+for its n samples; finished rows leave the batch, and rows queued meanwhile join it (continuous
+batching, hf_decode.DecodeBatch.join), up to max_num_seqs. Weight loads and sleep take the same lock
+as a batch, so they happen between batches; no row joins a batch that a weight swap waits for.
+Pause(abort=True) drops the queued rows and the running batch ends its aborted rows at its next step,
+each with Finish.ABORT.
 
 Decoding keeps the host out of the per-token path: each token's random number comes from (row seed,
 position) on the device (sampling.counter_uniforms), and the host reads the sampled tokens once every
 `steps_per_sync` steps (8 on a GPU, where each read stalls the queue of kernels; 1 on the CPU, where it
 costs nothing and decoding past a row's end would), to finish rows (EOS, stop ids and strings, length),
-stream them, and drop them from the batch. Tokens a row sampled after its end are discarded; a row's
-tokens are the same whatever the number of steps per read.
+stream them, let rows leave and join. Tokens a row sampled after its end are discarded: a row's tokens
+are the same whatever the number of steps per read and whatever else is in the batch.
 
 Partial rollouts (rollout.partial_rollouts): a weight swap asks the running batch to stop at its next
 decode step; its unfinished rows go back to the front of the queue with what they generated (tokens,
-log-probs; their random numbers go on from their position), the weights change, and the next batch prefills prompt + generated prefix
-under the new weights and decodes on. Each row records the version of each span of its tokens
+log-probs; their random numbers go on from their position), the weights change, and the next batch
+prefills prompt + generated prefix under the new weights and decodes on. Each row records the version of each span of its tokens
 (FinishedSample.version_spans). Without it, a swap waits for the running batch to finish.
 
 LoRA (weight_sync.lora resolved to adapter): the model is wrapped once at start with the actor's

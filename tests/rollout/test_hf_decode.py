@@ -30,7 +30,9 @@ def engine(tiny_model):
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
-    engine = HFEngine(rollout_config(tiny_model))
+    # float32 on a GPU too: a row's tokens are compared across batches, which bfloat16 kernels of other batch
+    # sizes would round differently.
+    engine = HFEngine(rollout_config(tiny_model, "rollout.dtype=float32"))
     engine.run = lambda coroutine, timeout=120: asyncio.run_coroutine_threadsafe(coroutine, loop).result(timeout)
     engine.run(engine.start())
     engine.run(collect(engine, PROMPTS, max_tokens=4))  # torch's first ops on the batches' thread: slow under load

@@ -34,7 +34,9 @@ PROMPTS = [[1, 90, 88, 74], [1, 70, 88, 88, 78, 88, 89, 70, 83], [40, 41]]
 
 @pytest.fixture(scope="module")
 def served(tiny_model):
-    service = build_service(rollout_config(tiny_model, "rollout.max_num_seqs=16"))
+    # float32 on a GPU too: log-probs are checked against a float32 forward, and samples across batches that
+    # bfloat16 kernels of other batch sizes would round differently.
+    service = build_service(rollout_config(tiny_model, "rollout.max_num_seqs=16", "rollout.dtype=float32"))
     server = ServerThread(service, ServerOptions(port=0, metrics_port=0))
     with grpc.insecure_channel(server.address) as channel:
         yield server, channel, service.engine
