@@ -299,6 +299,11 @@ class MultiTurnConfig(Section):
     (Qwen, Hermes and SmolLM2 chat templates)."""
     env_address: str = ""
     """The environment service ("host:port") the rollout replicas call; empty = the first of cluster.env."""
+    allowed_env_addresses: list[str] = []
+    """Further environment services ("host:port", compared as written) a multi-turn request may name. A rollout
+    replica calls only env_address, cluster.env and these, each from its own config: a request naming any other
+    address is PERMISSION_DENIED, so a caller cannot make it connect (and send env.auth_token_file's token)
+    where it likes. The mesh's config only: a StartRun cannot set it."""
     env_timeout_s: float = Field(60.0, gt=0)
     """Deadline of each environment call from the rollout (Reset, Step, Close); past it the sample fails
     (status env_failed, left out of training), never the step."""

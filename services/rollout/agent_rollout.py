@@ -11,7 +11,9 @@ as they finish; rows run concurrently (their environment calls too), at most rol
 rollout.max_pending_requests) at once over all requests, so their turns stay within the engine's batch
 and its admission limit. A failing
 environment ends its sample with agent_status "env_failed" (left out of training by the coordinator);
-the engine failing fails the request, as it would a single-turn one.
+the engine failing fails the request, as it would a single-turn one. A request may name its environment
+service (multi_turn.env_address), but only one this replica's own config names (allowed_env_addresses):
+any other is PERMISSION_DENIED, before a connection is made.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from rlfabric.core.client import ChannelOptions
-from rlfabric.core.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from rlfabric.core.errors import FailedPrecondition, InvalidArgument, PermissionDenied, ResourceExhausted
 from rlfabric.env.client import EnvClient, EnvInterface
 from rlfabric.env.items import Task
 from rlfabric.rollout.agent_loop import MAX_TOKENS, AgentLoop, AgentLoopLimits, EngineTurns, Trajectory
@@ -37,13 +39,14 @@ from rlfabric.rollout.types import (
 )
 
 if TYPE_CHECKING:
+    from rlfabric.core.config import RunConfig
     from rlfabric.rollout.engine import RolloutEngine
 
 TOOL_CALL_FORMATS = ("hermes",)
 
 
 class AgentRollouts:
-    """The multi-turn requests of one engine, and the environment clients they call (one per address)."""
+    """The multi-turn requests of one engine, and the environment clients they call (one per allowed address)."""
 
     def __init__(self, engine: RolloutEngine, env: EnvInterface | None = None):
         self.engine = engine
@@ -108,7 +111,9 @@ class AgentRollouts:
         return list(prompts)
 
     def _env(self, address: str) -> EnvInterface:
-        """The environment client of the request's address, else rollout.multi_turn.env_address, else cluster.env."""
+        """The environment client of the request's address, else rollout.multi_turn.env_address, else cluster.env;
+        PermissionDenied for an address this replica's config does not name (allowed_env_addresses), so there
+        is one client per allowed address at most."""
         if self._given_env is not None:
             return self._given_env
         config = self.engine.config
@@ -116,6 +121,13 @@ class AgentRollouts:
         if not address:
             raise FailedPrecondition("a multi-turn request names no environment service, and this rollout replica "
                                      "knows none: set rollout.multi_turn.env_address or cluster.env")
+        allowed = allowed_env_addresses(config)
+        if address not in allowed:
+            # A caller must not make the replica connect, with the environment's token, wherever it likes.
+            raise PermissionDenied(
+                f"multi_turn.env_address {address[:200]!r} is not an environment service this rollout replica may "
+                f"call (it calls {', '.join(allowed) or 'none'}): its operator adds the address to the replica's "
+                "rollout.multi_turn.allowed_env_addresses (or rollout.multi_turn.env_address, cluster.env)")
         if address not in self._env_clients:
             self._env_clients[address] = EnvClient(address, ChannelOptions.for_env(config))  # not the mesh's token
         return self._env_clients[address]
@@ -139,6 +151,14 @@ class AgentRollouts:
         for client in self._env_clients.values():
             await client.close()
         self._env_clients.clear()
+
+
+def allowed_env_addresses(config: RunConfig) -> list[str]:
+    """The environment services a rollout replica of this config calls, all from its operator's config:
+    rollout.multi_turn.env_address, cluster.env and rollout.multi_turn.allowed_env_addresses."""
+    multi_turn = config.rollout.multi_turn
+    named = (multi_turn.env_address, *config.cluster.env, *multi_turn.allowed_env_addresses)
+    return list(dict.fromkeys(address for address in named if address))
 
 
 def _env_task(prompt: AgentPrompt) -> Task:

@@ -60,7 +60,8 @@ class MultiTurnSpec:
     """How a multi-turn request runs its agent loops (rollout.multi_turn, resolved by the caller)."""
 
     env_address: str = ""
-    """The environment service; empty = the replica's rollout.multi_turn.env_address or cluster.env."""
+    """The environment service; empty = the replica's rollout.multi_turn.env_address or cluster.env. The replica
+    refuses an address its own config does not name (rollout.agent_rollout.allowed_env_addresses)."""
     max_turns: int = 4
     max_total_tokens: int = 1024
     """Most response tokens, the model's and the environment's; SamplingSpec.max_tokens bounds each turn."""

@@ -732,6 +732,24 @@ def test_the_environment_gets_a_token_of_its_own_never_the_mesh_token(chart, by_
         assert "env-auth" not in str(r.docs) and "auth_token_file" not in r.run_config().get("env", {})
 
 
+def test_the_rollout_pods_may_call_the_environment_the_coordinator_names(chart, by_case, tmp_path):
+    """A rollout replica calls only an environment its own config names. Every pod reads the one ConfigMap,
+    whose cluster.env is the env role's address: the coordinator's multi-turn requests name an address the
+    rollout pods allow."""
+    from rlfabric.coordinator.multi_turn import multi_turn_spec
+    from rlfabric.rollout.agent_rollout import allowed_env_addresses
+
+    r = by_case["cert-manager"]  # the chart's own env role
+    for role in ("rollout", "coordinator"):
+        volumes = r.workload(role)["spec"]["template"]["spec"]["volumes"]
+        assert [v["configMap"]["name"] for v in volumes if "configMap" in v] == [f"{FULLNAME}-config"], role
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(r.run_config()))
+    loaded = load_config(path)
+    address = multi_turn_spec(loaded, max_tokens=64).env_address
+    assert f"{FULLNAME}-env" in address and allowed_env_addresses(loaded) == [address]
+
+
 # --- one config language: what the pods read, through the project's own loader and parser -----------
 
 
@@ -1246,6 +1264,7 @@ def test_an_external_environment_replaces_the_env_role(chart, tmp_path):
     """roles.env.external: no env workload, its address is the run config's cluster.env, which the rollout
     replicas (and the coordinator's multi-turn requests) call; a bad address fails at template time."""
     from rlfabric.coordinator.multi_turn import multi_turn_spec
+    from rlfabric.rollout.agent_rollout import allowed_env_addresses
 
     config = yaml.safe_load((EXAMPLES / "lookup_multi_turn.yaml").read_text())
     address = "lookup-env.agents.svc:50051"
@@ -1259,5 +1278,6 @@ def test_an_external_environment_replaces_the_env_role(chart, tmp_path):
     loaded = load_config(path)
     assert loaded.cluster.env == [address]
     assert multi_turn_spec(loaded, max_tokens=64).env_address == address
+    assert address in allowed_env_addresses(loaded)  # the rollout pods read this config too
     with pytest.raises(helm.HelmError, match="roles.env.external"):
         render_chart(chart, {"config": config, "roles": {"env": {"external": "http://lookup-env"}}})

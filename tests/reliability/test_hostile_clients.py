@@ -10,6 +10,7 @@ disk changed. The storage root is one folder; "the user's" files lie beside it a
    names a file or an address is confined to the root or refused (trainer.mlflow.tracking_uri among them);
    YAML aliases are refused, and error details and their log lines stay a few KiB whatever they quote.
    A NUL byte in a path is INVALID_ARGUMENT, a full disk (a tmpfs in the root) RESOURCE_EXHAUSTED.
+   A Generate cannot make a rollout replica call an environment address its own config does not name.
 3. Without the token: UNAUTHENTICATED, nothing written, and a 128 MiB request is refused unread (the
    server's peak memory is measured).
 4. `rlfabric serve` on a non-loopback address without TLS and a token refuses to start.
@@ -46,6 +47,7 @@ from rlfabric.v1 import (
     reward_pb2,
     reward_pb2_grpc,
 )
+from tests.conftest import ServerThread
 from tests.reliability.helpers import trainer_config
 
 TOKEN = "hostile-clients-test-token-0123456789abcdef"
@@ -226,7 +228,7 @@ def test_start_run_decides_on_the_parsed_key_not_the_raw_text(coordinator, disk)
 
 
 # Keys that name a file, a folder, an address or code to import (by their last part; cluster.* are addresses).
-NAMES_A_PLACE = re.compile(r"(path|files?|dir|uri|url|address|endpoint|root|host|modules)$")
+NAMES_A_PLACE = re.compile(r"(path|files?|dir|uri|url|address(es)?|endpoint|root|host|modules)$")
 CONFINED = ("data.train_files", "data.val_files", "trainer.resume_from_path")  # resolved under storage.root
 
 
@@ -268,6 +270,78 @@ def test_start_run_cannot_make_the_coordinator_call_an_address_or_write_a_store(
     finally:
         listener.close()
     assert snapshot(disk["base"]) == before
+
+
+class RecordingServer(grpc.GenericRpcHandler):
+    """A gRPC server on loopback, standing for any service a pod reaches, that records every call it gets
+    (method and metadata) and implements none."""
+
+    def __init__(self):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.calls: list[tuple[str, dict]] = []
+        self.server = grpc.server(ThreadPoolExecutor(max_workers=2), handlers=[self])
+        self.address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
+        self.server.start()
+
+    def service(self, handler_call_details):
+        self.calls.append((handler_call_details.method, dict(handler_call_details.invocation_metadata)))
+        return None  # UNIMPLEMENTED
+
+    def stop(self) -> None:
+        self.server.stop(0)
+
+
+def multi_turn_request(env_address: str):
+    from rlfabric.rollout import wire
+    from rlfabric.rollout.types import AgentPrompt, AgentTask, MultiTurnSpec, SamplingSpec
+    from rlfabric.v1 import rollout_pb2
+
+    prompt = AgentPrompt([{"role": "user", "content": "What is 6*7?"}], AgentTask("calculator", "42"))
+    spec = SamplingSpec(n=2, max_tokens=8, seed=3, multi_turn=MultiTurnSpec(
+        env_address=env_address, max_turns=2, max_total_tokens=64, env_timeout_s=5.0))
+    return rollout_pb2.GenerateRequest(prompts=[wire.prompt_to_proto(prompt)], sampling_params=wire.sampling_to_proto(spec))
+
+
+def test_a_generate_cannot_make_a_rollout_replica_call_an_address_of_its_choosing(tiny_model, disk, tmp_path):
+    """multi_turn.env_address made a replica connect, with the environment's token, to any host:port a caller
+    named (in a cluster, any address its pod reaches), keeping a channel per address. A replica calls only
+    the environments its own config names: any other is PERMISSION_DENIED, nothing connects there, and the
+    replica goes on with its own environment (named or not)."""
+    from rlfabric.v1 import rollout_pb2_grpc
+
+    env_token = tmp_path / "env_token"
+    env_token.write_text("the-environment-link-token-0123456789")
+    env_token.chmod(0o600)
+    env = ServerThread(build_service("env", config_from_dict({})), ServerOptions(port=0, metrics_port=None))
+    victim, listener = RecordingServer(), socket.create_server(("127.0.0.1", 0))
+    listener.setblocking(False)
+    config = config_from_dict({"model": {"path": str(tiny_model)}, "server": {"auth_token_file": str(disk["token"])},
+                               "env": {"auth_token_file": str(env_token)},
+                               "rollout": {"multi_turn": {"enable": True, "env_address": env.address}}})
+    replica = ServerThread(build_service("rollout", config),
+                           ServerOptions.from_config(config.server, port=0, metrics_port=None))
+    hostile = [victim.address, f"127.0.0.1:{listener.getsockname()[1]}",
+               f"localhost:{env.server.port}"]  # its own environment spelt otherwise: compared as written
+    try:
+        with grpc.insecure_channel(replica.address) as channel:
+            stub = rollout_pb2_grpc.RolloutServiceStub(channel)
+            for address in hostile:
+                error = refusal(stub.Generate, multi_turn_request(address), timeout=60, metadata=BEARER)
+                assert error.code() == grpc.StatusCode.PERMISSION_DENIED, (address, error.code(), error.details())
+                assert address in error.details() and "rollout.multi_turn.allowed_env_addresses" in error.details()
+            for address in ("", env.address):
+                samples = stub.Generate(multi_turn_request(address), timeout=60, metadata=BEARER).samples
+                assert len(samples) == 2 and {s.agent_status for s in samples} <= {"done", "max_turns", "max_tokens"}
+        assert victim.calls == []
+        with pytest.raises(BlockingIOError):
+            listener.accept()  # nobody connected
+        assert list(replica.server.service.engine.agents._env_clients) == [env.address]  # bounded by its config
+    finally:
+        replica.stop()
+        env.stop()
+        victim.stop()
+        listener.close()
 
 
 def test_yaml_aliases_in_an_override_are_refused_without_amplification(coordinator, caplog):

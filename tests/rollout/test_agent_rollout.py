@@ -22,7 +22,7 @@ from rlfabric.rollout.agent_loop import ENV_FAILED, MAX_TURNS
 from rlfabric.rollout.servicer import build_service
 from rlfabric.rollout.types import AgentPrompt, AgentTask, MultiTurnSpec, SamplingSpec
 from rlfabric.v1 import rollout_pb2
-from tests.conftest import ServerThread
+from tests.conftest import ServerThread, closed_port
 
 from .helpers import rollout_config, stub
 
@@ -59,10 +59,17 @@ register_environment("agent-rollout-garbage", lambda task, config: Garbage())
 
 
 @pytest.fixture(scope="module")
-def mesh(tiny_model):
+def dead_env_address() -> str:
+    """An address on loopback that refuses connections, which the rollout's config allows."""
+    return f"127.0.0.1:{closed_port()}"
+
+
+@pytest.fixture(scope="module")
+def mesh(tiny_model, dead_env_address):
     """(env server, rollout server, rollout channel): the rollout's multi_turn.env_address is the env's."""
     env = ServerThread(build_env_service(RunConfig(env=EnvConfig())), ServerOptions(port=0, metrics_port=0))
-    config = rollout_config(tiny_model, f"rollout.multi_turn.env_address={env.address}", "rollout.max_num_seqs=8")
+    config = rollout_config(tiny_model, f"rollout.multi_turn.env_address={env.address}", "rollout.max_num_seqs=8",
+                            f"rollout.multi_turn.allowed_env_addresses=[{dead_env_address}]")
     rollout = ServerThread(build_service(config), ServerOptions(port=0, metrics_port=0))
     with grpc.insecure_channel(rollout.address) as channel:
         yield env, rollout, channel
@@ -127,10 +134,12 @@ def test_multi_turn_samples_are_the_rendered_conversation_token_for_token(mesh):
     assert registry.get_sample_value("rlfabric_rollout_env_step_seconds_count") >= 12
 
 
-def test_the_vllm_engine_runs_the_same_agent_loops(mesh, vllm_served):
+def test_the_vllm_engine_runs_the_same_agent_loops(mesh, vllm_served, monkeypatch):
     """Each turn is an ordinary generate request, so vLLM (prefix caching on) serves multi-turn as hf does."""
     env, _, _ = mesh
-    _, channel, _ = vllm_served
+    _, channel, engine = vllm_served
+    # The shared vLLM replica calls only environments its config names: this test's, for its duration.
+    monkeypatch.setattr(engine.config.rollout.multi_turn, "allowed_env_addresses", [env.address])
     samples = agent_generate(channel, ["agent-rollout-again"] * 2, n=2, env_address=env.address)
     for sample in samples:
         assert (sample.agent_status, len(sample.turns)) == (MAX_TURNS, 3)
@@ -160,11 +169,10 @@ def test_each_environment_failure_ends_its_own_sample_only(mesh):
     assert unknown.prompt_ids and unknown.token_ids == []  # the prompt is kept, so the batch has the row
 
 
-def test_a_dead_environment_service_fails_each_sample_within_its_deadline(mesh):
+def test_a_dead_environment_service_fails_each_sample_within_its_deadline(mesh, dead_env_address):
     _, _, channel = mesh
-    with socket_nobody_listens_on() as address:
-        started = time.monotonic()
-        samples = agent_generate(channel, ["agent-rollout-again"] * 2, env_address=address, env_timeout_s=2.0)
+    started = time.monotonic()
+    samples = agent_generate(channel, ["agent-rollout-again"] * 2, env_address=dead_env_address, env_timeout_s=2.0)
     assert time.monotonic() - started < 10
     for sample in samples:
         assert sample.agent_status == ENV_FAILED
@@ -193,21 +201,6 @@ def test_bad_multi_turn_requests_are_invalid_argument(mesh, problem, expected):
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert expected in error.value.details()
     assert len(agent_generate(channel, ["agent-rollout-again"], max_turns=1)) == 1  # and the service goes on
-
-
-class socket_nobody_listens_on:
-    """An address on loopback that refuses connections: a port bound for a moment, then released."""
-
-    def __enter__(self) -> str:
-        import socket
-
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        return f"127.0.0.1:{port}"
-
-    def __exit__(self, *exc) -> None:
-        pass
 
 
 def test_multi_turn_fields_cross_the_wire_and_a_single_turn_sample_carries_none():
