@@ -3,8 +3,8 @@
 No Kubernetes runs on this machine, so the test plays the rendered chart:
 - it renders ci/cpu-values.yaml with the config pointed at what exists here (the tiny model instead of a
   hub model, the built-in task instead of GSM8K files on a volume, the transformers engine, 2 steps) and
-  the mount paths (configPath, auth.mountPath, persistence.mountPath, tls.mountPath) pointed into one
-  temp folder, the mount root;
+  the mount paths (configPath, auth.mountPath, auth.env.mountPath, persistence.mountPath, tls.mountPath)
+  pointed into one temp folder, the mount root;
 - writes each rendered ConfigMap and Secret into a folder of its own and uses one folder as the PVC; each
   pod runs in a mount namespace of its own with exactly the volumes its spec mounts bind-mounted at their
   mountPaths on a fresh tmpfs over the mount root (tests/deploy/kubelet.py), so a pod that does not mount
@@ -58,7 +58,7 @@ def cpu_values(workdir: Path, model: Path) -> dict:
     config["trainer"].update(total_steps=2, save_freq=0, progress_bar=False)
     mount_root = workdir / "mnt"
     values["configPath"] = str(mount_root / "etc" / "config.yaml")
-    values["auth"] = {"mountPath": str(mount_root / "auth")}
+    values["auth"] = {"mountPath": str(mount_root / "auth"), "env": {"mountPath": str(mount_root / "env-auth")}}
     values["persistence"]["mountPath"] = str(mount_root / "data")
     values["tls"] = {"mountPath": str(mount_root / "tls")}
     return values
