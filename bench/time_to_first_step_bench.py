@@ -3,11 +3,12 @@ weight sync, every role its own process) from the launcher's start to the first 
 from StartRun to the first Generate, the figure of issue 31 item 6 (target: at most 5 s plus the weight
 transfer). Writes bench/results/time_to_first_step.json.
 
-    python -m bench.time_to_first_step_bench [--repeats 3] [--engine vllm|hf] [--label after] [--append]
+    python -m bench.time_to_first_step_bench [--repeats 3] [--engine vllm|hf] [--label current] [--append]
 
 Each repeat starts a fresh mesh (a first run saves the initial weights, as `rlfabric train` does) and runs
 one step. Measured from outside the coordinator, so the same script times code without the start timings
-(run it with PYTHONPATH pointing at an older copy of the package as `rlfabric`, --label before):
+(run it with PYTHONPATH pointing at an older copy of the package as `rlfabric`, --label hf_before;
+before and after were taken in turns with --repeats 1 --append):
 - StartRun -> first Generate: the StartRun call's start to the first step's generation start (the step's
   metrics timestamp minus its timing_s/step, which counts from the first generate request);
 - weight transfer: the first sync's own time (the run's weight_sync/seconds of step 1 is the second sync,
@@ -106,7 +107,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--engine", default="vllm", choices=["vllm", "hf"])
-    parser.add_argument("--label", default="after", help="the key the figures are kept under (before, after)")
+    parser.add_argument("--label", default="current",
+                        help="the key the figures are kept under (the README quotes hf_before/after, vllm_before/after)")
     parser.add_argument("--append", action="store_true",
                         help="add to the label's repeats (e.g. before and after taken in turns) instead of replacing them")
     args = parser.parse_args(argv)
