@@ -41,11 +41,13 @@ def log(message: str) -> None:
     print(f"[coordinator_bench] {message}", flush=True)
 
 
-async def run(address: str, run_dir: Path, mode: str) -> float:
+async def run(address: str, experiment: str, mode: str) -> float:
+    """One run on the mesh, its files in the mesh's RUN_DIR/experiments/<experiment> (StartRun may not set
+    trainer.run_dir)."""
     async with CoordinatorClient(address, ChannelOptions(timeout_s=1800)) as client:
         started = time.perf_counter()
-        await client.start_run([f"trainer.run_dir={run_dir}", f"trainer.total_steps={STEPS}", f"trainer.mode={mode}",
-                                "trainer.resume=disable"])
+        await client.start_run([f"trainer.experiment_name={experiment}", f"trainer.total_steps={STEPS}",
+                                f"trainer.mode={mode}", "trainer.resume=disable"])
         async for update in client.stream_metrics():
             log(f"{mode} step {update.step}: {update.metrics['timing_s/step']:.2f} s")
         status = await client.run_status()
@@ -82,8 +84,9 @@ def main() -> None:
         walls: dict[str, list[float]] = {"sync": [], "async": []}
         for round_index in range(ROUNDS):  # alternated, so machine noise hits both modes alike
             for mode in ("sync", "async"):
-                run_dir = root / f"{mode}-{round_index}"
-                wall = asyncio.run(run(address, run_dir, mode))
+                experiment = f"{mode}-{round_index}"
+                wall = asyncio.run(run(address, experiment, mode))
+                run_dir = mesh.run_dir / "experiments" / experiment
                 walls[mode].append(wall)
                 results[mode] = {"wall_s": statistics.median(walls[mode]), "wall_s_per_round": walls[mode],
                                  **summarize(read_metrics(run_dir / "metrics.jsonl"))}
