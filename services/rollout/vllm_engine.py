@@ -51,8 +51,8 @@ import shutil
 import time
 import uuid
 from collections.abc import Iterable, Sequence
-from datetime import timedelta
 from dataclasses import replace
+from datetime import timedelta
 from pathlib import Path
 
 import grpc
