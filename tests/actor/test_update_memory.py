@@ -57,3 +57,11 @@ def test_update_reports_its_peak_and_steps_a_fused_optimizer(tiny_model):
     before, after = metrics["memory/actor/rss_mb/before_update"], metrics["memory/actor/rss_mb/after_update"]
     peak = metrics["memory/actor/rss_mb/peak_update"]  # VmHWM, reset when the update starts
     assert peak >= 0.99 * max(before, after) and peak > 0
+
+
+def test_single_gpu_autocast_keeps_no_cast_cache():
+    """The cache would hold a bf16 copy of every weight through the forward pass."""
+    context = models.autocast(torch.device("cuda", 0), torch.bfloat16, sharded=False)
+    assert isinstance(context, torch.autocast) and context.fast_dtype == torch.bfloat16
+    assert context._cache_enabled is False  # torch.autocast keeps its cache_enabled argument here
+    assert not isinstance(models.autocast(torch.device("cpu"), torch.bfloat16, sharded=False), torch.autocast)
