@@ -10,10 +10,13 @@ import asyncio
 import dataclasses
 import json
 import logging
+import shutil
 import time
 
 import pytest
 
+from rlfabric.coordinator.run_controller import RunController
+from rlfabric.core.errors import FailedPrecondition, Unavailable
 from rlfabric.core.start_phases import METRIC_PREFIX, Phase, StartPhases
 from rlfabric.rollout.engine import RolloutEngine
 from rlfabric.v1 import coordinator_pb2
@@ -183,3 +186,25 @@ def test_a_failed_initial_save_fails_the_run_before_its_first_update(tiny_model,
     assert "No space left on device" in status.error and status.step == 0
     assert "update" not in actor.calls
     assert not (tmp_path / "run" / "initial_weights" / "actor" / "meta.json").exists()
+
+
+def test_an_unusable_model_fails_start_run_not_the_coordinator_and_a_fixed_one_is_loaded_again(tiny_model, tmp_path):
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    config_file = model / "config.json"
+    good = config_file.read_text()
+    config_file.write_text(json.dumps({**json.loads(good), "architectures": ["Qwen2ForTokenClassification"]}))
+
+    async def no_services(config):  # a fake mesh: this test never gets as far as the services
+        raise Unavailable("no services in this test")
+
+    async def scenario():
+        controller = RunController(fast_config(model, f"storage.root={tmp_path}"), connect=no_services)
+        await controller.start()  # the coordinator starts (and is ready) with a model it cannot use
+        with pytest.raises(FailedPrecondition, match=rf"model.path {model} holds a Qwen2ForTokenClassification"):
+            await controller.start_run([])
+        config_file.write_text(good)  # fixed: the next StartRun loads it and goes on to the services
+        with pytest.raises(Unavailable, match="no services in this test"):
+            await controller.start_run([])
+
+    asyncio.run(scenario())
