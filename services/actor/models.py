@@ -23,6 +23,7 @@ from torch import nn
 
 from rlfabric.core.config import RunConfig
 from rlfabric.core.dtypes import torch_dtype
+from rlfabric.core.moe import check_router_aux_loss
 
 TRAINABLE = ("actor", "critic")
 
@@ -55,6 +56,8 @@ def load_model(role: str, config: RunConfig, device: torch.device) -> nn.Module:
         trust_remote_code=config.model.trust_remote_code,
     )
     path = model_path(role, config)
+    if role == "actor":
+        check_router_aux_loss(config)  # a coefficient for a model without a router is a mistake
     if role == "critic":
         hf_config = AutoConfig.from_pretrained(path, num_labels=1, trust_remote_code=config.model.trust_remote_code)
         hf_config.classifier_dropout = 0.0  # dropout on the value head would make the values noisy

@@ -38,10 +38,13 @@ def _model_inputs(batch: SequenceBatch) -> dict:
 
 
 def forward_log_probs(
-    model: nn.Module, batch: SequenceBatch, temperature: float, with_entropy: bool, keep_logits: bool
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    model: nn.Module, batch: SequenceBatch, temperature: float, with_entropy: bool, keep_logits: bool,
+    router_aux_loss: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """log p(response token) [B, T] and, optionally, the entropy of each predicting distribution [B, T],
-    both under softmax(logits / temperature), as the rollout's sampler draws.
+    both under softmax(logits / temperature), as the rollout's sampler draws; with router_aux_loss (a
+    mixture-of-experts model), also its routers' load-balancing loss over the batch's non-padding tokens
+    (transformers' aux_loss), else None.
 
     Position t of the sequence predicts token t + 1, so the response's T tokens are predicted from
     positions S-T-1 .. S-2 (with logits_to_keep, the first T of the T+1 kept). The logits stay in the
@@ -49,9 +52,14 @@ def forward_log_probs(
     """
     response_len = batch.response_len
     extra = {"logits_to_keep": response_len + 1} if keep_logits else {}
-    logits = model(**_model_inputs(batch), **extra).logits  # [B, S or T+1, vocab]
+    if router_aux_loss:
+        extra["output_router_logits"] = True
+    output = model(**_model_inputs(batch), **extra)
+    logits = output.logits  # [B, S or T+1, vocab]
     start = logits.shape[1] - response_len - 1
-    return algos.log_probs_and_entropy(logits, batch["responses"], temperature, with_entropy, start=start)
+    log_probs, entropy = algos.log_probs_and_entropy(logits, batch["responses"], temperature, with_entropy,
+                                                     start=start)
+    return log_probs, entropy, output.aux_loss if router_aux_loss else None
 
 
 def forward_values(model: nn.Module, batch: SequenceBatch) -> torch.Tensor:
@@ -88,7 +96,9 @@ class PolicyObjective:
         want_entropy_grad = cfg.entropy_coeff != 0
         # The entropy comes from the same pass over the logits as the log-probs (the actor/entropy metric
         # reads it); it sends a gradient only with an entropy bonus.
-        log_probs, entropy = forward_log_probs(model, batch, self.temperature, True, self.keep_logits)  # [B, T]
+        router_coef = cfg.router_aux_loss_coef
+        log_probs, entropy, router_loss = forward_log_probs(model, batch, self.temperature, True, self.keep_logits,
+                                                            router_aux_loss=router_coef > 0)  # [B, T]
         if not want_entropy_grad:
             entropy = entropy.detach()
         agg = counts.aggregation()
@@ -108,11 +118,17 @@ class PolicyObjective:
             kl = algos.kl_penalty(log_probs, batch["ref_log_probs"], cfg.kl_loss_type)  # [B, T]
             kl_loss = algos.aggregate_loss(kl, mask, cfg.loss_agg_mode, **agg)
             loss = loss + cfg.kl_loss_coef * kl_loss
+        router_stats = {}
+        if router_loss is not None:  # a mean over this micro-batch: weighted by its share of the response tokens
+            router_loss = router_loss * mask.sum() / max(counts.tokens, 1.0)
+            loss = loss + router_coef * router_loss
+            router_stats = {"router_aux_loss": router_loss.detach()}
         stats = {
             "pg_loss": pg_loss.detach(),
             "entropy": entropy_agg.detach(),
             "kl_loss": kl_loss.detach(),
             **{name: _token_weight(value, mask, counts) for name, value in pg_stats.items()},
+            **router_stats,
         }
         return loss, stats
 

@@ -196,8 +196,8 @@ class RankWorker:
                     if self.role == "critic":
                         results = {"values": forward_values(self.model, micro)}
                     else:
-                        log_probs, entropy = forward_log_probs(self.model, micro, temperature, with_entropy,
-                                                               self.keep_logits)
+                        log_probs, entropy, _ = forward_log_probs(self.model, micro, temperature, with_entropy,
+                                                                  self.keep_logits)
                         results = {"log_probs": log_probs, "entropy": entropy}
                 if len(index):
                     real = micro["response_mask"].bool()

@@ -230,6 +230,11 @@ class ActorConfig(Section):
     """LoRA: train low-rank adapters only. The reference's log-probs then come from the actor with its
     adapters off (no reference service runs), and checkpoints hold the adapters and their optimizer."""
 
+    router_aux_loss_coef: float = Field(0.0, ge=0)
+    """Mixture-of-experts models only: weight of the router's load-balancing loss (Switch Transformer's, as
+    transformers computes it over the non-padding tokens) added to the policy loss; reported as
+    actor/router_aux_loss. 0 = off: the RL loss alone. The models' own configs give e.g. 0.001 (Qwen3-MoE's
+    router_aux_loss_coef). A model without a router refuses a non-zero value."""
     @model_validator(mode="before")
     @classmethod
     def _loss_mode_aggregation(cls, data: Any) -> Any:

@@ -161,7 +161,11 @@ def write_mesh_token(run_dir: Path, name: str = "auth_token") -> Path:
 
 def check_model(config: RunConfig) -> None:
     """A model directory the services cannot use is a ConfigError naming it, before any service starts."""
+    import torch
+
     from rlfabric.actor.models import check_policy_model
+    from rlfabric.actor.tensor_parallel import check_splits as check_trainer_splits
+    from rlfabric.core.moe import check_moe_settings
     from rlfabric.rollout.tensor_parallel import check_model_splits
 
     try:
@@ -169,6 +173,10 @@ def check_model(config: RunConfig) -> None:
     except ValueError as error:
         raise ConfigError(str(error)) from None
     check_model_splits(config)  # rollout.tensor_parallel_size against the model's heads
+    check_trainer_splits(config)  # actor/reference/critic.tensor_parallel_size against the model's
+    pool = config.resource_pools.get(config.rollout.pool)
+    rollout_gpus = pool.gpus_per_node if pool else torch.cuda.is_available()  # no pool: this machine's devices
+    check_moe_settings(config, on_gpu=bool(rollout_gpus))
 
 
 def check_external(config: RunConfig, external: Mapping[str, Sequence[str]]) -> None:

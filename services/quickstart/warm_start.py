@@ -120,7 +120,8 @@ def fine_tune(model, next_batch: Callable[[], dict[str, torch.Tensor]], steps: i
     return loss.item()
 
 
-def make_quickstart_model(out_dir: str | Path, seed: int = 0) -> Path:
-    """The tiny model with the quickstart's wider initialisation, warm-started; returns its path."""
-    make_tiny_model(out_dir, initializer_range=QUICKSTART_INIT_RANGE, seed=seed)
+def make_quickstart_model(out_dir: str | Path, seed: int = 0, moe: bool = False) -> Path:
+    """The tiny model (moe: the tiny Qwen3-MoE) with the quickstart's wider initialisation, warm-started;
+    returns its path."""
+    make_tiny_model(out_dir, initializer_range=QUICKSTART_INIT_RANGE, seed=seed, moe=moe)
     return warm_start(out_dir, seed=seed).path
