@@ -1,26 +1,37 @@
-"""rlfabric against TRL's GRPOTrainer on the same two workloads, in one run. Writes
-bench/results/peer_trl.json and bench/results/peer_trl.png (reward and seconds per step, both side by side).
+"""rlfabric against TRL's GRPOTrainer: the time to reward, over several seeds, on the same machine, alternated.
+Writes bench/results/peer_trl.json and bench/results/peer_trl.png (for each workload: the mean reward with its
+spread per step, and against the clock).
 
-    python -m bench.peer_trl_bench
+    python -m bench.peer_trl_bench [--seeds 0 1 2] [--workloads quickstart real_model] [--budget-min 150]
 
-Workloads (the same model, prompts, group size, prompts per step, max tokens and learning rate):
-    quickstart   the warm-started tiny model on "find the vowel": 64 prompts x 8 samples x 4 tokens, lr 2e-3
-    real_model   SmolLM2-135M-Instruct on "What is 7 + 5?": 8 prompts x 4 samples x 48 tokens, lr 2e-5
+Workloads (the same model, prompts, group size, prompts per step, max tokens, learning rate and every other
+setting of docs/peer-bench.md's table, which `trl_spec` checks and derives TRL's settings from):
+    quickstart   the warm-started tiny model on "find the vowel": 64 prompts x 8 samples x 4 tokens, lr 2e-3,
+                 entropy bonus 0.02, 15 steps (services/quickstart/quickstart.yaml)
+    real_model   SmolLM2-135M-Instruct on "What is 7 + 5?": 8 prompts x 4 samples x 48 tokens, lr 2e-5, 10 steps
                  (examples/smollm2_arithmetic.yaml; rlfabric generates with vLLM, TRL with transformers)
-Seconds per step are wall time between step ends (the first step, with its warm-up, is left out of the
-medians). TRL runs in its own venv (bench/.venv-trl, created here on first use: torch, trl, datasets);
-it is never a dependency of rlfabric. rlfabric's mesh is stopped before TRL starts, so the two never
-share the machine's cores. Differences that stay: TRL has no entropy bonus (the quickstart's rlfabric
-config has 0.02) and reads the prompts in its own shuffled order.
+
+rlfabric runs as a user runs it: `rlfabric train CONFIG --run-dir DIR` with the config's defaults (the launcher's
+thread budget included) and only the overrides of RLFABRIC_OVERRIDES (the seeds; no progress bar, plot, final
+checkpoint or export, which come after the last step). TRL runs bench/trl_grpo.py in its own venv (bench/.venv-trl,
+created on first use; never a dependency of rlfabric) with seed S. For each seed the two sides run one after the
+other, never at once, and each run's load average is recorded.
+
+What is reported per workload and side: the reward per step of each seed; its mean and standard deviation over
+the seeds per step; each step's time since the first step began (the clock: rlfabric's metrics timestamps minus
+the first step's length, TRL's time.time() since on_train_begin), so that start-up (the mesh's or TRL's model load)
+is counted apart, as startup_s; the time to reward (the first step whose 3-step moving average of the reward
+reaches THRESHOLD, on that clock) per seed and its mean over the seeds that reach it; the median step time
+(step 1, with its warm-up, left out); the mean reward of the last 3 steps. The bench stops starting runs when
+its wall-time budget (--budget-min) would be passed and says which seeds it ran.
 """
 
 from __future__ import annotations
 
-import asyncio
+import argparse
 import json
 import os
 import platform
-import shutil
 import statistics
 import subprocess
 import sys
@@ -28,21 +39,22 @@ import tempfile
 import time
 from pathlib import Path
 
-from rlfabric.coordinator.client import CoordinatorClient
-from rlfabric.core.client import ChannelOptions
-from rlfabric.core.config import load_config
-from rlfabric.launch.local import LocalMesh
-from rlfabric.v1 import coordinator_pb2
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).parent / "results"
 TRL_VENV = Path(__file__).parent / ".venv-trl"
 TRL_PACKAGES = ["torch==2.13.0", "trl==1.16.0", "transformers>=5.16.1,<5.20", "datasets>=3"]
+THRESHOLD = 0.6  # the reward whose 3-step moving average "time to reward" waits for
+WINDOW = 3
+BUDGET_MIN = 150  # the whole bench (both workloads, every seed, both sides) on a 2-core CPU
+RLFABRIC_OVERRIDES = ["trainer.progress_bar=false", "trainer.plot=false", "trainer.save_final=false",
+                      "trainer.export_final=false"]
 
 WORKLOADS = {
-    "quickstart": {"config": None, "overrides": [], "task": "find_vowel",
+    "quickstart": {"config": None, "task": "find_vowel",
                    "reward_file": ROOT / "services" / "reward" / "synthetic.py"},
-    "real_model": {"config": ROOT / "examples" / "smollm2_arithmetic.yaml", "overrides": [], "task": "arithmetic",
+    "real_model": {"config": ROOT / "examples" / "smollm2_arithmetic.yaml", "task": "arithmetic",
                    "reward_file": ROOT / "services" / "reward" / "arithmetic.py"},
 }
 
@@ -64,58 +76,144 @@ def trl_python() -> Path:
     return python
 
 
-async def rlfabric_run(address: str, run_dir: Path, steps: int) -> list[dict]:
-    """One run; per step: wall seconds since the previous step's end (metric timestamps) and the score."""
-    async with CoordinatorClient(address, ChannelOptions(timeout_s=3600)) as client:
-        started = time.time()
-        await client.start_run([f"trainer.run_dir={run_dir}", "trainer.resume=disable"])
-        out, previous = [], started
-        async for update in client.stream_metrics(timeout_s=3600):
-            out.append({"step": update.step, "seconds": update.timestamp - previous,
-                        "reward": update.metrics["critic/score/mean"],
-                        "timing_s/step": update.metrics["timing_s/step"]})
-            previous = update.timestamp
-            log(f"rlfabric step {update.step}: {out[-1]['seconds']:.2f} s, reward {out[-1]['reward']:.3f}")
-        status = await client.run_status()
-        if status.state != coordinator_pb2.RUN_STATE_COMPLETED:
-            raise RuntimeError(f"rlfabric run ended {status.state}: {status.error}")
-    return out
+# -- the same settings on both sides ---------------------------------------------------------------------
+
+# rlfabric keys that must hold these values for TRL's fixed settings in trl_grpo.py to be the same algorithm
+# (docs/peer-bench.md): loss_type dapo, epsilon 0.2, num_iterations 1, beta 0, scale_rewards group,
+# max_grad_norm 1.0, AdamW betas (0.9, 0.999), constant lr without warmup.
+SAME_ALGORITHM = {
+    "algorithm.adv_estimator": "grpo", "algorithm.norm_adv_by_std_in_grpo": True,
+    "algorithm.use_kl_in_reward": False, "actor.use_kl_loss": False, "actor.loss_mode": "vanilla",
+    "actor.loss_agg_mode": "token-mean", "actor.clip_ratio_low": 0.2, "actor.clip_ratio_high": 0.2,
+    "actor.ppo_epochs": 1, "actor.grad_clip": 1.0, "actor.lr_warmup_steps": 0, "actor.lora.rank": 0,
+    "algorithm.filter_groups.enable": False, "algorithm.rollout_correction.rollout_is": None,
+    "algorithm.rollout_correction.rollout_rs": None,
+}
 
 
-def run_workload(name: str, spec: dict, workdir: Path) -> dict:
-    config = load_config(spec["config"], [*spec["overrides"], "trainer.progress_bar=false", "trainer.export_final=false"])
-    steps = config.trainer.total_steps
-    log(f"{name}: rlfabric, {steps} steps")
-    with LocalMesh(config, workdir / f"{name}-mesh") as mesh:
-        run_dir = workdir / f"{name}-rlfabric"
-        ours = asyncio.run(rlfabric_run(mesh.endpoints["coordinator"][0]["grpc"], run_dir, steps))
-        model = mesh.config.model.path  # resolved by the launcher (built tiny model, cached registry model)
-    if (run_dir / "curves.png").exists():  # rlfabric's own curves of the run (reward, KL, length)
-        shutil.copy(run_dir / "curves.png", RESULTS / f"peer_trl_{name}_rlfabric_curves.png")
-    train_parquet = run_dir / "data" / spec["task"] / "train.parquet"
-    trl_spec = {"model": model, "train_parquet": str(train_parquet), "reward_file": str(spec["reward_file"]),
-                "prompts_per_step": config.data.train_batch_size, "n": config.rollout.n,
-                "max_tokens": config.data.max_response_length, "lr": config.actor.lr, "steps": steps,
-                "temperature": config.rollout.temperature, "seed": 0, "output_dir": str(workdir / f"{name}-trl")}
-    spec_file, out_file = workdir / f"{name}-trl.json", workdir / f"{name}-trl-out.json"
-    spec_file.write_text(json.dumps(trl_spec))
-    log(f"{name}: TRL GRPOTrainer, {steps} steps")
+def _key(config: dict, dotted: str):
+    for part in dotted.split("."):
+        config = config[part]
+    return config
+
+
+def trl_spec(config: dict, spec: dict, run_dir: Path, seed: int, out_dir: Path) -> dict:
+    """TRL's settings for a resolved rlfabric config (RUN_DIR/config.yaml), after checking that every key
+    TRL's fixed settings stand for holds the same value."""
+    different = {key: _key(config, key) for key, value in SAME_ALGORITHM.items() if _key(config, key) != value}
+    actor, data, rollout = config["actor"], config["data"], config["rollout"]
+    if actor["ppo_mini_batch_size"] != data["train_batch_size"]:
+        different["actor.ppo_mini_batch_size"] = actor["ppo_mini_batch_size"]  # TRL: one optimizer step a batch
+    if different:
+        raise ValueError(f"TRL cannot run the same algorithm as these rlfabric settings: {different}")
+    return {"model": config["model"]["path"], "train_parquet": str(run_dir / "data" / spec["task"] / "train.parquet"),
+            "reward_file": str(spec["reward_file"]), "prompts_per_step": data["train_batch_size"], "n": rollout["n"],
+            "max_tokens": rollout["response_length"] or data["max_response_length"], "lr": actor["lr"],
+            "weight_decay": actor["weight_decay"], "entropy_coef": actor["entropy_coeff"],
+            "steps": config["trainer"]["total_steps"], "temperature": rollout["temperature"],
+            "top_p": rollout["top_p"], "top_k": max(0, rollout["top_k"]), "seed": seed,
+            # rlfabric's model.gradient_checkpointing auto is off on CPU; TRL's default (on) would recompute
+            "gradient_checkpointing": False, "output_dir": str(out_dir)}
+
+
+# -- one run of each side ------------------------------------------------------------------------------------
+
+def rlfabric_train(spec: dict, run_dir: Path, seed: int) -> tuple[dict, dict]:
+    """`rlfabric train` as a user runs it; (the run's figures, its resolved config)."""
+    config = [str(spec["config"])] if spec["config"] else []
+    argv = [sys.executable, "-m", "rlfabric", "train", *config, "--run-dir", str(run_dir), *RLFABRIC_OVERRIDES,
+            f"rollout.seed={seed}", f"data.seed={seed}"]
+    started = time.time()
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=3600)
+    if done.returncode != 0:
+        raise RuntimeError(f"rlfabric train failed ({done.returncode}): {done.stdout[-2000:]}{done.stderr[-3000:]}")
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    begin = records[0]["timestamp"] - records[0]["timing_s/step"]  # when the first step began
+    steps = [{"step": r["step"], "reward": r["critic/score/mean"], "seconds": r["timing_s/step"],
+              "t": r["timestamp"] - begin} for r in records]
+    resolved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    return {"steps": steps, "startup_s": begin - started}, resolved
+
+
+def trl_train(trl_settings: dict, work: Path) -> dict:
+    spec_file, out_file = work / "trl-spec.json", work / "trl-out.json"
+    spec_file.write_text(json.dumps(trl_settings))
+    started = time.time()
     subprocess.run([str(trl_python()), str(Path(__file__).parent / "trl_grpo.py"), str(spec_file), str(out_file)],
-                   check=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
-    theirs = json.loads(out_file.read_text())
-    ours_median = statistics.median(s["seconds"] for s in ours[1:])
-    trl_median = statistics.median(s["seconds"] for s in theirs["steps"][1:])
+                   check=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"}, capture_output=True, timeout=3600)
+    out = json.loads(out_file.read_text())
+    return {"steps": out["steps"], "startup_s": out["train_begin_at"] - started,
+            "versions": {k: out[k] for k in ("trl", "transformers", "torch")}}
+
+
+# -- figures -------------------------------------------------------------------------------------------------
+
+def time_to_reward(steps: list[dict], threshold: float = THRESHOLD, window: int = WINDOW) -> float | None:
+    """Seconds (on the run's clock) until the `window`-step moving average of the reward first reaches
+    `threshold`; None if it never does."""
+    rewards = [s["reward"] for s in steps]
+    for i in range(window - 1, len(steps)):
+        if statistics.mean(rewards[i - window + 1: i + 1]) >= threshold:
+            return steps[i]["t"]
+    return None
+
+
+def summarize(runs: list[dict]) -> dict:
+    """One side's figures over its seeds."""
+    steps = min(len(r["steps"]) for r in runs)
+    per_step = [[r["steps"][i]["reward"] for r in runs] for i in range(steps)]
+    reached = [r["time_to_reward_s"] for r in runs if r["time_to_reward_s"] is not None]
     return {
-        "workload": {k: v for k, v in trl_spec.items() if k in ("prompts_per_step", "n", "max_tokens", "lr", "steps")},
-        "model": Path(model).name, "rollout_engine": config.rollout.engine,
-        "rlfabric": {"steps": ours, "median_step_s": ours_median,
-                     "first_reward": ours[0]["reward"], "last3_reward": statistics.mean(s["reward"] for s in ours[-3:])},
-        "trl": {"steps": theirs["steps"], "median_step_s": trl_median, "versions": {
-            k: theirs[k] for k in ("trl", "transformers", "torch")},
-            "first_reward": theirs["steps"][0].get("reward"),
-            "last3_reward": statistics.mean(s.get("reward", float("nan")) for s in theirs["steps"][-3:])},
-        "step_time_ratio_rlfabric_over_trl": ours_median / trl_median,
+        "seeds": [r["seed"] for r in runs],
+        "mean_reward_per_step": [statistics.mean(v) for v in per_step],
+        "std_reward_per_step": [statistics.pstdev(v) for v in per_step],
+        "mean_t_per_step": [statistics.mean(r["steps"][i]["t"] for r in runs) for i in range(steps)],
+        "time_to_reward_s_per_seed": [r["time_to_reward_s"] for r in runs],
+        "mean_time_to_reward_s": statistics.mean(reached) if reached else None,
+        "seeds_reaching_reward": len(reached),
+        "median_step_s": statistics.median(s["seconds"] for r in runs for s in r["steps"][1:]),
+        "mean_last3_reward": statistics.mean(statistics.mean(s["reward"] for s in r["steps"][-3:]) for r in runs),
+        "mean_startup_s": statistics.mean(r["startup_s"] for r in runs),
     }
+
+
+def compare(ours: dict, theirs: dict) -> dict:
+    both = ours["mean_time_to_reward_s"] is not None and theirs["mean_time_to_reward_s"] is not None
+    return {"time_to_reward_ratio_rlfabric_over_trl":
+            ours["mean_time_to_reward_s"] / theirs["mean_time_to_reward_s"] if both else None,
+            "step_time_ratio_rlfabric_over_trl": ours["median_step_s"] / theirs["median_step_s"],
+            "last3_reward_rlfabric_minus_trl": ours["mean_last3_reward"] - theirs["mean_last3_reward"]}
+
+
+# -- the bench -----------------------------------------------------------------------------------------------
+
+def run_seed(name: str, spec: dict, seed: int, work: Path) -> dict[str, dict]:
+    """Both sides on one seed, one after the other: rlfabric first (its run dir holds the data TRL reads)."""
+    run_dir = work / f"{name}-{seed}-rlfabric"
+    load = os.getloadavg()[0]
+    ours, config = rlfabric_train(spec, run_dir, seed)
+    ours.update(seed=seed, load_before=load, load_after=os.getloadavg()[0])
+    settings = trl_spec(config, spec, run_dir, seed, work / f"{name}-{seed}-trl")
+    load = os.getloadavg()[0]
+    theirs = trl_train(settings, work)
+    theirs.update(seed=seed, load_before=load, load_after=os.getloadavg()[0], settings=settings)
+    for run in (ours, theirs):
+        run["time_to_reward_s"] = time_to_reward(run["steps"])
+    log(f"{name} seed {seed}: time to reward {ours['time_to_reward_s']} s (rlfabric) vs "
+        f"{theirs['time_to_reward_s']} s (TRL); median step {statistics.median(s['seconds'] for s in ours['steps'][1:]):.2f}"
+        f" vs {statistics.median(s['seconds'] for s in theirs['steps'][1:]):.2f} s; load {load:.1f}")
+    return {"rlfabric": ours, "trl": theirs}
+
+
+def write(results: dict) -> None:
+    for result in results["workloads"].values():
+        if result["runs"]:
+            for side in ("rlfabric", "trl"):
+                result[side] = summarize([run[side] for run in result["runs"]])
+            result["comparison"] = compare(result["rlfabric"], result["trl"])
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "peer_trl.json").write_text(json.dumps(results, indent=2) + "\n")
+    plot(results, RESULTS / "peer_trl.png")
 
 
 def plot(results: dict, path: Path) -> None:
@@ -124,40 +222,66 @@ def plot(results: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, len(WORKLOADS), figsize=(5.5 * len(WORKLOADS), 7), squeeze=False)
-    for column, name in enumerate(WORKLOADS):
+    names = [name for name, result in results["workloads"].items() if result["runs"]]
+    fig, axes = plt.subplots(len(names), 2, figsize=(12, 4.2 * len(names)), squeeze=False)
+    for row, name in enumerate(names):
         result = results["workloads"][name]
-        for system, style in (("rlfabric", "o-"), ("trl", "s--")):
-            steps = result[system]["steps"]
-            x = [s["step"] for s in steps]
-            axes[0][column].plot(x, [s.get("reward", float("nan")) for s in steps], style, label=system)
-            axes[1][column].plot(x, [s["seconds"] for s in steps], style, label=system)
-        axes[0][column].set_title(f"{name} ({result['model']})")
-        axes[0][column].set_ylabel("mean reward")
-        axes[1][column].set_ylabel("seconds per step (wall, between step ends)")
-        axes[1][column].set_xlabel("step")
-        for axis in (axes[0][column], axes[1][column]):
+        for side, color in (("rlfabric", "tab:blue"), ("trl", "tab:orange")):
+            summary = result[side]
+            mean, std = summary["mean_reward_per_step"], summary["std_reward_per_step"]
+            low, high = [m - s for m, s in zip(mean, std, strict=True)], [m + s for m, s in zip(mean, std, strict=True)]
+            for column, x in enumerate((range(1, len(mean) + 1), summary["mean_t_per_step"])):
+                axes[row][column].plot(x, mean, "o-", color=color,
+                                       label=f"{side} (mean of {len(summary['seeds'])} seeds, band: ±1 std)")
+                axes[row][column].fill_between(x, low, high, color=color, alpha=0.2)
+            for run in result["runs"]:
+                steps = run[side]["steps"]
+                axes[row][1].plot([s["t"] for s in steps], [s["reward"] for s in steps], color=color, alpha=0.3, lw=0.8)
+        axes[row][0].set_title(f"{name} ({result['model']}): reward per step")
+        axes[row][1].set_title(f"{name}: reward against the clock (thin: each seed)")
+        axes[row][0].set_xlabel("step")
+        axes[row][1].set_xlabel("seconds since the first step began")
+        for axis in axes[row]:
+            axis.axhline(THRESHOLD, color="grey", lw=0.8, ls=":")
+            axis.set_ylabel("mean reward")
             axis.grid(alpha=0.3)
-            axis.legend()
-    fig.suptitle("rlfabric (sync) vs TRL GRPOTrainer, same workload, 2-core CPU")
+            axis.legend(loc="lower right", fontsize=8)
+    fig.suptitle(f"rlfabric train (defaults) vs TRL GRPOTrainer, same settings, {os.cpu_count()}-core CPU")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def main() -> None:
-    workdir = Path(tempfile.mkdtemp(prefix="peer-trl-bench-"))
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
+    parser.add_argument("--budget-min", type=float, default=BUDGET_MIN, help="wall-time budget of the whole bench")
+    args = parser.parse_args(sys.argv[1:] if __name__ == "__main__" else [])
     trl_python()  # before any timing: the venv install is slow
-    load_before = os.getloadavg()
-    results = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform()}, "workloads": {}}
-    for name, spec in WORKLOADS.items():
-        results["workloads"][name] = run_workload(name, spec, workdir)
-        ratio = results["workloads"][name]["step_time_ratio_rlfabric_over_trl"]
-        log(f"{name}: rlfabric / TRL median step time {ratio:.2f}x")
-    results["load_average"] = {"before": load_before, "after": os.getloadavg()}
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "peer_trl.json").write_text(json.dumps(results, indent=2))
-    plot(results, RESULTS / "peer_trl.png")
+    work = Path(tempfile.mkdtemp(prefix="peer-trl-bench-"))
+    deadline = time.monotonic() + args.budget_min * 60
+    results = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform()}, "threshold": THRESHOLD,
+               "window": WINDOW, "budget_min": args.budget_min, "rlfabric_overrides": RLFABRIC_OVERRIDES,
+               "workloads": {name: {"runs": [], "model": None} for name in args.workloads}}
+    for name in args.workloads:
+        for seed in args.seeds:
+            result = results["workloads"][name]
+            if result["runs"] and time.monotonic() + _seed_seconds(result["runs"]) > deadline:
+                log(f"{name}: seed {seed} would pass the {args.budget_min:.0f}-minute budget; stopping here")
+                result["budget_stopped_before_seed"] = seed
+                break
+            started = time.monotonic()
+            runs = run_seed(name, WORKLOADS[name], seed, work)
+            runs["wall_s"] = time.monotonic() - started
+            result["runs"].append(runs)
+            result["model"] = Path(runs["trl"]["settings"]["model"]).name
+            write(results)  # after every seed: a run cut short keeps what it has
     log(f"wrote {RESULTS / 'peer_trl.json'} and {RESULTS / 'peer_trl.png'}")
+
+
+def _seed_seconds(runs: list[dict]) -> float:
+    return max(run["wall_s"] for run in runs)
 
 
 if __name__ == "__main__":

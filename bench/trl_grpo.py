@@ -4,11 +4,14 @@
     python bench/trl_grpo.py SPEC.json OUT.json
 
 SPEC: {"model", "train_parquet", "reward_file", "prompts_per_step", "n", "max_tokens", "lr", "steps",
-       "temperature", "max_prompt_length", "seed"}, and for a GPU (bench.gpu_check) optionally "device"
-("cpu" by default, or "cuda"), "bf16" (false), "micro_batch" (rows per forward/backward; all of a step's by
-default) and "gradient_checkpointing" (TRL's default when absent). The reward is the same function rlfabric's reward
-service runs (compute_score of a file in services/reward/, loaded by path). OUT: per step the wall
-time between step ends and the mean reward; on a GPU the peak of torch's allocated memory.
+       "temperature", "seed"}, optionally "top_p" (1.0), "top_k" (0: off), "entropy_coef" (0.0), "weight_decay"
+(0.01), and for a GPU (bench.gpu_check) "device" ("cpu" by default, or "cuda"), "bf16" (false), "micro_batch"
+(rows per forward/backward; all of a step's by default) and "gradient_checkpointing" (TRL's default, on, when
+absent). The settings are those of docs/peer-bench.md's table, each the same as rlfabric's key it names. The
+reward is the same function rlfabric's reward service runs (compute_score of a file in services/reward/, loaded
+by path). OUT: per step the wall time between step ends, the time since training began (time.time() of the
+step's end minus that of on_train_begin) and the mean reward; "started_at": time.time() when the script began
+and "train_begin_at" when training did; on a GPU the peak of torch's allocated memory.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ def load_score(path: str):
 
 
 def main() -> None:
+    started_at = time.time()
     spec = json.loads(open(sys.argv[1]).read())
     out_path = sys.argv[2]
     import datasets
@@ -50,10 +54,12 @@ def main() -> None:
     on_cpu = spec.get("device", "cpu") == "cpu"
     config = GRPOConfig(
         output_dir=spec["output_dir"], max_steps=spec["steps"], learning_rate=spec["lr"],
-        lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.01, max_grad_norm=1.0,
+        lr_scheduler_type="constant", warmup_steps=0, weight_decay=spec.get("weight_decay", 0.01), max_grad_norm=1.0,
+        optim="adamw_torch_fused", adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,
         per_device_train_batch_size=micro, gradient_accumulation_steps=rows // micro, num_generations=spec["n"],
-        max_completion_length=spec["max_tokens"], temperature=spec["temperature"], top_p=1.0,
-        num_iterations=1, beta=0.0, loss_type="dapo", scale_rewards="group",
+        max_completion_length=spec["max_tokens"], temperature=spec["temperature"], top_p=spec.get("top_p", 1.0),
+        top_k=spec.get("top_k", 0), num_iterations=1, beta=0.0, epsilon=0.2, loss_type="dapo", scale_rewards="group",
+        entropy_coef=spec.get("entropy_coef", 0.0), mask_truncated_completions=False,
         logging_steps=1, save_strategy="no", report_to=[], seed=spec["seed"], bf16=spec.get("bf16", False),
         fp16=False, use_cpu=on_cpu, dataloader_num_workers=0, disable_tqdm=True,
         **({"gradient_checkpointing": spec["gradient_checkpointing"]} if "gradient_checkpointing" in spec else {}),
@@ -63,17 +69,16 @@ def main() -> None:
 
     steps: list[dict] = []
 
-    class StepClock(TrainerCallback):
-        def __init__(self):
-            self.last = None
+    clock: dict[str, float] = {}
 
+    class StepClock(TrainerCallback):
         def on_train_begin(self, args, state, control, **kwargs):
-            self.last = time.perf_counter()
+            clock["begin"] = clock["last"] = time.time()
 
         def on_step_end(self, args, state, control, **kwargs):
-            now = time.perf_counter()
-            steps.append({"step": state.global_step, "seconds": now - self.last})
-            self.last = now
+            now = time.time()
+            steps.append({"step": state.global_step, "seconds": now - clock["last"], "t": now - clock["begin"]})
+            clock["last"] = now
             print(f"[trl] step {state.global_step}: {steps[-1]['seconds']:.2f} s", flush=True)
 
         def on_log(self, args, state, control, logs=None, **kwargs):
@@ -88,7 +93,7 @@ def main() -> None:
 
     peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() and not on_cpu else None
     with open(out_path, "w") as out:
-        json.dump({"steps": steps, "trl": trl.__version__, "transformers": transformers.__version__,
+        json.dump({"steps": steps, "started_at": started_at, "train_begin_at": clock["begin"], "trl": trl.__version__, "transformers": transformers.__version__,
                    "torch": torch.__version__, "peak_device_mb": peak / 2**20 if peak else None}, out, indent=2)
 
 
