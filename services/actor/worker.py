@@ -293,7 +293,14 @@ class RankWorker:
             model_state = {name: tensor for name, tensor in model_state.items() if name in self.checkpoint_shapes}
         optimizer_state = {}
         if with_optimizer and self.optimizer is not None:
+            never_stepped = not self.optimizer.state
             optimizer_state = get_optimizer_state_dict(self.model, self.optimizer, options=options)
+            if never_stepped:
+                # torch builds a never-stepped optimizer's state by a step with zero gradients at lr 0, which
+                # AdamW counts: the first real update would then be bias-corrected as step 2 (~0.74 of its
+                # size). Drop that state and save it as "no step taken yet".
+                self.optimizer.state.clear()
+                optimizer_state = _without_steps(optimizer_state)
         return model_state, optimizer_state
 
     def load_full_state(self, model_state: dict, optimizer_state: dict, progress: tuple[int, int]) -> None:
@@ -335,3 +342,12 @@ class RankWorker:
         torch.set_rng_state(state["cpu_rng"].cpu())
         if "cuda_rng" in state and self.device.type == "cuda":
             torch.cuda.set_rng_state(state["cuda_rng"].cpu(), self.device)
+
+
+def _without_steps(optimizer_state: dict) -> dict:
+    """An optimizer state dict whose per-parameter step counts are zero (moments are zero already)."""
+    for state in optimizer_state.get("state", {}).values():
+        if "step" in state:
+            step = state["step"]
+            state["step"] = torch.zeros_like(step) if isinstance(step, torch.Tensor) else 0
+    return optimizer_state

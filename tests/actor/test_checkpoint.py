@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file
 
 from rlfabric.actor import checkpoint as ckpt
-from rlfabric.core.errors import FailedPrecondition, InvalidArgument, NotFound
+from rlfabric.core.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from tests.actor.helpers import Served, hf_log_probs, make_batch, make_config
 
 CONFIG = {"lr": 3e-3, "ppo_mini_batch_size": 2, "lr_warmup_steps": 3}
@@ -47,6 +47,31 @@ def test_resume_from_checkpoint_equals_uninterrupted_training(tiny_model, tmp_pa
         assert all(torch.equal(torch.as_tensor(v), torch.as_tensor(optimizer_b["state"][name][k])) for k, v in state.items())
 
 
+def test_a_save_before_the_first_update_changes_no_update(tiny_model, tmp_path):
+    """torch fills a never-stepped AdamW's state by a zero-gradient step that counts as step 1; a fresh run's
+    initial save must not make its first update a bias-corrected step 2 (0.74 of its size), nor must a run
+    resumed from that checkpoint."""
+    config = make_config(tiny_model, actor=CONFIG)
+    batch = make_batch(rows=8)
+    runs = {}
+    for name in ("no save", "saved first", "resumed"):
+        with Served("actor", config) as served:
+            if name == "saved first":
+                served.run(served.client.save_checkpoint(tmp_path / "start"))
+            if name == "resumed":
+                assert served.run(served.client.load_checkpoint(tmp_path / "start")) == 0
+            runs[name] = [_training_metrics(_update(served, batch, seed=s)) for s in (0, 1)]
+            served.run(served.client.save_checkpoint(tmp_path / name))
+    assert runs["saved first"] == runs["no save"] == runs["resumed"]
+    ends = {name: _saved_state(tmp_path / name) for name in runs}
+    for name in ("saved first", "resumed"):
+        assert all(torch.equal(ends[name][0][k], v) for k, v in ends["no save"][0].items()), name
+        steps = {float(torch.as_tensor(state["step"])) for state in ends[name][1]["state"].values()}
+        assert steps == {4.0}, name  # two updates of two optimizer steps each (8 rows, mini-batches of 4)
+    start_steps = {float(torch.as_tensor(s["step"])) for s in _saved_state(tmp_path / "start")[1]["state"].values()}
+    assert start_steps == {0.0}
+
+
 def test_failed_save_keeps_the_previous_checkpoint(tiny_model, tmp_path, monkeypatch):
     target = tmp_path / "ckpt"
     with Served("critic", make_config(tiny_model, critic=CONFIG)) as served:
@@ -60,7 +85,7 @@ def test_failed_save_keeps_the_previous_checkpoint(tiny_model, tmp_path, monkeyp
             raise OSError(28, "No space left on device")
 
         monkeypatch.setattr(ckpt, "save_file", disk_full)
-        with pytest.raises(FailedPrecondition, match="No space left"):
+        with pytest.raises(ResourceExhausted, match="No space left"):
             served.run(served.client.save_checkpoint(target))
         monkeypatch.undo()
         assert (target / "model.safetensors").read_bytes() == before
