@@ -130,13 +130,13 @@ SHARED = ["resource_pools={shared: {gpus: 1}}", "actor.pool=shared", "rollout.po
 
 
 @pytest.mark.parametrize("overrides, gpu_count, visible, transport, reason", [
-    ([], 1, None, "gloo", "the actor and rollout-0 share GPU 0"),  # one GPU, the defaults: both take cuda:0
+    ([], 1, None, "cuda_ipc", "the actor and rollout-0 share GPU 0"),  # one GPU, the defaults: both take cuda:0
     ([], 0, None, "gloo", "the actor is on CPU"),
     (SPLIT, 2, None, "nccl", "every member holds a GPU of its own"),
     (SPLIT, 2, "GPU-aa,GPU-bb", "nccl", "every member holds a GPU of its own"),
-    (SHARED, 1, None, "gloo", "the actor and rollout-0 share GPU 0"),
+    (SHARED, 1, None, "cuda_ipc", "the actor and rollout-0 share GPU 0"),
     ([*SPLIT, "rollout.replicas=2"], 2, None, "gloo", "rollout-0 and rollout-1 share GPU 1"),
-    (["resource_pools={train: {gpus: 1}}", "actor.pool=train"], 2, "5,7", "gloo",  # the rollout sees every GPU
+    (["resource_pools={train: {gpus: 1}}", "actor.pool=train"], 2, "5,7", "cuda_ipc",  # the rollout sees every GPU
      "the actor and rollout-0 share GPU 5"),
     (["resource_pools={cpu: {cpus: [0]}}", "actor.pool=cpu", "rollout.pool=cpu"], 1, None, "gloo",
      "the actor is on CPU"),
@@ -167,7 +167,7 @@ def test_nccl_forced_onto_one_gpu_is_refused_before_any_service_starts(tmp_path,
 
 @pytest.mark.parametrize("overrides, transport, reason", [
     ([], "nccl", "every member holds a GPU of its own"),  # a whole GPU each
-    (SHARED, "gloo", "the actor and rollout-0 share GPU 0 of resource pool shared"),
+    (SHARED, "cuda_ipc", "the actor and rollout-0 share GPU 0 of resource pool shared"),
     (["launcher.ray.rollout.num_gpus=0"], "gloo", "rollout-0 is on CPU"),
     (["rollout.engine=sglang"], "nccl", "rollout-0 did not report its GPU; the resource pools keep them apart"),
 ])
@@ -181,14 +181,46 @@ def test_the_ray_launcher_predicts_the_transport_from_what_it_reserves(overrides
         ray_launcher.predicted_transport(load_config(None, [*SHARED, "weight_sync.transport=nccl"]), True)
 
 
-def test_services_share_the_launchers_cores_instead_of_each_taking_them_all(tmp_path):
+def test_services_get_the_planned_threads_and_idle_openmp_threads_that_sleep(tmp_path):
     config = load_run_config(None, ["algorithm.adv_estimator=gae", "rollout.replicas=2"])
-    torch_services = [name for name, role in service_names(config) if role in ("actor", "reference", "critic", "rollout")]
-    expected = str(max(1, len(os.sched_getaffinity(0)) // len(torch_services)))
+    planned = {name: p.env()["OMP_NUM_THREADS"] for name, p in plan_placement(config, service_names(config)).items()}
     with LocalMesh(config, tmp_path / "run") as mesh:
-        threads = {proc.name: _proc_environ(proc.process.pid).get("OMP_NUM_THREADS") for proc in mesh.processes}
-    assert len(torch_services) == 4 and {"critic", "rollout-1", "coordinator"} <= threads.keys()
-    assert set(threads.values()) == {expected}, threads
+        environs = {proc.name: _proc_environ(proc.process.pid) for proc in mesh.processes}
+    assert {"critic", "rollout-1", "coordinator"} <= environs.keys()
+    assert {name: environs[name]["OMP_NUM_THREADS"] for name in planned} == planned
+    assert {env.get("OMP_WAIT_POLICY") for env in environs.values()} == {"PASSIVE"}
+
+
+ALL_ON_FOUR_CORES = ["resource_pools={all: {cpus: [0, 1, 2, 3]}}", "actor.pool=all", "rollout.pool=all",
+                     "reference.pool=all", "critic.pool=all"]
+
+
+def _threads(overrides: list[str]) -> dict[str, str]:
+    config = load_run_config(None, [*ALL_ON_FOUR_CORES, *overrides])
+    return {name: p.env()["OMP_NUM_THREADS"] for name, p in plan_placement(config, service_names(config)).items()}
+
+
+def test_services_that_take_turns_each_get_the_cores_and_services_that_overlap_share_them():
+    # The quickstart's shape (actor, one replica): in sync mode they take turns, so each has the four cores.
+    launcher_cores = str(len(os.sched_getaffinity(0)))  # the reward service is in no pool: the launcher's cores
+    assert _threads([]) == {"actor": "4", "rollout-0": "4", "reward": launcher_cores}
+    # Sync: the two replicas generate together, then actor, reference and critic compute together.
+    both = ["rollout.replicas=2", "actor.use_kl_loss=true", "algorithm.adv_estimator=gae"]
+    sync = _threads(both)
+    torch_services = ("rollout-0", "rollout-1", "actor", "reference", "critic")
+    assert {name: sync[name] for name in torch_services} == {
+        "rollout-0": "2", "rollout-1": "2", "actor": "1", "reference": "1", "critic": "1"}
+    # Async: generation goes on while the trainers train, so all five share the four cores.
+    assert {_threads([*both, "trainer.mode=async"])[name] for name in torch_services} == {"1"}
+    assert _threads(["trainer.mode=async"]) == {"actor": "2", "rollout-0": "2", "reward": launcher_cores}
+    # The hybrid engine takes turns too: the colocated rollout sleeps while the actor trains.
+    assert _threads(["trainer.colocated=true"])["actor"] == "4"
+
+
+def test_the_launcher_environment_keeps_its_own_openmp_wait_policy(monkeypatch):
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    config = load_run_config(None, [])
+    assert all("OMP_WAIT_POLICY" not in p.env() for p in plan_placement(config, service_names(config)).values())
 
 
 def test_threads_per_service_overrides_the_share_and_a_pools_cores_are_shared_by_its_torch_services():

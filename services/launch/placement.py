@@ -12,9 +12,13 @@ of T and replica i takes slice i mod their count), the reward service sees them 
 GPU (its roles run on CPU). A pool's `cpus` pin its services (and the ranks and engine workers they start,
 which inherit the affinity) to those cores, so separate pools are separate on a CPU-only machine too.
 Services of no pool (and the coordinator) keep the launcher's devices and cores, and each gets OMP_NUM_THREADS =
-cores // torch services (actor, reference, critic, rollout replicas), at least 1: four services each spinning
-one OpenMP thread per core on a small machine made the actor's update several times slower
-(launcher.threads_per_service sets the count instead). The Ray launcher places
+cores // the torch services (actor, reference, critic, rollout replicas) that compute at the same time as it, at
+least 1: four services each spinning one OpenMP thread per core on a small machine made the actor's update several
+times slower. In async mode that is all of them; in sync mode the replicas generate, then the trainers train, so
+each phase's services share the cores and the other phase's do not count (computes_with). Every service's OpenMP
+threads sleep as soon as they are idle (OMP_WAIT_POLICY=PASSIVE, unless the launcher's environment sets it), so a
+service waiting for its turn leaves the cores to the one computing (launcher.threads_per_service sets the count
+instead). The Ray launcher places
 pools as placement groups instead (rlfabric.launch.ray); the in-process mesh runs every role in one process,
 where pools do not apply.
 """
@@ -42,7 +46,9 @@ class Placement:
 
     def env(self) -> dict[str, str]:
         """Environment variables that confine the service to its GPUs (and size its thread pools to its cores)."""
-        env = {}
+        # Idle OpenMP threads sleep at once instead of spinning (unless the launcher's environment says otherwise):
+        # a service that waits for its turn, or between small ops, leaves the shared cores to the one computing.
+        env = {} if "OMP_WAIT_POLICY" in os.environ else {"OMP_WAIT_POLICY": "PASSIVE"}
         if self.gpus is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(_launcher_gpu_ids()[i] for i in self.gpus)
         if self.threads is not None:
@@ -70,14 +76,26 @@ TORCH_ROLES = ("actor", "reference", "critic", "rollout")  # roles whose service
 
 def threads_per_service(config: RunConfig, services: list[tuple[str, str]], role: str) -> int:
     """OMP_NUM_THREADS of a service of `role`: launcher.threads_per_service, or when that is 0 the cores it runs
-    on (its pool's cpus, else the launcher's) shared evenly by the torch services running on them (they overlap
-    in time: rollout with training, reference and critic with the actor), at least 1."""
+    on (its pool's cpus, else the launcher's) shared evenly by the torch services on them that compute at the
+    same time as it (computes_with), at least 1."""
     if config.launcher.threads_per_service:
         return config.launcher.threads_per_service
     cores_of = _cores_pool(config, role)
     cores = len(config.resource_pools[cores_of].cpus) if cores_of else len(os.sched_getaffinity(0))
-    sharing = sum(1 for _, other in services if other in TORCH_ROLES and _cores_pool(config, other) == cores_of)
+    sharing = sum(1 for _, other in services
+                  if other in TORCH_ROLES and _cores_pool(config, other) == cores_of and computes_with(config, role, other))
     return max(1, cores // max(1, sharing))
+
+
+def computes_with(config: RunConfig, role: str, other: str) -> bool:
+    """Whether a service of `role` computes while one of `other` does. In async mode every service overlaps
+    (generation goes on while the trainers train). In sync mode (colocated too) the services take turns: the
+    rollout replicas generate together, then the trainers (actor, reference, critic) compute together, so a
+    trainer and a replica never need the same cores at once. A service of no torch role (reward, env) is
+    counted as overlapping them all."""
+    if config.trainer.mode == "async" or role not in TORCH_ROLES:
+        return True
+    return (role == "rollout") == (other == "rollout")
 
 
 def _cores_pool(config: RunConfig, role: str) -> str:
