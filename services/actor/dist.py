@@ -1,4 +1,5 @@
-"""The data-parallel group of one role: rank 0 serves gRPC and drives ranks 1..N-1.
+"""The process group of one role: rank 0 serves gRPC and drives ranks 1..N-1 (data-parallel, or a
+(N / T) x T mesh with <role>.tensor_parallel_size T: tensor_parallel.py).
 
 Start-up: by default rank 0 opens a TCP store on a free port and starts N-1 worker processes,
 
@@ -133,10 +134,11 @@ def run_command(worker, channel: Channel, command: Command, params: list[float],
     rank, world_size = worker.rank, worker.world_size
     if command == Command.COMPUTE:
         outputs = worker.compute(shard, temperature=params[0], with_entropy=bool(params[1]), base_model=bool(params[2]))
-        if rank != 0:
-            channel.send_tensors(outputs, dst=0)
+        if rank != 0:  # one rank per tensor-parallel group reports: its peers computed the same rows
+            if rank in worker.result_ranks:
+                channel.send_tensors(outputs, dst=0)
             return None
-        parts = [outputs] + [{k: v.cpu() for k, v in channel.recv_tensors(src).items()} for src in range(1, world_size)]
+        parts = [outputs] + [{k: v.cpu() for k, v in channel.recv_tensors(src).items()} for src in worker.result_ranks[1:]]
         return {name: torch.cat([part[name] for part in parts]) for name in outputs}
     if command == Command.UPDATE:
         return worker.update(shard)

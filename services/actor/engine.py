@@ -1,7 +1,7 @@
-"""The engine behind the actor, reference and critic services: rank 0 of the role's data-parallel group.
+"""The engine behind the actor, reference and critic services: rank 0 of the role's process group.
 
-It validates each request into a SequenceBatch, cuts it into one shard per rank, sends the shards to
-ranks 1..N-1 (dist.WorkerGroup) and runs its own shard. All torch work runs on one dedicated thread:
+It validates each request into a SequenceBatch, cuts it into one shard per data-parallel rank (the T ranks
+of a tensor-parallel group share one), sends the shards to ranks 1..N-1 (dist.WorkerGroup) and runs its own. All torch work runs on one dedicated thread:
 the event loop keeps answering health checks during a long update, and commands never interleave
 (their collectives must reach every rank in the same order).
 """
@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry
 
 from rlfabric import algorithms as algos
 from rlfabric.actor import checkpoint as ckpt
-from rlfabric.actor import lora
+from rlfabric.actor import lora, tensor_parallel
 from rlfabric.actor.batch import SequenceBatch, shard_rows, validate_batch
 from rlfabric.actor.dist import Command, WorkerGroup, run_command
 from rlfabric.actor.models import TRAINABLE, model_path, rank_device
@@ -61,6 +61,8 @@ class TrainerEngine:
         self.config = config
         self.section = {"actor": config.actor, "reference": config.reference, "critic": config.critic}[role]
         self.world_size = self.section.world_size
+        self.tensor_parallel_size = self.section.tensor_parallel_size
+        self.data_parallel_size = self.world_size // self.tensor_parallel_size
         self.model_path = model_path(role, config)
         self.storage = StorageRoot.from_config(config)  # where RPC-given checkpoint and export paths may point
         self.worker: RankWorker | None = None
@@ -103,13 +105,15 @@ class TrainerEngine:
         await self._run(self._start)
 
     def _check_config(self) -> None:
+        tensor_parallel.check_model_split(self.config, self.role)  # ConfigError naming <role>.tensor_parallel_size
         if self.role not in TRAINABLE:
             return
         rows = self.section.ppo_mini_batch_size * self.config.rollout.n
-        if rows % self.world_size:
+        if rows % self.data_parallel_size:
             raise ValueError(f"{self.role}: a mini-batch of {rows} rows (ppo_mini_batch_size "
                              f"{self.section.ppo_mini_batch_size} x rollout.n {self.config.rollout.n}) does not "
-                             f"split over world_size {self.world_size} ranks")
+                             f"split over {self.data_parallel_size} data-parallel ranks (world_size "
+                             f"{self.world_size} / tensor_parallel_size {self.tensor_parallel_size})")
         if self.role == "actor":
             load_plugin_modules(self.config.algorithm.plugin_modules)  # before the loss_mode check
             if self.section.loss_mode not in algos.policy_loss_names():
@@ -166,7 +170,7 @@ class TrainerEngine:
 
     def _compute(self, tensors, temperature, with_entropy, base_model):
         batch = validate_batch(tensors, self.worker.vocab_size, max_length=self.worker.max_length)
-        shards = [batch.select(rows) for rows in shard_rows(batch.num_rows, self.world_size)]
+        shards = self._rank_shards(batch, shard_rows(batch.num_rows, self.data_parallel_size))
         return self._command(Command.COMPUTE, [temperature, float(with_entropy), float(base_model)], shards)
 
     async def update(self, tensors: dict[str, torch.Tensor], global_step: int = 0) -> dict[str, float]:
@@ -190,7 +194,7 @@ class TrainerEngine:
                 f"old_log_probs is missing; it may be left out only when the update is one optimizer step "
                 f"(one mini-batch of {rows} rows and actor.ppo_epochs 1), not {batch.num_rows} rows x "
                 f"{self.section.ppo_epochs} epochs")
-        shards = [batch.select(index) for index in shard_rows(batch.num_rows, self.world_size, rows)]
+        shards = self._rank_shards(batch, shard_rows(batch.num_rows, self.data_parallel_size, rows))
         memory = self._memory_metrics("before_update")
         metrics = self._command(Command.UPDATE, [], shards)
         seconds = time.perf_counter() - started
@@ -203,6 +207,11 @@ class TrainerEngine:
         log.info("update", extra={"fields": {"global_step": global_step, "rows": batch.num_rows,
                                              **{k: round(v, 6) for k, v in metrics.items()}}})
         return metrics
+
+    def _rank_shards(self, batch: SequenceBatch, rows: list[torch.Tensor]) -> list[SequenceBatch]:
+        """Rank r's shard: data-parallel rank r // T's rows (the T ranks of a tensor-parallel group share them)."""
+        shards = [batch.select(index) for index in rows]
+        return [shards[rank // self.tensor_parallel_size] for rank in range(self.world_size)]
 
     def _memory_metrics(self, phase: str) -> dict[str, float]:
         """Rank 0's memory now: memory/<role>/rss_mb/<phase> (the process's resident memory) and on a GPU

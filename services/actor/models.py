@@ -95,15 +95,17 @@ def enable_gradient_checkpointing(model: nn.Module) -> None:
 
 
 def shard_model(model: nn.Module, world_size: int, device: torch.device, dtype: torch.dtype,
-                offload: bool = False) -> nn.Module:
+                offload: bool = False, mesh=None) -> nn.Module:
     """FSDP2: each decoder layer is one unit (its parameters gathered just for its forward/backward),
     the embeddings, final norm and head are the root unit. Gradients are reduced in float32. `offload`
     (a GPU shared with the rollout, trainer.colocated): FSDP2's CPU offload keeps the shards, their
-    gradients and so the optimizer state in host memory; only a unit being computed is on the GPU."""
+    gradients and so the optimizer state in host memory; only a unit being computed is on the GPU.
+    `mesh`: the data-parallel mesh (with tensor parallelism, mesh["dp"] of tensor_parallel.device_mesh);
+    default: all world_size ranks."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    mesh = init_device_mesh(device.type, (world_size,))
+    mesh = mesh if mesh is not None else init_device_mesh(device.type, (world_size,))
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     placement = CPUOffloadPolicy() if offload else OffloadPolicy()
     layer_classes = set(getattr(model, "_no_split_modules", None) or ())

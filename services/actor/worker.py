@@ -1,5 +1,6 @@
-"""One data-parallel rank of the actor, reference or critic: its model (FSDP2-sharded when the role has
-more than one rank), optimizer and LR schedule, and what it computes on its shard of a batch.
+"""One rank of the actor, reference or critic: its model (FSDP2-sharded when the role has more than one
+rank, and split over tensor-parallel ranks with <role>.tensor_parallel_size, tensor_parallel.py), optimizer and
+LR schedule, and what it computes on its shard of a batch.
 
 The same code runs on every rank, so every FSDP2 collective (parameter all-gathers in each forward,
 gradient reduce-scatters in each backward) lines up: ranks agree on micro-batch counts first.
@@ -21,7 +22,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from rlfabric.actor import lora, models
+from rlfabric.actor import lora, models, tensor_parallel
 from rlfabric.actor.batch import (
     SequenceBatch,
     equalize_micro_batches,
@@ -100,14 +101,19 @@ class RankWorker:
         self.keep_logits = role != "critic" and models.accepts_logits_to_keep(base)
         self.hf_config = model.config
         self.sharded = world_size > 1
+        # tensor_parallel_size T: a (world_size / T) x T mesh; the T ranks of a TP group compute on the same rows.
+        self.tensor_parallel_size = self.section.tensor_parallel_size
+        self.data_parallel_size = world_size // self.tensor_parallel_size
+        self.result_ranks = range(0, world_size, self.tensor_parallel_size)  # one rank per TP group reports
+        self.data_group = None  # the process group gradients and batch statistics are summed over (None: all)
+        self._gather = tensor_parallel.RankZeroGather() if self.tensor_parallel_size > 1 else None
         # trainer.colocated on a GPU (the hybrid engine): between phases the model, its gradients and its
         # optimizer state wait in host memory, so the rollout sharing the GPU can use it. Sharded, FSDP2's CPU
         # offload does it; one rank moves them itself (onload before a phase, offload after).
         offload = config.trainer.colocated and device.type == "cuda"
         self.offloads = offload and not self.sharded
         self.frees_gpu = offload  # between phases nothing of this rank stays allocated on the GPU
-        self.model = (models.shard_model(model, world_size, device, self.dtype, offload) if self.sharded
-                      else model.to("cpu" if self.offloads else device))
+        self.model = self._shard(model, offload) if self.sharded else model.to("cpu" if self.offloads else device)
         self.objective = None
         self.optimizer = None
         self.updates = 0  # UpdatePolicy / UpdateValues calls: the LR schedule's clock
@@ -127,16 +133,26 @@ class RankWorker:
                                                weight_decay=self.section.weight_decay, fused=True)
         # VeRL's ppo_mini_batch_size counts prompts; the batch has rollout.n rows per prompt.
         self.mini_batch_rows = self.section.ppo_mini_batch_size * config.rollout.n if self.trainable else 0
-
-    # -- helpers ----------------------------------------------------------------------------------
         if self.frees_gpu:  # the GPU starts as free as between phases (loading may have left blocks behind)
             release_device_memory(device)
 
+    # -- helpers ----------------------------------------------------------------------------------
+
+    def _shard(self, model: torch.nn.Module, offload: bool) -> torch.nn.Module:
+        """FSDP2 over all ranks, or with tensor parallelism: split within each TP group, FSDP2 across them."""
+        if self.tensor_parallel_size == 1:
+            return models.shard_model(model, self.world_size, self.device, self.dtype, offload)
+        mesh = tensor_parallel.device_mesh(self.device.type, self.world_size, self.tensor_parallel_size)
+        tensor_parallel.parallelize(model, mesh["tp"])
+        self.data_group = mesh["dp"].get_group()
+        return models.shard_model(model, self.world_size, self.device, self.dtype, offload, mesh=mesh["dp"])
+
     def _all_reduce(self, values: list[float], op=dist.ReduceOp.SUM) -> list[float]:
+        """Over the data-parallel ranks (a TP group's ranks hold the same rows: summing them would count twice)."""
         if not self.sharded:
             return values
         tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
-        dist.all_reduce(tensor, op=op)
+        dist.all_reduce(tensor, op=op, group=self.data_group)
         return tensor.tolist()
 
     def _plan(self, batch: SequenceBatch, max_rows: int) -> list[torch.Tensor]:
@@ -169,10 +185,10 @@ class RankWorker:
         driver, for the rollout engine that shares it."""
         if self.offloads:
             self._move("cpu")
-
-    # -- inference --------------------------------------------------------------------------------
         if self.frees_gpu:
             release_device_memory(self.device)
+
+    # -- inference --------------------------------------------------------------------------------
 
     @torch.no_grad()
     def compute(self, shard: SequenceBatch, temperature: float = 1.0, with_entropy: bool = False,
@@ -216,7 +232,7 @@ class RankWorker:
         """ppo_epochs passes over the shard's mini-batches, one optimizer step each. Metrics are the
         mini-batch values averaged over the steps, identical on every rank."""
         section = self.section
-        local_rows = self.mini_batch_rows // self.world_size
+        local_rows = self.mini_batch_rows // self.data_parallel_size
         lr = section.lr * warmup_factor(self.updates, section.lr_warmup_steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -254,9 +270,9 @@ class RankWorker:
             started = time.perf_counter()
             with models.autocast(self.device, self.dtype, self.sharded):
                 loss, stats = self.objective.loss(self.model, micro, counts)
-            # FSDP2 averages gradients over ranks; each rank's loss is already its share of the
-            # mini-batch total, so scale back up to get the sum.
-            (loss * self.world_size).backward()
+            # FSDP2 averages gradients over the data-parallel ranks; each rank's loss is already its share
+            # of the mini-batch total, so scale back up to get the sum.
+            (loss * self.data_parallel_size).backward()
             self._sync()
             timings["fwd_bwd_s"] += time.perf_counter() - started
             for name, value in stats.items():
@@ -264,9 +280,12 @@ class RankWorker:
 
     def _optimizer_step(self) -> float:
         """Clips the gradient norm and steps; a non-finite norm (same on every rank) skips the step."""
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.section.grad_clip)
-        if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP2
-            grad_norm = grad_norm.full_tensor()
+        if self.tensor_parallel_size > 1:  # parameters on two meshes, which torch's clip cannot stack
+            grad_norm = tensor_parallel.clip_grad_norm(self.model.parameters(), self.section.grad_clip)
+        else:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.section.grad_clip)
+            if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP2
+                grad_norm = grad_norm.full_tensor()
         grad_norm = float(grad_norm)
         if math.isfinite(grad_norm):
             self.optimizer.step()
@@ -282,11 +301,15 @@ class RankWorker:
         A collective: every rank calls it. Keys are Hugging Face parameter names (PeftModel's with LoRA,
         merged by lora.merged_state). trained_only: the parameters that train (with LoRA, the adapters).
         on_device: an unsharded model's tensors stay where they are (a same-GPU weight sync packs them on
-        the GPU: no copy to the host and back); a sharded one's still gather to the host."""
+        the GPU: no copy to the host and back); a sharded one's still gather to the host, but a tensor-parallel
+        one's, gathered onto rank 0 alone (tensor_parallel.RankZeroGather), stay on rank 0's device."""
         cpu_offload = self.sharded or not on_device
         options = StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload, ignore_frozen_params=trained_only)
         if not cpu_offload and not trained_only:  # the module's own tensors: the same names, without the
             model_state = self.model.state_dict()  # ~0.15 s get_model_state_dict spends on an unsharded model
+        elif self._gather is not None:  # tensor parallel: onto rank 0 alone, each shard sent once
+            self.model.reshard()  # FSDP2 keeps the root's parameters unsharded after a forward (compute)
+            model_state = self._gather.gather(self.model, self.device, to_cpu=not on_device)
         else:
             model_state = get_model_state_dict(self.model, options=options)
         if trained_only:  # a frozen weight tied to another (lm_head) can slip through ignore_frozen_params

@@ -186,7 +186,11 @@ class LoraConfig(Section):
 
 class ActorConfig(Section):
     world_size: int = Field(1, ge=1)
-    """Data-parallel ranks (FSDP2); rank 0 serves gRPC."""
+    """Ranks (FSDP2 data-parallel x tensor_parallel_size); rank 0 serves gRPC."""
+    tensor_parallel_size: int = Field(1, ge=1)
+    """Tensor-parallel ranks per model copy (torch DTensor; Llama and Qwen2 families): world_size ranks form a
+    (world_size / T) x T mesh, FSDP2 across, each decoder layer's projections split T ways within (and an untied LM head).
+    T must divide world_size and the model's attention heads, KV heads and intermediate size. 1 = data parallel."""
     pool: str = ""
     """Key of resource_pools this role runs on; empty = no pool (every device of the machine, as before)."""
     lr: float = Field(1e-5, gt=0)
@@ -226,15 +230,15 @@ class ActorConfig(Section):
     """Weight of the KL loss."""
     kl_loss_type: str = "low_var_kl"
     """KL estimator: kl (k1), abs, mse (k2), low_var_kl (k3); a "+" suffix takes k2's gradient."""
-    lora: LoraConfig = LoraConfig()
-    """LoRA: train low-rank adapters only. The reference's log-probs then come from the actor with its
-    adapters off (no reference service runs), and checkpoints hold the adapters and their optimizer."""
-
     router_aux_loss_coef: float = Field(0.0, ge=0)
     """Mixture-of-experts models only: weight of the router's load-balancing loss (Switch Transformer's, as
     transformers computes it over the non-padding tokens) added to the policy loss; reported as
     actor/router_aux_loss. 0 = off: the RL loss alone. The models' own configs give e.g. 0.001 (Qwen3-MoE's
     router_aux_loss_coef). A model without a router refuses a non-zero value."""
+    lora: LoraConfig = LoraConfig()
+    """LoRA: train low-rank adapters only. The reference's log-probs then come from the actor with its
+    adapters off (no reference service runs), and checkpoints hold the adapters and their optimizer."""
+
     @model_validator(mode="before")
     @classmethod
     def _loss_mode_aggregation(cls, data: Any) -> Any:
@@ -248,7 +252,11 @@ class ReferenceConfig(Section):
     enable: bool = True
     """Run a reference service (needed for KL in reward or KL loss)."""
     world_size: int = Field(1, ge=1)
-    """Data-parallel ranks (FSDP2); rank 0 serves gRPC."""
+    """Ranks (FSDP2 data-parallel x tensor_parallel_size); rank 0 serves gRPC."""
+    tensor_parallel_size: int = Field(1, ge=1)
+    """Tensor-parallel ranks per model copy (torch DTensor; Llama and Qwen2 families): world_size ranks form a
+    (world_size / T) x T mesh, FSDP2 across, each decoder layer's projections split T ways within (and an untied LM head).
+    T must divide world_size and the model's attention heads, KV heads and intermediate size. 1 = data parallel."""
     pool: str = ""
     """Key of resource_pools this role runs on; empty = no pool (every device of the machine, as before)."""
     log_prob_micro_batch_size_per_gpu: int = Field(16, ge=1)
@@ -259,7 +267,11 @@ class ReferenceConfig(Section):
 
 class CriticConfig(Section):
     world_size: int = Field(1, ge=1)
-    """Data-parallel ranks (FSDP2); rank 0 serves gRPC."""
+    """Ranks (FSDP2 data-parallel x tensor_parallel_size); rank 0 serves gRPC."""
+    tensor_parallel_size: int = Field(1, ge=1)
+    """Tensor-parallel ranks per model copy (torch DTensor; Llama and Qwen2 families): world_size ranks form a
+    (world_size / T) x T mesh, FSDP2 across, each decoder layer's projections split T ways within (the value head stays whole).
+    T must divide world_size and the model's attention heads, KV heads and intermediate size. 1 = data parallel."""
     pool: str = ""
     """Key of resource_pools this role runs on; empty = no pool (every device of the machine, as before)."""
     lr: float = Field(1e-5, gt=0)
@@ -909,6 +921,21 @@ class RunConfig(Section):
             if pool.total_gpus and pool.total_gpus < world_size:
                 raise ValueError(f"resource_pools.{name} has {pool.total_gpus} GPU(s), too few for "
                                  f"{role}.world_size {world_size}")
+        return self
+
+    @model_validator(mode="after")
+    def _trainer_tensor_parallel_fits(self) -> RunConfig:
+        """<role>.tensor_parallel_size divides the role's world_size, and the actor's LoRA adapters are not split."""
+        for role in ("actor", "reference", "critic"):
+            section = getattr(self, role)
+            tp, world_size = section.tensor_parallel_size, section.world_size
+            if world_size % tp:
+                raise ValueError(f"{role}.tensor_parallel_size {tp} does not divide {role}.world_size {world_size}: the "
+                                 f"ranks form a (world_size / tensor_parallel_size) x tensor_parallel_size mesh")
+        if self.actor.tensor_parallel_size > 1 and self.actor.lora.enabled:
+            raise ValueError(f"actor.tensor_parallel_size {self.actor.tensor_parallel_size} with actor.lora.rank "
+                             f"{self.actor.lora.rank}: LoRA adapters are not split over tensor-parallel ranks here; "
+                             "use one of them")
         return self
 
     def pool_of(self, role: str) -> str:
