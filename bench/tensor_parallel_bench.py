@@ -184,28 +184,37 @@ def tp_vs_tp1(samples: dict[int, list], reference: dict[int, list]) -> dict:
             "mean": sum(diffs) / len(diffs) if diffs else None}
 
 
+async def measure_models(names: list[str], workdir: Path) -> dict[str, list[dict]]:
+    """TP=1 and TP=T of each model, on one event loop (grpc's asyncio channels stay on the loop they began on)."""
+    results = {}
+    for name in names:
+        model = model_path(name, workdir)
+        tp1, samples1 = await measure(model, 1, workdir)
+        tpn, samples = await measure(model, TP_OF[name], workdir)
+        tpn["vs_tp1"] = tp_vs_tp1(samples, samples1)
+        results[name] = [tp1, tpn]
+        print(json.dumps({name: results[name]}, indent=1), flush=True)
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", nargs="+", default=list(TP_OF), choices=list(TP_OF))
+    parser.add_argument("--models", nargs="+", default=list(TP_OF), choices=list(TP_OF),
+                        help="measure these (the file keeps the other models' last figures)")
     args = parser.parse_args(sys.argv[1:] if __name__ == "__main__" else [])
     workdir = Path(tempfile.mkdtemp(prefix="rlfabric-tp-bench-"))
-    results = {}
     try:
-        for name in args.models:
-            model = model_path(name, workdir)
-            tp1, samples1 = asyncio.run(measure(model, 1, workdir))
-            tpn, samples = asyncio.run(measure(model, TP_OF[name], workdir))
-            tpn["vs_tp1"] = tp_vs_tp1(samples, samples1)
-            results[name] = [tp1, tpn]
-            print(json.dumps({name: results[name]}, indent=1), flush=True)
+        results = asyncio.run(measure_models(args.models, workdir))
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     import vllm
 
+    earlier = json.loads(RESULTS.read_text())["results"] if RESULTS.exists() else {}
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps({
-        "results": results, "machine": platform.machine(), "cpus": os.cpu_count(), "load_average": os.getloadavg(),
-        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "torch": torch.__version__, "vllm": vllm.__version__,
+        "results": {**earlier, **results}, "machine": platform.machine(), "cpus": os.cpu_count(),
+        "load_average": os.getloadavg(), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "torch": torch.__version__, "vllm": vllm.__version__,
     }, indent=2) + "\n")
     print(f"wrote {RESULTS}")
 
