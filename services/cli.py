@@ -548,7 +548,8 @@ def config_reference_markdown() -> str:
         "| --- | --- | --- |",
     ]
     for key, default, doc in config_reference():
-        lines.append(f"| `{key}` | `{default}` | {doc.replace('|', '/')} |")
+        meaning = " ".join(doc.split()).replace("|", "/")  # one table row: a line break would end the table
+        lines.append(f"| `{key}` | `{default}` | {meaning} |")
     return "\n".join(lines) + "\n"
 
 
