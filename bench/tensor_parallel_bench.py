@@ -50,7 +50,7 @@ def model_path(name: str, workdir: Path) -> Path:
 
 
 def prompts_of(model: Path) -> list[list[int]]:
-    from rlfabric.rollout.engine import load_tokenizer
+    from rlfabric.core.host import load_tokenizer
 
     tokenizer = load_tokenizer(str(model))
     questions = ["What is 2 + 3?", "Name a primary colour.", "What is the capital of France?", "Count to five."]

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from rlfabric.actor.batch import TENSOR_NAMES, SequenceBatch
 from rlfabric.core import codec
 from rlfabric.core.config import RunConfig, load_config
-from rlfabric.launch.placement import cpu_thread_budget
+from rlfabric.core.host import cpu_thread_budget
 from rlfabric.weight_sync.gloo import master_store
 
 MAX_DIMS = 4

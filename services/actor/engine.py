@@ -31,10 +31,9 @@ from rlfabric.algorithms.plugins import load_plugin_modules
 from rlfabric.core.client import ChannelOptions
 from rlfabric.core.config import RunConfig
 from rlfabric.core.errors import FailedPrecondition, InvalidArgument
+from rlfabric.core.host import cpu_thread_budget, current_rss_bytes
 from rlfabric.core.metrics import service_counter, service_gauge, service_histogram
 from rlfabric.core.storage import StorageRoot
-from rlfabric.launch.placement import cpu_thread_budget
-from rlfabric.rollout.engine import current_rss_bytes
 from rlfabric.weight_sync import AdapterSpec, Manifest, Membership, SyncGroup, WeightLimits, WeightSwap
 from rlfabric.weight_sync.devices import DeviceReport, report_of
 from rlfabric.weight_sync.sender import BroadcastResult, WeightSender

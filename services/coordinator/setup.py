@@ -20,8 +20,8 @@ from rlfabric.coordinator.peers import Peers
 from rlfabric.coordinator.weight_sync import WeightSyncPlane
 from rlfabric.core.config import RunConfig, run_dir_of
 from rlfabric.core.errors import FailedPrecondition, InvalidArgument
+from rlfabric.core.host import load_tokenizer
 from rlfabric.core.start_phases import StartPhases
-from rlfabric.rollout.engine import load_tokenizer
 
 log = logging.getLogger("rlfabric.coordinator")
 

@@ -104,14 +104,6 @@ def _cores_pool(config: RunConfig, role: str) -> str:
     return pool if pool and config.resource_pools[pool].cpus else ""
 
 
-def cpu_thread_budget() -> int:
-    """The CPU threads this process may use: its OMP_NUM_THREADS (set by the launcher), else its cores."""
-    try:
-        return max(1, int(os.environ["OMP_NUM_THREADS"]))
-    except (KeyError, ValueError):
-        return len(os.sched_getaffinity(0))
-
-
 def visible_gpu_count() -> int:
     """GPUs this process sees (0 without CUDA); counted without initialising CUDA here."""
     try:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import abc
 import asyncio
 import contextlib
-import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Iterable, Mapping, Sequence
@@ -42,6 +41,7 @@ from rlfabric.core.errors import (
     Unavailable,
     Unimplemented,
 )
+from rlfabric.core.host import current_rss_bytes
 from rlfabric.rollout.agent_rollout import AgentRollouts
 from rlfabric.rollout.types import (
     AgentPrompt,
@@ -419,23 +419,3 @@ class RolloutEngine(abc.ABC):
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=True) if self.tokenizer else ""
-
-
-def current_rss_bytes() -> int:
-    """Resident memory of this process now (Linux /proc; 0 elsewhere)."""
-    try:
-        with open("/proc/self/statm") as statm:
-            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
-def trust_remote_code(config) -> bool:
-    """model.trust_remote_code (read defensively: the field belongs to the model section's owner)."""
-    return bool(getattr(config.model, "trust_remote_code", False))
-
-
-def load_tokenizer(path: str, trust_remote_code: bool = False):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)

@@ -49,7 +49,8 @@ import torch
 from rlfabric.core.config import RunConfig
 from rlfabric.core.dtypes import rollout_dtype, torch_dtype
 from rlfabric.core.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument
-from rlfabric.rollout.engine import Generation, RolloutEngine, load_tokenizer, trust_remote_code
+from rlfabric.core.host import load_tokenizer, trust_remote_code
+from rlfabric.rollout.engine import Generation, RolloutEngine
 from rlfabric.rollout.hf_decode import DecodeBatch
 from rlfabric.rollout.types import (
     EngineLimits,

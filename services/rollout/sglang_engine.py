@@ -41,7 +41,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 from rlfabric.core.config import RunConfig
 from rlfabric.core.errors import FailedPrecondition, InvalidArgument, Unavailable, Unimplemented
-from rlfabric.rollout.engine import Generation, RolloutEngine, load_tokenizer, trust_remote_code
+from rlfabric.core.host import load_tokenizer, trust_remote_code
+from rlfabric.rollout.engine import Generation, RolloutEngine
 from rlfabric.rollout.types import EngineLimits, Finish, FinishedSample, SamplingSpec, row_seed
 from rlfabric.weight_sync import Manifest, SyncGroup, WeightSwap
 from rlfabric.weight_sync.receiver import SLACK_S

@@ -68,9 +68,10 @@ from rlfabric.core.errors import (
     Unavailable,
     error_for_code,
 )
+from rlfabric.core.host import load_tokenizer, trust_remote_code
 from rlfabric.core.moe import check_rollout_engine, in_memory_shapes
 from rlfabric.core.storage import create_private_file
-from rlfabric.rollout.engine import Generation, RolloutEngine, load_tokenizer, trust_remote_code
+from rlfabric.rollout.engine import Generation, RolloutEngine
 from rlfabric.rollout.tensor_parallel import check_model_splits, cpu_binding, numa_node_count
 from rlfabric.rollout.types import (
     EngineLimits,

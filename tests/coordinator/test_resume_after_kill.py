@@ -16,7 +16,7 @@ import pytest
 
 from rlfabric.coordinator.checkpoints import latest_checkpoint
 from rlfabric.coordinator.dataset import RLHFDataset
-from rlfabric.rollout.engine import load_tokenizer
+from rlfabric.core.host import load_tokenizer
 
 pytestmark = pytest.mark.slow
 

@@ -15,8 +15,8 @@ import torch
 from rlfabric.actor.client import ActorClient
 from rlfabric.coordinator.weight_sync import WeightSyncPlane
 from rlfabric.core.client import wait_until_serving
+from rlfabric.core.host import load_tokenizer
 from rlfabric.core.server import ServerOptions
-from rlfabric.rollout.engine import load_tokenizer
 from rlfabric.rollout.servicer import build_service as build_rollout
 from rlfabric.serve import build_service as build_trainer
 from tests.conftest import ServerThread

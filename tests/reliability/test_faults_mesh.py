@@ -35,10 +35,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from rlfabric.coordinator.checkpoints import checkpoint_root, latest_checkpoint, read_state
 from rlfabric.coordinator.dataset import RLHFDataset
 from rlfabric.core.config import load_config
+from rlfabric.core.host import load_tokenizer
 from rlfabric.core.server import ServerOptions
 from rlfabric.launch.local import LocalMesh, ServiceProcess
 from rlfabric.reward import compute_score
-from rlfabric.rollout.engine import load_tokenizer
 from rlfabric.serve import build_service
 from rlfabric.v1 import coordinator_pb2, coordinator_pb2_grpc, rollout_pb2, rollout_pb2_grpc
 from tests.mesh_access import mesh_channel

@@ -1,0 +1,35 @@
+"""What a service asks of the host it runs on: its CPU thread budget, its resident memory, and the
+tokenizer of a model directory. Every role uses these, so they live below the roles (a trainer importing
+the launcher or the rollout for them made the packages lean on each other)."""
+
+from __future__ import annotations
+
+import os
+
+
+def cpu_thread_budget() -> int:
+    """The CPU threads this process may use: its OMP_NUM_THREADS (set by the launcher), else its cores."""
+    try:
+        return max(1, int(os.environ["OMP_NUM_THREADS"]))
+    except (KeyError, ValueError):
+        return len(os.sched_getaffinity(0))
+
+
+def current_rss_bytes() -> int:
+    """Resident memory of this process now (Linux /proc; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def trust_remote_code(config) -> bool:
+    """model.trust_remote_code (read defensively: the field belongs to the model section's owner)."""
+    return bool(getattr(config.model, "trust_remote_code", False))
+
+
+def load_tokenizer(path: str, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
