@@ -9,7 +9,7 @@ one JSON line of settings, then the code. The process splits in two, as the rewa
   the host's temp dirs deleted), removes the directory and exits as the
   runner did. Past the memory limit it kills them all at once and writes {"memory_exceeded": why}
   as a JSON line to stderr;
-- the runner, its child, confines itself (rlfabric.reward.sandbox.confine: own network namespace,
+- the runner, its child, confines itself (rlfabric.sandbox.confine.confine: own network namespace,
   the claimed uid as root, private /tmp, /var/tmp and /dev/shm with env.python.sandbox.private_tmp,
   empty environment, resource limits), writes the confinement's warnings as one JSON line to stderr,
   points its stderr at stdout and runs the code: what it prints (a traceback included) is the tool's output.
@@ -26,9 +26,9 @@ import sys
 import time
 import traceback
 
-from rlfabric.reward.custom_worker import import_installed_modules
-from rlfabric.reward.process_tree import MEMORY_CHECK_S, MemoryBound, kill_descendants, set_child_subreaper
-from rlfabric.reward.sandbox import SandboxError, UidClaim, claim_uid, confine, make_workdir
+from rlfabric.sandbox.confine import SandboxError, UidClaim, claim_uid, confine, make_workdir
+from rlfabric.sandbox.imports import import_installed_modules
+from rlfabric.sandbox.process_tree import MEMORY_CHECK_S, MemoryBound, kill_descendants, set_child_subreaper
 
 
 def main() -> int:

@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING
 
 from rlfabric.env.environment import Tool, ToolEnvironment, ToolError, ToolTimeout
 from rlfabric.env.items import Task, ToolSpec
-from rlfabric.reward.process_tree import kill_descendants
-from rlfabric.reward.sandbox import user_variables, worker_environment
+from rlfabric.sandbox.confine import user_variables, worker_environment
+from rlfabric.sandbox.process_tree import kill_descendants
 
 if TYPE_CHECKING:
     from rlfabric.core.config import EnvConfig, PythonToolConfig

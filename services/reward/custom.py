@@ -13,7 +13,7 @@ on. Every process the function started is killed and reaped when its item ends, 
 kills them too, whatever session or process group they moved to (setsid, a double-forked daemon):
 see custom_worker.
 
-The function is confined (rlfabric.reward.sandbox, settings in reward.custom_sandbox; docs/sandbox.md):
+The function is confined (rlfabric.sandbox.confine, settings in reward.custom_sandbox; docs/sandbox.md):
 as root, no network, a uid of the worker's own, an empty environment plus what the config lists,
 limits on processes, memory (all its processes together), file size, descriptors and CPU time; its
 keyword arguments reach it over a pipe, not the command line, and only its worker's supervisor, which
@@ -49,8 +49,8 @@ from rlfabric.reward.items import (
     failed,
     result_from_value,
 )
-from rlfabric.reward.process_tree import kill_descendants
-from rlfabric.reward.sandbox import user_variables, worker_environment
+from rlfabric.sandbox.confine import user_variables, worker_environment
+from rlfabric.sandbox.process_tree import kill_descendants
 
 if TYPE_CHECKING:  # (not at run time: each worker imports this package, and pydantic costs it ~0.3 s)
     from rlfabric.core.config import CustomSandboxConfig
@@ -169,7 +169,7 @@ class CustomScorerPool:
 
         memory_limit_mb caps each of a worker's processes' address space (RLIMIT_AS, virtual memory:
         a function that imports torch needs a few GB) and all of them together (resident; see
-        rlfabric.reward.process_tree.MemoryBound); None = no cap. function_kwargs (JSON
+        rlfabric.sandbox.process_tree.MemoryBound); None = no cap. function_kwargs (JSON
         values) are passed to every call, as VeRL's custom_reward_function.reward_kwargs.
         sandbox confines the function (None = the defaults of reward.custom_sandbox).
         Raises FileNotFoundError or CustomFunctionLoadError when the function cannot be loaded.

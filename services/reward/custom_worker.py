@@ -9,11 +9,11 @@ command line, where `ps` would show them. The process splits in two (one fork, n
   only then writes a result to the pool; a reply out of protocol fails the item and ends the worker.
   It is a child subreaper (prctl PR_SET_CHILD_SUBREAPER): every process the user's code starts stays
   its descendant, even one that calls setsid() or double-forks into a daemon. It claims the worker's
-  own uid (rlfabric.reward.sandbox.claim_uid) and makes its memory bound (process_tree.MemoryBound),
+  own uid (rlfabric.sandbox.confine.claim_uid) and makes its memory bound (process_tree.MemoryBound),
   which it checks while an item runs. When the scorer ends it kills every descendant left, reaps
   them, releases the uid (deleting what it left in the host's temp dirs) and exits as the
   scorer did (same exit code or signal); when the pool's process dies, it does the same.
-- the scorer, its child, confines itself (rlfabric.reward.sandbox: own network namespace, the
+- the scorer, its child, confines itself (rlfabric.sandbox.confine: own network namespace, the
   worker's uid, empty environment, resource limits, the memory cgroup) before it runs any user code,
   then loads the function from the source the supervisor read and scores items. Its stdin is
   /dev/null, its stdout goes to stderr: what the user's code prints or writes to any descriptor it
@@ -45,9 +45,7 @@ so the pool only ever parses JSON of numbers.
 
 from __future__ import annotations
 
-import ast
 import contextlib
-import importlib.util
 import json
 import linecache
 import numbers
@@ -69,15 +67,7 @@ from typing import Any, NoReturn
 import psutil
 
 from rlfabric.reward.items import describe_exception, short_message
-from rlfabric.reward.process_tree import (
-    MEMORY_CHECK_S,
-    MemoryBound,
-    kill_descendants,
-    reap_children,
-    set_child_subreaper,
-    wait_for_children,
-)
-from rlfabric.reward.sandbox import (
+from rlfabric.sandbox.confine import (
     SandboxError,
     UidClaim,
     can_renew_hard_cpu_limit,
@@ -86,6 +76,15 @@ from rlfabric.reward.sandbox import (
     make_workdir,
     renew_cpu_limit,
     renew_own_cpu_limit,
+)
+from rlfabric.sandbox.imports import import_installed_modules
+from rlfabric.sandbox.process_tree import (
+    MEMORY_CHECK_S,
+    MemoryBound,
+    kill_descendants,
+    reap_children,
+    set_child_subreaper,
+    wait_for_children,
 )
 
 # A reply longer than this without a newline is out of protocol (the supervisor holds it in memory).
@@ -96,46 +95,6 @@ _UCRED = struct.Struct("iII")  # struct ucred of SCM_CREDENTIALS: pid, uid, gid
 _LOADING = "loading"
 _IDLE = "idle"
 _BUSY = "busy"  # scoring the item sent with `nonce`
-
-
-# Codecs the standard library loads lazily behind the user's back (idna: any host name given to socket).
-LAZY_STANDARD_MODULES = ("encodings.idna", "encodings.punycode", "encodings.unicode_escape", "encodings.latin_1")
-
-
-def import_installed_modules(source: bytes, path: str) -> list[str]:
-    """Imports the installed modules (standard library, site-packages) that the file's import statements
-    name, before the sandbox drops privileges: the sandbox uid may not be able to read the interpreter's
-    own files (e.g. Python under /root, mode 0700), and an import inside the sandbox would then fail.
-    Never a module beside the user's file: that is user code, and runs only confined. Returns the names."""
-    try:
-        tree = ast.parse(source)
-    except SyntaxError:
-        return []  # load_function reports it, confined
-    names: set[str] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names.add(node.module)
-            names.update(f"{node.module}.{alias.name}" for alias in node.names)  # submodules, if they are
-    user_dir = os.path.dirname(os.path.abspath(path)) + os.sep
-    imported = []
-    for name in [*LAZY_STANDARD_MODULES, *sorted(names)]:
-        try:
-            spec = importlib.util.find_spec(name.split(".")[0])
-        except (ImportError, ValueError):
-            continue
-        if spec is None:
-            continue
-        places = [spec.origin or "", *(spec.submodule_search_locations or ())]
-        if any(place.startswith(user_dir) for place in places):
-            continue
-        try:
-            importlib.import_module(name)
-        except Exception:  # not a module (a function's name), or broken: the user's import says so, confined
-            continue
-        imported.append(name)
-    return imported
 
 
 def load_function(path: str, source: bytes, name: str) -> Callable[..., Any]:
@@ -494,7 +453,7 @@ def score_items(
     def send(message: dict) -> None:
         channel.sendall(_line(message))
 
-    # 2. Confine this process before any user code runs (see rlfabric.reward.sandbox); what it may no
+    # 2. Confine this process before any user code runs (see rlfabric.sandbox.confine); what it may no
     # longer read, the installed modules the file imports, is imported first.
     import_installed_modules(source, settings["path"])
     try:

@@ -22,7 +22,7 @@ from rlfabric.env import PythonEnvironment
 from rlfabric.env.items import STEP_OK, STEP_TOOL_ERROR, Action, Task, ToolCall
 from rlfabric.env.python_tool import run_python
 from rlfabric.reward import STATUS_OK, CustomScorerPool, ScoreItem
-from rlfabric.reward.sandbox import SHARED_TEMP_DIRS, claim_uid
+from rlfabric.sandbox.confine import SHARED_TEMP_DIRS, claim_uid
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.skipif(

@@ -25,7 +25,7 @@ from rlfabric.reward import (
     ScoreItem,
 )
 from rlfabric.reward.engine import RewardEngine
-from rlfabric.reward.sandbox import INTERPRETER_VARIABLES
+from rlfabric.sandbox.confine import INTERPRETER_VARIABLES
 
 pytestmark = pytest.mark.skipif(
     not hasattr(os, "geteuid") or os.geteuid() != 0, reason="the sandbox's uid and network boundary need root"

@@ -14,7 +14,7 @@ When the service runs as root (the case this is built for):
 - files: with private_tmp (the python tool's default), empty tmpfs of its own on /tmp, /var/tmp and
   /dev/shm (a mount namespace), gone when it ends; else (and where no mount namespace can be made)
   the supervisor deletes what its uid left in them when it ends (UidClaim.release);
-- memory: all its processes together under memory_limit_mb (rlfabric.reward.process_tree.MemoryBound:
+- memory: all its processes together under memory_limit_mb (rlfabric.sandbox.process_tree.MemoryBound:
   a cgroup where one can be made, else counting the tree), each one also under RLIMIT_AS;
 - environment: PATH, HOME and TMPDIR (a private, empty working directory), the variables the
   interpreter needs to start, and what the config lists; nothing else of the service's environment;
@@ -61,7 +61,7 @@ import tempfile
 
 import psutil
 
-from rlfabric.reward.process_tree import join_cgroup
+from rlfabric.sandbox.process_tree import join_cgroup
 
 CLONE_NEWNS = 0x00020000  # <linux/sched.h>
 CLONE_NEWUSER = 0x10000000
