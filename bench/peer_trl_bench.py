@@ -53,7 +53,7 @@ RLFABRIC_OVERRIDES = ["trainer.progress_bar=false", "trainer.plot=false", "train
 
 WORKLOADS = {
     "quickstart": {"config": None, "task": "find_vowel",
-                   "reward_file": ROOT / "services" / "reward" / "synthetic.py"},
+                   "reward_file": ROOT / "services" / "reward" / "find_vowel.py"},
     "real_model": {"config": ROOT / "examples" / "smollm2_arithmetic.yaml", "task": "arithmetic",
                    "reward_file": ROOT / "services" / "reward" / "arithmetic.py"},
 }

@@ -16,8 +16,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from rlfabric.quickstart import synthetic
-from rlfabric.reward import arithmetic, hellaswag
+from rlfabric.reward import arithmetic, find_vowel, hellaswag
 from rlfabric.reward.math_equiv import last_boxed_only_string, remove_boxed
 
 # VeRL's GSM8K preprocessing appends this instruction to every question.
@@ -81,14 +80,14 @@ def _text_field(path: Path, line: int, record: dict, field: str) -> str:
 
 
 def write_synthetic(out_dir: str | Path, train_size: int = 2048, val_size: int = 128, seed: int = 0) -> dict:
-    """The quickstart task (see rlfabric.quickstart.synthetic) as train.parquet and val.parquet."""
+    """The quickstart task (see rlfabric.reward.find_vowel) as train.parquet and val.parquet."""
     rng = random.Random(seed)
     paths = {}
     for split, size in (("train", train_size), ("val", val_size)):
         rows = []
         for index in range(size):
-            prompt, answer = synthetic.make_example(rng)
-            rows.append(_row(synthetic.DATA_SOURCE, prompt, answer, "letters", split, index))
+            prompt, answer = find_vowel.make_example(rng)
+            rows.append(_row(find_vowel.DATA_SOURCE, prompt, answer, "letters", split, index))
         paths[split] = _write(rows, Path(out_dir) / f"{split}.parquet")
     return paths
 

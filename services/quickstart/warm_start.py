@@ -3,7 +3,7 @@
     rlfabric make-tiny-model OUT --warm-start        # what `rlfabric up` builds when model.path is empty
 
 The warm start teaches the reply format, not the task. It trains on
-rlfabric.quickstart.synthetic.make_warm_start_example ("any letter of: - K - - E -", up to six letters
+rlfabric.reward.find_vowel.make_warm_start_example ("any letter of: - K - - E -", up to six letters
 with no dashes) with every shown letter as a target, and never sees a task prompt, so the model
 learns to answer with one letter copied from the prompt and then end its turn, with no preference
 for vowels: on the task ("find the vowel") it scores about 1 in 6 until reinforcement learning finds
@@ -35,8 +35,8 @@ from pathlib import Path
 
 import torch
 
-from rlfabric.quickstart import synthetic
 from rlfabric.quickstart.tiny_model import make_tiny_model
+from rlfabric.reward import find_vowel
 
 QUICKSTART_INIT_RANGE = 0.1
 
@@ -93,7 +93,7 @@ def warm_start(model_dir: str | Path, steps: int = 400, batch_size: int = 16, lr
         return prompt_ids[prompt], tokenizer.encode(answer, add_special_tokens=False) + [tokenizer.eos_token_id]
 
     def next_batch() -> dict[str, torch.Tensor]:
-        examples = [synthetic.make_warm_start_example(rng) for _ in range(batch_size)]
+        examples = [find_vowel.make_warm_start_example(rng) for _ in range(batch_size)]
         return _collate([encode(prompt, answer) for prompt, answers in examples for answer in answers],
                         tokenizer.pad_token_id)
 

@@ -10,8 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from rlfabric.quickstart import synthetic
-from rlfabric.reward import arithmetic, gsm8k, hellaswag, math_equiv
+from rlfabric.reward import arithmetic, find_vowel, gsm8k, hellaswag, math_equiv
 
 Scorer = Callable[..., Any]
 
@@ -83,6 +82,6 @@ for _source in GSM8K_DATA_SOURCES:
     register_scorer(_source, score_gsm8k)
 for _source in MATH_DATA_SOURCES:
     register_scorer(_source, score_math)
-register_scorer(synthetic.DATA_SOURCE, synthetic.compute_score)
+register_scorer(find_vowel.DATA_SOURCE, find_vowel.compute_score)
 register_scorer(arithmetic.DATA_SOURCE, arithmetic.compute_score)
 register_scorer(hellaswag.DATA_SOURCE, hellaswag.compute_score)

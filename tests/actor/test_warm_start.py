@@ -8,9 +8,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rlfabric.quickstart import synthetic
 from rlfabric.quickstart.tiny_model import make_tiny_model
 from rlfabric.quickstart.warm_start import make_quickstart_model, warm_start
+from rlfabric.reward import find_vowel
 
 
 @pytest.fixture(scope="module")
@@ -25,10 +25,10 @@ def task_prompts(tokenizer, count: int, seed: int = 123) -> list[tuple[list[int]
     rng = random.Random(seed)
     prompts = []
     for _ in range(count):
-        text, answer = synthetic.make_example(rng)
+        text, answer = find_vowel.make_example(rng)
         ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                             tokenize=True, return_dict=False)
-        prompts.append((list(ids), text.removeprefix(synthetic.INSTRUCTION).split(" "), answer))
+        prompts.append((list(ids), text.removeprefix(find_vowel.INSTRUCTION).split(" "), answer))
     return prompts
 
 
@@ -86,5 +86,5 @@ def test_warm_started_model_copies_every_letter_evenly(quickstart):
         for letter in letters:
             copy_probability.setdefault(letter, []).append(float(probs[tokenizer.convert_tokens_to_ids(letter)]))
     means = {letter: sum(p) / len(p) for letter, p in copy_probability.items()}
-    assert set(means) == set(synthetic.LETTERS)
+    assert set(means) == set(find_vowel.LETTERS)
     assert all(1 / 12 < p < 1 / 3 for p in means.values()), means

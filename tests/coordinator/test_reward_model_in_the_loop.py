@@ -26,8 +26,8 @@ from rlfabric.coordinator.data_prep import HH_RLHF_DATA_SOURCE, write_hh_rlhf, w
 from rlfabric.core.client import ChannelOptions
 from rlfabric.core.config import load_config
 from rlfabric.launch.local import LocalMesh
-from rlfabric.quickstart import synthetic
 from rlfabric.quickstart.tiny_model import build_tokenizer
+from rlfabric.reward import find_vowel
 from rlfabric.reward.model_reward import ModelRewardConfig, RewardModelScorer
 from rlfabric.v1 import coordinator_pb2
 
@@ -74,9 +74,9 @@ def write_dialogues(out: Path, count: int, seed: int) -> Path:
     openers = [("hello", "hi, how can I help?"), ("are you there?", "yes."), ("good morning", "morning!")]
     lines = []
     for _ in range(count):
-        letters = synthetic.make_example(rng)[0].removeprefix(synthetic.INSTRUCTION)
+        letters = find_vowel.make_example(rng)[0].removeprefix(find_vowel.INSTRUCTION)
         human, assistant = rng.choice(openers)
-        dialogue = f"\n\nHuman: {human}\n\nAssistant: {assistant}\n\nHuman: {synthetic.WARM_START_INSTRUCTION}{letters}"
+        dialogue = f"\n\nHuman: {human}\n\nAssistant: {assistant}\n\nHuman: {find_vowel.WARM_START_INSTRUCTION}{letters}"
         vowel = next(letter for letter in letters.split() if letter in VOWELS)
         consonant = next(letter for letter in letters.split() if letter not in VOWELS)
         lines.append(json.dumps({"chosen": f"{dialogue}\n\nAssistant: {vowel}",
@@ -139,9 +139,9 @@ def test_a_mixed_batch_scores_each_prompt_by_its_own_scorer(mesh, data, experime
     for step in (1, 2):
         samples = rollouts_of(experiment_dir, step)
         by_source = {sample["data_source"] for sample in samples}
-        assert by_source == {synthetic.DATA_SOURCE, HH_RLHF_DATA_SOURCE}, by_source  # both kinds in one batch
-        rules = [s for s in samples if s["data_source"] == synthetic.DATA_SOURCE]
-        assert [s["score"] for s in rules] == [synthetic.compute_score(s["response"], s["ground_truth"]) for s in rules]
+        assert by_source == {find_vowel.DATA_SOURCE, HH_RLHF_DATA_SOURCE}, by_source  # both kinds in one batch
+        rules = [s for s in samples if s["data_source"] == find_vowel.DATA_SOURCE]
+        assert [s["score"] for s in rules] == [find_vowel.compute_score(s["response"], s["ground_truth"]) for s in rules]
         talks = [s for s in samples if s["data_source"] == HH_RLHF_DATA_SOURCE]
         expected = reward_model.score([dialogues[s["uid"]] for s in talks], [s["response"] for s in talks])
         assert [s["score"] for s in talks] == pytest.approx(expected, abs=1e-5)

@@ -2,7 +2,8 @@
 
 import random
 
-from rlfabric.quickstart.synthetic import (
+from rlfabric.reward import compute_score
+from rlfabric.reward.find_vowel import (
     CONSONANTS,
     DATA_SOURCE,
     INSTRUCTION,
@@ -13,7 +14,6 @@ from rlfabric.quickstart.synthetic import (
     make_example,
     make_warm_start_example,
 )
-from rlfabric.reward import compute_score
 
 
 def test_shaped_scores():
