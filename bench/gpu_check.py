@@ -325,7 +325,7 @@ def phase_pair_model(check: Check, limit_s: float) -> dict:
     if tokenizer is None:
         return {"status": "failed", "error": "no SmolLM2 tokenizer: run `make gpu-wheels` (it writes "
                                              f"{WHEELS / 'smollm2-tokenizer'}) and copy the folder here"}
-    from rlfabric.coordinator.data_prep import write_arithmetic
+    from rlfabric.data.prep import write_arithmetic
 
     write_arithmetic(check.work / "pair-data", train_size=256, val_size=8)
     shape = "tiny" if check.small else "smollm2-1.7b"

@@ -559,7 +559,7 @@ def cmd_config_reference(args) -> int:
 
 
 def cmd_data(args) -> int:
-    from rlfabric.coordinator import data_prep
+    from rlfabric.data import prep as data_prep
 
     if args.kind in ("synthetic", "arithmetic"):
         write = data_prep.write_synthetic if args.kind == "synthetic" else data_prep.write_arithmetic

@@ -51,7 +51,6 @@ from rlfabric.coordinator.checkpoints import (
     require_complete,
     require_part_visible,
 )
-from rlfabric.coordinator.dataset import DataCursor, PromptRow, RLHFDataset
 from rlfabric.coordinator.hybrid import HybridEngine, wake_sleeping
 from rlfabric.coordinator.multi_turn import (
     agent_metrics,
@@ -71,6 +70,7 @@ from rlfabric.core import tracing
 from rlfabric.core.config import ConfigError, RunConfig, check_run_rules
 from rlfabric.core.errors import FailedPrecondition, InvalidArgument
 from rlfabric.core.start_phases import StartPhases
+from rlfabric.data.dataset import DataCursor, PromptRow, RLHFDataset
 from rlfabric.reward.items import ItemResult, ScoreItem
 from rlfabric.rollout.types import FinishedSample, SamplingSpec
 

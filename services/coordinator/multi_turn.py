@@ -13,8 +13,8 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 
-from rlfabric.coordinator.dataset import PromptRow
 from rlfabric.core.config import RunConfig
+from rlfabric.data.dataset import PromptRow
 from rlfabric.reward.items import ItemResult
 from rlfabric.rollout.agent_loop import ENV_FAILED
 from rlfabric.rollout.types import AgentPrompt, AgentTask, FinishedSample, MultiTurnSpec

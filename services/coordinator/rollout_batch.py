@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from rlfabric.coordinator.dataset import PromptRow
+from rlfabric.data.dataset import PromptRow
 from rlfabric.rollout.types import Finish, FinishedSample
 
 if TYPE_CHECKING:

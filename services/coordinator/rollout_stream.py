@@ -59,10 +59,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from rlfabric.algorithms.dapo import filter_groups
-from rlfabric.coordinator.dataset import DataCursor, PromptRow
 from rlfabric.coordinator.step_metrics import StepTimer
 from rlfabric.core import tracing
 from rlfabric.core.errors import FailedPrecondition
+from rlfabric.data.dataset import DataCursor, PromptRow
 from rlfabric.reward.items import ItemResult
 from rlfabric.rollout.types import FinishedSample
 

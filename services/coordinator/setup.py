@@ -13,8 +13,6 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from rlfabric.actor.models import check_policy_model
-from rlfabric.coordinator.data_prep import write_arithmetic, write_lookup, write_synthetic
-from rlfabric.coordinator.dataset import DatasetError, RLHFDataset
 from rlfabric.coordinator.loop import PPOTrainer
 from rlfabric.coordinator.peers import Peers
 from rlfabric.coordinator.weight_sync import WeightSyncPlane
@@ -22,6 +20,8 @@ from rlfabric.core.config import RunConfig, run_dir_of
 from rlfabric.core.errors import FailedPrecondition, InvalidArgument
 from rlfabric.core.host import load_tokenizer
 from rlfabric.core.start_phases import StartPhases
+from rlfabric.data.dataset import DatasetError, RLHFDataset
+from rlfabric.data.prep import write_arithmetic, write_lookup, write_synthetic
 
 log = logging.getLogger("rlfabric.coordinator")
 

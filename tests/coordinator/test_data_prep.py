@@ -9,14 +9,14 @@ import pyarrow.parquet as pq
 import pytest
 
 from rlfabric.cli import main
-from rlfabric.coordinator.data_prep import (
+from rlfabric.data.dataset import RLHFDataset
+from rlfabric.data.prep import (
     DataFormatError,
     parse_hh_transcript,
     write_hellaswag,
     write_hh_rlhf,
     write_math,
 )
-from rlfabric.coordinator.dataset import RLHFDataset
 from rlfabric.quickstart.tiny_model import build_tokenizer
 from rlfabric.reward.registry import get_scorer
 

@@ -9,8 +9,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from rlfabric.coordinator.data_prep import write_gsm8k, write_synthetic
-from rlfabric.coordinator.dataset import DataCursor, DatasetError, RLHFDataset
+from rlfabric.data.dataset import DataCursor, DatasetError, RLHFDataset
+from rlfabric.data.prep import write_gsm8k, write_synthetic
 from rlfabric.quickstart.tiny_model import build_tokenizer
 
 

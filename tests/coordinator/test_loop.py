@@ -11,7 +11,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rlfabric.coordinator.dataset import PromptRow
 from rlfabric.coordinator.loop import PPOTrainer, check_roles
 from rlfabric.coordinator.peers import Peers
 from rlfabric.coordinator.rollout_batch import RolloutBatch, build_rollout_batch
@@ -19,6 +18,7 @@ from rlfabric.coordinator.sample_failures import TooManyFailedSamples, failure_o
 from rlfabric.coordinator.step_metrics import StepTimer
 from rlfabric.core.config import RunConfig, config_from_dict
 from rlfabric.core.errors import FailedPrecondition, InvalidArgument
+from rlfabric.data.dataset import PromptRow
 from rlfabric.reward.items import ItemResult
 from rlfabric.reward.items import failed as failed_result
 from rlfabric.rollout.types import Finish, FinishedSample

@@ -15,10 +15,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from rlfabric.coordinator.data_prep import write_lookup
 from rlfabric.coordinator.peers import Peers
 from rlfabric.core.config import load_config
 from rlfabric.core.errors import Unavailable
+from rlfabric.data.prep import write_lookup
 from rlfabric.v1 import coordinator_pb2
 from tests.conftest import closed_port
 from tests.coordinator.meshes import FAST, MESHES, fast_config, in_process

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from rlfabric.coordinator.checkpoints import latest_checkpoint
-from rlfabric.coordinator.dataset import RLHFDataset
 from rlfabric.core.host import load_tokenizer
+from rlfabric.data.dataset import RLHFDataset
 
 pytestmark = pytest.mark.slow
 

@@ -22,9 +22,9 @@ import torch
 from transformers import LlamaConfig, LlamaForSequenceClassification
 
 from rlfabric.coordinator.client import CoordinatorClient
-from rlfabric.coordinator.data_prep import HH_RLHF_DATA_SOURCE, write_hh_rlhf, write_synthetic
 from rlfabric.core.client import ChannelOptions
 from rlfabric.core.config import load_config
+from rlfabric.data.prep import HH_RLHF_DATA_SOURCE, write_hh_rlhf, write_synthetic
 from rlfabric.launch.local import LocalMesh
 from rlfabric.quickstart.tiny_model import build_tokenizer
 from rlfabric.reward import find_vowel

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from rlfabric.actor.batch import validate_batch
-from rlfabric.coordinator.dataset import PromptRow
 from rlfabric.coordinator.rollout_batch import build_rollout_batch, token_level_scores
 from rlfabric.coordinator.step_metrics import data_metrics
+from rlfabric.data.dataset import PromptRow
 from rlfabric.rollout.types import Finish, FinishedSample
 
 PAD = 0

@@ -18,11 +18,11 @@ import pytest
 import torch
 
 from rlfabric.actor.client import ActorClient
-from rlfabric.coordinator.data_prep import write_arithmetic
-from rlfabric.coordinator.dataset import RLHFDataset
 from rlfabric.coordinator.weight_sync import WeightSyncPlane
 from rlfabric.core.config import load_config
 from rlfabric.core.host import load_tokenizer
+from rlfabric.data.dataset import RLHFDataset
+from rlfabric.data.prep import write_arithmetic
 from rlfabric.reward import arithmetic
 from rlfabric.rollout.servicer import build_service as build_rollout
 from rlfabric.serve import build_service as build_trainer

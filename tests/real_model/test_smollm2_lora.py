@@ -22,9 +22,9 @@ import torch
 from safetensors import safe_open
 
 from rlfabric.actor.client import ActorClient
-from rlfabric.coordinator.data_prep import write_arithmetic
 from rlfabric.core.config import load_config
 from rlfabric.core.host import load_tokenizer
+from rlfabric.data.prep import write_arithmetic
 from rlfabric.v1 import coordinator_pb2
 from tests.actor.helpers import hf_log_probs
 from tests.coordinator.meshes import over_grpc

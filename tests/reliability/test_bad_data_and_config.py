@@ -23,8 +23,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rlfabric.coordinator.dataset import REQUIRED_COLUMNS, DatasetError, RLHFDataset
 from rlfabric.core.config import config_from_dict
+from rlfabric.data.dataset import REQUIRED_COLUMNS, DatasetError, RLHFDataset
 from rlfabric.quickstart.tiny_model import build_tokenizer
 from rlfabric.serve import build_service as build_role_service
 from rlfabric.v1 import coordinator_pb2, coordinator_pb2_grpc

@@ -33,10 +33,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from rlfabric.coordinator.checkpoints import checkpoint_root, latest_checkpoint, read_state
-from rlfabric.coordinator.dataset import RLHFDataset
 from rlfabric.core.config import load_config
 from rlfabric.core.host import load_tokenizer
 from rlfabric.core.server import ServerOptions
+from rlfabric.data.dataset import RLHFDataset
 from rlfabric.launch.local import LocalMesh, ServiceProcess
 from rlfabric.reward import compute_score
 from rlfabric.serve import build_service
