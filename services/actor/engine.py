@@ -22,12 +22,13 @@ from prometheus_client import CollectorRegistry
 
 from rlfabric import algorithms as algos
 from rlfabric.actor import checkpoint as ckpt
-from rlfabric.actor import lora, tensor_parallel
+from rlfabric.actor import tensor_parallel
 from rlfabric.actor.batch import SequenceBatch, shard_rows, validate_batch
 from rlfabric.actor.dist import Command, WorkerGroup, run_command
 from rlfabric.actor.models import TRAINABLE, model_path, rank_device
 from rlfabric.actor.worker import RankWorker
 from rlfabric.algorithms.plugins import load_plugin_modules
+from rlfabric.core import lora
 from rlfabric.core.client import ChannelOptions
 from rlfabric.core.config import RunConfig
 from rlfabric.core.errors import FailedPrecondition, InvalidArgument

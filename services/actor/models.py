@@ -72,7 +72,7 @@ def load_model(role: str, config: RunConfig, device: torch.device) -> nn.Module:
     if uses_gradient_checkpointing(config, device):
         enable_gradient_checkpointing(model)
     if role == "actor" and config.actor.lora.enabled:
-        from rlfabric.actor.lora import apply_lora
+        from rlfabric.core.lora import apply_lora
 
         model = apply_lora(model, config.actor.lora)  # freezes the base; only the adapters train
     model.train()

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from rlfabric.actor import lora, models, tensor_parallel
+from rlfabric.actor import models, tensor_parallel
 from rlfabric.actor.batch import (
     SequenceBatch,
     equalize_micro_batches,
@@ -39,6 +39,7 @@ from rlfabric.actor.objectives import (
     forward_values,
 )
 from rlfabric.algorithms.plugins import load_plugin_modules
+from rlfabric.core import lora
 from rlfabric.core.config import RunConfig
 from rlfabric.core.dtypes import torch_dtype
 

@@ -134,7 +134,7 @@ class HFEngine(RolloutEngine):
             self.model, dtype=dtype, trust_remote_code=trust_remote_code(self.config)
         )
         if self.adapter is not None:
-            from rlfabric.actor.lora import apply_lora
+            from rlfabric.core.lora import apply_lora
 
             net = apply_lora(net, self.config.actor.lora)
         net.to(self.device).eval().requires_grad_(False)

@@ -1,4 +1,5 @@
-"""LoRA for the actor (actor.lora): low-rank adapters from peft on a frozen base model.
+"""LoRA for the actor (actor.lora): low-rank adapters from peft on a frozen base model. In core because the
+hf rollout engine puts the same adapters on its copy of the model (weight_sync.lora adapter).
 
     model = apply_lora(base_model, config.actor.lora)     # a peft PeftModel; only adapters train
     merged = merged_state(gathered, scaling(config.actor.lora))   # Hugging Face names, W + s * B @ A
