@@ -1,0 +1,90 @@
+"""The packages' floors (docs/architecture.md): a package imports only packages on floors below its own, so the
+import graph has no cycle and no package leans on one beside or above it. The test reads every import statement
+under services/ (function-local ones too) and names each edge that breaks the rule."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+SERVICES = Path(__file__).resolve().parents[1] / "services"
+
+# Lowest first. A package may import the packages of lower floors only.
+FLOORS = [
+    {"v1"},  # the generated gRPC stubs
+    {"core"},  # config, errors, servers and clients, storage, host, model helpers (LoRA, MoE)
+    {"algorithms", "weight_sync", "sandbox", "tools"},
+    {"reward"},
+    {"env"},
+    {"actor", "critic", "reference", "rollout"},  # the roles
+    {"data"},
+    {"coordinator"},
+    {"serve"},
+    {"quickstart"},
+    {"launch"},
+    {"cli"},
+    {"__main__"},
+]
+# Edges between packages of one floor that stay for now, each with what removes it.
+SIDEWAYS = {
+    ("critic", "actor"): "the trainer the actor, critic and reference share lives in actor/ (issue 32 item 3)",
+    ("reference", "actor"): "the trainer the actor, critic and reference share lives in actor/ (issue 32 item 3)",
+}
+# Packages only some may import, whatever their floors.
+ONLY_IMPORTED_BY = {"quickstart": {"launch", "cli"}}
+
+
+def _package(path: Path) -> str:
+    relative = path.relative_to(SERVICES)
+    return relative.parts[0] if len(relative.parts) > 1 else relative.stem
+
+
+def import_edges() -> dict[tuple[str, str], list[str]]:
+    """(importing package, imported package) -> where, for every rlfabric import between two packages."""
+    edges: dict[tuple[str, str], list[str]] = {}
+    for path in sorted(SERVICES.rglob("*.py")):
+        source = _package(path)
+        if source == "v1":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                modules = [f"{node.module}.{alias.name}" for alias in node.names] if node.module == "rlfabric" \
+                    else [node.module]
+            elif isinstance(node, ast.Import):
+                modules = [alias.name for alias in node.names]
+            else:
+                continue
+            for module in modules:
+                parts = module.split(".")
+                if parts[0] == "rlfabric" and len(parts) > 1 and parts[1] != source:
+                    where = f"services/{path.relative_to(SERVICES)}:{node.lineno}"
+                    edges.setdefault((source, parts[1]), []).append(where)
+    return edges
+
+
+def test_every_package_has_a_floor():
+    floor_of = {package for floor in FLOORS for package in floor}
+    packages = {_package(path) for path in SERVICES.rglob("*.py")} - {"__init__"}
+    assert packages <= floor_of, f"place {sorted(packages - floor_of)} on a floor of tests/test_layering.py " \
+                                 "and docs/architecture.md"
+
+
+def test_no_package_imports_beside_or_above_itself():
+    floor_of = {package: level for level, floor in enumerate(FLOORS) for package in floor}
+    broken = []
+    for (source, target), places in sorted(import_edges().items()):
+        if target not in floor_of:
+            continue  # the package test above names it
+        if floor_of[target] >= floor_of[source] and (source, target) not in SIDEWAYS:
+            side = "beside" if floor_of[target] == floor_of[source] else "above"
+            broken.append(f"{source} imports {target}, {side} it: {', '.join(places)}")
+        allowed = ONLY_IMPORTED_BY.get(target)
+        if allowed is not None and source not in allowed:
+            broken.append(f"{source} imports {target}, which only {sorted(allowed)} may: {', '.join(places)}")
+    assert not broken, "\n".join(broken)
+
+
+def test_the_sideways_edges_still_listed_exist():
+    """An edge that went away leaves the list too, so it cannot hide a new one."""
+    edges = import_edges()
+    assert [edge for edge in SIDEWAYS if edge not in edges] == []
