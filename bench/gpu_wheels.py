@@ -55,7 +55,7 @@ def download(dest: Path, python_version: str) -> list[Path]:
 def copy_tokenizer(dest: Path) -> Path:
     """SmolLM2's tokenizer files into dest/smollm2-tokenizer (the model is converted once per machine)."""
     from bench.gpu_model import TOKENIZER_FILES
-    from rlfabric.actor.pretrained import cached_model
+    from rlfabric.trainer.pretrained import cached_model
 
     source = Path(cached_model("smollm2"))
     target = dest / "smollm2-tokenizer"

@@ -44,7 +44,7 @@ def model_path(name: str, workdir: Path) -> Path:
         from rlfabric.quickstart.tiny_model import make_tiny_model
 
         return make_tiny_model(workdir / "tiny")
-    from rlfabric.actor.pretrained import cached_model
+    from rlfabric.trainer.pretrained import cached_model
 
     return cached_model(name)
 

@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     import torch
 
-    from rlfabric.actor.pretrained import cached_model
+    from rlfabric.trainer.pretrained import cached_model
 
     cached_model("smollm2")  # converted once per machine, outside the timed part
     repeats = []

@@ -177,7 +177,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(sys.argv[1:] if __name__ == "__main__" else [])
     if args.model is None:
-        from rlfabric.actor.pretrained import cached_model
+        from rlfabric.trainer.pretrained import cached_model
 
         args.model = cached_model("smollm2")
     cuda = torch.cuda.is_available()

@@ -112,8 +112,8 @@ async def measure(actor_address: str, rollout_address: str, config, syncs: int) 
 def run_side(out: Path, syncs: int, overrides: list[str]) -> None:
     """One side: its own services (this process's `rlfabric`), `syncs` syncs; rows to `out`."""
     import rlfabric
-    from rlfabric.actor.pretrained import cached_model
     from rlfabric.core.config import dump_config, load_config
+    from rlfabric.trainer.pretrained import cached_model
 
     model = cached_model("smollm2")
     workdir = Path(tempfile.mkdtemp(prefix="rlfabric-ws-phases-"))

@@ -586,7 +586,7 @@ def cmd_make_tiny_model(args) -> int:
 
 
 def cmd_make_model(args) -> int:
-    from rlfabric.actor.pretrained import cached_model, make_model
+    from rlfabric.trainer.pretrained import cached_model, make_model
 
     print(make_model(args.name, args.out) if args.out else cached_model(args.name))
     return 0

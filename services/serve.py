@@ -52,7 +52,7 @@ def run_service(role: str, config: RunConfig, options: ServerOptions, port_file:
     """Serves `role` until SIGTERM/SIGINT; a rank >= 1 of a role launched one process per rank (RANK etc.
     set, e.g. a StatefulSet pod) runs that rank instead, with only health on its port (the pod's probes)."""
     if role in ("actor", "reference", "critic"):
-        from rlfabric.actor.dist import external_launch, serve_rank
+        from rlfabric.trainer.dist import external_launch, serve_rank
 
         launch = external_launch()
         if launch is not None and launch[0] > 0:

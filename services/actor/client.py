@@ -8,7 +8,7 @@ helpers and the in-process base, since the three model roles run one engine (act
 
 ActorInterface is what the coordinator calls; ActorClient implements it over gRPC and LocalActorClient
 over a TrainerEngine in this process (the in-process mesh, rlfabric.launch.inprocess). `batch` is
-a dict of tensors in the layout of rlfabric.actor.batch. Failed calls raise the domain error of their
+a dict of tensors in the layout of rlfabric.trainer.batch. Failed calls raise the domain error of their
 status code (InvalidArgument, Unavailable, ...), over gRPC naming the role, its address and the call;
 in process the same class, raised by the same check (a request is checked against the batch schemas
 below by both: the servicer while decoding, the local client before calling the engine).
@@ -22,9 +22,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from rlfabric.actor.batch import POSITION_IDS, SEQUENCE
 from rlfabric.core import codec
 from rlfabric.core.client import RoleInterface, ServiceClient
+from rlfabric.trainer.batch import POSITION_IDS, SEQUENCE
 from rlfabric.v1 import actor_pb2, actor_pb2_grpc
 from rlfabric.weight_sync import Manifest, SyncGroup
 from rlfabric.weight_sync.grpc_stream import PushResult
@@ -33,7 +33,7 @@ from rlfabric.weight_sync.phases import SyncPhases
 from rlfabric.weight_sync.sender import BroadcastResult
 
 if TYPE_CHECKING:
-    from rlfabric.actor.engine import TrainerEngine
+    from rlfabric.trainer.engine import TrainerEngine
 
 Tensors = Mapping[str, torch.Tensor]
 

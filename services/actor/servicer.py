@@ -11,10 +11,10 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry
 
 from rlfabric.actor.client import FORWARD_BATCH, POLICY_UPDATE_BATCH, wire_temperature
-from rlfabric.actor.engine import TrainerEngine
 from rlfabric.core import codec
 from rlfabric.core.config import RunConfig
 from rlfabric.core.server import ServiceBinding, ServiceDefinition
+from rlfabric.trainer.engine import TrainerEngine
 from rlfabric.v1 import actor_pb2, actor_pb2_grpc
 from rlfabric.weight_sync.manifest import transport_from_proto
 

@@ -11,7 +11,7 @@ A step, in VeRL's order:
 Memory is read from each replica's GetStatus around the phases (the largest over replicas) and reported
 as memory/rollout/{rss,device}_mb/{generated,asleep,synced}: the process's RSS and what the engine holds
 on its device by its own accounting (GPU memory on a GPU). The actor's side comes with its update's metrics
-(memory/actor/*, rlfabric.actor.engine).
+(memory/actor/*, rlfabric.trainer.engine).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""One step's rollouts as the tensors the actor, reference and critic take (rlfabric.actor.batch layout).
+"""One step's rollouts as the tensors the actor, reference and critic take (rlfabric.trainer.batch layout).
 
     input_ids      [B, P+T]  the prompt left-padded to P, then the response right-padded to T
     attention_mask [B, P+T]  1 = real token

@@ -12,7 +12,6 @@ import logging
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from rlfabric.actor.models import check_policy_model
 from rlfabric.coordinator.loop import PPOTrainer
 from rlfabric.coordinator.peers import Peers
 from rlfabric.coordinator.weight_sync import WeightSyncPlane
@@ -22,6 +21,7 @@ from rlfabric.core.host import load_tokenizer
 from rlfabric.core.start_phases import StartPhases
 from rlfabric.data.dataset import DatasetError, RLHFDataset
 from rlfabric.data.prep import write_arithmetic, write_lookup, write_synthetic
+from rlfabric.trainer.models import check_policy_model
 
 log = logging.getLogger("rlfabric.coordinator")
 

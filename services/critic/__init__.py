@@ -1,1 +1,1 @@
-"""The critic role: the value model (its engine is the trainer's, rlfabric.actor.engine)."""
+"""The critic role: the value model (its engine is the trainer's, rlfabric.trainer.engine)."""

@@ -50,7 +50,7 @@ from rlfabric.launch.placement import (
 log = logging.getLogger("rlfabric.launch.local")
 
 _PR_SET_PDEATHSIG = 1
-REGISTRY_PREFIX = "pypi:"  # model.path "pypi:smollm2": a model converted from a PyPI wheel (rlfabric.actor.pretrained)
+REGISTRY_PREFIX = "pypi:"  # model.path "pypi:smollm2": a model converted from a PyPI wheel (rlfabric.trainer.pretrained)
 
 
 def default_run_dir(config: RunConfig) -> Path:
@@ -137,7 +137,7 @@ def prepare_run_dir(config: RunConfig, run_dir: Path, phases: StartPhases | None
         with phases.phase("model_build"):
             config.model.path = str(build_tiny_model(run_dir))
     elif config.model.path.startswith(REGISTRY_PREFIX):
-        from rlfabric.actor.pretrained import cached_model
+        from rlfabric.trainer.pretrained import cached_model
 
         with phases.phase("model_cache"):
             config.model.path = str(cached_model(config.model.path.removeprefix(REGISTRY_PREFIX)))
@@ -163,10 +163,10 @@ def check_model(config: RunConfig) -> None:
     """A model directory the services cannot use is a ConfigError naming it, before any service starts."""
     import torch
 
-    from rlfabric.actor.models import check_policy_model
-    from rlfabric.actor.tensor_parallel import check_splits as check_trainer_splits
     from rlfabric.core.moe import check_moe_settings
     from rlfabric.rollout.tensor_parallel import check_model_splits
+    from rlfabric.trainer.models import check_policy_model
+    from rlfabric.trainer.tensor_parallel import check_splits as check_trainer_splits
 
     try:
         check_policy_model(config.model.path, config.model.trust_remote_code)

@@ -1,1 +1,1 @@
-"""The reference role: the frozen reference policy (its engine is the trainer's, rlfabric.actor.engine)."""
+"""The reference role: the frozen reference policy (its engine is the trainer's, rlfabric.trainer.engine)."""

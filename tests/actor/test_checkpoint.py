@@ -6,8 +6,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlfabric.actor import checkpoint as ckpt
 from rlfabric.core.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from rlfabric.trainer import checkpoint as ckpt
 from tests.actor.helpers import Served, hf_log_probs, make_batch, make_config
 
 CONFIG = {"lr": 3e-3, "ppo_mini_batch_size": 2, "lr_warmup_steps": 3}

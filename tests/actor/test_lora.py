@@ -11,9 +11,9 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from rlfabric.actor.engine import TrainerEngine
 from rlfabric.core.config import config_from_dict
 from rlfabric.core.errors import FailedPrecondition, InvalidArgument
+from rlfabric.trainer.engine import TrainerEngine
 from tests.actor.helpers import Served, hf_log_probs, make_batch, make_config
 
 LORA = {"rank": 4, "alpha": 8.0, "target_modules": "all-linear"}

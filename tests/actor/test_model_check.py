@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from rlfabric.actor.models import check_policy_model
+from rlfabric.trainer.models import check_policy_model
 
 
 @pytest.fixture

@@ -11,9 +11,9 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from rlfabric.actor import models
 from rlfabric.core.config import ConfigError
 from rlfabric.launch.inprocess import InProcessMesh
+from rlfabric.trainer import models
 from tests.actor.helpers import Served, make_batch, make_config
 from tests.coordinator.meshes import fast_config
 

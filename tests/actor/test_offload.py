@@ -9,8 +9,8 @@ import gc
 import pytest
 import torch
 
-from rlfabric.actor import worker
-from rlfabric.actor.worker import move_optimizer_state, release_device_memory
+from rlfabric.trainer import worker
+from rlfabric.trainer.worker import move_optimizer_state, release_device_memory
 from tests.actor.helpers import Served, make_batch, make_config
 
 

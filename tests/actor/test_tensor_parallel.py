@@ -10,10 +10,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlfabric.actor.engine import TrainerEngine
-from rlfabric.actor.tensor_parallel import check_model_split, split_problem
 from rlfabric.core.config import ConfigError
 from rlfabric.launch.local import check_model
+from rlfabric.trainer.engine import TrainerEngine
+from rlfabric.trainer.tensor_parallel import check_model_split, split_problem
 from tests.actor.helpers import Served, make_batch, make_config
 
 TRAIN = {"lr": 1e-3, "ppo_mini_batch_size": 4, "ppo_micro_batch_size_per_gpu": 2, "clip_ratio_high": 0.28}

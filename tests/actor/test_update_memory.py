@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from rlfabric.actor import models
-from rlfabric.actor.batch import validate_batch
-from rlfabric.actor.objectives import MiniBatchCounts, PolicyObjective
+from rlfabric.trainer import models
+from rlfabric.trainer.batch import validate_batch
+from rlfabric.trainer.objectives import MiniBatchCounts, PolicyObjective
 from tests.actor.helpers import Served, make_batch, make_config
 
 

@@ -7,7 +7,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlfabric.actor.checkpoint import Checkpoint, save_checkpoint
 from rlfabric.coordinator.checkpoints import (
     LATEST_FILE,
     CheckpointError,
@@ -18,6 +17,7 @@ from rlfabric.coordinator.checkpoints import (
     read_state,
     require_complete,
 )
+from rlfabric.trainer.checkpoint import Checkpoint, save_checkpoint
 
 
 def state(step: int, parts=("actor",)) -> CoordinatorState:

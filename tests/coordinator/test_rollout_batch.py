@@ -3,11 +3,11 @@
 import pytest
 import torch
 
-from rlfabric.actor.batch import validate_batch
 from rlfabric.coordinator.rollout_batch import build_rollout_batch, token_level_scores
 from rlfabric.coordinator.step_metrics import data_metrics
 from rlfabric.data.dataset import PromptRow
 from rlfabric.rollout.types import Finish, FinishedSample
+from rlfabric.trainer.batch import validate_batch
 
 PAD = 0
 

@@ -11,10 +11,10 @@ import logging
 
 import pytest
 
-from rlfabric.actor import engine as actor_engine
 from rlfabric.coordinator.weight_sync import WeightSyncPlane
 from rlfabric.core.errors import FailedPrecondition
 from rlfabric.rollout import hf_engine
+from rlfabric.trainer import engine as actor_engine
 from rlfabric.v1 import coordinator_pb2
 from rlfabric.weight_sync import cuda_ipc
 from rlfabric.weight_sync.cuda_ipc import FakeIpcSharing

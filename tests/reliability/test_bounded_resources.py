@@ -29,13 +29,13 @@ import pytest
 import torch
 
 from rlfabric.actor.client import ActorClient
-from rlfabric.actor.dist import WorkerGroup
 from rlfabric.core.config import RunConfig, config_from_dict
 from rlfabric.core.errors import InvalidArgument, NotFound, ResourceExhausted
 from rlfabric.core.server import ServerOptions
 from rlfabric.reward import register_scorer
 from rlfabric.reward.servicer import build_service as build_reward
 from rlfabric.serve import build_service as build_trainer
+from rlfabric.trainer.dist import WorkerGroup
 from rlfabric.v1 import reward_pb2, reward_pb2_grpc
 from rlfabric.weight_sync.manifest import SyncGroup
 from rlfabric.weight_sync.receiver import WeightReceiver

@@ -425,8 +425,8 @@ def test_a_writer_whose_error_does_not_say_the_disk_is_full_is_still_reported_so
     """torch.save on a full disk raises RuntimeError("... unexpected pos ..."): the free space tells."""
     import torch
 
-    from rlfabric.actor.checkpoint import write_atomically
     from rlfabric.core.errors import ResourceExhausted
+    from rlfabric.trainer.checkpoint import write_atomically
 
     def write(directory: Path) -> None:
         torch.save(torch.zeros(1 << 16), directory / "state.pt")  # 256 KiB

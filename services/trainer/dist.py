@@ -3,7 +3,7 @@
 
 Start-up: by default rank 0 opens a TCP store on a free port and starts N-1 worker processes,
 
-    python -m rlfabric.actor.dist --role actor --config-stdin   (RANK, WORLD_SIZE, MASTER_* set)
+    python -m rlfabric.trainer.dist --role actor --config-stdin   (RANK, WORLD_SIZE, MASTER_* set)
 
 which join a gloo (CPU) or NCCL (GPU) process group through it. When RANK / WORLD_SIZE / MASTER_ADDR /
 MASTER_PORT are already set (one pod per rank, e.g. a Kubernetes StatefulSet), nothing is started:
@@ -32,10 +32,10 @@ from enum import IntEnum
 import torch
 import torch.distributed as dist
 
-from rlfabric.actor.batch import TENSOR_NAMES, SequenceBatch
 from rlfabric.core import codec
 from rlfabric.core.config import RunConfig, load_config
 from rlfabric.core.host import cpu_thread_budget
+from rlfabric.trainer.batch import TENSOR_NAMES, SequenceBatch
 from rlfabric.weight_sync.gloo import master_store
 
 MAX_DIMS = 4
@@ -192,8 +192,8 @@ def _exit_when_parent_dies(parent_pid: int) -> None:
 
 def run_worker(role: str, config: RunConfig, rank: int, world_size: int, store=None, on_ready=None) -> None:
     """Joins the group as `rank`, loads the model (then calls on_ready), and serves rank 0's commands until STOP."""
-    from rlfabric.actor.models import rank_device
-    from rlfabric.actor.worker import RankWorker
+    from rlfabric.trainer.models import rank_device
+    from rlfabric.trainer.worker import RankWorker
 
     device = rank_device(rank)
     if device.type == "cpu":
@@ -278,7 +278,7 @@ class WorkerGroup:
         for rank in range(1, self.world_size):
             env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(self.world_size), "MASTER_ADDR": "127.0.0.1",
                    "MASTER_PORT": str(store.port), PARENT_PID_ENV: str(os.getpid())}
-            command = [sys.executable, "-m", "rlfabric.actor.dist", "--role", self.role, "--config-stdin"]
+            command = [sys.executable, "-m", "rlfabric.trainer.dist", "--role", self.role, "--config-stdin"]
             process = subprocess.Popen(command, env=env, stdin=subprocess.PIPE, text=True)
             process.stdin.write(config_json)
             process.stdin.close()

@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from rlfabric import algorithms as algos
-from rlfabric.actor.batch import SequenceBatch
 from rlfabric.core.config import ActorConfig, CriticConfig
+from rlfabric.trainer.batch import SequenceBatch
 
 
 @dataclass

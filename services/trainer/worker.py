@@ -22,8 +22,12 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from rlfabric.actor import models, tensor_parallel
-from rlfabric.actor.batch import (
+from rlfabric.algorithms.plugins import load_plugin_modules
+from rlfabric.core import lora
+from rlfabric.core.config import RunConfig
+from rlfabric.core.dtypes import torch_dtype
+from rlfabric.trainer import models, tensor_parallel
+from rlfabric.trainer.batch import (
     SequenceBatch,
     equalize_micro_batches,
     pad_columns,
@@ -31,17 +35,13 @@ from rlfabric.actor.batch import (
     plan_micro_batches,
     trim_padding,
 )
-from rlfabric.actor.objectives import (
+from rlfabric.trainer.objectives import (
     MiniBatchCounts,
     PolicyObjective,
     ValueObjective,
     forward_log_probs,
     forward_values,
 )
-from rlfabric.algorithms.plugins import load_plugin_modules
-from rlfabric.core import lora
-from rlfabric.core.config import RunConfig
-from rlfabric.core.dtypes import torch_dtype
 
 
 def warmup_factor(updates: int, warmup_steps: int) -> float:

@@ -21,12 +21,6 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from rlfabric import algorithms as algos
-from rlfabric.actor import checkpoint as ckpt
-from rlfabric.actor import tensor_parallel
-from rlfabric.actor.batch import SequenceBatch, shard_rows, validate_batch
-from rlfabric.actor.dist import Command, WorkerGroup, run_command
-from rlfabric.actor.models import TRAINABLE, model_path, rank_device
-from rlfabric.actor.worker import RankWorker
 from rlfabric.algorithms.plugins import load_plugin_modules
 from rlfabric.core import lora
 from rlfabric.core.client import ChannelOptions
@@ -35,6 +29,12 @@ from rlfabric.core.errors import FailedPrecondition, InvalidArgument
 from rlfabric.core.host import cpu_thread_budget, current_rss_bytes
 from rlfabric.core.metrics import service_counter, service_gauge, service_histogram
 from rlfabric.core.storage import StorageRoot
+from rlfabric.trainer import checkpoint as ckpt
+from rlfabric.trainer import tensor_parallel
+from rlfabric.trainer.batch import SequenceBatch, shard_rows, validate_batch
+from rlfabric.trainer.dist import Command, WorkerGroup, run_command
+from rlfabric.trainer.models import TRAINABLE, model_path, rank_device
+from rlfabric.trainer.worker import RankWorker
 from rlfabric.weight_sync import AdapterSpec, Manifest, Membership, SyncGroup, WeightLimits, WeightSwap
 from rlfabric.weight_sync.devices import DeviceReport, report_of
 from rlfabric.weight_sync.sender import BroadcastResult, WeightSender
