@@ -1,6 +1,5 @@
-"""Clients of the actor service: torch tensors in, torch tensors out; and what the reference and critic
-clients (rlfabric.reference.client, rlfabric.critic.client) share with it: the batch schemas, the wire
-helpers and the in-process base, since the three model roles run one engine (actor/engine.py).
+"""Clients of the actor service: torch tensors in, torch tensors out (what the three model roles' clients
+share is in rlfabric.trainer.client: they run one engine, rlfabric.trainer.engine).
 
     async with ActorClient("127.0.0.1:50051") as actor:
         out = await actor.compute_log_probs(batch, temperature=0.7)        # {"log_probs": [B, T]}
@@ -11,20 +10,25 @@ over a TrainerEngine in this process (the in-process mesh, rlfabric.launch.inpro
 a dict of tensors in the layout of rlfabric.trainer.batch. Failed calls raise the domain error of their
 status code (InvalidArgument, Unavailable, ...), over gRPC naming the role, its address and the call;
 in process the same class, raised by the same check (a request is checked against the batch schemas
-below by both: the servicer while decoding, the local client before calling the engine).
+of rlfabric.trainer.client by both: the servicer while decoding, the local client before calling the engine).
 """
 
 from __future__ import annotations
 
 from abc import abstractmethod
-from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
 import torch
 
 from rlfabric.core import codec
-from rlfabric.core.client import RoleInterface, ServiceClient
-from rlfabric.trainer.batch import POSITION_IDS, SEQUENCE
+from rlfabric.core.client import ServiceClient
+from rlfabric.trainer.client import (
+    POLICY_UPDATE_BATCH,
+    LocalTrainerClient,
+    Tensors,
+    TrainableInterface,
+    decoded_tensors,
+    log_probs_input,
+)
 from rlfabric.v1 import actor_pb2, actor_pb2_grpc
 from rlfabric.weight_sync import Manifest, SyncGroup
 from rlfabric.weight_sync.grpc_stream import PushResult
@@ -32,37 +36,7 @@ from rlfabric.weight_sync.manifest import transport_to_proto
 from rlfabric.weight_sync.phases import SyncPhases
 from rlfabric.weight_sync.sender import BroadcastResult
 
-if TYPE_CHECKING:
-    from rlfabric.trainer.engine import TrainerEngine
-
-Tensors = Mapping[str, torch.Tensor]
-
-# The (required, optional) tensors of each request's batch.
-FORWARD_BATCH = (SEQUENCE, (POSITION_IDS,))  # ComputeLogProbs, ComputeValues
-# + old_log_probs, unless the update is one optimizer step; + rollout_is_weights with rollout correction
-POLICY_UPDATE_BATCH = ((*SEQUENCE, "advantages"),
-                       (POSITION_IDS, "old_log_probs", "ref_log_probs", "rollout_is_weights"))
-VALUE_UPDATE_BATCH = ((*SEQUENCE, "values", "returns"), (POSITION_IDS,))
-
-
-def wire_temperature(temperature: float) -> float:
-    """A request's sampling temperature as the engine takes it: 0 (the proto default) means 1.0."""
-    return temperature if temperature != 0 else 1.0
-
-
 # -- the interfaces ----------------------------------------------------------------------------------
-
-
-class TrainableInterface(RoleInterface):
-    """What the two trained roles (actor, critic) share: their checkpoints."""
-
-    @abstractmethod
-    async def save_checkpoint(self, path: str, timeout_s: float | None = None) -> int:
-        """Bytes written."""
-
-    @abstractmethod
-    async def load_checkpoint(self, path: str, timeout_s: float | None = None) -> int:
-        """The optimizer step restored."""
 
 
 class ActorInterface(TrainableInterface):
@@ -107,16 +81,6 @@ class ActorInterface(TrainableInterface):
     @abstractmethod
     async def close_weight_sync_group(self, group_id: str, timeout_s: float | None = None) -> None:
         """Drops the group and what it holds."""
-
-
-def log_probs_input(batch: Tensors, temperature: float, compute_entropy: bool,
-                     base_model: bool = False) -> actor_pb2.LogProbsInput:
-    return actor_pb2.LogProbsInput(batch=codec.encode_batch(batch), temperature=temperature,
-                                   compute_entropy=compute_entropy, base_model=base_model)
-
-
-def decoded_tensors(batch) -> dict[str, torch.Tensor]:
-    return codec.decode_batch(batch, allow_empty=True, copy=True).tensors
 
 
 class ActorClient(ServiceClient, ActorInterface):
@@ -171,32 +135,6 @@ class ActorClient(ServiceClient, ActorInterface):
 
     async def close_weight_sync_group(self, group_id: str, timeout_s: float | None = None) -> None:
         await self.call("CloseWeightSyncGroup", actor_pb2.CloseWeightSyncGroupRequest(group_id=group_id), timeout_s)
-
-
-class LocalTrainerClient:
-    """What the three in-process clients share: the engine, get_status, close."""
-
-    def __init__(self, engine: TrainerEngine):
-        self.engine = engine
-
-    async def _forward(self, batch: Tensors, temperature: float = 1.0, compute_entropy: bool = False,
-                       base_model: bool = False) -> dict[str, torch.Tensor]:
-        codec.check_batch(batch, *FORWARD_BATCH)
-        return await self.engine.compute(dict(batch), wire_temperature(temperature), compute_entropy,
-                                         base_model=base_model)
-
-    async def _update(self, batch: Tensors, schema, global_step: int) -> dict[str, float]:
-        codec.check_batch(batch, *schema)
-        return await self.engine.update(dict(batch), global_step)
-
-    async def save_checkpoint(self, path: str, timeout_s: float | None = None) -> int:
-        return await self.engine.save_checkpoint(str(path))
-
-    async def load_checkpoint(self, path: str, timeout_s: float | None = None) -> int:
-        return await self.engine.load_checkpoint(str(path))
-
-    async def close(self) -> None:
-        """Nothing to release: the engine belongs to whoever started it."""
 
 
 class LocalActorClient(LocalTrainerClient, ActorInterface):

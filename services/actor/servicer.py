@@ -1,5 +1,5 @@
 """ActorService (thin: proto -> tensors -> await engine -> proto) and build_service, which rlfabric.serve
-calls; build_trainer_service builds the reference's and critic's services too (one engine, three roles).
+calls; the service of each model role is built by rlfabric.trainer.servicer.build_trainer_service (one engine, three roles).
 
 Weight sync (rlfabric.weight_sync): the actor is rank 0 of the groups it opens
 (OpenWeightSyncGroup, PrepareWeightSync, BroadcastWeights, CloseWeightSyncGroup); the reference
@@ -8,20 +8,14 @@ joins one and receives (JoinWeightSyncGroup, ReceiveWeights).
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry
-
-from rlfabric.actor.client import FORWARD_BATCH, POLICY_UPDATE_BATCH, wire_temperature
 from rlfabric.core import codec
 from rlfabric.core.config import RunConfig
-from rlfabric.core.server import ServiceBinding, ServiceDefinition
+from rlfabric.core.server import ServiceDefinition
+from rlfabric.trainer.client import POLICY_UPDATE_BATCH
 from rlfabric.trainer.engine import TrainerEngine
+from rlfabric.trainer.servicer import build_trainer_service, decode_log_probs_input
 from rlfabric.v1 import actor_pb2, actor_pb2_grpc
 from rlfabric.weight_sync.manifest import transport_from_proto
-
-
-def decode_log_probs_input(message: actor_pb2.LogProbsInput) -> tuple[dict, float, bool]:
-    batch = codec.decode_batch(message.batch, *FORWARD_BATCH)
-    return batch.tensors, wire_temperature(message.temperature), message.compute_entropy
 
 
 class ActorServicer(actor_pb2_grpc.ActorServiceServicer):
@@ -77,14 +71,6 @@ class ActorServicer(actor_pb2_grpc.ActorServiceServicer):
         return actor_pb2.ActorServiceGetStatusResponse(
             model=status.model, world_size=status.world_size, optimizer_step=status.optimizer_step,
             num_parameters=status.num_parameters, device=status.device.to_proto())
-
-
-def build_trainer_service(role: str, config: RunConfig, servicer_class, add_to_server, full_name: str) -> ServiceDefinition:
-    """A model role's service (actor, reference, critic): its servicer over a TrainerEngine (loaded in start())."""
-    registry = CollectorRegistry()
-    engine = TrainerEngine(role, config, registry)
-    binding = ServiceBinding(servicer_class(engine), add_to_server, full_name)
-    return ServiceDefinition(role=role, bindings=[binding], engine=engine, registry=registry)
 
 
 def build_service(config: RunConfig) -> ServiceDefinition:

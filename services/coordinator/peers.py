@@ -11,6 +11,8 @@ import asyncio
 import logging
 from dataclasses import dataclass
 
+import torch
+
 from rlfabric.actor.client import ActorClient, ActorInterface
 from rlfabric.coordinator.multi_turn import env_address_of
 from rlfabric.core.client import ChannelOptions, ServiceClient, wait_until_serving
@@ -18,12 +20,41 @@ from rlfabric.core.config import RunConfig
 from rlfabric.core.errors import DeadlineExceeded, FailedPrecondition, Unavailable
 from rlfabric.critic.client import CriticClient, CriticInterface
 from rlfabric.env.client import EnvClient
-from rlfabric.reference.client import ActorAsReference, ReferenceClient, ReferenceInterface
+from rlfabric.reference.client import ReferenceClient, ReferenceInterface
 from rlfabric.reward.client import RewardInterface, ShardedRewardClient
 from rlfabric.reward.items import ItemResult, ScoreItem
 from rlfabric.rollout.router import RolloutRouter
+from rlfabric.trainer.client import Tensors
+from rlfabric.v1 import reference_pb2
+from rlfabric.weight_sync import Manifest, SyncGroup, WeightSwap
 
 log = logging.getLogger("rlfabric.coordinator")
+
+
+class ActorAsReference(ReferenceInterface):
+    """The reference for free with LoRA (actor.lora): the actor's base model, its adapters off, is the
+    reference policy, so reference log-probs are the actor's ComputeLogProbs with base_model and no
+    reference service runs. It takes no weights: the base model never changes."""
+
+    def __init__(self, actor: ActorInterface):
+        self.actor = actor
+
+    async def compute_log_probs(self, batch: Tensors, temperature: float = 1.0, compute_entropy: bool = False,
+                                timeout_s: float | None = None) -> dict[str, torch.Tensor]:
+        return await self.actor.compute_log_probs(batch, temperature, compute_entropy, timeout_s, base_model=True)
+
+    async def get_status(self) -> reference_pb2.ReferenceServiceGetStatusResponse:
+        status = await self.actor.get_status()
+        return reference_pb2.ReferenceServiceGetStatusResponse(model=status.model, device=status.device)
+
+    async def join_weight_sync_group(self, group: SyncGroup, rank: int, timeout_s: float | None = None) -> None:
+        raise FailedPrecondition("the reference is the actor's base model (LoRA): it joins no weight sync")
+
+    async def receive_weights(self, manifest: Manifest, timeout_s: float | None = None) -> WeightSwap:
+        raise FailedPrecondition("the reference is the actor's base model (LoRA): it takes no weights")
+
+    async def close(self) -> None:
+        """The actor's connection is the actor client's to close."""
 
 
 @dataclass

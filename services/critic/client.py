@@ -7,7 +7,9 @@ from abc import abstractmethod
 
 import torch
 
-from rlfabric.actor.client import (
+from rlfabric.core import codec
+from rlfabric.core.client import ServiceClient
+from rlfabric.trainer.client import (
     FORWARD_BATCH,
     VALUE_UPDATE_BATCH,
     LocalTrainerClient,
@@ -15,8 +17,6 @@ from rlfabric.actor.client import (
     TrainableInterface,
     decoded_tensors,
 )
-from rlfabric.core import codec
-from rlfabric.core.client import ServiceClient
 from rlfabric.v1 import actor_pb2, critic_pb2, critic_pb2_grpc
 
 

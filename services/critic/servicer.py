@@ -3,12 +3,12 @@ rlfabric.serve calls."""
 
 from __future__ import annotations
 
-from rlfabric.actor.client import FORWARD_BATCH, VALUE_UPDATE_BATCH
-from rlfabric.actor.servicer import build_trainer_service
 from rlfabric.core import codec
 from rlfabric.core.config import RunConfig
 from rlfabric.core.server import ServiceDefinition
+from rlfabric.trainer.client import FORWARD_BATCH, VALUE_UPDATE_BATCH
 from rlfabric.trainer.engine import TrainerEngine
+from rlfabric.trainer.servicer import build_trainer_service
 from rlfabric.v1 import critic_pb2, critic_pb2_grpc
 
 

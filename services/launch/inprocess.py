@@ -36,7 +36,7 @@ from pathlib import Path
 
 from rlfabric.actor.client import LocalActorClient
 from rlfabric.coordinator.client import LocalCoordinatorClient
-from rlfabric.coordinator.peers import Peers, environment_of
+from rlfabric.coordinator.peers import ActorAsReference, Peers, environment_of
 from rlfabric.coordinator.run_controller import RunController
 from rlfabric.coordinator.weight_sync import SyncReport, target_dtype
 from rlfabric.core.client import ChannelOptions
@@ -44,7 +44,7 @@ from rlfabric.core.config import RunConfig
 from rlfabric.critic.client import LocalCriticClient
 from rlfabric.env.client import LocalEnvClient
 from rlfabric.launch.local import prepare_run_dir, service_names
-from rlfabric.reference.client import ActorAsReference, LocalReferenceClient
+from rlfabric.reference.client import LocalReferenceClient
 from rlfabric.reward.client import LocalRewardClient
 from rlfabric.rollout.agent_rollout import AgentRollouts
 from rlfabric.rollout.client import LocalRolloutClient

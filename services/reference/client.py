@@ -1,6 +1,6 @@
 """Clients of the reference service: ReferenceInterface (what the coordinator calls), over gRPC
-(ReferenceClient), in this process (LocalReferenceClient), and the reference for free under LoRA
-(ActorAsReference: the actor's base model)."""
+(ReferenceClient), and in this process (LocalReferenceClient). The reference for free under LoRA, the actor's base model, is
+rlfabric.coordinator.peers.ActorAsReference."""
 
 from __future__ import annotations
 
@@ -8,15 +8,8 @@ from abc import abstractmethod
 
 import torch
 
-from rlfabric.actor.client import (
-    ActorInterface,
-    LocalTrainerClient,
-    Tensors,
-    decoded_tensors,
-    log_probs_input,
-)
 from rlfabric.core.client import RoleInterface, ServiceClient
-from rlfabric.core.errors import FailedPrecondition
+from rlfabric.trainer.client import LocalTrainerClient, Tensors, decoded_tensors, log_probs_input
 from rlfabric.v1 import reference_pb2, reference_pb2_grpc
 from rlfabric.weight_sync import Manifest, SyncGroup, WeightSwap
 from rlfabric.weight_sync.phases import SyncPhases
@@ -43,32 +36,6 @@ class ReferenceInterface(RoleInterface):
     @abstractmethod
     async def receive_weights(self, manifest: Manifest, timeout_s: float | None = None) -> WeightSwap:
         """The version now served (paused_seconds: how long the load took) and the reference's phases."""
-
-
-class ActorAsReference(ReferenceInterface):
-    """The reference for free with LoRA (actor.lora): the actor's base model, its adapters off, is the
-    reference policy, so reference log-probs are the actor's ComputeLogProbs with base_model and no
-    reference service runs. It takes no weights: the base model never changes."""
-
-    def __init__(self, actor: ActorInterface):
-        self.actor = actor
-
-    async def compute_log_probs(self, batch: Tensors, temperature: float = 1.0, compute_entropy: bool = False,
-                                timeout_s: float | None = None) -> dict[str, torch.Tensor]:
-        return await self.actor.compute_log_probs(batch, temperature, compute_entropy, timeout_s, base_model=True)
-
-    async def get_status(self) -> reference_pb2.ReferenceServiceGetStatusResponse:
-        status = await self.actor.get_status()
-        return reference_pb2.ReferenceServiceGetStatusResponse(model=status.model, device=status.device)
-
-    async def join_weight_sync_group(self, group: SyncGroup, rank: int, timeout_s: float | None = None) -> None:
-        raise FailedPrecondition("the reference is the actor's base model (LoRA): it joins no weight sync")
-
-    async def receive_weights(self, manifest: Manifest, timeout_s: float | None = None) -> WeightSwap:
-        raise FailedPrecondition("the reference is the actor's base model (LoRA): it takes no weights")
-
-    async def close(self) -> None:
-        """The actor's connection is the actor client's to close."""
 
 
 class ReferenceClient(ServiceClient, ReferenceInterface):

@@ -4,11 +4,11 @@ ReceiveWeights)."""
 
 from __future__ import annotations
 
-from rlfabric.actor.servicer import build_trainer_service, decode_log_probs_input
 from rlfabric.core import codec
 from rlfabric.core.config import RunConfig
 from rlfabric.core.server import ServiceDefinition
 from rlfabric.trainer.engine import TrainerEngine
+from rlfabric.trainer.servicer import build_trainer_service, decode_log_probs_input
 from rlfabric.v1 import reference_pb2, reference_pb2_grpc
 from rlfabric.weight_sync import Manifest, SyncGroup
 
