@@ -315,7 +315,7 @@ def cmd_train(args) -> int:
 async def _start_and_watch(client, overrides: list[str], progress_bar: bool, step_lines: bool = False):
     """StartRun, then follow the run to its end (watch_run); its final status, or None, after saying why,
     when the coordinator refuses the run."""
-    from rlfabric.coordinator.tracking import watch_run
+    from rlfabric.coordinator.watch import watch_run
     from rlfabric.core.errors import RlfabricError
 
     try:

@@ -1,4 +1,4 @@
-"""Where a run's metrics go, and the progress bar `rlfabric train` draws.
+"""Where a run's metrics go.
 
     tracker = RunTracker(run_dir, config, server_registry, total_steps=20, start_step=0)
     tracker.log(step, metrics, trace_id)  # after every step; VeRL names ("critic/score/mean", "timing_s/gen", ...)
@@ -9,17 +9,15 @@ Sinks (trainer.loggers): "console" (one compact log line per step), "jsonl" (RUN
 trackers); Prometheus gauges, and the step-time histogram whose exemplars carry each step's trace id,
 whenever a registry is given.
 
-The coordinator's output goes to RUN_DIR/logs/coordinator.log, so the progress bar the user sees is
-drawn in the `rlfabric train` process from StreamMetrics: `status = await watch_run(client, 20)`.
+This module runs in the coordinator; the progress bar the user sees is drawn on the client side
+(rlfabric.coordinator.watch).
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import math
-import sys
 import time
 import weakref
 from collections.abc import Callable
@@ -28,15 +26,11 @@ from pathlib import Path
 from typing import TextIO
 
 from prometheus_client import CollectorRegistry
-from tqdm import tqdm
 
-from rlfabric.coordinator.client import CoordinatorInterface
 from rlfabric.coordinator.trackers import Tracker, open_trackers
 from rlfabric.core.config import RunConfig
-from rlfabric.core.errors import DeadlineExceeded
 from rlfabric.core.logs import log_event
 from rlfabric.core.metrics import service_gauge, service_histogram
-from rlfabric.v1 import coordinator_pb2
 
 log = logging.getLogger("rlfabric.coordinator")
 
@@ -286,49 +280,3 @@ def plot_curves(records: list[dict], path: Path, title: str = "") -> Path:
         figure.suptitle(title)
     figure.savefig(path, dpi=100)
     return path
-
-
-def step_line(message: coordinator_pb2.StreamMetricsResponse, total_steps: int) -> str:
-    """"step 3/10 critic/score/mean=0.41 actor/pg_loss=-0.02 ...": a few of the step's metrics."""
-    keys = ("critic/score/mean", "actor/pg_loss", "actor/ppo_kl", "response_length/mean", "timing_s/step")
-    shown = [f"{key}={message.metrics[key]:.4g}" for key in keys if key in message.metrics]
-    return " ".join([f"step {message.step}/{total_steps}", *shown])
-
-
-async def watch_run(
-    client: CoordinatorInterface,
-    total_steps: int,
-    start_step: int = 0,
-    *,
-    progress_bar: bool = True,
-    step_lines: bool = False,
-    file: TextIO | None = None,
-) -> coordinator_pb2.GetRunStatusResponse:
-    """Follows a run through StreamMetrics with a tqdm bar (step, reward, ETA), or a printed line per step
-    (step_lines: for logs, e.g. a Kubernetes Job's); returns its final status.
-
-    The stream carries the client's deadline, so a run that outlasts it
-    is followed by reopening the stream from the next step.
-    """
-    running = (coordinator_pb2.RUN_STATE_RUNNING, coordinator_pb2.RUN_STATE_PAUSED)
-    next_step = start_step + 1
-    with tqdm(total=total_steps, initial=start_step, unit="step", desc="training", dynamic_ncols=True,
-              file=file or sys.stderr, disable=not progress_bar) as bar:
-        while True:
-            try:
-                async for message in client.stream_metrics(from_step=next_step):
-                    if message.step < next_step:
-                        continue
-                    reward = message.metrics.get("critic/score/mean")
-                    if reward is not None:
-                        bar.set_postfix(reward=f"{reward:.3f}", refresh=False)
-                    if step_lines:
-                        print(step_line(message, total_steps), flush=True)
-                    bar.update(message.step - bar.n)
-                    next_step = message.step + 1
-            except DeadlineExceeded:
-                continue
-            status = await client.run_status()
-            if status.state not in running:
-                return status
-            await asyncio.sleep(1.0)  # the stream ended early but the run goes on: reopen it

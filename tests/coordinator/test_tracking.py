@@ -17,7 +17,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from rlfabric.coordinator.client import CoordinatorClient
-from rlfabric.coordinator.tracking import RunTracker, read_metrics, watch_run
+from rlfabric.coordinator.tracking import RunTracker, read_metrics
+from rlfabric.coordinator.watch import watch_run
 from rlfabric.core.client import ChannelOptions
 from rlfabric.core.config import config_from_dict
 from rlfabric.core.errors import Unavailable
