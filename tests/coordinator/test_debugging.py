@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from rlfabric.cli import _external_roles
+from rlfabric.cli.up import _external_roles
 from rlfabric.coordinator.client import CoordinatorClient
 from rlfabric.core.client import ChannelOptions
 from rlfabric.core.config import ConfigError

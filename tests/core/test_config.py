@@ -70,14 +70,14 @@ def test_every_field_is_documented():
 def test_config_reference_doc_is_current():
     from pathlib import Path
 
-    from rlfabric.cli import config_reference_markdown
+    from rlfabric.cli.reference import config_reference_markdown
 
     doc = Path(__file__).resolve().parents[2] / "docs" / "config-reference.md"
     assert doc.read_text() == config_reference_markdown(), "run `make docs` to regenerate docs/config-reference.md"
 
 
 def test_cli_accepts_overrides_after_options():
-    from rlfabric.cli import _split_config_and_overrides, parse_args
+    from rlfabric.cli.args import _split_config_and_overrides, parse_args
 
     args = parse_args(["serve", "rollout", "--port", "0", "rollout.n=4", "trainer.total_steps=2"])
     assert args.port == 0 and args.overrides == ["rollout.n=4", "trainer.total_steps=2"]

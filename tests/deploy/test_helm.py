@@ -765,7 +765,7 @@ def pod_view(rendered: Rendered, args: list[str], tmp_path: Path) -> list[str]:
 def test_every_container_command_is_one_rlfabric_accepts_with_the_config_it_mounts(rendered, tmp_path):
     """Each workload's command line goes through the real argument parser of `rlfabric`, and the config it
     names (the rendered ConfigMap) and its dotted overrides through the real config loader."""
-    from rlfabric.cli import parse_args
+    from rlfabric.cli.args import parse_args
     from rlfabric.core.config import load_config
 
     for role in rendered.enabled():
@@ -782,7 +782,7 @@ def test_every_container_command_is_one_rlfabric_accepts_with_the_config_it_moun
 def test_the_run_job_attaches_to_the_coordinator_with_the_services_config(rendered, tmp_path):
     """The Job runs `rlfabric train --coordinator <coordinator Service>:<grpc> <the ConfigMap>`, which the
     real parser accepts; it mounts the config and the token the services use, in the image that holds torch."""
-    from rlfabric.cli import parse_args
+    from rlfabric.cli.args import parse_args
     from rlfabric.core.config import load_config
 
     (job,) = rendered.of_kind("Job")

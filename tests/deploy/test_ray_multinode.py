@@ -20,7 +20,7 @@ from ray._private import ray_constants
 from ray.cluster_utils import Cluster
 from ray.util import placement_group_table
 
-from rlfabric.cli import _run_training_at
+from rlfabric.cli.train import _run_training_at
 from rlfabric.core.client import ChannelOptions
 from rlfabric.core.config import load_config
 from rlfabric.launch.local import MeshStartError

@@ -14,7 +14,7 @@ disk changed. The storage root is one folder; "the user's" files lie beside it a
 3. Without the token: UNAUTHENTICATED, nothing written, and a 128 MiB request is refused unread (the
    server's peak memory is measured).
 4. `rlfabric serve` on a non-loopback address without TLS and a token refuses to start.
-Elsewhere: two StartRuns at once (tests/test_local_mesh.py), weight-sync group exhaustion, scoring a
+Elsewhere: two StartRuns at once (tests/launch/test_local_mesh.py), weight-sync group exhaustion, scoring a
 client gave up on, hung in-process scorers (test_bounded_resources.py), escapes from the reward sandbox
 (tests/reward/test_sandbox.py).
 """

@@ -1,0 +1,19 @@
+"""`rlfabric make-tiny-model` and `rlfabric make-model`: model directories for tests and the quickstart,
+and a real pretrained model from a PyPI wheel."""
+
+from __future__ import annotations
+
+
+def cmd_make_tiny_model(args) -> int:
+    from rlfabric.quickstart.tiny_model import make_tiny_model
+    from rlfabric.quickstart.warm_start import make_quickstart_model
+
+    build = make_quickstart_model if args.warm_start else make_tiny_model
+    print(build(args.out, seed=args.seed, moe=args.moe))
+    return 0
+
+def cmd_make_model(args) -> int:
+    from rlfabric.trainer.pretrained import cached_model, make_model
+
+    print(make_model(args.name, args.out) if args.out else cached_model(args.name))
+    return 0

@@ -1,0 +1,27 @@
+"""`rlfabric serve ROLE`: one service, as a container runs it."""
+
+from __future__ import annotations
+
+from rlfabric.core.config import load_config
+from rlfabric.core.logs import setup_logging
+
+
+def cmd_serve(args) -> int:
+    from rlfabric.core.config import read_env_token
+    from rlfabric.core.server import ServerOptions
+    from rlfabric.serve import build_service, run_service
+
+    config = load_config(args.config, args.overrides)
+    if args.host:
+        config.server.host = args.host  # what the service binds, for everything derived from it
+    setup_logging(args.role, args.run_id, config.server.log_level)
+    if args.check:  # the imports and the service, not the mounts (token, TLS files) of a pod
+        service = build_service(args.role, config)
+        print(f"rlfabric serve {args.role}: {type(service.engine).__name__} builds; ready to serve")
+        return 0
+    token = read_env_token(config) if args.role == "env" else None  # an environment never holds the mesh's token
+    options = ServerOptions.from_config(
+        config.server, token, host=args.host, port=args.port, metrics_port=args.metrics_port,
+        health_port=args.health_port)
+    run_service(args.role, config, options, port_file=args.port_file)
+    return 0
