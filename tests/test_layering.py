@@ -85,3 +85,13 @@ def test_the_sideways_edges_still_listed_exist():
     """An edge that went away leaves the list too, so it cannot hide a new one."""
     edges = import_edges()
     assert [edge for edge in SIDEWAYS if edge not in edges] == []
+
+
+def test_every_package_is_installed():
+    """`pip install .` (the image's build) installs the packages pyproject lists, not what is on disk."""
+    import tomllib
+
+    listed = set(tomllib.loads((SERVICES.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    on_disk = {"rlfabric"} | {"rlfabric." + ".".join(init.parent.relative_to(SERVICES).parts)
+                              for init in SERVICES.rglob("__init__.py") if init.parent != SERVICES}
+    assert on_disk - {"rlfabric.__pycache__"} == listed
