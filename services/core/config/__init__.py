@@ -1,0 +1,111 @@
+"""The run config: one YAML file with a section per role, VeRL-style names, validated on load.
+
+Sections: server, client, cluster, model, data, actor, reference, critic, rollout, reward, env,
+algorithm, trainer, weight_sync, storage, launcher, tracing, resource_pools. Every field has a default and a docstring
+(`rlfabric config-reference`
+prints them). Unknown keys and wrong types are errors that name the dotted key.
+
+    config = load_config("my.yaml", overrides=["trainer.total_steps=20", "rollout.n=4"])
+
+The built-in default (`rlfabric/quickstart/quickstart.yaml`) is the quickstart.
+"""
+
+
+from __future__ import annotations
+
+from rlfabric.core.config.actor import ActorConfig, CriticConfig, LoraConfig, ReferenceConfig
+from rlfabric.core.config.algorithm import AlgorithmConfig, FilterGroupsConfig, RolloutCorrectionConfig
+from rlfabric.core.config.base import DEFAULT_CONFIG_NAME, LOSS_MODE_AGGREGATION, ROLES, ConfigError, Section
+from rlfabric.core.config.env import EnvConfig, PythonToolConfig
+from rlfabric.core.config.launcher import (
+    POOL_ROLES,
+    LauncherConfig,
+    RayLauncherConfig,
+    RayResources,
+    ResourcePoolConfig,
+)
+from rlfabric.core.config.loading import (
+    apply_override,
+    check_run_rules,
+    config_from_dict,
+    config_reference,
+    default_config_path,
+    dump_config,
+    load_config,
+    load_run_config,
+    parse_override,
+    read_auth_token,
+    read_env_token,
+    read_named_file,
+    run_dir_of,
+    set_key,
+)
+from rlfabric.core.config.model import DataConfig, ModelConfig
+from rlfabric.core.config.reward import CustomSandboxConfig, PythonSandboxConfig, RewardConfig
+from rlfabric.core.config.rollout import MultiTurnConfig, RolloutConfig
+from rlfabric.core.config.run import RunConfig
+from rlfabric.core.config.server import (
+    ClientConfig,
+    ClusterConfig,
+    ServerConfig,
+    StorageConfig,
+    TlsConfig,
+    TracingConfig,
+)
+from rlfabric.core.config.trainer import MlflowConfig, TrainerConfig, WandbConfig
+from rlfabric.core.config.weight_sync import ADAPTER_ENGINES, WeightSyncConfig
+
+__all__ = [
+    "ROLES",
+    "LOSS_MODE_AGGREGATION",
+    "DEFAULT_CONFIG_NAME",
+    "ConfigError",
+    "Section",
+    "TlsConfig",
+    "ServerConfig",
+    "ClientConfig",
+    "ClusterConfig",
+    "ModelConfig",
+    "DataConfig",
+    "LoraConfig",
+    "ActorConfig",
+    "ReferenceConfig",
+    "CriticConfig",
+    "MultiTurnConfig",
+    "RolloutConfig",
+    "CustomSandboxConfig",
+    "PythonSandboxConfig",
+    "RewardConfig",
+    "RolloutCorrectionConfig",
+    "PythonToolConfig",
+    "EnvConfig",
+    "FilterGroupsConfig",
+    "AlgorithmConfig",
+    "MlflowConfig",
+    "WandbConfig",
+    "TrainerConfig",
+    "WeightSyncConfig",
+    "ADAPTER_ENGINES",
+    "RayResources",
+    "RayLauncherConfig",
+    "StorageConfig",
+    "TracingConfig",
+    "LauncherConfig",
+    "POOL_ROLES",
+    "ResourcePoolConfig",
+    "RunConfig",
+    "default_config_path",
+    "parse_override",
+    "apply_override",
+    "set_key",
+    "config_from_dict",
+    "load_config",
+    "load_run_config",
+    "check_run_rules",
+    "read_named_file",
+    "run_dir_of",
+    "read_auth_token",
+    "read_env_token",
+    "dump_config",
+    "config_reference",
+]

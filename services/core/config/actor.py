@@ -1,0 +1,144 @@
+"""The model roles: actor (PPO training, LoRA), reference and critic."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import (
+    Field,
+    model_validator,
+)
+
+from rlfabric.core.config.base import LOSS_MODE_AGGREGATION, Section
+
+
+class LoraConfig(Section):
+    rank: int = Field(0, ge=0)
+    """LoRA rank of the actor's adapters (peft); 0 = train every weight (VeRL: model.lora_rank)."""
+    alpha: float = Field(16.0, gt=0)
+    """The adapters' update is scaled by alpha / rank (VeRL: model.lora_alpha)."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapters' input while training."""
+    target_modules: str | list[str] = "all-linear"
+    """Layers that get adapters: names or name suffixes (e.g. [q_proj, v_proj]), or all-linear (every
+    linear layer but the output head) (VeRL: model.target_modules)."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+
+class ActorConfig(Section):
+    world_size: int = Field(1, ge=1)
+    """Ranks (FSDP2 data-parallel x tensor_parallel_size); rank 0 serves gRPC."""
+    tensor_parallel_size: int = Field(1, ge=1)
+    """Tensor-parallel ranks per model copy (torch DTensor; Llama and Qwen2 families): world_size ranks form a
+    (world_size / T) x T mesh, FSDP2 across, each decoder layer's projections split T ways within (and an untied LM head).
+    T must divide world_size and the model's attention heads, KV heads and intermediate size. 1 = data parallel."""
+    pool: str = ""
+    """Key of resource_pools this role runs on; empty = no pool (every device of the machine, as before)."""
+    lr: float = Field(1e-5, gt=0)
+    """AdamW learning rate."""
+    weight_decay: float = Field(0.01, ge=0)
+    """AdamW (decoupled) weight decay."""
+    lr_warmup_steps: int = Field(0, ge=0)
+    """Linear LR warmup over this many updates (UpdatePolicy calls), then constant; 0 = constant."""
+    grad_clip: float = Field(1.0, gt=0)
+    """Clip the global gradient norm to this; a non-finite norm skips the optimizer step."""
+    ppo_mini_batch_size: int = Field(8, ge=1)
+    """Prompts per optimizer step, summed over ranks (VeRL's meaning: rows = this * rollout.n)."""
+    ppo_micro_batch_size_per_gpu: int = Field(4, ge=1)
+    """Rows per forward/backward on one rank; gradients accumulate over micro-batches."""
+    log_prob_micro_batch_size_per_gpu: int = Field(16, ge=1)
+    """Rows per forward on one rank in ComputeLogProbs."""
+    max_tokens_per_micro_batch: int = Field(0, ge=0)
+    """Token budget (rows x padded length) per micro-batch on one rank; 0 = fixed row counts above."""
+    ppo_epochs: int = Field(1, ge=1)
+    """Passes over the batch per UpdatePolicy."""
+    loss_mode: str = "vanilla"
+    """Policy loss from rlfabric.algorithms: vanilla (PPO clip + dual clip), gspo, or one you registered."""
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    """How per-token losses reduce to one number (token-mean, seq-mean-token-sum, ...); when not set, the
+    loss mode's own: seq-mean-token-mean for gspo (as in the GSPO paper), token-mean otherwise."""
+    clip_ratio_low: float = Field(0.2, ge=0)
+    """PPO ratio lower clip: ratio >= 1 - clip_ratio_low."""
+    clip_ratio_high: float = Field(0.2, ge=0)
+    """PPO ratio upper clip: ratio <= 1 + clip_ratio_high (DAPO's clip-higher uses 0.28)."""
+    clip_ratio_c: float = Field(3.0, gt=1)
+    """Dual-clip bound for negative advantages (Ye et al. 2020)."""
+    entropy_coeff: float = 0.0
+    """Entropy bonus weight: loss -= entropy_coeff * entropy."""
+    use_kl_loss: bool = False
+    """Add a KL penalty against the reference policy to the loss (GRPO); needs ref_log_probs in UpdatePolicy."""
+    kl_loss_coef: float = Field(0.001, ge=0)
+    """Weight of the KL loss."""
+    kl_loss_type: str = "low_var_kl"
+    """KL estimator: kl (k1), abs, mse (k2), low_var_kl (k3); a "+" suffix takes k2's gradient."""
+    router_aux_loss_coef: float = Field(0.0, ge=0)
+    """Mixture-of-experts models only: weight of the router's load-balancing loss (Switch Transformer's, as
+    transformers computes it over the non-padding tokens) added to the policy loss; reported as
+    actor/router_aux_loss. 0 = off: the RL loss alone. The models' own configs give e.g. 0.001 (Qwen3-MoE's
+    router_aux_loss_coef). A model without a router refuses a non-zero value."""
+    lora: LoraConfig = LoraConfig()
+    """LoRA: train low-rank adapters only. The reference's log-probs then come from the actor with its
+    adapters off (no reference service runs), and checkpoints hold the adapters and their optimizer."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _loss_mode_aggregation(cls, data: Any) -> Any:
+        """loss_agg_mode left out takes the loss mode's own default (LOSS_MODE_AGGREGATION)."""
+        if isinstance(data, dict) and "loss_agg_mode" not in data and data.get("loss_mode") in LOSS_MODE_AGGREGATION:
+            data = {**data, "loss_agg_mode": LOSS_MODE_AGGREGATION[data["loss_mode"]]}
+        return data
+
+
+class ReferenceConfig(Section):
+    enable: bool = True
+    """Run a reference service (needed for KL in reward or KL loss)."""
+    world_size: int = Field(1, ge=1)
+    """Ranks (FSDP2 data-parallel x tensor_parallel_size); rank 0 serves gRPC."""
+    tensor_parallel_size: int = Field(1, ge=1)
+    """Tensor-parallel ranks per model copy (torch DTensor; Llama and Qwen2 families): world_size ranks form a
+    (world_size / T) x T mesh, FSDP2 across, each decoder layer's projections split T ways within (and an untied LM head).
+    T must divide world_size and the model's attention heads, KV heads and intermediate size. 1 = data parallel."""
+    pool: str = ""
+    """Key of resource_pools this role runs on; empty = no pool (every device of the machine, as before)."""
+    log_prob_micro_batch_size_per_gpu: int = Field(16, ge=1)
+    """Rows per forward on one rank in ComputeLogProbs."""
+    max_tokens_per_micro_batch: int = Field(0, ge=0)
+    """Token budget (rows x padded length) per micro-batch on one rank; 0 = fixed row counts."""
+
+
+class CriticConfig(Section):
+    world_size: int = Field(1, ge=1)
+    """Ranks (FSDP2 data-parallel x tensor_parallel_size); rank 0 serves gRPC."""
+    tensor_parallel_size: int = Field(1, ge=1)
+    """Tensor-parallel ranks per model copy (torch DTensor; Llama and Qwen2 families): world_size ranks form a
+    (world_size / T) x T mesh, FSDP2 across, each decoder layer's projections split T ways within (the value head stays whole).
+    T must divide world_size and the model's attention heads, KV heads and intermediate size. 1 = data parallel."""
+    pool: str = ""
+    """Key of resource_pools this role runs on; empty = no pool (every device of the machine, as before)."""
+    lr: float = Field(1e-5, gt=0)
+    """AdamW learning rate."""
+    model_path: str = ""
+    """Critic model directory; empty = model.path (the policy's backbone, with a new value head)."""
+    weight_decay: float = Field(0.01, ge=0)
+    """AdamW (decoupled) weight decay."""
+    lr_warmup_steps: int = Field(0, ge=0)
+    """Linear LR warmup over this many updates (UpdateValues calls), then constant; 0 = constant."""
+    grad_clip: float = Field(1.0, gt=0)
+    """Clip the global gradient norm to this; a non-finite norm skips the optimizer step."""
+    ppo_mini_batch_size: int = Field(8, ge=1)
+    """Prompts per optimizer step, summed over ranks (VeRL's meaning: rows = this * rollout.n)."""
+    ppo_micro_batch_size_per_gpu: int = Field(4, ge=1)
+    """Rows per forward/backward on one rank; gradients accumulate over micro-batches."""
+    forward_micro_batch_size_per_gpu: int = Field(16, ge=1)
+    """Rows per forward on one rank in ComputeValues."""
+    max_tokens_per_micro_batch: int = Field(0, ge=0)
+    """Token budget (rows x padded length) per micro-batch on one rank; 0 = fixed row counts above."""
+    ppo_epochs: int = Field(1, ge=1)
+    """Passes over the batch per UpdateValues."""
+    cliprange_value: float = Field(0.5, ge=0)
+    """Value clip: new values stay within old values +- this in the clipped loss term."""
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    """How per-token value losses reduce to one number."""

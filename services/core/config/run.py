@@ -1,0 +1,156 @@
+"""RunConfig: the whole run config, its sections, and the rules between them."""
+
+from __future__ import annotations
+
+from pydantic import model_validator
+
+from rlfabric.core.config.actor import ActorConfig, CriticConfig, ReferenceConfig
+from rlfabric.core.config.algorithm import AlgorithmConfig
+from rlfabric.core.config.base import ROLES, Section
+from rlfabric.core.config.env import EnvConfig
+from rlfabric.core.config.launcher import POOL_ROLES, LauncherConfig, ResourcePoolConfig
+from rlfabric.core.config.model import DataConfig, ModelConfig
+from rlfabric.core.config.reward import RewardConfig
+from rlfabric.core.config.rollout import RolloutConfig
+from rlfabric.core.config.server import (
+    ClientConfig,
+    ClusterConfig,
+    ServerConfig,
+    StorageConfig,
+    TracingConfig,
+)
+from rlfabric.core.config.trainer import TrainerConfig
+from rlfabric.core.config.weight_sync import ADAPTER_ENGINES, WeightSyncConfig
+
+
+class RunConfig(Section):
+    name: str = "quickstart"
+    """Run name; the default run dir is runs/<name>-<timestamp>."""
+    server: ServerConfig = ServerConfig()
+    client: ClientConfig = ClientConfig()
+    cluster: ClusterConfig = ClusterConfig()
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    actor: ActorConfig = ActorConfig()
+    reference: ReferenceConfig = ReferenceConfig()
+    critic: CriticConfig = CriticConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    reward: RewardConfig = RewardConfig()
+    env: EnvConfig = EnvConfig()
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+    trainer: TrainerConfig = TrainerConfig()
+    weight_sync: WeightSyncConfig = WeightSyncConfig()
+    storage: StorageConfig = StorageConfig()
+    launcher: LauncherConfig = LauncherConfig()
+    tracing: TracingConfig = TracingConfig()
+    resource_pools: dict[str, ResourcePoolConfig] = {}
+    """Named device pools (VeRL's resource_pool_spec): {name: {gpus: N | devices: [...], cpus: [...], nodes: M}};
+    a role picks one with its section's `pool` key (actor.pool, rollout.pool, ...). Roles in one pool share its
+    devices (the hybrid engine); empty = every role sees every device."""
+
+    @model_validator(mode="after")
+    def _pools_exist_and_fit(self) -> RunConfig:
+        """Every role's pool is a key of resource_pools, and a GPU pool holds at least world_size GPUs."""
+        for role in POOL_ROLES:
+            name = getattr(self, role).pool
+            if not name:
+                continue
+            if name not in self.resource_pools:
+                known = ", ".join(self.resource_pools) or "none"
+                raise ValueError(f"{role}.pool: no resource pool {name!r} (resource_pools: {known})")
+            pool = self.resource_pools[name]
+            world_size = getattr(getattr(self, role), "world_size", 1)
+            if pool.total_gpus and pool.total_gpus < world_size:
+                raise ValueError(f"resource_pools.{name} has {pool.total_gpus} GPU(s), too few for "
+                                 f"{role}.world_size {world_size}")
+        return self
+
+    @model_validator(mode="after")
+    def _trainer_tensor_parallel_fits(self) -> RunConfig:
+        """<role>.tensor_parallel_size divides the role's world_size, and the actor's LoRA adapters are not split."""
+        for role in ("actor", "reference", "critic"):
+            section = getattr(self, role)
+            tp, world_size = section.tensor_parallel_size, section.world_size
+            if world_size % tp:
+                raise ValueError(f"{role}.tensor_parallel_size {tp} does not divide {role}.world_size {world_size}: the "
+                                 f"ranks form a (world_size / tensor_parallel_size) x tensor_parallel_size mesh")
+        if self.actor.tensor_parallel_size > 1 and self.actor.lora.enabled:
+            raise ValueError(f"actor.tensor_parallel_size {self.actor.tensor_parallel_size} with actor.lora.rank "
+                             f"{self.actor.lora.rank}: LoRA adapters are not split over tensor-parallel ranks here; "
+                             "use one of them")
+        return self
+
+    def pool_of(self, role: str) -> str:
+        """The resource pool `role` runs on ("" = none; the coordinator never has one)."""
+        return getattr(self, role).pool if role in POOL_ROLES else ""
+
+    @model_validator(mode="after")
+    def _sandboxes_have_uids_apart(self) -> RunConfig:
+        """The reward workers and the python tool's calls never share a uid (signals and RLIMIT_NPROC go by uid)."""
+        reward, python = self.reward.custom_sandbox, self.env.python.sandbox
+        if reward.uid < python.uid + python.uid_count and python.uid < reward.uid + reward.uid_count:
+            raise ValueError(
+                f"reward.custom_sandbox's uids ({reward.uid}..{reward.uid + reward.uid_count - 1}) overlap "
+                f"env.python.sandbox's ({python.uid}..{python.uid + python.uid_count - 1}): keep them apart")
+        if self.reward.num_workers > reward.uid_count:
+            raise ValueError(f"reward.num_workers {self.reward.num_workers} > reward.custom_sandbox.uid_count "
+                             f"{reward.uid_count}: each worker needs a uid of its own")
+        return self
+
+    @model_validator(mode="after")
+    def _sglang_takes_a_process_group(self) -> RunConfig:
+        if self.rollout.engine == "sglang" and self.weight_sync.transport in ("grpc", "cuda_ipc"):
+            raise ValueError(f"weight_sync.transport {self.weight_sync.transport} cannot reach an SGLang server, which "
+                             "takes weights over a process group only: use auto, gloo or nccl with rollout.engine "
+                             "sglang")
+        return self
+
+    @model_validator(mode="after")
+    def _tensor_parallel_possible(self) -> RunConfig:
+        """rollout.tensor_parallel_size on an engine that has it, dividing the rollout pool's GPUs per node."""
+        tp, engine = self.rollout.tensor_parallel_size, self.rollout.engine
+        if tp == 1:
+            return self
+        if engine != "vllm":
+            why = ("the hf engine runs one process per replica" if engine == "hf" else
+                   "an SGLang server's tensor parallelism is its own --tp-size, set where the server starts")
+            raise ValueError(f"rollout.tensor_parallel_size {tp} needs rollout.engine vllm; {engine} has none here "
+                             f"({why}): use rollout.engine vllm or rollout.tensor_parallel_size 1")
+        pool = self.resource_pools.get(self.rollout.pool)
+        if pool is not None and pool.gpus_per_node and pool.gpus_per_node % tp:
+            raise ValueError(f"rollout.tensor_parallel_size {tp} does not divide resource_pools.{self.rollout.pool}'s "
+                             f"{pool.gpus_per_node} GPU(s) per node: a replica's TP ranks share one node, and the "
+                             "pool's devices split into replicas of tensor_parallel_size GPUs each")
+        return self
+
+    @model_validator(mode="after")
+    def _adapter_sync_possible(self) -> RunConfig:
+        if self.weight_sync.lora == "adapter" and self.rollout.engine not in ADAPTER_ENGINES:
+            raise ValueError(f"weight_sync.lora: adapter needs a rollout engine that loads LoRA adapters "
+                             f"({', '.join(ADAPTER_ENGINES)}); rollout.engine {self.rollout.engine} cannot: "
+                             "use weight_sync.lora merged (or auto)")
+        return self
+
+    def syncs_lora_adapters(self) -> bool:
+        """Weight syncs carry the actor's LoRA adapters alone (weight_sync.lora resolved), not full weights."""
+        if not self.actor.lora.enabled or self.weight_sync.lora == "merged":
+            return False
+        return self.rollout.engine in ADAPTER_ENGINES
+
+    def uses_critic(self) -> bool:
+        """Only GAE learns from a value model."""
+        return self.algorithm.adv_estimator == "gae"
+
+    def needs_reference_log_probs(self) -> bool:
+        """The reference's log-probs feed a KL term (in the loss or in the reward)."""
+        return self.reference.enable and (self.actor.use_kl_loss or self.algorithm.use_kl_in_reward)
+
+    def uses_reference(self) -> bool:
+        """A reference service runs: the run needs reference log-probs and the actor cannot give them
+        (with LoRA it can: the base model is the actor with its adapters off)."""
+        return self.needs_reference_log_probs() and not self.actor.lora.enabled
+
+    def roles_in_use(self) -> list[str]:
+        """The roles a run of this config calls, in start order: the launchers start only these."""
+        optional = {"reference": self.uses_reference(), "critic": self.uses_critic(), "env": self.env.enable}
+        return [role for role in ROLES if optional.get(role, True)]

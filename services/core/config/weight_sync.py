@@ -1,0 +1,53 @@
+"""weight_sync: how the actor's weights reach the rollout and the reference."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import (
+    Field,
+    ValidationInfo,
+    field_validator,
+)
+
+from rlfabric.core.config.base import Section
+
+
+class WeightSyncConfig(Section):
+    """How the actor's weights reach the rollout replicas after every update."""
+
+    transport: Literal["auto", "nccl", "gloo", "grpc", "cuda_ipc"] = "auto"
+    """auto = decided at run start from the GPUs the actor and the rollout replicas report (UUIDs): nccl when each
+    holds a GPU of its own; cuda_ipc when every replica is on the actor's GPU (one GPU for everything: the actor
+    lends its packed buckets' GPU memory, no byte leaves the GPU; gloo with SGLang); gloo when one is on CPU or
+    GPUs are shared otherwise. nccl where two members share a GPU or one is on CPU, and cuda_ipc where a replica
+    is not on the actor's GPU, are refused before the run starts. grpc = chunked stream (works anywhere)."""
+    bucket_mb: int = Field(64, gt=0)
+    """Weights move in flattened buckets of about this many MiB. gloo, nccl and cuda_ipc pipeline them: bucket
+    k+1 is packed while bucket k is on the wire, and the actor stages two buckets at a time (not a second copy of
+    the model), so smaller buckets overlap more; each bucket costs one collective."""
+    timeout_s: float = Field(120.0, gt=0)
+    """Every collective and stream of a sync fails after this long (a dead peer never hangs the run)."""
+    max_timeout_s: float = Field(600.0, gt=0, validate_default=True)
+    """Longest timeout_s the actor accepts in OpenWeightSyncGroup, and a receiver (rollout, reference) in
+    JoinWeightSyncGroup (more is INVALID_ARGUMENT): a join or collective holds a thread that long; >= timeout_s."""
+    max_open_groups: int = Field(4, ge=1)
+    """Weight-sync groups the actor keeps open; one more evicts the longest-unused one not mid-sync."""
+    host: str = ""
+    """Address receivers use to reach the actor's gloo store, which listens on it only; empty = server.host, or
+    this machine's hostname when server.host is a wildcard (0.0.0.0)."""
+    lora: Literal["auto", "adapter", "merged"] = "auto"
+    """With actor.lora: adapter = each sync sends the LoRA adapters alone (rank x (in + out) per adapted layer) and
+    the rollout engine applies them on its base model (hf: peft; vllm: its LoRA API); merged = each sync sends the
+    full merged weights under the base model's names (any engine); auto = adapter when rollout.engine can load
+    adapters (hf, vllm), else merged (sglang)."""
+
+    @field_validator("max_timeout_s")
+    @classmethod
+    def _at_least_timeout(cls, value: float, info: ValidationInfo) -> float:
+        if value < info.data.get("timeout_s", 0):
+            raise ValueError(f"must be >= weight_sync.timeout_s ({info.data['timeout_s']:g})")
+        return value
+
+
+ADAPTER_ENGINES = ("hf", "vllm")  # rollout engines that load LoRA adapters (weight_sync.lora: adapter)
