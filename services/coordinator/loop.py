@@ -86,7 +86,7 @@ class PPOTrainer:
                  on_phase: Callable[[str], None] = lambda phase: None,
                  on_metrics: Callable[[int, dict[str, float]], None] = lambda step, metrics: None,
                  between_steps: Callable[[], Awaitable[None]] | None = None,
-                 start_phases: StartPhases | None = None):
+                 start_phases: StartPhases | None = None, actor_mini_batch_rows: int | None = None):
         self.config = config
         self.peers = peers
         self.run_dir = run_dir
@@ -111,9 +111,9 @@ class PPOTrainer:
         self.last_checkpoint_step: int | None = None
         self.save_at_end = False  # StopRun asked for a checkpoint: the end of the run saves one in any case
         self.last_step_trace_id = ""  # the last trained step's trace (tracing on), for the metrics' exemplars
-        # Rows of one actor optimizer step, as the actor was started (RunController sets it from the mesh's
-        # config; StartRun may override rollout.n but not the actor's mini-batch).
-        self.actor_mini_batch_rows = config.actor.ppo_mini_batch_size * config.rollout.n
+        # Rows of one actor optimizer step, as the actor was started: a StartRun may override rollout.n but
+        # not the mini-batch of an actor that is already running (RunController passes the mesh's).
+        self.actor_mini_batch_rows = actor_mini_batch_rows or config.actor.ppo_mini_batch_size * config.rollout.n
         self._last_step_end: float | None = None  # perf_counter() at the end of the previous step
         self.run_id = run_dir.name
         # The run's start, from StartRun to its first Generate (RunController starts it; prepare and run add to it).
@@ -121,6 +121,19 @@ class PPOTrainer:
         self._group_opened = False  # prepare() built the weight-sync group
         self._first_sync: dict[str, float] = {}  # the metrics of the run's first sync
         self._initial_saves: list[tuple[object, Path]] = []  # (client, directory) prepare() left to run()
+
+    # -- requests from the run's controller, served at the next step boundary ----------------------
+
+    def request_checkpoint(self) -> asyncio.Future:
+        """A checkpoint at the next step boundary: the future gets its directory (or the save's error)."""
+        if self.checkpoint_requested is None:
+            self.checkpoint_requested = asyncio.get_running_loop().create_future()
+        return self.checkpoint_requested
+
+    def request_stop(self, save: bool) -> None:
+        """The run is being stopped: with `save`, its end keeps a checkpoint and the final model whatever
+        trainer.save_final says (two stops: either asking for the save gets it)."""
+        self.save_at_end = self.save_at_end or save
 
     # -- the run ---------------------------------------------------------------------------------
 

@@ -96,12 +96,12 @@ class RunController:
                 check_tracker_packages(config.trainer.loggers)
             except ConfigError as error:  # the coordinator's environment lacks it, not the request
                 raise FailedPrecondition(str(error)) from None
-        trainer = await build_trainer(config, self._between_steps, self._set_phase, self._record_metrics,
-                                      self.connect, phases, self.policy)
         # The actor was started with the mesh's config: its mini-batch (in rows) does not follow a StartRun
         # override of rollout.n.
         base = self.base_config
-        trainer.actor_mini_batch_rows = base.actor.ppo_mini_batch_size * base.rollout.n
+        trainer = await build_trainer(config, self._between_steps, self._set_phase, self._record_metrics,
+                                      self.connect, phases, self.policy,
+                                      actor_mini_batch_rows=base.actor.ppo_mini_batch_size * base.rollout.n)
         try:
             start_step = await trainer.prepare(run_dir_of(self.base_config) / "initial_weights")
             with phases.phase("trackers"):
@@ -160,7 +160,7 @@ class RunController:
         self._require_active()
         # Two StopRuns: either asking for the checkpoint gets it (nothing trained is dropped silently).
         self._stop_requested, self._save_on_stop = True, self._save_on_stop or save_checkpoint
-        self.trainer.save_at_end = self.trainer.save_at_end or save_checkpoint  # a stop during the last step
+        self.trainer.request_stop(save_checkpoint)  # a stop during the last step ends it with the save too
         self._resumed.set()
         # wait(), not gather(): a StopRun that is cancelled (deadline, client gone) must not cancel the run
         # (and its checkpoint) with it.
@@ -174,9 +174,7 @@ class RunController:
         if trainer is None:
             raise FailedPrecondition("no run has been started")
         if self.state in ACTIVE:
-            if trainer.checkpoint_requested is None:
-                trainer.checkpoint_requested = asyncio.get_running_loop().create_future()
-            path = await asyncio.shield(trainer.checkpoint_requested)
+            path = await asyncio.shield(trainer.request_checkpoint())
         else:
             path = await trainer.save_checkpoint()
         return path, trainer.step

@@ -115,7 +115,7 @@ def _log_preload_failure(future: asyncio.Future) -> None:
 
 async def build_trainer(config: RunConfig, between_steps, on_phase, on_metrics,
                         connect: Connect = connect_services, phases: StartPhases | None = None,
-                        policy: PolicyTokenizer | None = None) -> PPOTrainer:
+                        policy: PolicyTokenizer | None = None, actor_mini_batch_rows: int | None = None) -> PPOTrainer:
     """A PPOTrainer for one run, connected to its services by `connect` (default: over gRPC, to
     config.cluster's addresses). The tokenizer (`policy`'s, loaded at the coordinator's start) and the data
     (on a thread) are made ready while the connections are made (waits on the services); each is a phase
@@ -138,4 +138,5 @@ async def build_trainer(config: RunConfig, between_steps, on_phase, on_metrics,
         raise
     peers, plane = await connecting
     return PPOTrainer(config, peers, tokenizer, run_dir, train, val, plane, on_phase=on_phase,
-                      on_metrics=on_metrics, between_steps=between_steps, start_phases=phases)
+                      on_metrics=on_metrics, between_steps=between_steps, start_phases=phases,
+                      actor_mini_batch_rows=actor_mini_batch_rows)
