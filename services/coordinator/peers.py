@@ -8,7 +8,9 @@ naming the role and its address (rlfabric.core.client.ServiceClient.domain_error
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -74,28 +76,19 @@ class Peers:
 
     @classmethod
     def connect(cls, config: RunConfig) -> Peers:
-        """Clients for config.cluster's addresses; FailedPrecondition names a role the run needs but lacks."""
-        cluster = config.cluster
-        wanted = {"actor": True, "rollout": True, "reward": True,
-                  "reference": config.uses_reference(), "critic": config.uses_critic()}
-        missing = [role for role, needed in wanted.items() if needed and not getattr(cluster, role)]
-        if missing:
-            raise FailedPrecondition(f"the run needs cluster.{', cluster.'.join(missing)} (service addresses) "
-                                     "but the config has none")
+        """gRPC clients for config.cluster's addresses (build_peers' rules), and the run's environment."""
         options = ChannelOptions.from_config(config)
-        actor = ActorClient(cluster.actor[0], options)
-        reference = ReferenceClient(cluster.reference[0], options) if wanted["reference"] else None
-        if config.needs_reference_log_probs() and config.actor.lora.enabled:
-            reference = ActorAsReference(actor)  # the base model under the actor's LoRA adapters
-        return cls(
-            actor=actor,
-            rollout=RolloutRouter(cluster.rollout, options, max_attempts=config.trainer.rollout_retries + 1),
-            reward=ShardedRewardClient.connect(cluster.reward, options),
-            reference=reference,
-            critic=CriticClient(cluster.critic[0], options) if wanted["critic"] else None,
-            rollout_addresses=list(cluster.rollout),
-            **environment_of(config, ChannelOptions.for_env(config)),  # the environment's token, not the mesh's
+        clients = RoleClients(
+            actor=lambda address: ActorClient(address, options),
+            reference=lambda address: ReferenceClient(address, options),
+            critic=lambda address: CriticClient(address, options),
+            rollout=lambda addresses: RolloutRouter(addresses, options,
+                                                    max_attempts=config.trainer.rollout_retries + 1),
+            reward=lambda addresses: ShardedRewardClient.connect(addresses, options),
         )
+        peers = build_peers(config, clients)
+        # The environment's token, not the mesh's.
+        return dataclasses.replace(peers, **environment_of(config, ChannelOptions.for_env(config)))
 
     def grpc_clients(self) -> list[ServiceClient]:
         """The gRPC clients behind the peers, one per service."""
@@ -146,6 +139,38 @@ class Peers:
         closers = [self.actor.close(), self.rollout.close(), self.reward.close()]
         closers += [c.close() for c in (self.reference, self.critic, self.env) if c is not None]
         await asyncio.gather(*closers, return_exceptions=True)
+
+
+@dataclass
+class RoleClients:
+    """How a mesh reaches each role, given its address(es): gRPC clients (Peers.connect) or clients of
+    engines in this process (rlfabric.launch.inprocess)."""
+
+    actor: Callable[[str], ActorInterface]
+    reference: Callable[[str], ReferenceInterface]
+    critic: Callable[[str], CriticInterface]
+    rollout: Callable[[list[str]], RolloutRouter]
+    reward: Callable[[list[str]], RewardInterface]
+
+
+def build_peers(config: RunConfig, clients: RoleClients) -> Peers:
+    """The run's peers, whichever the mesh: the roles the run needs (FailedPrecondition names one
+    config.cluster lacks), a reference service only where the run uses one, and under LoRA the actor's
+    base model as the reference."""
+    cluster = config.cluster
+    wanted = {"actor": True, "rollout": True, "reward": True,
+              "reference": config.uses_reference(), "critic": config.uses_critic()}
+    missing = [role for role, needed in wanted.items() if needed and not getattr(cluster, role)]
+    if missing:
+        raise FailedPrecondition(f"the run needs cluster.{', cluster.'.join(missing)} (service addresses) "
+                                 "but the config has none")
+    actor = clients.actor(cluster.actor[0])
+    reference = clients.reference(cluster.reference[0]) if wanted["reference"] else None
+    if config.needs_reference_log_probs() and config.actor.lora.enabled:
+        reference = ActorAsReference(actor)  # the base model under the actor's LoRA adapters
+    return Peers(actor=actor, rollout=clients.rollout(list(cluster.rollout)), reward=clients.reward(list(cluster.reward)),
+                 reference=reference, critic=clients.critic(cluster.critic[0]) if wanted["critic"] else None,
+                 rollout_addresses=list(cluster.rollout))
 
 
 def environment_of(config: RunConfig, options: ChannelOptions) -> dict:

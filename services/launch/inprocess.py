@@ -36,7 +36,7 @@ from pathlib import Path
 
 from rlfabric.actor.client import LocalActorClient
 from rlfabric.coordinator.client import LocalCoordinatorClient
-from rlfabric.coordinator.peers import ActorAsReference, Peers, environment_of
+from rlfabric.coordinator.peers import Peers, RoleClients, build_peers, environment_of
 from rlfabric.coordinator.run_controller import RunController
 from rlfabric.coordinator.weight_sync import SyncReport, target_dtype
 from rlfabric.core.client import ChannelOptions
@@ -174,20 +174,15 @@ class InProcessMesh:
         config.cluster names, and the direct weight handoff."""
         cluster = config.cluster
         rollouts = list(cluster.rollout)
-        actor = LocalActorClient(self.engines[cluster.actor[0]])
-        # As Peers.connect chooses: with LoRA the actor's base model is the reference.
-        reference = LocalReferenceClient(self.engines[cluster.reference[0]]) if config.uses_reference() else None
-        if config.needs_reference_log_probs() and config.actor.lora.enabled:
-            reference = ActorAsReference(actor)
-        peers = Peers(
-            actor=actor,
-            rollout=RolloutRouter(rollouts, max_attempts=config.trainer.rollout_retries + 1,
-                                  clients=[LocalRolloutClient(self.engines[a]) for a in rollouts]),
-            reward=LocalRewardClient(self.engines[cluster.reward[0]]),
-            reference=reference,
-            critic=LocalCriticClient(self.engines[cluster.critic[0]]) if config.uses_critic() else None,
-            rollout_addresses=rollouts,
-        )
+        engines = self.engines
+        peers = build_peers(config, RoleClients(
+            actor=lambda address: LocalActorClient(engines[address]),
+            reference=lambda address: LocalReferenceClient(engines[address]),
+            critic=lambda address: LocalCriticClient(engines[address]),
+            rollout=lambda addresses: RolloutRouter(addresses, max_attempts=config.trainer.rollout_retries + 1,
+                                                    clients=[LocalRolloutClient(engines[a]) for a in addresses]),
+            reward=lambda addresses: LocalRewardClient(engines[addresses[0]]),
+        ))
         if not any(address in self.engines for address in cluster.env):
             # No environment in this process: the replicas' agent loops call the run's over gRPC, and the
             # run waits for it to be ready as over the mesh (rlfabric.coordinator.setup.connect_services).
