@@ -1,5 +1,5 @@
 """The single-controller PPO/GRPO loop. `PPOTrainer.run` steps until trainer.total_steps; each step is
-`train_step`, top to bottom:
+`train_step`, top to bottom (phase 1 in `generated`, 2 to 5 in `train_on`):
 
     1. generate and score    n samples per prompt over the rollout replicas; Score requests go out
                              as samples finish (RolloutStream, rollout_stream.py: `run` takes each
@@ -36,7 +36,7 @@ import json
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import torch
@@ -61,7 +61,7 @@ from rlfabric.coordinator.multi_turn import (
 )
 from rlfabric.coordinator.peers import Peers
 from rlfabric.coordinator.rollout_batch import RolloutBatch, build_rollout_batch, token_level_scores
-from rlfabric.coordinator.rollout_stream import SCORE_CHUNK, RolloutStream, TakenGroups
+from rlfabric.coordinator.rollout_stream import SCORE_CHUNK, RolloutStream, ScoredPrompt, TakenGroups
 from rlfabric.coordinator.sample_failures import TooManyFailedSamples, check_failed_fraction, failure_of
 from rlfabric.coordinator.sample_failures import describe as describe_failures
 from rlfabric.coordinator.step_metrics import StepTimer, data_metrics
@@ -102,11 +102,11 @@ class PPOTrainer:
         self.step = 0  # steps completed
         self.weight_version = 0  # version the rollout serves
         self.version_base = 0  # version of the policy at step 0 of this run (set by prepare())
-        self.cursor = DataCursor()
+        self.start_cursor = DataCursor()  # where this run's data starts (a resume: the checkpoint's)
         self.kl_ctrl = self._kl_controller(config)
         self.checkpoint_requested: asyncio.Future | None = None
-        # Where a resume continues: the first batch not trained yet. In async mode batches generating
-        # ahead are drawn but not trained, so this lags self.cursor between steps.
+        # Where a resume continues: the first batch not trained yet (RolloutStream.untrained_cursor: in async
+        # mode batches generating ahead are drawn but not trained).
         self.untrained_cursor = DataCursor()
         self.last_checkpoint_step: int | None = None
         self.save_at_end = False  # StopRun asked for a checkpoint: the end of the run saves one in any case
@@ -121,6 +121,7 @@ class PPOTrainer:
         self._group_opened = False  # prepare() built the weight-sync group
         self._first_sync: dict[str, float] = {}  # the metrics of the run's first sync
         self._initial_saves: list[tuple[object, Path]] = []  # (client, directory) prepare() left to run()
+        self._saving: asyncio.Future | None = None  # that save, running beside the first step's generation
 
     # -- requests from the run's controller, served at the next step boundary ----------------------
 
@@ -169,8 +170,8 @@ class PPOTrainer:
         if path is not None:
             state = read_state(path)
             self.step = state.step
-            self.cursor = DataCursor(state.data_epoch, state.data_position)
-            self.untrained_cursor = self._copy(self.cursor)
+            self.start_cursor = DataCursor(state.data_epoch, state.data_position)
+            self.untrained_cursor = self._copy(self.start_cursor)
             self.last_checkpoint_step = self.step
             self.kl_ctrl.value = state.kl_coef
             log.info("resumed from %s at step %d", path, self.step)
@@ -214,24 +215,18 @@ class PPOTrainer:
         """Steps until trainer.total_steps (or StopRun), with validation and checkpoints on schedule."""
         trainer = self.config.trainer
         await self._start()
-        batches = self.train_data.batches(self.config.data.train_batch_size, self.config.data.seed, self.cursor)
-        stream = RolloutStream(self, batches, first_step=self.step + 1)  # what generates: cancelled at the end
+        # What generates (cancelled at the end); it draws the prompts from start_cursor on.
+        stream = RolloutStream(self, self.config, self.train_data, self.start_cursor, first_step=self.step + 1)
         self._finish_start()
         first_step = self.step + 1
         # The initial weights go to disk while the first step generates; its trainers wait for them.
-        saving = asyncio.ensure_future(self.start_phases.timed("initial_save", self._save_initial_weights())
-                                       ) if self._initial_saves else None
+        self._saving = asyncio.ensure_future(self.start_phases.timed("initial_save", self._save_initial_weights())
+                                             ) if self._initial_saves else None
         try:
             while self.step < trainer.total_steps:
                 await self._between_steps()
                 step = self.step + 1
-                timer = StepTimer(step)  # and the step's trace: its root span starts with generation
-                batch, rollout_metrics = await self.generated(step, stream, timer)
-                if saving is not None:
-                    await self._initial_save_done(saving, timer)
-                    saving = None
-                metrics = await self.train_step(step, batch, timer)
-                metrics.update(rollout_metrics)
+                metrics = await self.train_step(step, stream)
                 if step == first_step:
                     metrics.update(self.start_phases.metrics())
                     self._write_run_start()  # again, with the initial save
@@ -245,9 +240,9 @@ class PPOTrainer:
                     await self.save_checkpoint()
         finally:
             stream.close()
-            if saving is not None:  # the run ended before its first update: the save ends with it
-                saving.cancel()
-                await asyncio.gather(saving, return_exceptions=True)
+            if self._saving is not None:  # the run ended before its first update: the save ends with it
+                self._saving.cancel()
+                await asyncio.gather(self._saving, return_exceptions=True)
         await self.keep_policy(checkpoint=trainer.save_final or self.save_at_end)
 
     async def _start(self) -> None:
@@ -258,7 +253,7 @@ class PPOTrainer:
         await phases.timed("wake", wake_sleeping(self.peers.rollout))  # replicas an earlier run left asleep
         # Every replica starts from the weights this run starts from (fresh, reset or resumed).
         with phases.phase("first_sync"):
-            self._first_sync = await self._sync_weights(self._version(self.step))
+            self._first_sync = await self._sync_weights(self.version(self.step))
         if self.config.trainer.val_before_train and self.step == 0:
             with phases.phase("validate"):
                 self.on_metrics(0, await self.validate())
@@ -305,6 +300,17 @@ class PPOTrainer:
     def final_model_dir(self) -> Path:
         return self.run_dir / "final_model"
 
+    async def train_step(self, step: int, stream: RolloutStream) -> dict[str, float]:
+        """One whole PPO step: its batch from the stream (phase 1), then phases 2 to 5 on it; its metrics."""
+        timer = StepTimer(step)  # and the step's trace: its root span starts with generation
+        batch, rollout_metrics = await self.generated(step, stream, timer)
+        if self._saving is not None:  # the first step's trainers wait for the initial save
+            await self._initial_save_done(self._saving, timer)
+            self._saving = None
+        metrics = await self.train_on(step, batch, timer)
+        metrics.update(rollout_metrics)
+        return metrics
+
     async def generated(self, step: int, stream: RolloutStream, timer: StepTimer,
                         ) -> tuple[RolloutBatch, dict[str, float]]:
         """1. Generate and score (timing_s/gen: the wait for the step's groups; timing_s/gen_overlapped:
@@ -324,7 +330,7 @@ class PPOTrainer:
             raise
         return batch, taken.metrics
 
-    async def train_step(self, step: int, batch: RolloutBatch, timer: StepTimer) -> dict[str, float]:
+    async def train_on(self, step: int, batch: RolloutBatch, timer: StepTimer) -> dict[str, float]:
         """Phases 2 to 5 of one PPO step on a generated and scored batch; its metrics (timings under `timer`)."""
         metrics: dict[str, float] = {}
         try:
@@ -345,7 +351,7 @@ class PPOTrainer:
             with timer("update_weights"):
                 if self.hybrid is not None:  # VeRL's order: the weights wake, take the sync, then the KV cache
                     await self.hybrid.wake_weights()
-                metrics.update(await self._sync_weights(self._version(step)))
+                metrics.update(await self._sync_weights(self.version(step)))
                 if self.hybrid is not None:
                     await self.hybrid.wake_kv_cache()
                     metrics.update(self.hybrid.metrics())
@@ -471,27 +477,60 @@ class PPOTrainer:
                 self._dump_rollouts(step, batch)
             raise
 
-    async def _generate_and_score(self, rows: list[PromptRow], params: SamplingSpec):
-        """(samples, [((prompt_index, sample_index), ItemResult)]): Score requests go out while
-        generation still streams, SCORE_CHUNK samples at a time."""
-        samples: list[FinishedSample] = []
-        chunk: list[FinishedSample] = []
-        scoring: list[asyncio.Task] = []
+    async def generate_and_score(self, rows: list[PromptRow], params: SamplingSpec,
+                                 on_sample: Callable[[FinishedSample], None] | None = None,
+                                 ) -> AsyncIterator[list[ScoredPrompt]]:
+        """params.n samples of each row over the rollout replicas, scored: yields the prompts whose samples
+        are all scored, a chunk at a time, as (prompt index, samples, results), both by sample index. Score
+        requests go out while generation still streams, once SCORE_CHUNK samples of complete prompts are in.
+        on_sample sees each sample as it arrives (raising stops it all). Training (RolloutStream), validation
+        and ReMax's baselines all generate through here."""
         prompts = [self.prompt_of(row) for row in rows]
-        async for sample in self.peers.rollout.generate_stream(prompts, params, chunk_prompts=self._chunk_prompts()):
-            samples.append(sample)
-            chunk.append(sample)
-            if len(chunk) >= SCORE_CHUNK:
-                scoring.append(asyncio.create_task(self._score(rows, chunk)))
-                chunk = []
-        if chunk:
-            scoring.append(asyncio.create_task(self._score(rows, chunk)))
-        results = [pair for part in await asyncio.gather(*scoring) for pair in part]
-        return samples, results
+        finished: asyncio.Queue[asyncio.Task] = asyncio.Queue()
+        scoring: set[asyncio.Task] = set()
 
-    async def _score(self, rows: list[PromptRow], samples: list[FinishedSample]):
-        results = await self.score_samples([(rows[s.prompt_index], s) for s in samples])
-        return [((s.prompt_index, s.sample_index), r) for s, r in zip(samples, results, strict=True)]
+        async def score(chunk: list[tuple[int, dict[int, FinishedSample]]]) -> list[ScoredPrompt]:
+            pairs = [(rows[index], sample) for index, samples in chunk for sample in samples.values()]
+            results = iter(await self.score_samples(pairs))
+            return [(index, samples, {k: next(results) for k in samples}) for index, samples in chunk]
+
+        def score_later(chunk: list[tuple[int, dict[int, FinishedSample]]]) -> None:
+            task = asyncio.create_task(score(chunk))
+            scoring.add(task)
+            task.add_done_callback(finished.put_nowait)
+
+        async def generate() -> None:
+            pending: dict[int, dict[int, FinishedSample]] = {}
+            chunk: list[tuple[int, dict[int, FinishedSample]]] = []
+            async for sample in self.peers.rollout.generate_stream(prompts, params,
+                                                                   chunk_prompts=self._chunk_prompts()):
+                if on_sample is not None:
+                    on_sample(sample)
+                samples = pending.setdefault(sample.prompt_index, {})
+                samples[sample.sample_index] = sample
+                if len(samples) == params.n:
+                    chunk.append((sample.prompt_index, pending.pop(sample.prompt_index)))
+                    if len(chunk) * params.n >= SCORE_CHUNK:
+                        score_later(chunk)
+                        chunk = []
+            if chunk:
+                score_later(chunk)
+
+        generating = asyncio.create_task(generate())
+        generating.add_done_callback(finished.put_nowait)
+        try:
+            while not generating.done() or scoring:
+                task = await finished.get()
+                if task is generating:
+                    task.result()  # generation's error ends it all
+                    continue
+                scoring.discard(task)
+                yield task.result()
+            generating.result()
+        finally:
+            for task in (generating, *scoring):
+                task.cancel()
+            await asyncio.gather(generating, *scoring, return_exceptions=True)
 
     async def score_samples(self, pairs: list[tuple[PromptRow, FinishedSample]]) -> list[ItemResult]:
         """The score of each (row, sample): the reward service's, and with rollout.multi_turn the
@@ -506,11 +545,13 @@ class PPOTrainer:
                        for (_, sample), result in zip(pairs, results, strict=True)]
         return results
 
-    def sampling_spec(self, n: int, seed: int | None) -> SamplingSpec:
-        """A training step's sampling settings (multi-turn ones included when rollout.multi_turn is on)."""
+    def training_params(self, gen_batch: int) -> SamplingSpec:
+        """The sampling settings of training's gen batch `gen_batch` (seeded by its index; multi-turn ones
+        included when rollout.multi_turn is on)."""
         rollout, max_tokens = self.config.rollout, self._max_tokens()
-        return SamplingSpec(n=n, temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k,
-                            max_tokens=max_tokens, seed=seed, multi_turn=multi_turn_spec(self.config, max_tokens))
+        return SamplingSpec(n=rollout.n, temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k,
+                            max_tokens=max_tokens, seed=self._step_seed(gen_batch),
+                            multi_turn=multi_turn_spec(self.config, max_tokens))
 
     def prompt_of(self, row: PromptRow):
         """What the rollout gets for a row: its token ids, or with rollout.multi_turn its agent task."""
@@ -527,8 +568,8 @@ class PPOTrainer:
         """ReMax's baseline: the score of each prompt's greedy response, repeated for its n samples."""
         greedy = SamplingSpec(n=1, temperature=0.0, max_tokens=max_tokens,
                               multi_turn=multi_turn_spec(self.config, max_tokens))
-        samples, results = await self._generate_and_score(rows, greedy)
-        by_prompt = {key[0]: result.score for key, result in results}
+        by_prompt = {index: results[0].score async for chunk in self.generate_and_score(rows, greedy)
+                     for index, _, results in chunk}
         return torch.tensor([by_prompt[p] for p in range(len(rows))]).repeat_interleave(self.config.rollout.n)
 
     # -- validation, weights, checkpoints ------------------------------------------------------------
@@ -546,9 +587,9 @@ class PPOTrainer:
         by_source: dict[str, list[float]] = {}
         for start in range(0, len(rows), size):
             part = rows[start : start + size]
-            _, results = await self._generate_and_score(part, params)
-            for (prompt_index, _), result in results:
-                by_source.setdefault(part[prompt_index].data_source, []).append(result.score)
+            async for chunk in self.generate_and_score(part, params):
+                for prompt_index, _, results in chunk:
+                    by_source.setdefault(part[prompt_index].data_source, []).extend(r.score for r in results.values())
         metrics = {f"val-core/{source}/reward/mean@{rollout.val_n}": sum(s) / len(s) for source, s in by_source.items()}
         every = [score for scores in by_source.values() for score in scores]
         metrics["val/score/mean"] = sum(every) / len(every)
@@ -649,7 +690,7 @@ class PPOTrainer:
     def _copy(cursor: DataCursor) -> DataCursor:
         return DataCursor(cursor.epoch, cursor.position)
 
-    def _version(self, step: int) -> int:
+    def version(self, step: int) -> int:
         """The weight version that holds the policy after `step` steps of this run."""
         return self.version_base + step
 

@@ -1,10 +1,14 @@
 """The rollout side of the loop: generation that streams on ahead of training, within a staleness bound.
 
-    stream = RolloutStream(trainer, batches, first_step=trainer.step + 1)
+    stream = RolloutStream(trainer, config, dataset, cursor, first_step=trainer.step + 1)
     taken = await stream.take(step, timer)   # data.train_batch_size scored groups for `step`
     ...                                      # the trainer trains on them and syncs the weights
     stream.trained(step)                     # generation may now run one step further ahead
     stream.close()                           # cancels what is still generating
+
+The stream owns the data cursor (it draws the prompts from `cursor` on) and reaches the rest of the run
+through a RolloutSource (the trainer): generate and score rows, the sampling settings of a gen batch, the
+weight version of a step and the one the rollout serves.
 
 Units: a group is one prompt's n samples; a step trains on B = data.train_batch_size groups; a gen batch is B
 prompts drawn from the dataloader and generated as one stream of requests, seeded by its index (so in sync
@@ -52,30 +56,49 @@ import dataclasses
 import logging
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from rlfabric.algorithms.dapo import filter_groups
 from rlfabric.coordinator.step_metrics import StepTimer
 from rlfabric.core import tracing
+from rlfabric.core.config import RunConfig
 from rlfabric.core.errors import FailedPrecondition
-from rlfabric.data.dataset import DataCursor, PromptRow
+from rlfabric.data.dataset import DataCursor, PromptRow, RLHFDataset
 from rlfabric.reward.items import ItemResult
-from rlfabric.rollout.types import FinishedSample
+from rlfabric.rollout.types import FinishedSample, SamplingSpec
 
 if TYPE_CHECKING:
     from opentelemetry.trace import SpanContext
-
-    from rlfabric.coordinator.loop import PPOTrainer
 
 log = logging.getLogger("rlfabric.coordinator.rollout")
 
 SCORE_CHUNK = 64  # samples per Score request while generation is still streaming
 
 GENERATING, READY, TAKEN, FILTERED, STALE = "generating", "ready", "taken", "filtered", "stale"
+
+# A prompt's samples and their scores, each by sample index.
+ScoredPrompt = tuple[int, dict[int, FinishedSample], dict[int, ItemResult]]
+
+
+class RolloutSource(Protocol):
+    """What the stream needs of the run (PPOTrainer)."""
+
+    weight_version: int  # the version the rollout serves now
+
+    def version(self, step: int) -> int:
+        """The weight version that holds the policy after `step` steps."""
+
+    def training_params(self, gen_batch: int) -> SamplingSpec:
+        """The sampling settings of training's gen batch `gen_batch`."""
+
+    def generate_and_score(self, rows: list[PromptRow], params: SamplingSpec,
+                           on_sample: Callable[[FinishedSample], None] | None = None,
+                           ) -> AsyncIterator[list[ScoredPrompt]]:
+        """The rows' samples, scored, a chunk of complete prompts at a time (PPOTrainer.generate_and_score)."""
 
 
 @dataclass(eq=False)
@@ -111,7 +134,6 @@ class GenBatch:
     ahead: bool = False  # started before its step waited for it: traced on its own (own_trace)
     trace: SpanContext | None = None  # while tracing, the span it ran under: steps of other traces link to it
     task: asyncio.Task | None = None
-    scoring: set[asyncio.Task] = field(default_factory=set)
 
     def active(self) -> bool:
         return any(group.state in (GENERATING, READY) for group in self.groups)
@@ -130,10 +152,12 @@ class TakenGroups:
 class RolloutStream:
     """Keeps generation going for up to k steps ahead of the trainer (see the module docstring)."""
 
-    def __init__(self, trainer: PPOTrainer, batches: Iterator[list[PromptRow]], first_step: int):
-        config = trainer.config
-        self.trainer = trainer
-        self.batches = batches
+    def __init__(self, source: RolloutSource, config: RunConfig, dataset: RLHFDataset, cursor: DataCursor,
+                 first_step: int):
+        self.source = source
+        self.cursor = DataCursor(cursor.epoch, cursor.position)  # the next prompt to draw; batches advance it
+        self.batches: Iterator[list[PromptRow]] = dataset.batches(config.data.train_batch_size, config.data.seed,
+                                                                  self.cursor)
         self.first_step = first_step
         self.batch_size = config.data.train_batch_size
         self.n = config.rollout.n
@@ -158,7 +182,7 @@ class RolloutStream:
         under timer "gen" for what is not ready yet. timer "gen_overlapped": the rest of their generation
         and scoring (from their gen batches' start to the last one scored), which ran hidden while earlier
         steps trained."""
-        policy = self.trainer._version(step - 1)
+        policy = self.source.version(step - 1)
         waited_from = time.perf_counter()
         self.waiting_step = step
         with timer("gen"):
@@ -189,7 +213,7 @@ class RolloutStream:
         timer.seconds["gen_overlapped"] = max(0.0, generating - (taken_at - waited_from))
         metrics = self._metrics(step, taken, policy)
         self.gen_batches_per_step = {s: count for s, count in self.gen_batches_per_step.items() if s > step}
-        self._drop_stale(self.trainer._version(step))  # what no later step may train on
+        self._drop_stale(self.source.version(step))  # what no later step may train on
         return self._layout(taken, metrics)
 
     def trained(self, step: int) -> None:
@@ -202,7 +226,7 @@ class RolloutStream:
     def untrained_cursor(self) -> DataCursor:
         """Where a resume continues: the first gen batch not wholly trained on or dropped."""
         active = [gen_batch for gen_batch in self.gen_batches if gen_batch.active()]
-        cursor = active[0].cursor_before if active else self.trainer.cursor
+        cursor = active[0].cursor_before if active else self.cursor
         return DataCursor(cursor.epoch, cursor.position)
 
     def close(self) -> None:
@@ -230,10 +254,9 @@ class RolloutStream:
             self._start(fill_step)
 
     def _start(self, fill_step: int) -> None:
-        trainer = self.trainer
-        cursor_before = DataCursor(trainer.cursor.epoch, trainer.cursor.position)
+        cursor_before = DataCursor(self.cursor.epoch, self.cursor.position)
         rows = next(self.batches)
-        gen_batch = GenBatch(self.next_index, cursor_before, fill_step, trainer.weight_version, time.perf_counter(),
+        gen_batch = GenBatch(self.next_index, cursor_before, fill_step, self.source.weight_version, time.perf_counter(),
                              ahead=fill_step != self.waiting_step)
         gen_batch.groups = [Group(row, gen_batch, position) for position, row in enumerate(rows)]
         self.next_index += 1
@@ -259,9 +282,8 @@ class RolloutStream:
         self.gen_batches = [gen_batch for gen_batch in self.gen_batches if gen_batch.active()]
 
     def _cancel(self, gen_batch: GenBatch) -> None:
-        for task in [gen_batch.task, *gen_batch.scoring]:
-            if task is not None:
-                task.cancel()
+        if gen_batch.task is not None:  # its generation and the Score calls it started
+            gen_batch.task.cancel()
         for group in gen_batch.groups:
             if group.state == GENERATING:
                 group.state = STALE
@@ -295,48 +317,21 @@ class RolloutStream:
             self._fail(error)
 
     async def _generate_and_score(self, gen_batch: GenBatch) -> None:
-        trainer = self.trainer
-        params = trainer.sampling_spec(self.n, trainer._step_seed(gen_batch.index))
-        chunk: list[Group] = []
-        prompts = [trainer.prompt_of(group.row) for group in gen_batch.groups]
-        async for sample in trainer.peers.rollout.generate_stream(prompts, params,
-                                                                  chunk_prompts=trainer._chunk_prompts()):
+        def from_fresh_weights(sample: FinishedSample) -> None:
             if sample.weight_version < gen_batch.started_version:
                 raise FailedPrecondition(
                     f"a rollout replica generated a sample with weight version {sample.weight_version} after the "
                     f"weight sync of version {gen_batch.started_version}: it serves stale weights (staleness "
                     f"bound trainer.max_staleness {self.max_staleness})")
-            group = gen_batch.groups[sample.prompt_index]
-            group.samples[sample.sample_index] = sample
-            if len(group.samples) == self.n:
-                chunk.append(group)
-                if len(chunk) * self.n >= SCORE_CHUNK:
-                    self._score_later(gen_batch, chunk)
-                    chunk = []
-        if chunk:
-            self._score_later(gen_batch, chunk)
-        while gen_batch.scoring:
-            await asyncio.wait(set(gen_batch.scoring))
 
-    def _score_later(self, gen_batch: GenBatch, groups: list[Group]) -> None:
-        task = asyncio.create_task(self._score(groups))
-        gen_batch.scoring.add(task)
-        task.add_done_callback(gen_batch.scoring.discard)
-
-    async def _score(self, groups: list[Group]) -> None:
-        trainer = self.trainer
-        pairs = [(group, sample) for group in groups for sample in group.samples.values()]
-        try:
-            results = await trainer.score_samples([(group.row, sample) for group, sample in pairs])
-            for (group, sample), result in zip(pairs, results, strict=True):
-                group.results[sample.sample_index] = result
-            for group in groups:
+        rows = [group.row for group in gen_batch.groups]
+        params = self.source.training_params(gen_batch.index)
+        async for scored in self.source.generate_and_score(rows, params, on_sample=from_fresh_weights):
+            for prompt_index, samples, results in scored:
+                group = gen_batch.groups[prompt_index]
+                group.samples, group.results = samples, results
                 if group.state == GENERATING:  # not cancelled meanwhile
                     self._resolve(group)
-        except asyncio.CancelledError:
-            raise
-        except BaseException as error:
-            self._fail(error)
 
     def _resolve(self, group: Group) -> None:
         """A scored group: ready for a step, or dropped by dynamic sampling."""

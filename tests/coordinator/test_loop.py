@@ -101,8 +101,8 @@ def rollout_batch(scores: list[float], failed: list[bool] | None = None, version
 
 
 def train_step(trainer: PPOTrainer, batch: RolloutBatch, step: int = 1) -> dict[str, float]:
-    """trainer.train_step on a batch already generated and scored (phase 1 done); its metrics."""
-    return asyncio.run(trainer.train_step(step, batch, StepTimer()))
+    """trainer.train_on: phases 2 to 5 on a batch already generated and scored; its metrics."""
+    return asyncio.run(trainer.train_on(step, batch, StepTimer()))
 
 
 def trainer_over(run_config: RunConfig, tmp_path, actor: ModelService, reference: ModelService | None = None,
