@@ -65,7 +65,7 @@ from rlfabric.coordinator.rollout_stream import SCORE_CHUNK, RolloutStream, Scor
 from rlfabric.coordinator.sample_failures import TooManyFailedSamples, check_failed_fraction, failure_of
 from rlfabric.coordinator.sample_failures import describe as describe_failures
 from rlfabric.coordinator.step_metrics import StepTimer, data_metrics
-from rlfabric.coordinator.weight_sync import WeightSyncPlane
+from rlfabric.coordinator.weight_sync import WeightSync
 from rlfabric.core import tracing
 from rlfabric.core.config import ConfigError, RunConfig, check_run_rules
 from rlfabric.core.errors import FailedPrecondition, InvalidArgument
@@ -82,7 +82,7 @@ class PPOTrainer:
     """Drives one run over the services in `peers`. Phase changes and step metrics go to `report`."""
 
     def __init__(self, config: RunConfig, peers: Peers, tokenizer, run_dir: Path, train_data: RLHFDataset,
-                 val_data: RLHFDataset | None, weight_sync: WeightSyncPlane,
+                 val_data: RLHFDataset | None, weight_sync: WeightSync,
                  on_phase: Callable[[str], None] = lambda phase: None,
                  on_metrics: Callable[[int, dict[str, float]], None] = lambda step, metrics: None,
                  between_steps: Callable[[], Awaitable[None]] | None = None,

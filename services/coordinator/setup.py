@@ -14,7 +14,7 @@ from pathlib import Path
 
 from rlfabric.coordinator.loop import PPOTrainer
 from rlfabric.coordinator.peers import Peers
-from rlfabric.coordinator.weight_sync import WeightSyncPlane
+from rlfabric.coordinator.weight_sync import WeightSync, WeightSyncPlane
 from rlfabric.core.config import RunConfig, run_dir_of
 from rlfabric.core.errors import FailedPrecondition, InvalidArgument
 from rlfabric.core.host import load_tokenizer
@@ -60,9 +60,8 @@ async def connect_services(config: RunConfig) -> tuple[Peers, WeightSyncPlane]:
     return peers, plane
 
 
-# config -> (peers, weight sync): a WeightSyncPlane, or what the loop uses of one (open, sync, close,
-# receivers, stale), e.g. rlfabric.launch.inprocess.LocalWeightSync.
-Connect = Callable[[RunConfig], Awaitable[tuple[Peers, WeightSyncPlane]]]
+# config -> (peers, weight sync): a WeightSyncPlane over the services, or rlfabric.launch.inprocess.LocalWeightSync.
+Connect = Callable[[RunConfig], Awaitable[tuple[Peers, WeightSync]]]
 
 
 class PolicyTokenizer:

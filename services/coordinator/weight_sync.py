@@ -21,6 +21,7 @@ current after its first sync.
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import contextlib
 import dataclasses
@@ -118,7 +119,35 @@ def target_dtype(config: RunConfig) -> torch.dtype | None:
     return None if name == "auto" else torch_dtype(name)
 
 
-class WeightSyncPlane:
+class WeightSync(abc.ABC):
+    """What the loop asks of weight sync, whichever the mesh: WeightSyncPlane over the services' groups, or
+    LocalWeightSync (rlfabric.launch.inprocess) straight into engines in this process."""
+
+    @property
+    @abc.abstractmethod
+    def receivers(self) -> dict[str, str]:
+        """Each receiver's name and address."""
+
+    @property
+    @abc.abstractmethod
+    def stale(self) -> bool:
+        """Whether a failed sync may be retried at once (the group is rebuilt without the dead members)."""
+
+    @abc.abstractmethod
+    async def open(self) -> dict[str, str]:
+        """Gets ready to sync; returns {name: reason} of the receivers left out."""
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Releases what open() and the syncs hold."""
+
+    @abc.abstractmethod
+    async def sync(self, version: int) -> SyncReport:
+        """The actor's weights as `version` to every receiver it can reach; the others in report.failed.
+        Raises for the actor's own failures."""
+
+
+class WeightSyncPlane(WeightSync):
     """Drives weight sync from the actor to named receivers ("host:port" of RolloutService)."""
 
     def __init__(self, actor: ActorInterface, receivers: Mapping[str, str], config: RunConfig,

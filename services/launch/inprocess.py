@@ -38,7 +38,7 @@ from rlfabric.actor.client import LocalActorClient
 from rlfabric.coordinator.client import LocalCoordinatorClient
 from rlfabric.coordinator.peers import Peers, RoleClients, build_peers, environment_of
 from rlfabric.coordinator.run_controller import RunController
-from rlfabric.coordinator.weight_sync import SyncReport, target_dtype
+from rlfabric.coordinator.weight_sync import SyncReport, WeightSync, target_dtype
 from rlfabric.core.client import ChannelOptions
 from rlfabric.core.config import RunConfig
 from rlfabric.critic.client import LocalCriticClient
@@ -56,10 +56,9 @@ log = logging.getLogger("rlfabric.launch.inprocess")
 ADDRESS_PREFIX = "in-process:"  # config.cluster names the engines "in-process:rollout-0", ...
 
 
-class LocalWeightSync:
-    """The WeightSyncPlane's part the loop uses (open, sync, close, receivers, stale) for engines in
-    this process: the actor's gathered weights straight into each rollout engine's swap_weights, or
-    with adapter-only syncs its LoRA adapters into swap_adapter."""
+class LocalWeightSync(WeightSync):
+    """Weight sync for engines in this process: the actor's gathered weights straight into each rollout
+    engine's swap_weights, or with adapter-only syncs its LoRA adapters into swap_adapter."""
 
     def __init__(self, actor_engine, rollout_engines: Mapping[str, object], config: RunConfig):
         self.actor = actor_engine
