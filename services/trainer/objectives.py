@@ -37,9 +37,49 @@ def _model_inputs(batch: SequenceBatch) -> dict:
                 position_ids=batch["position_ids"], use_cache=False)
 
 
+def _packed_inputs(batch: SequenceBatch) -> tuple[dict, torch.Tensor]:
+    """The micro-batch's real tokens packed into rows as long as its longest sequence (sequence packing,
+    VeRL's use_remove_padding): sequences placed first-fit, longest first, each row's tail one more dummy
+    sequence. input_ids and position_ids [rows, longest], the positions restarting at 0 for each sequence,
+    and no attention mask, so transformers keeps each sequence to itself by its positions (sdpa, eager) or
+    takes its variable-length path (flash attention); use_cache=False, or sdpa would attend across them.
+    One row of every token would cost attention over all of them at once (quadratic in the micro-batch's
+    tokens); rows as long as the longest sequence cost at most what the padded batch does. Also where each
+    response token's predicting position lies in the packed rows, flattened: [B, T], 0 where it is padding
+    (the response mask drops those)."""
+    real = batch["attention_mask"].bool()
+    lengths = real.sum(1).tolist()
+    capacity = max(lengths)
+    rows: list[list[int]] = []  # the sequences of each packed row
+    room: list[int] = []
+    for index in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        fits = next((r for r, free in enumerate(room) if free >= lengths[index]), None)
+        if fits is None:
+            rows.append([])
+            room.append(capacity)
+            fits = len(rows) - 1
+        rows[fits].append(index)
+        room[fits] -= lengths[index]
+    device = real.device
+    input_ids = torch.zeros(len(rows), capacity, dtype=batch["input_ids"].dtype, device=device)
+    position_ids = torch.zeros(len(rows), capacity, dtype=batch["position_ids"].dtype, device=device)
+    where = torch.zeros(real.shape, dtype=torch.long, device=device)
+    for row, members in enumerate(rows):
+        offset = 0
+        for index in members:
+            length = lengths[index]
+            input_ids[row, offset : offset + length] = batch["input_ids"][index, real[index]]
+            position_ids[row, offset : offset + length] = batch["position_ids"][index, real[index]]
+            where[index, real[index]] = row * capacity + offset + torch.arange(length, device=device)
+            offset += length
+        position_ids[row, offset:] = torch.arange(capacity - offset, device=device)  # the tail: its own sequence
+    inputs = dict(input_ids=input_ids, position_ids=position_ids, attention_mask=None, use_cache=False)
+    return inputs, where[:, -batch.response_len - 1 : -1]
+
+
 def forward_log_probs(
     model: nn.Module, batch: SequenceBatch, temperature: float, with_entropy: bool, keep_logits: bool,
-    router_aux_loss: bool = False,
+    router_aux_loss: bool = False, packed: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """log p(response token) [B, T] and, optionally, the entropy of each predicting distribution [B, T],
     both under softmax(logits / temperature), as the rollout's sampler draws; with router_aux_loss (a
@@ -49,21 +89,33 @@ def forward_log_probs(
     Position t of the sequence predicts token t + 1, so the response's T tokens are predicted from
     positions S-T-1 .. S-2 (with logits_to_keep, the first T of the T+1 kept). The logits stay in the
     model's dtype; log_probs_and_entropy upcasts one block at a time and keeps no float32 copy.
+    packed: the real tokens go through the model packed into rows (_packed_inputs), and the logits of the
+    predicting positions are gathered back into [B, T].
     """
     response_len = batch.response_len
-    extra = {"logits_to_keep": response_len + 1} if keep_logits else {}
-    if router_aux_loss:
-        extra["output_router_logits"] = True
-    output = model(**_model_inputs(batch), **extra)
-    logits = output.logits  # [B, S or T+1, vocab]
-    start = logits.shape[1] - response_len - 1
+    extra = {"output_router_logits": True} if router_aux_loss else {}
+    if packed:
+        inputs, predicting = _packed_inputs(batch)
+        output = model(**inputs, **extra)
+        logits = output.logits.flatten(0, 1)[predicting]  # [B, T, vocab]
+        start = 0
+    else:
+        if keep_logits:
+            extra["logits_to_keep"] = response_len + 1
+        output = model(**_model_inputs(batch), **extra)
+        logits = output.logits  # [B, S or T+1, vocab]
+        start = logits.shape[1] - response_len - 1
     log_probs, entropy = algos.log_probs_and_entropy(logits, batch["responses"], temperature, with_entropy,
                                                      start=start)
     return log_probs, entropy, output.aux_loss if router_aux_loss else None
 
 
-def forward_values(model: nn.Module, batch: SequenceBatch) -> torch.Tensor:
-    """The value of the state before each response token (the head's output one position earlier): [B, T]."""
+def forward_values(model: nn.Module, batch: SequenceBatch, packed: bool = False) -> torch.Tensor:
+    """The value of the state before each response token (the head's output one position earlier): [B, T].
+    packed: the real tokens packed into rows (_packed_inputs)."""
+    if packed:
+        inputs, predicting = _packed_inputs(batch)
+        return model(**inputs).logits.flatten(0, 1)[predicting, 0].float()
     response_len = batch.response_len
     values = model(**_model_inputs(batch)).logits  # [B, S, 1]
     return values[:, -response_len - 1 : -1, 0].float()
@@ -83,6 +135,7 @@ class PolicyObjective:
         self.config = config
         self.temperature = temperature
         self.keep_logits = keep_logits
+        self.packed = config.use_remove_padding
 
     def required_floats(self) -> tuple[str, ...]:
         """old_log_probs may be left out when the update is a single optimizer step (see loss)."""
@@ -98,7 +151,7 @@ class PolicyObjective:
         # reads it); it sends a gradient only with an entropy bonus.
         router_coef = cfg.router_aux_loss_coef
         log_probs, entropy, router_loss = forward_log_probs(model, batch, self.temperature, True, self.keep_logits,
-                                                            router_aux_loss=router_coef > 0)  # [B, T]
+                                                            router_aux_loss=router_coef > 0, packed=self.packed)
         if not want_entropy_grad:
             entropy = entropy.detach()
         agg = counts.aggregation()
@@ -148,7 +201,7 @@ class ValueObjective:
         self, model: nn.Module, batch: SequenceBatch, counts: MiniBatchCounts
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         mask = batch["response_mask"].float()  # [B, T]
-        values = forward_values(model, batch)  # [B, T]
+        values = forward_values(model, batch, packed=self.config.use_remove_padding)  # [B, T]
         loss, stats = algos.value_loss(
             values, batch["returns"], batch["values"], mask,
             clip_range=self.config.cliprange_value, agg=self.config.loss_agg_mode, **counts.aggregation(),

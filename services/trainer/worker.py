@@ -210,11 +210,12 @@ class RankWorker:
             for index in self._plan(shard, max_rows):
                 micro = self._micro(shard, index)
                 with models.autocast(self.device, self.dtype, self.sharded):
+                    packed = self.section.use_remove_padding
                     if self.role == "critic":
-                        results = {"values": forward_values(self.model, micro)}
+                        results = {"values": forward_values(self.model, micro, packed=packed)}
                     else:
                         log_probs, entropy, _ = forward_log_probs(self.model, micro, temperature, with_entropy,
-                                                                  self.keep_logits)
+                                                                  self.keep_logits, packed=packed)
                         results = {"log_probs": log_probs, "entropy": entropy}
                 if len(index):
                     real = micro["response_mask"].bool()

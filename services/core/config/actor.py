@@ -35,6 +35,10 @@ class ActorConfig(Section):
     """Tensor-parallel ranks per model copy (torch DTensor; Llama and Qwen2 families): world_size ranks form a
     (world_size / T) x T mesh, FSDP2 across, each decoder layer's projections split T ways within (and an untied LM head).
     T must divide world_size and the model's attention heads, KV heads and intermediate size. 1 = data parallel."""
+    use_remove_padding: bool = False
+    """Sequence packing (VeRL's use_remove_padding): each micro-batch's real tokens go through the model as
+    one row, positions restarting per sequence, so no compute goes to padding. Needs an attention backend
+    that keeps packed sequences apart: model.attn_implementation sdpa, eager or flash_attention_2/3."""
     pool: str = ""
     """Key of resource_pools this role runs on; empty = no pool (every device of the machine, as before)."""
     lr: float = Field(1e-5, gt=0)
@@ -101,6 +105,10 @@ class ReferenceConfig(Section):
     """Tensor-parallel ranks per model copy (torch DTensor; Llama and Qwen2 families): world_size ranks form a
     (world_size / T) x T mesh, FSDP2 across, each decoder layer's projections split T ways within (and an untied LM head).
     T must divide world_size and the model's attention heads, KV heads and intermediate size. 1 = data parallel."""
+    use_remove_padding: bool = False
+    """Sequence packing (VeRL's use_remove_padding): each micro-batch's real tokens go through the model as
+    one row, positions restarting per sequence, so no compute goes to padding. Needs an attention backend
+    that keeps packed sequences apart: model.attn_implementation sdpa, eager or flash_attention_2/3."""
     pool: str = ""
     """Key of resource_pools this role runs on; empty = no pool (every device of the machine, as before)."""
     log_prob_micro_batch_size_per_gpu: int = Field(16, ge=1)
@@ -116,6 +124,10 @@ class CriticConfig(Section):
     """Tensor-parallel ranks per model copy (torch DTensor; Llama and Qwen2 families): world_size ranks form a
     (world_size / T) x T mesh, FSDP2 across, each decoder layer's projections split T ways within (the value head stays whole).
     T must divide world_size and the model's attention heads, KV heads and intermediate size. 1 = data parallel."""
+    use_remove_padding: bool = False
+    """Sequence packing (VeRL's use_remove_padding): each micro-batch's real tokens go through the model as
+    one row, positions restarting per sequence, so no compute goes to padding. Needs an attention backend
+    that keeps packed sequences apart: model.attn_implementation sdpa, eager or flash_attention_2/3."""
     pool: str = ""
     """Key of resource_pools this role runs on; empty = no pool (every device of the machine, as before)."""
     lr: float = Field(1e-5, gt=0)

@@ -22,6 +22,10 @@ from rlfabric.core.config.server import (
 from rlfabric.core.config.trainer import TrainerConfig
 from rlfabric.core.config.weight_sync import ADAPTER_ENGINES, WeightSyncConfig
 
+# Attention backends that separate packed sequences: sdpa and eager by the positions (a causal, same-sequence
+# mask), flash attention by its variable-length path. Not flex_attention: no backward on CPU.
+PACKING_BACKENDS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3")
+
 
 class RunConfig(Section):
     name: str = "quickstart"
@@ -63,6 +67,18 @@ class RunConfig(Section):
             if pool.total_gpus and pool.total_gpus < world_size:
                 raise ValueError(f"resource_pools.{name} has {pool.total_gpus} GPU(s), too few for "
                                  f"{role}.world_size {world_size}")
+        return self
+
+    @model_validator(mode="after")
+    def _packing_has_a_backend(self) -> RunConfig:
+        """<role>.use_remove_padding needs an attention backend that keeps packed sequences apart."""
+        packing = [f"{role}.use_remove_padding" for role in ("actor", "reference", "critic")
+                   if getattr(self, role).use_remove_padding]
+        backend = self.model.attn_implementation
+        if packing and backend not in PACKING_BACKENDS:
+            raise ValueError(f"{packing[0]} with model.attn_implementation {backend!r}: packed sequences need an "
+                             f"attention backend that keeps them apart ({', '.join(PACKING_BACKENDS)}); set one, or "
+                             f"turn {packing[0]} off")
         return self
 
     @model_validator(mode="after")
