@@ -28,19 +28,26 @@ class LoraConfig(Section):
         return self.rank > 0
 
 
-class ActorConfig(Section):
+class ModelRoleSection(Section):
+    """What the three model roles (actor, reference, critic) set alike: their ranks, packing and pool."""
+
     world_size: int = Field(1, ge=1)
     """Ranks (FSDP2 data-parallel x tensor_parallel_size); rank 0 serves gRPC."""
     tensor_parallel_size: int = Field(1, ge=1)
     """Tensor-parallel ranks per model copy (torch DTensor; Llama and Qwen2 families): world_size ranks form a
-    (world_size / T) x T mesh, FSDP2 across, each decoder layer's projections split T ways within (and an untied LM head).
-    T must divide world_size and the model's attention heads, KV heads and intermediate size. 1 = data parallel."""
+    (world_size / T) x T mesh, FSDP2 across, each decoder layer's projections split T ways within (and an
+    untied LM head; the critic's value head stays whole). T must divide world_size and the model's attention
+    heads, KV heads and intermediate size. 1 = data parallel."""
     use_remove_padding: bool = False
-    """Sequence packing (VeRL's use_remove_padding): each micro-batch's real tokens go through the model as
-    one row, positions restarting per sequence, so no compute goes to padding. Needs an attention backend
-    that keeps packed sequences apart: model.attn_implementation sdpa, eager or flash_attention_2/3."""
+    """Sequence packing (VeRL's use_remove_padding): each micro-batch's real tokens are packed into rows as
+    long as its longest sequence, positions restarting per sequence, so little compute goes to padding. Needs
+    an attention backend that keeps packed sequences apart: model.attn_implementation sdpa, eager or
+    flash_attention_2/3."""
     pool: str = ""
     """Key of resource_pools this role runs on; empty = no pool (every device of the machine, as before)."""
+
+
+class ActorConfig(ModelRoleSection):
     lr: float = Field(1e-5, gt=0)
     """AdamW learning rate."""
     weight_decay: float = Field(0.01, ge=0)
@@ -96,40 +103,16 @@ class ActorConfig(Section):
         return data
 
 
-class ReferenceConfig(Section):
+class ReferenceConfig(ModelRoleSection):
     enable: bool = True
     """Run a reference service (needed for KL in reward or KL loss)."""
-    world_size: int = Field(1, ge=1)
-    """Ranks (FSDP2 data-parallel x tensor_parallel_size); rank 0 serves gRPC."""
-    tensor_parallel_size: int = Field(1, ge=1)
-    """Tensor-parallel ranks per model copy (torch DTensor; Llama and Qwen2 families): world_size ranks form a
-    (world_size / T) x T mesh, FSDP2 across, each decoder layer's projections split T ways within (and an untied LM head).
-    T must divide world_size and the model's attention heads, KV heads and intermediate size. 1 = data parallel."""
-    use_remove_padding: bool = False
-    """Sequence packing (VeRL's use_remove_padding): each micro-batch's real tokens go through the model as
-    one row, positions restarting per sequence, so no compute goes to padding. Needs an attention backend
-    that keeps packed sequences apart: model.attn_implementation sdpa, eager or flash_attention_2/3."""
-    pool: str = ""
-    """Key of resource_pools this role runs on; empty = no pool (every device of the machine, as before)."""
     log_prob_micro_batch_size_per_gpu: int = Field(16, ge=1)
     """Rows per forward on one rank in ComputeLogProbs."""
     max_tokens_per_micro_batch: int = Field(0, ge=0)
     """Token budget (rows x padded length) per micro-batch on one rank; 0 = fixed row counts."""
 
 
-class CriticConfig(Section):
-    world_size: int = Field(1, ge=1)
-    """Ranks (FSDP2 data-parallel x tensor_parallel_size); rank 0 serves gRPC."""
-    tensor_parallel_size: int = Field(1, ge=1)
-    """Tensor-parallel ranks per model copy (torch DTensor; Llama and Qwen2 families): world_size ranks form a
-    (world_size / T) x T mesh, FSDP2 across, each decoder layer's projections split T ways within (the value head stays whole).
-    T must divide world_size and the model's attention heads, KV heads and intermediate size. 1 = data parallel."""
-    use_remove_padding: bool = False
-    """Sequence packing (VeRL's use_remove_padding): each micro-batch's real tokens go through the model as
-    one row, positions restarting per sequence, so no compute goes to padding. Needs an attention backend
-    that keeps packed sequences apart: model.attn_implementation sdpa, eager or flash_attention_2/3."""
-    pool: str = ""
-    """Key of resource_pools this role runs on; empty = no pool (every device of the machine, as before)."""
+class CriticConfig(ModelRoleSection):
     lr: float = Field(1e-5, gt=0)
     """AdamW learning rate."""
     model_path: str = ""
