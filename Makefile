@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 PROTO_FILES := $(wildcard protos/rlfabric/v1/*.proto)
 
-.PHONY: run test setup system-deps protos docs lint bench gpu-check gpu-wheels clean
+.PHONY: run test test-fast setup system-deps protos docs lint bench gpu-check gpu-wheels clean
 
 # torch, pinned to the CPU build this machine kind serves (a plain `torch` pulls CUDA wheels). It is
 # installed first and repeated in every later pip call, so no dependency can swap it for a CUDA build.
@@ -54,6 +54,11 @@ run: setup
 ## The full test suite (CPU).
 test: setup system-deps
 	RLFABRIC_REQUIRE_VLLM=$(if $(findstring vllm,$(EXTRAS)),1,0) $(PY) -m pytest -q
+
+## The unit and in-process tests, without the slow ones (meshes of processes, vLLM, Ray, Node.js, the real
+## model): a few minutes, for while you edit. CI runs `make test`, everything.
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow"
 
 ## Regenerate the committed Python stubs from protos/.
 protos: setup
