@@ -254,7 +254,8 @@ def test_an_actor_without_the_shared_volume_fails_the_run_at_its_start(tmp_path,
     job = result["job"]
     assert job["returncode"] != 0, job["stdout"]
     output = job["stdout"] + job["stderr"]
-    assert "FAILED_PRECONDITION" in output and "must share the run directory" in output, output
+    # The initial save runs beside the first step's generation: the run fails there, before any update.
+    assert "RUN_STATE_FAILED at step 0" in output and "must share the run directory" in output, output
     assert "ReadWriteMany" in output, output
     assert not [line for line in job["stdout"].splitlines() if line.startswith("step ")], job["stdout"]
 
