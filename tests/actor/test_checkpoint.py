@@ -10,6 +10,8 @@ from rlfabric.core.errors import FailedPrecondition, InvalidArgument, NotFound, 
 from rlfabric.trainer import checkpoint as ckpt
 from tests.actor.helpers import Served, hf_log_probs, make_batch, make_config
 
+pytestmark = pytest.mark.slow
+
 CONFIG = {"lr": 3e-3, "ppo_mini_batch_size": 2, "lr_warmup_steps": 3}
 
 

@@ -9,6 +9,8 @@ from safetensors.torch import load_file
 from rlfabric.core.errors import FailedPrecondition
 from tests.actor.helpers import Served, make_batch, make_config
 
+pytestmark = pytest.mark.slow
+
 
 def _train(served, batch, export_dir):
     old = served.run(served.client.compute_log_probs(batch, temperature=0.8))["log_probs"]

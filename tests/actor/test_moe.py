@@ -17,6 +17,8 @@ from rlfabric.trainer import models
 from tests.actor.helpers import Served, make_batch, make_config
 from tests.coordinator.meshes import fast_config
 
+pytestmark = pytest.mark.slow
+
 FUSED = "model.layers.0.mlp.experts.gate_up_proj"  # transformers 5's in-memory experts: [E, 2I, H]
 
 

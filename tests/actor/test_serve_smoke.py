@@ -11,6 +11,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import pytest
 import torch
 import yaml
 
@@ -18,6 +19,8 @@ from rlfabric.actor.client import ActorClient
 from rlfabric.core.client import wait_until_serving
 from tests.actor.helpers import make_batch
 from tests.waiting import wait_until
+
+pytestmark = pytest.mark.slow
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

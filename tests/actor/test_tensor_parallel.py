@@ -16,6 +16,8 @@ from rlfabric.trainer.engine import TrainerEngine
 from rlfabric.trainer.tensor_parallel import check_model_split, split_problem
 from tests.actor.helpers import Served, make_batch, make_config
 
+pytestmark = pytest.mark.slow
+
 TRAIN = {"lr": 1e-3, "ppo_mini_batch_size": 4, "ppo_micro_batch_size_per_gpu": 2, "clip_ratio_high": 0.28}
 
 

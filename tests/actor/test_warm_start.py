@@ -12,6 +12,8 @@ from rlfabric.quickstart.tiny_model import make_tiny_model
 from rlfabric.quickstart.warm_start import make_quickstart_model, warm_start
 from rlfabric.reward import find_vowel
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def quickstart(tmp_path_factory):

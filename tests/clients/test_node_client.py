@@ -25,9 +25,7 @@ from rlfabric.v1 import coordinator_pb2
 CLIENT_DIR = Path(__file__).parents[2] / "examples" / "clients" / "node"
 NODE = shutil.which("node")
 
-pytestmark = pytest.mark.skipif(NODE is None, reason="node is not installed (`make system-deps` installs it)")
-
-
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(NODE is None, reason="node is not installed (`make system-deps` installs it)")]
 @pytest.fixture(scope="module")
 def run_js() -> list[str]:
     """`node run.js`, with the pinned dependencies from package-lock.json installed (npm ci) if missing."""

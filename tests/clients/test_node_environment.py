@@ -42,8 +42,7 @@ NODE = shutil.which("node")
 TOKEN = "node-env-test-token"  # the environment link's (env.auth_token_file), which the Node service checks
 MESH_TOKEN = "node-env-test-mesh-token"  # the mesh's: the environment never sees it
 
-pytestmark = pytest.mark.skipif(NODE is None, reason="node is not installed (`make system-deps` installs it)")
-
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(NODE is None, reason="node is not installed (`make system-deps` installs it)")]
 # A server of environments that break the contract or never answer, built on env_server.js.
 MISBEHAVING = """
 const { serveEnvironments } = require(%(env_server)s);

@@ -21,6 +21,8 @@ from rlfabric.v1 import coordinator_pb2
 from tests.conftest import ServerThread
 from tests.coordinator.meshes import FAST, fast_config
 
+pytestmark = pytest.mark.slow
+
 
 def test_train_in_process_runs_every_role_in_one_process(tiny_model, tmp_path):
     run_dir = tmp_path / "run"

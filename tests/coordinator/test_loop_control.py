@@ -16,6 +16,8 @@ from rlfabric.v1 import coordinator_pb2
 from tests.coordinator.meshes import MESHES, fast_config, in_process
 from tests.waiting import wait_until_async
 
+pytestmark = pytest.mark.slow
+
 BOTH = pytest.mark.parametrize("mesh", list(MESHES))
 RUNNING = (coordinator_pb2.RUN_STATE_RUNNING, coordinator_pb2.RUN_STATE_PAUSED)
 

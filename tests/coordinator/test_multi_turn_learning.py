@@ -20,6 +20,8 @@ from rlfabric.launch.inprocess import InProcessMesh
 from rlfabric.quickstart.lookup_warm_start import LEARNER, make_lookup_model
 from rlfabric.v1 import coordinator_pb2
 
+pytestmark = pytest.mark.slow
+
 EXAMPLE = Path(__file__).parents[2] / "examples" / "lookup_multi_turn.yaml"
 STEPS = 12
 

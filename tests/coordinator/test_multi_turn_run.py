@@ -23,6 +23,8 @@ from rlfabric.v1 import coordinator_pb2
 from tests.conftest import closed_port
 from tests.coordinator.meshes import FAST, MESHES, fast_config, in_process
 
+pytestmark = pytest.mark.slow
+
 MULTI_TURN = ["data.builtin_task=lookup", "env.enable=true", "rollout.multi_turn.enable=true",
               "rollout.multi_turn.max_turns=2", "data.max_prompt_length=96", "data.max_response_length=24",
               "trainer.dump_rollouts=true"]

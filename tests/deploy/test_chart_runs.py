@@ -44,8 +44,8 @@ from rlfabric.quickstart.tiny_model import make_tiny_model
 from tests.deploy.test_helm import CHART, NAMESPACE, RELEASE, helm, parse_manifests, render_chart
 from tests.pki import TestCA
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"),
-                                reason="the stand-in kubelet needs root for its mount and network namespace")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"),
+                                reason="the stand-in kubelet needs root for its mount and network namespace")]
 VENV_BIN = Path(sys.executable).parent
 
 

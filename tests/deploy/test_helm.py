@@ -26,6 +26,8 @@ from helm_python import _native  # noqa: E402  (render options the public wrappe
 
 from rlfabric.core.config import config_from_dict, load_config
 
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "helm" / "rlfabric"
 DOCKERFILE = REPO / "docker" / "Dockerfile"

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import pytest
+
 from tests.deploy.test_helm import (
     chart,  # noqa: F401  (the module's rendered-chart fixture)
     parse_manifests,
     render_chart,
 )
+
+pytestmark = pytest.mark.slow
 
 
 def test_a_rollout_pod_holds_its_replicas_tp_gpus(chart):  # noqa: F811

@@ -30,6 +30,8 @@ from tests.deploy.test_helm import (
     render_chart,
 )
 
+pytestmark = pytest.mark.slow
+
 
 def build_light_stage() -> tuple[str, str]:
     """The build-light stage's requirement filter (its `python -c` program) and LIGHT_EXCLUDE's default."""

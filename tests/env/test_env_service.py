@@ -29,6 +29,8 @@ from rlfabric.env.items import STEP_OK, STEP_UNKNOWN_TOOL, Action, Message, Step
 from rlfabric.v1 import environment_pb2, environment_pb2_grpc
 from tests.waiting import wait_until
 
+pytestmark = pytest.mark.slow
+
 SIX_BY_SEVEN = Action("", (ToolCall("calculator", '{"expression": "6*7"}'),))
 release_blocked_steps = threading.Event()  # set at each test's end: no step thread outlives its test
 

@@ -23,6 +23,8 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from tests.mesh_access import mesh_channel
 
+pytestmark = pytest.mark.slow
+
 SERVICE_OF_ROLE = {
     "actor": "rlfabric.v1.ActorService",
     "reference": "rlfabric.v1.ReferenceService",

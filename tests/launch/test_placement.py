@@ -14,6 +14,8 @@ from rlfabric.core.config import ConfigError, load_config, load_run_config
 from rlfabric.launch.local import LocalMesh, service_names
 from rlfabric.launch.placement import plan_placement, predicted_transport
 
+pytestmark = pytest.mark.slow
+
 TWO_POOLS = ["resource_pools={train: {gpus: 2}, infer: {devices: [0]}}", "actor.pool=train", "actor.world_size=2",
              "rollout.pool=infer", "rollout.replicas=2"]
 

@@ -29,6 +29,8 @@ from rlfabric.quickstart.tiny_model import build_tokenizer
 from rlfabric.serve import build_service as build_role_service
 from rlfabric.v1 import coordinator_pb2, coordinator_pb2_grpc
 
+pytestmark = pytest.mark.slow
+
 GOOD = {"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": "1+1?"}],
         "reward_model": {"ground_truth": "2"}, "extra_info": {"index": 0}}
 

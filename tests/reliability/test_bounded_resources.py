@@ -43,6 +43,8 @@ from rlfabric.weight_sync.sender import WeightSender
 
 from .helpers import trainer_config
 
+pytestmark = pytest.mark.slow
+
 HOST = "127.0.0.1"
 OK, TIMEOUT = reward_pb2.SCORE_STATUS_OK, reward_pb2.SCORE_STATUS_TIMEOUT
 STATE = {"w": torch.arange(4096, dtype=torch.float32), "b": torch.ones(7)}

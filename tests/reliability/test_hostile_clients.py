@@ -50,6 +50,8 @@ from rlfabric.v1 import (
 from tests.conftest import ServerThread
 from tests.reliability.helpers import trainer_config
 
+pytestmark = pytest.mark.slow
+
 TOKEN = "hostile-clients-test-token-0123456789abcdef"
 BEARER = (("authorization", f"Bearer {TOKEN}"),)
 

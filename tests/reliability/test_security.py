@@ -70,6 +70,8 @@ from .helpers import (
     trainer_request,
 )
 
+pytestmark = pytest.mark.slow
+
 TOKEN = "s3cret-token"
 
 

@@ -16,6 +16,8 @@ from tests.conftest import ServerThread
 
 from .helpers import generate, rollout_config
 
+pytestmark = pytest.mark.slow
+
 actor_service = pytest.importorskip("rlfabric.actor.servicer")
 actor_client = pytest.importorskip("rlfabric.actor.client")
 

@@ -134,6 +134,7 @@ def test_multi_turn_samples_are_the_rendered_conversation_token_for_token(mesh):
     assert registry.get_sample_value("rlfabric_rollout_env_step_seconds_count") >= 12
 
 
+@pytest.mark.slow  # starts a vLLM engine
 def test_the_vllm_engine_runs_the_same_agent_loops(mesh, vllm_served, monkeypatch):
     """Each turn is an ordinary generate request, so vLLM (prefix caching on) serves multi-turn as hf does."""
     env, _, _ = mesh

@@ -10,9 +10,13 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from rlfabric.core.client import wait_until_serving
 from rlfabric.rollout.client import RolloutClient
 from rlfabric.rollout.types import Finish, SamplingSpec
+
+pytestmark = pytest.mark.slow
 
 
 def test_serve_rollout_generates_and_stops_on_sigterm(tmp_path, tiny_model):

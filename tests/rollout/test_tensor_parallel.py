@@ -17,6 +17,8 @@ from rlfabric.launch.local import service_names
 from rlfabric.launch.placement import describe_placement, plan_placement
 from rlfabric.rollout.tensor_parallel import check_model_splits, cpu_binding
 
+pytestmark = pytest.mark.slow
+
 TP2 = ["rollout.engine=vllm", "rollout.tensor_parallel_size=2"]
 # SmolLM2-135M's attention: 9 heads, 3 KV heads (tests/real_model/test_smollm2_tensor_parallel.py runs it at TP=3).
 SMOLLM2_HEADS = {"num_attention_heads": 9, "num_key_value_heads": 3, "intermediate_size": 1536}

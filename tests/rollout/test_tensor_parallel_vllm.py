@@ -31,6 +31,8 @@ from tests.weight_sync.test_sync_services import rollout_version
 from .conftest import require_vllm
 from .tcp_bytes import bytes_sent_since, tcp_bytes_between_processes
 
+pytestmark = pytest.mark.slow
+
 TOLERANCE = 1e-3  # |rollout - actor| log-prob, the bound of the TP=1 vLLM engine (tests/weight_sync/test_sync_vllm.py)
 TP = 2
 ENGINE_START_S = 900

@@ -30,6 +30,8 @@ from .helpers import (
     tampered_weights,
 )
 
+pytestmark = pytest.mark.slow
+
 require_vllm()
 
 PROMPTS = [[1, 90, 88, 74], [1, 70, 88, 88, 78, 88, 89, 70, 83], [40, 41]]

