@@ -7,8 +7,8 @@ bench/results/packing.json.
 The batch: `rows` sequences of min-len .. max-len real tokens (evenly spread, half prompt and half response),
 prompts left-padded and responses right-padded to the longest, as the rollout hands them over. Both sides
 run the actor's TrainerEngine in this process with the same settings, one micro-batch of every row, one
-optimizer step; the rounds alternate the two sides, and each side's median update time gives its real
-tokens per second. The log-probs of the two sides are compared too (they must agree).
+optimizer step; after one untimed update each (first-use allocations), the rounds alternate the two sides,
+and each side's median update time gives its real tokens per second. The log-probs of the two sides are compared too (they must agree).
 """
 
 from __future__ import annotations
@@ -74,10 +74,12 @@ async def measure(model: Path, batch: dict, rounds: int) -> dict:
         for name, engine in engines.items():
             forward = {k: v for k, v in batch.items() if k != "advantages"}
             log_probs[name] = (await engine.compute(forward, 1.0, False, False))["log_probs"]
+        for engine in engines.values():  # one untimed update each: first-use allocations of new shapes
+            await engine.update(dict(batch), global_step=0)
         for round_index in range(rounds):
             for name in (("padded", "packed") if round_index % 2 == 0 else ("packed", "padded")):
                 started = time.perf_counter()
-                await engines[name].update(dict(batch), global_step=round_index)
+                await engines[name].update(dict(batch), global_step=round_index + 1)
                 seconds[name].append(time.perf_counter() - started)
                 log(f"round {round_index + 1}/{rounds} {name}: {seconds[name][-1]:.2f} s")
     finally:

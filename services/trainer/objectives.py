@@ -89,22 +89,29 @@ def forward_log_probs(
     Position t of the sequence predicts token t + 1, so the response's T tokens are predicted from
     positions S-T-1 .. S-2 (with logits_to_keep, the first T of the T+1 kept). The logits stay in the
     model's dtype; log_probs_and_entropy upcasts one block at a time and keeps no float32 copy.
-    packed: the real tokens go through the model packed into rows (_packed_inputs), and the logits of the
-    predicting positions are gathered back into [B, T].
+    packed: the real tokens go through the model packed into rows (_packed_inputs); the log-probs and
+    entropies of the packed positions are gathered back into [B, T].
     """
     response_len = batch.response_len
     extra = {"output_router_logits": True} if router_aux_loss else {}
     if packed:
+        # Each packed position's label is the response token it predicts (0 elsewhere); the log-probs of the
+        # packed rows are gathered back, not the logits (a [B, T, vocab] copy, and its gradient, cost more).
         inputs, predicting = _packed_inputs(batch)
         output = model(**inputs, **extra)
-        logits = output.logits.flatten(0, 1)[predicting]  # [B, T, vocab]
-        start = 0
-    else:
-        if keep_logits:
-            extra["logits_to_keep"] = response_len + 1
-        output = model(**_model_inputs(batch), **extra)
-        logits = output.logits  # [B, S or T+1, vocab]
-        start = logits.shape[1] - response_len - 1
+        labels = torch.zeros_like(inputs["input_ids"]).flatten()
+        real = batch["response_mask"].bool()
+        labels[predicting[real]] = batch["responses"][real]
+        log_probs, entropy = algos.log_probs_and_entropy(output.logits, labels.view_as(inputs["input_ids"]),
+                                                         temperature, with_entropy, start=0)
+        log_probs = log_probs.flatten()[predicting]
+        entropy = entropy.flatten()[predicting] if entropy is not None else None
+        return log_probs, entropy, output.aux_loss if router_aux_loss else None
+    if keep_logits:
+        extra["logits_to_keep"] = response_len + 1
+    output = model(**_model_inputs(batch), **extra)
+    logits = output.logits  # [B, S or T+1, vocab]
+    start = logits.shape[1] - response_len - 1
     log_probs, entropy = algos.log_probs_and_entropy(logits, batch["responses"], temperature, with_entropy,
                                                      start=start)
     return log_probs, entropy, output.aux_loss if router_aux_loss else None
