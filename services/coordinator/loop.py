@@ -171,7 +171,7 @@ class PPOTrainer:
             state = read_state(path)
             self.step = state.step
             self.start_cursor = DataCursor(state.data_epoch, state.data_position)
-            self.untrained_cursor = self._copy(self.start_cursor)
+            self.untrained_cursor = self.start_cursor.copy()
             self.last_checkpoint_step = self.step
             self.kl_ctrl.value = state.kl_coef
             log.info("resumed from %s at step %d", path, self.step)
@@ -685,10 +685,6 @@ class PPOTrainer:
         rows = config.data.train_batch_size * config.rollout.n
         one_step = config.actor.ppo_epochs == 1 and rows <= self.actor_mini_batch_rows
         return not one_step or algorithm.use_kl_in_reward or algorithm.rollout_correction.enabled()
-
-    @staticmethod
-    def _copy(cursor: DataCursor) -> DataCursor:
-        return DataCursor(cursor.epoch, cursor.position)
 
     def version(self, step: int) -> int:
         """The weight version that holds the policy after `step` steps of this run."""

@@ -165,9 +165,10 @@ def build_peers(config: RunConfig, clients: RoleClients) -> Peers:
         raise FailedPrecondition(f"the run needs cluster.{', cluster.'.join(missing)} (service addresses) "
                                  "but the config has none")
     actor = clients.actor(cluster.actor[0])
-    reference = clients.reference(cluster.reference[0]) if wanted["reference"] else None
     if config.needs_reference_log_probs() and config.actor.lora.enabled:
         reference = ActorAsReference(actor)  # the base model under the actor's LoRA adapters
+    else:
+        reference = clients.reference(cluster.reference[0]) if wanted["reference"] else None
     return Peers(actor=actor, rollout=clients.rollout(list(cluster.rollout)), reward=clients.reward(list(cluster.reward)),
                  reference=reference, critic=clients.critic(cluster.critic[0]) if wanted["critic"] else None,
                  rollout_addresses=list(cluster.rollout))

@@ -155,7 +155,7 @@ class RolloutStream:
     def __init__(self, source: RolloutSource, config: RunConfig, dataset: RLHFDataset, cursor: DataCursor,
                  first_step: int):
         self.source = source
-        self.cursor = DataCursor(cursor.epoch, cursor.position)  # the next prompt to draw; batches advance it
+        self.cursor = cursor.copy()  # the next prompt to draw; batches advance it
         self.batches: Iterator[list[PromptRow]] = dataset.batches(config.data.train_batch_size, config.data.seed,
                                                                   self.cursor)
         self.first_step = first_step
@@ -227,7 +227,7 @@ class RolloutStream:
         """Where a resume continues: the first gen batch not wholly trained on or dropped."""
         active = [gen_batch for gen_batch in self.gen_batches if gen_batch.active()]
         cursor = active[0].cursor_before if active else self.cursor
-        return DataCursor(cursor.epoch, cursor.position)
+        return cursor.copy()
 
     def close(self) -> None:
         for gen_batch in self.gen_batches:
@@ -254,7 +254,7 @@ class RolloutStream:
             self._start(fill_step)
 
     def _start(self, fill_step: int) -> None:
-        cursor_before = DataCursor(self.cursor.epoch, self.cursor.position)
+        cursor_before = self.cursor.copy()
         rows = next(self.batches)
         gen_batch = GenBatch(self.next_index, cursor_before, fill_step, self.source.weight_version, time.perf_counter(),
                              ahead=fill_step != self.waiting_step)

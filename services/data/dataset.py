@@ -52,6 +52,10 @@ class DataCursor:
     epoch: int = 0
     position: int = 0  # prompts of this epoch's order already handed out
 
+    def copy(self) -> DataCursor:
+        """A cursor at the same place that the batches drawn from this one do not move."""
+        return DataCursor(self.epoch, self.position)
+
 
 def _fail(path: Path, row: int, column: str, problem: str) -> DatasetError:
     return DatasetError(f"{path}: row {row}, column {column!r}: {problem}")

@@ -142,7 +142,6 @@ class PolicyObjective:
         self.config = config
         self.temperature = temperature
         self.keep_logits = keep_logits
-        self.packed = config.use_remove_padding
 
     def required_floats(self) -> tuple[str, ...]:
         """old_log_probs may be left out when the update is a single optimizer step (see loss)."""
@@ -158,7 +157,7 @@ class PolicyObjective:
         # reads it); it sends a gradient only with an entropy bonus.
         router_coef = cfg.router_aux_loss_coef
         log_probs, entropy, router_loss = forward_log_probs(model, batch, self.temperature, True, self.keep_logits,
-                                                            router_aux_loss=router_coef > 0, packed=self.packed)
+                                                            router_aux_loss=router_coef > 0, packed=cfg.use_remove_padding)
         if not want_entropy_grad:
             entropy = entropy.detach()
         agg = counts.aggregation()

@@ -204,13 +204,13 @@ class RankWorker:
         outputs = {name: torch.zeros(rows, response_len) for name in names}
         max_rows = (self.section.forward_micro_batch_size_per_gpu if self.role == "critic"
                     else self.section.log_prob_micro_batch_size_per_gpu)
+        packed = self.section.use_remove_padding
         self.onload()
         self.model.eval()
         try:
             for index in self._plan(shard, max_rows):
                 micro = self._micro(shard, index)
                 with models.autocast(self.device, self.dtype, self.sharded):
-                    packed = self.section.use_remove_padding
                     if self.role == "critic":
                         results = {"values": forward_values(self.model, micro, packed=packed)}
                     else:
