@@ -60,7 +60,7 @@ def prompts_of(model: Path) -> list[list[int]]:
 
 async def gaps(rollout: str, actor, prompts, seed: int) -> tuple[torch.Tensor, list]:
     """|rollout - actor| log-prob of every sampled token, and the samples."""
-    from tests.rollout.helpers import generate
+    from tests.rollout.helpers import generate, sampled_log_probs
     from tests.rollout.test_actor_agreement import actor_batch
 
     with grpc.insecure_channel(rollout) as channel:
@@ -68,8 +68,7 @@ async def gaps(rollout: str, actor, prompts, seed: int) -> tuple[torch.Tensor, l
                                           temperature=1.0, seed=seed)
     batch = actor_batch(samples, prompts)
     actor_log_probs = (await actor.compute_log_probs(batch, temperature=1.0))["log_probs"]
-    width = batch["responses"].shape[1]
-    rollout_log_probs = torch.tensor([s.logprobs + [0.0] * (width - len(s.logprobs)) for s in samples])
+    rollout_log_probs = sampled_log_probs(samples, batch)
     mask = batch["response_mask"].bool()
     return (actor_log_probs[mask] - rollout_log_probs[mask]).abs(), samples
 

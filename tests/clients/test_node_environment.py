@@ -35,6 +35,7 @@ from rlfabric.env.items import (
     ToolCall,
 )
 from rlfabric.launch.local import LocalMesh, service_names
+from tests.coordinator.meshes import run_to_the_end
 from tests.waiting import wait_until
 
 CLIENT_DIR = Path(__file__).parents[2] / "examples" / "clients" / "node"
@@ -228,7 +229,6 @@ def test_a_multi_turn_run_trains_against_the_node_environment_in_a_live_mesh(sta
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from rlfabric.coordinator.client import CoordinatorClient
     from rlfabric.v1 import coordinator_pb2
 
     rows = [{"data_source": "guess", "prompt": [{"role": "user", "content": "Find my number."}], "ability": "tool",
@@ -242,14 +242,7 @@ def test_a_multi_turn_run_trains_against_the_node_environment_in_a_live_mesh(sta
                                 "rollout.multi_turn.max_turns=2", "rollout.multi_turn.max_total_tokens=160",
                                 "data.max_response_length=16", "trainer.progress_bar=false", "trainer.dump_rollouts=true"])
     with LocalMesh(config, tmp_path / "run", external={"env": [address]}) as mesh:
-        async def train():
-            options = ChannelOptions.from_config(mesh.config)
-            async with CoordinatorClient(mesh.endpoints["coordinator"][0]["grpc"], options) as client:
-                await client.start_run()
-                metrics = [dict(update.metrics) async for update in client.stream_metrics(timeout_s=300)]
-                return metrics, await client.run_status()
-
-        metrics, status = asyncio.run(train())
+        metrics, status = run_to_the_end(mesh)
     assert status.state == coordinator_pb2.RUN_STATE_COMPLETED, status.error
     step = metrics[-1]
     assert step["agent/env_failed/count"] == 0 and step["agent/turns/mean"] >= 1, step

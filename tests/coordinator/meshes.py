@@ -59,3 +59,18 @@ async def over_grpc(config: RunConfig, run_dir: Path) -> AsyncIterator[Coordinat
 
 
 MESHES = {"in-process": in_process, "grpc": over_grpc}
+
+
+def run_to_the_end(mesh, timeout_s: float = 300) -> tuple[list[dict[str, float]], object]:
+    """StartRun on a running mesh's coordinator (rlfabric.launch.local.LocalMesh), with its own config: every
+    step's metrics until the run ends, and its final GetRunStatus."""
+    import asyncio
+
+    async def train():
+        options = ChannelOptions.from_config(mesh.config)
+        async with CoordinatorClient(mesh.endpoints["coordinator"][0]["grpc"], options) as client:
+            await client.start_run()
+            metrics = [dict(update.metrics) async for update in client.stream_metrics(timeout_s=timeout_s)]
+            return metrics, await client.run_status()
+
+    return asyncio.run(train())

@@ -21,7 +21,7 @@ from rlfabric.core.errors import Unavailable
 from rlfabric.data.prep import write_lookup
 from rlfabric.v1 import coordinator_pb2
 from tests.conftest import closed_port
-from tests.coordinator.meshes import FAST, MESHES, fast_config, in_process
+from tests.coordinator.meshes import FAST, MESHES, fast_config, in_process, run_to_the_end
 
 pytestmark = pytest.mark.slow
 
@@ -112,22 +112,12 @@ def test_the_process_launcher_gives_its_rollout_replicas_the_env_it_starts(tiny_
     """A rollout replica calls only an environment its own config names: `rlfabric up` starts the env
     service first and the replicas once its address is their config's cluster.env (RUN_DIR/config.yaml),
     so a multi-turn run on the process mesh reaches it with every sample."""
-    from rlfabric.coordinator.client import CoordinatorClient
-    from rlfabric.core.client import ChannelOptions
     from rlfabric.launch.local import LocalMesh
 
     config = fast_config(tiny_model, *MULTI_TURN, "trainer.total_steps=1")
     with LocalMesh(config, tmp_path / "run") as mesh:
         assert load_config(mesh.run_dir / "config.yaml").cluster.env == [mesh.endpoints["env"][0]["grpc"]]
-
-        async def train():
-            options = ChannelOptions.from_config(mesh.config)
-            async with CoordinatorClient(mesh.endpoints["coordinator"][0]["grpc"], options) as client:
-                await client.start_run()
-                metrics = [dict(update.metrics) async for update in client.stream_metrics(timeout_s=300)]
-                return metrics, await client.run_status()
-
-        metrics, status = asyncio.run(train())
+        metrics, status = run_to_the_end(mesh)
     assert status.state == coordinator_pb2.RUN_STATE_COMPLETED, status.error
     assert metrics[-1]["agent/env_failed/count"] == 0 and metrics[-1]["agent/turns/mean"] >= 1, metrics[-1]
 

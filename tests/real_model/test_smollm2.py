@@ -10,7 +10,6 @@ Order matters: the tests before the update check the initial weights.
 
 from __future__ import annotations
 
-import os
 import tempfile
 
 import grpc
@@ -27,7 +26,7 @@ from rlfabric.reward import arithmetic
 from rlfabric.rollout.servicer import build_service as build_rollout
 from rlfabric.serve import build_service as build_trainer
 from tests.rollout.conftest import require_vllm
-from tests.rollout.helpers import generate
+from tests.rollout.helpers import environment_restored, generate, sampled_log_probs
 from tests.rollout.test_actor_agreement import actor_batch
 from tests.weight_sync.helpers import Loop, serve
 
@@ -89,16 +88,12 @@ class RealModelMesh:
 
 @pytest.fixture(scope="module")
 def mesh(smollm2, tmp_path_factory):
-    # vLLM's CPU platform sets LD_PRELOAD (torch's libgomp, tcmalloc) in this process's environment;
-    # put it back afterwards so that later tests' subprocesses start as they would elsewhere.
-    environment = dict(os.environ)
-    mesh = RealModelMesh(smollm2, tmp_path_factory.mktemp("smollm2"))
-    try:
-        yield mesh
-    finally:
-        mesh.stop()
-        os.environ.clear()
-        os.environ.update(environment)
+    with environment_restored():  # vLLM's CPU platform sets LD_PRELOAD here
+        mesh = RealModelMesh(smollm2, tmp_path_factory.mktemp("smollm2"))
+        try:
+            yield mesh
+        finally:
+            mesh.stop()
 
 
 def sample(mesh: RealModelMesh, engine: str, prompts, **params):
@@ -111,8 +106,7 @@ def logprob_gaps(mesh: RealModelMesh, engine: str, prompts, seed: int) -> torch.
     samples = sample(mesh, engine, prompts, n=2, max_tokens=24, temperature=1.0, seed=seed)
     batch = actor_batch(samples, prompts)
     actor_log_probs = mesh.loop.run(mesh.client.compute_log_probs(batch, temperature=1.0), timeout=300)["log_probs"]
-    width = batch["responses"].shape[1]
-    rollout_log_probs = torch.tensor([s.logprobs + [0.0] * (width - len(s.logprobs)) for s in samples])
+    rollout_log_probs = sampled_log_probs(samples, batch)
     mask = batch["response_mask"].bool()
     assert mask.sum() > 20
     return (actor_log_probs[mask] - rollout_log_probs[mask]).abs()

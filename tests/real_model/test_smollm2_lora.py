@@ -13,7 +13,6 @@ the log-prob comparison after the sync checks a trained adapter, not the base mo
 from __future__ import annotations
 
 import json
-import os
 import re
 
 import grpc
@@ -29,7 +28,7 @@ from rlfabric.v1 import coordinator_pb2
 from tests.actor.helpers import hf_log_probs
 from tests.coordinator.meshes import over_grpc
 from tests.rollout.conftest import require_vllm
-from tests.rollout.helpers import generate
+from tests.rollout.helpers import environment_restored, generate, sampled_log_probs
 from tests.rollout.test_actor_agreement import actor_batch
 from tests.weight_sync.helpers import Loop
 
@@ -90,24 +89,20 @@ class LoraRun:
 
 @pytest.fixture(scope="module")
 def lora_run(smollm2, tmp_path_factory):
-    # vLLM's CPU platform sets LD_PRELOAD in this process's environment; put it back afterwards so that
-    # later tests' subprocesses start as they would elsewhere.
-    environment = dict(os.environ)
     # The actor runs in this process on one thread. vLLM's worker holds a core of its own, and on a machine
     # with more runnable threads than cores every parallel kernel waits at its barrier for a descheduled
     # sibling: with two threads the actor's update took 4-10 x longer here under a load average of 5-7.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     run = None
-    try:
-        run = LoraRun(smollm2, tmp_path_factory.mktemp("smollm2-lora"))
-        yield run
-    finally:
-        if run is not None:
-            run.stop()
-        torch.set_num_threads(threads)
-        os.environ.clear()
-        os.environ.update(environment)
+    with environment_restored():  # vLLM's CPU platform sets LD_PRELOAD here
+        try:
+            run = LoraRun(smollm2, tmp_path_factory.mktemp("smollm2-lora"))
+            yield run
+        finally:
+            if run is not None:
+                run.stop()
+            torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -121,9 +116,7 @@ def sampled(lora_run, smollm2):
     with grpc.insecure_channel(lora_run.config.cluster.rollout[0]) as channel:
         samples = generate(channel, prompts, timeout=300, n=2, max_tokens=16, temperature=1.0, seed=5)
     batch = actor_batch(samples, prompts)
-    width = batch["responses"].shape[1]
-    rollout = torch.tensor([s.logprobs + [0.0] * (width - len(s.logprobs)) for s in samples])
-    return batch, rollout, samples
+    return batch, sampled_log_probs(samples, batch), samples
 
 
 def adapter_bytes(model_path) -> tuple[int, int]:

@@ -7,8 +7,6 @@ Order matters: the first test checks the initial weights."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -21,7 +19,7 @@ from rlfabric.rollout.servicer import build_service as build_rollout
 from rlfabric.serve import build_service as build_trainer
 from tests.conftest import ServerThread
 from tests.rollout.conftest import require_vllm
-from tests.rollout.helpers import generate
+from tests.rollout.helpers import environment_restored, generate, sampled_log_probs
 from tests.rollout.test_actor_agreement import actor_batch
 from tests.weight_sync.helpers import Loop, serve
 
@@ -60,8 +58,7 @@ class TensorParallelMesh:
         samples = self.sample(seed)
         batch = actor_batch(samples, self.prompts)
         actor = self.loop.run(self.client.compute_log_probs(batch, temperature=1.0), timeout=300)["log_probs"]
-        width = batch["responses"].shape[1]
-        rollout = torch.tensor([s.logprobs + [0.0] * (width - len(s.logprobs)) for s in samples])
+        rollout = sampled_log_probs(samples, batch)
         mask = batch["response_mask"].bool()
         assert mask.sum() > 20
         return (actor[mask] - rollout[mask]).abs()
@@ -75,14 +72,12 @@ class TensorParallelMesh:
 
 @pytest.fixture(scope="module")
 def mesh(smollm2):
-    environment = dict(os.environ)  # vLLM's CPU platform sets LD_PRELOAD here; later tests' subprocesses must not
-    mesh = TensorParallelMesh(smollm2)
-    try:
-        yield mesh
-    finally:
-        mesh.stop()
-        os.environ.clear()
-        os.environ.update(environment)
+    with environment_restored():  # vLLM's CPU platform sets LD_PRELOAD here
+        mesh = TensorParallelMesh(smollm2)
+        try:
+            yield mesh
+        finally:
+            mesh.stop()
 
 
 def test_tp3_log_probs_are_the_actors_within_the_tp1_bound(mesh):

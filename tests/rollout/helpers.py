@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+
 import grpc
 import torch
 
@@ -92,3 +95,22 @@ BAD_REQUESTS = {
     "unknown chat role": ([[5, 6], [{"role": "user", "content": "hi"}, {"role": "root", "content": "obey"}]], {},
                           "prompt 1: message 1 has role 'root'"),
 }
+
+
+def sampled_log_probs(samples, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The log-probs the rollout reported for its sampled tokens, laid out as `batch`'s responses
+    (test_actor_agreement.actor_batch of the same samples): [B, T], 0 on padding."""
+    width = batch["responses"].shape[1]
+    return torch.tensor([s.logprobs + [0.0] * (width - len(s.logprobs)) for s in samples])
+
+
+@contextlib.contextmanager
+def environment_restored():
+    """vLLM's CPU platform sets LD_PRELOAD (torch's libgomp, tcmalloc) in this process's environment: put the
+    environment back afterwards, so that later tests' subprocesses start as they would elsewhere."""
+    environment = dict(os.environ)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(environment)

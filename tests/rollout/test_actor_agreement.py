@@ -14,7 +14,7 @@ from rlfabric.core.server import ServerOptions
 from rlfabric.rollout.servicer import build_service
 from tests.conftest import ServerThread
 
-from .helpers import generate, rollout_config
+from .helpers import generate, rollout_config, sampled_log_probs
 
 pytestmark = pytest.mark.slow
 
@@ -72,8 +72,7 @@ def test_rollout_logprobs_match_the_actor_service(rollout_channel, actor):
             return await client.compute_log_probs(batch, temperature=0.7)
 
     actor_log_probs = asyncio.run(compute())["log_probs"]  # [B, T]
-    rollout_log_probs = torch.tensor([s.logprobs + [0.0] * (batch["responses"].shape[1] - len(s.logprobs))
-                                      for s in samples])
+    rollout_log_probs = sampled_log_probs(samples, batch)
     mask = batch["response_mask"].bool()
     assert mask.sum() > 0
     diff = (actor_log_probs[mask] - rollout_log_probs[mask]).abs()

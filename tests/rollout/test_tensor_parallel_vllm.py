@@ -29,6 +29,7 @@ from tests.weight_sync.helpers import Loop, logprob_gap
 from tests.weight_sync.test_sync_services import rollout_version
 
 from .conftest import require_vllm
+from .helpers import environment_restored
 from .tcp_bytes import bytes_sent_since, tcp_bytes_between_processes
 
 pytestmark = pytest.mark.slow
@@ -87,14 +88,12 @@ class TensorParallelMesh:
 @pytest.fixture(scope="module")
 def mesh(tiny_model, tmp_path_factory):
     require_vllm()
-    environment = dict(os.environ)  # vLLM's CPU platform sets LD_PRELOAD here; later tests' subprocesses must not
-    mesh = TensorParallelMesh(tiny_model, tmp_path_factory.mktemp("tp") / "run")
-    try:
-        yield mesh
-    finally:
-        mesh.stop()
-        os.environ.clear()
-        os.environ.update(environment)
+    with environment_restored():  # vLLM's CPU platform sets LD_PRELOAD here
+        mesh = TensorParallelMesh(tiny_model, tmp_path_factory.mktemp("tp") / "run")
+        try:
+            yield mesh
+        finally:
+            mesh.stop()
 
 
 def test_log_probs_of_a_tp2_replica_are_the_actors_within_the_tp1_bound(mesh):

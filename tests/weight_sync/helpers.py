@@ -23,10 +23,12 @@ from rlfabric.rollout.servicer import build_service as build_rollout
 from rlfabric.serve import build_service as build_trainer
 from tests.actor.helpers import make_batch
 from tests.conftest import ServerThread
-from tests.rollout.helpers import generate
+from tests.rollout.helpers import generate, sampled_log_probs
 from tests.rollout.test_actor_agreement import actor_batch
 
 PROMPTS = [[1, 90, 88, 74], [1, 70, 88, 88, 78, 88, 89, 70, 83], [40, 41]]
+# A vLLM (CPU) replica small enough to sit beside the others in one test process.
+VLLM_REPLICA = ("rollout.engine=vllm", "rollout.max_num_seqs=16", "rollout.kv_cache_space_gb=1")
 
 
 def mesh_config(model_path, *overrides: str) -> RunConfig:
@@ -107,8 +109,7 @@ def logprob_gap(rollout_address: str, client, loop: Loop, seed: int = 0) -> floa
         samples = generate(channel, PROMPTS, n=2, max_tokens=12, temperature=1.0, seed=seed)
     batch = actor_batch(samples, PROMPTS)
     actor_log_probs = loop.run(client.compute_log_probs(batch, temperature=1.0))["log_probs"]
-    width = batch["responses"].shape[1]
-    rollout_log_probs = torch.tensor([s.logprobs + [0.0] * (width - len(s.logprobs)) for s in samples])
+    rollout_log_probs = sampled_log_probs(samples, batch)
     mask = batch["response_mask"].bool()
     return float((actor_log_probs[mask] - rollout_log_probs[mask]).abs().max())
 

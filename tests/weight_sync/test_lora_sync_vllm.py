@@ -16,7 +16,7 @@ from rlfabric.weight_sync import AdapterSpec, pack
 from rlfabric.weight_sync.grpc_stream import push_weights, serialize_chunks
 from tests.rollout.conftest import require_vllm
 
-from .helpers import Mesh, mesh_config
+from .helpers import VLLM_REPLICA, Mesh, mesh_config
 from .test_lora_sync import ALPHA, LORA, RANK, adapter_shapes, float32_bytes
 from .test_sync_services import _samples, rollout_version
 
@@ -31,8 +31,7 @@ TOLERANCE = 1e-3
 def mesh(tiny_model, tmp_path_factory):
     staging = tmp_path_factory.mktemp("staging")  # stands in for /dev/shm, so the test sees what is left there
     config = mesh_config(tiny_model, *LORA)
-    vllm = mesh_config(tiny_model, *LORA, "rollout.engine=vllm", "rollout.max_num_seqs=16",
-                       "rollout.kv_cache_space_gb=1", f"rollout.weight_staging_dir={staging}")
+    vllm = mesh_config(tiny_model, *LORA, *VLLM_REPLICA, f"rollout.weight_staging_dir={staging}")
     assert vllm.syncs_lora_adapters()
     mesh = Mesh(config, {"r0": config, "r1": vllm})
     mesh.staging = staging

@@ -9,7 +9,7 @@ import pytest
 
 from rlfabric.coordinator.weight_sync import WeightSyncPlane
 
-from .helpers import Mesh, mesh_config
+from .helpers import VLLM_REPLICA, Mesh, mesh_config
 from .test_sync_services import rollout_version
 
 pytestmark = pytest.mark.slow
@@ -22,7 +22,7 @@ TOLERANCE = 1e-3
 @pytest.fixture(scope="module")
 def mesh(tiny_moe_model):
     config = mesh_config(tiny_moe_model)
-    vllm = mesh_config(tiny_moe_model, "rollout.engine=vllm", "rollout.max_num_seqs=16", "rollout.kv_cache_space_gb=1")
+    vllm = mesh_config(tiny_moe_model, *VLLM_REPLICA)
     mesh = Mesh(config, {"hf": config, "vllm": vllm})
     yield mesh
     mesh.stop()

@@ -11,7 +11,7 @@ from rlfabric.core.errors import InvalidArgument
 from rlfabric.weight_sync import sender as sender_module
 from rlfabric.weight_sync.buckets import crc_buffer
 
-from .helpers import Mesh, mesh_config
+from .helpers import VLLM_REPLICA, Mesh, mesh_config
 from .test_sync_services import _samples, receive_all, rollout_version
 
 pytestmark = pytest.mark.slow
@@ -24,7 +24,7 @@ TOLERANCE = 1e-3
 @pytest.fixture(scope="module")
 def mesh(tiny_model):
     config = mesh_config(tiny_model)
-    vllm = mesh_config(tiny_model, "rollout.engine=vllm", "rollout.max_num_seqs=16", "rollout.kv_cache_space_gb=1")
+    vllm = mesh_config(tiny_model, *VLLM_REPLICA)
     mesh = Mesh(config, {"r0": config, "r1": vllm})
     yield mesh
     mesh.stop()
