@@ -658,7 +658,10 @@ class Served:
 def assert_stays_small(service: Served, attacks, bound_mib: int) -> None:
     """Four of each attack (a call with a ~100 MiB request) are refused with their code, and the
     service's resident memory ends within `bound_mib` of where it stood after a first refusal of each (what
-    the first call of a method allocates once, e.g. gRPC's buffers, is not what a refusal keeps)."""
+    the first call of a method allocates once, e.g. gRPC's buffers, is not what a refusal keeps).
+
+    The bound is under one request: the bugs kept every refused request (~170 MiB each). What does move is
+    gRPC's and the allocator's high-water mark, 0-16 MiB on a quiet machine and up to 36 MiB under CI's load."""
     for call, request, code in attacks:
         assert refusal(call, request, timeout=120).code() == code
     before = service.rss_mib()
@@ -681,7 +684,7 @@ def test_refused_large_steps_do_not_stay_resident_in_the_env_service(tmp_path):
     try:
         stub = environment_pb2_grpc.EnvironmentServiceStub(service.channel)
         step = environment_pb2.StepRequest(session_id="s", action=environment_pb2.Action(text="x" * (100 << 20)))
-        assert_stays_small(service, [(stub.Step, step, grpc.StatusCode.RESOURCE_EXHAUSTED)], bound_mib=32)
+        assert_stays_small(service, [(stub.Step, step, grpc.StatusCode.RESOURCE_EXHAUSTED)], bound_mib=64)
         assert stub.GetStatus(environment_pb2.EnvironmentServiceGetStatusRequest(), timeout=10).environments
     finally:
         service.close()
@@ -702,7 +705,7 @@ def test_refused_large_tensors_do_not_stay_resident_in_the_actor(tiny_model, tmp
         batch.tensors["input_ids"].raw_data = bytes(100 << 20)  # 100 MiB for 6 int64s
         malformed = actor_pb2.ComputeLogProbsRequest(input=actor_pb2.LogProbsInput(batch=batch))
         assert_stays_small(service, [(stub.ComputeLogProbs, malformed, grpc.StatusCode.INVALID_ARGUMENT)],
-                           bound_mib=32)
+                           bound_mib=64)
         assert stub.GetStatus(actor_pb2.ActorServiceGetStatusRequest(), timeout=10).num_parameters > 0
     finally:
         service.close()
