@@ -95,3 +95,23 @@ def test_every_package_is_installed():
     on_disk = {"rlfabric"} | {"rlfabric." + ".".join(init.parent.relative_to(SERVICES).parts)
                               for init in SERVICES.rglob("__init__.py") if init.parent != SERVICES}
     assert on_disk - {"rlfabric.__pycache__"} == listed
+
+
+def test_the_trainer_reads_role_specs_not_role_names():
+    """Issue 32, item 3: what differs between the actor, reference and critic is a field of their RoleSpec
+    (trainer/roles.py). A comparison with a role's name anywhere else in the trainer is a branch that spec
+    should hold; the test names each one."""
+    names = {"actor", "reference", "critic"}
+    branches = []
+    for path in sorted((SERVICES / "trainer").glob("*.py")):
+        if path.name == "roles.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Compare):
+                constants = [c for c in [node.left, *node.comparators] if isinstance(c, ast.Constant)]
+                if any(c.value in names for c in constants if isinstance(c.value, str)):
+                    branches.append(f"services/trainer/{path.name}:{node.lineno}")
+            elif isinstance(node, ast.Subscript) and isinstance(node.value, ast.Dict):
+                if any(isinstance(k, ast.Constant) and k.value in names for k in node.value.keys):
+                    branches.append(f"services/trainer/{path.name}:{node.lineno} (a dict by role name)")
+    assert not branches, "role-name branches in the trainer: " + ", ".join(branches)

@@ -36,6 +36,7 @@ from rlfabric.core import codec
 from rlfabric.core.config import RunConfig, load_config
 from rlfabric.core.host import cpu_thread_budget
 from rlfabric.trainer.batch import TENSOR_NAMES, SequenceBatch
+from rlfabric.trainer.roles import TRAINER_ROLES
 from rlfabric.weight_sync.gloo import master_store
 
 MAX_DIMS = 4
@@ -336,7 +337,7 @@ class WorkerGroup:
 def main() -> None:
     """Ranks 1..N-1 (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set); rank 0 runs `rlfabric serve ROLE`."""
     parser = argparse.ArgumentParser(description=main.__doc__)
-    parser.add_argument("--role", required=True, choices=("actor", "reference", "critic"))
+    parser.add_argument("--role", required=True, choices=TRAINER_ROLES)
     parser.add_argument("--config", help="run config YAML (default: the built-in quickstart)")
     parser.add_argument("--config-stdin", action="store_true", help="read the resolved config as JSON from stdin "
                         "(how rank 0 starts its ranks)")

@@ -33,7 +33,8 @@ from rlfabric.trainer import checkpoint as ckpt
 from rlfabric.trainer import tensor_parallel
 from rlfabric.trainer.batch import SequenceBatch, shard_rows, validate_batch
 from rlfabric.trainer.dist import Command, WorkerGroup, run_command
-from rlfabric.trainer.models import TRAINABLE, model_path, rank_device
+from rlfabric.trainer.models import rank_device
+from rlfabric.trainer.roles import role_spec
 from rlfabric.trainer.worker import RankWorker
 from rlfabric.weight_sync import AdapterSpec, Manifest, Membership, SyncGroup, WeightLimits, WeightSwap
 from rlfabric.weight_sync.devices import DeviceReport, report_of
@@ -58,12 +59,13 @@ class TrainerEngine:
 
     def __init__(self, role: str, config: RunConfig, registry: CollectorRegistry | None = None):
         self.role = role
+        self.spec = role_spec(role)
         self.config = config
-        self.section = {"actor": config.actor, "reference": config.reference, "critic": config.critic}[role]
+        self.section = self.spec.section(config)
         self.world_size = self.section.world_size
         self.tensor_parallel_size = self.section.tensor_parallel_size
         self.data_parallel_size = self.world_size // self.tensor_parallel_size
-        self.model_path = model_path(role, config)
+        self.model_path = self.spec.model_path(config)
         self.storage = StorageRoot.from_config(config)  # where RPC-given checkpoint and export paths may point
         self.worker: RankWorker | None = None
         self.group: WorkerGroup | None = None
@@ -88,7 +90,7 @@ class TrainerEngine:
             registry, "rlfabric_weight_sync_phase_seconds", "Seconds of each phase of one weight sync on this service "
             "(actor: gather, pack, checksum, wire; reference: wire, checksum, apply). Phases of a pipelined sync "
             "overlap.", ("role", "phase"))
-        if role in TRAINABLE:
+        if self.spec.trainable:
             self._update_seconds = service_histogram(
                 registry, "rlfabric_train_update_seconds", "Wall time of one update RPC inside the service.", ("role",))
             self._tokens = service_counter(
@@ -106,7 +108,7 @@ class TrainerEngine:
 
     def _check_config(self) -> None:
         tensor_parallel.check_model_split(self.config, self.role)  # ConfigError naming <role>.tensor_parallel_size
-        if self.role not in TRAINABLE:
+        if not self.spec.trainable:
             return
         rows = self.section.ppo_mini_batch_size * self.config.rollout.n
         if rows % self.data_parallel_size:
@@ -114,7 +116,7 @@ class TrainerEngine:
                              f"{self.section.ppo_mini_batch_size} x rollout.n {self.config.rollout.n}) does not "
                              f"split over {self.data_parallel_size} data-parallel ranks (world_size "
                              f"{self.world_size} / tensor_parallel_size {self.tensor_parallel_size})")
-        if self.role == "actor":
+        if self.spec.trains_policy:
             load_plugin_modules(self.config.algorithm.plugin_modules)  # before the loss_mode check
             if self.section.loss_mode not in algos.policy_loss_names():
                 raise ValueError(f"actor.loss_mode {self.section.loss_mode!r} is not one of {algos.policy_loss_names()}")
@@ -189,7 +191,7 @@ class TrainerEngine:
                 f"batch has {batch.num_rows} rows; {self.role} updates need a multiple of the mini-batch of {rows} "
                 f"rows ({self.role}.ppo_mini_batch_size {self.section.ppo_mini_batch_size} x rollout.n "
                 f"{self.config.rollout.n})")
-        if self.role == "actor" and "old_log_probs" not in batch and (batch.num_rows > rows or self.section.ppo_epochs > 1):
+        if self.spec.trains_policy and "old_log_probs" not in batch and (batch.num_rows > rows or self.section.ppo_epochs > 1):
             raise InvalidArgument(
                 f"old_log_probs is missing; it may be left out only when the update is one optimizer step "
                 f"(one mini-batch of {rows} rows and actor.ppo_epochs 1), not {batch.num_rows} rows x "
@@ -334,7 +336,7 @@ class TrainerEngine:
     # -- weight sync: the actor sends (rank 0 of each group), the reference receives ----------------
 
     def _weight_sender(self) -> WeightSender:
-        if self.role != "actor":
+        if not self.spec.sends_weights:
             raise FailedPrecondition(f"the {self.role} does not send weights; only the actor does")
         if self._sender is None:
             sync = self.config.weight_sync
@@ -421,7 +423,7 @@ class TrainerEngine:
         return WeightLimits(self.worker.param_shapes, what=f"model {self.model_path}") if self.worker else None
 
     async def join_weight_sync(self, group: SyncGroup, rank: int) -> None:
-        if self.role != "reference":
+        if not self.spec.receives_weights:
             raise FailedPrecondition(f"the {self.role} does not receive weights; the reference and rollout do")
         await self._membership.join(group, rank)
 

@@ -24,8 +24,7 @@ from torch import nn
 from rlfabric.core.config import RunConfig
 from rlfabric.core.dtypes import torch_dtype
 from rlfabric.core.moe import check_router_aux_loss
-
-TRAINABLE = ("actor", "critic")
+from rlfabric.trainer.roles import role_spec
 
 
 def rank_device(rank: int) -> torch.device:
@@ -36,29 +35,22 @@ def rank_device(rank: int) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
-def model_path(role: str, config: RunConfig) -> str:
-    if role == "critic" and config.critic.model_path:
-        return config.critic.model_path
-    if not config.model.path:
-        raise ValueError(f"{role}: model.path is empty; point it at a local Hugging Face model directory")
-    return config.model.path
-
-
 def load_model(role: str, config: RunConfig, device: torch.device) -> nn.Module:
     """The role's model on CPU, in train mode (actor, critic) or frozen in eval mode (reference)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
-    trainable = role in TRAINABLE
+    spec = role_spec(role)
+    trainable = spec.trainable
     dtype = torch.float32 if trainable else torch_dtype(config.model.dtype, device)
     kwargs = dict(
         dtype=dtype,
         attn_implementation=config.model.attn_implementation,
         trust_remote_code=config.model.trust_remote_code,
     )
-    path = model_path(role, config)
-    if role == "actor":
+    path = spec.model_path(config)
+    if spec.trains_policy:
         check_router_aux_loss(config)  # a coefficient for a model without a router is a mistake
-    if role == "critic":
+    if spec.value_head:
         hf_config = AutoConfig.from_pretrained(path, num_labels=1, trust_remote_code=config.model.trust_remote_code)
         hf_config.classifier_dropout = 0.0  # dropout on the value head would make the values noisy
         model = AutoModelForTokenClassification.from_pretrained(path, config=hf_config, **kwargs)
@@ -71,7 +63,7 @@ def load_model(role: str, config: RunConfig, device: torch.device) -> nn.Module:
         return model
     if uses_gradient_checkpointing(config, device):
         enable_gradient_checkpointing(model)
-    if role == "actor" and config.actor.lora.enabled:
+    if spec.takes_lora and config.actor.lora.enabled:
         from rlfabric.core.lora import apply_lora
 
         model = apply_lora(model, config.actor.lora)  # freezes the base; only the adapters train

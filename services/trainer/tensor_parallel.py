@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from rlfabric.core.config import ConfigError, RunConfig
+from rlfabric.trainer.roles import TRAINER_ROLES, role_spec
 
 FAMILIES = ("llama", "qwen2")  # model_types whose decoder layers the plan below fits (tested on both)
 COLWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
@@ -62,12 +63,13 @@ def split_problem(model_config: dict, tp: int) -> str:
 def check_model_split(config: RunConfig, role: str) -> None:
     """ConfigError naming <role>.tensor_parallel_size when the role's model cannot be split that many ways.
     Where config.json cannot be read here, the model check of the launcher or service reports it."""
-    tp = getattr(config, role).tensor_parallel_size
-    path = config.critic.model_path if role == "critic" and config.critic.model_path else config.model.path
+    spec = role_spec(role)
+    tp = spec.section(config).tensor_parallel_size
     if tp == 1:
         return
     try:
-        model_config = json.loads((Path(path or "") / "config.json").read_text())
+        path = spec.model_path(config)
+        model_config = json.loads((Path(path) / "config.json").read_text())
     except (OSError, ValueError):
         return
     problem = split_problem(model_config, tp)
@@ -80,7 +82,7 @@ def check_model_split(config: RunConfig, role: str) -> None:
 
 def check_splits(config: RunConfig) -> None:
     """check_model_split for every trainer role the run starts (what a launcher checks before anything starts)."""
-    for role in ("actor", "reference", "critic"):
+    for role in TRAINER_ROLES:
         if role in config.roles_in_use():
             check_model_split(config, role)
 

@@ -42,6 +42,7 @@ from rlfabric.trainer.objectives import (
     forward_log_probs,
     forward_values,
 )
+from rlfabric.trainer.roles import role_spec
 
 
 def warmup_factor(updates: int, warmup_steps: int) -> float:
@@ -84,8 +85,9 @@ class RankWorker:
 
     def __init__(self, role: str, config: RunConfig, rank: int, world_size: int, device: torch.device):
         self.role, self.config, self.rank, self.world_size, self.device = role, config, rank, world_size, device
-        self.section = {"actor": config.actor, "reference": config.reference, "critic": config.critic}[role]
-        self.trainable = role in models.TRAINABLE
+        self.spec = role_spec(role)
+        self.section = self.spec.section(config)
+        self.trainable = self.spec.trainable
         self.dtype = torch_dtype(config.model.dtype, device)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)  # a new value head is initialised identically on every rank and run
@@ -99,7 +101,7 @@ class RankWorker:
         # What a checkpoint holds: every weight, or with LoRA the adapters only (under PeftModel's names).
         self.checkpoint_shapes = self.param_shapes if self.lora is None else {
             name: tuple(t.shape) for name, t in model.named_parameters() if t.requires_grad}
-        self.keep_logits = role != "critic" and models.accepts_logits_to_keep(base)
+        self.keep_logits = not self.spec.value_head and models.accepts_logits_to_keep(base)
         self.hf_config = model.config
         self.sharded = world_size > 1
         # tensor_parallel_size T: a (world_size / T) x T mesh; the T ranks of a TP group compute on the same rows.
@@ -119,13 +121,13 @@ class RankWorker:
         self.optimizer = None
         self.updates = 0  # UpdatePolicy / UpdateValues calls: the LR schedule's clock
         self.optimizer_steps = 0
-        if role == "actor":
+        if self.spec.trains_policy:
             load_plugin_modules(config.algorithm.plugin_modules)  # a policy loss may be a plugin's (every rank)
             # The rollout samples from softmax(logits / T); PPO's ratios must use the same distribution.
             temperature = config.rollout.temperature or 1.0
-            self.objective = PolicyObjective(config.actor, temperature, self.keep_logits)
-        elif role == "critic":
-            self.objective = ValueObjective(config.critic)
+            self.objective = PolicyObjective(self.section, temperature, self.keep_logits)
+        elif self.trainable:
+            self.objective = ValueObjective(self.section)
         if self.trainable:
             trained = [p for p in self.model.parameters() if p.requires_grad]  # with LoRA: the adapters
             # fused: one kernel updates every parameter in place. The default (foreach on a GPU) builds
@@ -200,10 +202,9 @@ class RankWorker:
             with self.model.disable_adapter():
                 return self.compute(shard, temperature, with_entropy)
         rows, response_len = shard.num_rows, shard.response_len
-        names = ["values"] if self.role == "critic" else ["log_probs"] + (["entropy"] if with_entropy else [])
+        names = self.spec.outputs(with_entropy)
         outputs = {name: torch.zeros(rows, response_len) for name in names}
-        max_rows = (self.section.forward_micro_batch_size_per_gpu if self.role == "critic"
-                    else self.section.log_prob_micro_batch_size_per_gpu)
+        max_rows = self.spec.forward_micro_rows(self.config)
         packed = self.section.use_remove_padding
         self.onload()
         self.model.eval()
@@ -211,7 +212,7 @@ class RankWorker:
             for index in self._plan(shard, max_rows):
                 micro = self._micro(shard, index)
                 with models.autocast(self.device, self.dtype, self.sharded):
-                    if self.role == "critic":
+                    if self.spec.value_head:
                         results = {"values": forward_values(self.model, micro, packed=packed)}
                     else:
                         log_probs, entropy, _ = forward_log_probs(self.model, micro, temperature, with_entropy,
