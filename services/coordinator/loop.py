@@ -597,8 +597,8 @@ class PPOTrainer:
 
     async def _sync_weights(self, version: int) -> dict[str, float]:
         """Actor -> every live rollout replica. A replica that misses a sync leaves the router until a
-        later sync reaches it (the plane takes restarted replicas back into the group), so no request
-        is ever served by stale weights."""
+        later sync reaches it (the weight sync does that, WeightSync.serve_synced; the plane takes
+        restarted replicas back into the group), so no request is ever served by stale weights."""
         report = await self.weight_sync.sync(version)  # raises for the actor's failures only
         if report.failed and self.weight_sync.stale:
             # A dead member breaks the collective for every member (gloo, NCCL); the plane rebuilds the
@@ -609,9 +609,6 @@ class PPOTrainer:
         synced = [name for name in self.weight_sync.receivers if name not in report.failed]
         for name, error in report.failed.items():
             log.warning("weight sync of version %d to rollout %s failed: %s", version, name, error)
-            self.peers.rollout.exclude(name)
-        for name in synced:
-            self.peers.rollout.admit(name)
         if not synced:
             actor = f"; the actor failed: {report.actor_error}" if report.actor_error else ""  # names its address
             raise FailedPrecondition(f"weight sync of version {version} reached no rollout replica: {report.failed}{actor}")

@@ -52,7 +52,8 @@ async def connect_services(config: RunConfig) -> tuple[Peers, WeightSyncPlane]:
     peers = Peers.connect(config)
     try:
         await peers.wait_until_ready(config.client.connect_timeout_s)
-        plane = WeightSyncPlane(peers.actor, {address: address for address in peers.rollout_addresses}, config)
+        plane = WeightSyncPlane(peers.actor, {address: address for address in peers.rollout.addresses}, config,
+                                serving=peers.rollout)
         await plane.choose_transport()  # from the devices they hold; a forced nccl they cannot run fails here
     except BaseException:
         await peers.close()

@@ -12,6 +12,11 @@ the actor and ReceiveWeights on every member run together (grpc: the actor strea
 replica itself); 3. each member switches to the new version on its own, so a failed member does
 not stop the others. Every RPC has a deadline: a dead peer gives an error, never a hang.
 
+Which replicas serve: the rollout router owns the replicas (their clients and whether they serve). The plane
+reaches the router's replicas through the router's own clients, and after each sync it takes a replica that
+missed the version out of the router and puts back one that holds it again (WeightSync.serve_synced), so no
+request is ever served by stale weights and nobody else copies sync outcomes into the router.
+
 Elastic membership: add_receiver / remove_receiver take effect at the next sync, which rebuilds the
 group first. Members that do not answer a health probe are left out of the group (reported in
 SyncReport.failed) and taken back in as soon as they answer again, e.g. after a restart; since every
@@ -40,6 +45,7 @@ from rlfabric.core.dtypes import rollout_dtype, torch_dtype
 from rlfabric.core.errors import FailedPrecondition
 from rlfabric.reference.client import ReferenceClient
 from rlfabric.rollout.client import RolloutClient
+from rlfabric.rollout.router import RolloutRouter
 from rlfabric.weight_sync import Manifest, SyncGroup, WeightSwap
 from rlfabric.weight_sync.devices import DeviceReport, TransportChoice, choose_transport
 from rlfabric.weight_sync.grpc_stream import PushResult
@@ -93,6 +99,7 @@ class _Member:
     is_reference: bool
     options: ChannelOptions
     _client: RolloutClient | ReferenceClient | None = None
+    owned: bool = True  # False: the router's client of the replica, which the router closes
 
     @property
     def client(self) -> RolloutClient | ReferenceClient:
@@ -108,7 +115,7 @@ class _Member:
             self._client.channel.get_state(try_to_connect=False) == grpc.ChannelConnectivity.READY)
 
     async def close(self) -> None:
-        if self._client is not None:
+        if self._client is not None and self.owned:
             await self._client.close()
             self._client = None
 
@@ -121,7 +128,24 @@ def target_dtype(config: RunConfig) -> torch.dtype | None:
 
 class WeightSync(abc.ABC):
     """What the loop asks of weight sync, whichever the mesh: WeightSyncPlane over the services' groups, or
-    LocalWeightSync (rlfabric.launch.inprocess) straight into engines in this process."""
+    LocalWeightSync (rlfabric.launch.inprocess) straight into engines in this process.
+
+    serving: the router whose replicas are receivers (the same addresses); after every sync it serves exactly
+    those that hold the new version (serve_synced). None: nobody serves from the receivers (tests, benches)."""
+
+    serving: RolloutRouter | None = None
+
+    def serve_synced(self, report: SyncReport) -> None:
+        """A replica of `serving` that missed report.version leaves it until a later sync reaches it; one
+        that holds it serves (again)."""
+        if self.serving is None:
+            return
+        for name, address in self.receivers.items():
+            if address in self.serving.addresses:
+                if name in report.failed:
+                    self.serving.exclude(address)
+                else:
+                    self.serving.admit(address)
 
     @property
     @abc.abstractmethod
@@ -151,8 +175,12 @@ class WeightSyncPlane(WeightSync):
     """Drives weight sync from the actor to named receivers ("host:port" of RolloutService)."""
 
     def __init__(self, actor: ActorInterface, receivers: Mapping[str, str], config: RunConfig,
-                 options: ChannelOptions | None = None, reference: str | None = None):
+                 options: ChannelOptions | None = None, reference: str | None = None,
+                 serving: RolloutRouter | None = None):
+        """receivers: {name: address}; with `serving`, the plane reaches the router's replicas through the
+        router's clients, and after each sync the router serves those that hold the version (WeightSync)."""
         self.actor = actor
+        self.serving = serving
         self.config = config
         # No channel-level retries towards receivers: the plane decides what a failure means.
         self.options = dataclasses.replace(options or ChannelOptions.from_config(config), retry_max_attempts=1)
@@ -180,7 +208,8 @@ class WeightSyncPlane(WeightSync):
             raise ValueError(f"receiver kind must be 'rollout' or 'reference', got {kind!r}")
         if name in self._members:
             self.remove_receiver(name)
-        self._members[name] = _Member(name, address, kind == "reference", self.options)
+        shared = self.serving.client_of(address) if self.serving is not None and kind == "rollout" else None
+        self._members[name] = _Member(name, address, kind == "reference", self.options, shared, owned=shared is None)
         self._stale = True
 
     def remove_receiver(self, name: str) -> None:
@@ -314,6 +343,7 @@ class WeightSyncPlane(WeightSync):
         if self.group is None:
             report.seconds = time.perf_counter() - started
             self._stale = True
+            self.serve_synced(report)
             return report
         try:
             manifest = await self.actor.prepare_weight_sync(self.group.group_id, version)
@@ -337,6 +367,7 @@ class WeightSyncPlane(WeightSync):
             "version": version, "bytes": report.num_bytes, "seconds": round(report.seconds, 3),
             "broadcast_seconds": round(report.broadcast_seconds, 3), "failed": report.failed,
             **{key.rsplit("/", 1)[1] + "_s": round(value, 3) for key, value in report.phase_metrics().items()}}})
+        self.serve_synced(report)
         return report
 
     async def _transfer(self, manifest: Manifest, report: SyncReport) -> dict[str, WeightSwap | BaseException]:

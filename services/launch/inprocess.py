@@ -60,8 +60,10 @@ class LocalWeightSync(WeightSync):
     """Weight sync for engines in this process: the actor's gathered weights straight into each rollout
     engine's swap_weights, or with adapter-only syncs its LoRA adapters into swap_adapter."""
 
-    def __init__(self, actor_engine, rollout_engines: Mapping[str, object], config: RunConfig):
+    def __init__(self, actor_engine, rollout_engines: Mapping[str, object], config: RunConfig,
+                 serving: RolloutRouter | None = None):
         self.actor = actor_engine
+        self.serving = serving
         self.engines = dict(rollout_engines)
         self.dtype = target_dtype(config)  # None: the actor's own
         self.adapters_only = config.syncs_lora_adapters()
@@ -101,6 +103,7 @@ class LocalWeightSync(WeightSync):
             else:
                 report.paused_seconds[name] = swap.paused_seconds
         report.seconds = report.broadcast_seconds = time.perf_counter() - started
+        self.serve_synced(report)
         return report
 
     async def _swap(self, engine, weights: dict, version: int):
@@ -193,5 +196,6 @@ class InProcessMesh:
                 raise
         if self.wrap_peers is not None:
             peers = self.wrap_peers(peers)
-        weight_sync = LocalWeightSync(self.engines[cluster.actor[0]], {a: self.engines[a] for a in rollouts}, config)
+        weight_sync = LocalWeightSync(self.engines[cluster.actor[0]], {a: self.engines[a] for a in rollouts}, config,
+                                      serving=peers.rollout)
         return peers, weight_sync

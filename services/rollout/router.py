@@ -114,6 +114,15 @@ class RolloutRouter:
             replica.excluded, replica.healthy, replica.last_error = False, True, ""
             log.info("rollout replica admitted", extra={"fields": {"address": address}})
 
+    @property
+    def addresses(self) -> list[str]:
+        return [r.address for r in self.replicas]
+
+    def client_of(self, address: str) -> RolloutInterface | None:
+        """The router's client of the replica at `address` (None when it has none), for others that talk to the
+        same replica (the weight-sync plane) so that each replica has one client."""
+        return next((r.client for r in self.replicas if r.address == address), None)
+
     def excluded(self) -> list[str]:
         return [r.address for r in self.replicas if r.excluded]
 

@@ -13,6 +13,7 @@ import torch
 
 from rlfabric.coordinator.weight_sync import WeightSyncPlane
 from rlfabric.quickstart.tiny_model import make_tiny_model
+from rlfabric.rollout.router import RolloutRouter
 
 from .helpers import Mesh, RolloutProcess, logprob_gap, mesh_config
 
@@ -31,7 +32,10 @@ def bigger_model(tmp_path_factory):
 
 
 async def _plane(mesh: Mesh, receivers: dict[str, str]) -> WeightSyncPlane:
-    return WeightSyncPlane(mesh.actor_client, receivers, mesh.config)
+    """The plane over `receivers`, serving the coordinator's rollout router over the same replicas (made on the
+    mesh's loop, where its channels live)."""
+    router = RolloutRouter(list(receivers.values()))
+    return WeightSyncPlane(mesh.actor_client, receivers, mesh.config, serving=router)
 
 
 @pytest.mark.parametrize("transport", ["gloo", "grpc"])
@@ -61,11 +65,16 @@ def test_a_receiver_killed_mid_sync_fails_in_bounded_time_and_is_left_out(transp
         if transport == "gloo":  # a supervisor restarts the replica meanwhile
             restarted = RolloutProcess(config, tmp_path, "victim-restarted")
 
-        # 2. The next sync leaves the dead replica out and reaches the live one.
+        # 2. The next sync leaves the dead replica out and reaches the live one; the router the plane serves
+        #    generates on the live one only, through the clients the plane used (one client per replica).
         report = mesh.run(plane.sync(3))
         assert set(report.failed) == {"victim"} and "unreachable" in report.failed["victim"]
         assert set(report.paused_seconds) == {"live"}
         assert mesh.logprob_gap(mesh.addresses["live"]) <= 1e-3
+        router = plane.serving
+        assert router.excluded() == [victim.address]
+        assert [r.address for r in router.healthy()] == [mesh.addresses["live"]]
+        assert plane._members["live"].client is router.client_of(mesh.addresses["live"])
 
         # 3. The restarted replica rejoins under the same name and is current after its first sync.
         if restarted is not None:
@@ -76,6 +85,7 @@ def test_a_receiver_killed_mid_sync_fails_in_bounded_time_and_is_left_out(transp
             assert report.ok, report.failed
             assert logprob_gap(restarted.address, mesh.actor_client, mesh.loop) <= 1e-3
         mesh.run(plane.close())
+        mesh.run(router.close())
     finally:
         for process in (victim, restarted):
             if process is not None:
@@ -102,5 +112,6 @@ def test_float32_actor_weights_arrive_cast_to_a_bfloat16_rollout(tiny_model):
         assert mesh.logprob_gap(mesh.addresses["bf16"]) > 1e-4  # bfloat16 really is coarser...
         assert mesh.logprob_gap(mesh.addresses["bf16"]) < 0.1  # ...but the same model
         mesh.run(plane.close())
+        mesh.run(plane.serving.close())
     finally:
         mesh.stop()
