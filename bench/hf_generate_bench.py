@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(1)
     tokenizer = args.tokenizer
     if tokenizer is None:
-        from rlfabric.trainer.pretrained import DONE_MARKER, cache_root
+        from rlfabric.core.model_cache import DONE_MARKER, cache_root
 
         cached = cache_root() / "smollm2"
         tokenizer = cached if (cached / DONE_MARKER).exists() else None

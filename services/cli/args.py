@@ -110,7 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
         converter.add_argument("--split", default="train")
 
     tiny = commands.add_parser("make-tiny-model", help="write a tiny random Qwen2 model + char tokenizer")
-    tiny.add_argument("out", type=Path)
+    tiny.add_argument("out", type=Path, nargs="?",
+                      help="output directory (with --warm-start, default: the machine's cache, built once; "
+                           "rlfabric.quickstart.cached)")
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--warm-start", action="store_true",
                       help="the quickstart model: wider init + a few seconds of format SFT (rlfabric.quickstart.warm_start)")

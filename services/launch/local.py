@@ -46,6 +46,7 @@ from rlfabric.launch.placement import (
     threads_per_service,
     visible_gpu_count,
 )
+from rlfabric.quickstart import cached
 
 log = logging.getLogger("rlfabric.launch.local")
 
@@ -192,13 +193,15 @@ def check_external(config: RunConfig, external: Mapping[str, Sequence[str]]) -> 
 
 
 def build_tiny_model(run_dir: Path) -> Path:
-    """The quickstart's model, warm-started (rlfabric.quickstart.warm_start): built once per run dir."""
+    """The quickstart's model, warm-started (rlfabric.quickstart.warm_start), in RUN_DIR/model: a copy of the
+    machine's cached one (rlfabric.quickstart.cached), which a subprocess builds first if the cache lacks it
+    (torch stays out of the launcher). A run dir that holds its model keeps it."""
     model_dir = run_dir / "model"
     if not (model_dir / "config.json").exists():
-        subprocess.run(
-            [sys.executable, "-m", "rlfabric", "make-tiny-model", str(model_dir), "--warm-start"],
-            check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )
+        if not cached.is_cached():
+            subprocess.run([sys.executable, "-m", "rlfabric", "make-tiny-model", "--warm-start"],
+                           check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        cached.copy_cached(0, model_dir)
     return model_dir.resolve()
 
 

