@@ -8,17 +8,19 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from rlfabric.quickstart.cached import cached_quickstart_model
 from rlfabric.quickstart.tiny_model import make_tiny_model
-from rlfabric.quickstart.warm_start import make_quickstart_model, warm_start
+from rlfabric.quickstart.warm_start import warm_start
 from rlfabric.reward import find_vowel
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def quickstart(tmp_path_factory):
-    """(model, tokenizer) of the model `rlfabric up` builds when model.path is empty."""
-    path = make_quickstart_model(tmp_path_factory.mktemp("quickstart") / "model")
+def quickstart():
+    """(model, tokenizer) of the model `rlfabric up` uses when model.path is empty: the machine's cached
+    make_quickstart_model (built here if the cache lacks it)."""
+    path = cached_quickstart_model()
     return AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
 
 
@@ -32,6 +34,12 @@ def task_prompts(tokenizer, count: int, seed: int = 123) -> list[tuple[list[int]
                                             tokenize=True, return_dict=False)
         prompts.append((list(ids), text.removeprefix(find_vowel.INSTRUCTION).split(" "), answer))
     return prompts
+
+
+def next_token_probs(model, prompts) -> torch.Tensor:
+    """[prompts, vocab]: the model's next-token distribution after each prompt, in one forward pass (task
+    prompts all have one length; torch.tensor refuses ragged ones)."""
+    return model(torch.tensor([ids for ids, _, _ in prompts])).logits[:, -1].softmax(-1)
 
 
 def test_default_tiny_model_keeps_qwen2_init(tmp_path):
@@ -54,9 +62,10 @@ def test_warm_start_is_deterministic(tmp_path):
 def test_greedy_replies_are_one_letter_of_the_prompt_then_end_of_turn(quickstart):
     model, tokenizer = quickstart
     prompts = task_prompts(tokenizer, 40)
+    ids = torch.tensor([ids for ids, _, _ in prompts])  # one length: one batch, no padding
+    replies = model.generate(ids, max_new_tokens=3, do_sample=False)[:, ids.shape[1]:].tolist()
     copied = 0
-    for ids, letters, _ in prompts:
-        reply = model.generate(torch.tensor([ids]), max_new_tokens=3, do_sample=False)[0, len(ids):].tolist()
+    for (_, letters, _), reply in zip(prompts, replies, strict=True):
         assert reply[1:2] == [tokenizer.eos_token_id], tokenizer.decode(reply)
         copied += tokenizer.decode(reply[:1]) in letters
     assert copied >= 0.9 * len(prompts)
@@ -68,8 +77,8 @@ def test_warm_started_model_does_not_solve_the_task(quickstart):
     bar, while the model puts nearly all its mass on the prompt's letters (it copies, RL picks)."""
     model, tokenizer = quickstart
     p_answer, p_shown = [], []
-    for ids, letters, answer in task_prompts(tokenizer, 300):
-        probs = model(torch.tensor([ids])).logits[0, -1].softmax(-1)  # [vocab]
+    prompts = task_prompts(tokenizer, 300)
+    for (_, letters, answer), probs in zip(prompts, next_token_probs(model, prompts), strict=True):
         token = {c: tokenizer.convert_tokens_to_ids(c) for c in letters}
         p_answer.append(float(probs[token[answer]]))
         p_shown.append(float(sum(probs[t] for t in token.values())))
@@ -83,8 +92,8 @@ def test_warm_started_model_copies_every_letter_evenly(quickstart):
     copies would leave RL nothing to reward on the prompts whose vowel it is."""
     model, tokenizer = quickstart
     copy_probability: dict[str, list[float]] = {}
-    for ids, letters, _ in task_prompts(tokenizer, 300):
-        probs = model(torch.tensor([ids])).logits[0, -1].softmax(-1)  # [vocab]
+    prompts = task_prompts(tokenizer, 300)
+    for (_, letters, _), probs in zip(prompts, next_token_probs(model, prompts), strict=True):
         for letter in letters:
             copy_probability.setdefault(letter, []).append(float(probs[tokenizer.convert_tokens_to_ids(letter)]))
     means = {letter: sum(p) / len(p) for letter, p in copy_probability.items()}
