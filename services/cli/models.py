@@ -6,12 +6,12 @@ from __future__ import annotations
 
 def cmd_make_tiny_model(args) -> int:
     if args.out is None:  # the quickstart model of the machine's cache
-        if not args.warm_start or args.moe:
-            raise SystemExit("rlfabric make-tiny-model: give OUT (only the quickstart model, --warm-start without "
-                             "--moe, has a place in the machine's cache)")
+        if not args.warm_start:
+            raise SystemExit("rlfabric make-tiny-model: give OUT (only the quickstart model, --warm-start, has a "
+                             "place in the machine's cache)")
         from rlfabric.quickstart.cached import cached_quickstart_model
 
-        print(cached_quickstart_model(args.seed))
+        print(cached_quickstart_model(args.seed, moe=args.moe))
         return 0
     from rlfabric.quickstart.tiny_model import make_tiny_model
     from rlfabric.quickstart.warm_start import make_quickstart_model

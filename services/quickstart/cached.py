@@ -20,31 +20,32 @@ SOURCES = ("quickstart/tiny_model.py", "quickstart/warm_start.py", "reward/find_
 LIBRARIES = ("torch", "transformers")
 
 
-def cache_name(seed: int = 0) -> str:
-    """quickstart-seed<seed>-<digest of SOURCES and LIBRARIES' versions>."""
+def cache_name(seed: int = 0, moe: bool = False) -> str:
+    """quickstart[-moe]-seed<seed>-<digest of SOURCES and LIBRARIES' versions>."""
     digest = hashlib.sha256()
     for source in SOURCES:
         digest.update((PACKAGE / source).read_bytes())
     for library in LIBRARIES:
         digest.update(f"{library}=={metadata.version(library)}".encode())
-    return f"quickstart-seed{seed}-{digest.hexdigest()[:16]}"
+    return f"quickstart{'-moe' if moe else ''}-seed{seed}-{digest.hexdigest()[:16]}"
 
 
-def cached_directory(seed: int = 0) -> Path:
-    """Where the cache holds (or will hold) the quickstart model of `seed`."""
-    return cache_root() / cache_name(seed)
+def cached_directory(seed: int = 0, moe: bool = False) -> Path:
+    """Where the cache holds (or will hold) the quickstart model of `seed` (moe: its tiny Qwen3-MoE twin)."""
+    return cache_root() / cache_name(seed, moe)
 
 
-def is_cached(seed: int = 0) -> bool:
-    return is_built(cached_directory(seed))
+def is_cached(seed: int = 0, moe: bool = False) -> bool:
+    return is_built(cached_directory(seed, moe))
 
 
-def cached_quickstart_model(seed: int = 0) -> Path:
+def cached_quickstart_model(seed: int = 0, moe: bool = False) -> Path:
     """The quickstart model's directory in the cache, built (make_quickstart_model) on first use."""
     from rlfabric.quickstart.warm_start import make_quickstart_model
 
-    return built_once(cache_name(seed), lambda directory: make_quickstart_model(directory, seed=seed),
-                      about={"built_by": "rlfabric.quickstart.warm_start.make_quickstart_model", "seed": seed})
+    return built_once(cache_name(seed, moe), lambda directory: make_quickstart_model(directory, seed=seed, moe=moe),
+                      about={"built_by": "rlfabric.quickstart.warm_start.make_quickstart_model", "seed": seed,
+                             "moe": moe})
 
 
 def copy_cached(seed: int, out_dir: Path) -> Path:

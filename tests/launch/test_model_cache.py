@@ -44,9 +44,9 @@ def test_the_quickstart_model_is_built_once_per_machine_and_each_run_gets_a_copy
 
 
 def test_the_cache_entry_follows_what_decides_the_weights(tmp_path, monkeypatch):
-    """A change to the warm start's source names another entry; the seed does too."""
+    """A change to the warm start's source names another entry; the seed and the MoE twin do too."""
     name = cached.cache_name()
-    assert name == cached.cache_name() and name != cached.cache_name(seed=1)
+    assert name == cached.cache_name() and name != cached.cache_name(seed=1) and name != cached.cache_name(moe=True)
     package = tmp_path / "package"
     for source in cached.SOURCES:
         (package / source).parent.mkdir(parents=True, exist_ok=True)
