@@ -111,20 +111,35 @@ def _proc_environ(pid: int) -> dict[str, str]:
     return dict(entry.decode().split("=", 1) for entry in entries if b"=" in entry)
 
 
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to give two pools one each")
-def test_the_local_launcher_pins_each_pool_to_its_cores(tmp_path):
-    config = load_run_config(None, ["resource_pools={train: {cpus: [0]}, infer: {cpus: [1]}}", "actor.pool=train",
-                                    "rollout.pool=infer"])
-    with LocalMesh(config, tmp_path / "run") as mesh:
-        pids = {proc.name: proc.process.pid for proc in mesh.processes}
-        assert _proc_status(pids["actor"], "Cpus_allowed_list") == "0"
-        assert _proc_status(pids["rollout-0"], "Cpus_allowed_list") == "1"
-        # No pool: the launcher's cores and GPUs.
-        assert _proc_status(pids["reward"], "Cpus_allowed_list") == _proc_status(os.getpid(), "Cpus_allowed_list")
-        actor_env = _proc_environ(pids["actor"])
-        assert actor_env["CUDA_VISIBLE_DEVICES"] == ""  # a pool without GPUs hides them
-        assert actor_env["OMP_NUM_THREADS"] == "1"
-        assert _proc_environ(pids["reward"]).get("CUDA_VISIBLE_DEVICES") == os.environ.get("CUDA_VISIBLE_DEVICES")
+TWO_CORES = len(os.sched_getaffinity(0)) >= 2
+# Pool train (core 0) holds the actor, pool infer (core 1) the rollout replicas; the rest have no pool.
+PINNED = ["resource_pools={train: {cpus: [0]}, infer: {cpus: [1]}}", "actor.pool=train", "rollout.pool=infer"]
+
+
+@pytest.fixture(scope="module")
+def live_mesh(tmp_path_factory):
+    """One LocalMesh for the tests that read its processes' affinity and environment (a mesh boot is the cost
+    of this module): PPO (a critic) with two rollout replicas, and, on a machine with two cores, PINNED's pools.
+    Yields the mesh's config and each process's pid, Cpus_allowed_list and environment, read while it runs."""
+    config = load_run_config(None, ["algorithm.adv_estimator=gae", "rollout.replicas=2",
+                                    *(PINNED if TWO_CORES else [])])
+    with LocalMesh(config, tmp_path_factory.mktemp("placement") / "run") as mesh:
+        processes = {proc.name: {"pid": proc.process.pid, "cpus": _proc_status(proc.process.pid, "Cpus_allowed_list"),
+                                 "environ": _proc_environ(proc.process.pid)} for proc in mesh.processes}
+    return config, processes
+
+
+@pytest.mark.skipif(not TWO_CORES, reason="needs two cores to give two pools one each")
+def test_the_local_launcher_pins_each_pool_to_its_cores(live_mesh):
+    _, processes = live_mesh
+    assert processes["actor"]["cpus"] == "0"
+    assert processes["rollout-0"]["cpus"] == processes["rollout-1"]["cpus"] == "1"
+    # No pool: the launcher's cores and GPUs.
+    assert processes["reward"]["cpus"] == _proc_status(os.getpid(), "Cpus_allowed_list")
+    actor_env = processes["actor"]["environ"]
+    assert actor_env["CUDA_VISIBLE_DEVICES"] == ""  # a pool without GPUs hides them
+    assert actor_env["OMP_NUM_THREADS"] == "1"
+    assert processes["reward"]["environ"].get("CUDA_VISIBLE_DEVICES") == os.environ.get("CUDA_VISIBLE_DEVICES")
 
 
 SPLIT = ["resource_pools={train: {gpus: 1}, infer: {gpus: 1}}", "actor.pool=train", "rollout.pool=infer"]
@@ -183,11 +198,10 @@ def test_the_ray_launcher_predicts_the_transport_from_what_it_reserves(overrides
         ray_launcher.predicted_transport(load_config(None, [*SHARED, "weight_sync.transport=nccl"]), True)
 
 
-def test_services_get_the_planned_threads_and_idle_openmp_threads_that_sleep(tmp_path):
-    config = load_run_config(None, ["algorithm.adv_estimator=gae", "rollout.replicas=2"])
+def test_services_get_the_planned_threads_and_idle_openmp_threads_that_sleep(live_mesh):
+    config, processes = live_mesh
     planned = {name: p.env()["OMP_NUM_THREADS"] for name, p in plan_placement(config, service_names(config)).items()}
-    with LocalMesh(config, tmp_path / "run") as mesh:
-        environs = {proc.name: _proc_environ(proc.process.pid) for proc in mesh.processes}
+    environs = {name: process["environ"] for name, process in processes.items()}
     assert {"critic", "rollout-1", "coordinator"} <= environs.keys()
     assert {name: environs[name]["OMP_NUM_THREADS"] for name in planned} == planned
     assert {env.get("OMP_WAIT_POLICY") for env in environs.values()} == {"PASSIVE"}
