@@ -74,23 +74,28 @@ def node_modules():
         assert done.returncode == 0, done.stdout + done.stderr
 
 
+def _start_node(processes: list[subprocess.Popen], args: list[str], **env: str) -> str:
+    """Runs node with args (the process joins `processes`), returns the address it listens on."""
+    process = subprocess.Popen([NODE, *args], cwd=CLIENT_DIR, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, env={**os.environ, "RLFABRIC_TOKEN": TOKEN, **env})
+    processes.append(process)
+    line = process.stdout.readline()  # blocks until the server is bound (or node exits)
+    assert line.startswith("listening on "), line + process.stderr.read()
+    return line.split()[-1]
+
+
+def _stop_all(processes: list[subprocess.Popen]) -> None:
+    for process in processes:
+        process.kill()
+        process.wait()
+
+
 @pytest.fixture
 def start_node(node_modules):
     """Factory: start_node(args, **env) runs node with args, returns the address it listens on."""
     processes: list[subprocess.Popen] = []
-
-    def start(args: list[str], **env: str) -> str:
-        process = subprocess.Popen([NODE, *args], cwd=CLIENT_DIR, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                   text=True, env={**os.environ, "RLFABRIC_TOKEN": TOKEN, **env})
-        processes.append(process)
-        line = process.stdout.readline()  # blocks until the server is bound (or node exits)
-        assert line.startswith("listening on "), line + process.stderr.read()
-        return line.split()[-1]
-
-    yield start
-    for process in processes:
-        process.kill()
-        process.wait()
+    yield lambda args, **env: _start_node(processes, args, **env)
+    _stop_all(processes)
 
 
 def call(address: str, method: str, *args, token: str = TOKEN, **kwargs):
@@ -196,24 +201,50 @@ def token_files(folder) -> list[str]:
     return overrides
 
 
-def test_the_node_environment_is_the_env_role_of_a_live_mesh(start_node, tmp_path):
+@pytest.fixture(scope="module")
+def live_mesh(node_modules, tmp_path_factory):
+    """One LocalMesh for the module's two live-mesh tests (a mesh boot is most of their time), its env role the
+    Node environment (`--external env=ADDRESS`), configured for the multi-turn run: the environment's token and
+    the mesh's, one step of 4 guess prompts from a parquet file, two turns. Yields (mesh, the Node address)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder = tmp_path_factory.mktemp("node-env-mesh")
+    rows = [{"data_source": "guess", "prompt": [{"role": "user", "content": "Find my number."}], "ability": "tool",
+             "reward_model": {"style": "rule", "ground_truth": str(n)}, "extra_info": {"environment": "guess"}}
+            for n in range(16)]
+    pq.write_table(pa.Table.from_pylist(rows), folder / "guess.parquet")
+    processes: list[subprocess.Popen] = []
+    try:
+        address = _start_node(processes, ["env_server.js"])
+        config = load_config(None, ["env.enable=true", *token_files(folder), "trainer.total_steps=1",
+                                    f"data.train_files=[{folder / 'guess.parquet'}]", "data.train_batch_size=4",
+                                    "actor.ppo_mini_batch_size=4", "rollout.multi_turn.enable=true",
+                                    "rollout.multi_turn.max_turns=2", "rollout.multi_turn.max_total_tokens=160",
+                                    "data.max_response_length=16", "trainer.progress_bar=false",
+                                    "trainer.dump_rollouts=true"])
+        with LocalMesh(config, folder / "run", external={"env": [address]}) as mesh:
+            yield mesh, address
+    finally:
+        _stop_all(processes)
+
+
+def test_the_node_environment_is_the_env_role_of_a_live_mesh(live_mesh):
     """`rlfabric up --external env=ADDRESS`: the mesh takes the Node environment as its env role, the
     launcher's readiness check and the environment's token work with it, and the resolved config names it."""
-    address = start_node(["env_server.js"])
-    config = load_config(None, ["env.enable=true", *token_files(tmp_path), "trainer.total_steps=1"])
-    with LocalMesh(config, tmp_path / "run", external={"env": [address]}) as mesh:
-        resolved = yaml.safe_load((mesh.run_dir / "config.resolved.yaml").read_text())
-        assert resolved["cluster"]["env"] == [address]
-        assert "env" not in mesh.endpoints  # served by Node, not launched
+    mesh, address = live_mesh
+    resolved = yaml.safe_load((mesh.run_dir / "config.resolved.yaml").read_text())
+    assert resolved["cluster"]["env"] == [address]
+    assert "env" not in mesh.endpoints  # served by Node, not launched
 
-        async def episode():
-            options = ChannelOptions.for_env(mesh.config)
-            await wait_until_serving(address, options, timeout_s=10)
-            async with EnvClient(address, options) as client:
-                session = await client.reset(Task("guess", ground_truth="2"))
-                return await client.step(session.session_id, guess(2))
+    async def episode():
+        options = ChannelOptions.for_env(mesh.config)
+        await wait_until_serving(address, options, timeout_s=10)
+        async with EnvClient(address, options) as client:
+            session = await client.reset(Task("guess", ground_truth="2"))
+            return await client.step(session.session_id, guess(2))
 
-        assert asyncio.run(episode()).observation[0].content == "correct"
+    assert asyncio.run(episode()).observation[0].content == "correct"
 
 
 def test_the_launchers_start_an_env_service_only_when_enabled():
@@ -222,27 +253,14 @@ def test_the_launchers_start_an_env_service_only_when_enabled():
 
 
 @pytest.mark.slow
-def test_a_multi_turn_run_trains_against_the_node_environment_in_a_live_mesh(start_node, tmp_path):
+def test_a_multi_turn_run_trains_against_the_node_environment_in_a_live_mesh(live_mesh):
     """rollout.multi_turn with the Node environment as the mesh's env role: the rollout replicas' agent loops
     call it over gRPC (with the environment's token, not the mesh's), its first observation comes back as
     masked tokens, and a training step completes with no sample failed by the environment."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     from rlfabric.v1 import coordinator_pb2
 
-    rows = [{"data_source": "guess", "prompt": [{"role": "user", "content": "Find my number."}], "ability": "tool",
-             "reward_model": {"style": "rule", "ground_truth": str(n)}, "extra_info": {"environment": "guess"}}
-            for n in range(16)]
-    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "guess.parquet")
-    address = start_node(["env_server.js"])
-    config = load_config(None, ["env.enable=true", *token_files(tmp_path), "trainer.total_steps=1",
-                                f"data.train_files=[{tmp_path / 'guess.parquet'}]", "data.train_batch_size=4",
-                                "actor.ppo_mini_batch_size=4", "rollout.multi_turn.enable=true",
-                                "rollout.multi_turn.max_turns=2", "rollout.multi_turn.max_total_tokens=160",
-                                "data.max_response_length=16", "trainer.progress_bar=false", "trainer.dump_rollouts=true"])
-    with LocalMesh(config, tmp_path / "run", external={"env": [address]}) as mesh:
-        metrics, status = run_to_the_end(mesh)
+    mesh, _ = live_mesh
+    metrics, status = run_to_the_end(mesh)
     assert status.state == coordinator_pb2.RUN_STATE_COMPLETED, status.error
     step = metrics[-1]
     assert step["agent/env_failed/count"] == 0 and step["agent/turns/mean"] >= 1, step
