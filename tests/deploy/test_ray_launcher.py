@@ -143,12 +143,9 @@ def ray_address():
 
 
 @pytest.fixture(scope="module")
-def small(tmp_path_factory) -> list[str]:
-    """Overrides for the in-process meshes: small CPU reservations, one tiny model built for the module."""
-    model = tmp_path_factory.mktemp("model") / "tiny"
-    subprocess.run([sys.executable, "-m", "rlfabric", "make-tiny-model", str(model)], check=True,
-                   capture_output=True)
-    return [*SMALL, f"model.path={model}"]
+def small(tiny_model) -> list[str]:
+    """Overrides for the in-process meshes: small CPU reservations, the session's tiny model."""
+    return [*SMALL, f"model.path={tiny_model}"]
 
 
 @pytest.fixture(scope="module")
@@ -333,10 +330,10 @@ def test_a_service_ray_cannot_place_fails_within_the_startup_timeout(ray_address
 
 def test_a_two_node_pool_on_a_one_node_cluster_fails_the_start_naming_the_key(ray_address, small, tmp_path):
     config = load_config(None, [*small, "resource_pools={spread: {nodes: 2}}", "actor.pool=spread",
-                                "rollout.pool=spread", "launcher.startup_timeout_s=5"])
+                                "rollout.pool=spread", "launcher.startup_timeout_s=2"])  # it cannot be met: wait little
     mesh = RayMesh(config, tmp_path / "run")
     started = time.monotonic()
-    with pytest.raises(MeshStartError, match=r"resource pool spread .* within 5 s: resource_pools.spread.nodes 2 needs "
+    with pytest.raises(MeshStartError, match=r"resource pool spread .* within 2 s: resource_pools.spread.nodes 2 needs "
                                              r"2 distinct Ray nodes.*the cluster has 1 alive node\(s\)"):
         with mesh:
             pass
@@ -376,36 +373,44 @@ def test_up_without_address_runs_its_own_ray_and_notices_a_lost_actor(ray_addres
 # -- a short training run ------------------------------------------------------------------------
 
 
-@pytest.mark.skipif(importlib.util.find_spec("rlfabric.coordinator.loop") is None,
-                    reason="the coordinator's training loop (rlfabric.coordinator.loop) has not landed")
-def test_train_runs_two_steps_on_ray(ray_address, small, tmp_path):
-    run_dir = tmp_path / "run"
+@pytest.fixture(scope="module")
+def ray_training_run(ray_address, small, tmp_path_factory):
+    """`rlfabric train --launcher ray --address ADDR`, two steps of a multi-turn run with the env role: one run
+    (a mesh boot and its training are most of this module's time) for the two tests below, one reading that
+    the CLI trains its steps and cleans up, the other that the replicas reached the env it started.
+    Returns (the launcher, its run dir, its namespace's actors and its services left after it exited)."""
+    run_dir = tmp_path_factory.mktemp("ray-train") / "run"
     launcher = Launcher("train", "--launcher", "ray", "--address", ray_address, "--run-dir", str(run_dir),
-                        *small, "trainer.total_steps=2")
-    try:
-        assert launcher.process.wait(timeout=540) == 0, launcher.text()
-    finally:
-        launcher.kill()
-    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 2
-    assert _actors_in(f"rlfabric-{run_dir.name}") == []
-    assert _wait_dead(_services_of(run_dir)) == []
-
-
-def test_a_multi_turn_run_on_ray_reaches_the_env_it_starts(ray_address, small, tmp_path):
-    """A rollout replica calls only an environment its own config names: the Ray launcher starts the env
-    service first and the replicas once its address is their config's cluster.env, so every sample of a
-    multi-turn run reaches it."""
-    run_dir = tmp_path / "run"
-    launcher = Launcher("train", "--launcher", "ray", "--address", ray_address, "--run-dir", str(run_dir),
-                        *small, "launcher.ray.env.num_cpus=0.25", "trainer.total_steps=1", "data.builtin_task=lookup",
+                        *small, "launcher.ray.env.num_cpus=0.25", "trainer.total_steps=2", "data.builtin_task=lookup",
                         "env.enable=true", "rollout.multi_turn.enable=true", "rollout.multi_turn.max_turns=2",
                         "data.max_prompt_length=96", "data.max_response_length=24", "data.train_batch_size=8",
                         "actor.ppo_mini_batch_size=8", "rollout.n=2", "trainer.loggers=[jsonl]")
     try:
-        assert launcher.process.wait(timeout=540) == 0, launcher.text()
+        launcher.process.wait(timeout=540)
     finally:
         launcher.kill()
+    return launcher, run_dir, _actors_in(f"rlfabric-{run_dir.name}"), _wait_dead(_services_of(run_dir))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("rlfabric.coordinator.loop") is None,
+                    reason="the coordinator's training loop (rlfabric.coordinator.loop) has not landed")
+def test_train_runs_two_steps_on_ray(ray_training_run):
+    launcher, run_dir, actors_left, services_left = ray_training_run
+    assert launcher.process.returncode == 0, launcher.text()
+    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 2
+    assert actors_left == []
+    assert services_left == []
+
+
+def test_a_multi_turn_run_on_ray_reaches_the_env_it_starts(ray_training_run):
+    """A rollout replica calls only an environment its own config names: the Ray launcher starts the env
+    service first and the replicas once its address is their config's cluster.env, so every sample of a
+    multi-turn run reaches it."""
+    launcher, run_dir, _, _ = ray_training_run
+    assert launcher.process.returncode == 0, launcher.text()
     endpoints = json.loads((run_dir / "endpoints.json").read_text())
     assert load_config(run_dir / "config.yaml").cluster.env == [endpoints["env"][0]["grpc"]]
-    (step,) = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert step["agent/env_failed/count"] == 0 and step["agent/turns/mean"] >= 1, step
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps
+    for step in steps:
+        assert step["agent/env_failed/count"] == 0 and step["agent/turns/mean"] >= 1, step
