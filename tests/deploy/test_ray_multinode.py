@@ -25,7 +25,6 @@ from rlfabric.core.client import ChannelOptions
 from rlfabric.core.config import load_config
 from rlfabric.launch.local import MeshStartError
 from rlfabric.launch.ray import RayMesh
-from rlfabric.quickstart.tiny_model import make_tiny_model
 from rlfabric.rollout.client import RolloutClient
 from tests.pki import TestCA
 
@@ -70,11 +69,11 @@ def two_nodes():
 
 
 @pytest.fixture(scope="module")
-def overrides(two_nodes, tmp_path_factory) -> list[str]:
+def overrides(two_nodes, tiny_model, tmp_path_factory) -> list[str]:
     """The tiny model, small reservations and TLS: services on a multi-node cluster bind their node's address,
     where `rlfabric serve` refuses to run without TLS (one certificate naming both nodes' addresses here)."""
     folder = tmp_path_factory.mktemp("model")
-    model = make_tiny_model(folder / "tiny")
+    model = tiny_model  # the session's: the services only read it
     ca = TestCA()
     cert, key = ca.issue([*two_nodes["addresses"].values(), "127.0.0.1"])
     for name, pem in (("cert.pem", cert), ("key.pem", key), ("ca.pem", ca.pem)):
@@ -144,10 +143,11 @@ async def _rollout_status(address: str, options: ChannelOptions):
 def test_a_pool_spanning_more_nodes_than_the_cluster_has_fails_the_start_naming_the_key(two_nodes, overrides,
                                                                                         tmp_path):
     config = load_config(None, [*overrides, "resource_pools={spread: {nodes: 3}}", "actor.pool=spread",
-                                "rollout.pool=spread", "rollout.replicas=2", "launcher.startup_timeout_s=5"])
+                                "rollout.pool=spread", "rollout.replicas=2",
+                                "launcher.startup_timeout_s=2"])  # it cannot be met: wait little for it
     mesh = RayMesh(config, tmp_path / "three-nodes")  # a namespace of its own beside the module's mesh
     started = time.monotonic()
-    with pytest.raises(MeshStartError, match=r"resource pool spread .* within 5 s: resource_pools.spread.nodes 3 "
+    with pytest.raises(MeshStartError, match=r"resource pool spread .* within 2 s: resource_pools.spread.nodes 3 "
                                              r"needs 3 distinct Ray nodes.*the cluster has 2 alive node\(s\)"):
         with mesh:
             pass
