@@ -21,7 +21,8 @@ No Kubernetes runs on this machine, so the test plays the rendered chart:
   and runs the run Job's command to its end.
 Pass: the Job exits 0 after both steps, a complete checkpoint (actor and coordinator parts) and the final
 model are on the "PVC", and every pod drains and exits 0 on SIGTERM. The same with TLS from cert-manager
-and mutual TLS; the same for a multi-turn run with the chart's env role; and a mesh whose actor does not mount the shared volume fails its run at the start with
+and mutual TLS; the same for a multi-turn run with the chart's env role and the actor and rollout in a two-node
+resource pool (one run for both); and a mesh whose actor does not mount the shared volume fails its run at the start with
 a message naming the storage requirement.
 """
 
@@ -40,7 +41,6 @@ import pytest
 import yaml
 
 from rlfabric.coordinator.checkpoints import latest_checkpoint, read_state
-from rlfabric.quickstart.tiny_model import make_tiny_model
 from tests.deploy.test_helm import CHART, NAMESPACE, RELEASE, helm, parse_manifests, render_chart
 from tests.pki import TestCA
 
@@ -191,8 +191,8 @@ def render(values: dict) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("model"))
+def model(tiny_model):
+    return tiny_model  # the session's: the pods only read it
 
 
 def check_run_completed(result: dict, logs: str, workdir: Path) -> None:
@@ -260,18 +260,31 @@ def test_an_actor_without_the_shared_volume_fails_the_run_at_its_start(tmp_path,
     assert not [line for line in job["stdout"].splitlines() if line.startswith("step ")], job["stdout"]
 
 
-def test_a_multi_turn_run_calls_the_charts_environment_service(tmp_path, model):
-    """config.env.enable deploys the env role: the rollout replica's agent loops reach it through the
-    cluster.env address the chart writes (its Service's DNS name), and the run goes to its end."""
-    workdir = tmp_path / "cluster"
+@pytest.fixture(scope="module")
+def multi_turn_on_a_two_node_pool(tmp_path_factory, model):
+    """One chart run (a chart run is most of this module's time) for the two tests below: config.env.enable with
+    a multi-turn run, and config.resource_pools.spread.nodes 2 holding the actor and the rollout. The env role
+    joins no pool and no weight-sync group, so neither test's subject changes the other's.
+    Returns (docs, result, logs, workdir)."""
+    workdir = tmp_path_factory.mktemp("multi-turn-two-nodes") / "cluster"
     values = cpu_values(workdir, model)
     config = values["config"]
     config["data"].update(builtin_task="lookup", max_response_length=24)
     config["rollout"]["multi_turn"] = {"enable": True, "max_turns": 2, "reward": "env"}
     config["env"] = {"enable": True}
+    config.update(resource_pools={"spread": {"nodes": 2}})
+    for role in ("actor", "rollout"):
+        config.setdefault(role, {})["pool"] = "spread"
     docs = render(values)
-    assert pod_names(docs) == {"actor-0", "rollout-0", "reward-0", "env-0", "coordinator-0"}
     result, logs = play(docs, workdir)
+    return docs, result, logs, workdir
+
+
+def test_a_multi_turn_run_calls_the_charts_environment_service(multi_turn_on_a_two_node_pool):
+    """config.env.enable deploys the env role: the rollout replica's agent loops reach it through the
+    cluster.env address the chart writes (its Service's DNS name), and the run goes to its end."""
+    docs, result, logs, workdir = multi_turn_on_a_two_node_pool
+    assert pod_names(docs) == {"actor-0", "rollout-0", "reward-0", "env-0", "coordinator-0"}
     check_run_completed(result, logs, workdir)
     metrics_file = workdir / "volumes" / f"pvc-{RELEASE}-rlfabric-data" / "runs" / RELEASE / "metrics.jsonl"
     steps = [json.loads(line) for line in metrics_file.read_text().splitlines()]
@@ -280,21 +293,15 @@ def test_a_multi_turn_run_calls_the_charts_environment_service(tmp_path, model):
         assert step["agent/env_failed/count"] == 0 and step["agent/env_seconds/max"] > 0, step
 
 
-def test_a_two_node_resource_pool_runs_with_its_pods_apart(tmp_path, model):
+def test_a_two_node_resource_pool_runs_with_its_pods_apart(multi_turn_on_a_two_node_pool):
     """config.resource_pools.<pool>.nodes 2 with the actor and the rollout in the pool: the chart spreads their pods
     over distinct nodes (topologySpreadConstraints, checked in test_helm.py). There is no scheduler here, so what
     this run shows is the rest: every service accepts the two-node pool in its config, and the actor and the rollout,
     each on a pod address of its own, build their weight-sync group and sync every step of a run that completes."""
-    workdir = tmp_path / "cluster"
-    values = cpu_values(workdir, model)
-    values["config"].update(resource_pools={"spread": {"nodes": 2}})
-    for role in ("actor", "rollout"):
-        values["config"].setdefault(role, {})["pool"] = "spread"
-    docs = render(values)
+    docs, result, logs, workdir = multi_turn_on_a_two_node_pool
     spread = {d["metadata"]["name"].removeprefix(f"{RELEASE}-rlfabric-") for d in docs
               if d["kind"] in ("StatefulSet", "Deployment") and d["spec"]["template"]["spec"].get("topologySpreadConstraints")}
     assert spread == {"actor", "rollout"}
-    result, logs = play(docs, workdir)
     check_run_completed(result, logs, workdir)
     events = log_events(workdir, "coordinator-0")
     (group,) = [e for e in events if e["event"] == "weight-sync group built"]
