@@ -10,6 +10,7 @@ Both yield a CoordinatorInterface, so a test written against it runs on either.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -61,10 +62,25 @@ async def over_grpc(config: RunConfig, run_dir: Path) -> AsyncIterator[Coordinat
 MESHES = {"in-process": in_process, "grpc": over_grpc}
 
 
+async def finished(client: CoordinatorInterface) -> dict[int, dict[str, float]]:
+    """Follows the run to its end; the metrics of every step."""
+    return {update.step: dict(update.metrics) async for update in client.stream_metrics(from_step=1)}
+
+
+def run_to_end(open_mesh, config, run_dir) -> tuple[dict[int, dict[str, float]], object]:
+    """One run on the mesh open_mesh(config, run_dir) opens, followed to its end: its metrics and final status."""
+
+    async def scenario():
+        async with open_mesh(config, run_dir) as client:
+            await client.start_run()
+            return await finished(client), await client.run_status()
+
+    return asyncio.run(scenario())
+
+
 def run_to_the_end(mesh, timeout_s: float = 300) -> tuple[list[dict[str, float]], object]:
     """StartRun on a running mesh's coordinator (rlfabric.launch.local.LocalMesh), with its own config: every
     step's metrics until the run ends, and its final GetRunStatus."""
-    import asyncio
 
     async def train():
         options = ChannelOptions.from_config(mesh.config)

@@ -13,7 +13,7 @@ import pytest
 from rlfabric.coordinator.client import CoordinatorInterface
 from rlfabric.core.errors import FailedPrecondition, InvalidArgument, Unavailable
 from rlfabric.v1 import coordinator_pb2
-from tests.coordinator.meshes import MESHES, fast_config, in_process
+from tests.coordinator.meshes import MESHES, fast_config, finished, in_process, run_to_end
 from tests.waiting import wait_until_async
 
 pytestmark = pytest.mark.slow
@@ -21,22 +21,6 @@ pytestmark = pytest.mark.slow
 BOTH = pytest.mark.parametrize("mesh", list(MESHES))
 RUNNING = (coordinator_pb2.RUN_STATE_RUNNING, coordinator_pb2.RUN_STATE_PAUSED)
 
-
-
-async def finished(client: CoordinatorInterface) -> dict[int, dict[str, float]]:
-    """Follows the run to its end; the metrics of every step."""
-    return {update.step: dict(update.metrics) async for update in client.stream_metrics(from_step=1)}
-
-
-def run_to_end(open_mesh, config, run_dir) -> tuple[dict[int, dict[str, float]], coordinator_pb2.GetRunStatusResponse]:
-    """One run on the mesh open_mesh(config, run_dir) opens, followed to its end: its metrics and final status."""
-
-    async def scenario():
-        async with open_mesh(config, run_dir) as client:
-            await client.start_run()
-            return await finished(client), await client.run_status()
-
-    return asyncio.run(scenario())
 
 
 async def until_state(client: CoordinatorInterface, state: int, timeout_s: float = 60.0):
