@@ -10,13 +10,11 @@ and the weight sync of the step before agree with the hf engine's plain forward.
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
 from rlfabric.core.config import load_config
 from rlfabric.quickstart.cached import cached_quickstart_model
-from tests.coordinator.meshes import in_process
+from tests.coordinator.meshes import in_process, run_to_end
 
 pytestmark = pytest.mark.slow
 
@@ -28,13 +26,8 @@ def learn(tmp_path, *overrides: str, moe: bool = False) -> list[dict[str, float]
                                 "algorithm.old_log_prob_source=actor", "actor.use_remove_padding=true",
                                 "trainer.progress_bar=false", "trainer.plot=false", "trainer.loggers=[jsonl]",
                                 *overrides])
-
-    async def run():
-        async with in_process(config, tmp_path / "run") as client:
-            await client.start_run()
-            return [dict(update.metrics) async for update in client.stream_metrics(from_step=1)]
-
-    return asyncio.run(run())
+    metrics, _ = run_to_end(in_process, config, tmp_path / "run")
+    return list(metrics.values())
 
 
 def assert_learns_with_the_rollouts_log_probs(metrics: list[dict[str, float]]) -> None:

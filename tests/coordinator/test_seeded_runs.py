@@ -4,12 +4,10 @@ and train the same curve (the step metrics that do not measure time), bit for bi
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
 from rlfabric.core.config import load_config
-from tests.coordinator.meshes import FAST, in_process
+from tests.coordinator.meshes import FAST, in_process, run_to_end
 from tests.rollout.conftest import require_vllm
 
 pytestmark = pytest.mark.slow
@@ -22,14 +20,8 @@ def seeded_run(model_path, run_dir) -> tuple[dict[int, dict[str, float]], dict[s
     """(step -> its CURVE metrics, rollouts file -> its text) of a two-step vLLM run with rollout.seed 0."""
     config = load_config(None, [f"model.path={model_path}", *FAST, "rollout.engine=vllm", "rollout.seed=0",
                                 "rollout.kv_cache_space_gb=1"])
-
-    async def run():
-        async with in_process(config, run_dir) as client:
-            await client.start_run()
-            return {update.step: {k: update.metrics[k] for k in CURVE}
-                    async for update in client.stream_metrics(from_step=1)}
-
-    curve = asyncio.run(run())
+    metrics, _ = run_to_end(in_process, config, run_dir)
+    curve = {step: {key: step_metrics[key] for key in CURVE} for step, step_metrics in metrics.items()}
     return curve, {path.name: path.read_text() for path in sorted((run_dir / "rollouts").glob("*.jsonl"))}
 
 
