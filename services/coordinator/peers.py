@@ -68,7 +68,6 @@ class Peers:
     reward: RewardInterface
     reference: ReferenceInterface | None
     critic: CriticInterface | None
-    rollout_addresses: list[str]
     # The environment the rollout replicas call (rollout.multi_turn over gRPC), for the readiness wait
     # only: the coordinator itself never calls it. env_key is the config key that named its address.
     env: EnvClient | None = None
@@ -170,8 +169,7 @@ def build_peers(config: RunConfig, clients: RoleClients) -> Peers:
     else:
         reference = clients.reference(cluster.reference[0]) if wanted["reference"] else None
     return Peers(actor=actor, rollout=clients.rollout(list(cluster.rollout)), reward=clients.reward(list(cluster.reward)),
-                 reference=reference, critic=clients.critic(cluster.critic[0]) if wanted["critic"] else None,
-                 rollout_addresses=list(cluster.rollout))
+                 reference=reference, critic=clients.critic(cluster.critic[0]) if wanted["critic"] else None)
 
 
 def environment_of(config: RunConfig, options: ChannelOptions) -> dict:

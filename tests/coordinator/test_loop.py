@@ -107,7 +107,7 @@ def train_step(trainer: PPOTrainer, batch: RolloutBatch, step: int = 1) -> dict[
 
 def trainer_over(run_config: RunConfig, tmp_path, actor: ModelService, reference: ModelService | None = None,
                  critic: ModelService | None = None) -> PPOTrainer:
-    peers = Peers(actor=actor, rollout=None, reward=None, reference=reference, critic=critic, rollout_addresses=[])
+    peers = Peers(actor=actor, rollout=None, reward=None, reference=reference, critic=critic)
     trainer = PPOTrainer(run_config, peers, SimpleNamespace(pad_token_id=0), tmp_path, Prompts(ROWS), None,
                          WeightSync())
 

@@ -153,7 +153,7 @@ def test_reward_scoring_that_gives_up_names_the_service_and_the_attempts():
 
     async def scenario():
         reward = ShardedRewardClient([RewardClient(closed, NO_RETRIES)])
-        peers = Peers(actor=None, rollout=None, reward=reward, reference=None, critic=None, rollout_addresses=[])
+        peers = Peers(actor=None, rollout=None, reward=reward, reference=None, critic=None)
         try:
             await peers.score([ScoreItem("openai/gsm8k", "1", "1")], retry_window_s=0.0)
         finally:
