@@ -95,17 +95,29 @@ def forward_log_probs(
     response_len = batch.response_len
     extra = {"output_router_logits": True} if router_aux_loss else {}
     if packed:
-        # Each packed position's label is the response token it predicts (0 elsewhere); the log-probs of the
-        # packed rows are gathered back, not the logits (a [B, T, vocab] copy, and its gradient, cost more).
+        # Only the positions that predict a response token go through the LM head, as logits_to_keep does on
+        # the padded path: over every packed prompt token the head and its log-softmax would cost more than
+        # packing saves. logits_to_keep takes one index list for all rows, so a pre-hook on the head (first,
+        # before FSDP's or tensor parallelism's own) hands it the kept positions of every row, [1, N, hidden].
         inputs, predicting = _packed_inputs(batch)
-        output = model(**inputs, **extra)
-        labels = torch.zeros_like(inputs["input_ids"]).flatten()
         real = batch["response_mask"].bool()
-        labels[predicting[real]] = batch["responses"][real]
-        log_probs, entropy = algos.log_probs_and_entropy(output.logits, labels.view_as(inputs["input_ids"]),
-                                                         temperature, with_entropy, start=0)
-        log_probs = log_probs.flatten()[predicting]
-        entropy = entropy.flatten()[predicting] if entropy is not None else None
+        kept = predicting[real]
+
+        def keep_response_positions(_head, args):
+            return (args[0].flatten(0, 1)[kept].unsqueeze(0), *args[1:])
+
+        hook = model.get_output_embeddings().register_forward_pre_hook(keep_response_positions, prepend=True)
+        try:
+            output = model(**inputs, **extra)
+        finally:
+            hook.remove()
+        kept_log_probs, kept_entropy = algos.log_probs_and_entropy(
+            output.logits, batch["responses"][real].unsqueeze(0), temperature, with_entropy, start=0)
+        def unpacked(kept_values: torch.Tensor) -> torch.Tensor:  # [1, N] -> [B, T], 0 at padding
+            return kept_values.new_zeros(real.shape).masked_scatter(real, kept_values[0])
+
+        log_probs = unpacked(kept_log_probs)
+        entropy = None if kept_entropy is None else unpacked(kept_entropy)
         return log_probs, entropy, output.aux_loss if router_aux_loss else None
     if keep_logits:
         extra["logits_to_keep"] = response_len + 1

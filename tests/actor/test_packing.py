@@ -69,6 +69,19 @@ def test_packed_log_probs_entropy_loss_and_gradient_equal_the_padded_path(policy
     policy.zero_grad()
 
 
+def test_packed_rows_send_only_the_response_positions_through_the_lm_head(policy):
+    # The LM head and its log-softmax over the vocabulary cost as much as several layers: over every packed
+    # prompt token they would eat what packing saves (bench/packing_bench.py).
+    batch = _batch(policy)
+    seen = []
+    hook = policy.get_output_embeddings().register_forward_hook(lambda _m, args, _out: seen.append(args[0].shape))
+    try:
+        forward_log_probs(policy, batch, 1.0, True, True, packed=True)
+    finally:
+        hook.remove()
+    assert seen == [torch.Size([1, int(batch["response_mask"].sum()), policy.config.hidden_size])]
+
+
 def test_services_with_packing_compute_and_train_as_without(tiny_model):
     batch = make_batch(rows=8, prompt_len=9, response_len=6, seed=3)
     real = batch["response_mask"].bool()
