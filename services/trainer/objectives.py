@@ -113,6 +113,7 @@ def forward_log_probs(
             hook.remove()
         kept_log_probs, kept_entropy = algos.log_probs_and_entropy(
             output.logits, batch["responses"][real].unsqueeze(0), temperature, with_entropy, start=0)
+
         def unpacked(kept_values: torch.Tensor) -> torch.Tensor:  # [1, N] -> [B, T], 0 at padding
             return kept_values.new_zeros(real.shape).masked_scatter(real, kept_values[0])
 
