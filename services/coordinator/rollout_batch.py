@@ -96,18 +96,18 @@ def build_rollout_batch(rows: Sequence[PromptRow], samples: Sequence[FinishedSam
     prompts = [sample.prompt_ids or row.prompt_ids for row, sample in zip(sample_rows, ordered, strict=True)]
     prompt_len = max(len(prompt) for prompt in prompts)
     response_len = max(1, max(len(s.token_ids) for s in ordered))
-    batch = len(ordered)
-    input_ids = torch.full((batch, prompt_len + response_len), pad_token_id, dtype=torch.int64)
-    attention_mask = torch.zeros_like(input_ids)
-    response_mask = torch.zeros(batch, response_len, dtype=torch.int64)
-    for i, (prompt, sample) in enumerate(zip(prompts, ordered, strict=True)):
-        response = sample.token_ids
-        input_ids[i, prompt_len - len(prompt) : prompt_len] = torch.tensor(prompt)
-        attention_mask[i, prompt_len - len(prompt) : prompt_len] = 1
-        if response:
-            input_ids[i, prompt_len : prompt_len + len(response)] = torch.tensor(response)
-            attention_mask[i, prompt_len : prompt_len + len(response)] = 1
-            response_mask[i, : len(response)] = torch.tensor(sample.model_token_mask())
+    # Each tensor is built from Python lists in one call: a slice assignment per row costs more than the
+    # rest of the step's bookkeeping at hundreds of rows.
+    responses = [sample.token_ids for sample in ordered]
+    input_ids = torch.tensor([[pad_token_id] * (prompt_len - len(prompt)) + list(prompt) + list(response)
+                              + [pad_token_id] * (response_len - len(response))
+                              for prompt, response in zip(prompts, responses, strict=True)], dtype=torch.int64)
+    columns = torch.arange(prompt_len + response_len)
+    starts = torch.tensor([prompt_len - len(prompt) for prompt in prompts]).unsqueeze(1)
+    ends = torch.tensor([prompt_len + len(response) for response in responses]).unsqueeze(1)
+    attention_mask = ((columns >= starts) & (columns < ends)).to(torch.int64)
+    response_mask = torch.tensor(_right_padded([s.model_token_mask() for s in ordered], response_len, 0),
+                                 dtype=torch.int64)
     tensors = {
         "input_ids": input_ids,
         "attention_mask": attention_mask,
@@ -119,14 +119,15 @@ def build_rollout_batch(rows: Sequence[PromptRow], samples: Sequence[FinishedSam
                         rollout_log_probs=_rollout_log_probs(ordered, response_len))
 
 
+def _right_padded(values: list[list], length: int, pad) -> list[list]:
+    return [list(row) + [pad] * (length - len(row)) for row in values]
+
+
 def _rollout_log_probs(samples: Sequence[FinishedSample], response_len: int) -> torch.Tensor | None:
     """[B, T] each sample's log-probs, right-padded with 0; None unless every sample has one per token."""
     if any(len(s.logprobs) != len(s.token_ids) for s in samples):
         return None
-    out = torch.zeros(len(samples), response_len, dtype=torch.float32)
-    for i, sample in enumerate(samples):
-        out[i, : len(sample.logprobs)] = torch.tensor(sample.logprobs, dtype=torch.float32)
-    return out
+    return torch.tensor(_right_padded([s.logprobs for s in samples], response_len, 0.0), dtype=torch.float32)
 
 
 def token_level_scores(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
