@@ -77,9 +77,46 @@ def _packed_inputs(batch: SequenceBatch) -> tuple[dict, torch.Tensor]:
     return inputs, where[:, -batch.response_len - 1 : -1]
 
 
+def shared_prompts(batch: SequenceBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """When consecutive rows share their prompt (ids, mask and positions; GRPO's group): the first row of each
+    distinct prompt [G] and each row's prompt among them [B]. None when no two neighbours share one."""
+    prompt_len = batch["input_ids"].shape[1] - batch.response_len
+    same = torch.ones(batch.num_rows - 1, dtype=torch.bool, device=batch["input_ids"].device)
+    for name in ("input_ids", "attention_mask", "position_ids"):
+        prompt = batch[name][:, :prompt_len]
+        same &= (prompt[1:] == prompt[:-1]).all(1)
+    if not bool(same.any()):
+        return None
+    starts = torch.cat([same.new_ones(1), ~same])
+    return starts.nonzero().squeeze(1), starts.cumsum(0) - 1
+
+
+def _logits_over_shared_prompts(model: nn.Module, batch: SequenceBatch, first_rows: torch.Tensor,
+                                prompt_of_row: torch.Tensor) -> torch.Tensor:
+    """The logits that predict each response token [B, T, vocab], with each distinct prompt through the model
+    once: its forward pass keeps its keys and values, which each row's response then attends to (an index
+    select, so the gradient of every row flows back into its prompt's pass)."""
+    response_len = batch.response_len
+    prompt_len = batch["input_ids"].shape[1] - response_len
+    ids, mask, positions = batch["input_ids"], batch["attention_mask"], batch["position_ids"]
+    prompts = model(input_ids=ids[first_rows, :prompt_len], attention_mask=mask[first_rows, :prompt_len],
+                    position_ids=positions[first_rows, :prompt_len], use_cache=True, logits_to_keep=1)
+    if prompts.past_key_values is None:
+        raise RuntimeError("the model returned no key/value cache for the shared prompts (gradient checkpointing "
+                           "turns it off while training): set share_prompt_forward=false")
+    logits = [prompts.logits[prompt_of_row]]  # the last prompt position predicts the first response token
+    if response_len > 1:  # the response's tokens but its last predict the rest
+        cache = prompts.past_key_values
+        cache.batch_select_indices(prompt_of_row)
+        responses = model(input_ids=ids[:, prompt_len:-1], attention_mask=mask[:, :-1],
+                          position_ids=positions[:, prompt_len:-1], past_key_values=cache, use_cache=True)
+        logits.append(responses.logits)
+    return torch.cat(logits, dim=1)
+
+
 def forward_log_probs(
     model: nn.Module, batch: SequenceBatch, temperature: float, with_entropy: bool, keep_logits: bool,
-    router_aux_loss: bool = False, packed: bool = False,
+    router_aux_loss: bool = False, packed: bool = False, share_prompts: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """log p(response token) [B, T] and, optionally, the entropy of each predicting distribution [B, T],
     both under softmax(logits / temperature), as the rollout's sampler draws; with router_aux_loss (a
@@ -91,6 +128,8 @@ def forward_log_probs(
     model's dtype; log_probs_and_entropy upcasts one block at a time and keeps no float32 copy.
     packed: the real tokens go through the model packed into rows (_packed_inputs); the log-probs and
     entropies of the packed positions are gathered back into [B, T].
+    share_prompts: on the padded path, rows that share their prompt send it through the model once
+    (shared_prompts; the same numbers); not with router_aux_loss, whose batch statistics would change.
     """
     response_len = batch.response_len
     extra = {"output_router_logits": True} if router_aux_loss else {}
@@ -120,6 +159,12 @@ def forward_log_probs(
         log_probs = unpacked(kept_log_probs)
         entropy = None if kept_entropy is None else unpacked(kept_entropy)
         return log_probs, entropy, output.aux_loss if router_aux_loss else None
+    shared = shared_prompts(batch) if share_prompts and keep_logits and not router_aux_loss else None
+    if shared is not None:
+        logits = _logits_over_shared_prompts(model, batch, *shared)
+        log_probs, entropy = algos.log_probs_and_entropy(logits, batch["responses"], temperature, with_entropy,
+                                                         start=0)
+        return log_probs, entropy, None
     if keep_logits:
         extra["logits_to_keep"] = response_len + 1
     output = model(**_model_inputs(batch), **extra)
@@ -151,10 +196,11 @@ class PolicyObjective:
 
     float_names = ("old_log_probs", "advantages", "ref_log_probs", "rollout_is_weights")
 
-    def __init__(self, config: ActorConfig, temperature: float, keep_logits: bool):
+    def __init__(self, config: ActorConfig, temperature: float, keep_logits: bool, share_prompts: bool = False):
         self.config = config
         self.temperature = temperature
         self.keep_logits = keep_logits
+        self.share_prompts = share_prompts
 
     def required_floats(self) -> tuple[str, ...]:
         """old_log_probs may be left out when the update is a single optimizer step (see loss)."""
@@ -170,7 +216,8 @@ class PolicyObjective:
         # reads it); it sends a gradient only with an entropy bonus.
         router_coef = cfg.router_aux_loss_coef
         log_probs, entropy, router_loss = forward_log_probs(model, batch, self.temperature, True, self.keep_logits,
-                                                            router_aux_loss=router_coef > 0, packed=cfg.use_remove_padding)
+                                                            router_aux_loss=router_coef > 0, packed=cfg.use_remove_padding,
+                                                            share_prompts=self.share_prompts)
         if not want_entropy_grad:
             entropy = entropy.detach()
         agg = counts.aggregation()

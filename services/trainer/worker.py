@@ -102,6 +102,9 @@ class RankWorker:
         self.checkpoint_shapes = self.param_shapes if self.lora is None else {
             name: tuple(t.shape) for name, t in model.named_parameters() if t.requires_grad}
         self.keep_logits = not self.spec.value_head and models.accepts_logits_to_keep(base)
+        # A shared prompt's one pass serves its rows on one rank (sharded, the ranks' passes would differ in
+        # count); while training, gradient checkpointing turns the model's key/value cache off.
+        self.share_prompts = self.keep_logits and self.section.share_prompt_forward and world_size == 1
         self.hf_config = model.config
         self.sharded = world_size > 1
         # tensor_parallel_size T: a (world_size / T) x T mesh; the T ranks of a TP group compute on the same rows.
@@ -125,7 +128,9 @@ class RankWorker:
             load_plugin_modules(config.algorithm.plugin_modules)  # a policy loss may be a plugin's (every rank)
             # The rollout samples from softmax(logits / T); PPO's ratios must use the same distribution.
             temperature = config.rollout.temperature or 1.0
-            self.objective = PolicyObjective(self.section, temperature, self.keep_logits)
+            self.objective = PolicyObjective(
+                self.section, temperature, self.keep_logits,
+                share_prompts=self.share_prompts and not models.uses_gradient_checkpointing(config, device))
         elif self.trainable:
             self.objective = ValueObjective(self.section)
         if self.trainable:
@@ -216,7 +221,8 @@ class RankWorker:
                         results = {"values": forward_values(self.model, micro, packed=packed)}
                     else:
                         log_probs, entropy, _ = forward_log_probs(self.model, micro, temperature, with_entropy,
-                                                                  self.keep_logits, packed=packed)
+                                                                  self.keep_logits, packed=packed,
+                                                                  share_prompts=self.share_prompts)
                         results = {"log_probs": log_probs, "entropy": entropy}
                 if len(index):
                     real = micro["response_mask"].bool()

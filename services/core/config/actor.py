@@ -43,6 +43,12 @@ class ModelRoleSection(Section):
     long as its longest sequence, positions restarting per sequence, so little compute goes to padding. Needs
     an attention backend that keeps packed sequences apart: model.attn_implementation sdpa, eager or
     flash_attention_2/3."""
+    share_prompt_forward: bool = True
+    """Rows that share their prompt (GRPO's rollout.n samples of one prompt) send it through the model once:
+    its keys and values are computed once, for every row's response to attend to. The same log-probs,
+    entropies and gradients, with n times less prompt compute. Used on the padded path of a trainer of one
+    rank (the actor's update, the actor's and reference's log-probs); sequence packing, more than one rank,
+    gradient checkpointing (in the update) and the critic take every row whole."""
     pool: str = ""
     """Key of resource_pools this role runs on; empty = no pool (every device of the machine, as before)."""
 
