@@ -46,7 +46,8 @@ from rlfabric.coordinator.client import CoordinatorClient
 from rlfabric.core.client import ChannelOptions
 from rlfabric.core.config import load_config
 from rlfabric.launch.local import LocalMesh
-from rlfabric.quickstart.lookup_warm_start import LEARNER, make_lookup_model
+from rlfabric.quickstart.cached import cached_lookup_model
+from rlfabric.quickstart.lookup_warm_start import LEARNER
 from rlfabric.v1 import coordinator_pb2
 
 RESULTS = Path(__file__).parent / "results" / "async.json"
@@ -177,7 +178,7 @@ def measure(workload: str) -> dict:
     model = []
     if "lookup_model" in spec:
         log(f"warm-starting the lookup model {spec['lookup_model']}")
-        model = [f"model.path={make_lookup_model(root / 'lookup-model', **spec['lookup_model'])}"]
+        model = [f"model.path={cached_lookup_model(**spec['lookup_model'])}"]
     config = load_config(spec["config"], [*pools, *model, *spec.get("overrides", []),
                                           "trainer.progress_bar=false", "trainer.plot=false",
                                           "trainer.export_final=false", "trainer.save_final=false"])

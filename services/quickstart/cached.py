@@ -20,14 +20,23 @@ SOURCES = ("quickstart/tiny_model.py", "quickstart/warm_start.py", "reward/find_
 LIBRARIES = ("torch", "transformers")
 
 
-def cache_name(seed: int = 0, moe: bool = False) -> str:
-    """quickstart[-moe]-seed<seed>-<digest of SOURCES and LIBRARIES' versions>."""
+# What decides the lookup model's weights besides SOURCES: its warm start, the episodes it renders and the task.
+LOOKUP_SOURCES = (*SOURCES, "quickstart/lookup_warm_start.py", "rollout/agent_loop.py", "env/lookup.py",
+                  "env/items.py")
+
+
+def _digest(sources: tuple[str, ...]) -> str:
     digest = hashlib.sha256()
-    for source in SOURCES:
+    for source in sources:
         digest.update((PACKAGE / source).read_bytes())
     for library in LIBRARIES:
         digest.update(f"{library}=={metadata.version(library)}".encode())
-    return f"quickstart{'-moe' if moe else ''}-seed{seed}-{digest.hexdigest()[:16]}"
+    return digest.hexdigest()[:16]
+
+
+def cache_name(seed: int = 0, moe: bool = False) -> str:
+    """quickstart[-moe]-seed<seed>-<digest of SOURCES and LIBRARIES' versions>."""
+    return f"quickstart{'-moe' if moe else ''}-seed{seed}-{_digest(SOURCES)}"
 
 
 def cached_directory(seed: int = 0, moe: bool = False) -> Path:
@@ -52,3 +61,15 @@ def copy_cached(seed: int, out_dir: Path) -> Path:
     """A copy of the cached model in out_dir (a run's own: nothing the run does reaches the cache)."""
     shutil.copytree(cached_directory(seed), out_dir, ignore=shutil.ignore_patterns(DONE_MARKER), dirs_exist_ok=True)
     return out_dir.resolve()
+
+
+def cached_lookup_model(seed: int = 0, steps: int = 500, call_fraction: float = 1.0) -> Path:
+    """make_lookup_model's model (the lookup task's warm start: 1,100 steps for its LEARNER, over a minute of
+    CPU) in the cache, built on first use. A run reads model.path and writes only into its run dir."""
+    from rlfabric.quickstart.lookup_warm_start import make_lookup_model
+
+    name = f"lookup-seed{seed}-steps{steps}-calls{call_fraction:g}-{_digest(LOOKUP_SOURCES)}"
+    return built_once(name, lambda directory: make_lookup_model(directory, seed=seed, steps=steps,
+                                                                call_fraction=call_fraction),
+                      about={"built_by": "rlfabric.quickstart.lookup_warm_start.make_lookup_model", "seed": seed,
+                             "steps": steps, "call_fraction": call_fraction})

@@ -17,7 +17,8 @@ import pytest
 
 from rlfabric.core.config import load_config
 from rlfabric.launch.inprocess import InProcessMesh
-from rlfabric.quickstart.lookup_warm_start import LEARNER, make_lookup_model
+from rlfabric.quickstart.cached import cached_lookup_model
+from rlfabric.quickstart.lookup_warm_start import LEARNER
 from rlfabric.v1 import coordinator_pb2
 
 pytestmark = pytest.mark.slow
@@ -27,9 +28,10 @@ STEPS = 12
 
 
 @pytest.fixture(scope="module")
-def reluctant_model(tmp_path_factory) -> Path:
-    """Knows the call's format (1000 demonstration steps), then calls in 10% of episodes (100 more)."""
-    return make_lookup_model(tmp_path_factory.mktemp("lookup-model"), **LEARNER)
+def reluctant_model() -> Path:
+    """Knows the call's format (1000 demonstration steps), then calls in 10% of episodes (100 more); built
+    once per machine (the model cache)."""
+    return cached_lookup_model(**LEARNER)
 
 
 def test_grpo_teaches_the_tiny_model_to_use_the_tool(reluctant_model, tmp_path):
