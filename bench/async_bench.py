@@ -177,7 +177,7 @@ def measure(workload: str) -> dict:
              for override in (f"resource_pools.{name}.cpus={cpus}", *(f"{role}.pool={name}" for role in roles))]
     model = []
     if "lookup_model" in spec:
-        log(f"warm-starting the lookup model {spec['lookup_model']}")
+        log(f"the lookup model {spec['lookup_model']} (warm-started once per machine, then cached)")
         model = [f"model.path={cached_lookup_model(**spec['lookup_model'])}"]
     config = load_config(spec["config"], [*pools, *model, *spec.get("overrides", []),
                                           "trainer.progress_bar=false", "trainer.plot=false",

@@ -102,11 +102,11 @@ class RankWorker:
         self.checkpoint_shapes = self.param_shapes if self.lora is None else {
             name: tuple(t.shape) for name, t in model.named_parameters() if t.requires_grad}
         self.keep_logits = not self.spec.value_head and models.accepts_logits_to_keep(base)
-        # A shared prompt's one pass serves its rows on one rank (sharded, the ranks' passes would differ in
-        # count); while training, gradient checkpointing turns the model's key/value cache off.
-        self.share_prompts = self.keep_logits and self.section.share_prompt_forward and world_size == 1
         self.hf_config = model.config
         self.sharded = world_size > 1
+        # A shared prompt's one pass serves its rows on one rank (sharded, the ranks' passes would differ in
+        # count); while training, gradient checkpointing turns the model's key/value cache off.
+        self.share_prompts = self.section.share_prompt_forward and not self.sharded
         # tensor_parallel_size T: a (world_size / T) x T mesh; the T ranks of a TP group compute on the same rows.
         self.tensor_parallel_size = self.section.tensor_parallel_size
         self.data_parallel_size = world_size // self.tensor_parallel_size
