@@ -708,22 +708,26 @@ class PPOTrainer:
 
     def _dump_rollouts(self, step: int, batch: RolloutBatch) -> None:
         """RUN_DIR/rollouts/step_<step>.jsonl: what was generated, from which weights, and its score
-        (score_failed: it got none; failure: why, {source, status, message}, see sample_failures.py)."""
+        (score_failed: it got none; failure: why, {source, status, message}, see sample_failures.py); with
+        trainer.dump_rollout_tokens, its token ids and the sampler's log-probs too."""
         folder = self.run_dir / "rollouts"
         folder.mkdir(parents=True, exist_ok=True)
         scores, failed = batch.scores.tolist(), batch.score_failed.tolist()
         failures = batch.failures or [None] * len(scores)
+        with_tokens = self.config.trainer.dump_rollout_tokens
         with open(folder / f"step_{step}.jsonl", "w") as out:
             for row, sample, score, score_failed, failure in zip(batch.rows, batch.samples, scores, failed, failures,
                                                                   strict=True):
-                out.write(json.dumps({"uid": row.uid, "sample_index": sample.sample_index,
-                                      "data_source": row.data_source,
-                                      "prompt": row.messages[-1]["content"] if row.messages else "",
-                                      "response": sample.text, "score": score, "score_failed": score_failed,
-                                      "failure": failure.record() if failure is not None else None,
-                                      "weight_version": sample.weight_version,
-                                      "version_spans": sample.version_spans,
-                                      "ground_truth": row.ground_truth}) + "\n")
+                record = {"uid": row.uid, "sample_index": sample.sample_index, "data_source": row.data_source,
+                          "prompt": row.messages[-1]["content"] if row.messages else "",
+                          "response": sample.text, "score": score, "score_failed": score_failed,
+                          "failure": failure.record() if failure is not None else None,
+                          "weight_version": sample.weight_version, "version_spans": sample.version_spans,
+                          "ground_truth": row.ground_truth}
+                if with_tokens:
+                    record.update(prompt_ids=list(sample.prompt_ids or row.prompt_ids),
+                                  response_ids=list(sample.token_ids), rollout_log_probs=list(sample.logprobs))
+                out.write(json.dumps(record) + "\n")
 
 
 def leave_out(failed: torch.Tensor, mask: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

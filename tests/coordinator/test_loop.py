@@ -198,6 +198,28 @@ def test_the_rollout_dump_says_which_samples_failed_scoring_and_why(tmp_path):
     assert lines[0]["failure"] is None
 
 
+def test_the_rollout_dump_has_token_ids_and_sampler_log_probs_only_when_asked(tmp_path):
+    samples = [FinishedSample(p, i, [4 + i, 5, 6][: 3 - i % 2], [-0.5 * i, -1.0, -2.0][: 3 - i % 2], Finish.STOP, 0)
+               for p in range(PROMPTS) for i in range(N)]
+    samples[1].prompt_ids = [7, 8, 9, 10]  # a sample rendered with its own prompt (multi-turn) keeps it
+    for tokens, name in ((False, "plain"), (True, "tokens")):
+        trainer = trainer_over(config("trainer.dump_rollouts=true", f"trainer.dump_rollout_tokens={tokens}"),
+                               tmp_path / name, ModelService("actor"))
+        batch = build_rollout_batch(ROWS, samples, N, pad_token_id=0)
+        batch.scores, batch.score_failed = torch.zeros(len(samples)), torch.zeros(len(samples), dtype=torch.bool)
+        train_step(trainer, batch)
+        lines = [json.loads(line) for line in (tmp_path / name / "rollouts" / "step_1.jsonl").read_text().splitlines()]
+        if not tokens:
+            assert not {"prompt_ids", "response_ids", "rollout_log_probs"} & set(lines[0])
+            continue
+        by_key = {(s.prompt_index, s.sample_index): s for s in samples}
+        for line, row in zip(lines, batch.rows, strict=True):
+            sample = by_key[(int(row.uid[1:]), line["sample_index"])]
+            assert line["response_ids"] == sample.token_ids and line["rollout_log_probs"] == sample.logprobs
+            assert line["prompt_ids"] == (sample.prompt_ids or [1, 2, 3])
+        assert lines[1]["prompt_ids"] == [7, 8, 9, 10] and lines[0]["response_ids"] == [4, 5, 6]
+
+
 class FailingReward:
     """Stands in for the reward client: every item but the first `scored` fails with `status`, saying why
     at length (a scorer's traceback can be long)."""

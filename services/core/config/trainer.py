@@ -89,3 +89,6 @@ class TrainerConfig(Section):
     not trainer.run_dir."""
     dump_rollouts: bool = True
     """Write every step's prompts, responses, scores and weight versions to RUN_DIR/rollouts/step_N.jsonl."""
+    dump_rollout_tokens: bool = False
+    """With dump_rollouts: each sample's prompt_ids, response_ids and the sampler's rollout_log_probs too (to
+    replay a step in another trainer, as bench.first_update_bench does); off by default, as they are large."""
