@@ -51,14 +51,20 @@ setup: $(STAMP)
 run: setup
 	$(VENV)/bin/rlfabric train
 
+# Test processes (pytest-xdist): a test module runs whole on one of them, its longest modules first
+# (tests/conftest.py). Most tests wait on processes they start as often as they compute, so 2 workers
+# suit a 2-core machine; TEST_WORKERS=0 runs everything in one process.
+TEST_WORKERS ?= 2
+PYTEST := $(PY) -m pytest -q $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --no-loadscope-reorder)
+
 ## The full test suite (CPU).
 test: setup system-deps
-	RLFABRIC_REQUIRE_VLLM=$(if $(findstring vllm,$(EXTRAS)),1,0) $(PY) -m pytest -q
+	RLFABRIC_REQUIRE_VLLM=$(if $(findstring vllm,$(EXTRAS)),1,0) $(PYTEST)
 
 ## The unit and in-process tests, without the slow ones (meshes of processes, vLLM, Ray, Node.js, the real
 ## model): a few minutes, for while you edit. CI runs `make test`, everything.
 test-fast: setup
-	$(PY) -m pytest -q -m "not slow"
+	$(PYTEST) -m "not slow"
 
 ## Regenerate the committed Python stubs from protos/.
 protos: setup

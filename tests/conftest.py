@@ -103,3 +103,39 @@ def experiment_dir(request):
     mesh = request.getfixturevalue("mesh")
     name = re.sub(r"[^A-Za-z0-9._-]", "-", request.node.name)[:100]
     return mesh.run_dir.resolve() / "experiments" / name
+
+
+# Under `pytest -n N` (pytest-xdist, `make test`): a test module is one unit of work, so that its
+# module-scoped fixtures (a mesh, a vLLM engine, a real model) boot once; the modules that start a Ray cluster
+# share one worker (two clusters on one host contend for its ports and cores); and the longest modules start
+# first (with --no-loadscope-reorder), so that none of them is the last to begin. xdist's own loadgroup
+# cannot group here: it renames items, which pytest 9.2's node ids no longer follow.
+SHARED_WORKER = {"tests/deploy/test_ray_launcher.py": "ray", "tests/deploy/test_ray_multinode.py": "ray"}
+LONGEST_FIRST = ("tests/real_model/", "tests/coordinator/test_multi_turn_learning.py",
+                 "tests/deploy/test_ray_launcher.py", "tests/deploy/test_ray_multinode.py")
+
+
+def _module(nodeid: str) -> str:
+    return nodeid.split("::")[0]
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return SHARED_WORKER.get(_module(nodeid), _module(nodeid))
+
+    return ModuleScheduling(config, log)
+
+
+def pytest_collection_modifyitems(config, items):
+    if not hasattr(config, "workerinput"):  # the order only matters where xdist's workers collect
+        return
+
+    def rank(item) -> int:
+        module = _module(item.nodeid)
+        return next((i for i, prefix in enumerate(LONGEST_FIRST) if module.startswith(prefix)), len(LONGEST_FIRST))
+
+    items.sort(key=rank)  # stable: each module's own order is kept
