@@ -21,49 +21,38 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 import torch
-import yaml
 
-from bench.peer_trl_bench import RLFABRIC_OVERRIDES, WORKLOADS, log, trl_python, trl_spec
+from bench.peer_trl_bench import (
+    RLFABRIC_OVERRIDES,
+    WORKLOADS,
+    log,
+    run_rlfabric,
+    run_trl,
+    trl_python,
+    trl_spec,
+)
 
 RESULTS = Path(__file__).parent / "results" / "first_update.json"
 OVERRIDES = [o for o in RLFABRIC_OVERRIDES if not o.startswith("trainer.export_final")] + [
     "trainer.total_steps=1", "trainer.dump_rollouts=true", "trainer.dump_rollout_tokens=true"]
 # rlfabric metric -> TRL's logged metric for the same quantity (TRL's loss_type dapo is rlfabric's token-mean)
 SAME_METRICS = {"actor/pg_loss": "loss", "actor/grad_norm": "grad_norm", "actor/pg_clipfrac": "clip_ratio/region_mean",
-                "actor/entropy": "entropy",
-                "critic/score/mean": "reward"}
+                "actor/entropy": "entropy", "critic/score/mean": "reward"}
 
 
-def rlfabric_step(config: Path | None, run_dir: Path, seed: int) -> tuple[dict, dict, list[dict]]:
+def rlfabric_step(spec: dict, run_dir: Path, seed: int) -> tuple[dict, dict, list[dict]]:
     """(step 1's metrics, the resolved config, the dumped samples) of a one-step `rlfabric train`."""
-    argv = [sys.executable, "-m", "rlfabric", "train", *([str(config)] if config else []), "--run-dir", str(run_dir),
-            *OVERRIDES, f"rollout.seed={seed}", f"data.seed={seed}"]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=1800)
-    if done.returncode != 0:
-        raise RuntimeError(f"rlfabric train failed ({done.returncode}): {done.stdout[-2000:]}{done.stderr[-3000:]}")
+    config = run_rlfabric(spec, run_dir, seed, OVERRIDES)
     metrics = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
     samples = [json.loads(line) for line in (run_dir / "rollouts" / "step_1.jsonl").read_text().splitlines()]
-    return metrics, yaml.safe_load((run_dir / "config.yaml").read_text()), samples
-
-
-def trl_step(settings: dict, work: Path) -> dict:
-    spec_file, out_file = work / "trl-spec.json", work / "trl-out.json"
-    spec_file.write_text(json.dumps(settings))
-    done = subprocess.run([str(trl_python()), str(Path(__file__).parent / "trl_grpo.py"), str(spec_file),
-                           str(out_file)], env={**os.environ, "TOKENIZERS_PARALLELISM": "false",
-                                                "TRL_EXPERIMENTAL_SILENCE": "1"},
-                          capture_output=True, text=True, timeout=1800)
-    if done.returncode != 0:
-        raise RuntimeError(f"TRL failed ({done.returncode}): {done.stdout[-2000:]}{done.stderr[-3000:]}")
-    return json.loads(out_file.read_text())["replay"]
+    return metrics, config, samples
 
 
 # -- the comparisons -----------------------------------------------------------------------------------------
@@ -72,7 +61,7 @@ def sample_key(prompt_ids: list[int], response_ids: list[int]) -> tuple[tuple[in
     return tuple(prompt_ids), tuple(response_ids)
 
 
-def grpo_advantages(samples: list[dict], norm_by_std: bool = True) -> list[float]:
+def grpo_advantages(samples: list[dict]) -> list[float]:
     """rlfabric's GRPO advantage of each dumped sample (the estimator the loop runs, on its scores)."""
     from rlfabric.algorithms import get_advantage_estimator
     from rlfabric.coordinator.rollout_batch import token_level_scores
@@ -82,7 +71,7 @@ def grpo_advantages(samples: list[dict], norm_by_std: bool = True) -> list[float
     advantages, _ = get_advantage_estimator("grpo")(
         token_rewards=token_level_scores(torch.tensor([s["score"] for s in samples]), mask), mask=mask, values=None,
         group_ids=torch.tensor([groups[s["prompt"]] for s in samples]), baselines=None, gamma=1.0, lam=1.0,
-        norm_by_std=norm_by_std)
+        norm_by_std=True)  # trl_spec refuses a config without algorithm.norm_adv_by_std_in_grpo
     return advantages[:, 0].tolist()
 
 
@@ -168,16 +157,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="first-update-bench-") as tmp:
         work = Path(tmp)
         log(f"{args.workload}: rlfabric train, one step, seed {args.seed}")
-        metrics, config, samples = rlfabric_step(spec["config"], work / "rlfabric", args.seed)
-        n = config["rollout"]["n"]
-        by_prompt = {prompt: sum(s["prompt"] == prompt for s in samples) for prompt in {s["prompt"] for s in samples}}
-        if set(by_prompt.values()) != {n}:
+        metrics, config, samples = rlfabric_step(spec, work / "rlfabric", args.seed)
+        if set(Counter(s["prompt"] for s in samples).values()) != {config["rollout"]["n"]}:
             raise ValueError(f"seed {args.seed}: a prompt came twice in the step; TRL draws each once: try another")
         settings = trl_spec(config, spec, work / "rlfabric", args.seed, work / "trl-out")
         settings.update(steps=1, replay=str(work / "rlfabric" / "rollouts" / "step_1.jsonl"),
                         save_model_to=str(work / "trl-model"))
         log(f"{args.workload}: TRL replays the {len(samples)} samples")
-        theirs = trl_step(settings, work)
+        theirs = run_trl(settings, work, env={"TRL_EXPERIMENTAL_SILENCE": "1"})["replay"]  # rollout_func's warning
         log("comparing")
         model = Path(config["model"]["path"])
         report = {

@@ -118,30 +118,43 @@ def trl_spec(config: dict, spec: dict, run_dir: Path, seed: int, out_dir: Path) 
 
 # -- one run of each side ------------------------------------------------------------------------------------
 
-def rlfabric_train(spec: dict, run_dir: Path, seed: int) -> tuple[dict, dict]:
-    """`rlfabric train` as a user runs it; (the run's figures, its resolved config)."""
+def run_rlfabric(spec: dict, run_dir: Path, seed: int, overrides: list[str] = RLFABRIC_OVERRIDES) -> dict:
+    """`rlfabric train` as a user runs it, with `overrides` and the seed; the run's resolved config."""
     config = [str(spec["config"])] if spec["config"] else []
-    argv = [sys.executable, "-m", "rlfabric", "train", *config, "--run-dir", str(run_dir), *RLFABRIC_OVERRIDES,
+    argv = [sys.executable, "-m", "rlfabric", "train", *config, "--run-dir", str(run_dir), *overrides,
             f"rollout.seed={seed}", f"data.seed={seed}"]
-    started = time.time()
     done = subprocess.run(argv, capture_output=True, text=True, timeout=3600)
     if done.returncode != 0:
         raise RuntimeError(f"rlfabric train failed ({done.returncode}): {done.stdout[-2000:]}{done.stderr[-3000:]}")
+    return yaml.safe_load((run_dir / "config.yaml").read_text())
+
+
+def rlfabric_train(spec: dict, run_dir: Path, seed: int) -> tuple[dict, dict]:
+    """(the run's figures, its resolved config)."""
+    started = time.time()
+    resolved = run_rlfabric(spec, run_dir, seed)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     begin = records[0]["timestamp"] - records[0]["timing_s/step"]  # when the first step began
     steps = [{"step": r["step"], "reward": r["critic/score/mean"], "seconds": r["timing_s/step"],
               "t": r["timestamp"] - begin} for r in records]
-    resolved = yaml.safe_load((run_dir / "config.yaml").read_text())
     return {"steps": steps, "startup_s": begin - started}, resolved
 
 
-def trl_train(trl_settings: dict, work: Path) -> dict:
+def run_trl(trl_settings: dict, work: Path, env: dict[str, str] | None = None) -> dict:
+    """bench/trl_grpo.py in TRL's venv with these settings (and `env` added to the environment); what it wrote."""
     spec_file, out_file = work / "trl-spec.json", work / "trl-out.json"
     spec_file.write_text(json.dumps(trl_settings))
+    done = subprocess.run([str(trl_python()), str(Path(__file__).parent / "trl_grpo.py"), str(spec_file),
+                           str(out_file)], env={**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})},
+                          capture_output=True, text=True, timeout=3600)
+    if done.returncode != 0:
+        raise RuntimeError(f"TRL failed ({done.returncode}): {done.stdout[-2000:]}{done.stderr[-3000:]}")
+    return json.loads(out_file.read_text())
+
+
+def trl_train(trl_settings: dict, work: Path) -> dict:
     started = time.time()
-    subprocess.run([str(trl_python()), str(Path(__file__).parent / "trl_grpo.py"), str(spec_file), str(out_file)],
-                   check=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"}, capture_output=True, timeout=3600)
-    out = json.loads(out_file.read_text())
+    out = run_trl(trl_settings, work)
     return {"steps": out["steps"], "startup_s": out["train_begin_at"] - started,
             "versions": {k: out[k] for k in ("trl", "transformers", "torch")}}
 
