@@ -55,7 +55,7 @@ run: setup
 # (tests/conftest.py). Most tests wait on processes they start as often as they compute, so 2 workers
 # suit a 2-core machine; TEST_WORKERS=0 runs everything in one process.
 TEST_WORKERS ?= 2
-PYTEST := $(PY) -m pytest -q $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --no-loadscope-reorder)
+PYTEST := $(PY) -m pytest -q $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS))
 
 ## The full test suite (CPU).
 test: setup system-deps

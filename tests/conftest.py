@@ -108,7 +108,7 @@ def experiment_dir(request):
 # Under `pytest -n N` (pytest-xdist, `make test`): a test module is one unit of work, so that its
 # module-scoped fixtures (a mesh, a vLLM engine, a real model) boot once; the modules that start a Ray cluster
 # share one worker (two clusters on one host contend for its ports and cores); and the longest modules start
-# first (with --no-loadscope-reorder), so that none of them is the last to begin. xdist's own loadgroup
+# first, so that none of them is the last to begin. xdist's own loadgroup
 # cannot group here: it renames items, which pytest 9.2's node ids no longer follow.
 SHARED_WORKER = {"tests/deploy/test_ray_launcher.py": "ray", "tests/deploy/test_ray_multinode.py": "ray"}
 LONGEST_FIRST = ("tests/real_model/", "tests/coordinator/test_multi_turn_learning.py",
@@ -127,6 +127,7 @@ def pytest_xdist_make_scheduler(config, log):
         def _split_scope(self, nodeid: str) -> str:
             return SHARED_WORKER.get(_module(nodeid), _module(nodeid))
 
+    config.option.loadscopereorder = False  # the collection's order (longest first), not most tests first
     return ModuleScheduling(config, log)
 
 
