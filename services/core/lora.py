@@ -54,6 +54,18 @@ def apply_lora(model: nn.Module, lora: LoraConfig) -> nn.Module:
     return adapted
 
 
+def check_lora_fits(model_path: str, lora: LoraConfig, trust_remote_code: bool = False) -> None:
+    """apply_lora's checks on the model's skeleton, built on the meta device (no weight is read), so that a
+    target or rank the model cannot take stops a run at its start, before any service loads the model.
+    ValueError names the key, as apply_lora does."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf_config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=trust_remote_code)
+    apply_lora(skeleton, lora)
+
+
 def linear_layer_names(model: nn.Module) -> list[str]:
     """The distinct last names of the model's linear layers (what target_modules usually lists)."""
     return sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, nn.Linear)})

@@ -164,6 +164,7 @@ def check_model(config: RunConfig) -> None:
     """A model directory the services cannot use is a ConfigError naming it, before any service starts."""
     import torch
 
+    from rlfabric.core.lora import check_lora_fits
     from rlfabric.core.moe import check_moe_settings
     from rlfabric.rollout.tensor_parallel import check_model_splits
     from rlfabric.trainer.models import check_policy_model
@@ -171,6 +172,8 @@ def check_model(config: RunConfig) -> None:
 
     try:
         check_policy_model(config.model.path, config.model.trust_remote_code)
+        if config.actor.lora.enabled:  # the adapters' targets and rank against the model's layers
+            check_lora_fits(config.model.path, config.actor.lora, config.model.trust_remote_code)
     except ValueError as error:
         raise ConfigError(str(error)) from None
     check_model_splits(config)  # rollout.tensor_parallel_size against the model's heads

@@ -96,3 +96,5 @@ def test_bad_lora_settings_stop_rlfabric_train_at_start_naming_the_key(tiny_mode
                           cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert done.returncode != 0
     assert re.search(message, done.stdout + done.stderr), done.stdout[-3000:] + done.stderr[-3000:]
+    if "lora." in setting:  # the launcher's check on the model's skeleton: no service ever started
+        assert not list(tmp_path.rglob("ports/*.json")), done.stdout[-3000:] + done.stderr[-3000:]
