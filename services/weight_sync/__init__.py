@@ -33,16 +33,23 @@ side), sender (actor side).
 The coordinator drives all of it through rlfabric.coordinator.weight_sync.WeightSyncPlane.
 """
 
-from rlfabric.weight_sync.buckets import ChecksumMismatch, pack, plan_buckets, unpack
-from rlfabric.weight_sync.manifest import (
-    AdapterSpec,
-    BucketSpec,
-    Manifest,
-    SyncGroup,
-    TensorSpec,
-    WeightLimits,
-)
-from rlfabric.weight_sync.receiver import BucketAssembler, Membership, WeightReceiver, WeightSwap
+from importlib import import_module
+
+# Where each name of the package's interface lives. They load on first use (PEP 562), so that what needs
+# only devices or manifest (the launcher's placement, a config error in the CLI) does not import torch.
+_EXPORTS = {
+    "ChecksumMismatch": "buckets", "pack": "buckets", "plan_buckets": "buckets", "unpack": "buckets",
+    "AdapterSpec": "manifest", "BucketSpec": "manifest", "Manifest": "manifest", "SyncGroup": "manifest",
+    "TensorSpec": "manifest", "WeightLimits": "manifest",
+    "BucketAssembler": "receiver", "Membership": "receiver", "WeightReceiver": "receiver", "WeightSwap": "receiver",
+}
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+
 
 __all__ = [
     "AdapterSpec",

@@ -243,6 +243,15 @@ def test_train_with_a_bad_override_names_the_key_and_starts_nothing(tmp_path, ov
     assert processes_mentioning(str(run_dir)) == []
 
 
+def test_a_config_error_is_said_before_torch_loads(tmp_path):
+    # The CLI checks the config before it imports torch (seconds on a small machine): a typo costs no wait.
+    probe = ("import runpy, sys\nsys.argv = ['rlfabric', 'train', 'rollout.n=1']\n"
+             "try:\n    runpy.run_module('rlfabric', run_name='__main__')\n"
+             "except SystemExit as stop:\n    print('exit', stop.code, 'torch' in sys.modules)\n")
+    done = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.stdout.split() == ["exit", "2", "False"], done.stdout + done.stderr
+
+
 def test_up_with_a_missing_config_file(tmp_path):
     result = run_cli("up", str(tmp_path / "nope.yaml"), "--run-dir", str(tmp_path / "run"), cwd=tmp_path)
     assert result.returncode == 2 and "nope.yaml does not exist" in result.stderr, result.stderr

@@ -248,3 +248,12 @@ def test_a_torch_group_carries_its_store_and_cannot_be_grpc():
         SyncGroup.from_proto(dataclasses.replace(group, transport="grpc").to_proto())
     with pytest.raises(InvalidArgument, match="needs store_host and store_port"):
         SyncGroup.from_proto(dataclasses.replace(group, store_port=0).to_proto())
+
+
+def test_every_name_the_package_exports_loads_from_its_module():
+    import rlfabric.weight_sync as package
+
+    for name in package.__all__:
+        assert getattr(package, name).__module__.startswith("rlfabric.weight_sync."), name
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        package.nothing  # noqa: B018
