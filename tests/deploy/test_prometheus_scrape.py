@@ -12,7 +12,8 @@ One mesh and one Prometheus per module (Debian's `prometheus` package; `make sys
    the targets are up; reward, step timing and the gRPC metrics have plausible values; every PromQL
    expression of helm/rlfabric/dashboards/rlfabric.json parses and returns at least one series.
 5. The mesh traces to an OTLP receiver (tests.otlp_receiver) and Prometheus keeps exemplars: the
-   step-time histogram's exemplars name the steps' traces. The dashboard and one step's trace are
+   step-time histogram's exemplars name the steps' traces; a step's spans form one tree (the tracing
+   module's checks, here on weights synced over gloo). The dashboard and one step's trace are
    drawn as PNGs (rlfabric.tools.render_dashboard, render_trace); with RLFABRIC_DOCS_IMG=docs/img the
    README's pictures are written there:
        RLFABRIC_DOCS_IMG=docs/img pytest tests/deploy/test_prometheus_scrape.py -k render
@@ -43,7 +44,7 @@ import yaml
 
 from rlfabric.coordinator.client import CoordinatorClient
 from rlfabric.core.client import ChannelOptions
-from rlfabric.core.config import load_config
+from rlfabric.core.config import TracingConfig, load_config
 from rlfabric.core.errors import InvalidArgument
 from rlfabric.launch.local import LocalMesh
 from rlfabric.reward.client import RewardClient
@@ -51,6 +52,10 @@ from rlfabric.reward.items import ScoreItem
 from rlfabric.tools.render_dashboard import PrometheusApi, render_dashboard
 from rlfabric.tools.render_trace import TraceSpan, render_trace
 from rlfabric.v1 import coordinator_pb2
+from tests.coordinator.traces import (
+    check_a_steps_spans_form_one_tree_under_its_root,
+    check_each_step_is_a_trace_of_its_own,
+)
 from tests.otlp_receiver import OtlpReceiver, ReceivedSpan
 from tests.waiting import wait_until
 
@@ -61,8 +66,9 @@ STEPS = 6
 # The quickstart as PPO with a critic (GAE) and a KL loss against the reference: every role serves RPCs;
 # the old log-probs take their own forward pass, so the rollout/trainer mismatch metrics exist.
 MESH_OVERRIDES = ["trainer.progress_bar=false", "algorithm.adv_estimator=gae", "actor.use_kl_loss=true",
-                  "algorithm.old_log_prob_source=actor"]
+                  "algorithm.old_log_prob_source=actor", "weight_sync.transport=gloo"]
 SCRAPE_INTERVAL = "1s"
+SPAN_PREFIX = TracingConfig().service_name_prefix  # the services' names in their spans: SPAN_PREFIX + role
 # The gRPC service each role serves (besides grpc.health.v1.Health).
 GRPC_SERVICES = {
     "actor": "rlfabric.v1.ActorService",
@@ -221,6 +227,11 @@ def step_roots(receiver: OtlpReceiver) -> dict[int, ReceivedSpan]:
     return {s.attributes["rlfabric.step"]: s for s in receiver.spans() if s.name == "train_step"}
 
 
+def services_traced_after(receiver: OtlpReceiver, step: int) -> set[str]:
+    later = {root.trace_id for number, root in step_roots(receiver).items() if number > step}
+    return {s.service for s in receiver.spans() if s.trace_id in later}
+
+
 @pytest.fixture(scope="module")
 def scraped(tmp_path_factory) -> Scraped:
     workdir = tmp_path_factory.mktemp("prometheus_scrape")
@@ -243,6 +254,10 @@ def scraped(tmp_path_factory) -> Scraped:
             records = [json.loads(line) for line in (mesh.run_dir / "metrics.jsonl").read_text().splitlines()]
             # The coordinator exports a step's spans in batches, at most a few seconds after the step.
             wait_until(lambda: len(step_roots(receiver)) == STEPS, 30, f"the root spans of {STEPS} steps")
+            # Each service exports its spans in the order they end (a BatchSpanProcessor's queue): once every
+            # service's spans of a later step arrived, those of steps 1 and 2 are whole, which the trace checks read.
+            wait_until(lambda: services_traced_after(receiver, step=2) >= {SPAN_PREFIX + role for role in GRPC_SERVICES}, 30,
+                       "every service's spans of the steps after step 2")
             yield Scraped(prometheus, endpoints, status, records[-1], began, at, records, receiver.spans())
         finally:
             prometheus.stop()
@@ -358,7 +373,17 @@ def test_rate_and_increase_see_the_first_rpc_of_a_method(scraped):
     )
 
 
-# --- traces: exemplars, and the pictures of the README ---------------------------------------------
+# --- traces: a step's tree, exemplars, and the pictures of the README ---------------------------------
+
+
+def test_a_steps_spans_from_every_service_form_one_tree_under_its_root(scraped):
+    """The tracing checks (tests/coordinator/traces.py) on this run, whose weights go over gloo; the tracing
+    module runs them on a run over grpc."""
+    check_a_steps_spans_form_one_tree_under_its_root(scraped.spans, "gloo", prefix=SPAN_PREFIX)
+
+
+def test_each_step_is_a_trace_of_its_own(scraped):
+    check_each_step_is_a_trace_of_its_own(scraped.spans, prefix=SPAN_PREFIX)
 
 
 def test_step_time_exemplars_name_the_steps_traces(scraped):
