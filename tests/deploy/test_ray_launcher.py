@@ -36,6 +36,9 @@ pytestmark = pytest.mark.slow
 ROLES = {"actor", "reference", "critic", "rollout", "reward", "coordinator"}
 LEAN_ROLES = {"actor", "rollout", "reward", "coordinator"}  # the quickstart (GRPO, no KL term)
 EVERY_ROLE = ["algorithm.adv_estimator=gae", "actor.use_kl_loss=true"]  # PPO with a KL loss: all six
+# Two resource pools (a placement group each) for three of the roles; the other three are placed freely.
+POOLS = ["resource_pools={train: {}, infer: {}}", "actor.pool=train", "reward.pool=train", "rollout.pool=infer"]
+POOL_OF = {"actor": "train", "reward": "train", "rollout": "infer"}
 CLUSTER_CPUS = 8
 # Small CPU reservations (they are Ray's logical CPUs): every mesh of the module fits beside another.
 CPUS = {"actor": 1.0, "reference": 0.5, "critic": 0.5, "rollout": 1.0, "reward": 0.25, "coordinator": 0.25}
@@ -150,10 +153,11 @@ def small(tiny_model) -> list[str]:
 
 @pytest.fixture(scope="module")
 def cli_mesh(ray_address, tmp_path_factory):
-    """`rlfabric up --launcher ray --address ADDR` with the quickstart config as PPO with a KL loss: every role."""
+    """`rlfabric up --launcher ray --address ADDR` with the quickstart config as PPO with a KL loss: every role,
+    three of them in two resource pools."""
     run_dir = tmp_path_factory.mktemp("ray") / "run"
     launcher = Launcher("up", "--launcher", "ray", "--address", ray_address, "--run-dir", str(run_dir), *SMALL,
-                        *EVERY_ROLE)
+                        *EVERY_ROLE, *POOLS)
     started = time.monotonic()
     launcher.wait_ready()
     print(f"ray mesh ready in {time.monotonic() - started:.1f} s")
@@ -218,8 +222,34 @@ def test_each_role_holds_the_resources_configured(cli_mesh):
     assert ray.available_resources().get("CPU") == expected_free
 
 
+def _pools_of(namespace: str) -> dict[str, dict]:
+    """{pool name: its placement group's entry in Ray's table} of the placement groups the mesh made."""
+    from ray.util import placement_group_table
+
+    return {entry["name"].removeprefix(f"{namespace}-"): entry for entry in placement_group_table().values()
+            if entry["name"].startswith(f"{namespace}-") and entry["state"] != "REMOVED"}
+
+
+def test_each_resource_pool_is_a_placement_group_holding_its_services(cli_mesh):
+    _, run_dir, endpoints = cli_mesh
+    namespace = f"rlfabric-{run_dir.name}"
+    pools = _pools_of(namespace)
+    assert set(pools) == {"train", "infer"} and {p["state"] for p in pools.values()} == {"CREATED"}
+    # A bundle per node, holding what the pool's services reserve.
+    assert pools["train"]["bundles"] == {0: {"CPU": CPUS["actor"] + CPUS["reward"]}}
+    assert pools["infer"]["bundles"] == {0: {"CPU": CPUS["rollout"]}}
+    for role, entries in endpoints.items():
+        for entry in entries:
+            actor = ray.get_actor(entry["name"], namespace=namespace)
+            placed_in = ray.get(actor.placement_group_id.remote(), timeout=30)
+            pool = POOL_OF.get(role)
+            assert placed_in == (pools[pool]["placement_group_id"] if pool else None), entry["name"]
+
+
 def test_sigterm_stops_every_service_and_actor(cli_mesh):
     launcher, run_dir, endpoints = cli_mesh
+    groups = [entry["placement_group_id"] for entry in _pools_of(f"rlfabric-{run_dir.name}").values()]
+    assert len(groups) == 2
     pids = _pids(endpoints)
     assert all(_alive(pid) for pid in pids)
     launcher.process.send_signal(signal.SIGTERM)  # ray.init's own SIGTERM handler would exit at once
@@ -232,6 +262,9 @@ def test_sigterm_stops_every_service_and_actor(cli_mesh):
     while ray.available_resources().get("CPU") != CLUSTER_CPUS and time.monotonic() < deadline:
         time.sleep(0.2)
     assert ray.available_resources().get("CPU") == CLUSTER_CPUS  # every reservation released
+    from ray.util import placement_group_table
+
+    assert {placement_group_table()[group]["state"] for group in groups} == {"REMOVED"}
 
 
 # -- failures ------------------------------------------------------------------------------------
@@ -249,24 +282,6 @@ def test_a_service_that_fails_to_load_is_named(ray_address, small, tmp_path):
     assert "custom reward file not found: '/nonexistent/score.py'" in str(failure.value)  # its log's tail
     assert _actors_in(mesh.namespace) == []
     assert _wait_dead(_services_of(tmp_path)) == []
-
-
-def test_each_resource_pool_is_a_placement_group_holding_its_services(ray_address, small, tmp_path):
-    from ray.util import placement_group_table
-
-    config = load_config(None, [*small, "resource_pools={train: {}, infer: {}}", "actor.pool=train",
-                                "reward.pool=train", "rollout.pool=infer"])
-    with RayMesh(config, tmp_path / "run") as mesh:
-        groups = {name: group.id.hex() for name, group in mesh.pools.items()}
-        assert set(groups) == {"train", "infer"}
-        # A bundle per node, holding what the pool's services reserve.
-        assert mesh.pools["train"].bundle_specs == [{"CPU": CPUS["actor"] + CPUS["reward"]}]
-        assert mesh.pools["infer"].bundle_specs == [{"CPU": CPUS["rollout"]}]
-        for service in mesh.services:
-            placed_in = ray.get(service.actor.placement_group_id.remote(), timeout=30)
-            expected = {"actor": "train", "reward": "train", "rollout": "infer"}.get(service.role)
-            assert placed_in == (groups[expected] if expected else None), service.name
-    assert {placement_group_table()[group]["state"] for group in groups.values()} == {"REMOVED"}
 
 
 def test_a_pool_reserves_its_gpus_per_node_and_its_services_share_them():
