@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import socket
 import threading
 
-import pytest
+# The test processes' own OpenMP threads sleep once idle, as the launcher's services' do (rlfabric.launch.placement):
+# two test workers on two cores otherwise spin against each other (8% of a run of three modules here). Set before
+# torch loads, which reads it once.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from rlfabric.core.server import RlfabricServer, ServerOptions, ServiceDefinition
+import pytest  # noqa: E402
+
+from rlfabric.core.server import RlfabricServer, ServerOptions, ServiceDefinition  # noqa: E402
 
 
 class ServerThread:

@@ -123,9 +123,13 @@ def live_mesh(tmp_path_factory):
     Yields the mesh's config and each process's pid, Cpus_allowed_list and environment, read while it runs."""
     config = load_run_config(None, ["algorithm.adv_estimator=gae", "rollout.replicas=2",
                                     *(PINNED if TWO_CORES else [])])
-    with LocalMesh(config, tmp_path_factory.mktemp("placement") / "run") as mesh:
-        processes = {proc.name: {"pid": proc.process.pid, "cpus": _proc_status(proc.process.pid, "Cpus_allowed_list"),
-                                 "environ": _proc_environ(proc.process.pid)} for proc in mesh.processes}
+    # Without the test processes' own OMP_WAIT_POLICY (tests/conftest.py), so that the services' is the launcher's.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.delenv("OMP_WAIT_POLICY", raising=False)
+        with LocalMesh(config, tmp_path_factory.mktemp("placement") / "run") as mesh:
+            processes = {proc.name: {"pid": proc.process.pid, "environ": _proc_environ(proc.process.pid),
+                                     "cpus": _proc_status(proc.process.pid, "Cpus_allowed_list")}
+                         for proc in mesh.processes}
     return config, processes
 
 
