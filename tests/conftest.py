@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import signal
 import socket
 import threading
 
@@ -12,6 +13,10 @@ import threading
 # two test workers on two cores otherwise spin against each other (8% of a run of three modules here). Set before
 # torch loads, which reads it once.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# A run started in the background of a script (`make test &`) inherits SIGINT ignored, and so would every CLI the
+# tests start, which then could not be stopped with Ctrl-C as a terminal's user stops it: restore the default.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN and threading.current_thread() is threading.main_thread():
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 import pytest  # noqa: E402
 
