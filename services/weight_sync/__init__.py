@@ -51,19 +51,4 @@ def __getattr__(name: str):
     return getattr(import_module(f"{__name__}.{_EXPORTS[name]}"), name)
 
 
-__all__ = [
-    "AdapterSpec",
-    "BucketAssembler",
-    "BucketSpec",
-    "ChecksumMismatch",
-    "Manifest",
-    "Membership",
-    "SyncGroup",
-    "TensorSpec",
-    "WeightReceiver",
-    "WeightLimits",
-    "WeightSwap",
-    "pack",
-    "plan_buckets",
-    "unpack",
-]
+__all__ = sorted(_EXPORTS)
