@@ -24,6 +24,7 @@ import pytest  # noqa: E402
 import ray  # noqa: E402
 import yaml  # noqa: E402
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
+from ray.util import placement_group_table  # noqa: E402
 
 from rlfabric.core.config import load_config  # noqa: E402
 from rlfabric.launch.local import MeshStartError  # noqa: E402
@@ -37,8 +38,8 @@ ROLES = {"actor", "reference", "critic", "rollout", "reward", "coordinator"}
 LEAN_ROLES = {"actor", "rollout", "reward", "coordinator"}  # the quickstart (GRPO, no KL term)
 EVERY_ROLE = ["algorithm.adv_estimator=gae", "actor.use_kl_loss=true"]  # PPO with a KL loss: all six
 # Two resource pools (a placement group each) for three of the roles; the other three are placed freely.
-POOLS = ["resource_pools={train: {}, infer: {}}", "actor.pool=train", "reward.pool=train", "rollout.pool=infer"]
 POOL_OF = {"actor": "train", "reward": "train", "rollout": "infer"}
+POOLS = ["resource_pools={train: {}, infer: {}}", *(f"{role}.pool={pool}" for role, pool in POOL_OF.items())]
 CLUSTER_CPUS = 8
 # Small CPU reservations (they are Ray's logical CPUs): every mesh of the module fits beside another.
 CPUS = {"actor": 1.0, "reference": 0.5, "critic": 0.5, "rollout": 1.0, "reward": 0.25, "coordinator": 0.25}
@@ -224,8 +225,6 @@ def test_each_role_holds_the_resources_configured(cli_mesh):
 
 def _pools_of(namespace: str) -> dict[str, dict]:
     """{pool name: its placement group's entry in Ray's table} of the placement groups the mesh made."""
-    from ray.util import placement_group_table
-
     return {entry["name"].removeprefix(f"{namespace}-"): entry for entry in placement_group_table().values()
             if entry["name"].startswith(f"{namespace}-") and entry["state"] != "REMOVED"}
 
@@ -262,8 +261,6 @@ def test_sigterm_stops_every_service_and_actor(cli_mesh):
     while ray.available_resources().get("CPU") != CLUSTER_CPUS and time.monotonic() < deadline:
         time.sleep(0.2)
     assert ray.available_resources().get("CPU") == CLUSTER_CPUS  # every reservation released
-    from ray.util import placement_group_table
-
     assert {placement_group_table()[group]["state"] for group in groups} == {"REMOVED"}
 
 
