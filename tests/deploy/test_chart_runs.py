@@ -20,10 +20,10 @@ No Kubernetes runs on this machine, so the test plays the rendered chart:
 - probes every pod as the kubelet does (its readinessProbe: grpc.health.v1 Check of that service name)
   and runs the run Job's command to its end.
 Pass: the Job exits 0 after both steps, a complete checkpoint (actor and coordinator parts) and the final
-model are on the "PVC", and every pod drains and exits 0 on SIGTERM. The same with TLS from cert-manager
-and mutual TLS; the same for a multi-turn run with the chart's env role and the actor and rollout in a two-node
-resource pool (one run for both); and a mesh whose actor does not mount the shared volume fails its run at the start with
-a message naming the storage requirement.
+model are on the "PVC", and every pod drains and exits 0 on SIGTERM. The same for a multi-turn run with the
+chart's env role, the actor and rollout in a two-node resource pool, and mutual TLS from cert-manager (one run for
+the three); and a mesh whose actor does not mount the shared volume fails its run at the start with a message
+naming the storage requirement.
 """
 
 from __future__ import annotations
@@ -222,20 +222,6 @@ def test_helm_install_of_the_cpu_values_runs_a_training_to_the_end(tmp_path, mod
     check_run_completed(result, logs, workdir)
 
 
-def test_with_tls_from_cert_manager_and_client_certificates(tmp_path, model):
-    """tls.certManager: the chart's Certificate, issued here by a test CA for exactly the names it lists,
-    carries every connection of the run (services, weight-sync control, the Job) over mutual TLS."""
-    workdir = tmp_path / "cluster"
-    docs = render(with_cert_manager_tls(cpu_values(workdir, model)))
-    (certificate,) = [d for d in docs if d["kind"] == "Certificate"]
-    assert certificate["spec"]["issuerRef"]["name"] == "mesh-ca"
-    result, logs = play(docs, workdir)
-    check_run_completed(result, logs, workdir)
-    for pod in pod_names(docs):
-        (serving,) = [event for event in log_events(workdir, pod) if event["event"] == "serving"]
-        assert (serving["tls"], serving["client_certs"], serving["auth"]) == (True, True, True), (pod, serving)
-
-
 def log_events(workdir: Path, pod: str) -> list[dict]:
     """The JSON log lines of a pod."""
     lines = (workdir / "logs" / f"{RELEASE}-rlfabric-{pod}.log").read_text().splitlines()
@@ -261,10 +247,11 @@ def test_an_actor_without_the_shared_volume_fails_the_run_at_its_start(tmp_path,
 
 
 @pytest.fixture(scope="module")
-def multi_turn_on_a_two_node_pool(tmp_path_factory, model):
-    """One chart run (a chart run is most of this module's time) for the two tests below: config.env.enable with
-    a multi-turn run, and config.resource_pools.spread.nodes 2 holding the actor and the rollout. The env role
-    joins no pool and no weight-sync group, so neither test's subject changes the other's.
+def run_on_a_two_node_pool(tmp_path_factory, model):
+    """One chart run (a chart run is most of this module's time) for the three tests below: mutual TLS from
+    cert-manager, config.env.enable with a multi-turn run, and config.resource_pools.spread.nodes 2 holding the
+    actor and the rollout. The env role joins no pool and no weight-sync group, and TLS changes no message, so no
+    test's subject changes another's; TLS covers the env role's connections too.
     Returns (docs, result, logs, workdir)."""
     workdir = tmp_path_factory.mktemp("multi-turn-two-nodes") / "cluster"
     values = cpu_values(workdir, model)
@@ -275,15 +262,27 @@ def multi_turn_on_a_two_node_pool(tmp_path_factory, model):
     config.update(resource_pools={"spread": {"nodes": 2}})
     for role in ("actor", "rollout"):
         config.setdefault(role, {})["pool"] = "spread"
-    docs = render(values)
+    docs = render(with_cert_manager_tls(values))
     result, logs = play(docs, workdir)
     return docs, result, logs, workdir
 
 
-def test_a_multi_turn_run_calls_the_charts_environment_service(multi_turn_on_a_two_node_pool):
+def test_with_tls_from_cert_manager_and_client_certificates(run_on_a_two_node_pool):
+    """tls.certManager: the chart's Certificate, issued here by a test CA for exactly the names it lists,
+    carries every connection of the run (services, the env role, weight-sync control, the Job) over mutual TLS."""
+    docs, result, logs, workdir = run_on_a_two_node_pool
+    (certificate,) = [d for d in docs if d["kind"] == "Certificate"]
+    assert certificate["spec"]["issuerRef"]["name"] == "mesh-ca"
+    check_run_completed(result, logs, workdir)
+    for pod in pod_names(docs):
+        (serving,) = [event for event in log_events(workdir, pod) if event["event"] == "serving"]
+        assert (serving["tls"], serving["client_certs"], serving["auth"]) == (True, True, True), (pod, serving)
+
+
+def test_a_multi_turn_run_calls_the_charts_environment_service(run_on_a_two_node_pool):
     """config.env.enable deploys the env role: the rollout replica's agent loops reach it through the
     cluster.env address the chart writes (its Service's DNS name), and the run goes to its end."""
-    docs, result, logs, workdir = multi_turn_on_a_two_node_pool
+    docs, result, logs, workdir = run_on_a_two_node_pool
     assert pod_names(docs) == {"actor-0", "rollout-0", "reward-0", "env-0", "coordinator-0"}
     check_run_completed(result, logs, workdir)
     metrics_file = workdir / "volumes" / f"pvc-{RELEASE}-rlfabric-data" / "runs" / RELEASE / "metrics.jsonl"
@@ -293,12 +292,12 @@ def test_a_multi_turn_run_calls_the_charts_environment_service(multi_turn_on_a_t
         assert step["agent/env_failed/count"] == 0 and step["agent/env_seconds/max"] > 0, step
 
 
-def test_a_two_node_resource_pool_runs_with_its_pods_apart(multi_turn_on_a_two_node_pool):
+def test_a_two_node_resource_pool_runs_with_its_pods_apart(run_on_a_two_node_pool):
     """config.resource_pools.<pool>.nodes 2 with the actor and the rollout in the pool: the chart spreads their pods
     over distinct nodes (topologySpreadConstraints, checked in test_helm.py). There is no scheduler here, so what
     this run shows is the rest: every service accepts the two-node pool in its config, and the actor and the rollout,
     each on a pod address of its own, build their weight-sync group and sync every step of a run that completes."""
-    docs, result, logs, workdir = multi_turn_on_a_two_node_pool
+    docs, result, logs, workdir = run_on_a_two_node_pool
     spread = {d["metadata"]["name"].removeprefix(f"{RELEASE}-rlfabric-") for d in docs
               if d["kind"] in ("StatefulSet", "Deployment") and d["spec"]["template"]["spec"].get("topologySpreadConstraints")}
     assert spread == {"actor", "rollout"}
