@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 PROTO_FILES := $(wildcard protos/rlfabric/v1/*.proto)
 
-.PHONY: run test test-fast setup system-deps protos docs lint bench gpu-check gpu-wheels clean
+.PHONY: run test test-fast test-kernels setup system-deps protos docs lint bench gpu-check gpu-wheels clean
 
 # torch, pinned to the CPU build this machine kind serves (a plain `torch` pulls CUDA wheels). It is
 # installed first and repeated in every later pip call, so no dependency can swap it for a CUDA build.
@@ -60,6 +60,12 @@ PYTEST := $(PY) -m pytest -q $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORK
 ## The full test suite (CPU).
 test: setup system-deps
 	RLFABRIC_REQUIRE_VLLM=$(if $(findstring vllm,$(EXTRAS)),1,0) $(PYTEST)
+
+## The numerics tests (marked `numerics`: two layouts or engines of one computation, bounds in tests/numerics.py)
+## under every other CPU kernel family torch has here (ATEN_CPU_CAPABILITY default, avx2, avx512): a bound that
+## holds on one CPU's kernels only cannot land. CI runs it after `make test`.
+test-kernels: setup
+	$(PY) -m tests.kernel_families -q $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS))
 
 ## The unit and in-process tests, without the slow ones (meshes of processes, vLLM, Ray, Node.js, the real
 ## model): a few minutes, for while you edit. CI runs `make test`, everything.

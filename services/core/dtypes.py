@@ -7,7 +7,7 @@ import torch
 
 from rlfabric.core.config import RunConfig
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
 def torch_dtype(name: str, device: torch.device | str = "cpu") -> torch.dtype:
@@ -21,5 +21,8 @@ def torch_dtype(name: str, device: torch.device | str = "cpu") -> torch.dtype:
 
 def rollout_dtype(config: RunConfig) -> str:
     """The dtype name the rollout engines serve (and weight sync sends): rollout.dtype, or model.dtype
-    when rollout.dtype is auto (which may itself be auto)."""
-    return config.rollout.dtype if config.rollout.dtype != "auto" else config.model.dtype
+    when rollout.dtype is auto (which may itself be auto). A float64 trainer (model.dtype float64, for numerical
+    checks) feeds a float32 rollout: no engine serves float64 and the weight-sync wire carries at most float32."""
+    if config.rollout.dtype != "auto":
+        return config.rollout.dtype
+    return "float32" if config.model.dtype == "float64" else config.model.dtype

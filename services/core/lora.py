@@ -125,8 +125,9 @@ def merged_state(state: dict[str, torch.Tensor], scale: float) -> dict[str, torc
     for module, pair in pairs.items():
         weight_name = hf_name(f"{module}.base_layer.weight")
         weight = merged[weight_name]
-        delta = (pair["B"].float() @ pair["A"].float()) * scale
-        merged[weight_name] = (weight.float() + delta).to(weight.dtype)
+        wide = torch.promote_types(weight.dtype, torch.float32)  # bf16 merged in float32; float64 kept
+        delta = (pair["B"].to(wide) @ pair["A"].to(wide)) * scale
+        merged[weight_name] = (weight.to(wide) + delta).to(weight.dtype)
     return merged
 
 

@@ -7,8 +7,8 @@
   and loading it from a causal-LM directory keeps the backbone weights and initialises only the head.
 
 dtype: model.dtype is the compute dtype (auto = float32 on CPU, bfloat16 on GPU). Trained models keep
-float32 master weights and compute in that dtype through FSDP2's MixedPrecisionPolicy (or autocast on
-a single GPU); the frozen reference is loaded directly in it.
+float32 master weights (float64 ones when the compute dtype is float64) and compute in that dtype through
+FSDP2's MixedPrecisionPolicy (or autocast on a single GPU); the frozen reference is loaded directly in it.
 """
 
 from __future__ import annotations
@@ -41,12 +41,16 @@ def load_model(role: str, config: RunConfig, device: torch.device) -> nn.Module:
 
     spec = role_spec(role)
     trainable = spec.trainable
-    dtype = torch.float32 if trainable else torch_dtype(config.model.dtype, device)
+    dtype = torch_dtype(config.model.dtype, device)
+    if trainable:
+        dtype = master_dtype(dtype)
     kwargs = dict(
         dtype=dtype,
         attn_implementation=config.model.attn_implementation,
         trust_remote_code=config.model.trust_remote_code,
     )
+    if dtype == torch.float64:  # torch's grouped_mm, transformers' default for MoE experts, has no float64 kernel
+        kwargs["experts_implementation"] = "eager"
     path = spec.model_path(config)
     if spec.trains_policy:
         check_router_aux_loss(config)  # a coefficient for a model without a router is a mistake
@@ -71,6 +75,12 @@ def load_model(role: str, config: RunConfig, device: torch.device) -> nn.Module:
     return model
 
 
+def master_dtype(compute_dtype: torch.dtype) -> torch.dtype:
+    """The dtype trained weights, their gradients' reductions and optimizer state are kept in: float32, or
+    float64 for a float64 compute dtype."""
+    return torch.promote_types(compute_dtype, torch.float32)
+
+
 def uses_gradient_checkpointing(config: RunConfig, device: torch.device) -> bool:
     """model.gradient_checkpointing, with auto resolved: on for a GPU, where activations bound the
     micro-batch; off on CPU, where compute does."""
@@ -89,7 +99,7 @@ def enable_gradient_checkpointing(model: nn.Module) -> None:
 def shard_model(model: nn.Module, world_size: int, device: torch.device, dtype: torch.dtype,
                 offload: bool = False, mesh=None) -> nn.Module:
     """FSDP2: each decoder layer is one unit (its parameters gathered just for its forward/backward),
-    the embeddings, final norm and head are the root unit. Gradients are reduced in float32. `offload`
+    the embeddings, final norm and head are the root unit. Gradients are reduced in the master dtype. `offload`
     (a GPU shared with the rollout, trainer.colocated): FSDP2's CPU offload keeps the shards, their
     gradients and so the optimizer state in host memory; only a unit being computed is on the GPU.
     `mesh`: the data-parallel mesh (with tensor parallelism, mesh["dp"] of tensor_parallel.device_mesh);
@@ -98,7 +108,7 @@ def shard_model(model: nn.Module, world_size: int, device: torch.device, dtype: 
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     mesh = mesh if mesh is not None else init_device_mesh(device.type, (world_size,))
-    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=master_dtype(dtype))
     placement = CPUOffloadPolicy() if offload else OffloadPolicy()
     layer_classes = set(getattr(model, "_no_split_modules", None) or ())
     for module in model.modules():

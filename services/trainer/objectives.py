@@ -177,13 +177,13 @@ def forward_log_probs(
 
 def forward_values(model: nn.Module, batch: SequenceBatch, packed: bool = False) -> torch.Tensor:
     """The value of the state before each response token (the head's output one position earlier): [B, T].
-    packed: the real tokens packed into rows (_packed_inputs)."""
+    packed: the real tokens packed into rows (_packed_inputs). At least float32 (float64 under a float64 model)."""
     if packed:
         inputs, predicting = _packed_inputs(batch)
-        return model(**inputs).logits.flatten(0, 1)[predicting, 0].float()
-    response_len = batch.response_len
-    values = model(**_model_inputs(batch)).logits  # [B, S, 1]
-    return values[:, -response_len - 1 : -1, 0].float()
+        values = model(**inputs).logits.flatten(0, 1)[predicting, 0]
+    else:
+        values = model(**_model_inputs(batch)).logits[:, -batch.response_len - 1 : -1, 0]  # [B, T]
+    return values.to(torch.promote_types(values.dtype, torch.float32))
 
 
 def _token_weight(stat: torch.Tensor, mask: torch.Tensor, counts: MiniBatchCounts) -> torch.Tensor:

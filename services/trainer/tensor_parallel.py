@@ -131,7 +131,8 @@ def clip_grad_norm(parameters, max_norm: float) -> float:
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     if not norms:
         return 0.0
-    total = float(torch.linalg.vector_norm(torch.stack([norm.float().cpu() for norm in norms])))
+    wide = torch.promote_types(norms[0].dtype, torch.float32)  # float64 under a float64 model
+    total = float(torch.linalg.vector_norm(torch.stack([norm.to(wide).cpu() for norm in norms])))
     coefficient = max_norm / (total + 1e-6)
     if coefficient < 1.0:  # as torch: grads scaled down only (a non-finite norm skips the step anyway)
         for grads in groups.values():

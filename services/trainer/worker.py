@@ -228,7 +228,7 @@ class RankWorker:
                     real = micro["response_mask"].bool()
                     for name in names:  # where(), not *: a NaN on padding must not survive
                         value = torch.where(real, results[name], 0.0)
-                        outputs[name][index] = pad_columns(value, response_len).cpu()
+                        outputs[name][index] = pad_columns(value, response_len).cpu().float()  # the wire's
         finally:
             self.model.train(self.trainable)
             if not self.trainable:  # the reference's one phase of the step is over (trainers: after update)

@@ -84,12 +84,13 @@ def make_batch(rows: int = 8, prompt_len: int = 7, response_len: int = 5, seed: 
 
 def hf_log_probs(model, batch: dict[str, torch.Tensor], temperature: float = 1.0) -> torch.Tensor:
     """log p(response token) from a plain transformers forward: positions count real tokens only, as
-    in generate(); logits / temperature; 0 on response padding. [B, T]"""
+    in generate(); logits / temperature, in float32 or the model's wider dtype; 0 on response padding. [B, T]"""
     mask = batch["attention_mask"]
     position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
     response_len = batch["responses"].shape[1]
     with torch.no_grad():
         logits = model(input_ids=batch["input_ids"], attention_mask=mask, position_ids=position_ids).logits
-    logits = logits[:, -response_len - 1 : -1].float() / temperature  # [B, T, vocab]
+    logits = logits[:, -response_len - 1 : -1]
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature  # [B, T, vocab]
     log_probs = torch.log_softmax(logits, dim=-1).gather(-1, batch["responses"].unsqueeze(-1)).squeeze(-1)
     return log_probs * batch["response_mask"]

@@ -9,8 +9,9 @@ from safetensors.torch import load_file
 from rlfabric.core.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from rlfabric.trainer import checkpoint as ckpt
 from tests.actor.helpers import Served, hf_log_probs, make_batch, make_config
+from tests.numerics import FLOAT64, assert_same_float32
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.numerics]  # numerics: make test-kernels
 
 CONFIG = {"lr": 3e-3, "ppo_mini_batch_size": 2, "lr_warmup_steps": 3}
 
@@ -112,14 +113,15 @@ def test_export_hf_loads_with_transformers_and_gives_the_same_logits(tiny_model,
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     batch = make_batch(rows=6, seed=4)
-    with Served("actor", make_config(tiny_model, actor={"lr": 1e-2, "ppo_mini_batch_size": 3})) as served:
+    config = make_config(tiny_model, actor={"lr": 1e-2, "ppo_mini_batch_size": 3}, model=FLOAT64)
+    with Served("actor", config) as served:
         _update(served, batch, seed=0)
         service_log_probs = served.run(served.client.compute_log_probs(batch, temperature=0.6))["log_probs"]
         assert served.run(served.client.export_hf(tmp_path / "hf")) > 0
-    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
-    original = AutoModelForCausalLM.from_pretrained(tiny_model).eval()
-    torch.testing.assert_close(hf_log_probs(exported, batch, 0.6), service_log_probs, atol=1e-5, rtol=0)
-    assert not torch.allclose(hf_log_probs(original, batch, 0.6), service_log_probs, atol=1e-3)  # it trained
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float64).eval()
+    original = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float64).eval()
+    assert_same_float32(hf_log_probs(exported, batch, 0.6), service_log_probs)  # float64 both: tests/numerics.py
+    assert not torch.allclose(hf_log_probs(original, batch, 0.6).float(), service_log_probs, atol=1e-3)  # it trained
     text = "2 + 2 = 4"
     assert AutoTokenizer.from_pretrained(tmp_path / "hf")(text) == AutoTokenizer.from_pretrained(tiny_model)(text)
     assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == (tiny_model / "tokenizer.json").read_bytes()

@@ -1,4 +1,5 @@
-"""ComputeLogProbs (actor, reference) and ComputeValues (critic) through the real gRPC path."""
+"""ComputeLogProbs (actor, reference) and ComputeValues (critic) through the real gRPC path. The log-probs are
+compared with a plain transformers forward, both in float64 (tests/numerics.py)."""
 
 from __future__ import annotations
 
@@ -6,12 +7,16 @@ import pytest
 import torch
 
 from tests.actor.helpers import Served, hf_log_probs, make_batch, make_config
+from tests.numerics import FLOAT64, assert_same_float32
+
+pytestmark = pytest.mark.numerics  # make test-kernels runs it under every CPU kernel family
 
 
 @pytest.fixture(scope="module")
 def actor(tiny_model):
     # Small micro-batches so a request spans several of them, each trimmed differently.
-    with Served("actor", make_config(tiny_model, actor={"log_prob_micro_batch_size_per_gpu": 3})) as served:
+    config = make_config(tiny_model, actor={"log_prob_micro_batch_size_per_gpu": 3}, model=FLOAT64)
+    with Served("actor", config) as served:
         yield served
 
 
@@ -21,7 +26,7 @@ def test_log_probs_equal_a_direct_transformers_forward(actor, hf_model, temperat
     assert (batch["attention_mask"][:, 0] == 0).any() and (batch["response_mask"][:, -1] == 0).any()
     out = actor.run(actor.client.compute_log_probs(batch, temperature=temperature, compute_entropy=True))
     expected = hf_log_probs(hf_model, batch, temperature)
-    torch.testing.assert_close(out["log_probs"], expected, atol=1e-5, rtol=0)
+    assert_same_float32(out["log_probs"], expected)
     assert out["entropy"].shape == (8, 5)
     assert (out["entropy"][batch["response_mask"] == 0] == 0).all()
     assert (out["entropy"][batch["response_mask"] == 1] > 0).all()
@@ -29,21 +34,21 @@ def test_log_probs_equal_a_direct_transformers_forward(actor, hf_model, temperat
 
 def test_token_budget_micro_batching_gives_the_same_log_probs(tiny_model, hf_model):
     batch = make_batch(rows=9, prompt_len=9, response_len=6, seed=3)
-    config = make_config(tiny_model, actor={"max_tokens_per_micro_batch": 30})
+    config = make_config(tiny_model, actor={"max_tokens_per_micro_batch": 30}, model=FLOAT64)
     with Served("actor", config) as served:
         out = served.run(served.client.compute_log_probs(batch, temperature=0.9))
-    torch.testing.assert_close(out["log_probs"], hf_log_probs(hf_model, batch, 0.9), atol=1e-5, rtol=0)
+    assert_same_float32(out["log_probs"], hf_log_probs(hf_model, batch, 0.9))
 
 
 def test_reference_serves_the_frozen_weights(tiny_model, hf_model):
     batch = make_batch(rows=5, seed=1)
-    with Served("reference", make_config(tiny_model)) as served:
+    with Served("reference", make_config(tiny_model, model=FLOAT64)) as served:
         out = served.run(served.client.compute_log_probs(batch, temperature=0.5))
         status = served.run(served.client.get_status())
         worker = served.service.engine.worker
         assert not any(p.requires_grad for p in worker.model.parameters())
         assert not worker.model.training and worker.optimizer is None
-    torch.testing.assert_close(out["log_probs"], hf_log_probs(hf_model, batch, 0.5), atol=1e-5, rtol=0)
+    assert_same_float32(out["log_probs"], hf_log_probs(hf_model, batch, 0.5))
     assert status.model == str(tiny_model) and status.weight_version == 0
 
 

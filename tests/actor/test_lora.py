@@ -15,6 +15,9 @@ from rlfabric.core.config import config_from_dict
 from rlfabric.core.errors import FailedPrecondition, InvalidArgument
 from rlfabric.trainer.engine import TrainerEngine
 from tests.actor.helpers import Served, hf_log_probs, make_batch, make_config
+from tests.numerics import FLOAT64, assert_same_float32
+
+pytestmark = pytest.mark.numerics  # make test-kernels runs it under every CPU kernel family
 
 LORA = {"rank": 4, "alpha": 8.0, "target_modules": "all-linear"}
 ACTOR = {"lr": 1e-2, "ppo_mini_batch_size": 4, "lora": LORA}
@@ -29,10 +32,11 @@ def update(served, batch, seed: int = 0) -> dict:
 
 @pytest.fixture(scope="module")
 def trained(tiny_model, tmp_path_factory):
-    """An actor with LoRA after two updates, its checkpoint and export, and the log-probs along the way."""
+    """An actor with LoRA after two updates, its checkpoint and export, and the log-probs along the way; in
+    float64, as everything it is compared with (tests/numerics.py)."""
     out = tmp_path_factory.mktemp("lora")
     batch = make_batch(rows=8)
-    with Served("actor", make_config(tiny_model, actor=ACTOR)) as served:
+    with Served("actor", make_config(tiny_model, actor=ACTOR, model=FLOAT64)) as served:
         before = served.run(served.client.compute_log_probs(batch))["log_probs"]
         base_before = served.run(served.client.compute_log_probs(batch, base_model=True))["log_probs"]
         metrics = [update(served, batch, seed) for seed in (0, 1)]
@@ -46,7 +50,7 @@ def trained(tiny_model, tmp_path_factory):
 
 
 def test_only_the_adapters_train(trained):
-    assert torch.allclose(trained["before"], trained["base_before"], atol=1e-6)  # B starts at 0: no change yet
+    assert torch.equal(trained["before"], trained["base_before"])  # B starts at 0: no change yet
     assert not torch.allclose(trained["after"], trained["before"], atol=1e-3)  # the policy moved
     assert torch.equal(trained["base_after"], trained["base_before"])  # the base model did not
     assert all(m["actor/grad_norm"] > 0 for m in trained["metrics"])
@@ -54,9 +58,9 @@ def test_only_the_adapters_train(trained):
 
 def test_the_base_model_gives_the_reference_services_log_probs(tiny_model, trained):
     """The reference for free: the actor's base_model log-probs equal a reference service's on the model."""
-    with Served("reference", make_config(tiny_model)) as reference:
+    with Served("reference", make_config(tiny_model, model=FLOAT64)) as reference:
         expected = reference.run(reference.client.compute_log_probs(trained["batch"]))["log_probs"]
-    assert torch.allclose(trained["base_after"], expected, atol=1e-5)
+    assert_same_float32(trained["base_after"], expected)
 
 
 def test_the_checkpoint_holds_the_adapters_and_resumes(tiny_model, trained):
@@ -67,10 +71,10 @@ def test_the_checkpoint_holds_the_adapters_and_resumes(tiny_model, trained):
         "rank": 4, "alpha": 8.0, "target_modules": "all-linear"}
     optimizer = torch.load(checkpoint / "optimizer.pt", weights_only=True)
     assert len(optimizer["state"]) == len(weights)  # AdamW moments for the adapters only
-    with Served("actor", make_config(tiny_model, actor=ACTOR)) as resumed:
+    with Served("actor", make_config(tiny_model, actor=ACTOR, model=FLOAT64)) as resumed:
         assert resumed.run(resumed.client.load_checkpoint(str(checkpoint))) == 2
         again = resumed.run(resumed.client.compute_log_probs(trained["batch"]))["log_probs"]
-    assert torch.allclose(again, trained["after"], atol=1e-6)
+    assert torch.equal(again, trained["after"])  # the same weights, computed the same way
     # A full-weight actor refuses the adapter checkpoint, naming what each holds.
     with Served("actor", make_config(tiny_model, actor={"ppo_mini_batch_size": 4})) as full:
         with pytest.raises(InvalidArgument, match="holds LoRA .* but this actor trains full weights"):
@@ -85,17 +89,17 @@ def test_export_is_the_merged_policy_and_the_adapter_in_peft_format(tiny_model, 
     from peft import PeftModel
 
     export = trained["dir"] / "export"
-    merged = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32)
-    assert torch.allclose(hf_log_probs(merged, trained["batch"]), trained["after"], atol=1e-4)
-    base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    merged = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float64)
+    assert_same_float32(hf_log_probs(merged, trained["batch"]), trained["after"], "merged export")
+    base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float64)
     adapted = PeftModel.from_pretrained(base, export / "adapter")
-    assert torch.allclose(hf_log_probs(adapted, trained["batch"]), trained["after"], atol=1e-4)
+    assert_same_float32(hf_log_probs(adapted, trained["batch"]), trained["after"], "base + adapter")
     # peft's own merge of the adapter equals ours (what the sync sends) weight for weight.
     peft_merged = adapted.merge_and_unload().state_dict()
     synced = trained["synced"]
     assert set(synced) == set(peft_merged)  # the base model's own names, lm_head included
     for name, tensor in synced.items():
-        assert torch.allclose(tensor, peft_merged[name], atol=1e-6), name
+        assert_same_float32(tensor, peft_merged[name], name)
 
 
 @pytest.mark.parametrize(("lora", "message"), [

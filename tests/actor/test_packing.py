@@ -12,6 +12,9 @@ from rlfabric.trainer import models
 from rlfabric.trainer.batch import validate_batch
 from rlfabric.trainer.objectives import MiniBatchCounts, PolicyObjective, _packed_inputs, forward_log_probs
 from tests.actor.helpers import Served, make_batch, make_config
+from tests.numerics import FLOAT64, assert_same_float32, assert_same_gradient, assert_same_metric
+
+pytestmark = pytest.mark.numerics  # make test-kernels runs it under every CPU kernel family
 
 TRAIN = {"lr": 1e-3, "ppo_mini_batch_size": 4, "ppo_micro_batch_size_per_gpu": 8}
 
@@ -20,7 +23,7 @@ TRAIN = {"lr": 1e-3, "ppo_mini_batch_size": 4, "ppo_micro_batch_size_per_gpu": 8
 def policy(tiny_model):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    return AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float64)  # tests/numerics.py
 
 
 def _batch(model, rows=8, prompt_len=9, response_len=6, seed=1):
@@ -53,8 +56,8 @@ def test_packed_log_probs_entropy_loss_and_gradient_equal_the_padded_path(policy
     real = batch["response_mask"].bool()
     padded = forward_log_probs(policy, batch, 0.7, True, keep_logits)
     packed = forward_log_probs(policy, batch, 0.7, True, keep_logits, packed=True)
-    for a, b in zip(padded[:2], packed[:2], strict=True):
-        torch.testing.assert_close(b[real], a[real], atol=2e-5, rtol=0)
+    for a, b, name in zip(padded[:2], packed[:2], ("log-probs", "entropy"), strict=True):
+        assert_same_float32(b[real], a[real], name)
     config = make_config(policy.name_or_path, actor={"use_remove_padding": False})
     counts = MiniBatchCounts(tokens=float(real.sum()), sequences=float(batch.num_rows), response_len=batch.response_len)
     grads = {}
@@ -64,8 +67,8 @@ def test_packed_log_probs_entropy_loss_and_gradient_equal_the_padded_path(policy
         loss, _ = objective.loss(policy, batch, counts)
         loss.backward()
         grads[name] = (loss.detach(), torch.cat([p.grad.flatten() for p in policy.parameters() if p.grad is not None]))
-    torch.testing.assert_close(grads["packed"][0], grads["padded"][0], atol=1e-6, rtol=0)
-    torch.testing.assert_close(grads["packed"][1], grads["padded"][1], atol=1e-5, rtol=1e-4)
+    assert_same_metric(float(grads["packed"][0]), float(grads["padded"][0]), "loss")
+    assert_same_gradient(grads["packed"][1], grads["padded"][1], "gradient")
     policy.zero_grad()
 
 
@@ -90,21 +93,21 @@ def test_services_with_packing_compute_and_train_as_without(tiny_model):
     for packing in (False, True):
         actor = {**TRAIN, "use_remove_padding": packing}
         critic = {**TRAIN, "use_remove_padding": packing}
-        with Served("actor", make_config(tiny_model, actor=actor)) as served:
+        with Served("actor", make_config(tiny_model, actor=actor, model=FLOAT64)) as served:
             old = served.run(served.client.compute_log_probs(batch, temperature=0.8))["log_probs"]
             metrics = served.run(served.client.update_policy({**batch, "old_log_probs": old, "advantages": advantages}))
-        with Served("critic", make_config(tiny_model, critic=critic)) as served:
+        with Served("critic", make_config(tiny_model, critic=critic, model=FLOAT64)) as served:
             values = served.run(served.client.compute_values(batch))["values"]
             value_metrics = served.run(served.client.update_values({**batch, "values": values, "returns": values + 1}))
         results[packing] = old, metrics, values, value_metrics
     (old, metrics, values, value_metrics), (old_p, metrics_p, values_p, value_metrics_p) = results[False], results[True]
-    torch.testing.assert_close(old_p[real], old[real], atol=2e-5, rtol=0)
-    torch.testing.assert_close(values_p[real], values[real], atol=2e-5, rtol=0)
+    assert_same_float32(old_p[real], old[real], "log-probs")
+    assert_same_float32(values_p[real], values[real], "values")
     assert not old_p[~real].any() and not values_p[~real].any()  # 0 on padding, as the padded path gives
     for name in ("actor/pg_loss", "actor/entropy", "actor/grad_norm"):
-        assert abs(metrics_p[name] - metrics[name]) < 1e-4 * max(1.0, abs(metrics[name])), name
+        assert_same_metric(metrics_p[name], metrics[name], name)
     for name in ("critic/vf_loss", "critic/grad_norm"):
-        assert abs(value_metrics_p[name] - value_metrics[name]) < 1e-4 * max(1.0, abs(value_metrics[name])), name
+        assert_same_metric(value_metrics_p[name], value_metrics[name], name)
 
 
 @pytest.mark.parametrize("role", ["actor", "reference", "critic"])

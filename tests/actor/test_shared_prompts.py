@@ -11,6 +11,9 @@ from rlfabric.trainer import models
 from rlfabric.trainer.batch import validate_batch
 from rlfabric.trainer.objectives import MiniBatchCounts, PolicyObjective, forward_log_probs, shared_prompts
 from tests.actor.helpers import Served, make_batch, make_config
+from tests.numerics import FLOAT64, assert_same_float32, assert_same_gradient, assert_same_metric
+
+pytestmark = pytest.mark.numerics  # make test-kernels runs it under every CPU kernel family
 
 GROUP = 4  # samples of each prompt
 TRAIN = {"lr": 1e-3, "ppo_mini_batch_size": 3, "ppo_micro_batch_size_per_gpu": 12}
@@ -20,7 +23,7 @@ TRAIN = {"lr": 1e-3, "ppo_mini_batch_size": 3, "ppo_micro_batch_size_per_gpu": 1
 def policy(tiny_model):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    return AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float64)  # tests/numerics.py
 
 
 def grouped_batch(prompts: int = 3, response_len: int = 5, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -56,8 +59,8 @@ def test_shared_prompt_log_probs_entropy_loss_and_gradient_equal_the_whole_rows(
     real = batch["response_mask"].bool()
     whole = forward_log_probs(policy, batch, 0.7, True, keep_logits=True)
     shared = forward_log_probs(policy, batch, 0.7, True, keep_logits=True, share_prompts=True)
-    for a, b in zip(whole[:2], shared[:2], strict=True):
-        torch.testing.assert_close(b[real], a[real], atol=2e-5, rtol=0)
+    for a, b, name in zip(whole[:2], shared[:2], ("log-probs", "entropy"), strict=True):
+        assert_same_float32(b[real], a[real], name)
     config = make_config(policy.name_or_path, actor={"entropy_coeff": 0.01})
     counts = MiniBatchCounts(tokens=float(real.sum()), sequences=float(real.any(1).sum()), response_len=response_len)
     results = {}
@@ -67,8 +70,8 @@ def test_shared_prompt_log_probs_entropy_loss_and_gradient_equal_the_whole_rows(
         loss.backward()
         results[share] = loss.detach(), torch.cat([p.grad.flatten() for p in policy.parameters() if p.grad is not None])
     policy.zero_grad()
-    torch.testing.assert_close(results[True][0], results[False][0], atol=1e-6, rtol=0)
-    torch.testing.assert_close(results[True][1], results[False][1], atol=1e-5, rtol=1e-4)
+    assert_same_metric(float(results[True][0]), float(results[False][0]), "loss")
+    assert_same_gradient(results[True][1], results[False][1], "gradient")
 
 
 def test_each_distinct_prompt_goes_through_the_model_once(policy):
@@ -91,16 +94,17 @@ def test_services_sharing_prompts_compute_and_train_as_without(tiny_model):
     advantages = torch.linspace(-1.0, 1.0, batch["responses"].numel()).reshape(batch["responses"].shape)
     results = {}
     for share in (False, True):
-        config = make_config(tiny_model, actor={**TRAIN, "share_prompt_forward": share}, rollout={"n": GROUP})
+        config = make_config(tiny_model, actor={**TRAIN, "share_prompt_forward": share}, rollout={"n": GROUP},
+                             model=FLOAT64)
         with Served("actor", config) as served:
             old = served.run(served.client.compute_log_probs(batch, temperature=0.8))["log_probs"]
             metrics = served.run(served.client.update_policy({**batch, "old_log_probs": old, "advantages": advantages}))
             after = served.run(served.client.compute_log_probs(batch, temperature=0.8))["log_probs"]
         results[share] = old, metrics, after
     (old, metrics, after), (old_s, metrics_s, after_s) = results[False], results[True]
-    torch.testing.assert_close(old_s[real], old[real], atol=2e-5, rtol=0)
+    assert_same_float32(old_s[real], old[real], "log-probs")
     assert not old_s[~real].any()  # 0 on padding, as every row whole gives
     assert not torch.allclose(after[real], old[real])  # the update moved the policy...
-    torch.testing.assert_close(after_s[real], after[real], atol=1e-4, rtol=0)  # ...the same way
+    assert_same_float32(after_s[real], after[real], "log-probs after the update")  # ...the same way
     for name in ("actor/pg_loss", "actor/entropy", "actor/grad_norm"):
-        assert abs(metrics_s[name] - metrics[name]) < 1e-4 * max(1.0, abs(metrics[name])), name
+        assert_same_metric(metrics_s[name], metrics[name], name)

