@@ -27,6 +27,14 @@ differently (a vectorised loop body against its scalar tail). The bounds follow:
   relative) plus the rotary step carried through the layers (2^-24 times a gain of up to 4, so 2^-22); with
   LOGPROB_ATOL = 2^-24, a float32 step at magnitude 1, for values so near 0 that a relative bound says nothing.
 
+Two engines of the same weights (vLLM's CPU kernels or the hf engine against the actor) stay in float32: vLLM
+serves no float64. Each rounds a log-prob's terms to float32, so they end a number of float32 steps apart at the
+log-prob's magnitude: |log p| of a sampled token is below 16 here (uniform over the vocabulary of 100 is 4.6), a
+step there 2^-20. ENGINE_LOGPROB_GAP = 2^-20 * 2^8 (the same allowance) = 2^-12, the largest |rollout log-prob -
+actor log-prob| over sampled tokens. Measured under default, avx2 and avx512 (vLLM under avx2 and avx512 only: its
+compiled kernels need one of them): 9.5e-7, two float32 steps; a replica that missed a sync is 0.146 or more away,
+600 times the bound; a bfloat16 replica 3.1e-3.
+
 Measured on this machine's three kernel families (the largest of default, avx2 and avx512, as a fraction of the
 bound): weights 4e-7 (4.4e-13 of lr * steps one rank against two, 5.6e-12 against TP 2), gradients 5e-3
 (7.9e-8 of the largest, a shared prompt's one pass against one per row), metrics 1.3e-4 (2.0e-9), log-probs 0.25
@@ -42,6 +50,7 @@ ROTARY_STEP = 2.0**-24
 LAYOUT_RTOL = ROTARY_STEP * 2**8
 FLOAT32_RTOL = 2.0**-21
 LOGPROB_ATOL = 2.0**-24
+ENGINE_LOGPROB_GAP = 2.0**-20 * 2**8
 
 
 def _named(name: str):
