@@ -115,3 +115,47 @@ def test_the_trainer_reads_role_specs_not_role_names():
                 if any(isinstance(k, ast.Constant) and k.value in names for k in node.value.keys):
                     branches.append(f"services/trainer/{path.name}:{node.lineno} (a dict by role name)")
     assert not branches, "role-name branches in the trainer: " + ", ".join(branches)
+
+
+# Comparisons with a word that is a role's name but holds a config value, not a role.
+NOT_A_ROLE = {
+    "old_log_prob_source": "algorithm.old_log_prob_source: auto | actor | rollout",
+    "reward": "rollout.multi_turn.reward: env | reward | both",
+    "source": "rollout.multi_turn.reward as coordinator.multi_turn.combined_result's argument",
+    "kind": "a weight-sync receiver's kind: rollout | reference (coordinator.weight_sync)",
+}
+
+
+def _operand_name(node: ast.expr) -> str:
+    """`role` of `role`, `p.role` and `x.y.role`; "" for anything else."""
+    return node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else ""
+
+
+def test_no_role_name_is_compared_outside_the_role_table():
+    """Issue 44, item 3: what the launchers and `rlfabric serve` do differently per role is a column of the
+    role table (core/roles.py: servicer, kind, GPU rule), so adding a role is adding a row. A comparison with a
+    role's name (==, !=, in, not in) anywhere else in services/ is a branch the table should hold, and a literal
+    listing three or more role names is a column of it written out again; the test names each."""
+    from rlfabric.core.roles import ROLES
+
+    def names(node: ast.expr) -> list[str]:
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            return [node.value] if node.value in ROLES else []
+        if isinstance(node, ast.Tuple | ast.List | ast.Set):
+            return [e.value for e in node.elts if isinstance(e, ast.Constant) and e.value in ROLES]
+        return []
+
+    branches = []
+    for path in sorted(SERVICES.rglob("*.py")):
+        where = path.relative_to(SERVICES)
+        if where.parts[0] == "v1" or where == Path("core/roles.py"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Compare):
+                operands = [node.left, *node.comparators]
+                compared = [name for operand in operands for name in names(operand)]
+                if compared and not any(_operand_name(operand) in NOT_A_ROLE for operand in operands):
+                    branches.append(f"services/{where}:{node.lineno} ({', '.join(compared)})")
+            elif isinstance(node, ast.Tuple | ast.List | ast.Set) and len(names(node)) >= 3:
+                branches.append(f"services/{where}:{node.lineno} (a list of roles: {', '.join(names(node))})")
+    assert not branches, "role names outside the role table (core/roles.py): " + "; ".join(branches)
