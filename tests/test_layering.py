@@ -1,6 +1,7 @@
 """The packages' floors (docs/architecture.md): a package imports only packages on floors below its own, so the
 import graph has no cycle and no package leans on one beside or above it. The test reads every import statement
-under services/ (function-local ones too) and names each edge that breaks the rule."""
+under services/ (function-local ones too) and names each edge that breaks the rule; inside a package, it names any
+circle of imports between its modules."""
 
 from __future__ import annotations
 
@@ -159,3 +160,52 @@ def test_no_role_name_is_compared_outside_the_role_table():
             elif isinstance(node, ast.Tuple | ast.List | ast.Set) and len(names(node)) >= 3:
                 branches.append(f"services/{where}:{node.lineno} (a list of roles: {', '.join(names(node))})")
     assert not branches, "role names outside the role table (core/roles.py): " + "; ".join(branches)
+
+
+def _module_name(path: Path) -> str:
+    """services/rollout/engine.py -> rlfabric.rollout.engine; services/env/__init__.py -> rlfabric.env."""
+    parts = ["rlfabric", *path.relative_to(SERVICES).with_suffix("").parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def module_imports() -> dict[str, set[str]]:
+    """Module -> the rlfabric modules it imports (every import statement: function-local and typing-only ones
+    too; `from rlfabric.rollout import wire` imports the module rlfabric.rollout.wire)."""
+    paths = {_module_name(path): path for path in SERVICES.rglob("*.py") if _package(path) != "v1"}
+    graph: dict[str, set[str]] = {}
+    for module, path in paths.items():
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        imported = set()
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: `from .stats import x` in rlfabric.algorithms, `from . import wire`
+                    anchor = package.split(".")[:package.count(".") + 2 - node.level]
+                    base = ".".join(anchor + ([node.module] if node.module else []))
+                imported |= {f"{base}.{alias.name}" if f"{base}.{alias.name}" in paths else base for alias in node.names}
+            elif isinstance(node, ast.Import):
+                imported |= {alias.name for alias in node.names}
+        graph[module] = {target for target in imported if target in paths and target != module}
+    return graph
+
+
+def test_no_import_circle_between_modules_of_a_package():
+    """Issue 44, item 2: inside a package, too, a module is read with what it imports only: no two modules
+    import each other, directly or around a longer circle (the rollout engine and its agent rollouts did)."""
+    graph = module_imports()
+    circles, done = [], set()
+
+    def visit(module: str, path: list[str]) -> None:
+        for target in sorted(graph[module]):
+            if target.split(".")[1] != module.split(".")[1]:
+                continue  # between packages: the floors above keep those apart
+            if target in path:
+                circles.append(" -> ".join(path[path.index(target):] + [target]))
+            elif target not in done:
+                visit(target, path + [target])
+        done.add(module)
+
+    for module in sorted(graph):
+        if module not in done:
+            visit(module, [module])
+    assert not circles, "import circles: " + "; ".join(circles)
