@@ -96,13 +96,7 @@ class LocalWeightSync(WeightSync):
         names = list(self.engines)
         swaps = await asyncio.gather(*(self._swap(self.engines[name], weights, version) for name in names),
                                      return_exceptions=True)
-        for name, swap in zip(names, swaps, strict=True):
-            if isinstance(swap, BaseException):
-                report.failed[name] = f"{type(swap).__name__}: {swap}"
-            elif swap.version != version:
-                report.failed[name] = f"serves version {swap.version}, not {version}"
-            else:
-                report.paused_seconds[name] = swap.paused_seconds
+        report.record(dict(zip(names, swaps, strict=True)))
         report.seconds = report.broadcast_seconds = time.perf_counter() - started
         self.serve_synced(report)
         return report

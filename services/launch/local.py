@@ -42,6 +42,7 @@ from rlfabric.core.start_phases import StartPhases
 from rlfabric.core.storage import create_private_file
 from rlfabric.launch.placement import (
     Placement,
+    placed_devices,
     plan_placement,
     predicted_transport,
     threads_per_service,
@@ -363,7 +364,8 @@ class LocalMesh(MeshContext):
         with phases.phase("placement"):
             gpu_count = visible_gpu_count()
             self.placements = plan_placement(self.config, service_names(self.config), gpu_count=gpu_count)
-            predicted_transport(self.config, self.placements, gpu_count, self.external)  # nccl where it cannot run
+            devices = placed_devices(self.config, self.placements, gpu_count, self.external)
+            predicted_transport(self.config, devices)  # a ConfigError for nccl where it cannot run
         for role, addresses in self.external.items():
             if ROLE_TABLE[role].kind is Kind.ENVIRONMENT:  # the replicas' config names the environment they may call
                 self.config.cluster.env = list(addresses)

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 from rlfabric.core.config import ConfigError, RunConfig
 from rlfabric.core.errors import FailedPrecondition
+from rlfabric.core.host import index_ranges
 from rlfabric.core.roles import ROLE_TABLE, GpuRule, Kind
 from rlfabric.weight_sync.devices import DeviceReport, TransportChoice, choose_transport
 
@@ -180,7 +181,7 @@ def check_fits_this_machine(config: RunConfig, gpus_of_pool: dict[str, tuple[int
         missing = sorted(set(pool.cpus) - usable_cores)
         if missing:
             raise ConfigError(f"resource_pools.{name}.cpus {missing}: not cores this launcher may use "
-                              f"({_ranges(sorted(usable_cores))})")
+                              f"({index_ranges(sorted(usable_cores))})")
 
 
 def describe_placement(config: RunConfig, placements: dict[str, Placement]) -> str:
@@ -189,13 +190,13 @@ def describe_placement(config: RunConfig, placements: dict[str, Placement]) -> s
     gpus_of_pool = pool_gpus(config)
     for name, pool in config.resource_pools.items():
         roles = sorted({p.role for p in placements.values() if p.pool == name})
-        lines.append(f"pool {name}: GPUs {_ranges(gpus_of_pool[name]) or 'none'}, CPUs {_ranges(pool.cpus) or 'any'}"
+        lines.append(f"pool {name}: GPUs {index_ranges(gpus_of_pool[name]) or 'none'}, CPUs {index_ranges(pool.cpus) or 'any'}"
                      f", nodes {pool.nodes}; roles: {', '.join(roles) or 'none'}")
     width = max((len(name) for name in placements), default=0)
     pool_width = max((len(p.pool) for p in placements.values()), default=1) or 1
     for name, placement in placements.items():
-        gpus = "all" if placement.gpus is None else (_ranges(placement.gpus) or "none (CPU)")
-        cpus = "any" if placement.cpus is None else _ranges(placement.cpus)
+        gpus = "all" if placement.gpus is None else (index_ranges(placement.gpus) or "none (CPU)")
+        cpus = "any" if placement.cpus is None else index_ranges(placement.cpus)
         threads = "" if placement.threads is None else f"  threads {placement.threads}"  # OMP_NUM_THREADS
         lines.append(f"{name:<{width}}  pool {placement.pool or '-':<{pool_width}}  GPUs {gpus:<10}  CPUs {cpus:<6}{threads}")
     tp_line = tensor_parallel_layout(config, placements)
@@ -225,8 +226,8 @@ def tensor_parallel_layout(config: RunConfig, placements: dict[str, Placement]) 
             "to its TP peers")
 
 
-def weight_sync_devices(config: RunConfig, placements: dict[str, Placement], gpu_count: int,
-                        external=()) -> tuple[DeviceReport, dict[str, DeviceReport]]:
+def placed_devices(config: RunConfig, placements: dict[str, Placement], gpu_count: int,
+                   external=()) -> tuple[DeviceReport, dict[str, DeviceReport]]:
     """The devices the actor and each rollout replica will report as placed here, each GPU named by its
     launcher's CUDA_VISIBLE_DEVICES entry (a service outside any pool sees every GPU and computes on the first).
     Unknown (empty) for a role started elsewhere (`external`) and for SGLang, whose server picks its own GPU."""
@@ -244,25 +245,12 @@ def weight_sync_devices(config: RunConfig, placements: dict[str, Placement], gpu
     return report("actor", "actor"), {name: DeviceReport() if sglang else report(name, "rollout") for name in replicas}
 
 
-def predicted_transport(config: RunConfig, placements: dict[str, Placement], gpu_count: int,
-                        external=()) -> TransportChoice:
-    """The weight-sync transport the coordinator will choose on these placements (where they tell the GPUs
-    apart); a ConfigError naming weight_sync.transport for nccl forced where it cannot run."""
-    actor, replicas = weight_sync_devices(config, placements, gpu_count, external)
+def predicted_transport(config: RunConfig, devices: tuple[DeviceReport, dict[str, DeviceReport]]) -> TransportChoice:
+    """The weight-sync transport the coordinator will choose on the devices a launcher gives the actor and the
+    rollout replicas (placed_devices here, rlfabric.launch.ray.reserved_devices on Ray), as far as they tell the
+    GPUs apart; a ConfigError naming weight_sync.transport for nccl forced where it cannot run."""
+    actor, replicas = devices
     try:
         return choose_transport(config.weight_sync.transport, actor, replicas)
     except FailedPrecondition as error:
         raise ConfigError(str(error)) from None
-
-
-def _ranges(indices) -> str:
-    """[0, 1, 2, 5] -> "0-2,5"."""
-    indices = sorted(indices)
-    parts, start = [], None
-    for i, index in enumerate(indices):
-        if start is None:
-            start = index
-        if i + 1 == len(indices) or indices[i + 1] != index + 1:
-            parts.append(str(start) if start == index else f"{start}-{index}")
-            start = None
-    return ",".join(parts)

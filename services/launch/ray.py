@@ -53,7 +53,6 @@ from ray.util.placement_group import (
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from rlfabric.core.config import ConfigError, RunConfig, read_auth_token, read_env_token
-from rlfabric.core.errors import FailedPrecondition
 from rlfabric.core.roles import ROLE_TABLE, GpuRule, Kind
 from rlfabric.core.storage import create_private_file
 from rlfabric.launch.local import (
@@ -73,7 +72,8 @@ from rlfabric.launch.local import (
     write_endpoints,
     write_worker_config,
 )
-from rlfabric.weight_sync.devices import DeviceReport, TransportChoice, choose_transport
+from rlfabric.launch.placement import predicted_transport
+from rlfabric.weight_sync.devices import DeviceReport
 
 log = logging.getLogger("rlfabric.launch.local")
 
@@ -306,7 +306,7 @@ def requested_gpus(config: RunConfig, role: str, cluster_has_gpus: bool) -> floa
     return num_gpus
 
 
-def weight_sync_devices(config: RunConfig, cluster_has_gpus: bool) -> tuple[DeviceReport, dict[str, DeviceReport]]:
+def reserved_devices(config: RunConfig, cluster_has_gpus: bool) -> tuple[DeviceReport, dict[str, DeviceReport]]:
     """The devices the actor and each rollout replica will hold as Ray places them, as far as the launcher can
     tell: none reserved = CPU; services sharing a pool share its GPU (each reserves a fraction of one, which
     Ray packs onto the same device); a service reserving whole GPUs alone gets its own. SGLang's server picks
@@ -325,16 +325,6 @@ def weight_sync_devices(config: RunConfig, cluster_has_gpus: bool) -> tuple[Devi
     replicas = [name for name, role in service_names(config) if ROLE_TABLE[role].kind is Kind.ROLLOUT]
     sglang = config.rollout.engine == "sglang"
     return report("actor", "actor"), {name: DeviceReport() if sglang else report(name, "rollout") for name in replicas}
-
-
-def predicted_transport(config: RunConfig, cluster_has_gpus: bool) -> TransportChoice:
-    """The weight-sync transport the coordinator will choose as Ray places the services; a ConfigError naming
-    weight_sync.transport for nccl forced where it cannot run."""
-    actor, replicas = weight_sync_devices(config, cluster_has_gpus)
-    try:
-        return choose_transport(config.weight_sync.transport, actor, replicas)
-    except FailedPrecondition as error:
-        raise ConfigError(str(error)) from None
 
 
 class RayMesh(MeshContext):
@@ -360,7 +350,8 @@ class RayMesh(MeshContext):
         bundles = pool_bundles(self.config)  # a pool with more nodes than services: refused before anything starts
         worker_config = prepare_run_dir(self.config, self.run_dir)
         self._connect()
-        predicted_transport(self.config, bool(ray.cluster_resources().get("GPU", 0)))  # a forced nccl that cannot run
+        has_gpus = bool(ray.cluster_resources().get("GPU", 0))
+        predicted_transport(self.config, reserved_devices(self.config, has_gpus))  # a forced nccl that cannot run
         self._host = self._service_host()
         self._reserve_pools(bundles)
         early, rollouts = spawn_order(service_names(self.config))
