@@ -209,3 +209,39 @@ def test_no_import_circle_between_modules_of_a_package():
         if module not in done:
             visit(module, [module])
     assert not circles, "import circles: " + "; ".join(circles)
+
+
+# Module-level functions that several modules define on purpose, each the same contract written per module.
+SAME_NAME_BY_DESIGN = {
+    "main": "each script's entry point (python -m ...)",
+    "build_service": "each role's servicer module, which the role table (core/roles.py) names",
+    "compute_score": "each reward task's scorer (VeRL's contract), which the reward registry loads",
+    "make_example": "each synthetic task's example maker, which data prep calls per task",
+    "torch_dtype": "core.codec's reads a wire DataType (beside wire_dtype), core.dtypes' a config dtype name",
+}
+
+
+def test_no_function_is_defined_twice():
+    """Issue 44, item 5: a helper has one home. Two module-level functions of one name anywhere under services/
+    are a helper written twice (is_loopback was, with two meanings) unless SAME_NAME_BY_DESIGN says why. Methods
+    are not counted: a class's method of a shared name is an interface implemented, not a helper copied."""
+    homes: dict[str, list[str]] = {}
+    for path in sorted(SERVICES.rglob("*.py")):
+        if _package(path) == "v1":
+            continue
+        for node in ast.parse(path.read_text(), filename=str(path)).body:
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name not in SAME_NAME_BY_DESIGN:
+                homes.setdefault(node.name, []).append(f"services/{path.relative_to(SERVICES)}:{node.lineno}")
+    twice = {name: places for name, places in homes.items() if len(places) > 1}
+    assert not twice, "defined more than once: " + "; ".join(f"{name} ({', '.join(places)})"
+                                                             for name, places in sorted(twice.items()))
+
+
+def test_every_function_defined_twice_by_design_still_is():
+    """A name whose second definition went away leaves the list too, so it cannot hide a new copy."""
+    homes: dict[str, int] = {}
+    for path in SERVICES.rglob("*.py"):
+        for node in ast.parse(path.read_text(), filename=str(path)).body:
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                homes[node.name] = homes.get(node.name, 0) + 1
+    assert [name for name in SAME_NAME_BY_DESIGN if homes.get(name, 0) < 2] == []
