@@ -7,14 +7,14 @@ against the environment service, each model turn an ordinary generate request on
         sample.loss_mask  # 1 = the model's token, 0 = the environment's
 
 This sits above the engine, which knows nothing of agents: the servicer and the in-process client hand a
-request whose SamplingSpec.multi_turn is set here, and everything here asks of the engine is a TurnEngine
-(single-turn generate, its tokenizer, the version it serves). Samples are yielded as they finish; rows run concurrently (their environment calls too), at most rollout.max_num_seqs (and
-rollout.max_pending_requests) at once over all requests, so their turns stay within the engine's batch
-and its admission limit. A failing
-environment ends its sample with agent_status "env_failed" (left out of training by the coordinator);
-the engine failing fails the request, as it would a single-turn one. A request may name its environment
-service (multi_turn.env_address), but only one this replica's own config names (allowed_env_addresses):
-any other is PERMISSION_DENIED, before a connection is made.
+request whose SamplingSpec.multi_turn is set here, and all this asks of the engine is a TurnEngine
+(single-turn generate, its tokenizer, the version it serves); an agent gateway would ask the same.
+Samples are yielded as they finish; rows run concurrently (their environment calls too), at most
+rollout.max_num_seqs (and rollout.max_pending_requests) at once over all requests, so their turns stay
+within the engine's batch and its admission limit. A failing environment ends its sample with agent_status
+"env_failed" (left out of training by the coordinator); the engine failing fails the request, as it would a
+single-turn one. A request may name its environment service (multi_turn.env_address), but only one this
+replica's own config names (allowed_env_addresses): any other is PERMISSION_DENIED, before a connection is made.
 """
 
 from __future__ import annotations

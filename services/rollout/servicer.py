@@ -1,4 +1,5 @@
-"""RolloutService: a thin servicer over a RolloutEngine (proto -> domain -> await engine -> proto).
+"""RolloutService: a thin servicer over a RolloutEngine and, for multi-turn requests, the AgentRollouts above
+it (proto -> domain -> await engine -> proto).
 
     rlfabric serve rollout --config run.yaml rollout.engine=hf
 
