@@ -1,57 +1,31 @@
 """Builds and runs one role's service: `rlfabric serve ROLE --config C`.
 
 Each role folder's servicer.py has `build_service(config) -> ServiceDefinition` (its servicer and engine);
-this module maps role names to those functions explicitly and imports them lazily, so the reward
-process never imports torch.
+the role table (rlfabric.core.roles) names that module for every role, and it is imported only when its
+role is served, so the reward process never imports torch.
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib
 from pathlib import Path
 
 from rlfabric.core import tracing
-from rlfabric.core.config import ROLES, RunConfig
+from rlfabric.core.config import RunConfig
+from rlfabric.core.roles import Kind, role_of
 from rlfabric.core.server import ServerOptions, ServiceDefinition, serve
 
 
 def build_service(role: str, config: RunConfig) -> ServiceDefinition:
-    """The ServiceDefinition of `role` for this config: each role folder's servicer.build_service."""
-    if role == "coordinator":
-        from rlfabric.coordinator.servicer import build_service as build_coordinator_service
-
-        return build_coordinator_service(config)
-    if role == "actor":
-        from rlfabric.actor.servicer import build_service as build_actor_service
-
-        return build_actor_service(config)
-    if role == "reference":
-        from rlfabric.reference.servicer import build_service as build_reference_service
-
-        return build_reference_service(config)
-    if role == "critic":
-        from rlfabric.critic.servicer import build_service as build_critic_service
-
-        return build_critic_service(config)
-    if role == "reward":
-        from rlfabric.reward.servicer import build_service as build_reward_service
-
-        return build_reward_service(config)
-    if role == "env":
-        from rlfabric.env.servicer import build_service as build_env_service
-
-        return build_env_service(config)
-    if role == "rollout":
-        from rlfabric.rollout.servicer import build_service as build_rollout_service
-
-        return build_rollout_service(config)
-    raise ValueError(f"unknown role {role!r}; roles are {', '.join(ROLES)}")
+    """The ServiceDefinition of `role` for this config: its servicer module's build_service."""
+    return importlib.import_module(role_of(role).servicer).build_service(config)
 
 
 def run_service(role: str, config: RunConfig, options: ServerOptions, port_file: Path | None = None) -> None:
     """Serves `role` until SIGTERM/SIGINT; a rank >= 1 of a role launched one process per rank (RANK etc.
     set, e.g. a StatefulSet pod) runs that rank instead, with only health on its port (the pod's probes)."""
-    if role in ("actor", "reference", "critic"):
+    if role_of(role).kind is Kind.TRAINER:
         from rlfabric.trainer.dist import external_launch, serve_rank
 
         launch = external_launch()

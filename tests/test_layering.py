@@ -1,6 +1,7 @@
 """The packages' floors (docs/architecture.md): a package imports only packages on floors below its own, so the
 import graph has no cycle and no package leans on one beside or above it. The test reads every import statement
-under services/ (function-local ones too) and names each edge that breaks the rule."""
+under services/ (function-local ones too) and names each edge that breaks the rule; inside a package, it names any
+circle of imports between its modules."""
 
 from __future__ import annotations
 
@@ -115,3 +116,132 @@ def test_the_trainer_reads_role_specs_not_role_names():
                 if any(isinstance(k, ast.Constant) and k.value in names for k in node.value.keys):
                     branches.append(f"services/trainer/{path.name}:{node.lineno} (a dict by role name)")
     assert not branches, "role-name branches in the trainer: " + ", ".join(branches)
+
+
+# Comparisons with a word that is a role's name but holds a config value, not a role.
+NOT_A_ROLE = {
+    "old_log_prob_source": "algorithm.old_log_prob_source: auto | actor | rollout",
+    "reward": "rollout.multi_turn.reward: env | reward | both",
+    "source": "rollout.multi_turn.reward as coordinator.multi_turn.combined_result's argument",
+    "kind": "a weight-sync receiver's kind: rollout | reference (coordinator.weight_sync)",
+}
+
+
+def _operand_name(node: ast.expr) -> str:
+    """`role` of `role`, `p.role` and `x.y.role`; "" for anything else."""
+    return node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else ""
+
+
+def test_no_role_name_is_compared_outside_the_role_table():
+    """Issue 44, item 3: what the launchers and `rlfabric serve` do differently per role is a column of the
+    role table (core/roles.py: servicer, kind, GPU rule), so adding a role is adding a row. A comparison with a
+    role's name (==, !=, in, not in) anywhere else in services/ is a branch the table should hold, and a literal
+    listing three or more role names is a column of it written out again; the test names each."""
+    from rlfabric.core.roles import ROLES
+
+    def names(node: ast.expr) -> list[str]:
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            return [node.value] if node.value in ROLES else []
+        if isinstance(node, ast.Tuple | ast.List | ast.Set):
+            return [e.value for e in node.elts if isinstance(e, ast.Constant) and e.value in ROLES]
+        return []
+
+    branches = []
+    for path in sorted(SERVICES.rglob("*.py")):
+        where = path.relative_to(SERVICES)
+        if where.parts[0] == "v1" or where == Path("core/roles.py"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Compare):
+                operands = [node.left, *node.comparators]
+                compared = [name for operand in operands for name in names(operand)]
+                if compared and not any(_operand_name(operand) in NOT_A_ROLE for operand in operands):
+                    branches.append(f"services/{where}:{node.lineno} ({', '.join(compared)})")
+            elif isinstance(node, ast.Tuple | ast.List | ast.Set) and len(names(node)) >= 3:
+                branches.append(f"services/{where}:{node.lineno} (a list of roles: {', '.join(names(node))})")
+    assert not branches, "role names outside the role table (core/roles.py): " + "; ".join(branches)
+
+
+def _module_name(path: Path) -> str:
+    """services/rollout/engine.py -> rlfabric.rollout.engine; services/env/__init__.py -> rlfabric.env."""
+    parts = ["rlfabric", *path.relative_to(SERVICES).with_suffix("").parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def module_imports() -> dict[str, set[str]]:
+    """Module -> the rlfabric modules it imports (every import statement: function-local and typing-only ones
+    too; `from rlfabric.rollout import wire` imports the module rlfabric.rollout.wire)."""
+    paths = {_module_name(path): path for path in SERVICES.rglob("*.py") if _package(path) != "v1"}
+    graph: dict[str, set[str]] = {}
+    for module, path in paths.items():
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        imported = set()
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: `from .stats import x` in rlfabric.algorithms, `from . import wire`
+                    anchor = package.split(".")[:package.count(".") + 2 - node.level]
+                    base = ".".join(anchor + ([node.module] if node.module else []))
+                imported |= {f"{base}.{alias.name}" if f"{base}.{alias.name}" in paths else base for alias in node.names}
+            elif isinstance(node, ast.Import):
+                imported |= {alias.name for alias in node.names}
+        graph[module] = {target for target in imported if target in paths and target != module}
+    return graph
+
+
+def test_no_import_circle_between_modules_of_a_package():
+    """Issue 44, item 2: inside a package, too, a module is read with what it imports only: no two modules
+    import each other, directly or around a longer circle (the rollout engine and its agent rollouts did)."""
+    graph = module_imports()
+    circles, done = [], set()
+
+    def visit(module: str, path: list[str]) -> None:
+        for target in sorted(graph[module]):
+            if target.split(".")[1] != module.split(".")[1]:
+                continue  # between packages: the floors above keep those apart
+            if target in path:
+                circles.append(" -> ".join(path[path.index(target):] + [target]))
+            elif target not in done:
+                visit(target, path + [target])
+        done.add(module)
+
+    for module in sorted(graph):
+        if module not in done:
+            visit(module, [module])
+    assert not circles, "import circles: " + "; ".join(circles)
+
+
+# Module-level functions that several modules define on purpose, each the same contract written per module.
+SAME_NAME_BY_DESIGN = {
+    "main": "each script's entry point (python -m ...)",
+    "build_service": "each role's servicer module, which the role table (core/roles.py) names",
+    "compute_score": "each reward task's scorer (VeRL's contract), which the reward registry loads",
+    "make_example": "each synthetic task's example maker, which data prep calls per task",
+    "torch_dtype": "core.codec's reads a wire DataType (beside wire_dtype), core.dtypes' a config dtype name",
+}
+
+
+def test_no_function_is_defined_twice():
+    """Issue 44, item 5: a helper has one home. Two module-level functions of one name anywhere under services/
+    are a helper written twice (is_loopback was, with two meanings) unless SAME_NAME_BY_DESIGN says why. Methods
+    are not counted: a class's method of a shared name is an interface implemented, not a helper copied."""
+    homes: dict[str, list[str]] = {}
+    for path in sorted(SERVICES.rglob("*.py")):
+        if _package(path) == "v1":
+            continue
+        for node in ast.parse(path.read_text(), filename=str(path)).body:
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name not in SAME_NAME_BY_DESIGN:
+                homes.setdefault(node.name, []).append(f"services/{path.relative_to(SERVICES)}:{node.lineno}")
+    twice = {name: places for name, places in homes.items() if len(places) > 1}
+    assert not twice, "defined more than once: " + "; ".join(f"{name} ({', '.join(places)})"
+                                                             for name, places in sorted(twice.items()))
+
+
+def test_every_function_defined_twice_by_design_still_is():
+    """A name whose second definition went away leaves the list too, so it cannot hide a new copy."""
+    homes: dict[str, int] = {}
+    for path in SERVICES.rglob("*.py"):
+        for node in ast.parse(path.read_text(), filename=str(path)).body:
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                homes[node.name] = homes.get(node.name, 0) + 1
+    assert [name for name in SAME_NAME_BY_DESIGN if homes.get(name, 0) < 2] == []

@@ -8,7 +8,7 @@ Per-token tensors are [batch, response_len]; `mask` is the response mask (1 = re
 
 Modules: stats (masked statistics), advantages (GAE, GRPO, RLOO, REINFORCE++, ReMax), losses
 (aggregation, policy and value losses), kl (KL estimators, controllers, KL in the reward), logits
-(log-probs and entropy from logits), dapo (dynamic sampling, overlong penalty), rollout_correction
+(log-probs and entropy from logits), dapo (dynamic sampling), rollout_correction
 (rollout/trainer mismatch: metrics, truncated IS, rejection), registry (by-name lookup), plugins
 (algorithm.plugin_modules; not imported here).
 """
@@ -20,7 +20,7 @@ from .advantages import (
     compute_remax_advantage,
     compute_rloo_advantage,
 )
-from .dapo import filter_groups, overlong_penalty
+from .dapo import filter_groups
 from .kl import AdaptiveKLController, FixedKLController, kl_in_reward, kl_penalty
 from .logits import entropy_from_logits, log_probs_and_entropy, log_probs_from_logits
 from .losses import AGG_MODES, aggregate_loss, gspo_loss, policy_loss, ppo_clip_loss, value_loss
@@ -60,7 +60,6 @@ __all__ = [
     "masked_mean",
     "masked_var",
     "masked_whiten",
-    "overlong_penalty",
     "policy_loss",
     "policy_loss_names",
     "ppo_clip_loss",

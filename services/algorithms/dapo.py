@@ -1,4 +1,5 @@
-"""DAPO pieces (Yu et al. 2025): dynamic sampling (filter_groups) and the overlong reward shaping."""
+"""DAPO pieces (Yu et al. 2025): dynamic sampling (filter_groups). DAPO's overlong reward shaping is the reward
+service's (rlfabric.reward.overlong), where the response lengths are."""
 
 import torch
 
@@ -24,15 +25,3 @@ def filter_groups(scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor
     keep_group = (group_max > group_min) | (counts == 1)  # [groups]
     return keep_group[inverse]
 
-
-def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer: int, factor: float = 1.0) -> torch.Tensor:
-    """Soft overlong punishment: min(-(L - (max_len - buffer)) / buffer * factor, 0) per response.
-
-    0 up to max_len - buffer tokens, then falling linearly to -factor at max_len; add it to the score.
-    lengths [batch] (valid response lengths) -> [batch] float.
-    """
-    if not 0 < buffer <= max_len:
-        raise ValueError(f"overlong_penalty: need 0 < buffer <= max_len, got buffer {buffer}, max_len {max_len}")
-    lengths = torch.as_tensor(lengths)
-    exceed = lengths.to(torch.promote_types(lengths.dtype, torch.float32)) - (max_len - buffer)
-    return torch.clamp(-exceed / buffer * factor, max=0.0)

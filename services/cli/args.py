@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from rlfabric.core.config import ROLES
+from rlfabric.core.roles import ROLES
 
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:

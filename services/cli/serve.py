@@ -8,6 +8,7 @@ from rlfabric.core.logs import setup_logging
 
 def cmd_serve(args) -> int:
     from rlfabric.core.config import read_env_token
+    from rlfabric.core.roles import ROLE_TABLE, Kind
     from rlfabric.core.server import ServerOptions
     from rlfabric.serve import build_service, run_service
 
@@ -19,7 +20,8 @@ def cmd_serve(args) -> int:
         service = build_service(args.role, config)
         print(f"rlfabric serve {args.role}: {type(service.engine).__name__} builds; ready to serve")
         return 0
-    token = read_env_token(config) if args.role == "env" else None  # an environment never holds the mesh's token
+    # An environment never holds the mesh's token.
+    token = read_env_token(config) if ROLE_TABLE[args.role].kind is Kind.ENVIRONMENT else None
     options = ServerOptions.from_config(
         config.server, token, host=args.host, port=args.port, metrics_port=args.metrics_port,
         health_port=args.health_port)

@@ -10,8 +10,9 @@ from pathlib import Path
 from rlfabric.cli.args import _split_config_and_overrides
 from rlfabric.cli.control import _coordinator_target
 from rlfabric.cli.up import _raise_on_sigterm, _start_mesh
-from rlfabric.core.config import ROLES, ConfigError, load_config, load_run_config
+from rlfabric.core.config import ConfigError, load_config, load_run_config
 from rlfabric.core.logs import setup_logging
+from rlfabric.core.roles import ROLE_TABLE, Kind
 
 
 def cmd_train(args) -> int:
@@ -146,7 +147,8 @@ async def _attached_run(address: str, options, config, overrides: list[str], wai
     from rlfabric.core.client import wait_until_serving
     from rlfabric.core.errors import DeadlineExceeded
 
-    services = [address, *(a for role in ROLES if role != "coordinator" for a in getattr(config.cluster, role))]
+    services = [address, *(a for name, role in ROLE_TABLE.items() if role.kind is not Kind.COORDINATOR
+                           for a in getattr(config.cluster, name))]
     print(f"rlfabric: waiting for {len(services)} services to be ready", flush=True)
     try:
         await asyncio.gather(*(wait_until_serving(a, options, timeout_s=wait_timeout_s) for a in services))

@@ -78,6 +78,7 @@ def _print_placement(args) -> int:
     from rlfabric.launch.local import service_names
     from rlfabric.launch.placement import (
         describe_placement,
+        placed_devices,
         plan_placement,
         predicted_transport,
         visible_gpu_count,
@@ -95,13 +96,12 @@ def _print_placement(args) -> int:
         return 1
     if args.launcher == "ray":  # one placement group per pool; Ray picks the devices within it
         try:
-            from rlfabric.launch.ray import describe_pools
-            from rlfabric.launch.ray import predicted_transport as ray_transport
+            from rlfabric.launch.ray import describe_pools, reserved_devices
         except ImportError as error:
             raise ConfigError(f"--launcher ray needs Ray ({error}); pip install 'rlfabric[ray]'") from None
         print("\n".join(describe_pools(config)))
         try:
-            choice = ray_transport(config, cluster_has_gpus=True)
+            choice = predicted_transport(config, reserved_devices(config, cluster_has_gpus=True))
         except ConfigError as error:
             print(f"rlfabric: a Ray cluster with GPUs cannot run it: {error}")
             return 1
@@ -109,7 +109,8 @@ def _print_placement(args) -> int:
         return 0
     try:
         gpu_count = visible_gpu_count()
-        choice = predicted_transport(config, plan_placement(config, services, gpu_count=gpu_count), gpu_count)
+        placements = plan_placement(config, services, gpu_count=gpu_count)
+        choice = predicted_transport(config, placed_devices(config, placements, gpu_count))
     except ConfigError as error:
         print(f"rlfabric: this machine cannot run it with the local launcher: {error}")
         return 1

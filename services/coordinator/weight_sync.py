@@ -82,6 +82,18 @@ class SyncReport:
     def ok(self) -> bool:
         return not self.failed
 
+    def record(self, outcomes: Mapping[str, WeightSwap | BaseException]) -> None:
+        """Each receiver's outcome: serving `version` (how long it paused), or failed with the reason; and the
+        slowest receiver's phases."""
+        for name, outcome in outcomes.items():
+            if isinstance(outcome, BaseException):
+                self.failed[name] = f"{type(outcome).__name__}: {outcome}"
+            elif outcome.version != self.version:
+                self.failed[name] = f"serves version {outcome.version}, not {self.version}"
+            else:
+                self.paused_seconds[name] = outcome.paused_seconds
+        self.receiver_phases = SyncPhases.slowest(o.phases for o in outcomes.values() if isinstance(o, WeightSwap))
+
     def phase_metrics(self) -> dict[str, float]:
         """timing_s/update_weights/<phase>: the actor's gather, pack, checksum and wire; receive_wire,
         receive_checksum and apply: the slowest receiver's."""
@@ -351,15 +363,7 @@ class WeightSyncPlane(WeightSync):
             self._stale = True  # e.g. the actor restarted and lost the group: rebuild next time
             raise
         report.num_bytes = manifest.num_bytes
-        outcomes = await self._transfer(manifest, report)
-        for name, outcome in outcomes.items():
-            if isinstance(outcome, BaseException):
-                report.failed[name] = f"{type(outcome).__name__}: {outcome}"
-            elif outcome.version != version:
-                report.failed[name] = f"serves version {outcome.version}, not {version}"
-            else:
-                report.paused_seconds[name] = outcome.paused_seconds
-        report.receiver_phases = SyncPhases.slowest(o.phases for o in outcomes.values() if isinstance(o, WeightSwap))
+        report.record(await self._transfer(manifest, report))
         if report.actor_error or any(name in report.failed for name in self.ranks):
             self._stale = True  # gloo/nccl groups do not survive a lost peer; rebuild before the next sync
         report.seconds = time.perf_counter() - started

@@ -1,9 +1,11 @@
-"""What a service asks of the host it runs on: its CPU thread budget, its resident memory, and the
-tokenizer of a model directory. Every role uses these, so they live below the roles (a trainer importing
-the launcher or the rollout for them made the packages lean on each other)."""
+"""What a service asks of the host it runs on: its CPU thread budget, its resident memory, whether an address
+is this machine's own, how to write a list of its cores, and the tokenizer of a model directory. Every role uses
+these, so they live below the roles (a trainer importing the launcher or the rollout for them made the packages
+lean on each other)."""
 
 from __future__ import annotations
 
+import ipaddress
 import os
 
 
@@ -22,6 +24,30 @@ def current_rss_bytes() -> int:
             return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return 0
+
+
+def is_loopback(host: str) -> bool:
+    """True for 127.0.0.0/8, ::1 and localhost: addresses only this machine reaches. A host name is not
+    resolved (it may resolve to any interface): False."""
+    if host.strip("[]") == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def index_ranges(indices) -> str:
+    """[0, 1, 2, 5] -> "0-2,5" (sorted first): the list syntax of cpusets, taskset and vLLM's core binding."""
+    indices = sorted(indices)
+    parts, start = [], None
+    for i, index in enumerate(indices):
+        if start is None:
+            start = index
+        if i + 1 == len(indices) or indices[i + 1] != index + 1:
+            parts.append(str(start) if start == index else f"{start}-{index}")
+            start = None
+    return ",".join(parts)
 
 
 def trust_remote_code(config) -> bool:

@@ -151,6 +151,6 @@ def write_adapter(directory: Path, state: dict[str, torch.Tensor], lora: LoraCon
     save_file(tensors, directory / ADAPTER_WEIGHTS, metadata={"format": "pt"})
 
 
-def describe(lora: LoraConfig) -> dict:
+def adapter_settings(lora: LoraConfig) -> dict:
     """The adapter settings a checkpoint records (a resume with other settings is refused)."""
     return json.loads(json.dumps({"rank": lora.rank, "alpha": lora.alpha, "target_modules": lora.target_modules}))

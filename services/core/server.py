@@ -21,7 +21,6 @@ Lifecycle:
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import json
 import logging
 import os
@@ -40,6 +39,7 @@ from prometheus_client import CollectorRegistry
 
 from rlfabric.core import interceptors, tracing
 from rlfabric.core.config import ConfigError, ServerConfig, TlsConfig, read_auth_token, read_named_file
+from rlfabric.core.host import is_loopback
 from rlfabric.core.message_limits import MessageLimits
 from rlfabric.core.metrics import GrpcServerMetrics, MetricsEndpoint, start_metrics_endpoint
 
@@ -146,16 +146,6 @@ class ServerOptions:
             ("grpc.http2.min_ping_interval_without_data_ms", 5000),
             ("grpc.so_reuseport", 0),
         ]
-
-
-def is_loopback(host: str) -> bool:
-    """True for 127.0.0.0/8, ::1 and localhost: addresses only this machine reaches."""
-    if host.strip("[]") == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:  # a host name: it may resolve to any interface
-        return False
 
 
 def server_credentials(tls: TlsConfig) -> grpc.ServerCredentials:

@@ -57,7 +57,7 @@ class DataCursor:
         return DataCursor(self.epoch, self.position)
 
 
-def _fail(path: Path, row: int, column: str, problem: str) -> DatasetError:
+def _row_error(path: Path, row: int, column: str, problem: str) -> DatasetError:
     return DatasetError(f"{path}: row {row}, column {column!r}: {problem}")
 
 
@@ -77,24 +77,24 @@ def _read_rows(path: Path) -> list[dict]:
 def _parse_row(path: Path, index: int, row: dict) -> tuple[str, list[dict[str, str]], str, str, str]:
     source = row["data_source"]
     if not isinstance(source, str) or not source:
-        raise _fail(path, index, "data_source", f"expected a non-empty string, got {source!r}")
+        raise _row_error(path, index, "data_source", f"expected a non-empty string, got {source!r}")
     prompt = row["prompt"]
     if isinstance(prompt, np.ndarray):
         prompt = prompt.tolist()
     if not isinstance(prompt, list) or not prompt:
-        raise _fail(path, index, "prompt", f"expected a non-empty list of chat messages, got {type(prompt).__name__}")
+        raise _row_error(path, index, "prompt", f"expected a non-empty list of chat messages, got {type(prompt).__name__}")
     messages = []
     for message in prompt:
         if not isinstance(message, dict) or not isinstance(message.get("role"), str) \
                 or not isinstance(message.get("content"), str):
-            raise _fail(path, index, "prompt", f"each message needs string 'role' and 'content', got {message!r}")
+            raise _row_error(path, index, "prompt", f"each message needs string 'role' and 'content', got {message!r}")
         if message["role"] not in CHAT_ROLES:
-            raise _fail(path, index, "prompt", f"message {len(messages)} has role {message['role']!r}; a chat "
+            raise _row_error(path, index, "prompt", f"message {len(messages)} has role {message['role']!r}; a chat "
                                                f"message's role is one of {', '.join(CHAT_ROLES)}")
         messages.append({"role": message["role"], "content": message["content"]})
     reward_model = row["reward_model"]
     if not isinstance(reward_model, dict) or reward_model.get("ground_truth") is None:
-        raise _fail(path, index, "reward_model", "expected a struct with a 'ground_truth' field")
+        raise _row_error(path, index, "reward_model", "expected a struct with a 'ground_truth' field")
     truth = reward_model["ground_truth"]
     truth = truth if isinstance(truth, str) else json.dumps(truth)
     extra = row.get("extra_info")
@@ -105,14 +105,14 @@ def _parse_row(path: Path, index: int, row: dict) -> tuple[str, list[dict[str, s
             if not isinstance(json.loads(extra), dict):
                 raise ValueError
         except ValueError:
-            raise _fail(path, index, "extra_info", "a string extra_info must hold a JSON object") from None
+            raise _row_error(path, index, "extra_info", "a string extra_info must hold a JSON object") from None
         extra_json = extra
     elif isinstance(extra, dict):
         extra_json = json.dumps(extra, default=str)
     elif isinstance(extra, list):  # a parquet map arrives as a list of (key, value) pairs
         extra_json = json.dumps(dict(extra), default=str)
     else:
-        raise _fail(path, index, "extra_info", f"expected a struct, map or JSON string, got {type(extra).__name__}")
+        raise _row_error(path, index, "extra_info", f"expected a struct, map or JSON string, got {type(extra).__name__}")
     ability = row.get("ability") or ""
     return source, messages, truth, str(ability), extra_json
 
@@ -145,7 +145,7 @@ class RLHFDataset:
                         self.num_filtered += 1
                         continue
                     if truncation == "error":
-                        raise _fail(path, index, "prompt", f"{len(ids)} tokens > data.max_prompt_length "
+                        raise _row_error(path, index, "prompt", f"{len(ids)} tokens > data.max_prompt_length "
                                                            f"{max_prompt_length} (set data.truncation or "
                                                            "data.filter_overlong_prompts)")
                     ids = ids[-max_prompt_length:] if truncation == "left" else ids[:max_prompt_length]

@@ -41,6 +41,7 @@ from rlfabric.coordinator.run_controller import RunController
 from rlfabric.coordinator.weight_sync import SyncReport, WeightSync, target_dtype
 from rlfabric.core.client import ChannelOptions
 from rlfabric.core.config import RunConfig
+from rlfabric.core.roles import ROLE_TABLE, Kind
 from rlfabric.critic.client import LocalCriticClient
 from rlfabric.env.client import LocalEnvClient
 from rlfabric.launch.local import prepare_run_dir, service_names
@@ -95,13 +96,7 @@ class LocalWeightSync(WeightSync):
         names = list(self.engines)
         swaps = await asyncio.gather(*(self._swap(self.engines[name], weights, version) for name in names),
                                      return_exceptions=True)
-        for name, swap in zip(names, swaps, strict=True):
-            if isinstance(swap, BaseException):
-                report.failed[name] = f"{type(swap).__name__}: {swap}"
-            elif swap.version != version:
-                report.failed[name] = f"serves version {swap.version}, not {version}"
-            else:
-                report.paused_seconds[name] = swap.paused_seconds
+        report.record(dict(zip(names, swaps, strict=True)))
         report.seconds = report.broadcast_seconds = time.perf_counter() - started
         self.serve_synced(report)
         return report
@@ -122,6 +117,7 @@ class InProcessMesh:
         self.run_dir = Path(run_dir)
         self.wrap_peers = wrap_peers  # tests: wrap a client to inject failures
         self.engines: dict[str, object] = {}  # address ("in-process:actor") -> engine
+        self.agents: dict[str, AgentRollouts] = {}  # a rollout engine's address -> its multi-turn requests
         self.controller: RunController | None = None
         self.coordinator: LocalCoordinatorClient | None = None
 
@@ -138,18 +134,28 @@ class InProcessMesh:
             addresses.setdefault(role, []).append(address)
         for role, listed in addresses.items():
             setattr(self.config.cluster, role, listed)
-        for address in addresses.get("rollout", []) if addresses.get("env") else []:
-            rollout = self.engines[address]  # its agent loops call the env engine in this process
-            rollout.agents = AgentRollouts(rollout, LocalEnvClient(self.engines[addresses["env"][0]]))
+        self.agents = self._agent_rollouts(addresses)
         self.controller = RunController(self.config, connect=self.connect)
         self.coordinator = LocalCoordinatorClient(self.controller)
         log.info("in-process mesh ready", extra={"fields": {"run_dir": str(self.run_dir),
                                                             "engines": list(self.engines)}})
 
+    def _agent_rollouts(self, addresses: dict[str, list[str]]) -> dict[str, AgentRollouts]:
+        """The multi-turn requests of each rollout engine: their agent loops call the environment engine of this
+        process, or without one the environment the config names, over gRPC."""
+        def of_kind(kind: Kind) -> list[str]:
+            return [address for role, listed in addresses.items() if ROLE_TABLE[role].kind is kind for address in listed]
+
+        environments = of_kind(Kind.ENVIRONMENT)
+        env = LocalEnvClient(self.engines[environments[0]]) if environments else None
+        return {address: AgentRollouts(self.engines[address], self.config, env) for address in of_kind(Kind.ROLLOUT)}
+
     async def stop(self) -> None:
         """Ends a run that is still going (the last checkpoint stays the resume point), then every engine."""
         if self.controller is not None:
             await self.controller.stop()
+        for agents in self.agents.values():
+            await agents.close()
         for engine in reversed(list(self.engines.values())):
             try:
                 await engine.stop()
@@ -182,7 +188,8 @@ class InProcessMesh:
             reference=lambda address: LocalReferenceClient(engines[address]),
             critic=lambda address: LocalCriticClient(engines[address]),
             rollout=lambda addresses: RolloutRouter(addresses, max_attempts=config.trainer.rollout_retries + 1,
-                                                    clients=[LocalRolloutClient(engines[a]) for a in addresses]),
+                                                    clients=[LocalRolloutClient(engines[a], self.agents[a])
+                                                             for a in addresses]),
             reward=lambda addresses: LocalRewardClient(engines[addresses[0]]),
         ))
         if not any(address in self.engines for address in cluster.env):

@@ -37,10 +37,12 @@ from typing import Protocol
 
 from rlfabric.core.client import ChannelOptions, wait_until_serving
 from rlfabric.core.config import ConfigError, RunConfig, dump_config
+from rlfabric.core.roles import ROLE_TABLE, Kind
 from rlfabric.core.start_phases import StartPhases
 from rlfabric.core.storage import create_private_file
 from rlfabric.launch.placement import (
     Placement,
+    placed_devices,
     plan_placement,
     predicted_transport,
     threads_per_service,
@@ -106,14 +108,20 @@ def log_tail(path: Path, lines: int = 20) -> str:
         return "(no log)"
 
 
+def worker_roles(config: RunConfig) -> list[str]:
+    """The roles the config's runs use (RunConfig.roles_in_use) but the coordinator, which starts after them."""
+    return [role for role in config.roles_in_use() if ROLE_TABLE[role].kind is not Kind.COORDINATOR]
+
+
 def service_names(config: RunConfig) -> list[tuple[str, str]]:
     """(service name, role) of every service the config's runs use, except the coordinator, in start
-    order: a critic only for GAE, a reference only when a KL term reads it (RunConfig.roles_in_use)."""
+    order: a critic only for GAE, a reference only when a KL term reads it (RunConfig.roles_in_use), and
+    each rollout replica ROLE-i."""
     names = []
-    for role in config.roles_in_use():
-        if role == "rollout":
-            names += [(f"rollout-{i}", "rollout") for i in range(config.rollout.replicas)]
-        elif role != "coordinator":
+    for role in worker_roles(config):
+        if ROLE_TABLE[role].kind is Kind.ROLLOUT:
+            names += [(f"{role}-{i}", role) for i in range(getattr(config, role).replicas)]
+        else:
             names.append((role, role))
     return names
 
@@ -186,7 +194,7 @@ def check_model(config: RunConfig) -> None:
 def check_external(config: RunConfig, external: Mapping[str, Sequence[str]]) -> None:
     """Roles left to the user (`rlfabric up --external ROLE=ADDRESS`) must be roles this config runs,
     each with at least one address; the coordinator cannot be one (the launcher configures it)."""
-    in_use = [role for role in config.roles_in_use() if role != "coordinator"]
+    in_use = worker_roles(config)
     for role, addresses in external.items():
         if role not in in_use:
             raise ConfigError(f"--external {role}: not a role this config runs without the launcher "
@@ -247,8 +255,11 @@ def write_endpoints(run_dir: Path, endpoints: dict[str, list[dict]]) -> None:
 def spawn_order(services: Sequence[tuple[str, str]]) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
     """(the services started at once, the env service first; the rollout replicas, started once the env's
     address is in the workers' config: a replica calls only environment addresses its own config names)."""
-    early = sorted((s for s in services if s[1] != "rollout"), key=lambda service: service[1] != "env")
-    return early, [s for s in services if s[1] == "rollout"]
+    def kind(service: tuple[str, str]) -> Kind:
+        return ROLE_TABLE[service[1]].kind
+
+    early = sorted((s for s in services if kind(s) is not Kind.ROLLOUT), key=lambda s: kind(s) is not Kind.ENVIRONMENT)
+    return early, [s for s in services if kind(s) is Kind.ROLLOUT]
 
 
 def write_worker_config(config: RunConfig, path: Path, env_addresses: Sequence[str]) -> None:
@@ -353,16 +364,18 @@ class LocalMesh(MeshContext):
         with phases.phase("placement"):
             gpu_count = visible_gpu_count()
             self.placements = plan_placement(self.config, service_names(self.config), gpu_count=gpu_count)
-            predicted_transport(self.config, self.placements, gpu_count, self.external)  # nccl where it cannot run
-        if "env" in self.external:  # the replicas' config names the environment they may call
-            self.config.cluster.env = list(self.external["env"])
+            devices = placed_devices(self.config, self.placements, gpu_count, self.external)
+            predicted_transport(self.config, devices)  # a ConfigError for nccl where it cannot run
+        for role, addresses in self.external.items():
+            if ROLE_TABLE[role].kind is Kind.ENVIRONMENT:  # the replicas' config names the environment they may call
+                self.config.cluster.env = list(addresses)
         worker_config = prepare_run_dir(self.config, self.run_dir, phases)
         with phases.phase("workers_bound"):  # started, and listening (their models load after that)
             (self.run_dir / "ports").mkdir(exist_ok=True)
             early, rollouts = spawn_order([s for s in service_names(self.config) if s[1] not in self.external])
             for name, role in early:
                 self._spawn(name, role, worker_config)
-            for env in [p for p in self.processes if p.role == "env"]:
+            for env in [p for p in self.processes if ROLE_TABLE[p.role].kind is Kind.ENVIRONMENT]:
                 self._await_ports(env)
                 write_worker_config(self.config, worker_config, [env.grpc_address])
             for name, role in rollouts:
@@ -412,7 +425,8 @@ class LocalMesh(MeshContext):
         index, old = next((i, p) for i, p in enumerate(self.processes) if p.name == name)
         if old.process.poll() is None:
             raise RuntimeError(f"{name} is still running (pid {old.process.pid}); stop it first")
-        config_path = self.run_dir / ("config.resolved.yaml" if old.role == "coordinator" else "config.yaml")
+        coordinator = ROLE_TABLE[old.role].kind is Kind.COORDINATOR
+        config_path = self.run_dir / ("config.resolved.yaml" if coordinator else "config.yaml")
         proc = self._spawn(name, old.role, config_path, port=old.ports["grpc"] if old.ports else 0)
         self.processes.remove(proc)
         self.processes[index] = proc  # the same place: stop() still ends the coordinator first

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 
 from rlfabric.core.config import ConfigError, RunConfig
 from rlfabric.core.errors import FailedPrecondition
+from rlfabric.core.host import index_ranges
+from rlfabric.core.roles import ROLE_TABLE, GpuRule, Kind
 from rlfabric.weight_sync.devices import DeviceReport, TransportChoice, choose_transport
 
 
@@ -71,9 +73,6 @@ def _launcher_gpu_ids() -> list[str]:
     return [entry.strip() for entry in visible.split(",") if entry.strip()]
 
 
-TORCH_ROLES = ("actor", "reference", "critic", "rollout")  # roles whose service computes with torch
-
-
 def threads_per_service(config: RunConfig, services: list[tuple[str, str]], role: str) -> int:
     """OMP_NUM_THREADS of a service of `role`: launcher.threads_per_service, or when that is 0 the cores it runs
     on (its pool's cpus, else the launcher's) shared evenly by the torch services on them that compute at the
@@ -83,7 +82,7 @@ def threads_per_service(config: RunConfig, services: list[tuple[str, str]], role
     cores_of = _cores_pool(config, role)
     cores = len(config.resource_pools[cores_of].cpus) if cores_of else len(os.sched_getaffinity(0))
     sharing = sum(1 for _, other in services
-                  if other in TORCH_ROLES and _cores_pool(config, other) == cores_of and computes_with(config, role, other))
+                  if ROLE_TABLE[other].computes_with_torch and _cores_pool(config, other) == cores_of and computes_with(config, role, other))
     return max(1, cores // max(1, sharing))
 
 
@@ -93,9 +92,9 @@ def computes_with(config: RunConfig, role: str, other: str) -> bool:
     rollout replicas generate together, then the trainers (actor, reference, critic) compute together, so a
     trainer and a replica never need the same cores at once. A service of no torch role (reward, env) is
     counted as overlapping them all."""
-    if config.trainer.mode == "async" or role not in TORCH_ROLES:
+    if config.trainer.mode == "async" or not ROLE_TABLE[role].computes_with_torch:
         return True
-    return (role == "rollout") == (other == "rollout")
+    return (ROLE_TABLE[role].kind is Kind.ROLLOUT) == (ROLE_TABLE[other].kind is Kind.ROLLOUT)
 
 
 def _cores_pool(config: RunConfig, role: str) -> str:
@@ -154,12 +153,14 @@ def plan_placement(config: RunConfig, services: list[tuple[str, str]],
 
 
 def _role_gpus(config: RunConfig, name: str, role: str, pool: tuple[int, ...]) -> tuple[int, ...]:
+    """The GPUs of its pool that service `name` takes, by its role's GPU rule (rlfabric.core.roles)."""
     if not pool:
         return ()
-    if role in ("actor", "reference", "critic"):
+    rule = ROLE_TABLE[role].gpus
+    if rule is GpuRule.WORLD_SIZE:
         return pool[: getattr(config, role).world_size]
-    if role == "rollout":  # the pool's devices in slices of tensor_parallel_size (checked to divide them)
-        tp = config.rollout.tensor_parallel_size
+    if rule is GpuRule.TENSOR_PARALLEL:  # the pool's devices in slices of tensor_parallel_size (checked to divide them)
+        tp = getattr(config, role).tensor_parallel_size
         start = int(name.rpartition("-")[2]) % max(1, len(pool) // tp) * tp
         return pool[start : start + tp]
     return pool
@@ -180,7 +181,7 @@ def check_fits_this_machine(config: RunConfig, gpus_of_pool: dict[str, tuple[int
         missing = sorted(set(pool.cpus) - usable_cores)
         if missing:
             raise ConfigError(f"resource_pools.{name}.cpus {missing}: not cores this launcher may use "
-                              f"({_ranges(sorted(usable_cores))})")
+                              f"({index_ranges(sorted(usable_cores))})")
 
 
 def describe_placement(config: RunConfig, placements: dict[str, Placement]) -> str:
@@ -189,13 +190,13 @@ def describe_placement(config: RunConfig, placements: dict[str, Placement]) -> s
     gpus_of_pool = pool_gpus(config)
     for name, pool in config.resource_pools.items():
         roles = sorted({p.role for p in placements.values() if p.pool == name})
-        lines.append(f"pool {name}: GPUs {_ranges(gpus_of_pool[name]) or 'none'}, CPUs {_ranges(pool.cpus) or 'any'}"
+        lines.append(f"pool {name}: GPUs {index_ranges(gpus_of_pool[name]) or 'none'}, CPUs {index_ranges(pool.cpus) or 'any'}"
                      f", nodes {pool.nodes}; roles: {', '.join(roles) or 'none'}")
     width = max((len(name) for name in placements), default=0)
     pool_width = max((len(p.pool) for p in placements.values()), default=1) or 1
     for name, placement in placements.items():
-        gpus = "all" if placement.gpus is None else (_ranges(placement.gpus) or "none (CPU)")
-        cpus = "any" if placement.cpus is None else _ranges(placement.cpus)
+        gpus = "all" if placement.gpus is None else (index_ranges(placement.gpus) or "none (CPU)")
+        cpus = "any" if placement.cpus is None else index_ranges(placement.cpus)
         threads = "" if placement.threads is None else f"  threads {placement.threads}"  # OMP_NUM_THREADS
         lines.append(f"{name:<{width}}  pool {placement.pool or '-':<{pool_width}}  GPUs {gpus:<10}  CPUs {cpus:<6}{threads}")
     tp_line = tensor_parallel_layout(config, placements)
@@ -205,7 +206,7 @@ def describe_placement(config: RunConfig, placements: dict[str, Placement]) -> s
 def tensor_parallel_layout(config: RunConfig, placements: dict[str, Placement]) -> str:
     """How the rollout replicas split their devices with rollout.tensor_parallel_size ("" without it)."""
     tp = config.rollout.tensor_parallel_size
-    replicas = [p for p in placements.values() if p.role == "rollout"]
+    replicas = [p for p in placements.values() if ROLE_TABLE[p.role].kind is Kind.ROLLOUT]
     if tp == 1 or not replicas:
         return ""
     pool = config.rollout.pool
@@ -225,43 +226,31 @@ def tensor_parallel_layout(config: RunConfig, placements: dict[str, Placement]) 
             "to its TP peers")
 
 
-def weight_sync_devices(config: RunConfig, placements: dict[str, Placement], gpu_count: int,
-                        external=()) -> tuple[DeviceReport, dict[str, DeviceReport]]:
+def placed_devices(config: RunConfig, placements: dict[str, Placement], gpu_count: int,
+                   external=()) -> tuple[DeviceReport, dict[str, DeviceReport]]:
     """The devices the actor and each rollout replica will report as placed here, each GPU named by its
     launcher's CUDA_VISIBLE_DEVICES entry (a service outside any pool sees every GPU and computes on the first).
     Unknown (empty) for a role started elsewhere (`external`) and for SGLang, whose server picks its own GPU."""
     gpu_ids = _launcher_gpu_ids()
 
     def report(name: str, role: str) -> DeviceReport:
-        if role in external or (role == "rollout" and config.rollout.engine == "sglang"):
+        if role in external:
             return DeviceReport()
         gpus = placements[name].gpus
         gpus = ((0,) if gpu_count else ()) if gpus is None else gpus
         return DeviceReport("cuda:0", gpu_ids[gpus[0]]) if gpus else DeviceReport("cpu")
 
-    replicas = [name for name, placement in placements.items() if placement.role == "rollout"]
-    return report("actor", "actor"), {name: report(name, "rollout") for name in replicas}
+    replicas = [name for name, placement in placements.items() if ROLE_TABLE[placement.role].kind is Kind.ROLLOUT]
+    sglang = config.rollout.engine == "sglang"
+    return report("actor", "actor"), {name: DeviceReport() if sglang else report(name, "rollout") for name in replicas}
 
 
-def predicted_transport(config: RunConfig, placements: dict[str, Placement], gpu_count: int,
-                        external=()) -> TransportChoice:
-    """The weight-sync transport the coordinator will choose on these placements (where they tell the GPUs
-    apart); a ConfigError naming weight_sync.transport for nccl forced where it cannot run."""
-    actor, replicas = weight_sync_devices(config, placements, gpu_count, external)
+def predicted_transport(config: RunConfig, devices: tuple[DeviceReport, dict[str, DeviceReport]]) -> TransportChoice:
+    """The weight-sync transport the coordinator will choose on the devices a launcher gives the actor and the
+    rollout replicas (placed_devices here, rlfabric.launch.ray.reserved_devices on Ray), as far as they tell the
+    GPUs apart; a ConfigError naming weight_sync.transport for nccl forced where it cannot run."""
+    actor, replicas = devices
     try:
         return choose_transport(config.weight_sync.transport, actor, replicas)
     except FailedPrecondition as error:
         raise ConfigError(str(error)) from None
-
-
-def _ranges(indices) -> str:
-    """[0, 1, 2, 5] -> "0-2,5"."""
-    indices = sorted(indices)
-    parts, start = [], None
-    for i, index in enumerate(indices):
-        if start is None:
-            start = index
-        if i + 1 == len(indices) or indices[i + 1] != index + 1:
-            parts.append(str(start) if start == index else f"{start}-{index}")
-            start = None
-    return ",".join(parts)

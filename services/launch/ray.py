@@ -53,7 +53,7 @@ from ray.util.placement_group import (
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from rlfabric.core.config import ConfigError, RunConfig, read_auth_token, read_env_token
-from rlfabric.core.errors import FailedPrecondition
+from rlfabric.core.roles import ROLE_TABLE, GpuRule, Kind
 from rlfabric.core.storage import create_private_file
 from rlfabric.launch.local import (
     MeshContext,
@@ -72,7 +72,8 @@ from rlfabric.launch.local import (
     write_endpoints,
     write_worker_config,
 )
-from rlfabric.weight_sync.devices import DeviceReport, TransportChoice, choose_transport
+from rlfabric.launch.placement import predicted_transport
+from rlfabric.weight_sync.devices import DeviceReport
 
 log = logging.getLogger("rlfabric.launch.local")
 
@@ -82,8 +83,9 @@ def with_local_token(config_text: str, token: str, workdir: Path, env_token: str
     mesh's and the environment link's tokens in workdir: on another node the launcher's RUN_DIR/auth_token
     and env_token do not exist. The env service gets its own token only, never the mesh's."""
     config = yaml.safe_load(config_text)
+    environment = role in ROLE_TABLE and ROLE_TABLE[role].kind is Kind.ENVIRONMENT
     for section, name, value in (("server", "auth_token", token), ("env", "env_token", env_token)):
-        if role == "env" and section == "server":
+        if environment and section == "server":
             config.setdefault(section, {})["auth_token_file"] = ""
         elif value:
             config.setdefault(section, {})["auth_token_file"] = str(create_private_file(workdir / name, value))
@@ -209,14 +211,16 @@ def _first_line(error: BaseException) -> str:
 
 
 def default_num_gpus(config: RunConfig, role: str) -> float:
-    """GPUs a role's service uses on a cluster that has GPUs (launcher.ray.<role>.num_gpus: null)."""
-    if role in ("actor", "reference", "critic"):
-        return getattr(config, role).world_size
-    if role == "rollout":
+    """GPUs a role's service uses on a cluster that has GPUs (launcher.ray.<role>.num_gpus: null), by its
+    GPU rule (rlfabric.core.roles)."""
+    rule, section = ROLE_TABLE[role].gpus, getattr(config, role)
+    if rule is GpuRule.WORLD_SIZE:
+        return section.world_size
+    if rule is GpuRule.TENSOR_PARALLEL:
         # SGLang runs as its own server; a vLLM replica's TP ranks are its engine's worker processes
-        return 0 if config.rollout.engine == "sglang" else config.rollout.tensor_parallel_size
-    if role == "reward":
-        return 1 if config.reward.model_path and config.reward.model_device.startswith("cuda") else 0
+        return 0 if section.engine == "sglang" else section.tensor_parallel_size
+    if rule is GpuRule.MODEL:
+        return 1 if section.model_path and section.model_device.startswith("cuda") else 0
     return 0
 
 
@@ -302,14 +306,12 @@ def requested_gpus(config: RunConfig, role: str, cluster_has_gpus: bool) -> floa
     return num_gpus
 
 
-def weight_sync_devices(config: RunConfig, cluster_has_gpus: bool) -> tuple[DeviceReport, dict[str, DeviceReport]]:
+def reserved_devices(config: RunConfig, cluster_has_gpus: bool) -> tuple[DeviceReport, dict[str, DeviceReport]]:
     """The devices the actor and each rollout replica will hold as Ray places them, as far as the launcher can
     tell: none reserved = CPU; services sharing a pool share its GPU (each reserves a fraction of one, which
     Ray packs onto the same device); a service reserving whole GPUs alone gets its own. SGLang's server picks
     its own GPU: unknown."""
     def report(name: str, role: str) -> DeviceReport:
-        if role == "rollout" and config.rollout.engine == "sglang":
-            return DeviceReport()
         if not requested_gpus(config, role, cluster_has_gpus):
             return DeviceReport("cpu")
         if config.pool_of(role):
@@ -320,18 +322,9 @@ def weight_sync_devices(config: RunConfig, cluster_has_gpus: bool) -> tuple[Devi
                 return DeviceReport("cuda:0", f"0 of {where}")
         return DeviceReport("cuda:0", f"0 of {name}")
 
-    replicas = [name for name, role in service_names(config) if role == "rollout"]
-    return report("actor", "actor"), {name: report(name, "rollout") for name in replicas}
-
-
-def predicted_transport(config: RunConfig, cluster_has_gpus: bool) -> TransportChoice:
-    """The weight-sync transport the coordinator will choose as Ray places the services; a ConfigError naming
-    weight_sync.transport for nccl forced where it cannot run."""
-    actor, replicas = weight_sync_devices(config, cluster_has_gpus)
-    try:
-        return choose_transport(config.weight_sync.transport, actor, replicas)
-    except FailedPrecondition as error:
-        raise ConfigError(str(error)) from None
+    replicas = [name for name, role in service_names(config) if ROLE_TABLE[role].kind is Kind.ROLLOUT]
+    sglang = config.rollout.engine == "sglang"
+    return report("actor", "actor"), {name: DeviceReport() if sglang else report(name, "rollout") for name in replicas}
 
 
 class RayMesh(MeshContext):
@@ -357,13 +350,14 @@ class RayMesh(MeshContext):
         bundles = pool_bundles(self.config)  # a pool with more nodes than services: refused before anything starts
         worker_config = prepare_run_dir(self.config, self.run_dir)
         self._connect()
-        predicted_transport(self.config, bool(ray.cluster_resources().get("GPU", 0)))  # a forced nccl that cannot run
+        has_gpus = bool(ray.cluster_resources().get("GPU", 0))
+        predicted_transport(self.config, reserved_devices(self.config, has_gpus))  # a forced nccl that cannot run
         self._host = self._service_host()
         self._reserve_pools(bundles)
         early, rollouts = spawn_order(service_names(self.config))
         for name, role in early:
             self._launch(name, role, worker_config)
-        for env in [s for s in self.services if s.role == "env"]:
+        for env in [s for s in self.services if ROLE_TABLE[s.role].kind is Kind.ENVIRONMENT]:
             self._await_ports([env])
             write_worker_config(self.config, worker_config, [env.grpc_address])
         for name, role in rollouts:
@@ -483,7 +477,7 @@ class RayMesh(MeshContext):
             pool, node, _ = node_of(self.config, name, role)
             options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                 self.pools[pool], placement_group_bundle_index=node)
-        if role == "coordinator" and not (self.address or "").startswith("ray://"):
+        if ROLE_TABLE[role].kind is Kind.COORDINATOR and not (self.address or "").startswith("ray://"):
             options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(
                 ray.get_runtime_context().get_node_id(), soft=False)
         actor = ServiceSupervisor.options(**options).remote(

@@ -67,7 +67,7 @@ def demonstration(tokenizer, rng: random.Random, key_fraction: float = 1.0,
     return ids, labels
 
 
-def _collate(examples: list[tuple[list[int], list[int]]], pad_id: int) -> dict[str, torch.Tensor]:
+def _collate_episodes(examples: list[tuple[list[int], list[int]]], pad_id: int) -> dict[str, torch.Tensor]:
     """Right-padded ids and labels (every episode starts at position 0)."""
     width = max(len(ids) for ids, _ in examples)
     return {"input_ids": torch.tensor([ids + [pad_id] * (width - len(ids)) for ids, _ in examples]),
@@ -86,7 +86,7 @@ def warm_start_lookup(model_dir: str | Path, steps: int = 500, batch_size: int =
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     rng = random.Random(seed)
     def next_batch() -> dict[str, torch.Tensor]:
-        return _collate([demonstration(tokenizer, rng, key_fraction, call_fraction) for _ in range(batch_size)],
+        return _collate_episodes([demonstration(tokenizer, rng, key_fraction, call_fraction) for _ in range(batch_size)],
                         tokenizer.pad_token_id)
 
     loss = fine_tune(model, next_batch, steps, lr, seed)

@@ -47,6 +47,7 @@ from rlfabric.reward.items import (
     ItemResult,
     ScoreItem,
     failed,
+    json_default,
     result_from_value,
 )
 from rlfabric.sandbox.confine import user_variables, worker_environment
@@ -391,10 +392,5 @@ def _encode(item: ScoreItem) -> bytes:
         "extra_info": item.extra_info,
     }
     # json.dumps escapes newlines inside strings, so one request is one line.
-    return json.dumps(request, default=_json_default).encode() + b"\n"
+    return json.dumps(request, default=json_default).encode() + b"\n"
 
-
-def _json_default(value: Any) -> Any:
-    if hasattr(value, "tolist"):  # numpy arrays and scalars from a parquet row
-        return value.tolist()
-    raise TypeError(f"{type(value).__name__} is not JSON-serialisable")

@@ -172,7 +172,7 @@ def main() -> int:
     scorer = os.fork()
     if scorer == 0:
         channel.close()
-        return score_items(scorer_end, source, settings, workdir, hard_cpu_limit, supervisor, bound.cgroup)
+        return run_scorer(scorer_end, source, settings, workdir, hard_cpu_limit, supervisor, bound.cgroup)
     scorer_end.close()
     supervise(scorer, channel, settings, hard_cpu_limit, _Sandbox(workdir, bound, claim))
 
@@ -427,7 +427,7 @@ class _Relay:
         return False
 
 
-def score_items(
+def run_scorer(
     channel: socket.socket,
     source: bytes,
     settings: dict,

@@ -73,6 +73,14 @@ def describe_exception(exc: BaseException) -> str:
     return short_message(f"{type(exc).__name__}: {text}" if text else type(exc).__name__)
 
 
+def json_default(value: Any) -> Any:
+    """json.dumps' `default` for an item's extra_info: numpy arrays and scalars (from a parquet row) as lists
+    and numbers; TypeError for anything else."""
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    raise TypeError(f"{type(value).__name__} is not JSON-serialisable")
+
+
 def result_from_value(value: Any) -> ItemResult:
     """Turn what a scorer returned into an ItemResult, as VeRL reads a compute_score result.
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from typing import Any
 
 from rlfabric.core.errors import InvalidArgument
 from rlfabric.reward.items import (
@@ -16,6 +15,7 @@ from rlfabric.reward.items import (
     STATUS_TIMEOUT,
     ItemResult,
     ScoreItem,
+    json_default,
 )
 from rlfabric.v1 import reward_pb2
 
@@ -89,7 +89,7 @@ def request_from_items(items: Sequence[ScoreItem]) -> reward_pb2.ScoreRequest:
         # Fields at their default are left unset: the same bytes, and much faster per item.
         if item.extra_info:
             try:
-                message.extra_info_json = json.dumps(item.extra_info, default=_json_default)
+                message.extra_info_json = json.dumps(item.extra_info, default=json_default)
             except (TypeError, ValueError) as error:
                 raise InvalidArgument(f"item {index}: extra_info is not JSON-serialisable: {error}") from None
         if item.prompt:
@@ -121,8 +121,3 @@ def _result_from_proto(result: reward_pb2.ScoreResult) -> ItemResult:
         metrics=dict(result.metrics) if result.metrics else {},
     )
 
-
-def _json_default(value: Any) -> Any:
-    if hasattr(value, "tolist"):  # numpy arrays and scalars from a parquet row
-        return value.tolist()
-    raise TypeError(f"{type(value).__name__} is not JSON-serialisable")

@@ -1,19 +1,20 @@
 """Multi-turn requests of the rollout service: every (prompt, sample) of the request is one AgentLoop
-against the environment service, each model turn an ordinary generate request on this engine.
+against the environment service, each model turn an ordinary generate request on the engine.
 
-    rollouts = AgentRollouts(engine)
+    rollouts = AgentRollouts(engine, config)          # or AgentRollouts(engine, config, env=an EnvInterface)
     async for sample in rollouts.generate([AgentPrompt(messages, AgentTask("lookup", "7", extra))],
                                           SamplingSpec(n=4, max_tokens=64, multi_turn=MultiTurnSpec(max_turns=3))):
         sample.loss_mask  # 1 = the model's token, 0 = the environment's
 
-The engine's generate() hands a request whose SamplingSpec.multi_turn is set here. Samples are yielded
-as they finish; rows run concurrently (their environment calls too), at most rollout.max_num_seqs (and
-rollout.max_pending_requests) at once over all requests, so their turns stay within the engine's batch
-and its admission limit. A failing
-environment ends its sample with agent_status "env_failed" (left out of training by the coordinator);
-the engine failing fails the request, as it would a single-turn one. A request may name its environment
-service (multi_turn.env_address), but only one this replica's own config names (allowed_env_addresses):
-any other is PERMISSION_DENIED, before a connection is made.
+This sits above the engine, which knows nothing of agents: the servicer and the in-process client hand a
+request whose SamplingSpec.multi_turn is set here, and all this asks of the engine is a TurnEngine
+(single-turn generate, its tokenizer, the version it serves); an agent gateway would ask the same.
+Samples are yielded as they finish; rows run concurrently (their environment calls too), at most
+rollout.max_num_seqs (and rollout.max_pending_requests) at once over all requests, so their turns stay
+within the engine's batch and its admission limit. A failing environment ends its sample with agent_status
+"env_failed" (left out of training by the coordinator); the engine failing fails the request, as it would a
+single-turn one. A request may name its environment service (multi_turn.env_address), but only one this
+replica's own config names (allowed_env_addresses): any other is PERMISSION_DENIED, before a connection is made.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from rlfabric.core.client import ChannelOptions
 from rlfabric.core.errors import FailedPrecondition, InvalidArgument, PermissionDenied, ResourceExhausted
@@ -35,30 +36,49 @@ from rlfabric.rollout.types import (
     MultiTurnSpec,
     PromptInput,
     SamplingSpec,
+    check_chat_roles,
     row_seed,
 )
 
 if TYPE_CHECKING:
     from rlfabric.core.config import RunConfig
-    from rlfabric.rollout.engine import RolloutEngine
 
 TOOL_CALL_FORMATS = ("hermes",)
 
 
-class AgentRollouts:
-    """The multi-turn requests of one engine, and the environment clients they call (one per allowed address)."""
+class TurnEngine(Protocol):
+    """What multi-turn requests ask of a rollout engine (a RolloutEngine is one): single-turn requests, the
+    tokenizer whose chat template renders the conversation, and the weight version it serves."""
 
-    def __init__(self, engine: RolloutEngine, env: EnvInterface | None = None):
+    tokenizer: Any
+    weight_version: int
+
+    def check_started(self) -> None:
+        """FailedPrecondition until the engine can generate."""
+
+    def generate(self, prompts: Sequence[PromptInput], params: SamplingSpec) -> AsyncIterator[FinishedSample]:
+        """Each sample of a single-turn request as it finishes."""
+
+    def decode(self, token_ids: Sequence[int]) -> str: ...
+
+
+class AgentRollouts:
+    """The multi-turn requests of one engine, and the environment clients they call: `env` when given (every
+    request calls it), else one per allowed address of the replica's config, made on first use."""
+
+    def __init__(self, engine: TurnEngine, config: RunConfig, env: EnvInterface | None = None):
         self.engine = engine
+        self.config = config
         self._env_clients: dict[str, EnvInterface] = {}
-        self._given_env = env  # in-process: every request calls this one
+        self._given_env = env
         # Rows running at once, over all requests: each runs one turn request at a time, so this keeps
         # them within the engine's batch and its admission limit.
-        rollout = engine.config.rollout
+        rollout = config.rollout
         self._rows = asyncio.Semaphore(min(rollout.max_num_seqs, rollout.max_pending_requests or rollout.max_num_seqs))
 
     async def generate(self, prompts: Sequence[PromptInput], params: SamplingSpec) -> AsyncIterator[FinishedSample]:
         """Each (prompt, sample) as one trajectory, yielded as it finishes."""
+        check_chat_roles(prompts)
         spec = params.multi_turn
         agent_prompts = self._check(prompts, params)
         env = self._env(spec.env_address)
@@ -85,10 +105,9 @@ class AgentRollouts:
     def _check(self, prompts: Sequence[PromptInput], params: SamplingSpec) -> list[AgentPrompt]:
         """The prompts as AgentPrompts, or InvalidArgument / FailedPrecondition naming the problem."""
         spec: MultiTurnSpec = params.multi_turn
-        if self.engine.limits is None:
-            raise FailedPrecondition(f"{self.engine.name} engine has not started")
+        self.engine.check_started()
         if self.engine.tokenizer is None:
-            raise FailedPrecondition(f"model {self.engine.model} has no tokenizer: multi-turn needs its chat template")
+            raise FailedPrecondition(f"model {self.config.model.path} has no tokenizer: multi-turn needs its chat template")
         if not prompts:
             raise InvalidArgument("no prompts: a request needs at least one prompt")
         for index, prompt in enumerate(prompts):
@@ -104,7 +123,7 @@ class AgentRollouts:
                                   f"(known: {', '.join(TOOL_CALL_FORMATS)})")
         if not spec.env_timeout_s > 0:
             raise InvalidArgument(f"multi_turn.env_timeout_s must be > 0 (got {spec.env_timeout_s})")
-        rows, most = len(prompts) * params.n, self.engine.config.rollout.max_rows_per_request
+        rows, most = len(prompts) * params.n, self.config.rollout.max_rows_per_request
         if rows > most:
             raise ResourceExhausted(f"{rows} multi-turn samples in one request; this replica takes at most {most} "
                                     "(rollout.max_rows_per_request): split the request")
@@ -116,7 +135,7 @@ class AgentRollouts:
         is one client per allowed address at most."""
         if self._given_env is not None:
             return self._given_env
-        config = self.engine.config
+        config = self.config
         address = address or config.rollout.multi_turn.env_address or next(iter(config.cluster.env), "")
         if not address:
             raise FailedPrecondition("a multi-turn request names no environment service, and this rollout replica "

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from rlfabric.core.client import RoleInterface, ServiceClient
 from rlfabric.rollout import wire
+from rlfabric.rollout.agent_rollout import AgentRollouts
 from rlfabric.rollout.types import EngineStatus, FinishedSample, SamplingSpec
 from rlfabric.v1 import rollout_pb2, rollout_pb2_grpc
 from rlfabric.weight_sync import Manifest, SyncGroup, WeightSwap
@@ -120,13 +121,17 @@ class RolloutClient(ServiceClient, RolloutInterface):
 
 
 class LocalRolloutClient(RolloutInterface):
-    """RolloutInterface over a RolloutEngine in this process (started and stopped by its owner).
+    """RolloutInterface over a RolloutEngine in this process (started and stopped by its owner), its
+    multi-turn requests through `agents` (by default AgentRollouts calling the environments the engine's
+    config names, as the servicer's do).
 
     Prompts and sampling parameters go through their proto conversion and back, so the engine sees
     exactly what the servicer would hand it (top_p 0 means 1, top_k 0 means off, ...)."""
 
-    def __init__(self, engine: RolloutEngine):
+    def __init__(self, engine: RolloutEngine, agents: AgentRollouts | None = None):
         self.engine = engine
+        self.agents = agents or AgentRollouts(engine, engine.config)
+        self._owns_agents = agents is None
 
     async def generate(self, prompts: Sequence[wire.PromptInput], params: SamplingSpec,
                        timeout_s: float | None = None) -> list[FinishedSample]:
@@ -137,7 +142,8 @@ class LocalRolloutClient(RolloutInterface):
                               timeout_s: float | None = None) -> AsyncIterator[FinishedSample]:
         as_served = [wire.prompt_from_proto(wire.prompt_to_proto(p)) for p in prompts]
         spec = wire.sampling_from_proto(wire.sampling_to_proto(params))
-        async for sample in self.engine.generate(as_served, spec):
+        generator = self.agents if spec.multi_turn is not None else self.engine
+        async for sample in generator.generate(as_served, spec):
             yield sample
 
     async def status(self, timeout_s: float | None = None) -> EngineStatus:
@@ -162,4 +168,6 @@ class LocalRolloutClient(RolloutInterface):
         return await self.engine.receive_weights(manifest)
 
     async def close(self) -> None:
-        """Nothing to release: the engine belongs to whoever started it."""
+        """The environment connections of the agent rollouts it made; the engine belongs to whoever started it."""
+        if self._owns_agents:
+            await self.agents.close()

@@ -42,7 +42,6 @@ from rlfabric.core.errors import (
     Unimplemented,
 )
 from rlfabric.core.host import current_rss_bytes
-from rlfabric.rollout.agent_rollout import AgentRollouts
 from rlfabric.rollout.types import (
     AgentPrompt,
     EngineLimits,
@@ -130,7 +129,6 @@ class RolloutEngine(abc.ABC):
         self._paused = False
         self._sleeping = False
         self._progress = asyncio.Event()  # a generation delivered a sample or ended
-        self.agents = AgentRollouts(self)  # multi-turn requests (SamplingSpec.multi_turn)
 
     @abc.abstractmethod
     async def start(self) -> None: ...
@@ -158,13 +156,9 @@ class RolloutEngine(abc.ABC):
 
     async def generate(self, prompts: Sequence[PromptInput], params: SamplingSpec) -> AsyncIterator[FinishedSample]:
         """Admits the request, holds it while paused or asleep, then yields every (prompt, sample) once,
-        in the order they finish. Prompts are token ids or chat messages; with params.multi_turn,
-        AgentPrompts (rlfabric.rollout.agent_rollout)."""
+        in the order they finish. Prompts are token ids or chat messages; a multi-turn request is served
+        above the engine, each of its turns a request here (rlfabric.rollout.agent_rollout)."""
         check_chat_roles(prompts)
-        if params.multi_turn is not None:  # each sample an agent loop, its turns requests of their own
-            async for sample in self.agents.generate(prompts, params):
-                yield sample
-            return
         generation = self._admit(prompts, params)
         deadline = time.monotonic() + self.config.rollout.request_timeout_s
         try:
@@ -189,8 +183,10 @@ class RolloutEngine(abc.ABC):
 
     def _admit(self, prompts: Sequence[PromptInput], params: SamplingSpec) -> Generation:
         """The request as a Generation the engine holds, or the error that refuses it."""
-        if self.limits is None:
-            raise FailedPrecondition(f"{self.name} engine has not started")
+        self.check_started()
+        if params.multi_turn is not None:
+            raise InvalidArgument("sampling_params.multi_turn is set: the engine generates single turns, and a "
+                                  "multi-turn request goes to the rollout's agent rollouts")
         limit = self.config.rollout.max_pending_requests
         if limit and len(self._requests) >= limit:
             raise ResourceExhausted(
@@ -208,6 +204,11 @@ class RolloutEngine(abc.ABC):
         if not (self._paused or self._sleeping):
             generation.admitted.set()
         return generation
+
+    def check_started(self) -> None:
+        """FailedPrecondition until start() has loaded the model (and set `limits`)."""
+        if self.limits is None:
+            raise FailedPrecondition(f"{self.name} engine has not started")
 
     def _token_ids(self, index: int, prompt: PromptInput) -> list[int]:
         if isinstance(prompt, AgentPrompt):

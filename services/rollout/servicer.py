@@ -1,4 +1,5 @@
-"""RolloutService: a thin servicer over a RolloutEngine (proto -> domain -> await engine -> proto).
+"""RolloutService: a thin servicer over a RolloutEngine and, for multi-turn requests, the AgentRollouts above
+it (proto -> domain -> await engine -> proto).
 
     rlfabric serve rollout --config run.yaml rollout.engine=hf
 
@@ -20,6 +21,7 @@ from rlfabric.core.config import RunConfig
 from rlfabric.core.metrics import service_counter, service_gauge, service_histogram
 from rlfabric.core.server import ServiceBinding, ServiceDefinition
 from rlfabric.rollout import wire
+from rlfabric.rollout.agent_rollout import AgentRollouts
 from rlfabric.rollout.engine import RolloutEngine
 from rlfabric.rollout.types import FinishedSample
 from rlfabric.v1 import rollout_pb2, rollout_pb2_grpc
@@ -83,8 +85,11 @@ class RolloutMetrics:
 
 
 class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
-    def __init__(self, engine: RolloutEngine, metrics: RolloutMetrics):
+    """Generation goes to the engine, a multi-turn request to the agent rollouts over it."""
+
+    def __init__(self, engine: RolloutEngine, agents: AgentRollouts, metrics: RolloutMetrics):
         self.engine = engine
+        self.agents = agents
         self.metrics = metrics
         self._pushes = PushReceiver()  # PushWeights: one push at a time, over one or more streams
 
@@ -142,8 +147,9 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
 
     async def _generate(self, prompts, params: rollout_pb2.SamplingParams) -> AsyncIterator[FinishedSample]:
         """The engine's samples, counted as they pass."""
-        requested = [wire.prompt_from_proto(prompt) for prompt in prompts]
-        async for sample in self.engine.generate(requested, wire.sampling_from_proto(params)):
+        requested, spec = [wire.prompt_from_proto(prompt) for prompt in prompts], wire.sampling_from_proto(params)
+        generator = self.agents if spec.multi_turn is not None else self.engine
+        async for sample in generator.generate(requested, spec):
             self.metrics.generated_tokens.inc(sum(sample.model_token_mask()))
             if sample.agent_status:
                 self.metrics.agent_sample(sample)
@@ -170,10 +176,11 @@ def build_engine(config: RunConfig) -> RolloutEngine:
 
 def build_service(config: RunConfig, engine: RolloutEngine | None = None) -> ServiceDefinition:
     """The rollout role: RolloutService over the configured engine, or the given one (which keeps the
-    rollout limits of the config it was built with)."""
+    rollout limits of the config it was built with); its multi-turn requests call the environments the
+    config names."""
     engine = engine or build_engine(config)
     registry = CollectorRegistry()
-    servicer = RolloutServicer(engine, RolloutMetrics(registry, engine))
+    servicer = RolloutServicer(engine, AgentRollouts(engine, config), RolloutMetrics(registry, engine))
     binding = ServiceBinding(servicer, add_rollout_service,  # PushWeights takes raw bytes
                              "rlfabric.v1.RolloutService")
     return ServiceDefinition(role="rollout", bindings=[binding], engine=engine, registry=registry)

@@ -20,6 +20,7 @@ import json
 from pathlib import Path
 
 from rlfabric.core.config import ConfigError, RunConfig
+from rlfabric.core.host import index_ranges
 
 KEY = "rollout.tensor_parallel_size"
 
@@ -79,15 +80,4 @@ def cpu_binding(cpus: list[int], tp: int, numa_nodes: int) -> str | None:
         return "|".join(str(cpus[rank % len(cpus)]) for rank in range(tp))
     reserved = min(tp, len(cpus) - tp)  # vLLM's auto mode keeps one core per rank for its engine process
     per_rank = (len(cpus) - reserved) // tp
-    return "|".join(_ranges(cpus[rank * per_rank:(rank + 1) * per_rank]) for rank in range(tp))
-
-
-def _ranges(cpus: list[int]) -> str:
-    """[0, 1, 2, 5] -> "0-2,5" (vLLM's list syntax)."""
-    runs: list[list[int]] = []
-    for cpu in cpus:
-        if runs and runs[-1][1] == cpu - 1:
-            runs[-1][1] = cpu
-        else:
-            runs.append([cpu, cpu])
-    return ",".join(str(first) if first == last else f"{first}-{last}" for first, last in runs)
+    return "|".join(index_ranges(cpus[rank * per_rank:(rank + 1) * per_rank]) for rank in range(tp))

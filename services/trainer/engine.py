@@ -245,7 +245,7 @@ class TrainerEngine:
         counters = {"updates": self.worker.updates, "optimizer_steps": self.worker.optimizer_steps}
         meta = {"role": self.role, "model": self.model_path, "world_size": self.world_size, **counters}
         if lora_config is not None:
-            meta["lora"] = lora.describe(lora_config)  # the model state is the adapters only
+            meta["lora"] = lora.adapter_settings(lora_config)  # the model state is the adapters only
         return ckpt.save_checkpoint(path, ckpt.Checkpoint(model_state, optimizer_state, {**counters, "rng": rng}, meta))
 
     async def load_checkpoint(self, path: str) -> int:
@@ -270,7 +270,7 @@ class TrainerEngine:
     def _check_lora(self, meta: dict, path: str) -> None:
         """A checkpoint's adapters (or their absence) must be this service's."""
         saved = meta.get("lora")
-        current = lora.describe(self.worker.lora) if self.worker.lora is not None else None
+        current = lora.adapter_settings(self.worker.lora) if self.worker.lora is not None else None
         if saved != current:
             said = f"LoRA {saved}" if saved else "full weights"
             wanted = f"LoRA {current}" if current else "full weights (actor.lora.rank 0)"

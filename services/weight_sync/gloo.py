@@ -13,7 +13,6 @@ A group that failed once is broken for good: close it and open a new one.
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import socket
 from datetime import timedelta
@@ -22,16 +21,10 @@ import torch
 import torch.distributed as dist
 
 from rlfabric.core.errors import DeadlineExceeded, Unavailable
+from rlfabric.core.host import is_loopback
 from rlfabric.weight_sync.manifest import SyncGroup
 
 CHUNK_BYTES = 64 << 20
-
-
-def is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
-    except (OSError, ValueError):
-        return False
 
 
 def _device(host: str):
@@ -41,7 +34,11 @@ def _device(host: str):
     interface = os.environ.get("GLOO_SOCKET_IFNAME")
     if interface:
         return ProcessGroupGloo.create_device(interface=interface.split(",")[0])
-    if is_loopback(host):  # everyone is on this machine: stay on loopback whatever the hostname says
+    try:
+        address = socket.gethostbyname(host)  # a host name that resolves to loopback counts too
+    except OSError:
+        address = ""
+    if is_loopback(address):  # everyone is on this machine: stay on loopback whatever the hostname says
         return ProcessGroupGloo.create_device(hostname="127.0.0.1")
     return ProcessGroupGloo.create_default_device()
 

@@ -245,14 +245,6 @@ def test_filter_groups_by_hand():
     assert keep.dtype == torch.bool
 
 
-def test_overlong_penalty_by_hand():
-    lengths = torch.tensor([10, 16, 18, 20])
-    # expected length 20 - 4 = 16; excess [-6, 0, 2, 4] -> -(excess)/4 * factor, capped at 0
-    close(algos.overlong_penalty(lengths, max_len=20, buffer=4, factor=1.0), [0.0, 0.0, -0.5, -1.0])
-    close(algos.overlong_penalty(lengths, max_len=20, buffer=4, factor=2.0), [0.0, 0.0, -1.0, -2.0])
-    with pytest.raises(ValueError, match="overlong_penalty: need 0 < buffer <= max_len"):
-        algos.overlong_penalty(lengths, max_len=20, buffer=0, factor=1.0)
-
 
 def test_filter_groups_bad_input():
     with pytest.raises(ValueError, match=r"filter_groups: group_ids must have shape \(3,\)"):

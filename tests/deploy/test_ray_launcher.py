@@ -303,7 +303,8 @@ def test_a_pool_reserves_its_gpus_per_node_and_its_services_share_them():
 
 def test_a_multi_node_pool_puts_its_ith_service_on_node_i_mod_nodes():
     from rlfabric.core.config import ConfigError
-    from rlfabric.launch.ray import pool_bundles, pool_gpu_share, pool_nodes, predicted_transport
+    from rlfabric.launch.placement import predicted_transport
+    from rlfabric.launch.ray import pool_bundles, pool_gpu_share, pool_nodes, reserved_devices
 
     config = load_config(None, ["resource_pools={spread: {gpus: 1, nodes: 2}}", "actor.pool=spread",
                                 "rollout.pool=spread", "rollout.replicas=3", "launcher.ray.rollout.num_cpus=0.5"])
@@ -312,11 +313,11 @@ def test_a_multi_node_pool_puts_its_ith_service_on_node_i_mod_nodes():
     assert pool_bundles(config) == {"spread": [{"CPU": 1.5, "GPU": 1.0}, {"CPU": 1.0, "GPU": 1.0}]}
     assert pool_gpu_share(config, "rollout-0", "rollout", 1) == 0.5  # shares node 1's GPU with rollout-2
     # The actor shares node 0's GPU with rollout-1 (same-device path); rollout-0 holds another node's GPU.
-    assert predicted_transport(config, cluster_has_gpus=True).reason == (
+    assert predicted_transport(config, reserved_devices(config, cluster_has_gpus=True)).reason == (
         "the actor and rollout-1 share GPU 0 of node 0 of resource pool spread")
     apart = load_config(None, ["resource_pools={spread: {gpus: 1, nodes: 2}}", "actor.pool=spread", "rollout.pool=spread"])
     assert pool_gpu_share(apart, "actor", "actor", 1) == 1  # alone on its node: its own GPU
-    assert predicted_transport(apart, cluster_has_gpus=True).transport == "nccl"
+    assert predicted_transport(apart, reserved_devices(apart, cluster_has_gpus=True)).transport == "nccl"
     # Bad input, named by its key before anything starts.
     with pytest.raises(ConfigError, match=r"resource_pools.spread.nodes 3: the pool holds 2 service\(s\) "
                                           r"\(actor, rollout-0\) and each node of a pool runs at least one"):

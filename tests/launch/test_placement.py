@@ -12,7 +12,7 @@ import pytest
 
 from rlfabric.core.config import ConfigError, load_config, load_run_config
 from rlfabric.launch.local import LocalMesh, service_names
-from rlfabric.launch.placement import plan_placement, predicted_transport
+from rlfabric.launch.placement import placed_devices, plan_placement, predicted_transport
 
 pytestmark = pytest.mark.slow
 
@@ -169,7 +169,8 @@ def test_the_local_launcher_predicts_the_transport_from_the_gpus_it_gives(overri
     else:
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
     config = load_config(None, overrides)
-    choice = predicted_transport(config, plan_placement(config, service_names(config), gpu_count), gpu_count)
+    placements = plan_placement(config, service_names(config), gpu_count)
+    choice = predicted_transport(config, placed_devices(config, placements, gpu_count))
     assert (choice.transport, choice.reason) == (transport, reason)
 
 
@@ -178,7 +179,7 @@ def test_nccl_forced_onto_one_gpu_is_refused_before_any_service_starts(tmp_path,
     config = load_config(None, ["weight_sync.transport=nccl"])
     with pytest.raises(ConfigError, match="weight_sync.transport nccl cannot run on these devices: the actor and "
                                           "rollout-0 share GPU 0"):
-        predicted_transport(config, plan_placement(config, service_names(config), 1), 1)
+        predicted_transport(config, placed_devices(config, plan_placement(config, service_names(config), 1), 1))
     # This machine has no GPU: the local launcher refuses it before it starts anything.
     with pytest.raises(ConfigError, match="weight_sync.transport nccl needs every member on a GPU"):
         with LocalMesh(load_run_config(None, ["weight_sync.transport=nccl"]), tmp_path / "run"):
@@ -194,12 +195,15 @@ def test_nccl_forced_onto_one_gpu_is_refused_before_any_service_starts(tmp_path,
 ])
 def test_the_ray_launcher_predicts_the_transport_from_what_it_reserves(overrides, transport, reason):
     ray_launcher = pytest.importorskip("rlfabric.launch.ray")
-    choice = ray_launcher.predicted_transport(load_config(None, overrides), cluster_has_gpus=True)
-    assert (choice.transport, choice.reason) == (transport, reason)
-    without_gpus = ray_launcher.predicted_transport(load_config(None, overrides), cluster_has_gpus=False)
+    def choice(config, cluster_has_gpus: bool):
+        return predicted_transport(config, ray_launcher.reserved_devices(config, cluster_has_gpus))
+
+    with_gpus = choice(load_config(None, overrides), cluster_has_gpus=True)
+    assert (with_gpus.transport, with_gpus.reason) == (transport, reason)
+    without_gpus = choice(load_config(None, overrides), cluster_has_gpus=False)
     assert (without_gpus.transport, without_gpus.reason) == ("gloo", "the actor is on CPU")
     with pytest.raises(ConfigError, match="weight_sync.transport nccl cannot run on these devices"):
-        ray_launcher.predicted_transport(load_config(None, [*SHARED, "weight_sync.transport=nccl"]), True)
+        choice(load_config(None, [*SHARED, "weight_sync.transport=nccl"]), True)
 
 
 def test_services_get_the_planned_threads_and_idle_openmp_threads_that_sleep(live_mesh):

@@ -48,9 +48,9 @@ def test_a_multi_turn_trajectory_is_the_rendered_conversation(smollm2):
         await engine.start()
         await env.start()
         try:
-            engine.agents = AgentRollouts(engine, LocalEnvClient(env))
+            agents = AgentRollouts(engine, engine.config, LocalEnvClient(env))
             prompt = AgentPrompt(QUESTION, AgentTask("smollm2-ask-again"))
-            return [sample async for sample in engine.generate([prompt], spec)]
+            return [sample async for sample in agents.generate([prompt], spec)]
         finally:
             await env.stop()
             await engine.stop()

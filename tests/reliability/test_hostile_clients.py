@@ -338,7 +338,8 @@ def test_a_generate_cannot_make_a_rollout_replica_call_an_address_of_its_choosin
         assert victim.calls == []
         with pytest.raises(BlockingIOError):
             listener.accept()  # nobody connected
-        assert list(replica.server.service.engine.agents._env_clients) == [env.address]  # bounded by its config
+        agents = replica.server.service.bindings[0].servicer.agents
+        assert list(agents._env_clients) == [env.address]  # bounded by its config
     finally:
         replica.stop()
         env.stop()

@@ -17,7 +17,7 @@ import pytest
 
 from rlfabric.core.errors import DeadlineExceeded, InvalidArgument, NotFound, ResourceExhausted, Unimplemented
 from rlfabric.rollout.engine import Generation, RolloutEngine
-from rlfabric.rollout.types import EngineLimits, Finish, FinishedSample, SamplingSpec
+from rlfabric.rollout.types import EngineLimits, Finish, FinishedSample, MultiTurnSpec, SamplingSpec
 
 from .helpers import rollout_config
 
@@ -189,6 +189,10 @@ def test_admission_refuses_past_the_pending_and_row_limits(make_engine):
         assert len(await asyncio.wait_for(held, 60)) == 1
         with pytest.raises(InvalidArgument, match="prompt 0 is empty"):
             await collect(engine, [[]])
+        # Multi-turn is served above the engine (rlfabric.rollout.agent_rollout), never by it.
+        with pytest.raises(InvalidArgument, match="the engine generates single turns"):
+            await collect(engine, [[5, 6]], multi_turn=MultiTurnSpec())
+        assert engine.status().queue_depth == 0
 
     run(make_engine("rollout.max_pending_requests=1", "rollout.max_rows_per_request=5"), scenario)
 

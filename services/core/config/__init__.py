@@ -15,10 +15,9 @@ from __future__ import annotations
 
 from rlfabric.core.config.actor import ActorConfig, CriticConfig, LoraConfig, ReferenceConfig
 from rlfabric.core.config.algorithm import AlgorithmConfig, FilterGroupsConfig, RolloutCorrectionConfig
-from rlfabric.core.config.base import DEFAULT_CONFIG_NAME, LOSS_MODE_AGGREGATION, ROLES, ConfigError, Section
+from rlfabric.core.config.base import DEFAULT_CONFIG_NAME, LOSS_MODE_AGGREGATION, ConfigError, Section
 from rlfabric.core.config.env import EnvConfig, PythonToolConfig
 from rlfabric.core.config.launcher import (
-    POOL_ROLES,
     LauncherConfig,
     RayLauncherConfig,
     RayResources,
@@ -56,7 +55,6 @@ from rlfabric.core.config.trainer import MlflowConfig, TrainerConfig, WandbConfi
 from rlfabric.core.config.weight_sync import ADAPTER_ENGINES, WeightSyncConfig
 
 __all__ = [
-    "ROLES",
     "LOSS_MODE_AGGREGATION",
     "DEFAULT_CONFIG_NAME",
     "ConfigError",
@@ -91,7 +89,6 @@ __all__ = [
     "StorageConfig",
     "TracingConfig",
     "LauncherConfig",
-    "POOL_ROLES",
     "ResourcePoolConfig",
     "RunConfig",
     "default_config_path",

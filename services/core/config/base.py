@@ -1,4 +1,4 @@
-"""What every section shares: the base class (unknown keys are errors, field docstrings are the docs), the config error, the role names."""
+"""What every section shares: the base class (unknown keys are errors, field docstrings are the docs), the config error."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from pydantic import (
     ConfigDict,
 )
 
-ROLES = ("actor", "reference", "critic", "rollout", "reward", "env", "coordinator")
 # Policy loss modes whose own loss aggregation differs from actor.loss_agg_mode's default, token-mean.
 LOSS_MODE_AGGREGATION = {"gspo": "seq-mean-token-mean"}
 DEFAULT_CONFIG_NAME = "quickstart.yaml"

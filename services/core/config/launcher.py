@@ -46,9 +46,6 @@ class LauncherConfig(Section):
     """Resources and namespace of the Ray launcher."""
 
 
-POOL_ROLES = ("actor", "reference", "critic", "rollout", "reward", "env")  # roles whose section has a `pool` key
-
-
 class ResourcePoolConfig(Section):
     """A set of devices some roles share (VeRL's resource pool). Roles in one pool are colocated on its devices
     (with trainer.colocated the rollout sleeps while the actor trains); roles in different pools never meet."""

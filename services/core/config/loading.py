@@ -70,7 +70,7 @@ def set_key(tree: dict[str, Any], key: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
-def _describe(error: ValidationError) -> str:
+def _describe_validation_error(error: ValidationError) -> str:
     lines = []
     for item in error.errors():
         key = ".".join(str(p) for p in item["loc"])
@@ -88,7 +88,7 @@ def config_from_dict(tree: dict[str, Any]) -> RunConfig:
     try:
         return RunConfig.model_validate(tree)
     except ValidationError as error:
-        raise ConfigError(_describe(error)) from None
+        raise ConfigError(_describe_validation_error(error)) from None
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> RunConfig:

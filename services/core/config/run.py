@@ -6,9 +6,9 @@ from pydantic import model_validator
 
 from rlfabric.core.config.actor import ActorConfig, CriticConfig, ReferenceConfig
 from rlfabric.core.config.algorithm import AlgorithmConfig
-from rlfabric.core.config.base import ROLES, Section
+from rlfabric.core.config.base import Section
 from rlfabric.core.config.env import EnvConfig
-from rlfabric.core.config.launcher import POOL_ROLES, LauncherConfig, ResourcePoolConfig
+from rlfabric.core.config.launcher import LauncherConfig, ResourcePoolConfig
 from rlfabric.core.config.model import DataConfig, ModelConfig
 from rlfabric.core.config.reward import RewardConfig
 from rlfabric.core.config.rollout import RolloutConfig
@@ -21,6 +21,7 @@ from rlfabric.core.config.server import (
 )
 from rlfabric.core.config.trainer import TrainerConfig
 from rlfabric.core.config.weight_sync import ADAPTER_ENGINES, WeightSyncConfig
+from rlfabric.core.roles import POOL_ROLES, ROLES, TRAINER_ROLES
 
 # Attention backends that separate packed sequences: sdpa and eager by the positions (a causal, same-sequence
 # mask), flash attention by its variable-length path. Not flex_attention: no backward on CPU.
@@ -72,7 +73,7 @@ class RunConfig(Section):
     @model_validator(mode="after")
     def _packing_has_a_backend(self) -> RunConfig:
         """<role>.use_remove_padding needs an attention backend that keeps packed sequences apart."""
-        packing = [f"{role}.use_remove_padding" for role in ("actor", "reference", "critic")
+        packing = [f"{role}.use_remove_padding" for role in TRAINER_ROLES
                    if getattr(self, role).use_remove_padding]
         backend = self.model.attn_implementation
         if packing and backend not in PACKING_BACKENDS:
@@ -84,7 +85,7 @@ class RunConfig(Section):
     @model_validator(mode="after")
     def _trainer_tensor_parallel_fits(self) -> RunConfig:
         """<role>.tensor_parallel_size divides the role's world_size, and the actor's LoRA adapters are not split."""
-        for role in ("actor", "reference", "critic"):
+        for role in TRAINER_ROLES:
             section = getattr(self, role)
             tp, world_size = section.tensor_parallel_size, section.world_size
             if world_size % tp:
