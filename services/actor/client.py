@@ -29,7 +29,7 @@ from rlfabric.trainer.client import (
     decoded_tensors,
     log_probs_input,
 )
-from rlfabric.v1 import actor_pb2, actor_pb2_grpc
+from rlfabric.v1 import actor_pb2, actor_pb2_grpc, common_pb2
 from rlfabric.weight_sync import Manifest, SyncGroup
 from rlfabric.weight_sync.grpc_stream import PushResult
 from rlfabric.weight_sync.manifest import transport_to_proto
@@ -100,11 +100,11 @@ class ActorClient(ServiceClient, ActorInterface):
         return dict((await self.call("UpdatePolicy", request, timeout_s)).metrics)
 
     async def save_checkpoint(self, path: str, timeout_s: float | None = None) -> int:
-        request = actor_pb2.SaveCheckpointRequest(location=actor_pb2.CheckpointLocation(path=str(path)))
+        request = actor_pb2.SaveCheckpointRequest(location=common_pb2.CheckpointLocation(path=str(path)))
         return (await self.call("SaveCheckpoint", request, timeout_s)).num_bytes
 
     async def load_checkpoint(self, path: str, timeout_s: float | None = None) -> int:
-        request = actor_pb2.LoadCheckpointRequest(location=actor_pb2.CheckpointLocation(path=str(path)))
+        request = actor_pb2.LoadCheckpointRequest(location=common_pb2.CheckpointLocation(path=str(path)))
         return (await self.call("LoadCheckpoint", request, timeout_s)).optimizer_step
 
     async def export_hf(self, path: str, timeout_s: float | None = None) -> int:

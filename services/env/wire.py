@@ -24,7 +24,7 @@ from rlfabric.env.items import (
     check_observation,
     check_step_result,
 )
-from rlfabric.v1 import environment_pb2, rollout_pb2
+from rlfabric.v1 import common_pb2, environment_pb2
 
 _STATUS_TO_WIRE = {
     STEP_OK: environment_pb2.STEP_STATUS_OK,
@@ -114,7 +114,7 @@ def step_response(result: StepResult) -> environment_pb2.StepResponse:
 
 
 def _observation(messages: list[Message]) -> environment_pb2.Observation:
-    return environment_pb2.Observation(messages=[rollout_pb2.ChatMessage(role=m.role, content=m.content)
+    return environment_pb2.Observation(messages=[common_pb2.ChatMessage(role=m.role, content=m.content)
                                                  for m in messages])
 
 

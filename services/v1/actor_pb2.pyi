@@ -1,3 +1,4 @@
+from rlfabric.v1 import common_pb2 as _common_pb2
 from rlfabric.v1 import tensor_pb2 as _tensor_pb2
 from rlfabric.v1 import weight_sync_pb2 as _weight_sync_pb2
 from google.protobuf.internal import containers as _containers
@@ -8,23 +9,11 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
-class LogProbsInput(_message.Message):
-    __slots__ = ("batch", "temperature", "compute_entropy", "base_model")
-    BATCH_FIELD_NUMBER: _ClassVar[int]
-    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
-    COMPUTE_ENTROPY_FIELD_NUMBER: _ClassVar[int]
-    BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
-    batch: _tensor_pb2.Batch
-    temperature: float
-    compute_entropy: bool
-    base_model: bool
-    def __init__(self, batch: _Optional[_Union[_tensor_pb2.Batch, _Mapping]] = ..., temperature: _Optional[float] = ..., compute_entropy: _Optional[bool] = ..., base_model: _Optional[bool] = ...) -> None: ...
-
 class ComputeLogProbsRequest(_message.Message):
     __slots__ = ("input",)
     INPUT_FIELD_NUMBER: _ClassVar[int]
-    input: LogProbsInput
-    def __init__(self, input: _Optional[_Union[LogProbsInput, _Mapping]] = ...) -> None: ...
+    input: _common_pb2.LogProbsInput
+    def __init__(self, input: _Optional[_Union[_common_pb2.LogProbsInput, _Mapping]] = ...) -> None: ...
 
 class ComputeLogProbsResponse(_message.Message):
     __slots__ = ("outputs",)
@@ -53,17 +42,11 @@ class UpdatePolicyResponse(_message.Message):
     metrics: _containers.ScalarMap[str, float]
     def __init__(self, metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
-class CheckpointLocation(_message.Message):
-    __slots__ = ("path",)
-    PATH_FIELD_NUMBER: _ClassVar[int]
-    path: str
-    def __init__(self, path: _Optional[str] = ...) -> None: ...
-
 class SaveCheckpointRequest(_message.Message):
     __slots__ = ("location",)
     LOCATION_FIELD_NUMBER: _ClassVar[int]
-    location: CheckpointLocation
-    def __init__(self, location: _Optional[_Union[CheckpointLocation, _Mapping]] = ...) -> None: ...
+    location: _common_pb2.CheckpointLocation
+    def __init__(self, location: _Optional[_Union[_common_pb2.CheckpointLocation, _Mapping]] = ...) -> None: ...
 
 class SaveCheckpointResponse(_message.Message):
     __slots__ = ("num_bytes",)
@@ -74,8 +57,8 @@ class SaveCheckpointResponse(_message.Message):
 class LoadCheckpointRequest(_message.Message):
     __slots__ = ("location",)
     LOCATION_FIELD_NUMBER: _ClassVar[int]
-    location: CheckpointLocation
-    def __init__(self, location: _Optional[_Union[CheckpointLocation, _Mapping]] = ...) -> None: ...
+    location: _common_pb2.CheckpointLocation
+    def __init__(self, location: _Optional[_Union[_common_pb2.CheckpointLocation, _Mapping]] = ...) -> None: ...
 
 class LoadCheckpointResponse(_message.Message):
     __slots__ = ("optimizer_step",)

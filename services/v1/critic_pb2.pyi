@@ -1,4 +1,4 @@
-from rlfabric.v1 import actor_pb2 as _actor_pb2
+from rlfabric.v1 import common_pb2 as _common_pb2
 from rlfabric.v1 import tensor_pb2 as _tensor_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
@@ -44,8 +44,8 @@ class UpdateValuesResponse(_message.Message):
 class CriticServiceSaveCheckpointRequest(_message.Message):
     __slots__ = ("location",)
     LOCATION_FIELD_NUMBER: _ClassVar[int]
-    location: _actor_pb2.CheckpointLocation
-    def __init__(self, location: _Optional[_Union[_actor_pb2.CheckpointLocation, _Mapping]] = ...) -> None: ...
+    location: _common_pb2.CheckpointLocation
+    def __init__(self, location: _Optional[_Union[_common_pb2.CheckpointLocation, _Mapping]] = ...) -> None: ...
 
 class CriticServiceSaveCheckpointResponse(_message.Message):
     __slots__ = ("num_bytes",)
@@ -56,8 +56,8 @@ class CriticServiceSaveCheckpointResponse(_message.Message):
 class CriticServiceLoadCheckpointRequest(_message.Message):
     __slots__ = ("location",)
     LOCATION_FIELD_NUMBER: _ClassVar[int]
-    location: _actor_pb2.CheckpointLocation
-    def __init__(self, location: _Optional[_Union[_actor_pb2.CheckpointLocation, _Mapping]] = ...) -> None: ...
+    location: _common_pb2.CheckpointLocation
+    def __init__(self, location: _Optional[_Union[_common_pb2.CheckpointLocation, _Mapping]] = ...) -> None: ...
 
 class CriticServiceLoadCheckpointResponse(_message.Message):
     __slots__ = ("optimizer_step",)

@@ -1,4 +1,4 @@
-from rlfabric.v1 import rollout_pb2 as _rollout_pb2
+from rlfabric.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -64,8 +64,8 @@ class Action(_message.Message):
 class Observation(_message.Message):
     __slots__ = ("messages",)
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
-    messages: _containers.RepeatedCompositeFieldContainer[_rollout_pb2.ChatMessage]
-    def __init__(self, messages: _Optional[_Iterable[_Union[_rollout_pb2.ChatMessage, _Mapping]]] = ...) -> None: ...
+    messages: _containers.RepeatedCompositeFieldContainer[_common_pb2.ChatMessage]
+    def __init__(self, messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ...) -> None: ...
 
 class ResetRequest(_message.Message):
     __slots__ = ("task",)

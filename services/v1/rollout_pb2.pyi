@@ -1,3 +1,4 @@
+from rlfabric.v1 import common_pb2 as _common_pb2
 from rlfabric.v1 import weight_sync_pb2 as _weight_sync_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
@@ -19,23 +20,15 @@ FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_ABORT: FinishReason
 
-class ChatMessage(_message.Message):
-    __slots__ = ("role", "content")
-    ROLE_FIELD_NUMBER: _ClassVar[int]
-    CONTENT_FIELD_NUMBER: _ClassVar[int]
-    role: str
-    content: str
-    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
-
 class Prompt(_message.Message):
     __slots__ = ("token_ids", "messages", "task")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     TASK_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    messages: _containers.RepeatedCompositeFieldContainer[_common_pb2.ChatMessage]
     task: AgentTask
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., task: _Optional[_Union[AgentTask, _Mapping]] = ...) -> None: ...
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ..., task: _Optional[_Union[AgentTask, _Mapping]] = ...) -> None: ...
 
 class AgentTask(_message.Message):
     __slots__ = ("environment", "ground_truth", "extra_info_json")

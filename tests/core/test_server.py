@@ -18,6 +18,7 @@ from rlfabric.core.server import ServerOptions
 from rlfabric.v1 import (
     actor_pb2,
     actor_pb2_grpc,
+    common_pb2,
     coordinator_pb2,
     coordinator_pb2_grpc,
     reward_pb2,
@@ -111,7 +112,7 @@ def test_unimplemented_rpc_answers_unimplemented(probe):
 
 def _compute_log_probs(channel, batch: tensor_pb2.Batch):
     stub = actor_pb2_grpc.ActorServiceStub(channel)
-    return stub.ComputeLogProbs(actor_pb2.ComputeLogProbsRequest(input=actor_pb2.LogProbsInput(batch=batch)), timeout=10)
+    return stub.ComputeLogProbs(actor_pb2.ComputeLogProbsRequest(input=common_pb2.LogProbsInput(batch=batch)), timeout=10)
 
 
 def test_malformed_tensor_is_invalid_argument(probe):

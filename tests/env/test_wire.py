@@ -19,7 +19,7 @@ from rlfabric.env.items import (
     ToolCall,
     ToolSpec,
 )
-from rlfabric.v1 import environment_pb2, rollout_pb2
+from rlfabric.v1 import common_pb2, environment_pb2
 
 WHO = "the environment service at 127.0.0.1:1"
 
@@ -45,7 +45,7 @@ def reset_answer(**fields) -> environment_pb2.ResetResponse:
     (reset_answer(tools=[environment_pb2.ToolSpec(name="t", parameters_json="[1]")]), "not an object"),
     (reset_answer(tools=[environment_pb2.ToolSpec(parameters_json="{}")]), "without a name"),
     (reset_answer(observation=environment_pb2.Observation(
-        messages=[rollout_pb2.ChatMessage(role="assistant", content="x")])), "role 'assistant'"),
+        messages=[common_pb2.ChatMessage(role="assistant", content="x")])), "role 'assistant'"),
 ])
 def test_a_reset_answer_out_of_contract_is_invalid_argument(answer, says):
     with pytest.raises(InvalidArgument, match=says) as info:

@@ -17,6 +17,7 @@ from rlfabric.core import codec
 from rlfabric.core.config import RunConfig, config_from_dict
 from rlfabric.v1 import (
     actor_pb2,
+    common_pb2,
     coordinator_pb2,
     critic_pb2,
     reference_pb2,
@@ -168,10 +169,10 @@ def trainer_request(method: Method, tensors: dict[str, torch.Tensor], temperatur
     batch = tensors if isinstance(tensors, codec.tensor_pb2.Batch) else codec.encode_batch(tensors)
     name = (method.service.removeprefix("rlfabric.v1."), method.name)
     if name == ("ActorService", "ComputeLogProbs"):
-        return actor_pb2.ComputeLogProbsRequest(input=actor_pb2.LogProbsInput(batch=batch, temperature=temperature))
+        return actor_pb2.ComputeLogProbsRequest(input=common_pb2.LogProbsInput(batch=batch, temperature=temperature))
     if name == ("ReferenceService", "ComputeLogProbs"):
         return reference_pb2.ReferenceServiceComputeLogProbsRequest(
-            input=actor_pb2.LogProbsInput(batch=batch, temperature=temperature))
+            input=common_pb2.LogProbsInput(batch=batch, temperature=temperature))
     if name == ("ActorService", "UpdatePolicy"):
         return actor_pb2.UpdatePolicyRequest(batch=batch, global_step=1)
     if name == ("CriticService", "ComputeValues"):

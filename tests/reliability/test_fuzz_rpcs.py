@@ -35,6 +35,7 @@ from rlfabric.serve import build_service as build_role_service
 from rlfabric.serve import build_service as build_trainer_service
 from rlfabric.v1 import (
     actor_pb2,
+    common_pb2,
     coordinator_pb2,
     critic_pb2,
     reference_pb2,
@@ -288,7 +289,7 @@ def test_score_structured_garbage(addresses):
 
 any_int64 = st.integers(-(2**63), 2**63 - 1)
 any_int32 = st.integers(-(2**31), 2**31 - 1)
-chat = st.lists(st.builds(rollout_pb2.ChatMessage, role=st.one_of(st.sampled_from(["user", "system"]), texts),
+chat = st.lists(st.builds(common_pb2.ChatMessage, role=st.one_of(st.sampled_from(["user", "system"]), texts),
                           content=texts), min_size=1, max_size=2)
 good_prompt = st.one_of(st.lists(st.integers(4, VOCAB - 1), min_size=1, max_size=6).map(
     lambda ids: rollout_pb2.Prompt(token_ids=ids)), chat.map(lambda messages: rollout_pb2.Prompt(messages=messages)))

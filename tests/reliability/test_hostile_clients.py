@@ -42,6 +42,7 @@ from rlfabric.serve import build_service as build_trainer_service
 from rlfabric.v1 import (
     actor_pb2,
     actor_pb2_grpc,
+    common_pb2,
     coordinator_pb2,
     coordinator_pb2_grpc,
     reward_pb2,
@@ -707,7 +708,7 @@ def test_refused_large_tensors_do_not_stay_resident_in_the_actor(tiny_model, tmp
         stub = actor_pb2_grpc.ActorServiceStub(service.channel)
         batch = codec.encode_batch({"input_ids": torch.zeros(2, 3, dtype=torch.int64)})
         batch.tensors["input_ids"].raw_data = bytes(100 << 20)  # 100 MiB for 6 int64s
-        malformed = actor_pb2.ComputeLogProbsRequest(input=actor_pb2.LogProbsInput(batch=batch))
+        malformed = actor_pb2.ComputeLogProbsRequest(input=common_pb2.LogProbsInput(batch=batch))
         assert_stays_small(service, [(stub.ComputeLogProbs, malformed, grpc.StatusCode.INVALID_ARGUMENT)])
         assert stub.GetStatus(actor_pb2.ActorServiceGetStatusRequest(), timeout=10).num_parameters > 0
     finally:
