@@ -8,19 +8,19 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
-class ComputeValuesRequest(_message.Message):
+class CriticServiceComputeValuesRequest(_message.Message):
     __slots__ = ("batch",)
     BATCH_FIELD_NUMBER: _ClassVar[int]
     batch: _tensor_pb2.Batch
     def __init__(self, batch: _Optional[_Union[_tensor_pb2.Batch, _Mapping]] = ...) -> None: ...
 
-class ComputeValuesResponse(_message.Message):
+class CriticServiceComputeValuesResponse(_message.Message):
     __slots__ = ("outputs",)
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     outputs: _tensor_pb2.Batch
     def __init__(self, outputs: _Optional[_Union[_tensor_pb2.Batch, _Mapping]] = ...) -> None: ...
 
-class UpdateValuesRequest(_message.Message):
+class CriticServiceUpdateValuesRequest(_message.Message):
     __slots__ = ("batch", "global_step")
     BATCH_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_STEP_FIELD_NUMBER: _ClassVar[int]
@@ -28,7 +28,7 @@ class UpdateValuesRequest(_message.Message):
     global_step: int
     def __init__(self, batch: _Optional[_Union[_tensor_pb2.Batch, _Mapping]] = ..., global_step: _Optional[int] = ...) -> None: ...
 
-class UpdateValuesResponse(_message.Message):
+class CriticServiceUpdateValuesResponse(_message.Message):
     __slots__ = ("metrics",)
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")

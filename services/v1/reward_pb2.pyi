@@ -60,13 +60,13 @@ class ScoreResult(_message.Message):
     metrics: _containers.ScalarMap[str, float]
     def __init__(self, score: _Optional[float] = ..., status: _Optional[_Union[ScoreStatus, str]] = ..., message: _Optional[str] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
-class ScoreRequest(_message.Message):
+class RewardServiceScoreRequest(_message.Message):
     __slots__ = ("items",)
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     items: _containers.RepeatedCompositeFieldContainer[ScoreItem]
     def __init__(self, items: _Optional[_Iterable[_Union[ScoreItem, _Mapping]]] = ...) -> None: ...
 
-class ScoreResponse(_message.Message):
+class RewardServiceScoreResponse(_message.Message):
     __slots__ = ("results",)
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[ScoreResult]

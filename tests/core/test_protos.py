@@ -58,6 +58,19 @@ def test_no_service_proto_imports_another_services_proto():
     assert {"rlfabric/v1/common.proto", "rlfabric/v1/tensor.proto"} <= set(protos) and len(services) == 7
 
 
+def test_request_and_response_messages_are_named_after_service_and_rpc():
+    """<Service><Rpc>Request and <Service><Rpc>Response, in every service (protos/README.md)."""
+    misnamed = []
+    for path in sorted((PROTO_ROOT / "rlfabric" / "v1").glob("*.proto")):
+        module = importlib.import_module(f"rlfabric.v1.{path.stem}_pb2")
+        for service in module.DESCRIPTOR.services_by_name.values():
+            for method in service.methods:
+                expected = (f"{service.name}{method.name}Request", f"{service.name}{method.name}Response")
+                if (method.input_type.name, method.output_type.name) != expected:
+                    misnamed.append(f"{service.name}.{method.name}: {method.input_type.name}, {method.output_type.name}")
+    assert misnamed == []
+
+
 def _git(*args: str) -> str:
     return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, check=True).stdout
 

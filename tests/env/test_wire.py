@@ -35,8 +35,8 @@ def test_requests_and_answers_round_trip():
     assert wire.step_from_response(wire.step_response(result), WHO) == result
 
 
-def reset_answer(**fields) -> environment_pb2.ResetResponse:
-    return environment_pb2.ResetResponse(**{"session_id": "s1", **fields})
+def reset_answer(**fields) -> environment_pb2.EnvironmentServiceResetResponse:
+    return environment_pb2.EnvironmentServiceResetResponse(**{"session_id": "s1", **fields})
 
 
 @pytest.mark.parametrize(("answer", "says"), [
@@ -54,10 +54,10 @@ def test_a_reset_answer_out_of_contract_is_invalid_argument(answer, says):
 
 
 @pytest.mark.parametrize(("answer", "says"), [
-    (environment_pb2.StepResponse(status=0), "status 0 .STEP_STATUS_UNSPECIFIED."),
-    (environment_pb2.StepResponse(status=99), "status 99 .unknown."),
-    (environment_pb2.StepResponse(status=1, reward=math.inf), "reward inf"),
-    (environment_pb2.StepResponse(status=1, metrics={"x": math.nan}), "metric 'x'=nan"),
+    (environment_pb2.EnvironmentServiceStepResponse(status=0), "status 0 .STEP_STATUS_UNSPECIFIED."),
+    (environment_pb2.EnvironmentServiceStepResponse(status=99), "status 99 .unknown."),
+    (environment_pb2.EnvironmentServiceStepResponse(status=1, reward=math.inf), "reward inf"),
+    (environment_pb2.EnvironmentServiceStepResponse(status=1, metrics={"x": math.nan}), "metric 'x'=nan"),
 ])
 def test_a_step_answer_out_of_contract_is_invalid_argument(answer, says):
     with pytest.raises(InvalidArgument, match=says):

@@ -221,7 +221,7 @@ async def _first_of_two_streams(address: str, chunks: list[bytes], timeout_s: fl
     started = asyncio.get_running_loop().time()
     async with aio.insecure_channel(address) as channel:
         call = channel.stream_unary(PUSH_METHOD, request_serializer=None,
-                                    response_deserializer=rollout_pb2.PushWeightsResponse.FromString)
+                                    response_deserializer=rollout_pb2.RolloutServicePushWeightsResponse.FromString)
         try:
             await call(iter([chunks[0], *chunks[1::2]]), timeout=timeout_s, metadata=((STREAMS_METADATA, "2"),))
         except grpc.RpcError as error:
