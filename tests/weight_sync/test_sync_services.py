@@ -38,7 +38,7 @@ TOLERANCE = 1e-3
 
 @pytest.fixture(scope="module", params=["gloo", "grpc"])
 def mesh(request, tiny_model):
-    config = mesh_config(tiny_model, f"weight_sync.transport={request.param}")
+    config = mesh_config(tiny_model, f"weight_sync.transport={request.param}", "reference.ref_model_mixup_alpha=1.0")
     mesh = Mesh(config, {"r0": config, "r1": config}, reference=request.param == "gloo")
     reference = mesh.reference.address if mesh.reference else None
     plane = mesh.run(_plane(mesh, reference))
