@@ -58,7 +58,7 @@ SECONDS = 10.0
 CALL_DEADLINE_S = 60.0
 SCORE_ITEMS = 64
 PROMPT = [1 + (j * 7) % 90 for j in range(16)]
-GENERATE = rollout_pb2.GenerateRequest(
+GENERATE = rollout_pb2.RolloutServiceGenerateRequest(
     prompts=[rollout_pb2.Prompt(token_ids=PROMPT)],
     sampling_params=rollout_pb2.SamplingParams(n=1, max_tokens=8, temperature=1.0, top_p=1.0, logprobs=True),
 )

@@ -29,7 +29,7 @@ from rlfabric.trainer.client import (
     decoded_tensors,
     log_probs_input,
 )
-from rlfabric.v1 import actor_pb2, actor_pb2_grpc
+from rlfabric.v1 import actor_pb2, actor_pb2_grpc, common_pb2
 from rlfabric.weight_sync import Manifest, SyncGroup
 from rlfabric.weight_sync.grpc_stream import PushResult
 from rlfabric.weight_sync.manifest import transport_to_proto
@@ -90,25 +90,25 @@ class ActorClient(ServiceClient, ActorInterface):
 
     async def compute_log_probs(self, batch: Tensors, temperature: float = 1.0, compute_entropy: bool = False,
                                 timeout_s: float | None = None, base_model: bool = False) -> dict[str, torch.Tensor]:
-        request = actor_pb2.ComputeLogProbsRequest(
+        request = actor_pb2.ActorServiceComputeLogProbsRequest(
             input=log_probs_input(batch, temperature, compute_entropy, base_model))
         return decoded_tensors((await self.call("ComputeLogProbs", request, timeout_s)).outputs)
 
     async def update_policy(self, batch: Tensors, global_step: int = 0,
                             timeout_s: float | None = None) -> dict[str, float]:
-        request = actor_pb2.UpdatePolicyRequest(batch=codec.encode_batch(batch), global_step=global_step)
+        request = actor_pb2.ActorServiceUpdatePolicyRequest(batch=codec.encode_batch(batch), global_step=global_step)
         return dict((await self.call("UpdatePolicy", request, timeout_s)).metrics)
 
     async def save_checkpoint(self, path: str, timeout_s: float | None = None) -> int:
-        request = actor_pb2.SaveCheckpointRequest(location=actor_pb2.CheckpointLocation(path=str(path)))
+        request = actor_pb2.ActorServiceSaveCheckpointRequest(location=common_pb2.CheckpointLocation(path=str(path)))
         return (await self.call("SaveCheckpoint", request, timeout_s)).num_bytes
 
     async def load_checkpoint(self, path: str, timeout_s: float | None = None) -> int:
-        request = actor_pb2.LoadCheckpointRequest(location=actor_pb2.CheckpointLocation(path=str(path)))
+        request = actor_pb2.ActorServiceLoadCheckpointRequest(location=common_pb2.CheckpointLocation(path=str(path)))
         return (await self.call("LoadCheckpoint", request, timeout_s)).optimizer_step
 
     async def export_hf(self, path: str, timeout_s: float | None = None) -> int:
-        return (await self.call("ExportHF", actor_pb2.ExportHFRequest(path=str(path)), timeout_s)).num_bytes
+        return (await self.call("ExportHF", actor_pb2.ActorServiceExportHFRequest(path=str(path)), timeout_s)).num_bytes
 
     async def get_status(self) -> actor_pb2.ActorServiceGetStatusResponse:
         return await self.call("GetStatus", actor_pb2.ActorServiceGetStatusRequest())
@@ -116,25 +116,26 @@ class ActorClient(ServiceClient, ActorInterface):
     async def open_weight_sync_group(self, transport: str, num_receivers: int, bucket_bytes: int = 0,
                                      target_dtype: torch.dtype | None = None, timeout_s: float = 0.0,
                                      grpc_receiver_addresses: tuple[str, ...] = ()) -> SyncGroup:
-        request = actor_pb2.OpenWeightSyncGroupRequest(
+        request = actor_pb2.ActorServiceOpenWeightSyncGroupRequest(
             transport=transport_to_proto(transport), num_receivers=num_receivers, bucket_bytes=bucket_bytes,
             target_dtype=codec.wire_dtype(target_dtype) if target_dtype is not None else 0, timeout_s=timeout_s,
             grpc_receiver_addresses=list(grpc_receiver_addresses))
         return SyncGroup.from_proto((await self.call("OpenWeightSyncGroup", request)).group)
 
     async def prepare_weight_sync(self, group_id: str, version: int, timeout_s: float | None = None) -> Manifest:
-        request = actor_pb2.PrepareWeightSyncRequest(group_id=group_id, version=version)
+        request = actor_pb2.ActorServicePrepareWeightSyncRequest(group_id=group_id, version=version)
         return Manifest.from_proto((await self.call("PrepareWeightSync", request, timeout_s)).manifest)
 
     async def broadcast_weights(self, group_id: str, version: int, timeout_s: float | None = None) -> BroadcastResult:
-        request = actor_pb2.BroadcastWeightsRequest(group_id=group_id, version=version)
+        request = actor_pb2.ActorServiceBroadcastWeightsRequest(group_id=group_id, version=version)
         response = await self.call("BroadcastWeights", request, timeout_s)
         pushes = tuple(PushResult(p.address, p.version, p.paused_seconds, p.error, SyncPhases.from_proto(p.phases))
                        for p in response.pushes)
         return BroadcastResult(response.num_bytes, response.seconds, pushes, SyncPhases.from_proto(response.phases))
 
     async def close_weight_sync_group(self, group_id: str, timeout_s: float | None = None) -> None:
-        await self.call("CloseWeightSyncGroup", actor_pb2.CloseWeightSyncGroupRequest(group_id=group_id), timeout_s)
+        request = actor_pb2.ActorServiceCloseWeightSyncGroupRequest(group_id=group_id)
+        await self.call("CloseWeightSyncGroup", request, timeout_s)
 
 
 class LocalActorClient(LocalTrainerClient, ActorInterface):

@@ -25,46 +25,46 @@ class ActorServicer(actor_pb2_grpc.ActorServiceServicer):
     async def ComputeLogProbs(self, request, context):
         tensors, temperature, entropy = decode_log_probs_input(request.input)
         outputs = await self.engine.compute(tensors, temperature, entropy, base_model=request.input.base_model)
-        return actor_pb2.ComputeLogProbsResponse(outputs=codec.encode_batch(outputs))
+        return actor_pb2.ActorServiceComputeLogProbsResponse(outputs=codec.encode_batch(outputs))
 
     async def UpdatePolicy(self, request, context):
         batch = codec.decode_batch(request.batch, *POLICY_UPDATE_BATCH)
         metrics = await self.engine.update(batch.tensors, request.global_step)
-        return actor_pb2.UpdatePolicyResponse(metrics=metrics)
+        return actor_pb2.ActorServiceUpdatePolicyResponse(metrics=metrics)
 
     async def SaveCheckpoint(self, request, context):
         num_bytes = await self.engine.save_checkpoint(request.location.path)
-        return actor_pb2.SaveCheckpointResponse(num_bytes=num_bytes)
+        return actor_pb2.ActorServiceSaveCheckpointResponse(num_bytes=num_bytes)
 
     async def LoadCheckpoint(self, request, context):
         step = await self.engine.load_checkpoint(request.location.path)
-        return actor_pb2.LoadCheckpointResponse(optimizer_step=step)
+        return actor_pb2.ActorServiceLoadCheckpointResponse(optimizer_step=step)
 
     async def ExportHF(self, request, context):
         num_bytes = await self.engine.export_hf(request.path)
-        return actor_pb2.ExportHFResponse(num_bytes=num_bytes)
+        return actor_pb2.ActorServiceExportHFResponse(num_bytes=num_bytes)
 
     async def OpenWeightSyncGroup(self, request, context):
         dtype = codec.torch_dtype(request.target_dtype) if request.target_dtype else None
         group = await self.engine.open_weight_sync(
             transport_from_proto(request.transport), request.num_receivers, request.bucket_bytes, dtype,
             request.timeout_s, tuple(request.grpc_receiver_addresses))
-        return actor_pb2.OpenWeightSyncGroupResponse(group=group.to_proto())
+        return actor_pb2.ActorServiceOpenWeightSyncGroupResponse(group=group.to_proto())
 
     async def PrepareWeightSync(self, request, context):
         manifest = await self.engine.prepare_weight_sync(request.group_id, request.version)
-        return actor_pb2.PrepareWeightSyncResponse(manifest=manifest.to_proto())
+        return actor_pb2.ActorServicePrepareWeightSyncResponse(manifest=manifest.to_proto())
 
     async def BroadcastWeights(self, request, context):
         result = await self.engine.broadcast_weights(request.group_id, request.version)
-        return actor_pb2.BroadcastWeightsResponse(num_bytes=result.num_bytes, seconds=result.seconds, pushes=[
-            actor_pb2.WeightPushResult(address=p.address, version=p.version, paused_seconds=p.paused_seconds,
-                                       error=p.error, phases=p.phases.to_proto()) for p in result.pushes],
-            phases=result.phases.to_proto())
+        pushes = [actor_pb2.WeightPushResult(address=p.address, version=p.version, paused_seconds=p.paused_seconds,
+                                             error=p.error, phases=p.phases.to_proto()) for p in result.pushes]
+        return actor_pb2.ActorServiceBroadcastWeightsResponse(num_bytes=result.num_bytes, seconds=result.seconds,
+                                                              pushes=pushes, phases=result.phases.to_proto())
 
     async def CloseWeightSyncGroup(self, request, context):
         await self.engine.close_weight_sync(request.group_id)
-        return actor_pb2.CloseWeightSyncGroupResponse()
+        return actor_pb2.ActorServiceCloseWeightSyncGroupResponse()
 
     async def GetStatus(self, request, context):
         status = self.engine.status()

@@ -31,17 +31,18 @@ class CoordinatorInterface(RoleInterface):
 
     @abstractmethod
     async def start_run(self, overrides: Sequence[str] = (),
-                        timeout_s: float | None = None) -> coordinator_pb2.StartRunResponse:
+                        timeout_s: float | None = None) -> coordinator_pb2.CoordinatorServiceStartRunResponse:
         """Starts a run of the service's config with `overrides` ("key=value"); returns its id and the
         step it starts from (above 0 when it resumes)."""
 
     @abstractmethod
-    async def run_status(self, timeout_s: float | None = None) -> coordinator_pb2.GetRunStatusResponse:
+    async def run_status(
+            self, timeout_s: float | None = None) -> coordinator_pb2.CoordinatorServiceGetRunStatusResponse:
         """State, step, phase and error of the current (or last) run."""
 
     @abstractmethod
-    def stream_metrics(self, from_step: int = 0,
-                       timeout_s: float | None = None) -> AsyncIterator[coordinator_pb2.StreamMetricsResponse]:
+    def stream_metrics(self, from_step: int = 0, timeout_s: float | None = None,
+                       ) -> AsyncIterator[coordinator_pb2.CoordinatorServiceStreamMetricsResponse]:
         """The metrics of every finished step from `from_step` on (older steps replayed from the run's
         history), until the run ends or the deadline passes."""
 
@@ -70,26 +71,29 @@ class CoordinatorClient(ServiceClient, CoordinatorInterface):
     stub_class = coordinator_pb2_grpc.CoordinatorServiceStub
 
     async def start_run(self, overrides: Sequence[str] = (),
-                        timeout_s: float | None = None) -> coordinator_pb2.StartRunResponse:
-        return await self.call("StartRun", coordinator_pb2.StartRunRequest(overrides=list(overrides)), timeout_s)
+                        timeout_s: float | None = None) -> coordinator_pb2.CoordinatorServiceStartRunResponse:
+        request = coordinator_pb2.CoordinatorServiceStartRunRequest(overrides=list(overrides))
+        return await self.call("StartRun", request, timeout_s)
 
-    async def run_status(self, timeout_s: float | None = None) -> coordinator_pb2.GetRunStatusResponse:
-        return await self.call("GetRunStatus", coordinator_pb2.GetRunStatusRequest(), timeout_s)
+    async def run_status(
+            self, timeout_s: float | None = None) -> coordinator_pb2.CoordinatorServiceGetRunStatusResponse:
+        return await self.call("GetRunStatus", coordinator_pb2.CoordinatorServiceGetRunStatusRequest(), timeout_s)
 
-    async def stream_metrics(self, from_step: int = 0,
-                             timeout_s: float | None = None) -> AsyncIterator[coordinator_pb2.StreamMetricsResponse]:
-        request = coordinator_pb2.StreamMetricsRequest(from_step=from_step)
+    async def stream_metrics(self, from_step: int = 0, timeout_s: float | None = None,
+                             ) -> AsyncIterator[coordinator_pb2.CoordinatorServiceStreamMetricsResponse]:
+        request = coordinator_pb2.CoordinatorServiceStreamMetricsRequest(from_step=from_step)
         async for update in self.stream("StreamMetrics", request, timeout_s):
             yield update
 
     async def pause_run(self, timeout_s: float | None = None) -> None:
-        await self.call("PauseRun", coordinator_pb2.PauseRunRequest(), timeout_s)
+        await self.call("PauseRun", coordinator_pb2.CoordinatorServicePauseRunRequest(), timeout_s)
 
     async def resume_run(self, timeout_s: float | None = None) -> None:
-        await self.call("ResumeRun", coordinator_pb2.ResumeRunRequest(), timeout_s)
+        await self.call("ResumeRun", coordinator_pb2.CoordinatorServiceResumeRunRequest(), timeout_s)
 
     async def stop_run(self, skip_checkpoint: bool = False, timeout_s: float | None = None) -> None:
-        await self.call("StopRun", coordinator_pb2.StopRunRequest(skip_checkpoint=skip_checkpoint), timeout_s)
+        request = coordinator_pb2.CoordinatorServiceStopRunRequest(skip_checkpoint=skip_checkpoint)
+        await self.call("StopRun", request, timeout_s)
 
     async def save_checkpoint(
             self, timeout_s: float | None = None) -> coordinator_pb2.CoordinatorServiceSaveCheckpointResponse:
@@ -103,17 +107,19 @@ class LocalCoordinatorClient(CoordinatorInterface):
         self.controller = controller
 
     async def start_run(self, overrides: Sequence[str] = (),
-                        timeout_s: float | None = None) -> coordinator_pb2.StartRunResponse:
+                        timeout_s: float | None = None) -> coordinator_pb2.CoordinatorServiceStartRunResponse:
         run_id, start_step = await self.controller.start_run(list(overrides))
-        return coordinator_pb2.StartRunResponse(run_id=run_id, start_step=start_step)
+        return coordinator_pb2.CoordinatorServiceStartRunResponse(run_id=run_id, start_step=start_step)
 
-    async def run_status(self, timeout_s: float | None = None) -> coordinator_pb2.GetRunStatusResponse:
+    async def run_status(
+            self, timeout_s: float | None = None) -> coordinator_pb2.CoordinatorServiceGetRunStatusResponse:
         return self.controller.status()
 
-    async def stream_metrics(self, from_step: int = 0,
-                             timeout_s: float | None = None) -> AsyncIterator[coordinator_pb2.StreamMetricsResponse]:
+    async def stream_metrics(self, from_step: int = 0, timeout_s: float | None = None,
+                             ) -> AsyncIterator[coordinator_pb2.CoordinatorServiceStreamMetricsResponse]:
         async for step, metrics, timestamp in self.controller.metrics_since(from_step):
-            yield coordinator_pb2.StreamMetricsResponse(step=step, metrics=metrics, timestamp=timestamp)
+            yield coordinator_pb2.CoordinatorServiceStreamMetricsResponse(step=step, metrics=metrics,
+                                                                          timestamp=timestamp)
 
     async def pause_run(self, timeout_s: float | None = None) -> None:
         self.controller.pause()

@@ -1,5 +1,5 @@
 """The single-controller PPO/GRPO loop. `PPOTrainer.run` steps until trainer.total_steps; each step is
-`train_step`, top to bottom (phase 1 in `generated`, 2 to 5 in `train_on`):
+`train_step`, top to bottom (phase 1 in `generated`, 2 to 6 in `train_on`):
 
     1. generate and score    n samples per prompt over the rollout replicas; Score requests go out
                              as samples finish (RolloutStream, rollout_stream.py: `run` takes each
@@ -9,6 +9,8 @@
     3. advantages            KL in the reward (optional), then the estimator (rlfabric.algorithms)
     4. updates               critic and actor, concurrently
     5. weight sync           actor -> every rollout replica
+    6. reference reset       actor -> reference, every reference.ref_model_sync_steps steps when
+                             reference.sync_ref_model is on (TR-DPO; weight_sync.sync_ref_model)
     then metrics, validation and checkpoints on schedule (`run`).
 
 Modes: `sync` generates each step's batch with the weights trained so far (on-policy). `async`
@@ -65,7 +67,7 @@ from rlfabric.coordinator.rollout_stream import SCORE_CHUNK, RolloutStream, Scor
 from rlfabric.coordinator.sample_failures import TooManyFailedSamples, check_failed_fraction, failure_of
 from rlfabric.coordinator.sample_failures import describe as describe_failures
 from rlfabric.coordinator.step_metrics import StepTimer, data_metrics
-from rlfabric.coordinator.weight_sync import WeightSync
+from rlfabric.coordinator.weight_sync import WeightSync, sync_ref_model
 from rlfabric.core import tracing
 from rlfabric.core.config import ConfigError, RunConfig, check_run_rules
 from rlfabric.core.errors import FailedPrecondition, InvalidArgument
@@ -301,7 +303,7 @@ class PPOTrainer:
         return self.run_dir / "final_model"
 
     async def train_step(self, step: int, stream: RolloutStream) -> dict[str, float]:
-        """One whole PPO step: its batch from the stream (phase 1), then phases 2 to 5 on it; its metrics."""
+        """One whole PPO step: its batch from the stream (phase 1), then phases 2 to 6 on it; its metrics."""
         timer = StepTimer(step)  # and the step's trace: its root span starts with generation
         batch, rollout_metrics = await self.generated(step, stream, timer)
         if self._saving is not None:  # the first step's trainers wait for the initial save
@@ -331,7 +333,7 @@ class PPOTrainer:
         return batch, taken.metrics
 
     async def train_on(self, step: int, batch: RolloutBatch, timer: StepTimer) -> dict[str, float]:
-        """Phases 2 to 5 of one PPO step on a generated and scored batch; its metrics (timings under `timer`)."""
+        """Phases 2 to 6 of one PPO step on a generated and scored batch; its metrics (timings under `timer`)."""
         metrics: dict[str, float] = {}
         try:
             # 2. Log-probs and values (timing_s/old_log_prob, timing_s/ref, timing_s/values).
@@ -355,6 +357,9 @@ class PPOTrainer:
                 if self.hybrid is not None:
                     await self.hybrid.wake_kv_cache()
                     metrics.update(self.hybrid.metrics())
+            # 6. Reference reset (reference.sync_ref_model; timing_s/sync_ref_model on the steps it runs).
+            metrics.update(await sync_ref_model(self.peers.actor, self.peers.reference, self.config, step,
+                                                self.version(step)))
         except BaseException as error:
             timer.end(error)
             raise

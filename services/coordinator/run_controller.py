@@ -123,9 +123,9 @@ class RunController:
         log.info("run %s started at step %d of %d", self.run_id, start_step, self.total_steps)
         return self.run_id, start_step
 
-    def status(self) -> coordinator_pb2.GetRunStatusResponse:
+    def status(self) -> coordinator_pb2.CoordinatorServiceGetRunStatusResponse:
         trainer = self.trainer
-        return coordinator_pb2.GetRunStatusResponse(
+        return coordinator_pb2.CoordinatorServiceGetRunStatusResponse(
             run_id=self.run_id, state=self.state, step=trainer.step if trainer else 0,
             total_steps=self.total_steps, phase=self.phase,
             last_metrics=self.history[-1][1] if self.history else {},

@@ -21,27 +21,28 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
 
     async def StartRun(self, request, context):
         run_id, start_step = await self.controller.start_run(list(request.overrides))
-        return coordinator_pb2.StartRunResponse(run_id=run_id, start_step=start_step)
+        return coordinator_pb2.CoordinatorServiceStartRunResponse(run_id=run_id, start_step=start_step)
 
     async def GetRunStatus(self, request, context):
         return self.controller.status()
 
     async def StreamMetrics(self, request, context):
         async for step, metrics, timestamp in self.controller.metrics_since(request.from_step):
-            yield coordinator_pb2.StreamMetricsResponse(step=step, metrics=metrics, timestamp=timestamp)
+            yield coordinator_pb2.CoordinatorServiceStreamMetricsResponse(step=step, metrics=metrics,
+                                                                          timestamp=timestamp)
 
     async def PauseRun(self, request, context):
         self.controller.pause()
-        return coordinator_pb2.PauseRunResponse()
+        return coordinator_pb2.CoordinatorServicePauseRunResponse()
 
     async def ResumeRun(self, request, context):
         self.controller.resume()
-        return coordinator_pb2.ResumeRunResponse()
+        return coordinator_pb2.CoordinatorServiceResumeRunResponse()
 
     async def StopRun(self, request, context):
         # A checkpoint unless the caller says skip_checkpoint (save_checkpoint is the older, explicit form).
         await self.controller.stop_run(request.save_checkpoint or not request.skip_checkpoint)
-        return coordinator_pb2.StopRunResponse()
+        return coordinator_pb2.CoordinatorServiceStopRunResponse()
 
     async def SaveCheckpoint(self, request, context):
         path, step = await self.controller.save_checkpoint()

@@ -15,7 +15,7 @@ from rlfabric.core.errors import DeadlineExceeded
 from rlfabric.v1 import coordinator_pb2
 
 
-def step_line(message: coordinator_pb2.StreamMetricsResponse, total_steps: int) -> str:
+def step_line(message: coordinator_pb2.CoordinatorServiceStreamMetricsResponse, total_steps: int) -> str:
     """"step 3/10 critic/score/mean=0.41 actor/pg_loss=-0.02 ...": a few of the step's metrics."""
     keys = ("critic/score/mean", "actor/pg_loss", "actor/ppo_kl", "response_length/mean", "timing_s/step")
     shown = [f"{key}={message.metrics[key]:.4g}" for key in keys if key in message.metrics]
@@ -30,7 +30,7 @@ async def watch_run(
     progress_bar: bool = True,
     step_lines: bool = False,
     file: TextIO | None = None,
-) -> coordinator_pb2.GetRunStatusResponse:
+) -> coordinator_pb2.CoordinatorServiceGetRunStatusResponse:
     """Follows a run through StreamMetrics with a tqdm bar (step, reward, ETA), or a printed line per step
     (step_lines: for logs, e.g. a Kubernetes Job's); returns its final status.
 

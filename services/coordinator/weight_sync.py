@@ -1,5 +1,6 @@
-"""The coordinator's side of weight sync: one group from the actor to every rollout replica (and
-optionally the reference), kept across steps and rebuilt when membership changes or a sync fails.
+"""The coordinator's side of weight sync: one group from the actor to every rollout replica, kept across steps
+and rebuilt when membership changes or a sync fails; and the reference resets (sync_ref_model), a group of their
+own opened for each.
 
     plane = WeightSyncPlane(actor, {"rollout-0": "127.0.0.1:50061", "rollout-1": ...}, config)
     await plane.open()
@@ -43,7 +44,7 @@ from rlfabric.core.client import ChannelOptions
 from rlfabric.core.config import RunConfig
 from rlfabric.core.dtypes import rollout_dtype, torch_dtype
 from rlfabric.core.errors import FailedPrecondition
-from rlfabric.reference.client import ReferenceClient
+from rlfabric.reference.client import ReferenceClient, ReferenceInterface
 from rlfabric.rollout.client import RolloutClient
 from rlfabric.rollout.router import RolloutRouter
 from rlfabric.weight_sync import Manifest, SyncGroup, WeightSwap
@@ -110,11 +111,11 @@ class _Member:
     address: str
     is_reference: bool
     options: ChannelOptions
-    _client: RolloutClient | ReferenceClient | None = None
-    owned: bool = True  # False: the router's client of the replica, which the router closes
+    _client: RolloutClient | ReferenceInterface | None = None
+    owned: bool = True  # False: the router's client of the replica (or the run's of the reference), closed by them
 
     @property
-    def client(self) -> RolloutClient | ReferenceClient:
+    def client(self) -> RolloutClient | ReferenceInterface:
         """Made on first use, on the loop that uses it (a gRPC aio channel belongs to one loop)."""
         if self._client is None:
             self._client = (ReferenceClient(self.address, self.options) if self.is_reference
@@ -214,13 +215,15 @@ class WeightSyncPlane(WeightSync):
 
     # -- membership -------------------------------------------------------------------------------
 
-    def add_receiver(self, name: str, address: str, kind: str = "rollout") -> None:
-        """Adds (or re-addresses) a receiver; it joins at the next sync. kind: "rollout" | "reference"."""
+    def add_receiver(self, name: str, address: str, kind: str = "rollout",
+                     client: ReferenceInterface | None = None) -> None:
+        """Adds (or re-addresses) a receiver; it joins at the next sync. kind: "rollout" | "reference";
+        client: the run's own client of that reference (which the run closes), else the plane makes one."""
         if kind not in ("rollout", "reference"):
             raise ValueError(f"receiver kind must be 'rollout' or 'reference', got {kind!r}")
         if name in self._members:
             self.remove_receiver(name)
-        shared = self.serving.client_of(address) if self.serving is not None and kind == "rollout" else None
+        shared = self.serving.client_of(address) if self.serving is not None and kind == "rollout" else client
         self._members[name] = _Member(name, address, kind == "reference", self.options, shared, owned=shared is None)
         self._stale = True
 
@@ -396,6 +399,29 @@ class WeightSyncPlane(WeightSync):
         if isinstance(broadcast, BaseException):
             report.actor_error = f"{type(broadcast).__name__}: {broadcast}"
         return outcomes
+
+
+async def sync_ref_model(actor: ActorInterface, reference: ReferenceInterface | None, config: RunConfig, step: int,
+                         version: int) -> dict[str, float]:
+    """The reference reset of a step (reference.sync_ref_model, TRL's name for TR-DPO's): every
+    reference.ref_model_sync_steps steps the actor's weights go to the reference as `version`, which mixes them in
+    by reference.ref_model_mixup_alpha. A group of their own, opened for the reset and closed after it: the
+    rollout's group is not rebuilt, and no group holds the actor's staging memory for the hundreds of steps
+    between two resets. {"timing_s/sync_ref_model": seconds} on a reset step, else {}. Raises when the reference
+    did not take the weights: the rest of the run would be trained against another reference than configured."""
+    settings = config.reference
+    if not settings.sync_ref_model or step % settings.ref_model_sync_steps:
+        return {}
+    started = time.perf_counter()
+    plane = WeightSyncPlane(actor, {}, config)
+    plane.add_receiver("reference", config.cluster.reference[0], kind="reference", client=reference)
+    try:
+        report = await plane.sync(version)
+    finally:
+        await plane.close()
+    if report.failed:
+        raise FailedPrecondition(f"the reference reset of step {step} failed: {report.failed['reference']}")
+    return {"timing_s/sync_ref_model": time.perf_counter() - started}
 
 
 def _push_outcome(push: PushResult) -> WeightSwap | BaseException:

@@ -17,7 +17,7 @@ from rlfabric.trainer.client import (
     TrainableInterface,
     decoded_tensors,
 )
-from rlfabric.v1 import actor_pb2, critic_pb2, critic_pb2_grpc
+from rlfabric.v1 import common_pb2, critic_pb2, critic_pb2_grpc
 
 
 class CriticInterface(TrainableInterface):
@@ -45,20 +45,20 @@ class CriticClient(ServiceClient, CriticInterface):
     stub_class = critic_pb2_grpc.CriticServiceStub
 
     async def compute_values(self, batch: Tensors, timeout_s: float | None = None) -> dict[str, torch.Tensor]:
-        request = critic_pb2.ComputeValuesRequest(batch=codec.encode_batch(batch))
+        request = critic_pb2.CriticServiceComputeValuesRequest(batch=codec.encode_batch(batch))
         return decoded_tensors((await self.call("ComputeValues", request, timeout_s)).outputs)
 
     async def update_values(self, batch: Tensors, global_step: int = 0,
                             timeout_s: float | None = None) -> dict[str, float]:
-        request = critic_pb2.UpdateValuesRequest(batch=codec.encode_batch(batch), global_step=global_step)
+        request = critic_pb2.CriticServiceUpdateValuesRequest(batch=codec.encode_batch(batch), global_step=global_step)
         return dict((await self.call("UpdateValues", request, timeout_s)).metrics)
 
     async def save_checkpoint(self, path: str, timeout_s: float | None = None) -> int:
-        request = critic_pb2.CriticServiceSaveCheckpointRequest(location=actor_pb2.CheckpointLocation(path=str(path)))
+        request = critic_pb2.CriticServiceSaveCheckpointRequest(location=common_pb2.CheckpointLocation(path=str(path)))
         return (await self.call("SaveCheckpoint", request, timeout_s)).num_bytes
 
     async def load_checkpoint(self, path: str, timeout_s: float | None = None) -> int:
-        request = critic_pb2.CriticServiceLoadCheckpointRequest(location=actor_pb2.CheckpointLocation(path=str(path)))
+        request = critic_pb2.CriticServiceLoadCheckpointRequest(location=common_pb2.CheckpointLocation(path=str(path)))
         return (await self.call("LoadCheckpoint", request, timeout_s)).optimizer_step
 
     async def get_status(self) -> critic_pb2.CriticServiceGetStatusResponse:

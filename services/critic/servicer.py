@@ -19,12 +19,12 @@ class CriticServicer(critic_pb2_grpc.CriticServiceServicer):
     async def ComputeValues(self, request, context):
         batch = codec.decode_batch(request.batch, *FORWARD_BATCH)
         outputs = await self.engine.compute(batch.tensors)
-        return critic_pb2.ComputeValuesResponse(outputs=codec.encode_batch(outputs))
+        return critic_pb2.CriticServiceComputeValuesResponse(outputs=codec.encode_batch(outputs))
 
     async def UpdateValues(self, request, context):
         batch = codec.decode_batch(request.batch, *VALUE_UPDATE_BATCH)
         metrics = await self.engine.update(batch.tensors, request.global_step)
-        return critic_pb2.UpdateValuesResponse(metrics=metrics)
+        return critic_pb2.CriticServiceUpdateValuesResponse(metrics=metrics)
 
     async def SaveCheckpoint(self, request, context):
         num_bytes = await self.engine.save_checkpoint(request.location.path)

@@ -63,7 +63,7 @@ class EnvClient(ServiceClient, EnvInterface):
         return wire.step_from_response(response, self._who())
 
     async def close_session(self, session_id: str, timeout_s: float | None = None) -> None:
-        await self.call("Close", environment_pb2.CloseRequest(session_id=session_id), timeout_s)
+        await self.call("Close", environment_pb2.EnvironmentServiceCloseRequest(session_id=session_id), timeout_s)
 
     async def status(self, timeout_s: float | None = None) -> EnvStatus:
         response = await self.call("GetStatus", environment_pb2.EnvironmentServiceGetStatusRequest(), timeout_s)

@@ -20,16 +20,19 @@ class EnvironmentServicer(environment_pb2_grpc.EnvironmentServiceServicer):
     def __init__(self, engine: EnvEngine):
         self.engine = engine
 
-    async def Reset(self, request: environment_pb2.ResetRequest, context) -> environment_pb2.ResetResponse:
+    async def Reset(self, request: environment_pb2.EnvironmentServiceResetRequest,
+                    context) -> environment_pb2.EnvironmentServiceResetResponse:
         return wire.reset_response(await self.engine.reset(wire.task_from_request(request)))
 
-    async def Step(self, request: environment_pb2.StepRequest, context) -> environment_pb2.StepResponse:
+    async def Step(self, request: environment_pb2.EnvironmentServiceStepRequest,
+                   context) -> environment_pb2.EnvironmentServiceStepResponse:
         result = await self.engine.step(request.session_id, wire.action_from_request(request))
         return wire.step_response(result)
 
-    async def Close(self, request: environment_pb2.CloseRequest, context) -> environment_pb2.CloseResponse:
+    async def Close(self, request: environment_pb2.EnvironmentServiceCloseRequest,
+                    context) -> environment_pb2.EnvironmentServiceCloseResponse:
         await self.engine.close(request.session_id)
-        return environment_pb2.CloseResponse()
+        return environment_pb2.EnvironmentServiceCloseResponse()
 
     async def GetStatus(self, request, context) -> environment_pb2.EnvironmentServiceGetStatusResponse:
         status = self.engine.status()

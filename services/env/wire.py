@@ -24,7 +24,7 @@ from rlfabric.env.items import (
     check_observation,
     check_step_result,
 )
-from rlfabric.v1 import environment_pb2, rollout_pb2
+from rlfabric.v1 import common_pb2, environment_pb2
 
 _STATUS_TO_WIRE = {
     STEP_OK: environment_pb2.STEP_STATUS_OK,
@@ -40,20 +40,20 @@ MAX_OBSERVATION_BYTES = 16 * 1024 * 1024
 
 # --- the caller's side: requests out, answers in ---
 
-def reset_request(task: Task) -> environment_pb2.ResetRequest:
-    return environment_pb2.ResetRequest(task=environment_pb2.Task(
+def reset_request(task: Task) -> environment_pb2.EnvironmentServiceResetRequest:
+    return environment_pb2.EnvironmentServiceResetRequest(task=environment_pb2.Task(
         environment=task.environment, prompt=task.prompt, ground_truth=task.ground_truth,
         extra_info_json=json.dumps(task.extra_info) if task.extra_info else ""))
 
 
-def step_request(session_id: str, action: Action) -> environment_pb2.StepRequest:
-    return environment_pb2.StepRequest(session_id=session_id, action=environment_pb2.Action(
+def step_request(session_id: str, action: Action) -> environment_pb2.EnvironmentServiceStepRequest:
+    return environment_pb2.EnvironmentServiceStepRequest(session_id=session_id, action=environment_pb2.Action(
         text=action.text,
         tool_calls=[environment_pb2.ToolCall(name=c.name, arguments_json=c.arguments_json) for c in action.tool_calls]))
 
 
-def session_from_response(response: environment_pb2.ResetResponse, who: str) -> Session:
-    """The Session of a ResetResponse; InvalidArgument when `who` answered out of contract."""
+def session_from_response(response: environment_pb2.EnvironmentServiceResetResponse, who: str) -> Session:
+    """The Session of an EnvironmentServiceResetResponse; InvalidArgument when `who` answered out of contract."""
     if not response.session_id:
         raise InvalidArgument(f"{who} answered Reset without a session id")
     observation = _messages(response.observation)
@@ -70,8 +70,8 @@ def session_from_response(response: environment_pb2.ResetResponse, who: str) -> 
     return Session(response.session_id, observation, tools)
 
 
-def step_from_response(response: environment_pb2.StepResponse, who: str) -> StepResult:
-    """The StepResult of a StepResponse; InvalidArgument when `who` answered out of contract."""
+def step_from_response(response: environment_pb2.EnvironmentServiceStepResponse, who: str) -> StepResult:
+    """The StepResult of an EnvironmentServiceStepResponse; InvalidArgument when `who` answered out of contract."""
     if response.status not in _STATUS_FROM_WIRE:
         raise InvalidArgument(f"{who} answered Step with the status {response.status} "
                               f"({environment_pb2.StepStatus.Name(response.status) if response.status in environment_pb2.StepStatus.values() else 'unknown'})")
@@ -82,7 +82,7 @@ def step_from_response(response: environment_pb2.StepResponse, who: str) -> Step
 
 # --- the service's side: requests in, answers out ---
 
-def task_from_request(request: environment_pb2.ResetRequest) -> Task:
+def task_from_request(request: environment_pb2.EnvironmentServiceResetRequest) -> Task:
     task = request.task
     extra_info = {}
     if task.extra_info_json:
@@ -95,26 +95,26 @@ def task_from_request(request: environment_pb2.ResetRequest) -> Task:
     return Task(task.environment, task.prompt, task.ground_truth, extra_info)
 
 
-def action_from_request(request: environment_pb2.StepRequest) -> Action:
+def action_from_request(request: environment_pb2.EnvironmentServiceStepRequest) -> Action:
     action = request.action
     return Action(action.text, tuple(ToolCall(c.name, c.arguments_json) for c in action.tool_calls))
 
 
-def reset_response(session: Session) -> environment_pb2.ResetResponse:
-    return environment_pb2.ResetResponse(
+def reset_response(session: Session) -> environment_pb2.EnvironmentServiceResetResponse:
+    return environment_pb2.EnvironmentServiceResetResponse(
         session_id=session.session_id, observation=_observation(session.observation),
         tools=[environment_pb2.ToolSpec(name=t.name, description=t.description, parameters_json=json.dumps(t.parameters))
                for t in session.tools])
 
 
-def step_response(result: StepResult) -> environment_pb2.StepResponse:
-    return environment_pb2.StepResponse(observation=_observation(result.observation), reward=result.reward,
-                                        done=result.done, status=_STATUS_TO_WIRE[result.status],
-                                        metrics=result.metrics)
+def step_response(result: StepResult) -> environment_pb2.EnvironmentServiceStepResponse:
+    return environment_pb2.EnvironmentServiceStepResponse(observation=_observation(result.observation),
+                                                          reward=result.reward, done=result.done,
+                                                          status=_STATUS_TO_WIRE[result.status], metrics=result.metrics)
 
 
 def _observation(messages: list[Message]) -> environment_pb2.Observation:
-    return environment_pb2.Observation(messages=[rollout_pb2.ChatMessage(role=m.role, content=m.content)
+    return environment_pb2.Observation(messages=[common_pb2.ChatMessage(role=m.role, content=m.content)
                                                  for m in messages])
 
 

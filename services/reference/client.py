@@ -16,7 +16,8 @@ from rlfabric.weight_sync.phases import SyncPhases
 
 
 class ReferenceInterface(RoleInterface):
-    """The frozen reference policy: log-probs, and the receiving side of weight sync."""
+    """The reference policy: log-probs, and the receiving side of the weight syncs that reset it to the policy
+    (reference.sync_ref_model)."""
 
     role = "reference"
 

@@ -1,6 +1,6 @@
 """ReferenceService (thin: proto -> tensors -> await engine -> proto) and build_service, which
 rlfabric.serve calls. It joins the actor's weight-sync groups as a receiver (JoinWeightSyncGroup,
-ReceiveWeights)."""
+ReceiveWeights) when the run resets the reference to the policy (reference.sync_ref_model)."""
 
 from __future__ import annotations
 

@@ -20,7 +20,8 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
     def __init__(self, engine: RewardEngine):
         self.engine = engine
 
-    async def Score(self, request: reward_pb2.ScoreRequest, context) -> reward_pb2.ScoreResponse:
+    async def Score(self, request: reward_pb2.RewardServiceScoreRequest,
+                    context) -> reward_pb2.RewardServiceScoreResponse:
         self.engine.check_batch_size(len(request.items))  # before converting a too-large batch
         results = await self.engine.score(wire.items_from_request(request))
         return wire.response_from_results(results)

@@ -31,8 +31,9 @@ STATUS_FROM_PROTO = {value: key for key, value in STATUS_TO_PROTO.items()}
 # --- server side: request -> domain, domain -> response ---
 
 
-def items_from_request(request: reward_pb2.ScoreRequest) -> list[ScoreItem]:
-    """Domain items of a ScoreRequest; InvalidArgument names the first item whose extra_info_json is bad."""
+def items_from_request(request: reward_pb2.RewardServiceScoreRequest) -> list[ScoreItem]:
+    """Domain items of a RewardServiceScoreRequest; InvalidArgument names the first item whose extra_info_json
+    is bad."""
     return [_item_from_proto(index, item) for index, item in enumerate(request.items)]
 
 
@@ -59,8 +60,8 @@ def _item_from_proto(index: int, item: reward_pb2.ScoreItem) -> ScoreItem:
     )
 
 
-def response_from_results(results: Sequence[ItemResult]) -> reward_pb2.ScoreResponse:
-    response = reward_pb2.ScoreResponse()
+def response_from_results(results: Sequence[ItemResult]) -> reward_pb2.RewardServiceScoreResponse:
+    response = reward_pb2.RewardServiceScoreResponse()
     add = response.results.add  # built in place: a list passed to the constructor would be copied
     for result in results:
         message = add(score=result.score, status=STATUS_TO_PROTO[result.status])
@@ -75,9 +76,9 @@ def response_from_results(results: Sequence[ItemResult]) -> reward_pb2.ScoreResp
 # --- client side: domain -> request, response -> domain ---
 
 
-def request_from_items(items: Sequence[ScoreItem]) -> reward_pb2.ScoreRequest:
-    """The ScoreRequest of a batch; InvalidArgument names the first item that cannot go on the wire."""
-    request = reward_pb2.ScoreRequest()
+def request_from_items(items: Sequence[ScoreItem]) -> reward_pb2.RewardServiceScoreRequest:
+    """The RewardServiceScoreRequest of a batch; InvalidArgument names the first item that cannot go on the wire."""
+    request = reward_pb2.RewardServiceScoreRequest()
     add = request.items.add  # built in place: a list passed to the constructor would be copied
     for index, item in enumerate(items):
         if not isinstance(item.ground_truth, str):
@@ -109,7 +110,7 @@ def request_from_items(items: Sequence[ScoreItem]) -> reward_pb2.ScoreRequest:
     return request
 
 
-def results_from_response(response: reward_pb2.ScoreResponse) -> list[ItemResult]:
+def results_from_response(response: reward_pb2.RewardServiceScoreResponse) -> list[ItemResult]:
     return [_result_from_proto(result) for result in response.results]
 
 

@@ -85,12 +85,13 @@ class RolloutClient(ServiceClient, RolloutInterface):
 
     async def generate(self, prompts: Sequence[wire.PromptInput], params: SamplingSpec,
                        timeout_s: float | None = None) -> list[FinishedSample]:
-        response = await self.call("Generate", self._request(rollout_pb2.GenerateRequest, prompts, params), timeout_s)
+        request = self._request(rollout_pb2.RolloutServiceGenerateRequest, prompts, params)
+        response = await self.call("Generate", request, timeout_s)
         return [wire.sample_from_proto(s) for s in response.samples]
 
     async def generate_stream(self, prompts: Sequence[wire.PromptInput], params: SamplingSpec,
                               timeout_s: float | None = None) -> AsyncIterator[FinishedSample]:
-        request = self._request(rollout_pb2.GenerateStreamRequest, prompts, params)
+        request = self._request(rollout_pb2.RolloutServiceGenerateStreamRequest, prompts, params)
         async for response in self.stream("GenerateStream", request, timeout_s):
             yield wire.sample_from_proto(response.sample)
 
@@ -99,24 +100,24 @@ class RolloutClient(ServiceClient, RolloutInterface):
         return wire.status_from_proto(response)
 
     async def pause(self, abort: bool = False, timeout_s: float | None = None) -> int:
-        return (await self.call("Pause", rollout_pb2.PauseRequest(abort=abort), timeout_s)).num_aborted
+        return (await self.call("Pause", rollout_pb2.RolloutServicePauseRequest(abort=abort), timeout_s)).num_aborted
 
     async def resume(self, timeout_s: float | None = None) -> None:
-        await self.call("Resume", rollout_pb2.ResumeRequest(), timeout_s)
+        await self.call("Resume", rollout_pb2.RolloutServiceResumeRequest(), timeout_s)
 
     async def sleep(self, level: int = 1, timeout_s: float | None = None) -> None:
-        await self.call("Sleep", rollout_pb2.SleepRequest(level=level), timeout_s)
+        await self.call("Sleep", rollout_pb2.RolloutServiceSleepRequest(level=level), timeout_s)
 
     async def wake_up(self, tags: Sequence[str] = (), timeout_s: float | None = None) -> None:
-        await self.call("WakeUp", rollout_pb2.WakeUpRequest(tags=list(tags)), timeout_s)
+        await self.call("WakeUp", rollout_pb2.RolloutServiceWakeUpRequest(tags=list(tags)), timeout_s)
 
     async def join_weight_sync_group(self, group: SyncGroup, rank: int, timeout_s: float | None = None) -> None:
-        request = rollout_pb2.JoinWeightSyncGroupRequest(group=group.to_proto(), rank=rank)
+        request = rollout_pb2.RolloutServiceJoinWeightSyncGroupRequest(group=group.to_proto(), rank=rank)
         await self.call("JoinWeightSyncGroup", request, timeout_s)
 
     async def receive_weights(self, manifest: Manifest, timeout_s: float | None = None) -> WeightSwap:
-        response = await self.call("ReceiveWeights", rollout_pb2.ReceiveWeightsRequest(manifest=manifest.to_proto()),
-                                   timeout_s)
+        request = rollout_pb2.RolloutServiceReceiveWeightsRequest(manifest=manifest.to_proto())
+        response = await self.call("ReceiveWeights", request, timeout_s)
         return WeightSwap(response.version, response.paused_seconds, SyncPhases.from_proto(response.phases))
 
 

@@ -96,42 +96,43 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     async def Generate(self, request, context):
         samples = [s async for s in self._generate(request.prompts, request.sampling_params)]
         samples.sort(key=wire.sample_order)
-        return rollout_pb2.GenerateResponse(samples=[wire.sample_to_proto(s) for s in samples])
+        return rollout_pb2.RolloutServiceGenerateResponse(samples=[wire.sample_to_proto(s) for s in samples])
 
     async def GenerateStream(self, request, context):
         async for sample in self._generate(request.prompts, request.sampling_params):
-            yield rollout_pb2.GenerateStreamResponse(sample=wire.sample_to_proto(sample))
+            yield rollout_pb2.RolloutServiceGenerateStreamResponse(sample=wire.sample_to_proto(sample))
 
     async def GetStatus(self, request, context):
         return wire.status_to_proto(self.engine.status())
 
     async def Pause(self, request, context):
-        return rollout_pb2.PauseResponse(num_aborted=await self.engine.pause(abort=request.abort))
+        return rollout_pb2.RolloutServicePauseResponse(num_aborted=await self.engine.pause(abort=request.abort))
 
     async def Resume(self, request, context):
         await self.engine.resume()
-        return rollout_pb2.ResumeResponse()
+        return rollout_pb2.RolloutServiceResumeResponse()
 
     async def Sleep(self, request, context):
         await self.engine.sleep(request.level)
-        return rollout_pb2.SleepResponse()
+        return rollout_pb2.RolloutServiceSleepResponse()
 
     async def WakeUp(self, request, context):
         await self.engine.wake_up(list(request.tags))
-        return rollout_pb2.WakeUpResponse()
+        return rollout_pb2.RolloutServiceWakeUpResponse()
 
     async def JoinWeightSyncGroup(self, request, context):
         group = SyncGroup.from_proto(request.group, self.engine.config.weight_sync.max_timeout_s)
         await self.engine.join_weight_sync(group, request.rank)
-        return rollout_pb2.JoinWeightSyncGroupResponse()
+        return rollout_pb2.RolloutServiceJoinWeightSyncGroupResponse()
 
     async def ReceiveWeights(self, request, context):
         started = time.monotonic()
         manifest = Manifest.from_proto(request.manifest)
         swap = await self.engine.receive_weights(manifest)
         self.metrics.weight_swap(swap, time.monotonic() - started, manifest.num_bytes)
-        return rollout_pb2.ReceiveWeightsResponse(version=swap.version, paused_seconds=swap.paused_seconds,
-                                                  phases=swap.phases.to_proto())
+        return rollout_pb2.RolloutServiceReceiveWeightsResponse(version=swap.version,
+                                                                paused_seconds=swap.paused_seconds,
+                                                                phases=swap.phases.to_proto())
 
     async def PushWeights(self, request_iterator, context):
         """Raw request bytes (add_rollout_service): the manifest, checked against the engine's own
@@ -142,8 +143,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         swap = outcome.swap
         if outcome.applied_here:  # once per push, however many streams carried it
             self.metrics.weight_swap(swap, time.monotonic() - started, outcome.manifest.num_bytes)
-        return rollout_pb2.PushWeightsResponse(version=swap.version, paused_seconds=swap.paused_seconds,
-                                               phases=swap.phases.to_proto())
+        return rollout_pb2.RolloutServicePushWeightsResponse(version=swap.version, paused_seconds=swap.paused_seconds,
+                                                             phases=swap.phases.to_proto())
 
     async def _generate(self, prompts, params: rollout_pb2.SamplingParams) -> AsyncIterator[FinishedSample]:
         """The engine's samples, counted as they pass."""

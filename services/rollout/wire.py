@@ -17,7 +17,7 @@ from rlfabric.rollout.types import (
     SamplingSpec,
     TurnInfo,
 )
-from rlfabric.v1 import rollout_pb2
+from rlfabric.v1 import common_pb2, rollout_pb2
 from rlfabric.weight_sync.devices import DeviceReport
 
 _FINISH_TO_PROTO = {
@@ -77,8 +77,8 @@ def prompt_to_proto(prompt: PromptInput) -> rollout_pb2.Prompt:
     return rollout_pb2.Prompt(token_ids=[int(t) for t in prompt])
 
 
-def _messages_to_proto(messages) -> list[rollout_pb2.ChatMessage]:
-    return [rollout_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in messages]
+def _messages_to_proto(messages) -> list[common_pb2.ChatMessage]:
+    return [common_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in messages]
 
 
 def prompt_from_proto(prompt: rollout_pb2.Prompt) -> PromptInput:

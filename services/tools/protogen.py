@@ -22,14 +22,15 @@ PROTO_ROOT = REPO_ROOT / "protos"
 PROTO_PACKAGE_DIR = Path("rlfabric") / "v1"
 
 
-def generate(out_dir: Path) -> list[Path]:
-    """Runs protoc over every .proto and writes the *_pb2.py/.pyi/_grpc.py files into out_dir."""
-    protos = sorted(str(p.relative_to(PROTO_ROOT)) for p in (PROTO_ROOT / PROTO_PACKAGE_DIR).glob("*.proto"))
+def generate(out_dir: Path, proto_root: Path = PROTO_ROOT) -> list[Path]:
+    """Runs protoc over every .proto under proto_root/rlfabric/v1 and writes the *_pb2.py/.pyi/_grpc.py files
+    into out_dir (tests: proto_root holds the protos of an earlier commit)."""
+    protos = sorted(str(p.relative_to(proto_root)) for p in (proto_root / PROTO_PACKAGE_DIR).glob("*.proto"))
     well_known = str(files("grpc_tools") / "_proto")
     with tempfile.TemporaryDirectory() as tmp:
         args = [
             "protoc",
-            f"-I{PROTO_ROOT}",
+            f"-I{proto_root}",
             f"-I{well_known}",
             f"--python_out={tmp}",
             f"--pyi_out={tmp}",

@@ -14,7 +14,7 @@ import torch
 from rlfabric.core import codec
 from rlfabric.core.client import RoleInterface
 from rlfabric.trainer.batch import POSITION_IDS, SEQUENCE
-from rlfabric.v1 import actor_pb2
+from rlfabric.v1 import common_pb2
 
 if TYPE_CHECKING:
     from rlfabric.trainer.engine import TrainerEngine
@@ -47,8 +47,8 @@ class TrainableInterface(RoleInterface):
 
 
 def log_probs_input(batch: Tensors, temperature: float, compute_entropy: bool,
-                     base_model: bool = False) -> actor_pb2.LogProbsInput:
-    return actor_pb2.LogProbsInput(batch=codec.encode_batch(batch), temperature=temperature,
+                     base_model: bool = False) -> common_pb2.LogProbsInput:
+    return common_pb2.LogProbsInput(batch=codec.encode_batch(batch), temperature=temperature,
                                    compute_entropy=compute_entropy, base_model=base_model)
 
 

@@ -428,15 +428,15 @@ class TrainerEngine:
         await self._membership.join(group, rank)
 
     async def receive_weights(self, manifest: Manifest) -> WeightSwap:
-        """Receives and loads one manifest's weights: the version now served, how long the load held the
-        torch thread, and this side's phases."""
+        """Receives and loads one manifest's weights (mixed in by reference.ref_model_mixup_alpha): the version
+        now served, how long the load held the torch thread, and this side's phases."""
         started = time.perf_counter()
 
         async def load(weights) -> float:
             named = dict(weights)
             self._check_names(named, f"weight manifest version {manifest.version}")
             loading = time.perf_counter()
-            await self._run(self._command, Command.LOAD_WEIGHTS, [], [None] * self.world_size, named)
+            await self._run(self._load_mixed, named, self.config.reference.ref_model_mixup_alpha)
             return time.perf_counter() - loading
 
         paused, phases = await self._membership.receive(manifest, load)
@@ -446,6 +446,15 @@ class TrainerEngine:
         for phase in ("wire", "checksum", "apply"):
             self._sync_phases.labels(self.role, phase).observe(getattr(phases, phase))
         return WeightSwap(self.weight_version, paused, phases)
+
+    def _load_mixed(self, sent: dict[str, torch.Tensor], alpha: float) -> None:
+        """Loads alpha * sent + (1 - alpha) * current into every rank (TR-DPO's reference update); alpha 1 loads
+        the sent weights as they are."""
+        if alpha < 1:
+            current = self._full_weights()  # on the host: no second copy of the model on the device
+            sent = {name: torch.lerp(current[name], tensor.to(current[name].device, current[name].dtype), alpha)
+                    for name, tensor in sent.items()}
+        self._command(Command.LOAD_WEIGHTS, [], [None] * self.world_size, sent)
 
 
 def reset_peak_rss() -> bool:

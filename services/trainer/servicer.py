@@ -11,10 +11,10 @@ from rlfabric.core.config import RunConfig
 from rlfabric.core.server import ServiceBinding, ServiceDefinition
 from rlfabric.trainer.client import FORWARD_BATCH, wire_temperature
 from rlfabric.trainer.engine import TrainerEngine
-from rlfabric.v1 import actor_pb2
+from rlfabric.v1 import common_pb2
 
 
-def decode_log_probs_input(message: actor_pb2.LogProbsInput) -> tuple[dict, float, bool]:
+def decode_log_probs_input(message: common_pb2.LogProbsInput) -> tuple[dict, float, bool]:
     batch = codec.decode_batch(message.batch, *FORWARD_BATCH)
     return batch.tensors, wire_temperature(message.temperature), message.compute_entropy
 

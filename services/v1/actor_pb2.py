@@ -22,67 +22,64 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from rlfabric.v1 import common_pb2 as rlfabric_dot_v1_dot_common__pb2
 from rlfabric.v1 import tensor_pb2 as rlfabric_dot_v1_dot_tensor__pb2
 from rlfabric.v1 import weight_sync_pb2 as rlfabric_dot_v1_dot_weight__sync__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17rlfabric/v1/actor.proto\x12\x0brlfabric.v1\x1a\x18rlfabric/v1/tensor.proto\x1a\x1drlfabric/v1/weight_sync.proto\"t\n\rLogProbsInput\x12!\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x12.rlfabric.v1.Batch\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\x17\n\x0f\x63ompute_entropy\x18\x03 \x01(\x08\x12\x12\n\nbase_model\x18\x04 \x01(\x08\"C\n\x16\x43omputeLogProbsRequest\x12)\n\x05input\x18\x01 \x01(\x0b\x32\x1a.rlfabric.v1.LogProbsInput\">\n\x17\x43omputeLogProbsResponse\x12#\n\x07outputs\x18\x01 \x01(\x0b\x32\x12.rlfabric.v1.Batch\"M\n\x13UpdatePolicyRequest\x12!\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x12.rlfabric.v1.Batch\x12\x13\n\x0bglobal_step\x18\x02 \x01(\x03\"\x87\x01\n\x14UpdatePolicyResponse\x12?\n\x07metrics\x18\x01 \x03(\x0b\x32..rlfabric.v1.UpdatePolicyResponse.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\"\n\x12\x43heckpointLocation\x12\x0c\n\x04path\x18\x01 \x01(\t\"J\n\x15SaveCheckpointRequest\x12\x31\n\x08location\x18\x01 \x01(\x0b\x32\x1f.rlfabric.v1.CheckpointLocation\"+\n\x16SaveCheckpointResponse\x12\x11\n\tnum_bytes\x18\x01 \x01(\x03\"J\n\x15LoadCheckpointRequest\x12\x31\n\x08location\x18\x01 \x01(\x0b\x32\x1f.rlfabric.v1.CheckpointLocation\"0\n\x16LoadCheckpointResponse\x12\x16\n\x0eoptimizer_step\x18\x01 \x01(\x03\"\x1f\n\x0f\x45xportHFRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\"%\n\x10\x45xportHFResponse\x12\x11\n\tnum_bytes\x18\x01 \x01(\x03\"\xdb\x01\n\x1aOpenWeightSyncGroupRequest\x12/\n\ttransport\x18\x01 \x01(\x0e\x32\x1c.rlfabric.v1.WeightTransport\x12\x15\n\rnum_receivers\x18\x02 \x01(\x05\x12\x14\n\x0c\x62ucket_bytes\x18\x03 \x01(\x03\x12+\n\x0ctarget_dtype\x18\x04 \x01(\x0e\x32\x15.rlfabric.v1.DataType\x12\x11\n\ttimeout_s\x18\x05 \x01(\x01\x12\x1f\n\x17grpc_receiver_addresses\x18\x06 \x03(\t\"J\n\x1bOpenWeightSyncGroupResponse\x12+\n\x05group\x18\x01 \x01(\x0b\x32\x1c.rlfabric.v1.WeightSyncGroup\"=\n\x18PrepareWeightSyncRequest\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\"J\n\x19PrepareWeightSyncResponse\x12-\n\x08manifest\x18\x01 \x01(\x0b\x32\x1b.rlfabric.v1.WeightManifest\"<\n\x17\x42roadcastWeightsRequest\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\"\x9c\x01\n\x18\x42roadcastWeightsResponse\x12\x11\n\tnum_bytes\x18\x01 \x01(\x03\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\x12-\n\x06pushes\x18\x03 \x03(\x0b\x32\x1d.rlfabric.v1.WeightPushResult\x12-\n\x06phases\x18\x04 \x01(\x0b\x32\x1d.rlfabric.v1.WeightSyncPhases\"\x8a\x01\n\x10WeightPushResult\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x16\n\x0epaused_seconds\x18\x03 \x01(\x01\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12-\n\x06phases\x18\x05 \x01(\x0b\x32\x1d.rlfabric.v1.WeightSyncPhases\"/\n\x1b\x43loseWeightSyncGroupRequest\x12\x10\n\x08group_id\x18\x01 \x01(\t\"\x1e\n\x1c\x43loseWeightSyncGroupResponse\"\x1e\n\x1c\x41\x63torServiceGetStatusRequest\"\xa1\x01\n\x1d\x41\x63torServiceGetStatusResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nworld_size\x18\x02 \x01(\x05\x12\x16\n\x0eoptimizer_step\x18\x03 \x01(\x03\x12\x16\n\x0enum_parameters\x18\x04 \x01(\x03\x12-\n\x06\x64\x65vice\x18\x05 \x01(\x0b\x32\x1d.rlfabric.v1.WeightSyncDevice2\xc0\x07\n\x0c\x41\x63torService\x12\\\n\x0f\x43omputeLogProbs\x12#.rlfabric.v1.ComputeLogProbsRequest\x1a$.rlfabric.v1.ComputeLogProbsResponse\x12S\n\x0cUpdatePolicy\x12 .rlfabric.v1.UpdatePolicyRequest\x1a!.rlfabric.v1.UpdatePolicyResponse\x12Y\n\x0eSaveCheckpoint\x12\".rlfabric.v1.SaveCheckpointRequest\x1a#.rlfabric.v1.SaveCheckpointResponse\x12Y\n\x0eLoadCheckpoint\x12\".rlfabric.v1.LoadCheckpointRequest\x1a#.rlfabric.v1.LoadCheckpointResponse\x12G\n\x08\x45xportHF\x12\x1c.rlfabric.v1.ExportHFRequest\x1a\x1d.rlfabric.v1.ExportHFResponse\x12h\n\x13OpenWeightSyncGroup\x12\'.rlfabric.v1.OpenWeightSyncGroupRequest\x1a(.rlfabric.v1.OpenWeightSyncGroupResponse\x12\x62\n\x11PrepareWeightSync\x12%.rlfabric.v1.PrepareWeightSyncRequest\x1a&.rlfabric.v1.PrepareWeightSyncResponse\x12_\n\x10\x42roadcastWeights\x12$.rlfabric.v1.BroadcastWeightsRequest\x1a%.rlfabric.v1.BroadcastWeightsResponse\x12k\n\x14\x43loseWeightSyncGroup\x12(.rlfabric.v1.CloseWeightSyncGroupRequest\x1a).rlfabric.v1.CloseWeightSyncGroupResponse\x12\x62\n\tGetStatus\x12).rlfabric.v1.ActorServiceGetStatusRequest\x1a*.rlfabric.v1.ActorServiceGetStatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17rlfabric/v1/actor.proto\x12\x0brlfabric.v1\x1a\x18rlfabric/v1/common.proto\x1a\x18rlfabric/v1/tensor.proto\x1a\x1drlfabric/v1/weight_sync.proto\"O\n\"ActorServiceComputeLogProbsRequest\x12)\n\x05input\x18\x01 \x01(\x0b\x32\x1a.rlfabric.v1.LogProbsInput\"J\n#ActorServiceComputeLogProbsResponse\x12#\n\x07outputs\x18\x01 \x01(\x0b\x32\x12.rlfabric.v1.Batch\"Y\n\x1f\x41\x63torServiceUpdatePolicyRequest\x12!\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x12.rlfabric.v1.Batch\x12\x13\n\x0bglobal_step\x18\x02 \x01(\x03\"\x9f\x01\n ActorServiceUpdatePolicyResponse\x12K\n\x07metrics\x18\x01 \x03(\x0b\x32:.rlfabric.v1.ActorServiceUpdatePolicyResponse.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"V\n!ActorServiceSaveCheckpointRequest\x12\x31\n\x08location\x18\x01 \x01(\x0b\x32\x1f.rlfabric.v1.CheckpointLocation\"7\n\"ActorServiceSaveCheckpointResponse\x12\x11\n\tnum_bytes\x18\x01 \x01(\x03\"V\n!ActorServiceLoadCheckpointRequest\x12\x31\n\x08location\x18\x01 \x01(\x0b\x32\x1f.rlfabric.v1.CheckpointLocation\"<\n\"ActorServiceLoadCheckpointResponse\x12\x16\n\x0eoptimizer_step\x18\x01 \x01(\x03\"+\n\x1b\x41\x63torServiceExportHFRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\"1\n\x1c\x41\x63torServiceExportHFResponse\x12\x11\n\tnum_bytes\x18\x01 \x01(\x03\"\xe7\x01\n&ActorServiceOpenWeightSyncGroupRequest\x12/\n\ttransport\x18\x01 \x01(\x0e\x32\x1c.rlfabric.v1.WeightTransport\x12\x15\n\rnum_receivers\x18\x02 \x01(\x05\x12\x14\n\x0c\x62ucket_bytes\x18\x03 \x01(\x03\x12+\n\x0ctarget_dtype\x18\x04 \x01(\x0e\x32\x15.rlfabric.v1.DataType\x12\x11\n\ttimeout_s\x18\x05 \x01(\x01\x12\x1f\n\x17grpc_receiver_addresses\x18\x06 \x03(\t\"V\n\'ActorServiceOpenWeightSyncGroupResponse\x12+\n\x05group\x18\x01 \x01(\x0b\x32\x1c.rlfabric.v1.WeightSyncGroup\"I\n$ActorServicePrepareWeightSyncRequest\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\"V\n%ActorServicePrepareWeightSyncResponse\x12-\n\x08manifest\x18\x01 \x01(\x0b\x32\x1b.rlfabric.v1.WeightManifest\"H\n#ActorServiceBroadcastWeightsRequest\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\"\xa8\x01\n$ActorServiceBroadcastWeightsResponse\x12\x11\n\tnum_bytes\x18\x01 \x01(\x03\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\x12-\n\x06pushes\x18\x03 \x03(\x0b\x32\x1d.rlfabric.v1.WeightPushResult\x12-\n\x06phases\x18\x04 \x01(\x0b\x32\x1d.rlfabric.v1.WeightSyncPhases\"\x8a\x01\n\x10WeightPushResult\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x16\n\x0epaused_seconds\x18\x03 \x01(\x01\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12-\n\x06phases\x18\x05 \x01(\x0b\x32\x1d.rlfabric.v1.WeightSyncPhases\";\n\'ActorServiceCloseWeightSyncGroupRequest\x12\x10\n\x08group_id\x18\x01 \x01(\t\"*\n(ActorServiceCloseWeightSyncGroupResponse\"\x1e\n\x1c\x41\x63torServiceGetStatusRequest\"\xa1\x01\n\x1d\x41\x63torServiceGetStatusResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nworld_size\x18\x02 \x01(\x05\x12\x16\n\x0eoptimizer_step\x18\x03 \x01(\x03\x12\x16\n\x0enum_parameters\x18\x04 \x01(\x03\x12-\n\x06\x64\x65vice\x18\x05 \x01(\x0b\x32\x1d.rlfabric.v1.WeightSyncDevice2\x9a\t\n\x0c\x41\x63torService\x12t\n\x0f\x43omputeLogProbs\x12/.rlfabric.v1.ActorServiceComputeLogProbsRequest\x1a\x30.rlfabric.v1.ActorServiceComputeLogProbsResponse\x12k\n\x0cUpdatePolicy\x12,.rlfabric.v1.ActorServiceUpdatePolicyRequest\x1a-.rlfabric.v1.ActorServiceUpdatePolicyResponse\x12q\n\x0eSaveCheckpoint\x12..rlfabric.v1.ActorServiceSaveCheckpointRequest\x1a/.rlfabric.v1.ActorServiceSaveCheckpointResponse\x12q\n\x0eLoadCheckpoint\x12..rlfabric.v1.ActorServiceLoadCheckpointRequest\x1a/.rlfabric.v1.ActorServiceLoadCheckpointResponse\x12_\n\x08\x45xportHF\x12(.rlfabric.v1.ActorServiceExportHFRequest\x1a).rlfabric.v1.ActorServiceExportHFResponse\x12\x80\x01\n\x13OpenWeightSyncGroup\x12\x33.rlfabric.v1.ActorServiceOpenWeightSyncGroupRequest\x1a\x34.rlfabric.v1.ActorServiceOpenWeightSyncGroupResponse\x12z\n\x11PrepareWeightSync\x12\x31.rlfabric.v1.ActorServicePrepareWeightSyncRequest\x1a\x32.rlfabric.v1.ActorServicePrepareWeightSyncResponse\x12w\n\x10\x42roadcastWeights\x12\x30.rlfabric.v1.ActorServiceBroadcastWeightsRequest\x1a\x31.rlfabric.v1.ActorServiceBroadcastWeightsResponse\x12\x83\x01\n\x14\x43loseWeightSyncGroup\x12\x34.rlfabric.v1.ActorServiceCloseWeightSyncGroupRequest\x1a\x35.rlfabric.v1.ActorServiceCloseWeightSyncGroupResponse\x12\x62\n\tGetStatus\x12).rlfabric.v1.ActorServiceGetStatusRequest\x1a*.rlfabric.v1.ActorServiceGetStatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'rlfabric.v1.actor_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_UPDATEPOLICYRESPONSE_METRICSENTRY']._loaded_options = None
-  _globals['_UPDATEPOLICYRESPONSE_METRICSENTRY']._serialized_options = b'8\001'
-  _globals['_LOGPROBSINPUT']._serialized_start=97
-  _globals['_LOGPROBSINPUT']._serialized_end=213
-  _globals['_COMPUTELOGPROBSREQUEST']._serialized_start=215
-  _globals['_COMPUTELOGPROBSREQUEST']._serialized_end=282
-  _globals['_COMPUTELOGPROBSRESPONSE']._serialized_start=284
-  _globals['_COMPUTELOGPROBSRESPONSE']._serialized_end=346
-  _globals['_UPDATEPOLICYREQUEST']._serialized_start=348
-  _globals['_UPDATEPOLICYREQUEST']._serialized_end=425
-  _globals['_UPDATEPOLICYRESPONSE']._serialized_start=428
-  _globals['_UPDATEPOLICYRESPONSE']._serialized_end=563
-  _globals['_UPDATEPOLICYRESPONSE_METRICSENTRY']._serialized_start=517
-  _globals['_UPDATEPOLICYRESPONSE_METRICSENTRY']._serialized_end=563
-  _globals['_CHECKPOINTLOCATION']._serialized_start=565
-  _globals['_CHECKPOINTLOCATION']._serialized_end=599
-  _globals['_SAVECHECKPOINTREQUEST']._serialized_start=601
-  _globals['_SAVECHECKPOINTREQUEST']._serialized_end=675
-  _globals['_SAVECHECKPOINTRESPONSE']._serialized_start=677
-  _globals['_SAVECHECKPOINTRESPONSE']._serialized_end=720
-  _globals['_LOADCHECKPOINTREQUEST']._serialized_start=722
-  _globals['_LOADCHECKPOINTREQUEST']._serialized_end=796
-  _globals['_LOADCHECKPOINTRESPONSE']._serialized_start=798
-  _globals['_LOADCHECKPOINTRESPONSE']._serialized_end=846
-  _globals['_EXPORTHFREQUEST']._serialized_start=848
-  _globals['_EXPORTHFREQUEST']._serialized_end=879
-  _globals['_EXPORTHFRESPONSE']._serialized_start=881
-  _globals['_EXPORTHFRESPONSE']._serialized_end=918
-  _globals['_OPENWEIGHTSYNCGROUPREQUEST']._serialized_start=921
-  _globals['_OPENWEIGHTSYNCGROUPREQUEST']._serialized_end=1140
-  _globals['_OPENWEIGHTSYNCGROUPRESPONSE']._serialized_start=1142
-  _globals['_OPENWEIGHTSYNCGROUPRESPONSE']._serialized_end=1216
-  _globals['_PREPAREWEIGHTSYNCREQUEST']._serialized_start=1218
-  _globals['_PREPAREWEIGHTSYNCREQUEST']._serialized_end=1279
-  _globals['_PREPAREWEIGHTSYNCRESPONSE']._serialized_start=1281
-  _globals['_PREPAREWEIGHTSYNCRESPONSE']._serialized_end=1355
-  _globals['_BROADCASTWEIGHTSREQUEST']._serialized_start=1357
-  _globals['_BROADCASTWEIGHTSREQUEST']._serialized_end=1417
-  _globals['_BROADCASTWEIGHTSRESPONSE']._serialized_start=1420
-  _globals['_BROADCASTWEIGHTSRESPONSE']._serialized_end=1576
-  _globals['_WEIGHTPUSHRESULT']._serialized_start=1579
-  _globals['_WEIGHTPUSHRESULT']._serialized_end=1717
-  _globals['_CLOSEWEIGHTSYNCGROUPREQUEST']._serialized_start=1719
-  _globals['_CLOSEWEIGHTSYNCGROUPREQUEST']._serialized_end=1766
-  _globals['_CLOSEWEIGHTSYNCGROUPRESPONSE']._serialized_start=1768
-  _globals['_CLOSEWEIGHTSYNCGROUPRESPONSE']._serialized_end=1798
-  _globals['_ACTORSERVICEGETSTATUSREQUEST']._serialized_start=1800
-  _globals['_ACTORSERVICEGETSTATUSREQUEST']._serialized_end=1830
-  _globals['_ACTORSERVICEGETSTATUSRESPONSE']._serialized_start=1833
-  _globals['_ACTORSERVICEGETSTATUSRESPONSE']._serialized_end=1994
-  _globals['_ACTORSERVICE']._serialized_start=1997
-  _globals['_ACTORSERVICE']._serialized_end=2957
+  _globals['_ACTORSERVICEUPDATEPOLICYRESPONSE_METRICSENTRY']._loaded_options = None
+  _globals['_ACTORSERVICEUPDATEPOLICYRESPONSE_METRICSENTRY']._serialized_options = b'8\001'
+  _globals['_ACTORSERVICECOMPUTELOGPROBSREQUEST']._serialized_start=123
+  _globals['_ACTORSERVICECOMPUTELOGPROBSREQUEST']._serialized_end=202
+  _globals['_ACTORSERVICECOMPUTELOGPROBSRESPONSE']._serialized_start=204
+  _globals['_ACTORSERVICECOMPUTELOGPROBSRESPONSE']._serialized_end=278
+  _globals['_ACTORSERVICEUPDATEPOLICYREQUEST']._serialized_start=280
+  _globals['_ACTORSERVICEUPDATEPOLICYREQUEST']._serialized_end=369
+  _globals['_ACTORSERVICEUPDATEPOLICYRESPONSE']._serialized_start=372
+  _globals['_ACTORSERVICEUPDATEPOLICYRESPONSE']._serialized_end=531
+  _globals['_ACTORSERVICEUPDATEPOLICYRESPONSE_METRICSENTRY']._serialized_start=485
+  _globals['_ACTORSERVICEUPDATEPOLICYRESPONSE_METRICSENTRY']._serialized_end=531
+  _globals['_ACTORSERVICESAVECHECKPOINTREQUEST']._serialized_start=533
+  _globals['_ACTORSERVICESAVECHECKPOINTREQUEST']._serialized_end=619
+  _globals['_ACTORSERVICESAVECHECKPOINTRESPONSE']._serialized_start=621
+  _globals['_ACTORSERVICESAVECHECKPOINTRESPONSE']._serialized_end=676
+  _globals['_ACTORSERVICELOADCHECKPOINTREQUEST']._serialized_start=678
+  _globals['_ACTORSERVICELOADCHECKPOINTREQUEST']._serialized_end=764
+  _globals['_ACTORSERVICELOADCHECKPOINTRESPONSE']._serialized_start=766
+  _globals['_ACTORSERVICELOADCHECKPOINTRESPONSE']._serialized_end=826
+  _globals['_ACTORSERVICEEXPORTHFREQUEST']._serialized_start=828
+  _globals['_ACTORSERVICEEXPORTHFREQUEST']._serialized_end=871
+  _globals['_ACTORSERVICEEXPORTHFRESPONSE']._serialized_start=873
+  _globals['_ACTORSERVICEEXPORTHFRESPONSE']._serialized_end=922
+  _globals['_ACTORSERVICEOPENWEIGHTSYNCGROUPREQUEST']._serialized_start=925
+  _globals['_ACTORSERVICEOPENWEIGHTSYNCGROUPREQUEST']._serialized_end=1156
+  _globals['_ACTORSERVICEOPENWEIGHTSYNCGROUPRESPONSE']._serialized_start=1158
+  _globals['_ACTORSERVICEOPENWEIGHTSYNCGROUPRESPONSE']._serialized_end=1244
+  _globals['_ACTORSERVICEPREPAREWEIGHTSYNCREQUEST']._serialized_start=1246
+  _globals['_ACTORSERVICEPREPAREWEIGHTSYNCREQUEST']._serialized_end=1319
+  _globals['_ACTORSERVICEPREPAREWEIGHTSYNCRESPONSE']._serialized_start=1321
+  _globals['_ACTORSERVICEPREPAREWEIGHTSYNCRESPONSE']._serialized_end=1407
+  _globals['_ACTORSERVICEBROADCASTWEIGHTSREQUEST']._serialized_start=1409
+  _globals['_ACTORSERVICEBROADCASTWEIGHTSREQUEST']._serialized_end=1481
+  _globals['_ACTORSERVICEBROADCASTWEIGHTSRESPONSE']._serialized_start=1484
+  _globals['_ACTORSERVICEBROADCASTWEIGHTSRESPONSE']._serialized_end=1652
+  _globals['_WEIGHTPUSHRESULT']._serialized_start=1655
+  _globals['_WEIGHTPUSHRESULT']._serialized_end=1793
+  _globals['_ACTORSERVICECLOSEWEIGHTSYNCGROUPREQUEST']._serialized_start=1795
+  _globals['_ACTORSERVICECLOSEWEIGHTSYNCGROUPREQUEST']._serialized_end=1854
+  _globals['_ACTORSERVICECLOSEWEIGHTSYNCGROUPRESPONSE']._serialized_start=1856
+  _globals['_ACTORSERVICECLOSEWEIGHTSYNCGROUPRESPONSE']._serialized_end=1898
+  _globals['_ACTORSERVICEGETSTATUSREQUEST']._serialized_start=1900
+  _globals['_ACTORSERVICEGETSTATUSREQUEST']._serialized_end=1930
+  _globals['_ACTORSERVICEGETSTATUSRESPONSE']._serialized_start=1933
+  _globals['_ACTORSERVICEGETSTATUSRESPONSE']._serialized_end=2094
+  _globals['_ACTORSERVICE']._serialized_start=2097
+  _globals['_ACTORSERVICE']._serialized_end=3275
 # @@protoc_insertion_point(module_scope)

@@ -1,3 +1,4 @@
+from rlfabric.v1 import common_pb2 as _common_pb2
 from rlfabric.v1 import tensor_pb2 as _tensor_pb2
 from rlfabric.v1 import weight_sync_pb2 as _weight_sync_pb2
 from google.protobuf.internal import containers as _containers
@@ -8,31 +9,19 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
-class LogProbsInput(_message.Message):
-    __slots__ = ("batch", "temperature", "compute_entropy", "base_model")
-    BATCH_FIELD_NUMBER: _ClassVar[int]
-    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
-    COMPUTE_ENTROPY_FIELD_NUMBER: _ClassVar[int]
-    BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
-    batch: _tensor_pb2.Batch
-    temperature: float
-    compute_entropy: bool
-    base_model: bool
-    def __init__(self, batch: _Optional[_Union[_tensor_pb2.Batch, _Mapping]] = ..., temperature: _Optional[float] = ..., compute_entropy: _Optional[bool] = ..., base_model: _Optional[bool] = ...) -> None: ...
-
-class ComputeLogProbsRequest(_message.Message):
+class ActorServiceComputeLogProbsRequest(_message.Message):
     __slots__ = ("input",)
     INPUT_FIELD_NUMBER: _ClassVar[int]
-    input: LogProbsInput
-    def __init__(self, input: _Optional[_Union[LogProbsInput, _Mapping]] = ...) -> None: ...
+    input: _common_pb2.LogProbsInput
+    def __init__(self, input: _Optional[_Union[_common_pb2.LogProbsInput, _Mapping]] = ...) -> None: ...
 
-class ComputeLogProbsResponse(_message.Message):
+class ActorServiceComputeLogProbsResponse(_message.Message):
     __slots__ = ("outputs",)
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     outputs: _tensor_pb2.Batch
     def __init__(self, outputs: _Optional[_Union[_tensor_pb2.Batch, _Mapping]] = ...) -> None: ...
 
-class UpdatePolicyRequest(_message.Message):
+class ActorServiceUpdatePolicyRequest(_message.Message):
     __slots__ = ("batch", "global_step")
     BATCH_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_STEP_FIELD_NUMBER: _ClassVar[int]
@@ -40,7 +29,7 @@ class UpdatePolicyRequest(_message.Message):
     global_step: int
     def __init__(self, batch: _Optional[_Union[_tensor_pb2.Batch, _Mapping]] = ..., global_step: _Optional[int] = ...) -> None: ...
 
-class UpdatePolicyResponse(_message.Message):
+class ActorServiceUpdatePolicyResponse(_message.Message):
     __slots__ = ("metrics",)
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
@@ -53,49 +42,43 @@ class UpdatePolicyResponse(_message.Message):
     metrics: _containers.ScalarMap[str, float]
     def __init__(self, metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
-class CheckpointLocation(_message.Message):
-    __slots__ = ("path",)
-    PATH_FIELD_NUMBER: _ClassVar[int]
-    path: str
-    def __init__(self, path: _Optional[str] = ...) -> None: ...
-
-class SaveCheckpointRequest(_message.Message):
+class ActorServiceSaveCheckpointRequest(_message.Message):
     __slots__ = ("location",)
     LOCATION_FIELD_NUMBER: _ClassVar[int]
-    location: CheckpointLocation
-    def __init__(self, location: _Optional[_Union[CheckpointLocation, _Mapping]] = ...) -> None: ...
+    location: _common_pb2.CheckpointLocation
+    def __init__(self, location: _Optional[_Union[_common_pb2.CheckpointLocation, _Mapping]] = ...) -> None: ...
 
-class SaveCheckpointResponse(_message.Message):
+class ActorServiceSaveCheckpointResponse(_message.Message):
     __slots__ = ("num_bytes",)
     NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
     num_bytes: int
     def __init__(self, num_bytes: _Optional[int] = ...) -> None: ...
 
-class LoadCheckpointRequest(_message.Message):
+class ActorServiceLoadCheckpointRequest(_message.Message):
     __slots__ = ("location",)
     LOCATION_FIELD_NUMBER: _ClassVar[int]
-    location: CheckpointLocation
-    def __init__(self, location: _Optional[_Union[CheckpointLocation, _Mapping]] = ...) -> None: ...
+    location: _common_pb2.CheckpointLocation
+    def __init__(self, location: _Optional[_Union[_common_pb2.CheckpointLocation, _Mapping]] = ...) -> None: ...
 
-class LoadCheckpointResponse(_message.Message):
+class ActorServiceLoadCheckpointResponse(_message.Message):
     __slots__ = ("optimizer_step",)
     OPTIMIZER_STEP_FIELD_NUMBER: _ClassVar[int]
     optimizer_step: int
     def __init__(self, optimizer_step: _Optional[int] = ...) -> None: ...
 
-class ExportHFRequest(_message.Message):
+class ActorServiceExportHFRequest(_message.Message):
     __slots__ = ("path",)
     PATH_FIELD_NUMBER: _ClassVar[int]
     path: str
     def __init__(self, path: _Optional[str] = ...) -> None: ...
 
-class ExportHFResponse(_message.Message):
+class ActorServiceExportHFResponse(_message.Message):
     __slots__ = ("num_bytes",)
     NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
     num_bytes: int
     def __init__(self, num_bytes: _Optional[int] = ...) -> None: ...
 
-class OpenWeightSyncGroupRequest(_message.Message):
+class ActorServiceOpenWeightSyncGroupRequest(_message.Message):
     __slots__ = ("transport", "num_receivers", "bucket_bytes", "target_dtype", "timeout_s", "grpc_receiver_addresses")
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     NUM_RECEIVERS_FIELD_NUMBER: _ClassVar[int]
@@ -111,13 +94,13 @@ class OpenWeightSyncGroupRequest(_message.Message):
     grpc_receiver_addresses: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, transport: _Optional[_Union[_weight_sync_pb2.WeightTransport, str]] = ..., num_receivers: _Optional[int] = ..., bucket_bytes: _Optional[int] = ..., target_dtype: _Optional[_Union[_tensor_pb2.DataType, str]] = ..., timeout_s: _Optional[float] = ..., grpc_receiver_addresses: _Optional[_Iterable[str]] = ...) -> None: ...
 
-class OpenWeightSyncGroupResponse(_message.Message):
+class ActorServiceOpenWeightSyncGroupResponse(_message.Message):
     __slots__ = ("group",)
     GROUP_FIELD_NUMBER: _ClassVar[int]
     group: _weight_sync_pb2.WeightSyncGroup
     def __init__(self, group: _Optional[_Union[_weight_sync_pb2.WeightSyncGroup, _Mapping]] = ...) -> None: ...
 
-class PrepareWeightSyncRequest(_message.Message):
+class ActorServicePrepareWeightSyncRequest(_message.Message):
     __slots__ = ("group_id", "version")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -125,13 +108,13 @@ class PrepareWeightSyncRequest(_message.Message):
     version: int
     def __init__(self, group_id: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
 
-class PrepareWeightSyncResponse(_message.Message):
+class ActorServicePrepareWeightSyncResponse(_message.Message):
     __slots__ = ("manifest",)
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     manifest: _weight_sync_pb2.WeightManifest
     def __init__(self, manifest: _Optional[_Union[_weight_sync_pb2.WeightManifest, _Mapping]] = ...) -> None: ...
 
-class BroadcastWeightsRequest(_message.Message):
+class ActorServiceBroadcastWeightsRequest(_message.Message):
     __slots__ = ("group_id", "version")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -139,7 +122,7 @@ class BroadcastWeightsRequest(_message.Message):
     version: int
     def __init__(self, group_id: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
 
-class BroadcastWeightsResponse(_message.Message):
+class ActorServiceBroadcastWeightsResponse(_message.Message):
     __slots__ = ("num_bytes", "seconds", "pushes", "phases")
     NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -165,13 +148,13 @@ class WeightPushResult(_message.Message):
     phases: _weight_sync_pb2.WeightSyncPhases
     def __init__(self, address: _Optional[str] = ..., version: _Optional[int] = ..., paused_seconds: _Optional[float] = ..., error: _Optional[str] = ..., phases: _Optional[_Union[_weight_sync_pb2.WeightSyncPhases, _Mapping]] = ...) -> None: ...
 
-class CloseWeightSyncGroupRequest(_message.Message):
+class ActorServiceCloseWeightSyncGroupRequest(_message.Message):
     __slots__ = ("group_id",)
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     def __init__(self, group_id: _Optional[str] = ...) -> None: ...
 
-class CloseWeightSyncGroupResponse(_message.Message):
+class ActorServiceCloseWeightSyncGroupResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 

@@ -22,13 +22,13 @@ RUN_STATE_COMPLETED: RunState
 RUN_STATE_STOPPED: RunState
 RUN_STATE_FAILED: RunState
 
-class StartRunRequest(_message.Message):
+class CoordinatorServiceStartRunRequest(_message.Message):
     __slots__ = ("overrides",)
     OVERRIDES_FIELD_NUMBER: _ClassVar[int]
     overrides: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, overrides: _Optional[_Iterable[str]] = ...) -> None: ...
 
-class StartRunResponse(_message.Message):
+class CoordinatorServiceStartRunResponse(_message.Message):
     __slots__ = ("run_id", "start_step")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     START_STEP_FIELD_NUMBER: _ClassVar[int]
@@ -36,11 +36,11 @@ class StartRunResponse(_message.Message):
     start_step: int
     def __init__(self, run_id: _Optional[str] = ..., start_step: _Optional[int] = ...) -> None: ...
 
-class GetRunStatusRequest(_message.Message):
+class CoordinatorServiceGetRunStatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
-class GetRunStatusResponse(_message.Message):
+class CoordinatorServiceGetRunStatusResponse(_message.Message):
     __slots__ = ("run_id", "state", "step", "total_steps", "phase", "last_metrics", "weight_version", "error")
     class LastMetricsEntry(_message.Message):
         __slots__ = ("key", "value")
@@ -67,13 +67,13 @@ class GetRunStatusResponse(_message.Message):
     error: str
     def __init__(self, run_id: _Optional[str] = ..., state: _Optional[_Union[RunState, str]] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., phase: _Optional[str] = ..., last_metrics: _Optional[_Mapping[str, float]] = ..., weight_version: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
 
-class StreamMetricsRequest(_message.Message):
+class CoordinatorServiceStreamMetricsRequest(_message.Message):
     __slots__ = ("from_step",)
     FROM_STEP_FIELD_NUMBER: _ClassVar[int]
     from_step: int
     def __init__(self, from_step: _Optional[int] = ...) -> None: ...
 
-class StreamMetricsResponse(_message.Message):
+class CoordinatorServiceStreamMetricsResponse(_message.Message):
     __slots__ = ("step", "metrics", "timestamp")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
@@ -90,23 +90,23 @@ class StreamMetricsResponse(_message.Message):
     timestamp: float
     def __init__(self, step: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., timestamp: _Optional[float] = ...) -> None: ...
 
-class PauseRunRequest(_message.Message):
+class CoordinatorServicePauseRunRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
-class PauseRunResponse(_message.Message):
+class CoordinatorServicePauseRunResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
-class ResumeRunRequest(_message.Message):
+class CoordinatorServiceResumeRunRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
-class ResumeRunResponse(_message.Message):
+class CoordinatorServiceResumeRunResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
-class StopRunRequest(_message.Message):
+class CoordinatorServiceStopRunRequest(_message.Message):
     __slots__ = ("save_checkpoint", "skip_checkpoint")
     SAVE_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     SKIP_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
@@ -114,7 +114,7 @@ class StopRunRequest(_message.Message):
     skip_checkpoint: bool
     def __init__(self, save_checkpoint: _Optional[bool] = ..., skip_checkpoint: _Optional[bool] = ...) -> None: ...
 
-class StopRunResponse(_message.Message):
+class CoordinatorServiceStopRunResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 

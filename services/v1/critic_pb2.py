@@ -22,41 +22,41 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
-from rlfabric.v1 import actor_pb2 as rlfabric_dot_v1_dot_actor__pb2
+from rlfabric.v1 import common_pb2 as rlfabric_dot_v1_dot_common__pb2
 from rlfabric.v1 import tensor_pb2 as rlfabric_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18rlfabric/v1/critic.proto\x12\x0brlfabric.v1\x1a\x17rlfabric/v1/actor.proto\x1a\x18rlfabric/v1/tensor.proto\"9\n\x14\x43omputeValuesRequest\x12!\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x12.rlfabric.v1.Batch\"<\n\x15\x43omputeValuesResponse\x12#\n\x07outputs\x18\x01 \x01(\x0b\x32\x12.rlfabric.v1.Batch\"M\n\x13UpdateValuesRequest\x12!\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x12.rlfabric.v1.Batch\x12\x13\n\x0bglobal_step\x18\x02 \x01(\x03\"\x87\x01\n\x14UpdateValuesResponse\x12?\n\x07metrics\x18\x01 \x03(\x0b\x32..rlfabric.v1.UpdateValuesResponse.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"W\n\"CriticServiceSaveCheckpointRequest\x12\x31\n\x08location\x18\x01 \x01(\x0b\x32\x1f.rlfabric.v1.CheckpointLocation\"8\n#CriticServiceSaveCheckpointResponse\x12\x11\n\tnum_bytes\x18\x01 \x01(\x03\"W\n\"CriticServiceLoadCheckpointRequest\x12\x31\n\x08location\x18\x01 \x01(\x0b\x32\x1f.rlfabric.v1.CheckpointLocation\"=\n#CriticServiceLoadCheckpointResponse\x12\x16\n\x0eoptimizer_step\x18\x01 \x01(\x03\"\x1f\n\x1d\x43riticServiceGetStatusRequest\"[\n\x1e\x43riticServiceGetStatusResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nworld_size\x18\x02 \x01(\x05\x12\x16\n\x0eoptimizer_step\x18\x03 \x01(\x03\x32\x8c\x04\n\rCriticService\x12V\n\rComputeValues\x12!.rlfabric.v1.ComputeValuesRequest\x1a\".rlfabric.v1.ComputeValuesResponse\x12S\n\x0cUpdateValues\x12 .rlfabric.v1.UpdateValuesRequest\x1a!.rlfabric.v1.UpdateValuesResponse\x12s\n\x0eSaveCheckpoint\x12/.rlfabric.v1.CriticServiceSaveCheckpointRequest\x1a\x30.rlfabric.v1.CriticServiceSaveCheckpointResponse\x12s\n\x0eLoadCheckpoint\x12/.rlfabric.v1.CriticServiceLoadCheckpointRequest\x1a\x30.rlfabric.v1.CriticServiceLoadCheckpointResponse\x12\x64\n\tGetStatus\x12*.rlfabric.v1.CriticServiceGetStatusRequest\x1a+.rlfabric.v1.CriticServiceGetStatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18rlfabric/v1/critic.proto\x12\x0brlfabric.v1\x1a\x18rlfabric/v1/common.proto\x1a\x18rlfabric/v1/tensor.proto\"F\n!CriticServiceComputeValuesRequest\x12!\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x12.rlfabric.v1.Batch\"I\n\"CriticServiceComputeValuesResponse\x12#\n\x07outputs\x18\x01 \x01(\x0b\x32\x12.rlfabric.v1.Batch\"Z\n CriticServiceUpdateValuesRequest\x12!\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x12.rlfabric.v1.Batch\x12\x13\n\x0bglobal_step\x18\x02 \x01(\x03\"\xa1\x01\n!CriticServiceUpdateValuesResponse\x12L\n\x07metrics\x18\x01 \x03(\x0b\x32;.rlfabric.v1.CriticServiceUpdateValuesResponse.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"W\n\"CriticServiceSaveCheckpointRequest\x12\x31\n\x08location\x18\x01 \x01(\x0b\x32\x1f.rlfabric.v1.CheckpointLocation\"8\n#CriticServiceSaveCheckpointResponse\x12\x11\n\tnum_bytes\x18\x01 \x01(\x03\"W\n\"CriticServiceLoadCheckpointRequest\x12\x31\n\x08location\x18\x01 \x01(\x0b\x32\x1f.rlfabric.v1.CheckpointLocation\"=\n#CriticServiceLoadCheckpointResponse\x12\x16\n\x0eoptimizer_step\x18\x01 \x01(\x03\"\x1f\n\x1d\x43riticServiceGetStatusRequest\"[\n\x1e\x43riticServiceGetStatusResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nworld_size\x18\x02 \x01(\x05\x12\x16\n\x0eoptimizer_step\x18\x03 \x01(\x03\x32\xc0\x04\n\rCriticService\x12p\n\rComputeValues\x12..rlfabric.v1.CriticServiceComputeValuesRequest\x1a/.rlfabric.v1.CriticServiceComputeValuesResponse\x12m\n\x0cUpdateValues\x12-.rlfabric.v1.CriticServiceUpdateValuesRequest\x1a..rlfabric.v1.CriticServiceUpdateValuesResponse\x12s\n\x0eSaveCheckpoint\x12/.rlfabric.v1.CriticServiceSaveCheckpointRequest\x1a\x30.rlfabric.v1.CriticServiceSaveCheckpointResponse\x12s\n\x0eLoadCheckpoint\x12/.rlfabric.v1.CriticServiceLoadCheckpointRequest\x1a\x30.rlfabric.v1.CriticServiceLoadCheckpointResponse\x12\x64\n\tGetStatus\x12*.rlfabric.v1.CriticServiceGetStatusRequest\x1a+.rlfabric.v1.CriticServiceGetStatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'rlfabric.v1.critic_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_UPDATEVALUESRESPONSE_METRICSENTRY']._loaded_options = None
-  _globals['_UPDATEVALUESRESPONSE_METRICSENTRY']._serialized_options = b'8\001'
-  _globals['_COMPUTEVALUESREQUEST']._serialized_start=92
-  _globals['_COMPUTEVALUESREQUEST']._serialized_end=149
-  _globals['_COMPUTEVALUESRESPONSE']._serialized_start=151
-  _globals['_COMPUTEVALUESRESPONSE']._serialized_end=211
-  _globals['_UPDATEVALUESREQUEST']._serialized_start=213
-  _globals['_UPDATEVALUESREQUEST']._serialized_end=290
-  _globals['_UPDATEVALUESRESPONSE']._serialized_start=293
-  _globals['_UPDATEVALUESRESPONSE']._serialized_end=428
-  _globals['_UPDATEVALUESRESPONSE_METRICSENTRY']._serialized_start=382
-  _globals['_UPDATEVALUESRESPONSE_METRICSENTRY']._serialized_end=428
-  _globals['_CRITICSERVICESAVECHECKPOINTREQUEST']._serialized_start=430
-  _globals['_CRITICSERVICESAVECHECKPOINTREQUEST']._serialized_end=517
-  _globals['_CRITICSERVICESAVECHECKPOINTRESPONSE']._serialized_start=519
-  _globals['_CRITICSERVICESAVECHECKPOINTRESPONSE']._serialized_end=575
-  _globals['_CRITICSERVICELOADCHECKPOINTREQUEST']._serialized_start=577
-  _globals['_CRITICSERVICELOADCHECKPOINTREQUEST']._serialized_end=664
-  _globals['_CRITICSERVICELOADCHECKPOINTRESPONSE']._serialized_start=666
-  _globals['_CRITICSERVICELOADCHECKPOINTRESPONSE']._serialized_end=727
-  _globals['_CRITICSERVICEGETSTATUSREQUEST']._serialized_start=729
-  _globals['_CRITICSERVICEGETSTATUSREQUEST']._serialized_end=760
-  _globals['_CRITICSERVICEGETSTATUSRESPONSE']._serialized_start=762
-  _globals['_CRITICSERVICEGETSTATUSRESPONSE']._serialized_end=853
-  _globals['_CRITICSERVICE']._serialized_start=856
-  _globals['_CRITICSERVICE']._serialized_end=1380
+  _globals['_CRITICSERVICEUPDATEVALUESRESPONSE_METRICSENTRY']._loaded_options = None
+  _globals['_CRITICSERVICEUPDATEVALUESRESPONSE_METRICSENTRY']._serialized_options = b'8\001'
+  _globals['_CRITICSERVICECOMPUTEVALUESREQUEST']._serialized_start=93
+  _globals['_CRITICSERVICECOMPUTEVALUESREQUEST']._serialized_end=163
+  _globals['_CRITICSERVICECOMPUTEVALUESRESPONSE']._serialized_start=165
+  _globals['_CRITICSERVICECOMPUTEVALUESRESPONSE']._serialized_end=238
+  _globals['_CRITICSERVICEUPDATEVALUESREQUEST']._serialized_start=240
+  _globals['_CRITICSERVICEUPDATEVALUESREQUEST']._serialized_end=330
+  _globals['_CRITICSERVICEUPDATEVALUESRESPONSE']._serialized_start=333
+  _globals['_CRITICSERVICEUPDATEVALUESRESPONSE']._serialized_end=494
+  _globals['_CRITICSERVICEUPDATEVALUESRESPONSE_METRICSENTRY']._serialized_start=448
+  _globals['_CRITICSERVICEUPDATEVALUESRESPONSE_METRICSENTRY']._serialized_end=494
+  _globals['_CRITICSERVICESAVECHECKPOINTREQUEST']._serialized_start=496
+  _globals['_CRITICSERVICESAVECHECKPOINTREQUEST']._serialized_end=583
+  _globals['_CRITICSERVICESAVECHECKPOINTRESPONSE']._serialized_start=585
+  _globals['_CRITICSERVICESAVECHECKPOINTRESPONSE']._serialized_end=641
+  _globals['_CRITICSERVICELOADCHECKPOINTREQUEST']._serialized_start=643
+  _globals['_CRITICSERVICELOADCHECKPOINTREQUEST']._serialized_end=730
+  _globals['_CRITICSERVICELOADCHECKPOINTRESPONSE']._serialized_start=732
+  _globals['_CRITICSERVICELOADCHECKPOINTRESPONSE']._serialized_end=793
+  _globals['_CRITICSERVICEGETSTATUSREQUEST']._serialized_start=795
+  _globals['_CRITICSERVICEGETSTATUSREQUEST']._serialized_end=826
+  _globals['_CRITICSERVICEGETSTATUSRESPONSE']._serialized_start=828
+  _globals['_CRITICSERVICEGETSTATUSRESPONSE']._serialized_end=919
+  _globals['_CRITICSERVICE']._serialized_start=922
+  _globals['_CRITICSERVICE']._serialized_end=1498
 # @@protoc_insertion_point(module_scope)

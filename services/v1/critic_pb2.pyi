@@ -1,4 +1,4 @@
-from rlfabric.v1 import actor_pb2 as _actor_pb2
+from rlfabric.v1 import common_pb2 as _common_pb2
 from rlfabric.v1 import tensor_pb2 as _tensor_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
@@ -8,19 +8,19 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
-class ComputeValuesRequest(_message.Message):
+class CriticServiceComputeValuesRequest(_message.Message):
     __slots__ = ("batch",)
     BATCH_FIELD_NUMBER: _ClassVar[int]
     batch: _tensor_pb2.Batch
     def __init__(self, batch: _Optional[_Union[_tensor_pb2.Batch, _Mapping]] = ...) -> None: ...
 
-class ComputeValuesResponse(_message.Message):
+class CriticServiceComputeValuesResponse(_message.Message):
     __slots__ = ("outputs",)
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     outputs: _tensor_pb2.Batch
     def __init__(self, outputs: _Optional[_Union[_tensor_pb2.Batch, _Mapping]] = ...) -> None: ...
 
-class UpdateValuesRequest(_message.Message):
+class CriticServiceUpdateValuesRequest(_message.Message):
     __slots__ = ("batch", "global_step")
     BATCH_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_STEP_FIELD_NUMBER: _ClassVar[int]
@@ -28,7 +28,7 @@ class UpdateValuesRequest(_message.Message):
     global_step: int
     def __init__(self, batch: _Optional[_Union[_tensor_pb2.Batch, _Mapping]] = ..., global_step: _Optional[int] = ...) -> None: ...
 
-class UpdateValuesResponse(_message.Message):
+class CriticServiceUpdateValuesResponse(_message.Message):
     __slots__ = ("metrics",)
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
@@ -44,8 +44,8 @@ class UpdateValuesResponse(_message.Message):
 class CriticServiceSaveCheckpointRequest(_message.Message):
     __slots__ = ("location",)
     LOCATION_FIELD_NUMBER: _ClassVar[int]
-    location: _actor_pb2.CheckpointLocation
-    def __init__(self, location: _Optional[_Union[_actor_pb2.CheckpointLocation, _Mapping]] = ...) -> None: ...
+    location: _common_pb2.CheckpointLocation
+    def __init__(self, location: _Optional[_Union[_common_pb2.CheckpointLocation, _Mapping]] = ...) -> None: ...
 
 class CriticServiceSaveCheckpointResponse(_message.Message):
     __slots__ = ("num_bytes",)
@@ -56,8 +56,8 @@ class CriticServiceSaveCheckpointResponse(_message.Message):
 class CriticServiceLoadCheckpointRequest(_message.Message):
     __slots__ = ("location",)
     LOCATION_FIELD_NUMBER: _ClassVar[int]
-    location: _actor_pb2.CheckpointLocation
-    def __init__(self, location: _Optional[_Union[_actor_pb2.CheckpointLocation, _Mapping]] = ...) -> None: ...
+    location: _common_pb2.CheckpointLocation
+    def __init__(self, location: _Optional[_Union[_common_pb2.CheckpointLocation, _Mapping]] = ...) -> None: ...
 
 class CriticServiceLoadCheckpointResponse(_message.Message):
     __slots__ = ("optimizer_step",)

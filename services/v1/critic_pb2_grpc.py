@@ -38,13 +38,13 @@ class CriticServiceStub:
         """
         self.ComputeValues = channel.unary_unary(
                 '/rlfabric.v1.CriticService/ComputeValues',
-                request_serializer=rlfabric_dot_v1_dot_critic__pb2.ComputeValuesRequest.SerializeToString,
-                response_deserializer=rlfabric_dot_v1_dot_critic__pb2.ComputeValuesResponse.FromString,
+                request_serializer=rlfabric_dot_v1_dot_critic__pb2.CriticServiceComputeValuesRequest.SerializeToString,
+                response_deserializer=rlfabric_dot_v1_dot_critic__pb2.CriticServiceComputeValuesResponse.FromString,
                 _registered_method=True)
         self.UpdateValues = channel.unary_unary(
                 '/rlfabric.v1.CriticService/UpdateValues',
-                request_serializer=rlfabric_dot_v1_dot_critic__pb2.UpdateValuesRequest.SerializeToString,
-                response_deserializer=rlfabric_dot_v1_dot_critic__pb2.UpdateValuesResponse.FromString,
+                request_serializer=rlfabric_dot_v1_dot_critic__pb2.CriticServiceUpdateValuesRequest.SerializeToString,
+                response_deserializer=rlfabric_dot_v1_dot_critic__pb2.CriticServiceUpdateValuesResponse.FromString,
                 _registered_method=True)
         self.SaveCheckpoint = channel.unary_unary(
                 '/rlfabric.v1.CriticService/SaveCheckpoint',
@@ -108,13 +108,13 @@ def add_CriticServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'ComputeValues': grpc.unary_unary_rpc_method_handler(
                     servicer.ComputeValues,
-                    request_deserializer=rlfabric_dot_v1_dot_critic__pb2.ComputeValuesRequest.FromString,
-                    response_serializer=rlfabric_dot_v1_dot_critic__pb2.ComputeValuesResponse.SerializeToString,
+                    request_deserializer=rlfabric_dot_v1_dot_critic__pb2.CriticServiceComputeValuesRequest.FromString,
+                    response_serializer=rlfabric_dot_v1_dot_critic__pb2.CriticServiceComputeValuesResponse.SerializeToString,
             ),
             'UpdateValues': grpc.unary_unary_rpc_method_handler(
                     servicer.UpdateValues,
-                    request_deserializer=rlfabric_dot_v1_dot_critic__pb2.UpdateValuesRequest.FromString,
-                    response_serializer=rlfabric_dot_v1_dot_critic__pb2.UpdateValuesResponse.SerializeToString,
+                    request_deserializer=rlfabric_dot_v1_dot_critic__pb2.CriticServiceUpdateValuesRequest.FromString,
+                    response_serializer=rlfabric_dot_v1_dot_critic__pb2.CriticServiceUpdateValuesResponse.SerializeToString,
             ),
             'SaveCheckpoint': grpc.unary_unary_rpc_method_handler(
                     servicer.SaveCheckpoint,
@@ -159,8 +159,8 @@ class CriticService:
             request,
             target,
             '/rlfabric.v1.CriticService/ComputeValues',
-            rlfabric_dot_v1_dot_critic__pb2.ComputeValuesRequest.SerializeToString,
-            rlfabric_dot_v1_dot_critic__pb2.ComputeValuesResponse.FromString,
+            rlfabric_dot_v1_dot_critic__pb2.CriticServiceComputeValuesRequest.SerializeToString,
+            rlfabric_dot_v1_dot_critic__pb2.CriticServiceComputeValuesResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -186,8 +186,8 @@ class CriticService:
             request,
             target,
             '/rlfabric.v1.CriticService/UpdateValues',
-            rlfabric_dot_v1_dot_critic__pb2.UpdateValuesRequest.SerializeToString,
-            rlfabric_dot_v1_dot_critic__pb2.UpdateValuesResponse.FromString,
+            rlfabric_dot_v1_dot_critic__pb2.CriticServiceUpdateValuesRequest.SerializeToString,
+            rlfabric_dot_v1_dot_critic__pb2.CriticServiceUpdateValuesResponse.FromString,
             options,
             channel_credentials,
             insecure,

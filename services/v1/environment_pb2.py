@@ -22,48 +22,48 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
-from rlfabric.v1 import rollout_pb2 as rlfabric_dot_v1_dot_rollout__pb2
+from rlfabric.v1 import common_pb2 as rlfabric_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1drlfabric/v1/environment.proto\x12\x0brlfabric.v1\x1a\x19rlfabric/v1/rollout.proto\"Z\n\x04Task\x12\x13\n\x0b\x65nvironment\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x14\n\x0cground_truth\x18\x03 \x01(\t\x12\x17\n\x0f\x65xtra_info_json\x18\x04 \x01(\t\"F\n\x08ToolSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\"0\n\x08ToolCall\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x16\n\x0e\x61rguments_json\x18\x02 \x01(\t\"A\n\x06\x41\x63tion\x12\x0c\n\x04text\x18\x01 \x01(\t\x12)\n\ntool_calls\x18\x02 \x03(\x0b\x32\x15.rlfabric.v1.ToolCall\"9\n\x0bObservation\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.rlfabric.v1.ChatMessage\"/\n\x0cResetRequest\x12\x1f\n\x04task\x18\x01 \x01(\x0b\x32\x11.rlfabric.v1.Task\"x\n\rResetResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12-\n\x0bobservation\x18\x02 \x01(\x0b\x32\x18.rlfabric.v1.Observation\x12$\n\x05tools\x18\x03 \x03(\x0b\x32\x15.rlfabric.v1.ToolSpec\"F\n\x0bStepRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12#\n\x06\x61\x63tion\x18\x02 \x01(\x0b\x32\x13.rlfabric.v1.Action\"\xed\x01\n\x0cStepResponse\x12-\n\x0bobservation\x18\x01 \x01(\x0b\x32\x18.rlfabric.v1.Observation\x12\x0e\n\x06reward\x18\x02 \x01(\x01\x12\x0c\n\x04\x64one\x18\x03 \x01(\x08\x12\'\n\x06status\x18\x04 \x01(\x0e\x32\x17.rlfabric.v1.StepStatus\x12\x37\n\x07metrics\x18\x05 \x03(\x0b\x32&.rlfabric.v1.StepResponse.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\"\n\x0c\x43loseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x0f\n\rCloseResponse\"$\n\"EnvironmentServiceGetStatusRequest\"\x95\x01\n#EnvironmentServiceGetStatusResponse\x12\x14\n\x0c\x65nvironments\x18\x01 \x03(\t\x12\x15\n\rsessions_open\x18\x02 \x01(\x05\x12\x18\n\x10sessions_started\x18\x03 \x01(\x03\x12\x18\n\x10sessions_expired\x18\x04 \x01(\x03\x12\r\n\x05steps\x18\x05 \x01(\x03*\xb8\x01\n\nStepStatus\x12\x1b\n\x17STEP_STATUS_UNSPECIFIED\x10\x00\x12\x12\n\x0eSTEP_STATUS_OK\x10\x01\x12\x1c\n\x18STEP_STATUS_UNKNOWN_TOOL\x10\x02\x12!\n\x1dSTEP_STATUS_INVALID_ARGUMENTS\x10\x03\x12\x1a\n\x16STEP_STATUS_TOOL_ERROR\x10\x04\x12\x1c\n\x18STEP_STATUS_TOOL_TIMEOUT\x10\x05\x32\xc1\x02\n\x12\x45nvironmentService\x12>\n\x05Reset\x12\x19.rlfabric.v1.ResetRequest\x1a\x1a.rlfabric.v1.ResetResponse\x12;\n\x04Step\x12\x18.rlfabric.v1.StepRequest\x1a\x19.rlfabric.v1.StepResponse\x12>\n\x05\x43lose\x12\x19.rlfabric.v1.CloseRequest\x1a\x1a.rlfabric.v1.CloseResponse\x12n\n\tGetStatus\x12/.rlfabric.v1.EnvironmentServiceGetStatusRequest\x1a\x30.rlfabric.v1.EnvironmentServiceGetStatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1drlfabric/v1/environment.proto\x12\x0brlfabric.v1\x1a\x18rlfabric/v1/common.proto\"Z\n\x04Task\x12\x13\n\x0b\x65nvironment\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x14\n\x0cground_truth\x18\x03 \x01(\t\x12\x17\n\x0f\x65xtra_info_json\x18\x04 \x01(\t\"F\n\x08ToolSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\"0\n\x08ToolCall\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x16\n\x0e\x61rguments_json\x18\x02 \x01(\t\"A\n\x06\x41\x63tion\x12\x0c\n\x04text\x18\x01 \x01(\t\x12)\n\ntool_calls\x18\x02 \x03(\x0b\x32\x15.rlfabric.v1.ToolCall\"9\n\x0bObservation\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.rlfabric.v1.ChatMessage\"A\n\x1e\x45nvironmentServiceResetRequest\x12\x1f\n\x04task\x18\x01 \x01(\x0b\x32\x11.rlfabric.v1.Task\"\x8a\x01\n\x1f\x45nvironmentServiceResetResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12-\n\x0bobservation\x18\x02 \x01(\x0b\x32\x18.rlfabric.v1.Observation\x12$\n\x05tools\x18\x03 \x03(\x0b\x32\x15.rlfabric.v1.ToolSpec\"X\n\x1d\x45nvironmentServiceStepRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12#\n\x06\x61\x63tion\x18\x02 \x01(\x0b\x32\x13.rlfabric.v1.Action\"\x91\x02\n\x1e\x45nvironmentServiceStepResponse\x12-\n\x0bobservation\x18\x01 \x01(\x0b\x32\x18.rlfabric.v1.Observation\x12\x0e\n\x06reward\x18\x02 \x01(\x01\x12\x0c\n\x04\x64one\x18\x03 \x01(\x08\x12\'\n\x06status\x18\x04 \x01(\x0e\x32\x17.rlfabric.v1.StepStatus\x12I\n\x07metrics\x18\x05 \x03(\x0b\x32\x38.rlfabric.v1.EnvironmentServiceStepResponse.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"4\n\x1e\x45nvironmentServiceCloseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"!\n\x1f\x45nvironmentServiceCloseResponse\"$\n\"EnvironmentServiceGetStatusRequest\"\x95\x01\n#EnvironmentServiceGetStatusResponse\x12\x14\n\x0c\x65nvironments\x18\x01 \x03(\t\x12\x15\n\rsessions_open\x18\x02 \x01(\x05\x12\x18\n\x10sessions_started\x18\x03 \x01(\x03\x12\x18\n\x10sessions_expired\x18\x04 \x01(\x03\x12\r\n\x05steps\x18\x05 \x01(\x03*\xb8\x01\n\nStepStatus\x12\x1b\n\x17STEP_STATUS_UNSPECIFIED\x10\x00\x12\x12\n\x0eSTEP_STATUS_OK\x10\x01\x12\x1c\n\x18STEP_STATUS_UNKNOWN_TOOL\x10\x02\x12!\n\x1dSTEP_STATUS_INVALID_ARGUMENTS\x10\x03\x12\x1a\n\x16STEP_STATUS_TOOL_ERROR\x10\x04\x12\x1c\n\x18STEP_STATUS_TOOL_TIMEOUT\x10\x05\x32\xad\x03\n\x12\x45nvironmentService\x12\x62\n\x05Reset\x12+.rlfabric.v1.EnvironmentServiceResetRequest\x1a,.rlfabric.v1.EnvironmentServiceResetResponse\x12_\n\x04Step\x12*.rlfabric.v1.EnvironmentServiceStepRequest\x1a+.rlfabric.v1.EnvironmentServiceStepResponse\x12\x62\n\x05\x43lose\x12+.rlfabric.v1.EnvironmentServiceCloseRequest\x1a,.rlfabric.v1.EnvironmentServiceCloseResponse\x12n\n\tGetStatus\x12/.rlfabric.v1.EnvironmentServiceGetStatusRequest\x1a\x30.rlfabric.v1.EnvironmentServiceGetStatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'rlfabric.v1.environment_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_STEPRESPONSE_METRICSENTRY']._loaded_options = None
-  _globals['_STEPRESPONSE_METRICSENTRY']._serialized_options = b'8\001'
-  _globals['_STEPSTATUS']._serialized_start=1140
-  _globals['_STEPSTATUS']._serialized_end=1324
-  _globals['_TASK']._serialized_start=73
-  _globals['_TASK']._serialized_end=163
-  _globals['_TOOLSPEC']._serialized_start=165
-  _globals['_TOOLSPEC']._serialized_end=235
-  _globals['_TOOLCALL']._serialized_start=237
-  _globals['_TOOLCALL']._serialized_end=285
-  _globals['_ACTION']._serialized_start=287
-  _globals['_ACTION']._serialized_end=352
-  _globals['_OBSERVATION']._serialized_start=354
-  _globals['_OBSERVATION']._serialized_end=411
-  _globals['_RESETREQUEST']._serialized_start=413
-  _globals['_RESETREQUEST']._serialized_end=460
-  _globals['_RESETRESPONSE']._serialized_start=462
-  _globals['_RESETRESPONSE']._serialized_end=582
-  _globals['_STEPREQUEST']._serialized_start=584
-  _globals['_STEPREQUEST']._serialized_end=654
-  _globals['_STEPRESPONSE']._serialized_start=657
-  _globals['_STEPRESPONSE']._serialized_end=894
-  _globals['_STEPRESPONSE_METRICSENTRY']._serialized_start=848
-  _globals['_STEPRESPONSE_METRICSENTRY']._serialized_end=894
-  _globals['_CLOSEREQUEST']._serialized_start=896
-  _globals['_CLOSEREQUEST']._serialized_end=930
-  _globals['_CLOSERESPONSE']._serialized_start=932
-  _globals['_CLOSERESPONSE']._serialized_end=947
-  _globals['_ENVIRONMENTSERVICEGETSTATUSREQUEST']._serialized_start=949
-  _globals['_ENVIRONMENTSERVICEGETSTATUSREQUEST']._serialized_end=985
-  _globals['_ENVIRONMENTSERVICEGETSTATUSRESPONSE']._serialized_start=988
-  _globals['_ENVIRONMENTSERVICEGETSTATUSRESPONSE']._serialized_end=1137
-  _globals['_ENVIRONMENTSERVICE']._serialized_start=1327
-  _globals['_ENVIRONMENTSERVICE']._serialized_end=1648
+  _globals['_ENVIRONMENTSERVICESTEPRESPONSE_METRICSENTRY']._loaded_options = None
+  _globals['_ENVIRONMENTSERVICESTEPRESPONSE_METRICSENTRY']._serialized_options = b'8\001'
+  _globals['_STEPSTATUS']._serialized_start=1266
+  _globals['_STEPSTATUS']._serialized_end=1450
+  _globals['_TASK']._serialized_start=72
+  _globals['_TASK']._serialized_end=162
+  _globals['_TOOLSPEC']._serialized_start=164
+  _globals['_TOOLSPEC']._serialized_end=234
+  _globals['_TOOLCALL']._serialized_start=236
+  _globals['_TOOLCALL']._serialized_end=284
+  _globals['_ACTION']._serialized_start=286
+  _globals['_ACTION']._serialized_end=351
+  _globals['_OBSERVATION']._serialized_start=353
+  _globals['_OBSERVATION']._serialized_end=410
+  _globals['_ENVIRONMENTSERVICERESETREQUEST']._serialized_start=412
+  _globals['_ENVIRONMENTSERVICERESETREQUEST']._serialized_end=477
+  _globals['_ENVIRONMENTSERVICERESETRESPONSE']._serialized_start=480
+  _globals['_ENVIRONMENTSERVICERESETRESPONSE']._serialized_end=618
+  _globals['_ENVIRONMENTSERVICESTEPREQUEST']._serialized_start=620
+  _globals['_ENVIRONMENTSERVICESTEPREQUEST']._serialized_end=708
+  _globals['_ENVIRONMENTSERVICESTEPRESPONSE']._serialized_start=711
+  _globals['_ENVIRONMENTSERVICESTEPRESPONSE']._serialized_end=984
+  _globals['_ENVIRONMENTSERVICESTEPRESPONSE_METRICSENTRY']._serialized_start=938
+  _globals['_ENVIRONMENTSERVICESTEPRESPONSE_METRICSENTRY']._serialized_end=984
+  _globals['_ENVIRONMENTSERVICECLOSEREQUEST']._serialized_start=986
+  _globals['_ENVIRONMENTSERVICECLOSEREQUEST']._serialized_end=1038
+  _globals['_ENVIRONMENTSERVICECLOSERESPONSE']._serialized_start=1040
+  _globals['_ENVIRONMENTSERVICECLOSERESPONSE']._serialized_end=1073
+  _globals['_ENVIRONMENTSERVICEGETSTATUSREQUEST']._serialized_start=1075
+  _globals['_ENVIRONMENTSERVICEGETSTATUSREQUEST']._serialized_end=1111
+  _globals['_ENVIRONMENTSERVICEGETSTATUSRESPONSE']._serialized_start=1114
+  _globals['_ENVIRONMENTSERVICEGETSTATUSRESPONSE']._serialized_end=1263
+  _globals['_ENVIRONMENTSERVICE']._serialized_start=1453
+  _globals['_ENVIRONMENTSERVICE']._serialized_end=1882
 # @@protoc_insertion_point(module_scope)

@@ -1,4 +1,4 @@
-from rlfabric.v1 import rollout_pb2 as _rollout_pb2
+from rlfabric.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -64,16 +64,16 @@ class Action(_message.Message):
 class Observation(_message.Message):
     __slots__ = ("messages",)
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
-    messages: _containers.RepeatedCompositeFieldContainer[_rollout_pb2.ChatMessage]
-    def __init__(self, messages: _Optional[_Iterable[_Union[_rollout_pb2.ChatMessage, _Mapping]]] = ...) -> None: ...
+    messages: _containers.RepeatedCompositeFieldContainer[_common_pb2.ChatMessage]
+    def __init__(self, messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ...) -> None: ...
 
-class ResetRequest(_message.Message):
+class EnvironmentServiceResetRequest(_message.Message):
     __slots__ = ("task",)
     TASK_FIELD_NUMBER: _ClassVar[int]
     task: Task
     def __init__(self, task: _Optional[_Union[Task, _Mapping]] = ...) -> None: ...
 
-class ResetResponse(_message.Message):
+class EnvironmentServiceResetResponse(_message.Message):
     __slots__ = ("session_id", "observation", "tools")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     OBSERVATION_FIELD_NUMBER: _ClassVar[int]
@@ -83,7 +83,7 @@ class ResetResponse(_message.Message):
     tools: _containers.RepeatedCompositeFieldContainer[ToolSpec]
     def __init__(self, session_id: _Optional[str] = ..., observation: _Optional[_Union[Observation, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[ToolSpec, _Mapping]]] = ...) -> None: ...
 
-class StepRequest(_message.Message):
+class EnvironmentServiceStepRequest(_message.Message):
     __slots__ = ("session_id", "action")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ACTION_FIELD_NUMBER: _ClassVar[int]
@@ -91,7 +91,7 @@ class StepRequest(_message.Message):
     action: Action
     def __init__(self, session_id: _Optional[str] = ..., action: _Optional[_Union[Action, _Mapping]] = ...) -> None: ...
 
-class StepResponse(_message.Message):
+class EnvironmentServiceStepResponse(_message.Message):
     __slots__ = ("observation", "reward", "done", "status", "metrics")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
@@ -112,13 +112,13 @@ class StepResponse(_message.Message):
     metrics: _containers.ScalarMap[str, float]
     def __init__(self, observation: _Optional[_Union[Observation, _Mapping]] = ..., reward: _Optional[float] = ..., done: _Optional[bool] = ..., status: _Optional[_Union[StepStatus, str]] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
-class CloseRequest(_message.Message):
+class EnvironmentServiceCloseRequest(_message.Message):
     __slots__ = ("session_id",)
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     def __init__(self, session_id: _Optional[str] = ...) -> None: ...
 
-class CloseResponse(_message.Message):
+class EnvironmentServiceCloseResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 

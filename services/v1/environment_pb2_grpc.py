@@ -48,18 +48,18 @@ class EnvironmentServiceStub:
         """
         self.Reset = channel.unary_unary(
                 '/rlfabric.v1.EnvironmentService/Reset',
-                request_serializer=rlfabric_dot_v1_dot_environment__pb2.ResetRequest.SerializeToString,
-                response_deserializer=rlfabric_dot_v1_dot_environment__pb2.ResetResponse.FromString,
+                request_serializer=rlfabric_dot_v1_dot_environment__pb2.EnvironmentServiceResetRequest.SerializeToString,
+                response_deserializer=rlfabric_dot_v1_dot_environment__pb2.EnvironmentServiceResetResponse.FromString,
                 _registered_method=True)
         self.Step = channel.unary_unary(
                 '/rlfabric.v1.EnvironmentService/Step',
-                request_serializer=rlfabric_dot_v1_dot_environment__pb2.StepRequest.SerializeToString,
-                response_deserializer=rlfabric_dot_v1_dot_environment__pb2.StepResponse.FromString,
+                request_serializer=rlfabric_dot_v1_dot_environment__pb2.EnvironmentServiceStepRequest.SerializeToString,
+                response_deserializer=rlfabric_dot_v1_dot_environment__pb2.EnvironmentServiceStepResponse.FromString,
                 _registered_method=True)
         self.Close = channel.unary_unary(
                 '/rlfabric.v1.EnvironmentService/Close',
-                request_serializer=rlfabric_dot_v1_dot_environment__pb2.CloseRequest.SerializeToString,
-                response_deserializer=rlfabric_dot_v1_dot_environment__pb2.CloseResponse.FromString,
+                request_serializer=rlfabric_dot_v1_dot_environment__pb2.EnvironmentServiceCloseRequest.SerializeToString,
+                response_deserializer=rlfabric_dot_v1_dot_environment__pb2.EnvironmentServiceCloseResponse.FromString,
                 _registered_method=True)
         self.GetStatus = channel.unary_unary(
                 '/rlfabric.v1.EnvironmentService/GetStatus',
@@ -116,18 +116,18 @@ def add_EnvironmentServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Reset': grpc.unary_unary_rpc_method_handler(
                     servicer.Reset,
-                    request_deserializer=rlfabric_dot_v1_dot_environment__pb2.ResetRequest.FromString,
-                    response_serializer=rlfabric_dot_v1_dot_environment__pb2.ResetResponse.SerializeToString,
+                    request_deserializer=rlfabric_dot_v1_dot_environment__pb2.EnvironmentServiceResetRequest.FromString,
+                    response_serializer=rlfabric_dot_v1_dot_environment__pb2.EnvironmentServiceResetResponse.SerializeToString,
             ),
             'Step': grpc.unary_unary_rpc_method_handler(
                     servicer.Step,
-                    request_deserializer=rlfabric_dot_v1_dot_environment__pb2.StepRequest.FromString,
-                    response_serializer=rlfabric_dot_v1_dot_environment__pb2.StepResponse.SerializeToString,
+                    request_deserializer=rlfabric_dot_v1_dot_environment__pb2.EnvironmentServiceStepRequest.FromString,
+                    response_serializer=rlfabric_dot_v1_dot_environment__pb2.EnvironmentServiceStepResponse.SerializeToString,
             ),
             'Close': grpc.unary_unary_rpc_method_handler(
                     servicer.Close,
-                    request_deserializer=rlfabric_dot_v1_dot_environment__pb2.CloseRequest.FromString,
-                    response_serializer=rlfabric_dot_v1_dot_environment__pb2.CloseResponse.SerializeToString,
+                    request_deserializer=rlfabric_dot_v1_dot_environment__pb2.EnvironmentServiceCloseRequest.FromString,
+                    response_serializer=rlfabric_dot_v1_dot_environment__pb2.EnvironmentServiceCloseResponse.SerializeToString,
             ),
             'GetStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStatus,
@@ -172,8 +172,8 @@ class EnvironmentService:
             request,
             target,
             '/rlfabric.v1.EnvironmentService/Reset',
-            rlfabric_dot_v1_dot_environment__pb2.ResetRequest.SerializeToString,
-            rlfabric_dot_v1_dot_environment__pb2.ResetResponse.FromString,
+            rlfabric_dot_v1_dot_environment__pb2.EnvironmentServiceResetRequest.SerializeToString,
+            rlfabric_dot_v1_dot_environment__pb2.EnvironmentServiceResetResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -199,8 +199,8 @@ class EnvironmentService:
             request,
             target,
             '/rlfabric.v1.EnvironmentService/Step',
-            rlfabric_dot_v1_dot_environment__pb2.StepRequest.SerializeToString,
-            rlfabric_dot_v1_dot_environment__pb2.StepResponse.FromString,
+            rlfabric_dot_v1_dot_environment__pb2.EnvironmentServiceStepRequest.SerializeToString,
+            rlfabric_dot_v1_dot_environment__pb2.EnvironmentServiceStepResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -226,8 +226,8 @@ class EnvironmentService:
             request,
             target,
             '/rlfabric.v1.EnvironmentService/Close',
-            rlfabric_dot_v1_dot_environment__pb2.CloseRequest.SerializeToString,
-            rlfabric_dot_v1_dot_environment__pb2.CloseResponse.FromString,
+            rlfabric_dot_v1_dot_environment__pb2.EnvironmentServiceCloseRequest.SerializeToString,
+            rlfabric_dot_v1_dot_environment__pb2.EnvironmentServiceCloseResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -22,34 +22,34 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
-from rlfabric.v1 import actor_pb2 as rlfabric_dot_v1_dot_actor__pb2
+from rlfabric.v1 import common_pb2 as rlfabric_dot_v1_dot_common__pb2
 from rlfabric.v1 import tensor_pb2 as rlfabric_dot_v1_dot_tensor__pb2
 from rlfabric.v1 import weight_sync_pb2 as rlfabric_dot_v1_dot_weight__sync__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1brlfabric/v1/reference.proto\x12\x0brlfabric.v1\x1a\x17rlfabric/v1/actor.proto\x1a\x18rlfabric/v1/tensor.proto\x1a\x1drlfabric/v1/weight_sync.proto\"S\n&ReferenceServiceComputeLogProbsRequest\x12)\n\x05input\x18\x01 \x01(\x0b\x32\x1a.rlfabric.v1.LogProbsInput\"N\n\'ReferenceServiceComputeLogProbsResponse\x12#\n\x07outputs\x18\x01 \x01(\x0b\x32\x12.rlfabric.v1.Batch\"g\n*ReferenceServiceJoinWeightSyncGroupRequest\x12+\n\x05group\x18\x01 \x01(\x0b\x32\x1c.rlfabric.v1.WeightSyncGroup\x12\x0c\n\x04rank\x18\x02 \x01(\x05\"-\n+ReferenceServiceJoinWeightSyncGroupResponse\"V\n%ReferenceServiceReceiveWeightsRequest\x12-\n\x08manifest\x18\x01 \x01(\x0b\x32\x1b.rlfabric.v1.WeightManifest\"h\n&ReferenceServiceReceiveWeightsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12-\n\x06phases\x18\x02 \x01(\x0b\x32\x1d.rlfabric.v1.WeightSyncPhases\"\"\n ReferenceServiceGetStatusRequest\"y\n!ReferenceServiceGetStatusResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x16\n\x0eweight_version\x18\x02 \x01(\x03\x12-\n\x06\x64\x65vice\x18\x03 \x01(\x0b\x32\x1d.rlfabric.v1.WeightSyncDevice2\x82\x04\n\x10ReferenceService\x12|\n\x0f\x43omputeLogProbs\x12\x33.rlfabric.v1.ReferenceServiceComputeLogProbsRequest\x1a\x34.rlfabric.v1.ReferenceServiceComputeLogProbsResponse\x12\x88\x01\n\x13JoinWeightSyncGroup\x12\x37.rlfabric.v1.ReferenceServiceJoinWeightSyncGroupRequest\x1a\x38.rlfabric.v1.ReferenceServiceJoinWeightSyncGroupResponse\x12y\n\x0eReceiveWeights\x12\x32.rlfabric.v1.ReferenceServiceReceiveWeightsRequest\x1a\x33.rlfabric.v1.ReferenceServiceReceiveWeightsResponse\x12j\n\tGetStatus\x12-.rlfabric.v1.ReferenceServiceGetStatusRequest\x1a..rlfabric.v1.ReferenceServiceGetStatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1brlfabric/v1/reference.proto\x12\x0brlfabric.v1\x1a\x18rlfabric/v1/common.proto\x1a\x18rlfabric/v1/tensor.proto\x1a\x1drlfabric/v1/weight_sync.proto\"S\n&ReferenceServiceComputeLogProbsRequest\x12)\n\x05input\x18\x01 \x01(\x0b\x32\x1a.rlfabric.v1.LogProbsInput\"N\n\'ReferenceServiceComputeLogProbsResponse\x12#\n\x07outputs\x18\x01 \x01(\x0b\x32\x12.rlfabric.v1.Batch\"g\n*ReferenceServiceJoinWeightSyncGroupRequest\x12+\n\x05group\x18\x01 \x01(\x0b\x32\x1c.rlfabric.v1.WeightSyncGroup\x12\x0c\n\x04rank\x18\x02 \x01(\x05\"-\n+ReferenceServiceJoinWeightSyncGroupResponse\"V\n%ReferenceServiceReceiveWeightsRequest\x12-\n\x08manifest\x18\x01 \x01(\x0b\x32\x1b.rlfabric.v1.WeightManifest\"h\n&ReferenceServiceReceiveWeightsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12-\n\x06phases\x18\x02 \x01(\x0b\x32\x1d.rlfabric.v1.WeightSyncPhases\"\"\n ReferenceServiceGetStatusRequest\"y\n!ReferenceServiceGetStatusResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x16\n\x0eweight_version\x18\x02 \x01(\x03\x12-\n\x06\x64\x65vice\x18\x03 \x01(\x0b\x32\x1d.rlfabric.v1.WeightSyncDevice2\x82\x04\n\x10ReferenceService\x12|\n\x0f\x43omputeLogProbs\x12\x33.rlfabric.v1.ReferenceServiceComputeLogProbsRequest\x1a\x34.rlfabric.v1.ReferenceServiceComputeLogProbsResponse\x12\x88\x01\n\x13JoinWeightSyncGroup\x12\x37.rlfabric.v1.ReferenceServiceJoinWeightSyncGroupRequest\x1a\x38.rlfabric.v1.ReferenceServiceJoinWeightSyncGroupResponse\x12y\n\x0eReceiveWeights\x12\x32.rlfabric.v1.ReferenceServiceReceiveWeightsRequest\x1a\x33.rlfabric.v1.ReferenceServiceReceiveWeightsResponse\x12j\n\tGetStatus\x12-.rlfabric.v1.ReferenceServiceGetStatusRequest\x1a..rlfabric.v1.ReferenceServiceGetStatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'rlfabric.v1.reference_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_REFERENCESERVICECOMPUTELOGPROBSREQUEST']._serialized_start=126
-  _globals['_REFERENCESERVICECOMPUTELOGPROBSREQUEST']._serialized_end=209
-  _globals['_REFERENCESERVICECOMPUTELOGPROBSRESPONSE']._serialized_start=211
-  _globals['_REFERENCESERVICECOMPUTELOGPROBSRESPONSE']._serialized_end=289
-  _globals['_REFERENCESERVICEJOINWEIGHTSYNCGROUPREQUEST']._serialized_start=291
-  _globals['_REFERENCESERVICEJOINWEIGHTSYNCGROUPREQUEST']._serialized_end=394
-  _globals['_REFERENCESERVICEJOINWEIGHTSYNCGROUPRESPONSE']._serialized_start=396
-  _globals['_REFERENCESERVICEJOINWEIGHTSYNCGROUPRESPONSE']._serialized_end=441
-  _globals['_REFERENCESERVICERECEIVEWEIGHTSREQUEST']._serialized_start=443
-  _globals['_REFERENCESERVICERECEIVEWEIGHTSREQUEST']._serialized_end=529
-  _globals['_REFERENCESERVICERECEIVEWEIGHTSRESPONSE']._serialized_start=531
-  _globals['_REFERENCESERVICERECEIVEWEIGHTSRESPONSE']._serialized_end=635
-  _globals['_REFERENCESERVICEGETSTATUSREQUEST']._serialized_start=637
-  _globals['_REFERENCESERVICEGETSTATUSREQUEST']._serialized_end=671
-  _globals['_REFERENCESERVICEGETSTATUSRESPONSE']._serialized_start=673
-  _globals['_REFERENCESERVICEGETSTATUSRESPONSE']._serialized_end=794
-  _globals['_REFERENCESERVICE']._serialized_start=797
-  _globals['_REFERENCESERVICE']._serialized_end=1311
+  _globals['_REFERENCESERVICECOMPUTELOGPROBSREQUEST']._serialized_start=127
+  _globals['_REFERENCESERVICECOMPUTELOGPROBSREQUEST']._serialized_end=210
+  _globals['_REFERENCESERVICECOMPUTELOGPROBSRESPONSE']._serialized_start=212
+  _globals['_REFERENCESERVICECOMPUTELOGPROBSRESPONSE']._serialized_end=290
+  _globals['_REFERENCESERVICEJOINWEIGHTSYNCGROUPREQUEST']._serialized_start=292
+  _globals['_REFERENCESERVICEJOINWEIGHTSYNCGROUPREQUEST']._serialized_end=395
+  _globals['_REFERENCESERVICEJOINWEIGHTSYNCGROUPRESPONSE']._serialized_start=397
+  _globals['_REFERENCESERVICEJOINWEIGHTSYNCGROUPRESPONSE']._serialized_end=442
+  _globals['_REFERENCESERVICERECEIVEWEIGHTSREQUEST']._serialized_start=444
+  _globals['_REFERENCESERVICERECEIVEWEIGHTSREQUEST']._serialized_end=530
+  _globals['_REFERENCESERVICERECEIVEWEIGHTSRESPONSE']._serialized_start=532
+  _globals['_REFERENCESERVICERECEIVEWEIGHTSRESPONSE']._serialized_end=636
+  _globals['_REFERENCESERVICEGETSTATUSREQUEST']._serialized_start=638
+  _globals['_REFERENCESERVICEGETSTATUSREQUEST']._serialized_end=672
+  _globals['_REFERENCESERVICEGETSTATUSRESPONSE']._serialized_start=674
+  _globals['_REFERENCESERVICEGETSTATUSRESPONSE']._serialized_end=795
+  _globals['_REFERENCESERVICE']._serialized_start=798
+  _globals['_REFERENCESERVICE']._serialized_end=1312
 # @@protoc_insertion_point(module_scope)

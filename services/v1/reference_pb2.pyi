@@ -1,4 +1,4 @@
-from rlfabric.v1 import actor_pb2 as _actor_pb2
+from rlfabric.v1 import common_pb2 as _common_pb2
 from rlfabric.v1 import tensor_pb2 as _tensor_pb2
 from rlfabric.v1 import weight_sync_pb2 as _weight_sync_pb2
 from google.protobuf import descriptor as _descriptor
@@ -11,8 +11,8 @@ DESCRIPTOR: _descriptor.FileDescriptor
 class ReferenceServiceComputeLogProbsRequest(_message.Message):
     __slots__ = ("input",)
     INPUT_FIELD_NUMBER: _ClassVar[int]
-    input: _actor_pb2.LogProbsInput
-    def __init__(self, input: _Optional[_Union[_actor_pb2.LogProbsInput, _Mapping]] = ...) -> None: ...
+    input: _common_pb2.LogProbsInput
+    def __init__(self, input: _Optional[_Union[_common_pb2.LogProbsInput, _Mapping]] = ...) -> None: ...
 
 class ReferenceServiceComputeLogProbsResponse(_message.Message):
     __slots__ = ("outputs",)

@@ -26,7 +26,9 @@ if _version_not_supported:
 
 
 class ReferenceServiceStub:
-    """The frozen reference policy: log-probs only, no optimizer state.
+    """The reference policy: log-probs only, no optimizer state. Frozen, unless the run resets it to the policy
+    every few steps (reference.sync_ref_model, TR-DPO): then the actor sends it its weights over a weight-sync
+    group of their own (JoinWeightSyncGroup, ReceiveWeights), as it sends them to the rollout.
     """
 
     def __init__(self, channel):
@@ -58,7 +60,9 @@ class ReferenceServiceStub:
 
 
 class ReferenceServiceServicer:
-    """The frozen reference policy: log-probs only, no optimizer state.
+    """The reference policy: log-probs only, no optimizer state. Frozen, unless the run resets it to the policy
+    every few steps (reference.sync_ref_model, TR-DPO): then the actor sends it its weights over a weight-sync
+    group of their own (JoinWeightSyncGroup, ReceiveWeights), as it sends them to the rollout.
     """
 
     def ComputeLogProbs(self, request, context):
@@ -69,7 +73,7 @@ class ReferenceServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def JoinWeightSyncGroup(self, request, context):
-        """Joins an actor's weight-sync group (used once at start when the actor resumes from a checkpoint).
+        """Joins an actor's weight-sync group (the coordinator opens one for each reference reset).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -77,7 +81,8 @@ class ReferenceServiceServicer:
 
     def ReceiveWeights(self, request, context):
         """Receives the buckets of one manifest while the actor broadcasts them, then loads them as one
-        version (checksum mismatch: INVALID_ARGUMENT, the old weights stay).
+        version, mixed into the current weights by reference.ref_model_mixup_alpha (alpha * sent + (1 - alpha)
+        * current; 1 = as sent). Checksum mismatch: INVALID_ARGUMENT, the old weights stay.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -122,7 +127,9 @@ def add_ReferenceServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class ReferenceService:
-    """The frozen reference policy: log-probs only, no optimizer state.
+    """The reference policy: log-probs only, no optimizer state. Frozen, unless the run resets it to the policy
+    every few steps (reference.sync_ref_model, TR-DPO): then the actor sends it its weights over a weight-sync
+    group of their own (JoinWeightSyncGroup, ReceiveWeights), as it sends them to the rollout.
     """
 
     @staticmethod

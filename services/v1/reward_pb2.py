@@ -22,10 +22,10 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
-from rlfabric.v1 import rollout_pb2 as rlfabric_dot_v1_dot_rollout__pb2
+from rlfabric.v1 import common_pb2 as rlfabric_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18rlfabric/v1/reward.proto\x12\x0brlfabric.v1\x1a\x19rlfabric/v1/rollout.proto\"\xd9\x01\n\tScoreItem\x12\x13\n\x0b\x64\x61ta_source\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x10\n\x08response\x18\x03 \x01(\t\x12\x1a\n\x12response_token_ids\x18\x04 \x03(\x03\x12\x14\n\x0cground_truth\x18\x05 \x01(\t\x12\x17\n\x0f\x65xtra_info_json\x18\x06 \x01(\t\x12\x17\n\x0fresponse_length\x18\x07 \x01(\x05\x12\x31\n\x0fprompt_messages\x18\x08 \x03(\x0b\x32\x18.rlfabric.v1.ChatMessage\"\xbf\x01\n\x0bScoreResult\x12\r\n\x05score\x18\x01 \x01(\x01\x12(\n\x06status\x18\x02 \x01(\x0e\x32\x18.rlfabric.v1.ScoreStatus\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x36\n\x07metrics\x18\x04 \x03(\x0b\x32%.rlfabric.v1.ScoreResult.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"5\n\x0cScoreRequest\x12%\n\x05items\x18\x01 \x03(\x0b\x32\x16.rlfabric.v1.ScoreItem\":\n\rScoreResponse\x12)\n\x07results\x18\x01 \x03(\x0b\x32\x18.rlfabric.v1.ScoreResult\"\x1f\n\x1dRewardServiceGetStatusRequest\"b\n\x1eRewardServiceGetStatusResponse\x12\x14\n\x0c\x64\x61ta_sources\x18\x01 \x03(\t\x12\x14\n\x0citems_scored\x18\x02 \x01(\x03\x12\x14\n\x0citems_failed\x18\x03 \x01(\x03*\x8c\x01\n\x0bScoreStatus\x12\x1c\n\x18SCORE_STATUS_UNSPECIFIED\x10\x00\x12\x13\n\x0fSCORE_STATUS_OK\x10\x01\x12\x16\n\x12SCORE_STATUS_ERROR\x10\x02\x12\x18\n\x14SCORE_STATUS_TIMEOUT\x10\x03\x12\x18\n\x14SCORE_STATUS_CRASHED\x10\x04\x32\xb5\x01\n\rRewardService\x12>\n\x05Score\x12\x19.rlfabric.v1.ScoreRequest\x1a\x1a.rlfabric.v1.ScoreResponse\x12\x64\n\tGetStatus\x12*.rlfabric.v1.RewardServiceGetStatusRequest\x1a+.rlfabric.v1.RewardServiceGetStatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18rlfabric/v1/reward.proto\x12\x0brlfabric.v1\x1a\x18rlfabric/v1/common.proto\"\xd9\x01\n\tScoreItem\x12\x13\n\x0b\x64\x61ta_source\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x10\n\x08response\x18\x03 \x01(\t\x12\x1a\n\x12response_token_ids\x18\x04 \x03(\x03\x12\x14\n\x0cground_truth\x18\x05 \x01(\t\x12\x17\n\x0f\x65xtra_info_json\x18\x06 \x01(\t\x12\x17\n\x0fresponse_length\x18\x07 \x01(\x05\x12\x31\n\x0fprompt_messages\x18\x08 \x03(\x0b\x32\x18.rlfabric.v1.ChatMessage\"\xbf\x01\n\x0bScoreResult\x12\r\n\x05score\x18\x01 \x01(\x01\x12(\n\x06status\x18\x02 \x01(\x0e\x32\x18.rlfabric.v1.ScoreStatus\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x36\n\x07metrics\x18\x04 \x03(\x0b\x32%.rlfabric.v1.ScoreResult.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"B\n\x19RewardServiceScoreRequest\x12%\n\x05items\x18\x01 \x03(\x0b\x32\x16.rlfabric.v1.ScoreItem\"G\n\x1aRewardServiceScoreResponse\x12)\n\x07results\x18\x01 \x03(\x0b\x32\x18.rlfabric.v1.ScoreResult\"\x1f\n\x1dRewardServiceGetStatusRequest\"b\n\x1eRewardServiceGetStatusResponse\x12\x14\n\x0c\x64\x61ta_sources\x18\x01 \x03(\t\x12\x14\n\x0citems_scored\x18\x02 \x01(\x03\x12\x14\n\x0citems_failed\x18\x03 \x01(\x03*\x8c\x01\n\x0bScoreStatus\x12\x1c\n\x18SCORE_STATUS_UNSPECIFIED\x10\x00\x12\x13\n\x0fSCORE_STATUS_OK\x10\x01\x12\x16\n\x12SCORE_STATUS_ERROR\x10\x02\x12\x18\n\x14SCORE_STATUS_TIMEOUT\x10\x03\x12\x18\n\x14SCORE_STATUS_CRASHED\x10\x04\x32\xcf\x01\n\rRewardService\x12X\n\x05Score\x12&.rlfabric.v1.RewardServiceScoreRequest\x1a\'.rlfabric.v1.RewardServiceScoreResponse\x12\x64\n\tGetStatus\x12*.rlfabric.v1.RewardServiceGetStatusRequest\x1a+.rlfabric.v1.RewardServiceGetStatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,22 +34,22 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SCORERESULT_METRICSENTRY']._loaded_options = None
   _globals['_SCORERESULT_METRICSENTRY']._serialized_options = b'8\001'
-  _globals['_SCORESTATUS']._serialized_start=731
-  _globals['_SCORESTATUS']._serialized_end=871
-  _globals['_SCOREITEM']._serialized_start=69
-  _globals['_SCOREITEM']._serialized_end=286
-  _globals['_SCORERESULT']._serialized_start=289
-  _globals['_SCORERESULT']._serialized_end=480
-  _globals['_SCORERESULT_METRICSENTRY']._serialized_start=434
-  _globals['_SCORERESULT_METRICSENTRY']._serialized_end=480
-  _globals['_SCOREREQUEST']._serialized_start=482
-  _globals['_SCOREREQUEST']._serialized_end=535
-  _globals['_SCORERESPONSE']._serialized_start=537
-  _globals['_SCORERESPONSE']._serialized_end=595
-  _globals['_REWARDSERVICEGETSTATUSREQUEST']._serialized_start=597
-  _globals['_REWARDSERVICEGETSTATUSREQUEST']._serialized_end=628
-  _globals['_REWARDSERVICEGETSTATUSRESPONSE']._serialized_start=630
-  _globals['_REWARDSERVICEGETSTATUSRESPONSE']._serialized_end=728
-  _globals['_REWARDSERVICE']._serialized_start=874
-  _globals['_REWARDSERVICE']._serialized_end=1055
+  _globals['_SCORESTATUS']._serialized_start=756
+  _globals['_SCORESTATUS']._serialized_end=896
+  _globals['_SCOREITEM']._serialized_start=68
+  _globals['_SCOREITEM']._serialized_end=285
+  _globals['_SCORERESULT']._serialized_start=288
+  _globals['_SCORERESULT']._serialized_end=479
+  _globals['_SCORERESULT_METRICSENTRY']._serialized_start=433
+  _globals['_SCORERESULT_METRICSENTRY']._serialized_end=479
+  _globals['_REWARDSERVICESCOREREQUEST']._serialized_start=481
+  _globals['_REWARDSERVICESCOREREQUEST']._serialized_end=547
+  _globals['_REWARDSERVICESCORERESPONSE']._serialized_start=549
+  _globals['_REWARDSERVICESCORERESPONSE']._serialized_end=620
+  _globals['_REWARDSERVICEGETSTATUSREQUEST']._serialized_start=622
+  _globals['_REWARDSERVICEGETSTATUSREQUEST']._serialized_end=653
+  _globals['_REWARDSERVICEGETSTATUSRESPONSE']._serialized_start=655
+  _globals['_REWARDSERVICEGETSTATUSRESPONSE']._serialized_end=753
+  _globals['_REWARDSERVICE']._serialized_start=899
+  _globals['_REWARDSERVICE']._serialized_end=1106
 # @@protoc_insertion_point(module_scope)

@@ -1,4 +1,4 @@
-from rlfabric.v1 import rollout_pb2 as _rollout_pb2
+from rlfabric.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -38,8 +38,8 @@ class ScoreItem(_message.Message):
     ground_truth: str
     extra_info_json: str
     response_length: int
-    prompt_messages: _containers.RepeatedCompositeFieldContainer[_rollout_pb2.ChatMessage]
-    def __init__(self, data_source: _Optional[str] = ..., prompt: _Optional[str] = ..., response: _Optional[str] = ..., response_token_ids: _Optional[_Iterable[int]] = ..., ground_truth: _Optional[str] = ..., extra_info_json: _Optional[str] = ..., response_length: _Optional[int] = ..., prompt_messages: _Optional[_Iterable[_Union[_rollout_pb2.ChatMessage, _Mapping]]] = ...) -> None: ...
+    prompt_messages: _containers.RepeatedCompositeFieldContainer[_common_pb2.ChatMessage]
+    def __init__(self, data_source: _Optional[str] = ..., prompt: _Optional[str] = ..., response: _Optional[str] = ..., response_token_ids: _Optional[_Iterable[int]] = ..., ground_truth: _Optional[str] = ..., extra_info_json: _Optional[str] = ..., response_length: _Optional[int] = ..., prompt_messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ...) -> None: ...
 
 class ScoreResult(_message.Message):
     __slots__ = ("score", "status", "message", "metrics")
@@ -60,13 +60,13 @@ class ScoreResult(_message.Message):
     metrics: _containers.ScalarMap[str, float]
     def __init__(self, score: _Optional[float] = ..., status: _Optional[_Union[ScoreStatus, str]] = ..., message: _Optional[str] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
-class ScoreRequest(_message.Message):
+class RewardServiceScoreRequest(_message.Message):
     __slots__ = ("items",)
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     items: _containers.RepeatedCompositeFieldContainer[ScoreItem]
     def __init__(self, items: _Optional[_Iterable[_Union[ScoreItem, _Mapping]]] = ...) -> None: ...
 
-class ScoreResponse(_message.Message):
+class RewardServiceScoreResponse(_message.Message):
     __slots__ = ("results",)
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[ScoreResult]

@@ -39,8 +39,8 @@ class RewardServiceStub:
         """
         self.Score = channel.unary_unary(
                 '/rlfabric.v1.RewardService/Score',
-                request_serializer=rlfabric_dot_v1_dot_reward__pb2.ScoreRequest.SerializeToString,
-                response_deserializer=rlfabric_dot_v1_dot_reward__pb2.ScoreResponse.FromString,
+                request_serializer=rlfabric_dot_v1_dot_reward__pb2.RewardServiceScoreRequest.SerializeToString,
+                response_deserializer=rlfabric_dot_v1_dot_reward__pb2.RewardServiceScoreResponse.FromString,
                 _registered_method=True)
         self.GetStatus = channel.unary_unary(
                 '/rlfabric.v1.RewardService/GetStatus',
@@ -74,8 +74,8 @@ def add_RewardServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Score': grpc.unary_unary_rpc_method_handler(
                     servicer.Score,
-                    request_deserializer=rlfabric_dot_v1_dot_reward__pb2.ScoreRequest.FromString,
-                    response_serializer=rlfabric_dot_v1_dot_reward__pb2.ScoreResponse.SerializeToString,
+                    request_deserializer=rlfabric_dot_v1_dot_reward__pb2.RewardServiceScoreRequest.FromString,
+                    response_serializer=rlfabric_dot_v1_dot_reward__pb2.RewardServiceScoreResponse.SerializeToString,
             ),
             'GetStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStatus,
@@ -111,8 +111,8 @@ class RewardService:
             request,
             target,
             '/rlfabric.v1.RewardService/Score',
-            rlfabric_dot_v1_dot_reward__pb2.ScoreRequest.SerializeToString,
-            rlfabric_dot_v1_dot_reward__pb2.ScoreResponse.FromString,
+            rlfabric_dot_v1_dot_reward__pb2.RewardServiceScoreRequest.SerializeToString,
+            rlfabric_dot_v1_dot_reward__pb2.RewardServiceScoreResponse.FromString,
             options,
             channel_credentials,
             insecure,

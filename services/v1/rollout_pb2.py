@@ -22,74 +22,73 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from rlfabric.v1 import common_pb2 as rlfabric_dot_v1_dot_common__pb2
 from rlfabric.v1 import weight_sync_pb2 as rlfabric_dot_v1_dot_weight__sync__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19rlfabric/v1/rollout.proto\x12\x0brlfabric.v1\x1a\x1drlfabric/v1/weight_sync.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"m\n\x06Prompt\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12*\n\x08messages\x18\x02 \x03(\x0b\x32\x18.rlfabric.v1.ChatMessage\x12$\n\x04task\x18\x03 \x01(\x0b\x32\x16.rlfabric.v1.AgentTask\"O\n\tAgentTask\x12\x13\n\x0b\x65nvironment\x18\x01 \x01(\t\x12\x14\n\x0cground_truth\x18\x02 \x01(\t\x12\x17\n\x0f\x65xtra_info_json\x18\x03 \x01(\t\"\x84\x01\n\x0fMultiTurnParams\x12\x13\n\x0b\x65nv_address\x18\x01 \x01(\t\x12\x11\n\tmax_turns\x18\x02 \x01(\x05\x12\x18\n\x10max_total_tokens\x18\x03 \x01(\x05\x12\x18\n\x10tool_call_format\x18\x04 \x01(\t\x12\x15\n\renv_timeout_s\x18\x05 \x01(\x01\"\xe8\x01\n\x0eSamplingParams\x12\t\n\x01n\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x12\n\nmax_tokens\x18\x05 \x01(\x05\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x03\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x00\x88\x01\x01\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\x30\n\nmulti_turn\x18\n \x01(\x0b\x32\x1c.rlfabric.v1.MultiTurnParamsB\x07\n\x05_seed\"\xf5\x02\n\x06Sample\x12\x14\n\x0cprompt_index\x18\x01 \x01(\x05\x12\x14\n\x0csample_index\x18\x02 \x01(\x05\x12\x11\n\ttoken_ids\x18\x03 \x03(\x03\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.rlfabric.v1.FinishReason\x12\x16\n\x0eweight_version\x18\x06 \x01(\x03\x12\x0c\n\x04text\x18\x07 \x01(\t\x12/\n\rversion_spans\x18\x08 \x03(\x0b\x32\x18.rlfabric.v1.VersionSpan\x12\x18\n\x10prompt_token_ids\x18\x14 \x03(\x03\x12\x11\n\tloss_mask\x18\x15 \x03(\x05\x12%\n\x05turns\x18\x16 \x03(\x0b\x32\x16.rlfabric.v1.AgentTurn\x12\x14\n\x0c\x61gent_status\x18\x17 \x01(\t\x12\x13\n\x0b\x61gent_error\x18\x18 \x01(\t\x12\x12\n\nenv_reward\x18\x19 \x01(\x01\"3\n\x0bVersionSpan\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x13\n\x0b\x66irst_token\x18\x02 \x01(\x05\"\xba\x01\n\tAgentTurn\x12\x14\n\x0cmodel_tokens\x18\x01 \x01(\x05\x12\x1a\n\x12observation_tokens\x18\x02 \x01(\x05\x12\x12\n\ntool_calls\x18\x03 \x03(\t\x12\x13\n\x0bstep_status\x18\x04 \x01(\t\x12\x0e\n\x06reward\x18\x05 \x01(\x01\x12\x16\n\x0eweight_version\x18\x06 \x01(\x03\x12\x13\n\x0b\x65nv_seconds\x18\x07 \x01(\x01\x12\x15\n\rfinish_reason\x18\x08 \x01(\t\"m\n\x0fGenerateRequest\x12$\n\x07prompts\x18\x01 \x03(\x0b\x32\x13.rlfabric.v1.Prompt\x12\x34\n\x0fsampling_params\x18\x02 \x01(\x0b\x32\x1b.rlfabric.v1.SamplingParams\"8\n\x10GenerateResponse\x12$\n\x07samples\x18\x01 \x03(\x0b\x32\x13.rlfabric.v1.Sample\"s\n\x15GenerateStreamRequest\x12$\n\x07prompts\x18\x01 \x03(\x0b\x32\x13.rlfabric.v1.Prompt\x12\x34\n\x0fsampling_params\x18\x02 \x01(\x0b\x32\x1b.rlfabric.v1.SamplingParams\"=\n\x16GenerateStreamResponse\x12#\n\x06sample\x18\x01 \x01(\x0b\x32\x13.rlfabric.v1.Sample\" \n\x1eRolloutServiceGetStatusRequest\"\x86\x02\n\x1fRolloutServiceGetStatusResponse\x12\x0e\n\x06\x65ngine\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x16\n\x0eweight_version\x18\x03 \x01(\x03\x12\x13\n\x0bqueue_depth\x18\x04 \x01(\x05\x12\x16\n\x0ekv_cache_usage\x18\x05 \x01(\x01\x12\x0e\n\x06paused\x18\x06 \x01(\x08\x12\x10\n\x08sleeping\x18\x07 \x01(\x08\x12\x11\n\trss_bytes\x18\x08 \x01(\x03\x12\x1b\n\x13\x64\x65vice_memory_bytes\x18\t \x01(\x03\x12-\n\x06\x64\x65vice\x18\n \x01(\x0b\x32\x1d.rlfabric.v1.WeightSyncDevice\"\x1d\n\x0cPauseRequest\x12\r\n\x05\x61\x62ort\x18\x01 \x01(\x08\"$\n\rPauseResponse\x12\x13\n\x0bnum_aborted\x18\x01 \x01(\x05\"\x0f\n\rResumeRequest\"\x10\n\x0eResumeResponse\"\x1d\n\x0cSleepRequest\x12\r\n\x05level\x18\x01 \x01(\x05\"\x0f\n\rSleepResponse\"\x1d\n\rWakeUpRequest\x12\x0c\n\x04tags\x18\x01 \x03(\t\"\x10\n\x0eWakeUpResponse\"W\n\x1aJoinWeightSyncGroupRequest\x12+\n\x05group\x18\x01 \x01(\x0b\x32\x1c.rlfabric.v1.WeightSyncGroup\x12\x0c\n\x04rank\x18\x02 \x01(\x05\"\x1d\n\x1bJoinWeightSyncGroupResponse\"F\n\x15ReceiveWeightsRequest\x12-\n\x08manifest\x18\x01 \x01(\x0b\x32\x1b.rlfabric.v1.WeightManifest\"p\n\x16ReceiveWeightsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x16\n\x0epaused_seconds\x18\x02 \x01(\x01\x12-\n\x06phases\x18\x03 \x01(\x0b\x32\x1d.rlfabric.v1.WeightSyncPhases\"w\n\x12PushWeightsRequest\x12-\n\x08manifest\x18\x01 \x01(\x0b\x32\x1b.rlfabric.v1.WeightManifest\x12\x14\n\x0c\x62ucket_index\x18\x02 \x01(\x05\x12\x0e\n\x06offset\x18\x03 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"m\n\x13PushWeightsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x16\n\x0epaused_seconds\x18\x02 \x01(\x01\x12-\n\x06phases\x18\x03 \x01(\x0b\x32\x1d.rlfabric.v1.WeightSyncPhases*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xbd\x06\n\x0eRolloutService\x12G\n\x08Generate\x12\x1c.rlfabric.v1.GenerateRequest\x1a\x1d.rlfabric.v1.GenerateResponse\x12[\n\x0eGenerateStream\x12\".rlfabric.v1.GenerateStreamRequest\x1a#.rlfabric.v1.GenerateStreamResponse0\x01\x12\x66\n\tGetStatus\x12+.rlfabric.v1.RolloutServiceGetStatusRequest\x1a,.rlfabric.v1.RolloutServiceGetStatusResponse\x12>\n\x05Pause\x12\x19.rlfabric.v1.PauseRequest\x1a\x1a.rlfabric.v1.PauseResponse\x12\x41\n\x06Resume\x12\x1a.rlfabric.v1.ResumeRequest\x1a\x1b.rlfabric.v1.ResumeResponse\x12>\n\x05Sleep\x12\x19.rlfabric.v1.SleepRequest\x1a\x1a.rlfabric.v1.SleepResponse\x12\x41\n\x06WakeUp\x12\x1a.rlfabric.v1.WakeUpRequest\x1a\x1b.rlfabric.v1.WakeUpResponse\x12h\n\x13JoinWeightSyncGroup\x12\'.rlfabric.v1.JoinWeightSyncGroupRequest\x1a(.rlfabric.v1.JoinWeightSyncGroupResponse\x12Y\n\x0eReceiveWeights\x12\".rlfabric.v1.ReceiveWeightsRequest\x1a#.rlfabric.v1.ReceiveWeightsResponse\x12R\n\x0bPushWeights\x12\x1f.rlfabric.v1.PushWeightsRequest\x1a .rlfabric.v1.PushWeightsResponse(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19rlfabric/v1/rollout.proto\x12\x0brlfabric.v1\x1a\x18rlfabric/v1/common.proto\x1a\x1drlfabric/v1/weight_sync.proto\"m\n\x06Prompt\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12*\n\x08messages\x18\x02 \x03(\x0b\x32\x18.rlfabric.v1.ChatMessage\x12$\n\x04task\x18\x03 \x01(\x0b\x32\x16.rlfabric.v1.AgentTask\"O\n\tAgentTask\x12\x13\n\x0b\x65nvironment\x18\x01 \x01(\t\x12\x14\n\x0cground_truth\x18\x02 \x01(\t\x12\x17\n\x0f\x65xtra_info_json\x18\x03 \x01(\t\"\x84\x01\n\x0fMultiTurnParams\x12\x13\n\x0b\x65nv_address\x18\x01 \x01(\t\x12\x11\n\tmax_turns\x18\x02 \x01(\x05\x12\x18\n\x10max_total_tokens\x18\x03 \x01(\x05\x12\x18\n\x10tool_call_format\x18\x04 \x01(\t\x12\x15\n\renv_timeout_s\x18\x05 \x01(\x01\"\xe8\x01\n\x0eSamplingParams\x12\t\n\x01n\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x12\n\nmax_tokens\x18\x05 \x01(\x05\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x03\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x00\x88\x01\x01\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\x30\n\nmulti_turn\x18\n \x01(\x0b\x32\x1c.rlfabric.v1.MultiTurnParamsB\x07\n\x05_seed\"\xf5\x02\n\x06Sample\x12\x14\n\x0cprompt_index\x18\x01 \x01(\x05\x12\x14\n\x0csample_index\x18\x02 \x01(\x05\x12\x11\n\ttoken_ids\x18\x03 \x03(\x03\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.rlfabric.v1.FinishReason\x12\x16\n\x0eweight_version\x18\x06 \x01(\x03\x12\x0c\n\x04text\x18\x07 \x01(\t\x12/\n\rversion_spans\x18\x08 \x03(\x0b\x32\x18.rlfabric.v1.VersionSpan\x12\x18\n\x10prompt_token_ids\x18\x14 \x03(\x03\x12\x11\n\tloss_mask\x18\x15 \x03(\x05\x12%\n\x05turns\x18\x16 \x03(\x0b\x32\x16.rlfabric.v1.AgentTurn\x12\x14\n\x0c\x61gent_status\x18\x17 \x01(\t\x12\x13\n\x0b\x61gent_error\x18\x18 \x01(\t\x12\x12\n\nenv_reward\x18\x19 \x01(\x01\"3\n\x0bVersionSpan\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x13\n\x0b\x66irst_token\x18\x02 \x01(\x05\"\xba\x01\n\tAgentTurn\x12\x14\n\x0cmodel_tokens\x18\x01 \x01(\x05\x12\x1a\n\x12observation_tokens\x18\x02 \x01(\x05\x12\x12\n\ntool_calls\x18\x03 \x03(\t\x12\x13\n\x0bstep_status\x18\x04 \x01(\t\x12\x0e\n\x06reward\x18\x05 \x01(\x01\x12\x16\n\x0eweight_version\x18\x06 \x01(\x03\x12\x13\n\x0b\x65nv_seconds\x18\x07 \x01(\x01\x12\x15\n\rfinish_reason\x18\x08 \x01(\t\"{\n\x1dRolloutServiceGenerateRequest\x12$\n\x07prompts\x18\x01 \x03(\x0b\x32\x13.rlfabric.v1.Prompt\x12\x34\n\x0fsampling_params\x18\x02 \x01(\x0b\x32\x1b.rlfabric.v1.SamplingParams\"F\n\x1eRolloutServiceGenerateResponse\x12$\n\x07samples\x18\x01 \x03(\x0b\x32\x13.rlfabric.v1.Sample\"\x81\x01\n#RolloutServiceGenerateStreamRequest\x12$\n\x07prompts\x18\x01 \x03(\x0b\x32\x13.rlfabric.v1.Prompt\x12\x34\n\x0fsampling_params\x18\x02 \x01(\x0b\x32\x1b.rlfabric.v1.SamplingParams\"K\n$RolloutServiceGenerateStreamResponse\x12#\n\x06sample\x18\x01 \x01(\x0b\x32\x13.rlfabric.v1.Sample\" \n\x1eRolloutServiceGetStatusRequest\"\x86\x02\n\x1fRolloutServiceGetStatusResponse\x12\x0e\n\x06\x65ngine\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x16\n\x0eweight_version\x18\x03 \x01(\x03\x12\x13\n\x0bqueue_depth\x18\x04 \x01(\x05\x12\x16\n\x0ekv_cache_usage\x18\x05 \x01(\x01\x12\x0e\n\x06paused\x18\x06 \x01(\x08\x12\x10\n\x08sleeping\x18\x07 \x01(\x08\x12\x11\n\trss_bytes\x18\x08 \x01(\x03\x12\x1b\n\x13\x64\x65vice_memory_bytes\x18\t \x01(\x03\x12-\n\x06\x64\x65vice\x18\n \x01(\x0b\x32\x1d.rlfabric.v1.WeightSyncDevice\"+\n\x1aRolloutServicePauseRequest\x12\r\n\x05\x61\x62ort\x18\x01 \x01(\x08\"2\n\x1bRolloutServicePauseResponse\x12\x13\n\x0bnum_aborted\x18\x01 \x01(\x05\"\x1d\n\x1bRolloutServiceResumeRequest\"\x1e\n\x1cRolloutServiceResumeResponse\"+\n\x1aRolloutServiceSleepRequest\x12\r\n\x05level\x18\x01 \x01(\x05\"\x1d\n\x1bRolloutServiceSleepResponse\"+\n\x1bRolloutServiceWakeUpRequest\x12\x0c\n\x04tags\x18\x01 \x03(\t\"\x1e\n\x1cRolloutServiceWakeUpResponse\"e\n(RolloutServiceJoinWeightSyncGroupRequest\x12+\n\x05group\x18\x01 \x01(\x0b\x32\x1c.rlfabric.v1.WeightSyncGroup\x12\x0c\n\x04rank\x18\x02 \x01(\x05\"+\n)RolloutServiceJoinWeightSyncGroupResponse\"T\n#RolloutServiceReceiveWeightsRequest\x12-\n\x08manifest\x18\x01 \x01(\x0b\x32\x1b.rlfabric.v1.WeightManifest\"~\n$RolloutServiceReceiveWeightsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x16\n\x0epaused_seconds\x18\x02 \x01(\x01\x12-\n\x06phases\x18\x03 \x01(\x0b\x32\x1d.rlfabric.v1.WeightSyncPhases\"\x85\x01\n RolloutServicePushWeightsRequest\x12-\n\x08manifest\x18\x01 \x01(\x0b\x32\x1b.rlfabric.v1.WeightManifest\x12\x14\n\x0c\x62ucket_index\x18\x02 \x01(\x05\x12\x0e\n\x06offset\x18\x03 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"{\n!RolloutServicePushWeightsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x16\n\x0epaused_seconds\x18\x02 \x01(\x01\x12-\n\x06phases\x18\x03 \x01(\x0b\x32\x1d.rlfabric.v1.WeightSyncPhases*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xba\x08\n\x0eRolloutService\x12\x63\n\x08Generate\x12*.rlfabric.v1.RolloutServiceGenerateRequest\x1a+.rlfabric.v1.RolloutServiceGenerateResponse\x12w\n\x0eGenerateStream\x12\x30.rlfabric.v1.RolloutServiceGenerateStreamRequest\x1a\x31.rlfabric.v1.RolloutServiceGenerateStreamResponse0\x01\x12\x66\n\tGetStatus\x12+.rlfabric.v1.RolloutServiceGetStatusRequest\x1a,.rlfabric.v1.RolloutServiceGetStatusResponse\x12Z\n\x05Pause\x12\'.rlfabric.v1.RolloutServicePauseRequest\x1a(.rlfabric.v1.RolloutServicePauseResponse\x12]\n\x06Resume\x12(.rlfabric.v1.RolloutServiceResumeRequest\x1a).rlfabric.v1.RolloutServiceResumeResponse\x12Z\n\x05Sleep\x12\'.rlfabric.v1.RolloutServiceSleepRequest\x1a(.rlfabric.v1.RolloutServiceSleepResponse\x12]\n\x06WakeUp\x12(.rlfabric.v1.RolloutServiceWakeUpRequest\x1a).rlfabric.v1.RolloutServiceWakeUpResponse\x12\x84\x01\n\x13JoinWeightSyncGroup\x12\x35.rlfabric.v1.RolloutServiceJoinWeightSyncGroupRequest\x1a\x36.rlfabric.v1.RolloutServiceJoinWeightSyncGroupResponse\x12u\n\x0eReceiveWeights\x12\x30.rlfabric.v1.RolloutServiceReceiveWeightsRequest\x1a\x31.rlfabric.v1.RolloutServiceReceiveWeightsResponse\x12n\n\x0bPushWeights\x12-.rlfabric.v1.RolloutServicePushWeightsRequest\x1a..rlfabric.v1.RolloutServicePushWeightsResponse(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'rlfabric.v1.rollout_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2686
-  _globals['_FINISHREASON']._serialized_end=2806
-  _globals['_CHATMESSAGE']._serialized_start=73
-  _globals['_CHATMESSAGE']._serialized_end=117
-  _globals['_PROMPT']._serialized_start=119
-  _globals['_PROMPT']._serialized_end=228
-  _globals['_AGENTTASK']._serialized_start=230
-  _globals['_AGENTTASK']._serialized_end=309
-  _globals['_MULTITURNPARAMS']._serialized_start=312
-  _globals['_MULTITURNPARAMS']._serialized_end=444
-  _globals['_SAMPLINGPARAMS']._serialized_start=447
-  _globals['_SAMPLINGPARAMS']._serialized_end=679
-  _globals['_SAMPLE']._serialized_start=682
-  _globals['_SAMPLE']._serialized_end=1055
-  _globals['_VERSIONSPAN']._serialized_start=1057
-  _globals['_VERSIONSPAN']._serialized_end=1108
-  _globals['_AGENTTURN']._serialized_start=1111
-  _globals['_AGENTTURN']._serialized_end=1297
-  _globals['_GENERATEREQUEST']._serialized_start=1299
-  _globals['_GENERATEREQUEST']._serialized_end=1408
-  _globals['_GENERATERESPONSE']._serialized_start=1410
-  _globals['_GENERATERESPONSE']._serialized_end=1466
-  _globals['_GENERATESTREAMREQUEST']._serialized_start=1468
-  _globals['_GENERATESTREAMREQUEST']._serialized_end=1583
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1585
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1646
-  _globals['_ROLLOUTSERVICEGETSTATUSREQUEST']._serialized_start=1648
-  _globals['_ROLLOUTSERVICEGETSTATUSREQUEST']._serialized_end=1680
-  _globals['_ROLLOUTSERVICEGETSTATUSRESPONSE']._serialized_start=1683
-  _globals['_ROLLOUTSERVICEGETSTATUSRESPONSE']._serialized_end=1945
-  _globals['_PAUSEREQUEST']._serialized_start=1947
-  _globals['_PAUSEREQUEST']._serialized_end=1976
-  _globals['_PAUSERESPONSE']._serialized_start=1978
-  _globals['_PAUSERESPONSE']._serialized_end=2014
-  _globals['_RESUMEREQUEST']._serialized_start=2016
-  _globals['_RESUMEREQUEST']._serialized_end=2031
-  _globals['_RESUMERESPONSE']._serialized_start=2033
-  _globals['_RESUMERESPONSE']._serialized_end=2049
-  _globals['_SLEEPREQUEST']._serialized_start=2051
-  _globals['_SLEEPREQUEST']._serialized_end=2080
-  _globals['_SLEEPRESPONSE']._serialized_start=2082
-  _globals['_SLEEPRESPONSE']._serialized_end=2097
-  _globals['_WAKEUPREQUEST']._serialized_start=2099
-  _globals['_WAKEUPREQUEST']._serialized_end=2128
-  _globals['_WAKEUPRESPONSE']._serialized_start=2130
-  _globals['_WAKEUPRESPONSE']._serialized_end=2146
-  _globals['_JOINWEIGHTSYNCGROUPREQUEST']._serialized_start=2148
-  _globals['_JOINWEIGHTSYNCGROUPREQUEST']._serialized_end=2235
-  _globals['_JOINWEIGHTSYNCGROUPRESPONSE']._serialized_start=2237
-  _globals['_JOINWEIGHTSYNCGROUPRESPONSE']._serialized_end=2266
-  _globals['_RECEIVEWEIGHTSREQUEST']._serialized_start=2268
-  _globals['_RECEIVEWEIGHTSREQUEST']._serialized_end=2338
-  _globals['_RECEIVEWEIGHTSRESPONSE']._serialized_start=2340
-  _globals['_RECEIVEWEIGHTSRESPONSE']._serialized_end=2452
-  _globals['_PUSHWEIGHTSREQUEST']._serialized_start=2454
-  _globals['_PUSHWEIGHTSREQUEST']._serialized_end=2573
-  _globals['_PUSHWEIGHTSRESPONSE']._serialized_start=2575
-  _globals['_PUSHWEIGHTSRESPONSE']._serialized_end=2684
-  _globals['_ROLLOUTSERVICE']._serialized_start=2809
-  _globals['_ROLLOUTSERVICE']._serialized_end=3638
+  _globals['_FINISHREASON']._serialized_start=2920
+  _globals['_FINISHREASON']._serialized_end=3040
+  _globals['_PROMPT']._serialized_start=99
+  _globals['_PROMPT']._serialized_end=208
+  _globals['_AGENTTASK']._serialized_start=210
+  _globals['_AGENTTASK']._serialized_end=289
+  _globals['_MULTITURNPARAMS']._serialized_start=292
+  _globals['_MULTITURNPARAMS']._serialized_end=424
+  _globals['_SAMPLINGPARAMS']._serialized_start=427
+  _globals['_SAMPLINGPARAMS']._serialized_end=659
+  _globals['_SAMPLE']._serialized_start=662
+  _globals['_SAMPLE']._serialized_end=1035
+  _globals['_VERSIONSPAN']._serialized_start=1037
+  _globals['_VERSIONSPAN']._serialized_end=1088
+  _globals['_AGENTTURN']._serialized_start=1091
+  _globals['_AGENTTURN']._serialized_end=1277
+  _globals['_ROLLOUTSERVICEGENERATEREQUEST']._serialized_start=1279
+  _globals['_ROLLOUTSERVICEGENERATEREQUEST']._serialized_end=1402
+  _globals['_ROLLOUTSERVICEGENERATERESPONSE']._serialized_start=1404
+  _globals['_ROLLOUTSERVICEGENERATERESPONSE']._serialized_end=1474
+  _globals['_ROLLOUTSERVICEGENERATESTREAMREQUEST']._serialized_start=1477
+  _globals['_ROLLOUTSERVICEGENERATESTREAMREQUEST']._serialized_end=1606
+  _globals['_ROLLOUTSERVICEGENERATESTREAMRESPONSE']._serialized_start=1608
+  _globals['_ROLLOUTSERVICEGENERATESTREAMRESPONSE']._serialized_end=1683
+  _globals['_ROLLOUTSERVICEGETSTATUSREQUEST']._serialized_start=1685
+  _globals['_ROLLOUTSERVICEGETSTATUSREQUEST']._serialized_end=1717
+  _globals['_ROLLOUTSERVICEGETSTATUSRESPONSE']._serialized_start=1720
+  _globals['_ROLLOUTSERVICEGETSTATUSRESPONSE']._serialized_end=1982
+  _globals['_ROLLOUTSERVICEPAUSEREQUEST']._serialized_start=1984
+  _globals['_ROLLOUTSERVICEPAUSEREQUEST']._serialized_end=2027
+  _globals['_ROLLOUTSERVICEPAUSERESPONSE']._serialized_start=2029
+  _globals['_ROLLOUTSERVICEPAUSERESPONSE']._serialized_end=2079
+  _globals['_ROLLOUTSERVICERESUMEREQUEST']._serialized_start=2081
+  _globals['_ROLLOUTSERVICERESUMEREQUEST']._serialized_end=2110
+  _globals['_ROLLOUTSERVICERESUMERESPONSE']._serialized_start=2112
+  _globals['_ROLLOUTSERVICERESUMERESPONSE']._serialized_end=2142
+  _globals['_ROLLOUTSERVICESLEEPREQUEST']._serialized_start=2144
+  _globals['_ROLLOUTSERVICESLEEPREQUEST']._serialized_end=2187
+  _globals['_ROLLOUTSERVICESLEEPRESPONSE']._serialized_start=2189
+  _globals['_ROLLOUTSERVICESLEEPRESPONSE']._serialized_end=2218
+  _globals['_ROLLOUTSERVICEWAKEUPREQUEST']._serialized_start=2220
+  _globals['_ROLLOUTSERVICEWAKEUPREQUEST']._serialized_end=2263
+  _globals['_ROLLOUTSERVICEWAKEUPRESPONSE']._serialized_start=2265
+  _globals['_ROLLOUTSERVICEWAKEUPRESPONSE']._serialized_end=2295
+  _globals['_ROLLOUTSERVICEJOINWEIGHTSYNCGROUPREQUEST']._serialized_start=2297
+  _globals['_ROLLOUTSERVICEJOINWEIGHTSYNCGROUPREQUEST']._serialized_end=2398
+  _globals['_ROLLOUTSERVICEJOINWEIGHTSYNCGROUPRESPONSE']._serialized_start=2400
+  _globals['_ROLLOUTSERVICEJOINWEIGHTSYNCGROUPRESPONSE']._serialized_end=2443
+  _globals['_ROLLOUTSERVICERECEIVEWEIGHTSREQUEST']._serialized_start=2445
+  _globals['_ROLLOUTSERVICERECEIVEWEIGHTSREQUEST']._serialized_end=2529
+  _globals['_ROLLOUTSERVICERECEIVEWEIGHTSRESPONSE']._serialized_start=2531
+  _globals['_ROLLOUTSERVICERECEIVEWEIGHTSRESPONSE']._serialized_end=2657
+  _globals['_ROLLOUTSERVICEPUSHWEIGHTSREQUEST']._serialized_start=2660
+  _globals['_ROLLOUTSERVICEPUSHWEIGHTSREQUEST']._serialized_end=2793
+  _globals['_ROLLOUTSERVICEPUSHWEIGHTSRESPONSE']._serialized_start=2795
+  _globals['_ROLLOUTSERVICEPUSHWEIGHTSRESPONSE']._serialized_end=2918
+  _globals['_ROLLOUTSERVICE']._serialized_start=3043
+  _globals['_ROLLOUTSERVICE']._serialized_end=4125
 # @@protoc_insertion_point(module_scope)

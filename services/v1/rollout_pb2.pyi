@@ -1,3 +1,4 @@
+from rlfabric.v1 import common_pb2 as _common_pb2
 from rlfabric.v1 import weight_sync_pb2 as _weight_sync_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
@@ -19,23 +20,15 @@ FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_ABORT: FinishReason
 
-class ChatMessage(_message.Message):
-    __slots__ = ("role", "content")
-    ROLE_FIELD_NUMBER: _ClassVar[int]
-    CONTENT_FIELD_NUMBER: _ClassVar[int]
-    role: str
-    content: str
-    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
-
 class Prompt(_message.Message):
     __slots__ = ("token_ids", "messages", "task")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     TASK_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    messages: _containers.RepeatedCompositeFieldContainer[_common_pb2.ChatMessage]
     task: AgentTask
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., task: _Optional[_Union[AgentTask, _Mapping]] = ...) -> None: ...
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ..., task: _Optional[_Union[AgentTask, _Mapping]] = ...) -> None: ...
 
 class AgentTask(_message.Message):
     __slots__ = ("environment", "ground_truth", "extra_info_json")
@@ -145,7 +138,7 @@ class AgentTurn(_message.Message):
     finish_reason: str
     def __init__(self, model_tokens: _Optional[int] = ..., observation_tokens: _Optional[int] = ..., tool_calls: _Optional[_Iterable[str]] = ..., step_status: _Optional[str] = ..., reward: _Optional[float] = ..., weight_version: _Optional[int] = ..., env_seconds: _Optional[float] = ..., finish_reason: _Optional[str] = ...) -> None: ...
 
-class GenerateRequest(_message.Message):
+class RolloutServiceGenerateRequest(_message.Message):
     __slots__ = ("prompts", "sampling_params")
     PROMPTS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -153,13 +146,13 @@ class GenerateRequest(_message.Message):
     sampling_params: SamplingParams
     def __init__(self, prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
 
-class GenerateResponse(_message.Message):
+class RolloutServiceGenerateResponse(_message.Message):
     __slots__ = ("samples",)
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     samples: _containers.RepeatedCompositeFieldContainer[Sample]
     def __init__(self, samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ...) -> None: ...
 
-class GenerateStreamRequest(_message.Message):
+class RolloutServiceGenerateStreamRequest(_message.Message):
     __slots__ = ("prompts", "sampling_params")
     PROMPTS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -167,7 +160,7 @@ class GenerateStreamRequest(_message.Message):
     sampling_params: SamplingParams
     def __init__(self, prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
 
-class GenerateStreamResponse(_message.Message):
+class RolloutServiceGenerateStreamResponse(_message.Message):
     __slots__ = ("sample",)
     SAMPLE_FIELD_NUMBER: _ClassVar[int]
     sample: Sample
@@ -201,47 +194,47 @@ class RolloutServiceGetStatusResponse(_message.Message):
     device: _weight_sync_pb2.WeightSyncDevice
     def __init__(self, engine: _Optional[str] = ..., model: _Optional[str] = ..., weight_version: _Optional[int] = ..., queue_depth: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., paused: _Optional[bool] = ..., sleeping: _Optional[bool] = ..., rss_bytes: _Optional[int] = ..., device_memory_bytes: _Optional[int] = ..., device: _Optional[_Union[_weight_sync_pb2.WeightSyncDevice, _Mapping]] = ...) -> None: ...
 
-class PauseRequest(_message.Message):
+class RolloutServicePauseRequest(_message.Message):
     __slots__ = ("abort",)
     ABORT_FIELD_NUMBER: _ClassVar[int]
     abort: bool
     def __init__(self, abort: _Optional[bool] = ...) -> None: ...
 
-class PauseResponse(_message.Message):
+class RolloutServicePauseResponse(_message.Message):
     __slots__ = ("num_aborted",)
     NUM_ABORTED_FIELD_NUMBER: _ClassVar[int]
     num_aborted: int
     def __init__(self, num_aborted: _Optional[int] = ...) -> None: ...
 
-class ResumeRequest(_message.Message):
+class RolloutServiceResumeRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
-class ResumeResponse(_message.Message):
+class RolloutServiceResumeResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
-class SleepRequest(_message.Message):
+class RolloutServiceSleepRequest(_message.Message):
     __slots__ = ("level",)
     LEVEL_FIELD_NUMBER: _ClassVar[int]
     level: int
     def __init__(self, level: _Optional[int] = ...) -> None: ...
 
-class SleepResponse(_message.Message):
+class RolloutServiceSleepResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
-class WakeUpRequest(_message.Message):
+class RolloutServiceWakeUpRequest(_message.Message):
     __slots__ = ("tags",)
     TAGS_FIELD_NUMBER: _ClassVar[int]
     tags: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, tags: _Optional[_Iterable[str]] = ...) -> None: ...
 
-class WakeUpResponse(_message.Message):
+class RolloutServiceWakeUpResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
-class JoinWeightSyncGroupRequest(_message.Message):
+class RolloutServiceJoinWeightSyncGroupRequest(_message.Message):
     __slots__ = ("group", "rank")
     GROUP_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -249,17 +242,17 @@ class JoinWeightSyncGroupRequest(_message.Message):
     rank: int
     def __init__(self, group: _Optional[_Union[_weight_sync_pb2.WeightSyncGroup, _Mapping]] = ..., rank: _Optional[int] = ...) -> None: ...
 
-class JoinWeightSyncGroupResponse(_message.Message):
+class RolloutServiceJoinWeightSyncGroupResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
-class ReceiveWeightsRequest(_message.Message):
+class RolloutServiceReceiveWeightsRequest(_message.Message):
     __slots__ = ("manifest",)
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     manifest: _weight_sync_pb2.WeightManifest
     def __init__(self, manifest: _Optional[_Union[_weight_sync_pb2.WeightManifest, _Mapping]] = ...) -> None: ...
 
-class ReceiveWeightsResponse(_message.Message):
+class RolloutServiceReceiveWeightsResponse(_message.Message):
     __slots__ = ("version", "paused_seconds", "phases")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PAUSED_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -269,7 +262,7 @@ class ReceiveWeightsResponse(_message.Message):
     phases: _weight_sync_pb2.WeightSyncPhases
     def __init__(self, version: _Optional[int] = ..., paused_seconds: _Optional[float] = ..., phases: _Optional[_Union[_weight_sync_pb2.WeightSyncPhases, _Mapping]] = ...) -> None: ...
 
-class PushWeightsRequest(_message.Message):
+class RolloutServicePushWeightsRequest(_message.Message):
     __slots__ = ("manifest", "bucket_index", "offset", "data")
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     BUCKET_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -281,7 +274,7 @@ class PushWeightsRequest(_message.Message):
     data: bytes
     def __init__(self, manifest: _Optional[_Union[_weight_sync_pb2.WeightManifest, _Mapping]] = ..., bucket_index: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
-class PushWeightsResponse(_message.Message):
+class RolloutServicePushWeightsResponse(_message.Message):
     __slots__ = ("version", "paused_seconds", "phases")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PAUSED_SECONDS_FIELD_NUMBER: _ClassVar[int]

@@ -37,13 +37,13 @@ class RolloutServiceStub:
         """
         self.Generate = channel.unary_unary(
                 '/rlfabric.v1.RolloutService/Generate',
-                request_serializer=rlfabric_dot_v1_dot_rollout__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=rlfabric_dot_v1_dot_rollout__pb2.GenerateResponse.FromString,
+                request_serializer=rlfabric_dot_v1_dot_rollout__pb2.RolloutServiceGenerateRequest.SerializeToString,
+                response_deserializer=rlfabric_dot_v1_dot_rollout__pb2.RolloutServiceGenerateResponse.FromString,
                 _registered_method=True)
         self.GenerateStream = channel.unary_stream(
                 '/rlfabric.v1.RolloutService/GenerateStream',
-                request_serializer=rlfabric_dot_v1_dot_rollout__pb2.GenerateStreamRequest.SerializeToString,
-                response_deserializer=rlfabric_dot_v1_dot_rollout__pb2.GenerateStreamResponse.FromString,
+                request_serializer=rlfabric_dot_v1_dot_rollout__pb2.RolloutServiceGenerateStreamRequest.SerializeToString,
+                response_deserializer=rlfabric_dot_v1_dot_rollout__pb2.RolloutServiceGenerateStreamResponse.FromString,
                 _registered_method=True)
         self.GetStatus = channel.unary_unary(
                 '/rlfabric.v1.RolloutService/GetStatus',
@@ -52,38 +52,38 @@ class RolloutServiceStub:
                 _registered_method=True)
         self.Pause = channel.unary_unary(
                 '/rlfabric.v1.RolloutService/Pause',
-                request_serializer=rlfabric_dot_v1_dot_rollout__pb2.PauseRequest.SerializeToString,
-                response_deserializer=rlfabric_dot_v1_dot_rollout__pb2.PauseResponse.FromString,
+                request_serializer=rlfabric_dot_v1_dot_rollout__pb2.RolloutServicePauseRequest.SerializeToString,
+                response_deserializer=rlfabric_dot_v1_dot_rollout__pb2.RolloutServicePauseResponse.FromString,
                 _registered_method=True)
         self.Resume = channel.unary_unary(
                 '/rlfabric.v1.RolloutService/Resume',
-                request_serializer=rlfabric_dot_v1_dot_rollout__pb2.ResumeRequest.SerializeToString,
-                response_deserializer=rlfabric_dot_v1_dot_rollout__pb2.ResumeResponse.FromString,
+                request_serializer=rlfabric_dot_v1_dot_rollout__pb2.RolloutServiceResumeRequest.SerializeToString,
+                response_deserializer=rlfabric_dot_v1_dot_rollout__pb2.RolloutServiceResumeResponse.FromString,
                 _registered_method=True)
         self.Sleep = channel.unary_unary(
                 '/rlfabric.v1.RolloutService/Sleep',
-                request_serializer=rlfabric_dot_v1_dot_rollout__pb2.SleepRequest.SerializeToString,
-                response_deserializer=rlfabric_dot_v1_dot_rollout__pb2.SleepResponse.FromString,
+                request_serializer=rlfabric_dot_v1_dot_rollout__pb2.RolloutServiceSleepRequest.SerializeToString,
+                response_deserializer=rlfabric_dot_v1_dot_rollout__pb2.RolloutServiceSleepResponse.FromString,
                 _registered_method=True)
         self.WakeUp = channel.unary_unary(
                 '/rlfabric.v1.RolloutService/WakeUp',
-                request_serializer=rlfabric_dot_v1_dot_rollout__pb2.WakeUpRequest.SerializeToString,
-                response_deserializer=rlfabric_dot_v1_dot_rollout__pb2.WakeUpResponse.FromString,
+                request_serializer=rlfabric_dot_v1_dot_rollout__pb2.RolloutServiceWakeUpRequest.SerializeToString,
+                response_deserializer=rlfabric_dot_v1_dot_rollout__pb2.RolloutServiceWakeUpResponse.FromString,
                 _registered_method=True)
         self.JoinWeightSyncGroup = channel.unary_unary(
                 '/rlfabric.v1.RolloutService/JoinWeightSyncGroup',
-                request_serializer=rlfabric_dot_v1_dot_rollout__pb2.JoinWeightSyncGroupRequest.SerializeToString,
-                response_deserializer=rlfabric_dot_v1_dot_rollout__pb2.JoinWeightSyncGroupResponse.FromString,
+                request_serializer=rlfabric_dot_v1_dot_rollout__pb2.RolloutServiceJoinWeightSyncGroupRequest.SerializeToString,
+                response_deserializer=rlfabric_dot_v1_dot_rollout__pb2.RolloutServiceJoinWeightSyncGroupResponse.FromString,
                 _registered_method=True)
         self.ReceiveWeights = channel.unary_unary(
                 '/rlfabric.v1.RolloutService/ReceiveWeights',
-                request_serializer=rlfabric_dot_v1_dot_rollout__pb2.ReceiveWeightsRequest.SerializeToString,
-                response_deserializer=rlfabric_dot_v1_dot_rollout__pb2.ReceiveWeightsResponse.FromString,
+                request_serializer=rlfabric_dot_v1_dot_rollout__pb2.RolloutServiceReceiveWeightsRequest.SerializeToString,
+                response_deserializer=rlfabric_dot_v1_dot_rollout__pb2.RolloutServiceReceiveWeightsResponse.FromString,
                 _registered_method=True)
         self.PushWeights = channel.stream_unary(
                 '/rlfabric.v1.RolloutService/PushWeights',
-                request_serializer=rlfabric_dot_v1_dot_rollout__pb2.PushWeightsRequest.SerializeToString,
-                response_deserializer=rlfabric_dot_v1_dot_rollout__pb2.PushWeightsResponse.FromString,
+                request_serializer=rlfabric_dot_v1_dot_rollout__pb2.RolloutServicePushWeightsRequest.SerializeToString,
+                response_deserializer=rlfabric_dot_v1_dot_rollout__pb2.RolloutServicePushWeightsResponse.FromString,
                 _registered_method=True)
 
 
@@ -175,13 +175,13 @@ def add_RolloutServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_unary_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=rlfabric_dot_v1_dot_rollout__pb2.GenerateRequest.FromString,
-                    response_serializer=rlfabric_dot_v1_dot_rollout__pb2.GenerateResponse.SerializeToString,
+                    request_deserializer=rlfabric_dot_v1_dot_rollout__pb2.RolloutServiceGenerateRequest.FromString,
+                    response_serializer=rlfabric_dot_v1_dot_rollout__pb2.RolloutServiceGenerateResponse.SerializeToString,
             ),
             'GenerateStream': grpc.unary_stream_rpc_method_handler(
                     servicer.GenerateStream,
-                    request_deserializer=rlfabric_dot_v1_dot_rollout__pb2.GenerateStreamRequest.FromString,
-                    response_serializer=rlfabric_dot_v1_dot_rollout__pb2.GenerateStreamResponse.SerializeToString,
+                    request_deserializer=rlfabric_dot_v1_dot_rollout__pb2.RolloutServiceGenerateStreamRequest.FromString,
+                    response_serializer=rlfabric_dot_v1_dot_rollout__pb2.RolloutServiceGenerateStreamResponse.SerializeToString,
             ),
             'GetStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStatus,
@@ -190,38 +190,38 @@ def add_RolloutServiceServicer_to_server(servicer, server):
             ),
             'Pause': grpc.unary_unary_rpc_method_handler(
                     servicer.Pause,
-                    request_deserializer=rlfabric_dot_v1_dot_rollout__pb2.PauseRequest.FromString,
-                    response_serializer=rlfabric_dot_v1_dot_rollout__pb2.PauseResponse.SerializeToString,
+                    request_deserializer=rlfabric_dot_v1_dot_rollout__pb2.RolloutServicePauseRequest.FromString,
+                    response_serializer=rlfabric_dot_v1_dot_rollout__pb2.RolloutServicePauseResponse.SerializeToString,
             ),
             'Resume': grpc.unary_unary_rpc_method_handler(
                     servicer.Resume,
-                    request_deserializer=rlfabric_dot_v1_dot_rollout__pb2.ResumeRequest.FromString,
-                    response_serializer=rlfabric_dot_v1_dot_rollout__pb2.ResumeResponse.SerializeToString,
+                    request_deserializer=rlfabric_dot_v1_dot_rollout__pb2.RolloutServiceResumeRequest.FromString,
+                    response_serializer=rlfabric_dot_v1_dot_rollout__pb2.RolloutServiceResumeResponse.SerializeToString,
             ),
             'Sleep': grpc.unary_unary_rpc_method_handler(
                     servicer.Sleep,
-                    request_deserializer=rlfabric_dot_v1_dot_rollout__pb2.SleepRequest.FromString,
-                    response_serializer=rlfabric_dot_v1_dot_rollout__pb2.SleepResponse.SerializeToString,
+                    request_deserializer=rlfabric_dot_v1_dot_rollout__pb2.RolloutServiceSleepRequest.FromString,
+                    response_serializer=rlfabric_dot_v1_dot_rollout__pb2.RolloutServiceSleepResponse.SerializeToString,
             ),
             'WakeUp': grpc.unary_unary_rpc_method_handler(
                     servicer.WakeUp,
-                    request_deserializer=rlfabric_dot_v1_dot_rollout__pb2.WakeUpRequest.FromString,
-                    response_serializer=rlfabric_dot_v1_dot_rollout__pb2.WakeUpResponse.SerializeToString,
+                    request_deserializer=rlfabric_dot_v1_dot_rollout__pb2.RolloutServiceWakeUpRequest.FromString,
+                    response_serializer=rlfabric_dot_v1_dot_rollout__pb2.RolloutServiceWakeUpResponse.SerializeToString,
             ),
             'JoinWeightSyncGroup': grpc.unary_unary_rpc_method_handler(
                     servicer.JoinWeightSyncGroup,
-                    request_deserializer=rlfabric_dot_v1_dot_rollout__pb2.JoinWeightSyncGroupRequest.FromString,
-                    response_serializer=rlfabric_dot_v1_dot_rollout__pb2.JoinWeightSyncGroupResponse.SerializeToString,
+                    request_deserializer=rlfabric_dot_v1_dot_rollout__pb2.RolloutServiceJoinWeightSyncGroupRequest.FromString,
+                    response_serializer=rlfabric_dot_v1_dot_rollout__pb2.RolloutServiceJoinWeightSyncGroupResponse.SerializeToString,
             ),
             'ReceiveWeights': grpc.unary_unary_rpc_method_handler(
                     servicer.ReceiveWeights,
-                    request_deserializer=rlfabric_dot_v1_dot_rollout__pb2.ReceiveWeightsRequest.FromString,
-                    response_serializer=rlfabric_dot_v1_dot_rollout__pb2.ReceiveWeightsResponse.SerializeToString,
+                    request_deserializer=rlfabric_dot_v1_dot_rollout__pb2.RolloutServiceReceiveWeightsRequest.FromString,
+                    response_serializer=rlfabric_dot_v1_dot_rollout__pb2.RolloutServiceReceiveWeightsResponse.SerializeToString,
             ),
             'PushWeights': grpc.stream_unary_rpc_method_handler(
                     servicer.PushWeights,
-                    request_deserializer=rlfabric_dot_v1_dot_rollout__pb2.PushWeightsRequest.FromString,
-                    response_serializer=rlfabric_dot_v1_dot_rollout__pb2.PushWeightsResponse.SerializeToString,
+                    request_deserializer=rlfabric_dot_v1_dot_rollout__pb2.RolloutServicePushWeightsRequest.FromString,
+                    response_serializer=rlfabric_dot_v1_dot_rollout__pb2.RolloutServicePushWeightsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -250,8 +250,8 @@ class RolloutService:
             request,
             target,
             '/rlfabric.v1.RolloutService/Generate',
-            rlfabric_dot_v1_dot_rollout__pb2.GenerateRequest.SerializeToString,
-            rlfabric_dot_v1_dot_rollout__pb2.GenerateResponse.FromString,
+            rlfabric_dot_v1_dot_rollout__pb2.RolloutServiceGenerateRequest.SerializeToString,
+            rlfabric_dot_v1_dot_rollout__pb2.RolloutServiceGenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -277,8 +277,8 @@ class RolloutService:
             request,
             target,
             '/rlfabric.v1.RolloutService/GenerateStream',
-            rlfabric_dot_v1_dot_rollout__pb2.GenerateStreamRequest.SerializeToString,
-            rlfabric_dot_v1_dot_rollout__pb2.GenerateStreamResponse.FromString,
+            rlfabric_dot_v1_dot_rollout__pb2.RolloutServiceGenerateStreamRequest.SerializeToString,
+            rlfabric_dot_v1_dot_rollout__pb2.RolloutServiceGenerateStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -331,8 +331,8 @@ class RolloutService:
             request,
             target,
             '/rlfabric.v1.RolloutService/Pause',
-            rlfabric_dot_v1_dot_rollout__pb2.PauseRequest.SerializeToString,
-            rlfabric_dot_v1_dot_rollout__pb2.PauseResponse.FromString,
+            rlfabric_dot_v1_dot_rollout__pb2.RolloutServicePauseRequest.SerializeToString,
+            rlfabric_dot_v1_dot_rollout__pb2.RolloutServicePauseResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -358,8 +358,8 @@ class RolloutService:
             request,
             target,
             '/rlfabric.v1.RolloutService/Resume',
-            rlfabric_dot_v1_dot_rollout__pb2.ResumeRequest.SerializeToString,
-            rlfabric_dot_v1_dot_rollout__pb2.ResumeResponse.FromString,
+            rlfabric_dot_v1_dot_rollout__pb2.RolloutServiceResumeRequest.SerializeToString,
+            rlfabric_dot_v1_dot_rollout__pb2.RolloutServiceResumeResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -385,8 +385,8 @@ class RolloutService:
             request,
             target,
             '/rlfabric.v1.RolloutService/Sleep',
-            rlfabric_dot_v1_dot_rollout__pb2.SleepRequest.SerializeToString,
-            rlfabric_dot_v1_dot_rollout__pb2.SleepResponse.FromString,
+            rlfabric_dot_v1_dot_rollout__pb2.RolloutServiceSleepRequest.SerializeToString,
+            rlfabric_dot_v1_dot_rollout__pb2.RolloutServiceSleepResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -412,8 +412,8 @@ class RolloutService:
             request,
             target,
             '/rlfabric.v1.RolloutService/WakeUp',
-            rlfabric_dot_v1_dot_rollout__pb2.WakeUpRequest.SerializeToString,
-            rlfabric_dot_v1_dot_rollout__pb2.WakeUpResponse.FromString,
+            rlfabric_dot_v1_dot_rollout__pb2.RolloutServiceWakeUpRequest.SerializeToString,
+            rlfabric_dot_v1_dot_rollout__pb2.RolloutServiceWakeUpResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -439,8 +439,8 @@ class RolloutService:
             request,
             target,
             '/rlfabric.v1.RolloutService/JoinWeightSyncGroup',
-            rlfabric_dot_v1_dot_rollout__pb2.JoinWeightSyncGroupRequest.SerializeToString,
-            rlfabric_dot_v1_dot_rollout__pb2.JoinWeightSyncGroupResponse.FromString,
+            rlfabric_dot_v1_dot_rollout__pb2.RolloutServiceJoinWeightSyncGroupRequest.SerializeToString,
+            rlfabric_dot_v1_dot_rollout__pb2.RolloutServiceJoinWeightSyncGroupResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -466,8 +466,8 @@ class RolloutService:
             request,
             target,
             '/rlfabric.v1.RolloutService/ReceiveWeights',
-            rlfabric_dot_v1_dot_rollout__pb2.ReceiveWeightsRequest.SerializeToString,
-            rlfabric_dot_v1_dot_rollout__pb2.ReceiveWeightsResponse.FromString,
+            rlfabric_dot_v1_dot_rollout__pb2.RolloutServiceReceiveWeightsRequest.SerializeToString,
+            rlfabric_dot_v1_dot_rollout__pb2.RolloutServiceReceiveWeightsResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -493,8 +493,8 @@ class RolloutService:
             request_iterator,
             target,
             '/rlfabric.v1.RolloutService/PushWeights',
-            rlfabric_dot_v1_dot_rollout__pb2.PushWeightsRequest.SerializeToString,
-            rlfabric_dot_v1_dot_rollout__pb2.PushWeightsResponse.FromString,
+            rlfabric_dot_v1_dot_rollout__pb2.RolloutServicePushWeightsRequest.SerializeToString,
+            rlfabric_dot_v1_dot_rollout__pb2.RolloutServicePushWeightsResponse.FromString,
             options,
             channel_credentials,
             insecure,

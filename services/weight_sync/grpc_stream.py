@@ -2,7 +2,7 @@
 It runs over the mesh's ordinary channels (TLS and auth included), so it works wherever gRPC does,
 across clusters too.
 
-The wire contract is rlfabric.v1.PushWeightsRequest, unchanged: the first message of a stream
+The wire contract is rlfabric.v1.RolloutServicePushWeightsRequest, unchanged: the first message of a stream
 carries the manifest, every later one a chunk (bucket_index, offset, data). What this module adds:
 
 - Several streams per push. One HTTP/2 connection moves about a third of what a raw TCP socket does
@@ -63,9 +63,10 @@ SERVICE = "rlfabric.v1.RolloutService"
 PUSH_METHOD = f"/{SERVICE}/PushWeights"
 DEFAULT_WAIT_S = 120.0  # how long a stream waits for the rest of its push when the client set no deadline
 
-# PushWeightsRequest field numbers and wire types (rollout.proto).
+# RolloutServicePushWeightsRequest field numbers and wire types (rollout.proto).
 _MANIFEST, _BUCKET_INDEX, _OFFSET, _DATA = 1, 2, 3, 4
 _VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
+INVALID_CHUNK = "PushWeights chunk is not a valid RolloutServicePushWeightsRequest"
 
 
 @dataclass(frozen=True)
@@ -91,7 +92,7 @@ def _varint(value: int) -> bytes:
 
 
 def encode_chunk(bucket_index: int, offset: int, data) -> bytes:
-    """PushWeightsRequest(bucket_index, offset, data).SerializeToString(), byte for byte, with one
+    """RolloutServicePushWeightsRequest(bucket_index, offset, data).SerializeToString(), byte for byte, with one
     copy of `data` (any buffer: bytes, memoryview, a numpy slice)."""
     view = memoryview(data).cast("B")
     header = bytearray()
@@ -108,7 +109,7 @@ def _read_varint(raw: bytes, position: int) -> tuple[int, int]:
     value = shift = 0
     while True:
         if position >= len(raw) or shift > 63:
-            raise InvalidArgument("PushWeights chunk is not a valid PushWeightsRequest: truncated or overlong varint")
+            raise InvalidArgument(f"{INVALID_CHUNK}: truncated or overlong varint")
         byte = raw[position]
         position += 1
         value |= (byte & 0x7F) << shift
@@ -124,7 +125,7 @@ def _signed(value: int, bits: int) -> int:
 
 
 def decode_chunk(raw: bytes) -> tuple[int, int, memoryview]:
-    """(bucket_index, offset, data) of a serialized PushWeightsRequest chunk, as protobuf would read
+    """(bucket_index, offset, data) of a serialized RolloutServicePushWeightsRequest chunk, as protobuf would read
     it (fields in any order, the last of a repeated scalar wins, unknown fields skipped); data is a
     view into `raw`. InvalidArgument for malformed bytes, or a chunk that carries a manifest."""
     bucket_index = offset = 0
@@ -134,7 +135,7 @@ def decode_chunk(raw: bytes) -> tuple[int, int, memoryview]:
         key, position = _read_varint(raw, position)
         field, wire = key >> 3, key & 7
         if field == 0:
-            raise InvalidArgument("PushWeights chunk is not a valid PushWeightsRequest: field number 0")
+            raise InvalidArgument(f"{INVALID_CHUNK}: field number 0")
         if wire == _VARINT:
             value, position = _read_varint(raw, position)
             if field == _BUCKET_INDEX:
@@ -144,7 +145,7 @@ def decode_chunk(raw: bytes) -> tuple[int, int, memoryview]:
         elif wire == _LEN:
             length, position = _read_varint(raw, position)
             if position + length > end:
-                raise InvalidArgument(f"PushWeights chunk is not a valid PushWeightsRequest: field {field} runs "
+                raise InvalidArgument(f"{INVALID_CHUNK}: field {field} runs "
                                       f"{position + length - end} bytes past the message")
             if field == _MANIFEST:
                 raise InvalidArgument("PushWeights: only the first message of a stream may carry the manifest")
@@ -154,9 +155,9 @@ def decode_chunk(raw: bytes) -> tuple[int, int, memoryview]:
         elif wire in (_I64, _I32):
             position += 8 if wire == _I64 else 4
         else:
-            raise InvalidArgument(f"PushWeights chunk is not a valid PushWeightsRequest: wire type {wire}")
+            raise InvalidArgument(f"{INVALID_CHUNK}: wire type {wire}")
     if position != end:
-        raise InvalidArgument("PushWeights chunk is not a valid PushWeightsRequest: truncated field")
+        raise InvalidArgument(f"{INVALID_CHUNK}: truncated field")
     return bucket_index, offset, data
 
 
@@ -168,7 +169,8 @@ class PushPayload:
 
     def __init__(self, manifest: Manifest, buffers: list[torch.Tensor], chunk_bytes: int = CHUNK_BYTES,
                  receivers: int = 1):
-        self.manifest_message = rollout_pb2.PushWeightsRequest(manifest=manifest.to_proto()).SerializeToString()
+        manifest_message = rollout_pb2.RolloutServicePushWeightsRequest(manifest=manifest.to_proto())
+        self.manifest_message = manifest_message.SerializeToString()
         self._views = [memoryview(buffer.numpy()) for buffer in buffers]
         self._chunks = [(index, offset, min(chunk_bytes, len(view) - offset))
                         for index, view in enumerate(self._views) for offset in range(0, len(view), chunk_bytes)]
@@ -275,7 +277,7 @@ async def push_weights(address: str, chunks: PushPayload | list[bytes], timeout_
     channels = [_push_channel(address, options) for _ in range(streams)]
     try:
         calls = [channel.stream_unary(PUSH_METHOD, request_serializer=None,  # already bytes
-                                      response_deserializer=rollout_pb2.PushWeightsResponse.FromString)
+                                      response_deserializer=rollout_pb2.RolloutServicePushWeightsResponse.FromString)
                  for channel in channels]
         outcomes = await asyncio.gather(*(call(lane, timeout=timeout_s, metadata=metadata)
                                           for lane, call in zip(lanes, calls, strict=True)), return_exceptions=True)
@@ -366,9 +368,10 @@ class PushReceiver:
         streams = _streams_of(context)
         first = await anext(aiter(requests), None)
         try:
-            message = rollout_pb2.PushWeightsRequest.FromString(first) if first is not None else None
+            message = rollout_pb2.RolloutServicePushWeightsRequest.FromString(first) if first is not None else None
         except DecodeError as error:
-            raise InvalidArgument(f"PushWeights: the first message is not a valid PushWeightsRequest: {error}") from None
+            raise InvalidArgument(f"PushWeights: the first message is not a valid RolloutServicePushWeightsRequest: "
+                                  f"{error}") from None
         if message is None or not message.HasField("manifest"):
             raise InvalidArgument("PushWeights: the first message must carry the manifest")
         manifest = Manifest.from_proto(message.manifest)
@@ -467,5 +470,5 @@ def add_rollout_service(servicer, server: aio.Server) -> None:
     rollout_pb2_grpc.add_RolloutServiceServicer_to_server(servicer, server)
     server.add_registered_method_handlers(SERVICE, {"PushWeights": grpc.stream_unary_rpc_method_handler(
         servicer.PushWeights, request_deserializer=None,
-        response_serializer=rollout_pb2.PushWeightsResponse.SerializeToString)})
+        response_serializer=rollout_pb2.RolloutServicePushWeightsResponse.SerializeToString)})
 

@@ -8,7 +8,7 @@ import torch
 
 from rlfabric.core import codec
 from rlfabric.core.errors import InvalidArgument, RlfabricError
-from rlfabric.v1 import actor_pb2
+from rlfabric.v1 import actor_pb2, common_pb2
 from tests.actor.helpers import Served, make_batch, make_config
 
 ROWS, PROMPT, RESPONSE = 8, 7, 5
@@ -114,13 +114,13 @@ def _raw_call(actor, method, request):
 def test_tensor_with_wrong_byte_length_is_invalid_argument(actor):
     batch = codec.encode_batch(make_batch(ROWS, PROMPT, RESPONSE))
     batch.tensors["attention_mask"].raw_data = batch.tensors["attention_mask"].raw_data[:-3]
-    request = actor_pb2.ComputeLogProbsRequest(input=actor_pb2.LogProbsInput(batch=batch))
+    request = actor_pb2.ActorServiceComputeLogProbsRequest(input=common_pb2.LogProbsInput(batch=batch))
     code, details = _raw_call(actor, "ComputeLogProbs", request)
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "attention_mask: raw_data has" in details
 
 
 def test_bad_weight_sync_requests_are_invalid_argument(actor):
-    code, details = _raw_call(actor, "OpenWeightSyncGroup", actor_pb2.OpenWeightSyncGroupRequest())
+    code, details = _raw_call(actor, "OpenWeightSyncGroup", actor_pb2.ActorServiceOpenWeightSyncGroupRequest())
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "num_receivers must be 1..16383" in details
 
 

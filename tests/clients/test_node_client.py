@@ -66,7 +66,7 @@ def node(run_js, mesh):
 
 @pytest.fixture(scope="module")
 def python_status(mesh, coordinator_address):
-    def status() -> coordinator_pb2.GetRunStatusResponse:
+    def status() -> coordinator_pb2.CoordinatorServiceGetRunStatusResponse:
         async def query():
             async with CoordinatorClient(coordinator_address, ChannelOptions.from_config(mesh.config)) as client:
                 return await client.run_status(timeout_s=10)
@@ -85,7 +85,7 @@ def test_status_only_reads_the_live_coordinator(node, python_status, coordinator
     assert status["state"] == coordinator_pb2.RunState.Name(expected.state)
     assert status["run_id"] == expected.run_id
     assert status["total_steps"] == str(expected.total_steps)
-    assert set(status) == {f.name for f in coordinator_pb2.GetRunStatusResponse.DESCRIPTOR.fields}
+    assert set(status) == {f.name for f in coordinator_pb2.CoordinatorServiceGetRunStatusResponse.DESCRIPTOR.fields}
 
 
 def test_bad_override_is_refused_with_the_status_name(node, coordinator_address):

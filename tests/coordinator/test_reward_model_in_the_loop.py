@@ -113,12 +113,14 @@ def mesh(data, base):
         yield mesh
 
 
-async def run_to_end(mesh, overrides: list[str], timeout_s: float = 300) -> coordinator_pb2.GetRunStatusResponse:
+async def run_to_end(mesh, overrides: list[str],
+                     timeout_s: float = 300) -> coordinator_pb2.CoordinatorServiceGetRunStatusResponse:
     options = dataclasses.replace(ChannelOptions.from_config(mesh.config), timeout_s=300)
     async with CoordinatorClient(mesh.endpoints["coordinator"][0]["grpc"], options) as client:
         await client.start_run(overrides)
         async with asyncio.timeout(timeout_s):
-            async for _ in client.stream("StreamMetrics", coordinator_pb2.StreamMetricsRequest(), timeout_s):
+            request = coordinator_pb2.CoordinatorServiceStreamMetricsRequest()
+            async for _ in client.stream("StreamMetrics", request, timeout_s):
                 pass
         return await client.run_status()
 

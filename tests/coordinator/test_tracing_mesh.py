@@ -32,7 +32,7 @@ from tests.otlp_receiver import OtlpReceiver, ReceivedSpan
 pytestmark = pytest.mark.slow
 
 
-async def run_to_end(mesh: LocalMesh, timeout_s: float = 300) -> coordinator_pb2.GetRunStatusResponse:
+async def run_to_end(mesh: LocalMesh, timeout_s: float = 300) -> coordinator_pb2.CoordinatorServiceGetRunStatusResponse:
     options = dataclasses.replace(ChannelOptions.from_config(mesh.config), timeout_s=timeout_s)
     async with CoordinatorClient(mesh.endpoints["coordinator"][0]["grpc"], options) as client:
         await client.start_run([])
@@ -65,7 +65,7 @@ def test_each_step_is_a_trace_of_its_own(traced_run):
     check_each_step_is_a_trace_of_its_own(traced_run)
 
 
-async def run_over_grpc(config, run_dir) -> coordinator_pb2.GetRunStatusResponse:
+async def run_over_grpc(config, run_dir) -> coordinator_pb2.CoordinatorServiceGetRunStatusResponse:
     async with over_grpc(config, run_dir) as coordinator:
         await coordinator.start_run()
         async for _ in coordinator.stream_metrics(from_step=1):

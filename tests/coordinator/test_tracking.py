@@ -272,14 +272,14 @@ class StreamingCoordinator(coordinator_pb2_grpc.CoordinatorServiceServicer):
         self.from_steps.append(request.from_step)
         for step in range(max(request.from_step, 1), self.steps + 1):
             await asyncio.sleep(self.delay)
-            yield coordinator_pb2.StreamMetricsResponse(
+            yield coordinator_pb2.CoordinatorServiceStreamMetricsResponse(
                 step=step, metrics={"critic/score/mean": 0.25 * step}, timestamp=1.0)
         self.done = True
 
     async def GetRunStatus(self, request, context):
         state = coordinator_pb2.RUN_STATE_COMPLETED if self.done else coordinator_pb2.RUN_STATE_RUNNING
-        return coordinator_pb2.GetRunStatusResponse(run_id="r1", state=state, step=self.steps,
-                                                    total_steps=self.steps)
+        return coordinator_pb2.CoordinatorServiceGetRunStatusResponse(run_id="r1", state=state, step=self.steps,
+                                                                      total_steps=self.steps)
 
 
 async def watch(servicer, options: ChannelOptions | None = None, **kwargs):

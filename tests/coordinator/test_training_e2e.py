@@ -52,7 +52,8 @@ def coordinator(mesh) -> CoordinatorClient:
     return CoordinatorClient(mesh.endpoints["coordinator"][0]["grpc"], options)
 
 
-async def run_to_end(mesh, overrides: list[str], timeout_s: float = 400) -> coordinator_pb2.GetRunStatusResponse:
+async def run_to_end(mesh, overrides: list[str],
+                     timeout_s: float = 400) -> coordinator_pb2.CoordinatorServiceGetRunStatusResponse:
     if not any(o.startswith("algorithm.adv_estimator=") for o in overrides):
         overrides = [GRPO, *overrides]
     async with coordinator(mesh) as client:

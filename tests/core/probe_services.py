@@ -42,7 +42,7 @@ class ProbeReward(reward_pb2_grpc.RewardServiceServicer):
             with open(source.removeprefix("write:"), "wb") as file:
                 file.write(bytes(1 << 20))
         self.finished += 1
-        return reward_pb2.ScoreResponse(results=[reward_pb2.ScoreResult(score=1.0) for _ in request.items])
+        return reward_pb2.RewardServiceScoreResponse(results=[reward_pb2.ScoreResult(score=1.0) for _ in request.items])
 
 
 class ProbeActor(actor_pb2_grpc.ActorServiceServicer):
@@ -51,7 +51,8 @@ class ProbeActor(actor_pb2_grpc.ActorServiceServicer):
     async def ComputeLogProbs(self, request, context):
         batch = codec.decode_batch(request.input.batch, required=["input_ids"])
         rows = batch.num_rows
-        return actor_pb2.ComputeLogProbsResponse(outputs=codec.encode_batch({"rows": codec.torch.zeros(rows)}))
+        outputs = codec.encode_batch({"rows": codec.torch.zeros(rows)})
+        return actor_pb2.ActorServiceComputeLogProbsResponse(outputs=outputs)
 
 
 class ProbeCoordinator(coordinator_pb2_grpc.CoordinatorServiceServicer):
@@ -59,7 +60,8 @@ class ProbeCoordinator(coordinator_pb2_grpc.CoordinatorServiceServicer):
 
     async def StreamMetrics(self, request, context):
         for step in range(request.from_step, request.from_step + 3):
-            yield coordinator_pb2.StreamMetricsResponse(step=step, metrics={"critic/score/mean": step / 10})
+            yield coordinator_pb2.CoordinatorServiceStreamMetricsResponse(step=step,
+                                                                          metrics={"critic/score/mean": step / 10})
 
 
 class ProbeRollout(rollout_pb2_grpc.RolloutServiceServicer):
@@ -69,7 +71,7 @@ class ProbeRollout(rollout_pb2_grpc.RolloutServiceServicer):
         total = 0
         async for message in request_iterator:
             total += len(message.data)
-        return rollout_pb2.PushWeightsResponse(version=total)
+        return rollout_pb2.RolloutServicePushWeightsResponse(version=total)
 
 
 class GatedEngine:

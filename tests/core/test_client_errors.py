@@ -55,7 +55,7 @@ class AbortingCoordinator(coordinator_pb2_grpc.CoordinatorServiceServicer):
 
     async def StreamMetrics(self, request, context):
         code = FAILURE_CODES[request.from_step]
-        yield coordinator_pb2.StreamMetricsResponse(step=request.from_step)
+        yield coordinator_pb2.CoordinatorServiceStreamMetricsResponse(step=request.from_step)
         await context.abort(code, f"scripted {code.name}")
 
 
@@ -178,30 +178,32 @@ class ScriptedCoordinator(coordinator_pb2_grpc.CoordinatorServiceServicer):
     async def StartRun(self, request, context):
         self.requests.append(("StartRun", list(request.overrides)))
         self.state = coordinator_pb2.RUN_STATE_RUNNING
-        return coordinator_pb2.StartRunResponse(run_id="r7", start_step=2)
+        return coordinator_pb2.CoordinatorServiceStartRunResponse(run_id="r7", start_step=2)
 
     async def GetRunStatus(self, request, context):
-        return coordinator_pb2.GetRunStatusResponse(run_id="r7", state=self.state, step=3, total_steps=5)
+        return coordinator_pb2.CoordinatorServiceGetRunStatusResponse(run_id="r7", state=self.state, step=3,
+                                                                      total_steps=5)
 
     async def StreamMetrics(self, request, context):
         self.requests.append(("StreamMetrics", request.from_step))
         for step in range(request.from_step, 6):
-            yield coordinator_pb2.StreamMetricsResponse(step=step, metrics={"critic/score/mean": step / 10})
+            yield coordinator_pb2.CoordinatorServiceStreamMetricsResponse(step=step,
+                                                                          metrics={"critic/score/mean": step / 10})
 
     async def PauseRun(self, request, context):
         self.requests.append(("PauseRun", None))
         self.state = coordinator_pb2.RUN_STATE_PAUSED
-        return coordinator_pb2.PauseRunResponse()
+        return coordinator_pb2.CoordinatorServicePauseRunResponse()
 
     async def ResumeRun(self, request, context):
         self.requests.append(("ResumeRun", None))
         self.state = coordinator_pb2.RUN_STATE_RUNNING
-        return coordinator_pb2.ResumeRunResponse()
+        return coordinator_pb2.CoordinatorServiceResumeRunResponse()
 
     async def StopRun(self, request, context):
         self.requests.append(("StopRun", request.skip_checkpoint))
         self.state = coordinator_pb2.RUN_STATE_STOPPED
-        return coordinator_pb2.StopRunResponse()
+        return coordinator_pb2.CoordinatorServiceStopRunResponse()
 
     async def SaveCheckpoint(self, request, context):
         if self.state == coordinator_pb2.RUN_STATE_STOPPED:

@@ -109,6 +109,11 @@ def test_loss_aggregation_left_out_is_the_loss_modes_own(tmp_path, overrides, ag
      "data.train_batch_size 64 < critic.ppo_mini_batch_size 128"),
     (["rollout.n=1"], "algorithm.adv_estimator=grpo compares samples of a prompt: set rollout.n >= 2"),
     (["algorithm.adv_estimator=rloo", "rollout.n=1"], "algorithm.adv_estimator=rloo compares samples"),
+    (["reference.sync_ref_model=true"], "reference.sync_ref_model=true needs a reference service"),
+    (["reference.sync_ref_model=true", "actor.use_kl_loss=true", "actor.lora.rank=8"],
+     "reference.sync_ref_model=true needs a reference service"),
+    (["reference.sync_ref_model=true", "actor.use_kl_loss=true", "weight_sync.transport=grpc"],
+     "reference.sync_ref_model=true needs weight_sync.transport auto, gloo, nccl or cuda_ipc"),
 ])
 def test_a_config_a_run_cannot_train_with_fails_to_load(overrides, message):
     # At load, before any service starts (rlfabric up/train load it first), not at StartRun.

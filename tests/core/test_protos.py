@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+import re
 import shutil
 import subprocess
 import sys
@@ -29,21 +31,9 @@ def test_buf_lint_standard_is_clean():
 def test_every_message_field_and_rpc_has_a_comment():
     from google.protobuf import descriptor_pb2
 
-    from rlfabric.v1 import (
-        actor_pb2,
-        coordinator_pb2,
-        critic_pb2,
-        environment_pb2,
-        reference_pb2,
-        reward_pb2,
-        rollout_pb2,
-        tensor_pb2,
-        weight_sync_pb2,
-    )
-
     missing = []
-    modules = (actor_pb2, coordinator_pb2, critic_pb2, environment_pb2, reference_pb2, reward_pb2, rollout_pb2, tensor_pb2, weight_sync_pb2)
-    for module in modules:
+    for path in sorted((PROTO_ROOT / "rlfabric" / "v1").glob("*.proto")):
+        module = importlib.import_module(f"rlfabric.v1.{path.stem}_pb2")
         proto = descriptor_pb2.FileDescriptorProto()
         module.DESCRIPTOR.CopyToProto(proto)
         text = (PROTO_ROOT / proto.name).read_text().splitlines()
@@ -55,6 +45,30 @@ def test_every_message_field_and_rpc_has_a_comment():
             if declares and not text[number - 1].strip().startswith("//"):
                 missing.append(f"{proto.name}:{number + 1}: {stripped}")
     assert missing == []
+
+
+def test_no_service_proto_imports_another_services_proto():
+    """The protos follow the floors: what two services share lives in common.proto (or tensor.proto,
+    weight_sync.proto), so a service's .proto never imports another service's."""
+    protos = {path.relative_to(PROTO_ROOT).as_posix(): path.read_text()
+              for path in (PROTO_ROOT / "rlfabric" / "v1").glob("*.proto")}
+    services = {name for name, text in protos.items() if re.search(r"^service ", text, re.M)}
+    imports = {name: set(re.findall(r'^import "([^"]+)";', text, re.M)) for name, text in protos.items()}
+    assert {name: sorted(imported & services) for name, imported in imports.items() if imported & services} == {}
+    assert {"rlfabric/v1/common.proto", "rlfabric/v1/tensor.proto"} <= set(protos) and len(services) == 7
+
+
+def test_request_and_response_messages_are_named_after_service_and_rpc():
+    """<Service><Rpc>Request and <Service><Rpc>Response, in every service (protos/README.md)."""
+    misnamed = []
+    for path in sorted((PROTO_ROOT / "rlfabric" / "v1").glob("*.proto")):
+        module = importlib.import_module(f"rlfabric.v1.{path.stem}_pb2")
+        for service in module.DESCRIPTOR.services_by_name.values():
+            for method in service.methods:
+                expected = (f"{service.name}{method.name}Request", f"{service.name}{method.name}Response")
+                if (method.input_type.name, method.output_type.name) != expected:
+                    misnamed.append(f"{service.name}.{method.name}: {method.input_type.name}, {method.output_type.name}")
+    assert misnamed == []
 
 
 def _git(*args: str) -> str:

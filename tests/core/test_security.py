@@ -16,7 +16,7 @@ from tests.pki import TestCA
 
 from .probe_services import probe_service
 
-REQUEST = reward_pb2.ScoreRequest(items=[reward_pb2.ScoreItem(data_source="ok")])
+REQUEST = reward_pb2.RewardServiceScoreRequest(items=[reward_pb2.ScoreItem(data_source="ok")])
 
 
 @pytest.fixture(scope="module")

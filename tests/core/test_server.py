@@ -18,6 +18,7 @@ from rlfabric.core.server import ServerOptions
 from rlfabric.v1 import (
     actor_pb2,
     actor_pb2_grpc,
+    common_pb2,
     coordinator_pb2,
     coordinator_pb2_grpc,
     reward_pb2,
@@ -35,7 +36,8 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 def score(channel, source: str, timeout: float = 10):
     stub = reward_pb2_grpc.RewardServiceStub(channel)
-    return stub.Score(reward_pb2.ScoreRequest(items=[reward_pb2.ScoreItem(data_source=source)]), timeout=timeout)
+    request = reward_pb2.RewardServiceScoreRequest(items=[reward_pb2.ScoreItem(data_source=source)])
+    return stub.Score(request, timeout=timeout)
 
 
 def health(channel, service: str) -> int:
@@ -111,7 +113,8 @@ def test_unimplemented_rpc_answers_unimplemented(probe):
 
 def _compute_log_probs(channel, batch: tensor_pb2.Batch):
     stub = actor_pb2_grpc.ActorServiceStub(channel)
-    return stub.ComputeLogProbs(actor_pb2.ComputeLogProbsRequest(input=actor_pb2.LogProbsInput(batch=batch)), timeout=10)
+    request = actor_pb2.ActorServiceComputeLogProbsRequest(input=common_pb2.LogProbsInput(batch=batch))
+    return stub.ComputeLogProbs(request, timeout=10)
 
 
 def test_malformed_tensor_is_invalid_argument(probe):
@@ -166,7 +169,7 @@ def test_a_method_without_bulk_data_refuses_a_large_request_unparsed(serve_in_th
         assert "server.max_control_message_kb" in info.value.details()
         assert len(list(stream(_unknown_field(1 << 10), timeout=10))) == 3
         score = channel.unary_unary("/rlfabric.v1.RewardService/Score")  # a bulk method: 1 MiB is fine
-        assert reward_pb2.ScoreResponse.FromString(score(_unknown_field(1 << 20), timeout=10))
+        assert reward_pb2.RewardServiceScoreResponse.FromString(score(_unknown_field(1 << 20), timeout=10))
 
 
 def test_a_role_without_bulk_methods_has_grpc_refuse_a_large_request_unread(serve_in_thread):
@@ -191,10 +194,10 @@ def test_a_role_without_bulk_methods_has_grpc_refuse_a_large_request_unread(serv
 def test_streaming_rpcs_pass_through_interceptors(probe):
     _, channel = probe
     metrics = coordinator_pb2_grpc.CoordinatorServiceStub(channel).StreamMetrics(
-        coordinator_pb2.StreamMetricsRequest(from_step=5), timeout=5
+        coordinator_pb2.CoordinatorServiceStreamMetricsRequest(from_step=5), timeout=5
     )
     assert [m.step for m in metrics] == [5, 6, 7]
-    chunks = [rollout_pb2.PushWeightsRequest(data=b"x" * 1000) for _ in range(4)]
+    chunks = [rollout_pb2.RolloutServicePushWeightsRequest(data=b"x" * 1000) for _ in range(4)]
     pushed = rollout_pb2_grpc.RolloutServiceStub(channel).PushWeights(iter(chunks), timeout=5)
     assert pushed.version == 4000
 
@@ -204,7 +207,8 @@ def test_metrics_endpoint_has_go_grpc_prometheus_series(probe):
     score(channel, "ok")
     with pytest.raises(grpc.RpcError):
         score(channel, "invalid")
-    list(coordinator_pb2_grpc.CoordinatorServiceStub(channel).StreamMetrics(coordinator_pb2.StreamMetricsRequest()))
+    stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
+    list(stub.StreamMetrics(coordinator_pb2.CoordinatorServiceStreamMetricsRequest()))
     text = urllib.request.urlopen(f"http://127.0.0.1:{server.server.metrics_port}/metrics", timeout=5).read().decode()
     labels = 'grpc_method="Score",grpc_service="rlfabric.v1.RewardService",grpc_type="unary"'
     assert f"grpc_server_started_total{{{labels}}} 2.0" in text
@@ -243,7 +247,7 @@ def test_single_attempt_channels_have_a_valid_service_config(serve_in_thread):
 
     async def call():
         async with open_channel(server.address, options) as channel:
-            request = reward_pb2.ScoreRequest(items=[reward_pb2.ScoreItem(data_source="ok")])
+            request = reward_pb2.RewardServiceScoreRequest(items=[reward_pb2.ScoreItem(data_source="ok")])
             return await reward_pb2_grpc.RewardServiceStub(channel).Score(request, timeout=5)
 
     assert asyncio.run(call()).results[0].score == 1.0

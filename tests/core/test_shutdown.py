@@ -46,7 +46,7 @@ def test_sigterm_drains_in_flight_rpc_and_exits_zero(tmp_path):
             ready = health_pb2.HealthCheckRequest(service="readiness")
             while health.Check(ready, timeout=5).status != health_pb2.HealthCheckResponse.SERVING:
                 time.sleep(0.05)
-            slow = reward_pb2.ScoreRequest(items=[reward_pb2.ScoreItem(data_source="sleep:2")])
+            slow = reward_pb2.RewardServiceScoreRequest(items=[reward_pb2.ScoreItem(data_source="sleep:2")])
             in_flight = reward_pb2_grpc.RewardServiceStub(channel).Score.future(slow, timeout=30)
             metrics = f"http://127.0.0.1:{json.loads(port_file.read_text())['metrics']}/metrics"
             wait_until(lambda: scores_started(metrics) == 1, 30, "the server to start the Score call")

@@ -74,21 +74,23 @@ async def calls_in_a_phase(address: str) -> None:
         assert len(channel_interceptors(channel)) == 4  # one per RPC kind
         with timer("gen"):
             await reward_pb2_grpc.RewardServiceStub(channel).Score(
-                reward_pb2.ScoreRequest(items=[reward_pb2.ScoreItem(data_source="ok")]), metadata=metadata)
+                reward_pb2.RewardServiceScoreRequest(items=[reward_pb2.ScoreItem(data_source="ok")]), metadata=metadata)
             stream = coordinator_pb2_grpc.CoordinatorServiceStub(channel).StreamMetrics(
-                coordinator_pb2.StreamMetricsRequest(from_step=1), metadata=metadata)
+                coordinator_pb2.CoordinatorServiceStreamMetricsRequest(from_step=1), metadata=metadata)
             assert [r.step async for r in stream] == [1, 2, 3]
             pushed = await rollout_pb2_grpc.RolloutServiceStub(channel).PushWeights(
-                iter([rollout_pb2.PushWeightsRequest(data=b"x" * 5)] * 3), metadata=metadata)
+                iter([rollout_pb2.RolloutServicePushWeightsRequest(data=b"x" * 5)] * 3), metadata=metadata)
             assert pushed.version == 15
             tracing.annotate(samples=4)
         with timer("update"):
             with pytest.raises(grpc.aio.AioRpcError) as refused:
-                await reward_pb2_grpc.RewardServiceStub(channel).Score(reward_pb2.ScoreRequest())  # no token
+                await reward_pb2_grpc.RewardServiceStub(channel).Score(
+                    reward_pb2.RewardServiceScoreRequest())  # no token
             assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
             with pytest.raises(grpc.aio.AioRpcError) as invalid:
+                invalid_items = [reward_pb2.ScoreItem(data_source="invalid")]
                 await reward_pb2_grpc.RewardServiceStub(channel).Score(
-                    reward_pb2.ScoreRequest(items=[reward_pb2.ScoreItem(data_source="invalid")]), metadata=metadata)
+                    reward_pb2.RewardServiceScoreRequest(items=invalid_items), metadata=metadata)
             assert invalid.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     timer.end()
     StepTimer(8).end(RuntimeError("the actor is gone"))  # a failed step

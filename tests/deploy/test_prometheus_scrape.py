@@ -184,7 +184,7 @@ def single(result: list[dict]) -> float:
 class Scraped:
     prometheus: Prometheus
     endpoints: dict[str, list[dict]]
-    status: coordinator_pb2.GetRunStatusResponse
+    status: coordinator_pb2.CoordinatorServiceGetRunStatusResponse
     last_record: dict  # the run's last line of metrics.jsonl
     began: float  # a time after the first scrapes, before the first RPC of the test
     at: float  # a time after the run when every target had been scraped: the queries' evaluation time
@@ -202,7 +202,7 @@ async def fail_one_score(address: str, options: ChannelOptions) -> None:
             await reward.score([ScoreItem("no-such/data-source", "42", "42")])
 
 
-async def train(address: str, options: ChannelOptions) -> coordinator_pb2.GetRunStatusResponse:
+async def train(address: str, options: ChannelOptions) -> coordinator_pb2.CoordinatorServiceGetRunStatusResponse:
     async with CoordinatorClient(address, options) as client:
         await client.start_run([f"trainer.total_steps={STEPS}"])
         async with asyncio.timeout(400):

@@ -197,10 +197,10 @@ def test_reward_scores_and_rollout_generates(cli_mesh):
         items = [reward_pb2.ScoreItem(data_source="rlfabric/find_vowel", response=r, ground_truth="E")
                  for r in ("E", "x")]
         results = reward_pb2_grpc.RewardServiceStub(channel).Score(
-            reward_pb2.ScoreRequest(items=items), timeout=30).results
+            reward_pb2.RewardServiceScoreRequest(items=items), timeout=30).results
     assert [r.score for r in results] == [1.0, 0.0]
     with mesh_channel(endpoints["rollout"][0]["grpc"], run_dir) as channel:
-        request = rollout_pb2.GenerateRequest(
+        request = rollout_pb2.RolloutServiceGenerateRequest(
             prompts=[rollout_pb2.Prompt(token_ids=[5, 6, 7])],
             sampling_params=rollout_pb2.SamplingParams(n=2, temperature=1.0, max_tokens=3, seed=0))
         samples = rollout_pb2_grpc.RolloutServiceStub(channel).Generate(request, timeout=60).samples

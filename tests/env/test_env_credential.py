@@ -92,12 +92,12 @@ def mesh_config(tiny_model, tokens, env_address: str) -> RunConfig:
                               "cluster.rollout=[127.0.0.1:2]", "cluster.reward=[127.0.0.1:3]"])
 
 
-def multi_turn_request() -> rollout_pb2.GenerateRequest:
+def multi_turn_request() -> rollout_pb2.RolloutServiceGenerateRequest:
     prompt = AgentPrompt([{"role": "user", "content": "What is 6*7?"}], AgentTask("calculator", "42"))
     spec = SamplingSpec(n=2, max_tokens=8, temperature=1.0, seed=3,
                         multi_turn=MultiTurnSpec(max_turns=2, max_total_tokens=64, env_timeout_s=10.0))
-    return rollout_pb2.GenerateRequest(prompts=[wire.prompt_to_proto(prompt)],
-                                       sampling_params=wire.sampling_to_proto(spec))
+    return rollout_pb2.RolloutServiceGenerateRequest(prompts=[wire.prompt_to_proto(prompt)],
+                                                     sampling_params=wire.sampling_to_proto(spec))
 
 
 def test_the_environment_never_receives_the_mesh_token(tiny_model, tokens, recording_env):

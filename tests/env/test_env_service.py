@@ -342,6 +342,7 @@ def test_extra_info_that_is_not_a_json_object_is_invalid_argument(grpc_env_serve
         stub = environment_pb2_grpc.EnvironmentServiceStub(channel)
         for bad in ("{not json", json.dumps([1, 2])):
             with pytest.raises(grpc.RpcError) as info:
-                stub.Reset(environment_pb2.ResetRequest(task=environment_pb2.Task(extra_info_json=bad)), timeout=10)
+                task = environment_pb2.Task(extra_info_json=bad)
+                stub.Reset(environment_pb2.EnvironmentServiceResetRequest(task=task), timeout=10)
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "extra_info_json" in info.value.details()

@@ -19,7 +19,7 @@ from rlfabric.env.items import (
     ToolCall,
     ToolSpec,
 )
-from rlfabric.v1 import environment_pb2, rollout_pb2
+from rlfabric.v1 import common_pb2, environment_pb2
 
 WHO = "the environment service at 127.0.0.1:1"
 
@@ -35,8 +35,8 @@ def test_requests_and_answers_round_trip():
     assert wire.step_from_response(wire.step_response(result), WHO) == result
 
 
-def reset_answer(**fields) -> environment_pb2.ResetResponse:
-    return environment_pb2.ResetResponse(**{"session_id": "s1", **fields})
+def reset_answer(**fields) -> environment_pb2.EnvironmentServiceResetResponse:
+    return environment_pb2.EnvironmentServiceResetResponse(**{"session_id": "s1", **fields})
 
 
 @pytest.mark.parametrize(("answer", "says"), [
@@ -45,7 +45,7 @@ def reset_answer(**fields) -> environment_pb2.ResetResponse:
     (reset_answer(tools=[environment_pb2.ToolSpec(name="t", parameters_json="[1]")]), "not an object"),
     (reset_answer(tools=[environment_pb2.ToolSpec(parameters_json="{}")]), "without a name"),
     (reset_answer(observation=environment_pb2.Observation(
-        messages=[rollout_pb2.ChatMessage(role="assistant", content="x")])), "role 'assistant'"),
+        messages=[common_pb2.ChatMessage(role="assistant", content="x")])), "role 'assistant'"),
 ])
 def test_a_reset_answer_out_of_contract_is_invalid_argument(answer, says):
     with pytest.raises(InvalidArgument, match=says) as info:
@@ -54,10 +54,10 @@ def test_a_reset_answer_out_of_contract_is_invalid_argument(answer, says):
 
 
 @pytest.mark.parametrize(("answer", "says"), [
-    (environment_pb2.StepResponse(status=0), "status 0 .STEP_STATUS_UNSPECIFIED."),
-    (environment_pb2.StepResponse(status=99), "status 99 .unknown."),
-    (environment_pb2.StepResponse(status=1, reward=math.inf), "reward inf"),
-    (environment_pb2.StepResponse(status=1, metrics={"x": math.nan}), "metric 'x'=nan"),
+    (environment_pb2.EnvironmentServiceStepResponse(status=0), "status 0 .STEP_STATUS_UNSPECIFIED."),
+    (environment_pb2.EnvironmentServiceStepResponse(status=99), "status 99 .unknown."),
+    (environment_pb2.EnvironmentServiceStepResponse(status=1, reward=math.inf), "reward inf"),
+    (environment_pb2.EnvironmentServiceStepResponse(status=1, metrics={"x": math.nan}), "metric 'x'=nan"),
 ])
 def test_a_step_answer_out_of_contract_is_invalid_argument(answer, says):
     with pytest.raises(InvalidArgument, match=says):

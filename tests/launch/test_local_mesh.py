@@ -132,11 +132,12 @@ def test_a_run_that_needs_a_role_the_mesh_lacks_is_refused_naming_it(mesh, overr
     with mesh_channel(endpoints["coordinator"][0]["grpc"], run_dir) as channel:
         stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
         with pytest.raises(grpc.RpcError) as refused:
-            stub.StartRun(coordinator_pb2.StartRunRequest(overrides=[*overrides, "trainer.experiment_name=x"]),
-                          timeout=60)
+            request = coordinator_pb2.CoordinatorServiceStartRunRequest(
+                overrides=[*overrides, "trainer.experiment_name=x"])
+            stub.StartRun(request, timeout=60)
         assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert f"{key} needs a {role} service" in refused.value.details()
-        status = stub.GetRunStatus(coordinator_pb2.GetRunStatusRequest(), timeout=10)
+        status = stub.GetRunStatus(coordinator_pb2.CoordinatorServiceGetRunStatusRequest(), timeout=10)
         assert status.state == coordinator_pb2.RUN_STATE_UNSPECIFIED  # nothing started
 
 
@@ -176,7 +177,7 @@ def test_every_rpc_needs_the_mesh_token_which_only_its_user_can_read(mesh):
             assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED, role
     with mesh_channel(endpoints["coordinator"][0]["grpc"], run_dir) as channel:
         stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
-        assert stub.GetRunStatus(coordinator_pb2.GetRunStatusRequest(), timeout=10).phase == "idle"
+        assert stub.GetRunStatus(coordinator_pb2.CoordinatorServiceGetRunStatusRequest(), timeout=10).phase == "idle"
 
 
 def test_one_run_at_a_time_and_an_async_stop_keeps_every_trained_step(mesh):
@@ -198,7 +199,7 @@ def test_one_run_at_a_time_and_an_async_stop_keeps_every_trained_step(mesh):
 
         def start():
             try:
-                stub.StartRun(coordinator_pb2.StartRunRequest(overrides=overrides), timeout=120)
+                stub.StartRun(coordinator_pb2.CoordinatorServiceStartRunRequest(overrides=overrides), timeout=120)
                 return "started"
             except grpc.RpcError as error:
                 return error.code(), error.details()
@@ -209,18 +210,19 @@ def test_one_run_at_a_time_and_an_async_stop_keeps_every_trained_step(mesh):
         refused = next(o for o in outcomes if o != "started")
         assert refused[0] == grpc.StatusCode.FAILED_PRECONDITION and "one run at a time" in refused[1]
 
-        for update in stub.StreamMetrics(coordinator_pb2.StreamMetricsRequest(), timeout=300):
+        for update in stub.StreamMetrics(coordinator_pb2.CoordinatorServiceStreamMetricsRequest(), timeout=300):
             if update.step >= 2:
                 break
         # A StopRun whose caller gives up at once: the stop and its checkpoint still happen.
         # (A step, its checkpoint and the export take longer than the 0.5 s it waits.)
         try:
-            stub.StopRun(coordinator_pb2.StopRunRequest(), timeout=0.5)
+            stub.StopRun(coordinator_pb2.CoordinatorServiceStopRunRequest(), timeout=0.5)
         except grpc.RpcError as gave_up:
             assert gave_up.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        for _ in stub.StreamMetrics(coordinator_pb2.StreamMetricsRequest(from_step=10**6), timeout=300):
+        request = coordinator_pb2.CoordinatorServiceStreamMetricsRequest(from_step=10**6)
+        for _ in stub.StreamMetrics(request, timeout=300):
             pass  # the stream ends when the run does
-        status = stub.GetRunStatus(coordinator_pb2.GetRunStatusRequest(), timeout=10)
+        status = stub.GetRunStatus(coordinator_pb2.CoordinatorServiceGetRunStatusRequest(), timeout=10)
     assert status.state == coordinator_pb2.RUN_STATE_STOPPED and status.step >= 2
     latest = experiment / "checkpoints" / f"global_step_{status.step}"
     state = json.loads((latest / "coordinator.json").read_text())

@@ -17,6 +17,7 @@ from rlfabric.core import codec
 from rlfabric.core.config import RunConfig, config_from_dict
 from rlfabric.v1 import (
     actor_pb2,
+    common_pb2,
     coordinator_pb2,
     critic_pb2,
     reference_pb2,
@@ -168,16 +169,17 @@ def trainer_request(method: Method, tensors: dict[str, torch.Tensor], temperatur
     batch = tensors if isinstance(tensors, codec.tensor_pb2.Batch) else codec.encode_batch(tensors)
     name = (method.service.removeprefix("rlfabric.v1."), method.name)
     if name == ("ActorService", "ComputeLogProbs"):
-        return actor_pb2.ComputeLogProbsRequest(input=actor_pb2.LogProbsInput(batch=batch, temperature=temperature))
+        return actor_pb2.ActorServiceComputeLogProbsRequest(
+            input=common_pb2.LogProbsInput(batch=batch, temperature=temperature))
     if name == ("ReferenceService", "ComputeLogProbs"):
         return reference_pb2.ReferenceServiceComputeLogProbsRequest(
-            input=actor_pb2.LogProbsInput(batch=batch, temperature=temperature))
+            input=common_pb2.LogProbsInput(batch=batch, temperature=temperature))
     if name == ("ActorService", "UpdatePolicy"):
-        return actor_pb2.UpdatePolicyRequest(batch=batch, global_step=1)
+        return actor_pb2.ActorServiceUpdatePolicyRequest(batch=batch, global_step=1)
     if name == ("CriticService", "ComputeValues"):
-        return critic_pb2.ComputeValuesRequest(batch=batch)
+        return critic_pb2.CriticServiceComputeValuesRequest(batch=batch)
     if name == ("CriticService", "UpdateValues"):
-        return critic_pb2.UpdateValuesRequest(batch=batch, global_step=1)
+        return critic_pb2.CriticServiceUpdateValuesRequest(batch=batch, global_step=1)
     raise KeyError(name)
 
 
@@ -185,14 +187,14 @@ def good_trainer_tensors(method: Method) -> dict[str, torch.Tensor]:
     return with_floats(sequence_batch(), *UPDATE_FLOATS.get(method.name, ()))
 
 
-def good_score_request() -> reward_pb2.ScoreRequest:
-    return reward_pb2.ScoreRequest(items=[
+def good_score_request() -> reward_pb2.RewardServiceScoreRequest:
+    return reward_pb2.RewardServiceScoreRequest(items=[
         reward_pb2.ScoreItem(data_source="openai/gsm8k", response="so #### 42", ground_truth="42"),
         reward_pb2.ScoreItem(data_source="openai/gsm8k", response="#### 41", ground_truth="42"),
     ])
 
 
-def good_generate_request(cls=rollout_pb2.GenerateRequest, max_tokens: int = 2):
+def good_generate_request(cls=rollout_pb2.RolloutServiceGenerateRequest, max_tokens: int = 2):
     params = rollout_pb2.SamplingParams(n=2, temperature=1.0, top_p=1.0, max_tokens=max_tokens, seed=7, logprobs=True)
     return cls(prompts=[rollout_pb2.Prompt(token_ids=[5, 6, 7])], sampling_params=params)
 
@@ -206,9 +208,9 @@ def push_weights_payload(data: bytes = b"\x00" * 8, name: str = "not.a.weight", 
                                               shape=list(shape or (len(data),)), offset=0)
     bucket = weight_sync_pb2.WeightBucket(index=0, num_bytes=len(data), crc32=zlib.crc32(data), tensors=[tensor])
     manifest = weight_sync_pb2.WeightManifest(version=1, group_id="reliability", buckets=[bucket])
-    return [rollout_pb2.PushWeightsRequest(manifest=manifest).SerializeToString(),
-            rollout_pb2.PushWeightsRequest(bucket_index=0, offset=0, data=data).SerializeToString()]
+    return [rollout_pb2.RolloutServicePushWeightsRequest(manifest=manifest).SerializeToString(),
+            rollout_pb2.RolloutServicePushWeightsRequest(bucket_index=0, offset=0, data=data).SerializeToString()]
 
 
-def start_run_request(*overrides: str) -> coordinator_pb2.StartRunRequest:
-    return coordinator_pb2.StartRunRequest(overrides=list(overrides))
+def start_run_request(*overrides: str) -> coordinator_pb2.CoordinatorServiceStartRunRequest:
+    return coordinator_pb2.CoordinatorServiceStartRunRequest(overrides=list(overrides))

@@ -64,7 +64,7 @@ def call(address: str, method: Method, payload, timeout: float = 60.0) -> Answer
 def score_request(slow: bool) -> bytes:
     item = reward_pb2.ScoreItem(data_source="x", response="r", ground_truth="g",
                                 extra_info_json=json.dumps({"slow": slow}))
-    return reward_pb2.ScoreRequest(items=[item]).SerializeToString()
+    return reward_pb2.RewardServiceScoreRequest(items=[item]).SerializeToString()
 
 
 def concurrently(*calls) -> list[Answer]:
@@ -116,7 +116,7 @@ def test_the_surplus_over_max_concurrent_rpcs_gets_resource_exhausted(limited_re
     assert codes == ["OK"] * 2 + ["RESOURCE_EXHAUSTED"] * 4, [(a.code.name, a.details) for a in answers]
     for answer in answers:
         if answer.code == grpc.StatusCode.OK:
-            assert reward_pb2.ScoreResponse.FromString(answer.responses[0]).results[0].score == 1.0
+            assert reward_pb2.RewardServiceScoreResponse.FromString(answer.responses[0]).results[0].score == 1.0
         else:  # refused at once, with a message that says which limit and how to raise it
             assert answer.seconds < SLOW_S, answer
             assert "server.max_concurrent_rpcs=2" in answer.details and "reward" in answer.details, answer.details
@@ -172,8 +172,9 @@ def _queue_depth(address: str) -> int:
 def test_generation_requests_past_the_rollout_limit_get_resource_exhausted(limited_rollout):
     address = limited_rollout
     generate = good_generate_request().SerializeToString()
-    stream = good_generate_request(rollout_pb2.GenerateStreamRequest).SerializeToString()
-    assert call(address, PAUSE, rollout_pb2.PauseRequest(abort=False).SerializeToString()).code == grpc.StatusCode.OK
+    stream = good_generate_request(rollout_pb2.RolloutServiceGenerateStreamRequest).SerializeToString()
+    pause = rollout_pb2.RolloutServicePauseRequest(abort=False).SerializeToString()
+    assert call(address, PAUSE, pause).code == grpc.StatusCode.OK
     resumed = False
     try:
         with ThreadPoolExecutor(2) as pool:
@@ -195,7 +196,7 @@ def test_generation_requests_past_the_rollout_limit_get_resource_exhausted(limit
             for future in held:
                 answer = future.result(timeout=60)
                 assert answer.code == grpc.StatusCode.OK, answer.details
-        generated = rollout_pb2.GenerateResponse.FromString(held[0].result().responses[0])
+        generated = rollout_pb2.RolloutServiceGenerateResponse.FromString(held[0].result().responses[0])
         assert len(generated.samples) == 2
         assert len(held[1].result().responses) == 2  # one message per sample
     finally:

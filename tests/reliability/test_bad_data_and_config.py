@@ -166,13 +166,14 @@ def test_start_run_with_bad_data_is_invalid_argument_naming_file_row_and_column(
     with grpc.insecure_channel(server.address) as channel:
         stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
         with pytest.raises(grpc.RpcError) as refused:
-            stub.StartRun(coordinator_pb2.StartRunRequest(overrides=[f"data.train_files=[{bad}]"]), timeout=60)
+            request = coordinator_pb2.CoordinatorServiceStartRunRequest(overrides=[f"data.train_files=[{bad}]"])
+            stub.StartRun(request, timeout=60)
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert f"{bad}: row 1, column 'prompt'" in refused.value.details()
         # Good data gets past loading; the run then stops at the missing services, before any step.
         with pytest.raises(grpc.RpcError) as no_services:
-            stub.StartRun(coordinator_pb2.StartRunRequest(overrides=[f"data.train_files=[{good}]",
-                                                                     "data.train_batch_size=8"]), timeout=60)
+            stub.StartRun(coordinator_pb2.CoordinatorServiceStartRunRequest(
+                overrides=[f"data.train_files=[{good}]", "data.train_batch_size=8"]), timeout=60)
         assert no_services.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "cluster.actor" in no_services.value.details()
 

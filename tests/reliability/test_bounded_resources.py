@@ -259,8 +259,8 @@ def score_stub(server):
     return channel, reward_pb2_grpc.RewardServiceStub(channel)
 
 
-def request(data_source: str, count: int) -> reward_pb2.ScoreRequest:
-    return reward_pb2.ScoreRequest(items=[
+def request(data_source: str, count: int) -> reward_pb2.RewardServiceScoreRequest:
+    return reward_pb2.RewardServiceScoreRequest(items=[
         reward_pb2.ScoreItem(data_source=data_source, response=str(i), ground_truth="") for i in range(count)])
 
 
@@ -361,9 +361,9 @@ def test_a_cancelled_score_of_in_process_scorers_stops_after_the_current_item(se
 # --- reward: a hung in-process scorer times out -------------------------------------------------------
 
 
-def mixed(*data_sources: str) -> reward_pb2.ScoreRequest:
-    return reward_pb2.ScoreRequest(items=[reward_pb2.ScoreItem(data_source=s, response="x", ground_truth="")
-                                          for s in data_sources])
+def mixed(*data_sources: str) -> reward_pb2.RewardServiceScoreRequest:
+    return reward_pb2.RewardServiceScoreRequest(
+        items=[reward_pb2.ScoreItem(data_source=s, response="x", ground_truth="") for s in data_sources])
 
 
 def test_a_hung_in_process_scorer_times_out_its_item_and_later_requests_go_on(serve_in_thread):

@@ -68,13 +68,15 @@ class Coordinator:
         self.channel = mesh_channel(address, run_dir)
         self.stub = coordinator_pb2_grpc.CoordinatorServiceStub(self.channel)
 
-    def start(self, *overrides: str) -> coordinator_pb2.StartRunResponse:
-        return self.stub.StartRun(coordinator_pb2.StartRunRequest(overrides=list(overrides)), timeout=180)
+    def start(self, *overrides: str) -> coordinator_pb2.CoordinatorServiceStartRunResponse:
+        request = coordinator_pb2.CoordinatorServiceStartRunRequest(overrides=list(overrides))
+        return self.stub.StartRun(request, timeout=180)
 
-    def status(self) -> coordinator_pb2.GetRunStatusResponse:
-        return self.stub.GetRunStatus(coordinator_pb2.GetRunStatusRequest(), timeout=10, wait_for_ready=True)
+    def status(self) -> coordinator_pb2.CoordinatorServiceGetRunStatusResponse:
+        return self.stub.GetRunStatus(coordinator_pb2.CoordinatorServiceGetRunStatusRequest(), timeout=10,
+                                      wait_for_ready=True)
 
-    def wait(self, what: str, until, timeout_s: float = 120) -> coordinator_pb2.GetRunStatusResponse:
+    def wait(self, what: str, until, timeout_s: float = 120) -> coordinator_pb2.CoordinatorServiceGetRunStatusResponse:
         """Polls GetRunStatus until `until(status)`; fails if the run ends first or it takes too long."""
         deadline = time.monotonic() + timeout_s
         while True:
@@ -86,13 +88,13 @@ class Coordinator:
             assert time.monotonic() < deadline, f"no {what} within {timeout_s} s (step {status.step}, {status.phase})"
             time.sleep(0.05)
 
-    def wait_end(self, timeout_s: float = 180) -> coordinator_pb2.GetRunStatusResponse:
+    def wait_end(self, timeout_s: float = 180) -> coordinator_pb2.CoordinatorServiceGetRunStatusResponse:
         return self.wait("end of the run", lambda s: s.state not in ACTIVE, timeout_s)
 
     def stop_if_running(self) -> None:
         try:
             if self.status().state in ACTIVE:
-                self.stub.StopRun(coordinator_pb2.StopRunRequest(skip_checkpoint=True), timeout=120)
+                self.stub.StopRun(coordinator_pb2.CoordinatorServiceStopRunRequest(skip_checkpoint=True), timeout=120)
         except grpc.RpcError:
             pass
 
@@ -253,12 +255,12 @@ def test_a_rollout_replica_killed_mid_generation_rejoins_when_restarted(mesh, co
     back = coordinator.wait("the replica back in the weight sync",
                             lambda s: s.last_metrics.get("weight_sync/replicas") == 2, 120).step
     coordinator.wait("two steps with it", lambda s: s.step >= back + 2)
-    coordinator.stub.PauseRun(coordinator_pb2.PauseRunRequest(), timeout=10)
+    coordinator.stub.PauseRun(coordinator_pb2.CoordinatorServicePauseRunRequest(), timeout=10)
     paused = coordinator.wait("pause", lambda s: s.state == coordinator_pb2.RUN_STATE_PAUSED)
     # It serves the current weights, and the router sends it work again.
     assert rollout_weight_version(address, mesh.run_dir) == paused.weight_version == rollout_weight_version(other, mesh.run_dir)
     assert rpc_counts(restarted, "GenerateStream")[0] > 0, "the restarted replica never generated"
-    coordinator.stub.StopRun(coordinator_pb2.StopRunRequest(skip_checkpoint=True), timeout=60)
+    coordinator.stub.StopRun(coordinator_pb2.CoordinatorServiceStopRunRequest(skip_checkpoint=True), timeout=60)
 
     records = metrics_of(experiment_dir)
     assert [r["step"] for r in records] == list(range(1, len(records) + 1))

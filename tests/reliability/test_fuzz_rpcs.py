@@ -35,6 +35,7 @@ from rlfabric.serve import build_service as build_role_service
 from rlfabric.serve import build_service as build_trainer_service
 from rlfabric.v1 import (
     actor_pb2,
+    common_pb2,
     coordinator_pb2,
     critic_pb2,
     reference_pb2,
@@ -118,7 +119,7 @@ def valid_payload(method: Method):
     if method == GENERATE:
         return good_generate_request().SerializeToString()
     if method == GENERATE_STREAM:
-        return good_generate_request(rollout_pb2.GenerateStreamRequest).SerializeToString()
+        return good_generate_request(rollout_pb2.RolloutServiceGenerateStreamRequest).SerializeToString()
     if method == PUSH_WEIGHTS:
         return push_weights_payload()
     if method == START_RUN:
@@ -156,18 +157,22 @@ def assert_still_works(addresses, method: Method) -> None:
             return
         assert answer.code == grpc.StatusCode.OK, f"{method}: {answer.code.name}: {answer.details}"
     if method == SCORE:
-        assert [r.score for r in reward_pb2.ScoreResponse.FromString(answer.responses[0]).results] == [1.0, 0.0]
+        results = reward_pb2.RewardServiceScoreResponse.FromString(answer.responses[0]).results
+        assert [r.score for r in results] == [1.0, 0.0]
     elif method == GENERATE:
-        check_generated(rollout_pb2.GenerateResponse.FromString(answer.responses[0]).samples, 1, 2, True)
+        check_generated(rollout_pb2.RolloutServiceGenerateResponse.FromString(answer.responses[0]).samples, 1, 2, True)
     elif method == GENERATE_STREAM:
-        check_generated([rollout_pb2.GenerateStreamResponse.FromString(r).sample for r in answer.responses], 1, 2, True)
+        check_generated([rollout_pb2.RolloutServiceGenerateStreamResponse.FromString(r).sample
+                         for r in answer.responses], 1, 2, True)
     elif method in (ACTOR_LOG_PROBS, REFERENCE_LOG_PROBS):
-        outputs = actor_pb2.ComputeLogProbsResponse.FromString(answer.responses[0]).outputs
+        outputs = actor_pb2.ActorServiceComputeLogProbsResponse.FromString(answer.responses[0]).outputs
         check_output_tensor(outputs, "log_probs", (2, 3))
     elif method == COMPUTE_VALUES:
-        check_output_tensor(critic_pb2.ComputeValuesResponse.FromString(answer.responses[0]).outputs, "values", (2, 3))
+        outputs = critic_pb2.CriticServiceComputeValuesResponse.FromString(answer.responses[0]).outputs
+        check_output_tensor(outputs, "values", (2, 3))
     elif method in (UPDATE_POLICY, UPDATE_VALUES):
-        response = (actor_pb2.UpdatePolicyResponse if method == UPDATE_POLICY else critic_pb2.UpdateValuesResponse)
+        response = (actor_pb2.ActorServiceUpdatePolicyResponse if method == UPDATE_POLICY
+                    else critic_pb2.CriticServiceUpdateValuesResponse)
         metrics = response.FromString(answer.responses[0]).metrics
         role = ROLE_OF_SERVICE[method.service.removeprefix("rlfabric.v1.")]
         assert math.isfinite(metrics[f"{role}/grad_norm"])
@@ -200,7 +205,8 @@ def bounded_generation(method: Method, payload: bytes) -> bool:
     test_rollout_refuses_requests_with_too_many_rows), so such a request would just run for minutes."""
     if method not in (GENERATE, GENERATE_STREAM):
         return True
-    cls = rollout_pb2.GenerateRequest if method == GENERATE else rollout_pb2.GenerateStreamRequest
+    cls = (rollout_pb2.RolloutServiceGenerateRequest if method == GENERATE
+           else rollout_pb2.RolloutServiceGenerateStreamRequest)
     try:
         request = cls.FromString(payload)
     except DecodeError:
@@ -266,12 +272,12 @@ def test_score_structured_garbage(addresses):
         @settings(FUZZ, max_examples=40)
         @given(items=st.lists(score_items, max_size=5))
         def fuzz(items):
-            request = reward_pb2.ScoreRequest(items=items)
+            request = reward_pb2.RewardServiceScoreRequest(items=items)
             answer = call_raw(channel, SCORE, request.SerializeToString())
             assert_clean(answer, f"Score({items})")
             seen.add(answer.code)
             if answer.code == grpc.StatusCode.OK:
-                results = reward_pb2.ScoreResponse.FromString(answer.responses[0]).results
+                results = reward_pb2.RewardServiceScoreResponse.FromString(answer.responses[0]).results
                 assert len(results) == len(items)
                 for result in results:
                     assert math.isfinite(result.score) and result.status != reward_pb2.SCORE_STATUS_UNSPECIFIED
@@ -288,7 +294,7 @@ def test_score_structured_garbage(addresses):
 
 any_int64 = st.integers(-(2**63), 2**63 - 1)
 any_int32 = st.integers(-(2**31), 2**31 - 1)
-chat = st.lists(st.builds(rollout_pb2.ChatMessage, role=st.one_of(st.sampled_from(["user", "system"]), texts),
+chat = st.lists(st.builds(common_pb2.ChatMessage, role=st.one_of(st.sampled_from(["user", "system"]), texts),
                           content=texts), min_size=1, max_size=2)
 good_prompt = st.one_of(st.lists(st.integers(4, VOCAB - 1), min_size=1, max_size=6).map(
     lambda ids: rollout_pb2.Prompt(token_ids=ids)), chat.map(lambda messages: rollout_pb2.Prompt(messages=messages)))
@@ -323,7 +329,8 @@ def generate_requests(draw, cls):
 
 @pytest.mark.parametrize("method", [GENERATE, GENERATE_STREAM], ids=str)
 def test_generate_structured_garbage(addresses, method):
-    cls = rollout_pb2.GenerateRequest if method == GENERATE else rollout_pb2.GenerateStreamRequest
+    cls = (rollout_pb2.RolloutServiceGenerateRequest if method == GENERATE
+           else rollout_pb2.RolloutServiceGenerateStreamRequest)
     seen: set[grpc.StatusCode] = set()
     with grpc.insecure_channel(addresses["rollout"]) as channel:
 
@@ -336,9 +343,10 @@ def test_generate_structured_garbage(addresses, method):
             seen.add(answer.code)
             if answer.code == grpc.StatusCode.OK:
                 if method == GENERATE:
-                    samples = rollout_pb2.GenerateResponse.FromString(answer.responses[0]).samples
+                    samples = rollout_pb2.RolloutServiceGenerateResponse.FromString(answer.responses[0]).samples
                 else:
-                    samples = [rollout_pb2.GenerateStreamResponse.FromString(r).sample for r in answer.responses]
+                    samples = [rollout_pb2.RolloutServiceGenerateStreamResponse.FromString(r).sample
+                               for r in answer.responses]
                 check_generated(samples, len(request.prompts), params.n, params.logprobs)
             else:
                 assert answer.code == grpc.StatusCode.INVALID_ARGUMENT, answer.details
@@ -500,9 +508,9 @@ def test_start_run_override_garbage(addresses, tmp_path):
             assert answer.code == grpc.StatusCode.INVALID_ARGUMENT and "trainer.total_steps" in answer.details
     assert not marker.exists(), "a YAML tag in a StartRun override ran code"
     assert_still_works(addresses, START_RUN)
-    status = coordinator_pb2.GetRunStatusResponse.FromString(call_raw(
+    status = coordinator_pb2.CoordinatorServiceGetRunStatusResponse.FromString(call_raw(
         grpc.insecure_channel(addresses["coordinator"]), Method(START_RUN.service, "GetRunStatus", "unary"),
-        coordinator_pb2.GetRunStatusRequest().SerializeToString()).responses[0])
+        coordinator_pb2.CoordinatorServiceGetRunStatusRequest().SerializeToString()).responses[0])
     assert status.state == coordinator_pb2.RUN_STATE_UNSPECIFIED  # nothing was started
 
 
@@ -532,7 +540,7 @@ def test_push_weights_refuses_a_manifest_announcing_huge_buckets(addresses, anno
     """The manifest is checked before anything is allocated: a bucket larger than its tensors, or a
     tensor the model does not have (or of another shape), however large, is refused at once."""
     manifest, chunk = push_weights_payload(name="model.embed_tokens.weight")
-    message = rollout_pb2.PushWeightsRequest.FromString(manifest)
+    message = rollout_pb2.RolloutServicePushWeightsRequest.FromString(manifest)
     message.manifest.buckets[0].num_bytes = 2**45  # 32 TiB
     if announce == "tensor":  # a real weight's name, announced as 32 TiB of bytes
         message.manifest.buckets[0].tensors[0].shape[:] = [2**45]

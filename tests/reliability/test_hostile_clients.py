@@ -42,6 +42,7 @@ from rlfabric.serve import build_service as build_trainer_service
 from rlfabric.v1 import (
     actor_pb2,
     actor_pb2_grpc,
+    common_pb2,
     coordinator_pb2,
     coordinator_pb2_grpc,
     reward_pb2,
@@ -110,23 +111,24 @@ def coordinator(serve_module, tiny_model, disk):
 
 
 def export(actor, path: str, metadata=BEARER):
-    return actor.ExportHF(actor_pb2.ExportHFRequest(path=path), timeout=120, metadata=metadata)
+    return actor.ExportHF(actor_pb2.ActorServiceExportHFRequest(path=path), timeout=120, metadata=metadata)
 
 
 def save(actor, path: str):
-    request = actor_pb2.SaveCheckpointRequest()
+    request = actor_pb2.ActorServiceSaveCheckpointRequest()
     request.location.path = path
     return actor.SaveCheckpoint(request, timeout=120, metadata=BEARER)
 
 
 def load(actor, path: str):
-    request = actor_pb2.LoadCheckpointRequest()
+    request = actor_pb2.ActorServiceLoadCheckpointRequest()
     request.location.path = path
     return actor.LoadCheckpoint(request, timeout=120, metadata=BEARER)
 
 
 def start_run(coordinator, override: str):
-    return coordinator.StartRun(coordinator_pb2.StartRunRequest(overrides=[override]), timeout=60, metadata=BEARER)
+    request = coordinator_pb2.CoordinatorServiceStartRunRequest(overrides=[override])
+    return coordinator.StartRun(request, timeout=60, metadata=BEARER)
 
 
 def refusal(call, *args, **kwargs) -> grpc.RpcError:
@@ -195,7 +197,8 @@ def test_start_run_cannot_pick_the_run_dir_nor_read_outside_the_root(coordinator
             assert "storage.root" in error.details()
     # The refusal says what to use instead.
     assert "trainer.experiment_name" in refusal(start_run, coordinator, f"trainer.run_dir={home}").details()
-    status = coordinator.GetRunStatus(coordinator_pb2.GetRunStatusRequest(), timeout=10, metadata=BEARER)
+    status = coordinator.GetRunStatus(coordinator_pb2.CoordinatorServiceGetRunStatusRequest(), timeout=10,
+                                      metadata=BEARER)
     assert status.state == coordinator_pb2.RUN_STATE_UNSPECIFIED  # nothing started
     assert snapshot(disk["base"]) == before
 
@@ -262,7 +265,7 @@ def test_start_run_cannot_make_the_coordinator_call_an_address_or_write_a_store(
     before = snapshot(disk["base"])
     try:
         for uri in (f"sqlite:///{disk['home'] / 'mlflow.db'}", f"http://127.0.0.1:{port}", "file:///tmp/mlruns"):
-            error = refusal(coordinator.StartRun, coordinator_pb2.StartRunRequest(
+            error = refusal(coordinator.StartRun, coordinator_pb2.CoordinatorServiceStartRunRequest(
                 overrides=["trainer.loggers=[jsonl,mlflow]", f"trainer.mlflow.tracking_uri={uri}"]),
                 timeout=60, metadata=BEARER)
             assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, (uri, error.details())
@@ -302,7 +305,8 @@ def multi_turn_request(env_address: str):
     prompt = AgentPrompt([{"role": "user", "content": "What is 6*7?"}], AgentTask("calculator", "42"))
     spec = SamplingSpec(n=2, max_tokens=8, seed=3, multi_turn=MultiTurnSpec(
         env_address=env_address, max_turns=2, max_total_tokens=64, env_timeout_s=5.0))
-    return rollout_pb2.GenerateRequest(prompts=[wire.prompt_to_proto(prompt)], sampling_params=wire.sampling_to_proto(spec))
+    return rollout_pb2.RolloutServiceGenerateRequest(prompts=[wire.prompt_to_proto(prompt)],
+                                                     sampling_params=wire.sampling_to_proto(spec))
 
 
 def test_a_generate_cannot_make_a_rollout_replica_call_an_address_of_its_choosing(tiny_model, disk, tmp_path):
@@ -477,7 +481,7 @@ def test_an_oversized_unauthenticated_request_is_refused_unread(disk, tmp_path):
             stub.GetStatus(reward_pb2.RewardServiceGetStatusRequest(), timeout=60, metadata=BEARER,
                            wait_for_ready=True)  # serving, its engine loaded
             before = _peak_rss_mib(server.pid)
-            request = reward_pb2.ScoreRequest(items=[reward_pb2.ScoreItem(response="x" * (128 << 20))])
+            request = reward_pb2.RewardServiceScoreRequest(items=[reward_pb2.ScoreItem(response="x" * (128 << 20))])
             started = time.monotonic()
             error = refusal(stub.Score, request, timeout=60)
             assert error.code() == grpc.StatusCode.UNAUTHENTICATED
@@ -545,7 +549,7 @@ def hostile_join(address: str, timeout_s: float, store_port: int, deadline_s: fl
                                             timeout_s=timeout_s)
     with grpc.insecure_channel(address) as channel:
         stub = rollout_pb2_grpc.RolloutServiceStub(channel)
-        return stub.JoinWeightSyncGroup(rollout_pb2.JoinWeightSyncGroupRequest(group=group, rank=1),
+        return stub.JoinWeightSyncGroup(rollout_pb2.RolloutServiceJoinWeightSyncGroupRequest(group=group, rank=1),
                                         timeout=deadline_s)
 
 
@@ -603,7 +607,7 @@ def test_an_absurd_weight_sync_group_size_is_invalid_argument_naming_the_field(s
     with grpc.insecure_channel(sync_mesh.actor.address) as channel:
         stub = actor_pb2_grpc.ActorServiceStub(channel)
         for num_receivers in (2**31 - 1, 2**31 - 2, 1 << 20, -1):
-            request = actor_pb2.OpenWeightSyncGroupRequest(
+            request = actor_pb2.ActorServiceOpenWeightSyncGroupRequest(
                 transport=weight_sync_pb2.WEIGHT_TRANSPORT_GLOO, num_receivers=num_receivers)
             error = refusal(stub.OpenWeightSyncGroup, request, timeout=30)
             assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, (num_receivers, error.details())
@@ -614,8 +618,8 @@ def test_an_absurd_weight_sync_group_size_is_invalid_argument_naming_the_field(s
                                                 timeout_s=1)
         with grpc.insecure_channel(sync_mesh.addresses["r0"]) as channel:
             stub = rollout_pb2_grpc.RolloutServiceStub(channel)
-            error = refusal(stub.JoinWeightSyncGroup, rollout_pb2.JoinWeightSyncGroupRequest(group=group, rank=1),
-                            timeout=30)
+            request = rollout_pb2.RolloutServiceJoinWeightSyncGroupRequest(group=group, rank=1)
+            error = refusal(stub.JoinWeightSyncGroup, request, timeout=30)
         assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, (world_size, error.details())
         assert "world_size" in error.details()
 
@@ -688,7 +692,8 @@ def test_refused_large_steps_do_not_stay_resident_in_the_env_service(tmp_path):
     service = Served(tmp_path, "env")
     try:
         stub = environment_pb2_grpc.EnvironmentServiceStub(service.channel)
-        step = environment_pb2.StepRequest(session_id="s", action=environment_pb2.Action(text="x" * (100 << 20)))
+        huge = environment_pb2.Action(text="x" * (100 << 20))
+        step = environment_pb2.EnvironmentServiceStepRequest(session_id="s", action=huge)
         assert_stays_small(service, [(stub.Step, step, grpc.StatusCode.RESOURCE_EXHAUSTED)])
         assert stub.GetStatus(environment_pb2.EnvironmentServiceGetStatusRequest(), timeout=10).environments
     finally:
@@ -708,7 +713,7 @@ def test_refused_large_tensors_do_not_stay_resident_in_the_actor(tiny_model, tmp
         stub = actor_pb2_grpc.ActorServiceStub(service.channel)
         batch = codec.encode_batch({"input_ids": torch.zeros(2, 3, dtype=torch.int64)})
         batch.tensors["input_ids"].raw_data = bytes(100 << 20)  # 100 MiB for 6 int64s
-        malformed = actor_pb2.ComputeLogProbsRequest(input=actor_pb2.LogProbsInput(batch=batch))
+        malformed = actor_pb2.ActorServiceComputeLogProbsRequest(input=common_pb2.LogProbsInput(batch=batch))
         assert_stays_small(service, [(stub.ComputeLogProbs, malformed, grpc.StatusCode.INVALID_ARGUMENT)])
         assert stub.GetStatus(actor_pb2.ActorServiceGetStatusRequest(), timeout=10).num_parameters > 0
     finally:

@@ -340,11 +340,11 @@ def test_pickles_in_reward_texts_and_extra_info(plain, pickles, marker):
     text = pickles["text"]
     as_json = reward_pb2.ScoreItem(data_source="openai/gsm8k", prompt=text, response=text, ground_truth=text,
                                    extra_info_json=json.dumps({"blob": text}))
-    answer = send(plain["reward"], SCORE, reward_pb2.ScoreRequest(items=[as_json]).SerializeToString())
+    answer = send(plain["reward"], SCORE, reward_pb2.RewardServiceScoreRequest(items=[as_json]).SerializeToString())
     assert answer.code == grpc.StatusCode.OK
-    assert reward_pb2.ScoreResponse.FromString(answer.responses[0]).results[0].score == 0.0
+    assert reward_pb2.RewardServiceScoreResponse.FromString(answer.responses[0]).results[0].score == 0.0
     raw = reward_pb2.ScoreItem(data_source="openai/gsm8k", response="#### 1", ground_truth="1", extra_info_json=text)
-    answer = send(plain["reward"], SCORE, reward_pb2.ScoreRequest(items=[raw]).SerializeToString())
+    answer = send(plain["reward"], SCORE, reward_pb2.RewardServiceScoreRequest(items=[raw]).SerializeToString())
     assert answer.code == grpc.StatusCode.INVALID_ARGUMENT and "item 0: extra_info_json is not valid JSON" in answer.details
     assert not marker.exists()
 
@@ -354,9 +354,9 @@ def test_pickles_reach_a_custom_function_as_text(custom_reward, pickles, marker)
     text = pickles["text"]
     item = reward_pb2.ScoreItem(data_source="x", response=text, ground_truth=text,
                                 extra_info_json=json.dumps({"mode": "check", "blob": text}))
-    answer = send(custom_reward, SCORE, reward_pb2.ScoreRequest(items=[item]).SerializeToString())
+    answer = send(custom_reward, SCORE, reward_pb2.RewardServiceScoreRequest(items=[item]).SerializeToString())
     assert answer.code == grpc.StatusCode.OK, answer.details
-    result = reward_pb2.ScoreResponse.FromString(answer.responses[0]).results[0]
+    result = reward_pb2.RewardServiceScoreResponse.FromString(answer.responses[0]).results[0]
     assert (result.status, result.score) == (reward_pb2.SCORE_STATUS_OK, 1.0), result
     assert not marker.exists()
 
@@ -367,7 +367,7 @@ def test_pickles_in_chat_content(plain, pickles, marker):
     request.prompts[0].messages.add(role="user", content=pickles["text"])
     answer = send(plain["rollout"], GENERATE, request.SerializeToString())
     assert answer.code == grpc.StatusCode.OK, answer.details
-    assert len(rollout_pb2.GenerateResponse.FromString(answer.responses[0]).samples) == 2
+    assert len(rollout_pb2.RolloutServiceGenerateResponse.FromString(answer.responses[0]).samples) == 2
     assert not marker.exists()
 
 
@@ -392,7 +392,7 @@ def _checkpoint_with_a_pickle(directory: Path, model_dir: Path, marker: Path) ->
 
 
 def _load_checkpoint(plain, path: Path) -> Answer:
-    request = actor_pb2.LoadCheckpointRequest()
+    request = actor_pb2.ActorServiceLoadCheckpointRequest()
     request.location.path = str(path)
     return send(plain["actor"], LOAD_CHECKPOINT, request.SerializeToString())
 
@@ -428,9 +428,9 @@ def _children(directory: Path, tag: str) -> list[int]:
 
 def score_one(address: str, extra_info: dict) -> tuple[reward_pb2.ScoreResult, float]:
     item = reward_pb2.ScoreItem(data_source="x", response="r", ground_truth="g", extra_info_json=json.dumps(extra_info))
-    answer = send(address, SCORE, reward_pb2.ScoreRequest(items=[item]).SerializeToString())
+    answer = send(address, SCORE, reward_pb2.RewardServiceScoreRequest(items=[item]).SerializeToString())
     assert answer.code == grpc.StatusCode.OK, answer.details
-    return reward_pb2.ScoreResponse.FromString(answer.responses[0]).results[0], answer.seconds
+    return reward_pb2.RewardServiceScoreResponse.FromString(answer.responses[0]).results[0], answer.seconds
 
 
 def assert_next_item_is_scored(address: str) -> None:

@@ -38,11 +38,11 @@ class RewardServer:
     def status(self):
         return self.call("status")
 
-    def raw_score(self, items: list[reward_pb2.ScoreItem]) -> reward_pb2.ScoreResponse:
+    def raw_score(self, items: list[reward_pb2.ScoreItem]) -> reward_pb2.RewardServiceScoreResponse:
         """Score through a plain generated stub (for status codes and fields the client never sends)."""
         with grpc.insecure_channel(self.address) as channel:
             return reward_pb2_grpc.RewardServiceStub(channel).Score(
-                reward_pb2.ScoreRequest(items=items), timeout=30
+                reward_pb2.RewardServiceScoreRequest(items=items), timeout=30
             )
 
     def raw_error(self, items: list[reward_pb2.ScoreItem]) -> grpc.RpcError:

@@ -46,10 +46,10 @@ def stub(channel) -> rollout_pb2_grpc.RolloutServiceStub:
     return rollout_pb2_grpc.RolloutServiceStub(channel)
 
 
-def request(prompts, **params) -> rollout_pb2.GenerateRequest:
+def request(prompts, **params) -> rollout_pb2.RolloutServiceGenerateRequest:
     spec = SamplingSpec(**{"max_tokens": 8, "logprobs": True, **params})
-    return rollout_pb2.GenerateRequest(prompts=[wire.prompt_to_proto(p) for p in prompts],
-                                       sampling_params=wire.sampling_to_proto(spec))
+    return rollout_pb2.RolloutServiceGenerateRequest(prompts=[wire.prompt_to_proto(p) for p in prompts],
+                                                     sampling_params=wire.sampling_to_proto(spec))
 
 
 def generate(channel, prompts, timeout: float = 60, **params) -> list:
@@ -58,7 +58,8 @@ def generate(channel, prompts, timeout: float = 60, **params) -> list:
 
 def stream(channel, prompts, timeout: float = 60, **params) -> list:
     req = request(prompts, **params)
-    stream_req = rollout_pb2.GenerateStreamRequest(prompts=req.prompts, sampling_params=req.sampling_params)
+    stream_req = rollout_pb2.RolloutServiceGenerateStreamRequest(prompts=req.prompts,
+                                                                 sampling_params=req.sampling_params)
     return [wire.sample_from_proto(r.sample) for r in stub(channel).GenerateStream(stream_req, timeout=timeout)]
 
 

@@ -83,8 +83,8 @@ def agent_request(environments, n=1, max_turns=3, max_total_tokens=200, **multi_
     spec = SamplingSpec(n=n, max_tokens=16, temperature=1.0, seed=5, stop_token_ids=STOPS,
                         multi_turn=MultiTurnSpec(max_turns=max_turns, max_total_tokens=max_total_tokens,
                                                  env_timeout_s=multi_turn.pop("env_timeout_s", 10.0), **multi_turn))
-    return rollout_pb2.GenerateRequest(prompts=[wire.prompt_to_proto(p) for p in prompts],
-                                       sampling_params=wire.sampling_to_proto(spec))
+    return rollout_pb2.RolloutServiceGenerateRequest(prompts=[wire.prompt_to_proto(p) for p in prompts],
+                                                     sampling_params=wire.sampling_to_proto(spec))
 
 
 def agent_generate(channel, environments, **params):

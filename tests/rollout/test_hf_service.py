@@ -172,7 +172,7 @@ def test_pause_holds_new_requests_until_resume_and_abort_ends_in_flight(served, 
             # 48 samples, at most 16 decoded at a time (>= 0.45 s): Pause returns only once all have finished.
             accepted = pool.submit(stream, channel, [[5, 6]], n=48, max_tokens=30)
             wait_for_queue_depth(channel, 1)
-            assert rollout.Pause(rollout_pb2.PauseRequest(), timeout=30).num_aborted == 0
+            assert rollout.Pause(rollout_pb2.RolloutServicePauseRequest(), timeout=30).num_aborted == 0
             finished = accepted.result(timeout=0.2)
             assert len(finished) == 48 and all(s.finish_reason != Finish.ABORT for s in finished)
         assert rollout.GetStatus(rollout_pb2.RolloutServiceGetStatusRequest(), timeout=5).paused
@@ -181,14 +181,14 @@ def test_pause_holds_new_requests_until_resume_and_abort_ends_in_flight(served, 
             wait_for_queue_depth(channel, 1)
             time.sleep(0.2)
             assert not held.done()
-            rollout.Resume(rollout_pb2.ResumeRequest(), timeout=10)
+            rollout.Resume(rollout_pb2.RolloutServiceResumeRequest(), timeout=10)
             assert len(held.result(timeout=30)) == 1
             long = pool.submit(stream, channel, [[5, 6]], n=2, max_tokens=500, temperature=1.0)
             wait_for_queue_depth(channel, 1)
-            assert rollout.Pause(rollout_pb2.PauseRequest(abort=True), timeout=30).num_aborted == 1
+            assert rollout.Pause(rollout_pb2.RolloutServicePauseRequest(abort=True), timeout=30).num_aborted == 1
             aborted = long.result(timeout=30)
     finally:
-        rollout.Resume(rollout_pb2.ResumeRequest(), timeout=10)
+        rollout.Resume(rollout_pb2.RolloutServiceResumeRequest(), timeout=10)
     assert sorted(s.sample_index for s in aborted) == [0, 1]  # each once; one may have hit EOS first
     assert any(s.finish_reason == Finish.ABORT for s in aborted)
     assert all(len(s.token_ids) < 500 for s in aborted if s.finish_reason == Finish.ABORT)
@@ -198,17 +198,17 @@ def test_pause_holds_new_requests_until_resume_and_abort_ends_in_flight(served, 
 def test_sleep_and_wake_up(served):
     _, channel, _ = served
     rollout = stub(channel)
-    rollout.Sleep(rollout_pb2.SleepRequest(level=1), timeout=30)
+    rollout.Sleep(rollout_pb2.RolloutServiceSleepRequest(level=1), timeout=30)
     try:
         assert rollout.GetStatus(rollout_pb2.RolloutServiceGetStatusRequest(), timeout=5).sleeping
     finally:
-        rollout.WakeUp(rollout_pb2.WakeUpRequest(), timeout=30)
+        rollout.WakeUp(rollout_pb2.RolloutServiceWakeUpRequest(), timeout=30)
     assert not rollout.GetStatus(rollout_pb2.RolloutServiceGetStatusRequest(), timeout=5).sleeping
     with pytest.raises(grpc.RpcError) as info:
-        rollout.Sleep(rollout_pb2.SleepRequest(level=3), timeout=5)
+        rollout.Sleep(rollout_pb2.RolloutServiceSleepRequest(level=3), timeout=5)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "1 or 2" in info.value.details()
     with pytest.raises(grpc.RpcError) as info:
-        rollout.WakeUp(rollout_pb2.WakeUpRequest(tags=["gpu"]), timeout=5)
+        rollout.WakeUp(rollout_pb2.RolloutServiceWakeUpRequest(tags=["gpu"]), timeout=5)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert len(generate(channel, [[5, 6]], max_tokens=2)) == 1
 
@@ -227,17 +227,17 @@ def test_level_2_frees_the_weights_and_a_sync_in_vllms_order_restores_them(serve
     before = generate(channel, PROMPTS, max_tokens=6, seed=5)
     awake = status()
     assert awake.device_memory_bytes > 0 and awake.rss_bytes > awake.device_memory_bytes
-    rollout.Sleep(rollout_pb2.SleepRequest(level=2), timeout=30)
+    rollout.Sleep(rollout_pb2.RolloutServiceSleepRequest(level=2), timeout=30)
     try:
         asleep = status()
         # The parameters' memory is freed; the rotary tables (buffers, a few hundred bytes) stay.
         assert asleep.sleeping and asleep.device_memory_bytes < awake.device_memory_bytes / 100
-        rollout.WakeUp(rollout_pb2.WakeUpRequest(tags=["weights"]), timeout=30)
+        rollout.WakeUp(rollout_pb2.RolloutServiceWakeUpRequest(tags=["weights"]), timeout=30)
         assert not status().sleeping and status().device_memory_bytes == awake.device_memory_bytes
         version = server.run(engine.load_weights(list(weights.items())))
-        rollout.WakeUp(rollout_pb2.WakeUpRequest(tags=["kv_cache"]), timeout=30)
+        rollout.WakeUp(rollout_pb2.RolloutServiceWakeUpRequest(tags=["kv_cache"]), timeout=30)
     finally:
-        rollout.WakeUp(rollout_pb2.WakeUpRequest(), timeout=30)
+        rollout.WakeUp(rollout_pb2.RolloutServiceWakeUpRequest(), timeout=30)
     after = generate(channel, PROMPTS, max_tokens=6, seed=5)
     assert [s.token_ids for s in after] == [s.token_ids for s in before]
     assert all(s.weight_version == version for s in after)

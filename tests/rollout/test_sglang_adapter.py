@@ -104,14 +104,14 @@ def test_pause_resume_sleep_wake_send_the_sglang_calls(served, fake):
     _, channel, _ = served
     rollout = stub(channel)
     fake.calls.clear()
-    rollout.Pause(rollout_pb2.PauseRequest(abort=True), timeout=10)
-    rollout.Resume(rollout_pb2.ResumeRequest(), timeout=10)
-    rollout.Pause(rollout_pb2.PauseRequest(abort=False), timeout=10)
-    rollout.Resume(rollout_pb2.ResumeRequest(), timeout=10)
-    rollout.Sleep(rollout_pb2.SleepRequest(level=1), timeout=10)
+    rollout.Pause(rollout_pb2.RolloutServicePauseRequest(abort=True), timeout=10)
+    rollout.Resume(rollout_pb2.RolloutServiceResumeRequest(), timeout=10)
+    rollout.Pause(rollout_pb2.RolloutServicePauseRequest(abort=False), timeout=10)
+    rollout.Resume(rollout_pb2.RolloutServiceResumeRequest(), timeout=10)
+    rollout.Sleep(rollout_pb2.RolloutServiceSleepRequest(level=1), timeout=10)
     assert rollout.GetStatus(rollout_pb2.RolloutServiceGetStatusRequest(), timeout=5).sleeping
-    rollout.WakeUp(rollout_pb2.WakeUpRequest(tags=["weights"]), timeout=10)
-    rollout.WakeUp(rollout_pb2.WakeUpRequest(), timeout=10)
+    rollout.WakeUp(rollout_pb2.RolloutServiceWakeUpRequest(tags=["weights"]), timeout=10)
+    rollout.WakeUp(rollout_pb2.RolloutServiceWakeUpRequest(), timeout=10)
     assert [(p, body) for _, p, body in fake.calls] == [
         ("/pause_generation", {"mode": "abort"}), ("/continue_generation", {}),
         ("/pause_generation", {"mode": "in_place"}), ("/continue_generation", {}),

@@ -123,13 +123,13 @@ def test_pause_abort_resume_and_sleep_needs_sleep_mode(served):
     _, channel, _ = served
     rollout = stub(channel)
     try:
-        rollout.Pause(rollout_pb2.PauseRequest(abort=True), timeout=60)
+        rollout.Pause(rollout_pb2.RolloutServicePauseRequest(abort=True), timeout=60)
         assert rollout.GetStatus(rollout_pb2.RolloutServiceGetStatusRequest(), timeout=5).paused
     finally:
-        rollout.Resume(rollout_pb2.ResumeRequest(), timeout=60)
+        rollout.Resume(rollout_pb2.RolloutServiceResumeRequest(), timeout=60)
     assert len(generate(channel, [[5, 6]], max_tokens=2)) == 1
     with pytest.raises(grpc.RpcError) as info:
-        rollout.Sleep(rollout_pb2.SleepRequest(level=1), timeout=5)
+        rollout.Sleep(rollout_pb2.RolloutServiceSleepRequest(level=1), timeout=5)
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "enable_sleep_mode" in info.value.details()
 
 
@@ -160,10 +160,10 @@ def test_pause_abort_ends_in_flight_samples_with_abort(served, tiny_model):
                 time.sleep(0.02)
             time.sleep(0.2)
             try:
-                assert rollout.Pause(rollout_pb2.PauseRequest(abort=True), timeout=60).num_aborted == 1
+                assert rollout.Pause(rollout_pb2.RolloutServicePauseRequest(abort=True), timeout=60).num_aborted == 1
                 samples = long.result(timeout=60)
             finally:
-                rollout.Resume(rollout_pb2.ResumeRequest(), timeout=60)
+                rollout.Resume(rollout_pb2.RolloutServiceResumeRequest(), timeout=60)
     finally:
         server.run(engine.load_weights(original_weights(tiny_model).items()))
     assert sorted(s.sample_index for s in samples) == list(range(8))

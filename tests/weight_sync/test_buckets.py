@@ -153,20 +153,22 @@ def test_crc32_combine_matches_zlib():
 
 def test_chunks_encode_as_protobuf_does_and_decode_as_it_reads():
     for index, offset, data in [(0, 0, b"abc"), (3, 1 << 33, b"\x00" * 300), (0, 5, b""), (2**31 - 1, 0, b"z")]:
-        expected = rollout_pb2.PushWeightsRequest(bucket_index=index, offset=offset, data=data).SerializeToString()
+        chunk = rollout_pb2.RolloutServicePushWeightsRequest(bucket_index=index, offset=offset, data=data)
+        expected = chunk.SerializeToString()
         assert encode_chunk(index, offset, memoryview(data)) == expected
         assert decode_chunk(expected)[:2] == (index, offset) and bytes(decode_chunk(expected)[2]) == data
     # fields in another order, repeated (the last wins), unknown ones skipped, negative int32
-    message = rollout_pb2.PushWeightsRequest(data=b"first").SerializeToString() + \
-        rollout_pb2.PushWeightsRequest(bucket_index=-2, offset=7, data=b"last").SerializeToString() + \
+    message = rollout_pb2.RolloutServicePushWeightsRequest(data=b"first").SerializeToString() + \
+        rollout_pb2.RolloutServicePushWeightsRequest(bucket_index=-2, offset=7, data=b"last").SerializeToString() + \
         b"\x28\x05" + b"\x3a\x02hi" + b"\x45\x00\x00\x00\x00"  # field 5 varint, 7 bytes, 8 fixed32
-    parsed = rollout_pb2.PushWeightsRequest.FromString(message)
+    parsed = rollout_pb2.RolloutServicePushWeightsRequest.FromString(message)
     index, offset, data = decode_chunk(message)
     assert (index, offset, bytes(data)) == (parsed.bucket_index, parsed.offset, parsed.data) == (-2, 7, b"last")
     manifest, _ = pack(weights(), 50_000, version=1, group_id="g")
+    manifest_message = rollout_pb2.RolloutServicePushWeightsRequest(manifest=manifest.to_proto()).SerializeToString()
     for bad, phrase in [(b"\x22\x05ab", "past the message"), (b"\x10", "varint"), (b"\x13", "wire type 3"),
                         (b"\x00\x01", "field number 0"), (b"\x45\x00", "truncated field"),
-                        (rollout_pb2.PushWeightsRequest(manifest=manifest.to_proto()).SerializeToString(), "manifest")]:
+                        (manifest_message, "manifest")]:
         with pytest.raises(InvalidArgument, match=phrase):
             decode_chunk(bad)
 

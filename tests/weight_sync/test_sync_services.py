@@ -39,7 +39,7 @@ TOLERANCE = ENGINE_LOGPROB_GAP  # float32 engines of the same weights: tests/num
 
 @pytest.fixture(scope="module", params=["gloo", "grpc"])
 def mesh(request, tiny_model):
-    config = mesh_config(tiny_model, f"weight_sync.transport={request.param}")
+    config = mesh_config(tiny_model, f"weight_sync.transport={request.param}", "reference.ref_model_mixup_alpha=1.0")
     mesh = Mesh(config, {"r0": config, "r1": config}, reference=request.param == "gloo")
     reference = mesh.reference.address if mesh.reference else None
     plane = mesh.run(_plane(mesh, reference))
@@ -223,7 +223,7 @@ async def _first_of_two_streams(address: str, chunks: list[bytes], timeout_s: fl
     started = asyncio.get_running_loop().time()
     async with aio.insecure_channel(address) as channel:
         call = channel.stream_unary(PUSH_METHOD, request_serializer=None,
-                                    response_deserializer=rollout_pb2.PushWeightsResponse.FromString)
+                                    response_deserializer=rollout_pb2.RolloutServicePushWeightsResponse.FromString)
         try:
             await call(iter([chunks[0], *chunks[1::2]]), timeout=timeout_s, metadata=((STREAMS_METADATA, "2"),))
         except grpc.RpcError as error:

@@ -116,6 +116,17 @@ class ReferenceConfig(ModelRoleSection):
     """Rows per forward on one rank in ComputeLogProbs."""
     max_tokens_per_micro_batch: int = Field(0, ge=0)
     """Token budget (rows x padded length) per micro-batch on one rank; 0 = fixed row counts."""
+    sync_ref_model: bool = False
+    """Reset the reference to the policy every ref_model_sync_steps steps (TRL's sync_ref_model, from TR-DPO): after
+    that step's actor update the actor sends its weights to the reference over a weight-sync group of their own,
+    which the reference mixes in by ref_model_mixup_alpha. Needs a reference service (a KL term and no actor.lora)
+    and a weight_sync.transport other than grpc. Checkpoints do not hold the reference: a resumed run's reference is
+    model.path's until its next reset."""
+    ref_model_sync_steps: int = Field(512, ge=1)
+    """With sync_ref_model: steps between two resets (TR-DPO's tau; TRL's default)."""
+    ref_model_mixup_alpha: float = Field(0.6, gt=0, le=1)
+    """How the reference takes the weights a sync sends it (TR-DPO's alpha; TRL's default): ref = alpha * sent +
+    (1 - alpha) * ref; 1 = the sent weights as they are."""
 
 
 class CriticConfig(ModelRoleSection):

@@ -123,6 +123,13 @@ def check_run_rules(config: RunConfig) -> None:
                                    ("algorithm.use_kl_in_reward", config.algorithm.use_kl_in_reward)) if on]
     if kl_keys and not config.reference.enable:
         raise ConfigError(f"{kl_keys[0]}=true needs reference.enable=true")
+    if config.reference.sync_ref_model and not config.uses_reference():
+        raise ConfigError("reference.sync_ref_model=true needs a reference service: actor.use_kl_loss or "
+                          "algorithm.use_kl_in_reward, and no actor.lora (its reference, the actor's base model, "
+                          "never changes)")
+    if config.reference.sync_ref_model and config.weight_sync.transport == "grpc":
+        raise ConfigError("reference.sync_ref_model=true needs weight_sync.transport auto, gloo, nccl or cuda_ipc: "
+                          "the grpc transport reaches rollout replicas only")
     for role in ("actor", "critic") if config.uses_critic() else ("actor",):
         mini = getattr(config, role).ppo_mini_batch_size
         if config.data.train_batch_size < mini:
