@@ -34,9 +34,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import random
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import torch
@@ -52,27 +51,20 @@ from rlfabric.coordinator.checkpoints import (
     require_part_visible,
 )
 from rlfabric.coordinator.hybrid import HybridEngine, wake_sleeping
-from rlfabric.coordinator.multi_turn import (
-    agent_metrics,
-    agent_prompt,
-    combined_result,
-    env_result,
-    multi_turn_spec,
-)
+from rlfabric.coordinator.multi_turn import agent_metrics
 from rlfabric.coordinator.peers import Peers
 from rlfabric.coordinator.rollout_batch import RolloutBatch, build_rollout_batch, token_level_scores
-from rlfabric.coordinator.rollout_stream import SCORE_CHUNK, RolloutStream, ScoredPrompt, TakenGroups
+from rlfabric.coordinator.rollout_stream import RolloutStream, TakenGroups
 from rlfabric.coordinator.sample_failures import TooManyFailedSamples, check_failed_fraction, failure_of
 from rlfabric.coordinator.sample_failures import describe as describe_failures
+from rlfabric.coordinator.sampler import Sampler
 from rlfabric.coordinator.step_metrics import StepTimer, data_metrics
 from rlfabric.coordinator.weight_sync import WeightSync
 from rlfabric.core import tracing
 from rlfabric.core.config import ConfigError, RunConfig, check_run_rules
 from rlfabric.core.errors import FailedPrecondition, InvalidArgument
 from rlfabric.core.start_phases import StartPhases
-from rlfabric.data.dataset import DataCursor, PromptRow, RLHFDataset
-from rlfabric.reward.items import ItemResult, ScoreItem
-from rlfabric.rollout.types import FinishedSample, SamplingSpec
+from rlfabric.data.dataset import DataCursor, RLHFDataset
 
 log = logging.getLogger("rlfabric.coordinator")
 
@@ -100,8 +92,8 @@ class PPOTrainer:
         self.between_steps = between_steps
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.step = 0  # steps completed
-        self.weight_version = 0  # version the rollout serves
-        self.version_base = 0  # version of the policy at step 0 of this run (set by prepare())
+        self.sampler = Sampler(config, peers)  # generates and scores; holds the weight versions
+        self.versions = self.sampler.versions
         self.start_cursor = DataCursor()  # where this run's data starts (a resume: the checkpoint's)
         self.kl_ctrl = self._kl_controller(config)
         self.checkpoint_requested: asyncio.Future | None = None
@@ -177,7 +169,7 @@ class PPOTrainer:
             log.info("resumed from %s at step %d", path, self.step)
         # Weight versions only grow on a replica: this run's versions start above what they serve now.
         served = [s.weight_version for s in outcomes[2].values() if not isinstance(s, str)]
-        self.version_base = max(served, default=0) + 1 - self.step
+        self.versions.base = max(served, default=0) + 1 - self.step
         return self.step
 
     async def _initial_weights(self, path: Path | None, initial_dir: Path) -> list[tuple[object, Path]]:
@@ -216,7 +208,7 @@ class PPOTrainer:
         trainer = self.config.trainer
         await self._start()
         # What generates (cancelled at the end); it draws the prompts from start_cursor on.
-        stream = RolloutStream(self, self.config, self.train_data, self.start_cursor, first_step=self.step + 1)
+        stream = RolloutStream(self.sampler, self.config, self.train_data, self.start_cursor, first_step=self.step + 1)
         self._finish_start()
         first_step = self.step + 1
         # The initial weights go to disk while the first step generates; its trainers wait for them.
@@ -253,7 +245,7 @@ class PPOTrainer:
         await phases.timed("wake", wake_sleeping(self.peers.rollout))  # replicas an earlier run left asleep
         # Every replica starts from the weights this run starts from (fresh, reset or resumed).
         with phases.phase("first_sync"):
-            self._first_sync = await self._sync_weights(self.version(self.step))
+            self._first_sync = await self._sync_weights(self.versions.after(self.step))
         if self.config.trainer.val_before_train and self.step == 0:
             with phases.phase("validate"):
                 self.on_metrics(0, await self.validate())
@@ -322,7 +314,7 @@ class PPOTrainer:
             self._check_failed_fraction(step, batch)
             if self.config.algorithm.adv_estimator == "remax":
                 with timer("gen_max"):
-                    batch.baselines = await self._greedy_baselines(taken.rows, self._max_tokens())
+                    batch.baselines = await self.sampler.greedy_baselines(taken.rows)
             if self.hybrid is not None:  # done generating until the next sync: the devices go to the trainers
                 await self.hybrid.sleep()
         except BaseException as error:
@@ -351,14 +343,14 @@ class PPOTrainer:
             with timer("update_weights"):
                 if self.hybrid is not None:  # VeRL's order: the weights wake, take the sync, then the KV cache
                     await self.hybrid.wake_weights()
-                metrics.update(await self._sync_weights(self.version(step)))
+                metrics.update(await self._sync_weights(self.versions.after(step)))
                 if self.hybrid is not None:
                     await self.hybrid.wake_kv_cache()
                     metrics.update(self.hybrid.metrics())
         except BaseException as error:
             timer.end(error)
             raise
-        metrics.update(data_metrics(batch, self._max_tokens()))
+        metrics.update(data_metrics(batch, self.sampler.max_tokens()))
         metrics.update(agent_metrics(batch.samples))
         metrics.update(timer.metrics(batch, previous_step_end=self._last_step_end))
         self.last_step_trace_id = timer.trace_id
@@ -477,123 +469,14 @@ class PPOTrainer:
                 self._dump_rollouts(step, batch)
             raise
 
-    async def generate_and_score(self, rows: list[PromptRow], params: SamplingSpec,
-                                 on_sample: Callable[[FinishedSample], None] | None = None,
-                                 ) -> AsyncIterator[list[ScoredPrompt]]:
-        """params.n samples of each row over the rollout replicas, scored: yields the prompts whose samples
-        are all scored, a chunk at a time, as (prompt index, samples, results), both by sample index. Score
-        requests go out while generation still streams, once SCORE_CHUNK samples of complete prompts are in.
-        on_sample sees each sample as it arrives (raising stops it all). Training (RolloutStream), validation
-        and ReMax's baselines all generate through here."""
-        prompts = [self.prompt_of(row) for row in rows]
-        finished: asyncio.Queue[asyncio.Task] = asyncio.Queue()
-        scoring: set[asyncio.Task] = set()
-
-        async def score(chunk: list[tuple[int, dict[int, FinishedSample]]]) -> list[ScoredPrompt]:
-            pairs = [(rows[index], sample) for index, samples in chunk for sample in samples.values()]
-            results = iter(await self.score_samples(pairs))
-            return [(index, samples, {k: next(results) for k in samples}) for index, samples in chunk]
-
-        def score_later(chunk: list[tuple[int, dict[int, FinishedSample]]]) -> None:
-            task = asyncio.create_task(score(chunk))
-            scoring.add(task)
-            task.add_done_callback(finished.put_nowait)
-
-        async def generate() -> None:
-            pending: dict[int, dict[int, FinishedSample]] = {}
-            chunk: list[tuple[int, dict[int, FinishedSample]]] = []
-            async for sample in self.peers.rollout.generate_stream(prompts, params,
-                                                                   chunk_prompts=self._chunk_prompts()):
-                if on_sample is not None:
-                    on_sample(sample)
-                samples = pending.setdefault(sample.prompt_index, {})
-                samples[sample.sample_index] = sample
-                if len(samples) == params.n:
-                    chunk.append((sample.prompt_index, pending.pop(sample.prompt_index)))
-                    if len(chunk) * params.n >= SCORE_CHUNK:
-                        score_later(chunk)
-                        chunk = []
-            if chunk:
-                score_later(chunk)
-
-        generating = asyncio.create_task(generate())
-        generating.add_done_callback(finished.put_nowait)
-        try:
-            while not generating.done() or scoring:
-                task = await finished.get()
-                if task is generating:
-                    task.result()  # generation's error ends it all
-                    continue
-                scoring.discard(task)
-                yield task.result()
-            generating.result()
-        finally:
-            for task in (generating, *scoring):
-                task.cancel()
-            await asyncio.gather(generating, *scoring, return_exceptions=True)
-
-    async def score_samples(self, pairs: list[tuple[PromptRow, FinishedSample]]) -> list[ItemResult]:
-        """The score of each (row, sample): the reward service's, and with rollout.multi_turn the
-        environment's rewards instead or added (rollout.multi_turn.reward)."""
-        multi_turn = self.config.rollout.multi_turn
-        if multi_turn.enable and multi_turn.reward == "env":  # the environment's rewards alone: no Score call
-            return [env_result(sample) for _, sample in pairs]
-        items = [self._score_item(row, sample) for row, sample in pairs]
-        results = await self.peers.score(items, self.config.trainer.reward_retry_window_s)
-        if multi_turn.enable:
-            results = [combined_result(sample, result, multi_turn.reward)
-                       for (_, sample), result in zip(pairs, results, strict=True)]
-        return results
-
-    def training_params(self, gen_batch: int) -> SamplingSpec:
-        """The sampling settings of training's gen batch `gen_batch` (seeded by its index; multi-turn ones
-        included when rollout.multi_turn is on)."""
-        rollout, max_tokens = self.config.rollout, self._max_tokens()
-        return SamplingSpec(n=rollout.n, temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k,
-                            max_tokens=max_tokens, seed=self._step_seed(gen_batch),
-                            multi_turn=multi_turn_spec(self.config, max_tokens))
-
-    def prompt_of(self, row: PromptRow):
-        """What the rollout gets for a row: its token ids, or with rollout.multi_turn its agent task."""
-        return agent_prompt(row) if self.config.rollout.multi_turn.enable else row.prompt_ids
-
-    @staticmethod
-    def _score_item(row: PromptRow, sample: FinishedSample) -> ScoreItem:
-        return ScoreItem(data_source=row.data_source, response=sample.text, ground_truth=row.ground_truth,
-                         extra_info=json.loads(row.extra_info_json or "{}"),
-                         prompt=row.messages[-1]["content"] if row.messages else "",
-                         prompt_messages=row.messages, response_length=len(sample.token_ids))
-
-    async def _greedy_baselines(self, rows: list[PromptRow], max_tokens: int) -> torch.Tensor:
-        """ReMax's baseline: the score of each prompt's greedy response, repeated for its n samples."""
-        greedy = SamplingSpec(n=1, temperature=0.0, max_tokens=max_tokens,
-                              multi_turn=multi_turn_spec(self.config, max_tokens))
-        by_prompt = {index: results[0].score async for chunk in self.generate_and_score(rows, greedy)
-                     for index, _, results in chunk}
-        return torch.tensor([by_prompt[p] for p in range(len(rows))]).repeat_interleave(self.config.rollout.n)
-
     # -- validation, weights, checkpoints ------------------------------------------------------------
 
     async def validate(self) -> dict[str, float]:
-        """Mean score on data.val_files: val/score/mean and val-core/<data_source>/reward/mean@<n>."""
+        """Mean score on data.val_files (Sampler.validate); {} without them."""
         if self.val_data is None:
             return {}
         self.on_phase("validating")
-        rollout = self.config.rollout
-        params = SamplingSpec(n=rollout.val_n, temperature=rollout.val_temperature, top_p=rollout.top_p,
-                              top_k=rollout.top_k, max_tokens=self._max_tokens(), seed=self._step_seed(-1),
-                              multi_turn=multi_turn_spec(self.config, self._max_tokens()))
-        rows, size = self.val_data.rows, self.config.data.val_batch_size
-        by_source: dict[str, list[float]] = {}
-        for start in range(0, len(rows), size):
-            part = rows[start : start + size]
-            async for chunk in self.generate_and_score(part, params):
-                for prompt_index, _, results in chunk:
-                    by_source.setdefault(part[prompt_index].data_source, []).extend(r.score for r in results.values())
-        metrics = {f"val-core/{source}/reward/mean@{rollout.val_n}": sum(s) / len(s) for source, s in by_source.items()}
-        every = [score for scores in by_source.values() for score in scores]
-        metrics["val/score/mean"] = sum(every) / len(every)
-        return metrics
+        return await self.sampler.validate(self.val_data.rows)
 
     async def _sync_weights(self, version: int) -> dict[str, float]:
         """Actor -> every live rollout replica. A replica that misses a sync leaves the router until a
@@ -612,7 +495,7 @@ class PPOTrainer:
         if not synced:
             actor = f"; the actor failed: {report.actor_error}" if report.actor_error else ""  # names its address
             raise FailedPrecondition(f"weight sync of version {version} reached no rollout replica: {report.failed}{actor}")
-        self.weight_version = version
+        self.versions.served = version
         tracing.annotate(weight_version=version, bytes_synced=report.num_bytes, replicas=synced)
         return {"weight_sync/seconds": report.seconds, "weight_sync/gbytes": report.num_bytes / 1e9,
                 "weight_sync/paused_s": max(report.paused_seconds.values(), default=0.0),
@@ -639,7 +522,7 @@ class PPOTrainer:
                 saves.append(self.peers.critic.save_checkpoint(str(tmp / "critic")))
             await asyncio.gather(*saves)
             state = CoordinatorState(step=self.step, data_epoch=cursor.epoch, data_position=cursor.position,
-                                     kl_coef=self.kl_ctrl.value, weight_version=self.weight_version,
+                                     kl_coef=self.kl_ctrl.value, weight_version=self.versions.served,
                                      run_id=self.run_id, parts=["actor"] + ["critic"] * (self.peers.critic is not None))
             path = await asyncio.to_thread(writer.commit, state)  # fsyncs: off the event loop
         except BaseException as error:
@@ -683,21 +566,10 @@ class PPOTrainer:
         one_step = config.actor.ppo_epochs == 1 and rows <= self.actor_mini_batch_rows
         return not one_step or algorithm.use_kl_in_reward or algorithm.rollout_correction.enabled()
 
-    def version(self, step: int) -> int:
-        """The weight version that holds the policy after `step` steps of this run."""
-        return self.version_base + step
-
-    def _max_tokens(self) -> int:
-        return self.config.rollout.response_length or self.config.data.max_response_length
-
-    def _chunk_prompts(self) -> int:
-        """Prompts per generate request: enough requests to spread over every replica."""
-        replicas = max(1, len(self.peers.rollout.healthy()))
-        return max(1, -(-self.config.data.train_batch_size // (2 * replicas)))
-
-    def _step_seed(self, step: int) -> int | None:
-        seed = self.config.rollout.seed
-        return None if seed is None else random.Random(f"{seed}:{step}").randrange(2**31)
+    @property
+    def weight_version(self) -> int:
+        """The version the rollout serves."""
+        return self.versions.served
 
     @staticmethod
     def _kl_controller(config: RunConfig):

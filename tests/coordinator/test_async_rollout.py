@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from rlfabric.coordinator.sampler import WeightVersions
 from rlfabric.reward.items import ItemResult
 from rlfabric.rollout.types import Finish, FinishedSample
 from rlfabric.v1 import coordinator_pb2
@@ -138,8 +139,9 @@ class Rollout:
     """Stands in for the rollout router: each request's samples carry the weight version the rollout serves
     when they finish, and the request's number in their last token; request `stuck` never finishes."""
 
-    def __init__(self, trainer, stuck: int):
-        self.trainer, self.stuck, self.requests = trainer, stuck, []
+    def __init__(self, stuck: int):
+        self.stuck, self.requests = stuck, []
+        self.versions = WeightVersions()  # the run's, once it is built
 
     def healthy(self):
         return [self]
@@ -154,7 +156,7 @@ class Rollout:
             await asyncio.Event().wait()
         for p in range(len(prompts)):
             for i in range(params.n):
-                yield FinishedSample(p, i, [4, number], [], Finish.STOP, self.trainer.weight_version)
+                yield FinishedSample(p, i, [4, number], [], Finish.STOP, self.versions.served)
 
 
 class Reward:
@@ -169,9 +171,9 @@ def test_a_gen_batch_that_falls_behind_the_staleness_bound_is_dropped_never_trai
     actor = ModelService("actor")
     run_config = config("trainer.mode=async", "trainer.max_staleness=1", "trainer.save_final=false",
                         "trainer.export_final=false")
-    trainer = trainer_over(run_config, tmp_path, actor)
-    rollout = Rollout(trainer, stuck=2)
-    trainer.peers = dataclasses.replace(trainer.peers, rollout=rollout, reward=Reward())
+    rollout = Rollout(stuck=2)
+    trainer = trainer_over(run_config, tmp_path, actor, rollout=rollout, reward=Reward())
+    rollout.versions = trainer.sampler.versions
     metrics: dict[int, dict[str, float]] = {}
     trainer.on_metrics = lambda step, step_metrics: metrics.update({step: step_metrics})
     asyncio.run(trainer.run())

@@ -4,7 +4,6 @@ tensors of the right shapes and record what they were sent."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 from types import SimpleNamespace
 
@@ -16,6 +15,7 @@ from rlfabric.coordinator.peers import Peers
 from rlfabric.coordinator.rollout_batch import RolloutBatch, build_rollout_batch
 from rlfabric.coordinator.sample_failures import TooManyFailedSamples, failure_of
 from rlfabric.coordinator.step_metrics import StepTimer
+from rlfabric.coordinator.weight_sync import SyncReport, WeightSync
 from rlfabric.core.config import RunConfig, config_from_dict
 from rlfabric.core.errors import FailedPrecondition, InvalidArgument
 from rlfabric.data.dataset import PromptRow
@@ -61,9 +61,25 @@ class ModelService:
         return {}
 
 
-class WeightSync:
-    async def open(self) -> None:
+class InstantSync(WeightSync):
+    """Stands in for the weight-sync plane: every sync reaches its one receiver at once."""
+
+    @property
+    def receivers(self) -> dict[str, str]:
+        return {"rollout": "rollout.test:1"}
+
+    @property
+    def stale(self) -> bool:
+        return False
+
+    async def open(self) -> dict[str, str]:
+        return {}
+
+    async def close(self) -> None:
         pass
+
+    async def sync(self, version: int) -> SyncReport:
+        return SyncReport(version)
 
 
 class Prompts:
@@ -106,17 +122,10 @@ def train_step(trainer: PPOTrainer, batch: RolloutBatch, step: int = 1) -> dict[
 
 
 def trainer_over(run_config: RunConfig, tmp_path, actor: ModelService, reference: ModelService | None = None,
-                 critic: ModelService | None = None) -> PPOTrainer:
-    peers = Peers(actor=actor, rollout=None, reward=None, reference=reference, critic=critic)
-    trainer = PPOTrainer(run_config, peers, SimpleNamespace(pad_token_id=0), tmp_path, Prompts(ROWS), None,
-                         WeightSync())
-
-    async def synced(version: int) -> dict[str, float]:
-        trainer.weight_version = version
-        return {}
-
-    trainer._sync_weights = synced
-    return trainer
+                 critic: ModelService | None = None, rollout=None, reward=None) -> PPOTrainer:
+    peers = Peers(actor=actor, rollout=rollout, reward=reward, reference=reference, critic=critic)
+    return PPOTrainer(run_config, peers, SimpleNamespace(pad_token_id=0), tmp_path, Prompts(ROWS), None,
+                      InstantSync())
 
 
 class Rollout:
@@ -147,8 +156,8 @@ class Reward:
 
 
 def test_a_failing_step_in_async_mode_cancels_the_generation_running_ahead(tmp_path):
-    trainer = trainer_over(config("trainer.mode=async"), tmp_path, ModelService("actor", fail_update=True))
-    trainer.peers = dataclasses.replace(trainer.peers, rollout=Rollout(), reward=Reward())
+    trainer = trainer_over(config("trainer.mode=async"), tmp_path, ModelService("actor", fail_update=True),
+                           rollout=Rollout(), reward=Reward())
 
     async def scenario():
         with pytest.raises(FailedPrecondition, match="the update failed"):
@@ -234,9 +243,9 @@ class FailingReward:
 
 def test_a_step_where_most_samples_failed_fails_the_run_before_training_with_the_reasons(tmp_path, caplog):
     actor = ModelService("actor")
-    trainer = trainer_over(config("trainer.dump_rollouts=true"), tmp_path, actor)
+    trainer = trainer_over(config("trainer.dump_rollouts=true"), tmp_path, actor, rollout=Rollout(),
+                           reward=FailingReward(scored=1))
     assert trainer.config.algorithm.max_failed_fraction == 0.5
-    trainer.peers = dataclasses.replace(trainer.peers, rollout=Rollout(), reward=FailingReward(scored=1))
     trainer.keep_policy = None  # a run that failed must not get to keep (export) its policy
 
     with pytest.raises(TooManyFailedSamples) as failure:
@@ -254,8 +263,8 @@ def test_a_step_where_most_samples_failed_fails_the_run_before_training_with_the
 
 def test_a_step_at_the_failed_fraction_trains_on_the_rest(tmp_path):
     actor = ModelService("actor")
-    trainer = trainer_over(config("trainer.total_steps=1", "trainer.export_final=false", "trainer.save_final=false"), tmp_path, actor)
-    trainer.peers = dataclasses.replace(trainer.peers, rollout=Rollout(), reward=FailingReward(scored=2))
+    trainer = trainer_over(config("trainer.total_steps=1", "trainer.export_final=false", "trainer.save_final=false"),
+                           tmp_path, actor, rollout=Rollout(), reward=FailingReward(scored=2))
     asyncio.run(trainer.run())  # 2 of 4 failed: not more than half
     assert trainer.step == 1 and actor.updates[0]["response_mask"].sum(-1).tolist() == [2, 2, 0, 0]
 
