@@ -32,7 +32,6 @@ The end of a run keeps the policy: a checkpoint of the last step and RUN_DIR/fin
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -53,7 +52,12 @@ from rlfabric.coordinator.checkpoints import (
 from rlfabric.coordinator.hybrid import HybridEngine, wake_sleeping
 from rlfabric.coordinator.multi_turn import agent_metrics
 from rlfabric.coordinator.peers import Peers
-from rlfabric.coordinator.rollout_batch import RolloutBatch, build_rollout_batch, token_level_scores
+from rlfabric.coordinator.rollout_batch import (
+    RolloutBatch,
+    build_rollout_batch,
+    token_level_scores,
+    write_rollouts,
+)
 from rlfabric.coordinator.rollout_stream import RolloutStream, TakenGroups
 from rlfabric.coordinator.sample_failures import TooManyFailedSamples, check_failed_fraction, failure_of
 from rlfabric.coordinator.sample_failures import describe as describe_failures
@@ -61,8 +65,8 @@ from rlfabric.coordinator.sampler import Sampler
 from rlfabric.coordinator.step_metrics import StepTimer, data_metrics
 from rlfabric.coordinator.weight_sync import WeightSync
 from rlfabric.core import tracing
-from rlfabric.core.config import ConfigError, RunConfig, check_run_rules
-from rlfabric.core.errors import FailedPrecondition, InvalidArgument
+from rlfabric.core.config import RunConfig
+from rlfabric.core.errors import FailedPrecondition
 from rlfabric.core.start_phases import StartPhases
 from rlfabric.data.dataset import DataCursor, RLHFDataset
 
@@ -356,7 +360,7 @@ class PPOTrainer:
         self.last_step_trace_id = timer.trace_id
         self._last_step_end = time.perf_counter()
         if self.config.trainer.dump_rollouts:
-            self._dump_rollouts(step, batch)
+            write_rollouts(self.run_dir, step, batch, self.config.trainer.dump_rollout_tokens)
         return metrics
 
     # -- the phases of a step ---------------------------------------------------------------------
@@ -466,7 +470,7 @@ class PPOTrainer:
             check_failed_fraction(step, batch.failures, self.config.algorithm.max_failed_fraction)
         except TooManyFailedSamples:
             if self.config.trainer.dump_rollouts:
-                self._dump_rollouts(step, batch)
+                write_rollouts(self.run_dir, step, batch, self.config.trainer.dump_rollout_tokens)
             raise
 
     # -- validation, weights, checkpoints ------------------------------------------------------------
@@ -578,29 +582,6 @@ class PPOTrainer:
             return algos.AdaptiveKLController(algorithm.kl_coef, algorithm.kl_target, algorithm.kl_horizon)
         return algos.FixedKLController(algorithm.kl_coef)
 
-    def _dump_rollouts(self, step: int, batch: RolloutBatch) -> None:
-        """RUN_DIR/rollouts/step_<step>.jsonl: what was generated, from which weights, and its score
-        (score_failed: it got none; failure: why, {source, status, message}, see sample_failures.py); with
-        trainer.dump_rollout_tokens, its token ids and the sampler's log-probs too."""
-        folder = self.run_dir / "rollouts"
-        folder.mkdir(parents=True, exist_ok=True)
-        scores, failed = batch.scores.tolist(), batch.score_failed.tolist()
-        failures = batch.failures or [None] * len(scores)
-        with_tokens = self.config.trainer.dump_rollout_tokens
-        with open(folder / f"step_{step}.jsonl", "w") as out:
-            for row, sample, score, score_failed, failure in zip(batch.rows, batch.samples, scores, failed, failures,
-                                                                  strict=True):
-                record = {"uid": row.uid, "sample_index": sample.sample_index, "data_source": row.data_source,
-                          "prompt": row.messages[-1]["content"] if row.messages else "",
-                          "response": sample.text, "score": score, "score_failed": score_failed,
-                          "failure": failure.record() if failure is not None else None,
-                          "weight_version": sample.weight_version, "version_spans": sample.version_spans,
-                          "ground_truth": row.ground_truth}
-                if with_tokens:
-                    record.update(prompt_ids=list(sample.prompt_ids or row.prompt_ids),
-                                  response_ids=list(sample.token_ids), rollout_log_probs=list(sample.logprobs))
-                out.write(json.dumps(record) + "\n")
-
 
 def leave_out(failed: torch.Tensor, mask: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(response mask [B, T], group ids [B]) with the rows where `failed` [B] is true left out of training:
@@ -611,25 +592,3 @@ def leave_out(failed: torch.Tensor, mask: torch.Tensor, group_ids: torch.Tensor)
     group_ids = group_ids.clone()
     group_ids[failed] = int(group_ids.max()) + 1 + torch.arange(int(failed.sum()))
     return mask, group_ids
-
-
-def check_roles(config: RunConfig) -> None:
-    """What a StartRun's config needs of this coordinator and mesh, as errors naming the keys: the config's
-    own rules (check_run_rules: load_run_config checked the mesh's config, this checks the overrides), an
-    advantage estimator registered here, and the roles the run calls. A run that needs a role the mesh was
-    started without (the launchers start only the roles of the config they were given) is
-    FAILED_PRECONDITION naming the role and the key that needs it."""
-    try:
-        check_run_rules(config)
-    except ConfigError as error:
-        raise InvalidArgument(str(error)) from None
-    if config.algorithm.adv_estimator not in algos.advantage_estimator_names():
-        raise FailedPrecondition(f"algorithm.adv_estimator {config.algorithm.adv_estimator!r} is not registered; "
-                                 f"known: {', '.join(algos.advantage_estimator_names())}")
-    kl_key = "actor.use_kl_loss" if config.actor.use_kl_loss else "algorithm.use_kl_in_reward"
-    needed = {"critic": f"algorithm.adv_estimator={config.algorithm.adv_estimator}" if config.uses_critic() else "",
-              "reference": f"{kl_key}=true" if config.uses_reference() else ""}
-    for role, key in needed.items():
-        if key and not getattr(config.cluster, role):
-            raise FailedPrecondition(f"{key} needs a {role} service, and this mesh runs none (cluster.{role} is "
-                                     f"empty): start the mesh with a config that sets {key}")

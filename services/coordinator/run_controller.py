@@ -14,8 +14,8 @@ from prometheus_client import CollectorRegistry
 
 from rlfabric.algorithms.plugins import load_plugin_modules
 from rlfabric.coordinator.checkpoints import step_dir
-from rlfabric.coordinator.loop import PPOTrainer, check_roles
-from rlfabric.coordinator.overrides import config_for_run
+from rlfabric.coordinator.loop import PPOTrainer
+from rlfabric.coordinator.overrides import check_roles, config_for_run
 from rlfabric.coordinator.setup import Connect, PolicyTokenizer, build_trainer, connect_services
 from rlfabric.coordinator.trackers import check_tracker_packages
 from rlfabric.coordinator.tracking import RunTracker

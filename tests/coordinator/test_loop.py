@@ -10,7 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rlfabric.coordinator.loop import PPOTrainer, check_roles
+from rlfabric.coordinator.loop import PPOTrainer
+from rlfabric.coordinator.overrides import check_roles
 from rlfabric.coordinator.peers import Peers
 from rlfabric.coordinator.rollout_batch import RolloutBatch, build_rollout_batch
 from rlfabric.coordinator.sample_failures import TooManyFailedSamples, failure_of
