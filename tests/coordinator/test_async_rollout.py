@@ -13,12 +13,13 @@ from pathlib import Path
 
 import pytest
 
+from rlfabric.coordinator.driver import NoHooks
 from rlfabric.coordinator.sampler import WeightVersions
 from rlfabric.reward.items import ItemResult
 from rlfabric.rollout.types import Finish, FinishedSample
 from rlfabric.v1 import coordinator_pb2
 from tests.coordinator.meshes import fast_config, in_process
-from tests.coordinator.test_loop import PROMPTS, ModelService, config, trainer_over
+from tests.coordinator.test_loop import PROMPTS, ModelService, config, driver_over
 from tests.coordinator.test_loop_control import run_wrapped
 
 
@@ -159,6 +160,16 @@ class Rollout:
                 yield FinishedSample(p, i, [4, number], [], Finish.STOP, self.versions.served)
 
 
+class RecordedMetrics(NoHooks):
+    """The run's hooks: each step's metrics, by step."""
+
+    def __init__(self):
+        self.metrics: dict[int, dict[str, float]] = {}
+
+    def on_metrics(self, step: int, metrics: dict[str, float], trace_id: str) -> None:
+        self.metrics[step] = metrics
+
+
 class Reward:
     async def score(self, items, timeout_s=None):
         return [ItemResult(float(i % 2)) for i in range(len(items))]
@@ -172,11 +183,11 @@ def test_a_gen_batch_that_falls_behind_the_staleness_bound_is_dropped_never_trai
     run_config = config("trainer.mode=async", "trainer.max_staleness=1", "trainer.save_final=false",
                         "trainer.export_final=false")
     rollout = Rollout(stuck=2)
-    trainer = trainer_over(run_config, tmp_path, actor, rollout=rollout, reward=Reward())
-    rollout.versions = trainer.sampler.versions
-    metrics: dict[int, dict[str, float]] = {}
-    trainer.on_metrics = lambda step, step_metrics: metrics.update({step: step_metrics})
-    asyncio.run(trainer.run())
+    hooks = RecordedMetrics()
+    driver = driver_over(run_config, tmp_path, actor, rollout=rollout, reward=Reward(), hooks=hooks)
+    rollout.versions = driver.versions
+    asyncio.run(driver.run())
+    metrics = hooks.metrics
     trained_on = [int(update["responses"][0, 1]) for update in actor.updates]  # the request of each step's batch
     assert trained_on == [1, 3, 4]
     assert rollout.requests[1].cancelled()
