@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rlfabric.coordinator.driver import PPODriver
+from rlfabric.coordinator.driver import NoHooks, PPODriver, RunStopped
 from rlfabric.coordinator.overrides import check_roles
 from rlfabric.coordinator.peers import Peers
 from rlfabric.coordinator.rollout_batch import RolloutBatch, build_rollout_batch
@@ -228,6 +228,48 @@ def test_the_rollout_dump_has_token_ids_and_sampler_log_probs_only_when_asked(tm
             assert line["response_ids"] == sample.token_ids and line["rollout_log_probs"] == sample.logprobs
             assert line["prompt_ids"] == (sample.prompt_ids or [1, 2, 3])
         assert lines[1]["prompt_ids"] == [7, 8, 9, 10] and lines[0]["response_ids"] == [4, 5, 6]
+
+
+class StopAfterOneStep(NoHooks):
+    """Run control that, at the boundary after step 1, asks for a checkpoint and then stops without one;
+    records the phases and the metrics the run reports."""
+
+    def __init__(self):
+        self.driver: PPODriver | None = None
+        self.checkpoint: asyncio.Future | None = None
+        self.phases: list[str] = []
+        self.metrics: dict[int, tuple[dict[str, float], str]] = {}
+
+    def on_phase(self, phase: str) -> None:
+        self.phases.append(phase)
+
+    def on_metrics(self, step: int, metrics: dict[str, float], trace_id: str) -> None:
+        self.metrics[step] = (metrics, trace_id)
+
+    async def between_steps(self) -> None:
+        if self.driver.step == 1:
+            self.checkpoint = self.driver.request_checkpoint()
+            self.driver.request_stop(save=False)
+
+
+def test_a_stop_ends_the_run_at_the_step_boundary_and_a_waiting_checkpoint_request_gets_an_answer(tmp_path):
+    hooks = StopAfterOneStep()
+    driver = driver_over(config(), tmp_path, ModelService("actor"), rollout=Rollout(), reward=Reward(), hooks=hooks)
+    hooks.driver = driver
+
+    async def scenario():
+        with pytest.raises(RunStopped):
+            await driver.run()
+        assert not hooks.checkpoint.done()  # no step boundary came to take it
+        driver.ended("the run ended (RUN_STATE_STOPPED) before the requested checkpoint was taken")
+        with pytest.raises(FailedPrecondition, match="before the requested checkpoint was taken"):
+            await hooks.checkpoint
+
+    asyncio.run(scenario())
+    assert driver.step == 1 and sorted(hooks.metrics) == [1]
+    assert hooks.metrics[1][1] == ""  # the step's trace id: none with tracing off
+    # Step 1's phases, then nothing: the stop asked for no save (no checkpointing, no exporting).
+    assert hooks.phases == ["generating", "computing", "updating", "syncing"]
 
 
 class FailingReward:
