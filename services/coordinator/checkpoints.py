@@ -23,17 +23,24 @@ step: a run resumed from an older step keeps what it has just written, and the n
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
 import shutil
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rlfabric.core.errors import FailedPrecondition
 from rlfabric.core.storage import fsync, fsync_tree
+
+if TYPE_CHECKING:
+    from rlfabric.actor.client import ActorInterface
+    from rlfabric.critic.client import CriticInterface
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 STATE_FILE = "coordinator.json"
@@ -57,6 +64,11 @@ class CoordinatorState:
     run_id: str = ""
     saved_at: float = 0.0  # time.time() of the commit: retention keeps the newest written
     parts: list[str] = field(default_factory=list)  # the services' directories (e.g. actor, critic)
+
+
+def final_model_dir(run_dir: str | Path) -> Path:
+    """RUN_DIR/final_model: the policy a run keeps at its end, as a Hugging Face directory."""
+    return Path(run_dir) / "final_model"
 
 
 def checkpoint_root(run_dir: str | Path) -> Path:
@@ -135,6 +147,28 @@ def read_state(path: str | Path) -> CoordinatorState:
         raise CheckpointError(f"{path} is not a checkpoint: {STATE_FILE} is missing") from None
     except (ValueError, TypeError) as error:
         raise CheckpointError(f"{file} is unreadable: {error}") from None
+
+
+async def write_checkpoint(run_dir: Path, state: CoordinatorState,
+                           parts: Mapping[str, ActorInterface | CriticInterface], keep: int = 0) -> Path:
+    """global_step_<state.step>: each of `parts` (name -> client) saves into its directory, side by side, then
+    the state is committed (CheckpointWriter). A failure is a CheckpointError that says which checkpoint
+    failed and what a resume will use; nothing of it is kept."""
+    writer = CheckpointWriter(run_dir, keep=keep)
+    tmp = writer.begin(state.step)
+    try:
+        await asyncio.gather(*(client.save_checkpoint(str(tmp / name)) for name, client in parts.items()))
+        return await asyncio.to_thread(writer.commit, state)  # fsyncs: off the event loop
+    except BaseException as error:
+        writer.abort()
+        if not isinstance(error, Exception) or isinstance(error, CheckpointError):
+            raise
+        # e.g. the actor's disk is full: say which checkpoint failed and what a resume will use.
+        previous = latest_checkpoint(run_dir)
+        raise CheckpointError(
+            f"saving the checkpoint of step {state.step} failed; "
+            f"{f'{previous} stays the resume point' if previous else 'there is no earlier checkpoint'}: "
+            f"{type(error).__name__}: {error}") from error
 
 
 class CheckpointWriter:

@@ -1,20 +1,19 @@
-"""The single-controller PPO/GRPO loop. `PPOTrainer.run` steps until trainer.total_steps; each step is
-`train_step`, top to bottom (phase 1 in `generated`, 2 to 6 in `train_on`):
+"""One PPO/GRPO step, as phases numbered top to bottom (`StepRunner.train_step`; the run around the steps
+is PPODriver's, driver.py):
 
-    1. generate and score    n samples per prompt over the rollout replicas; Score requests go out
-                             as samples finish (RolloutStream, rollout_stream.py: `run` takes each
-                             step's groups from it); a step where more than algorithm.max_failed_fraction
-                             of the samples failed fails the run here (sample_failures.py)
+    1. generate and score    the step's groups from the RolloutStream (rollout_stream.py), n samples per
+                             prompt generated over the rollout replicas and scored as they finish
+                             (sampler.py); a step where more than algorithm.max_failed_fraction of the
+                             samples failed fails the run here (sample_failures.py)
     2. log-probs and values  reference, old policy and critic, concurrently
     3. advantages            KL in the reward (optional), then the estimator (rlfabric.algorithms)
     4. updates               critic and actor, concurrently
     5. weight sync           actor -> every rollout replica
     6. reference reset       actor -> reference, every reference.ref_model_sync_steps steps when
                              reference.sync_ref_model is on (TR-DPO; weight_sync.sync_ref_model)
-    then metrics, validation and checkpoints on schedule (`run`).
 
 Modes: `sync` generates each step's batch with the weights trained so far (on-policy). `async`
-keeps generating for up to trainer.max_staleness steps ahead while the trainer trains; weight syncs
+keeps generating for up to trainer.max_staleness steps ahead while the step trains; weight syncs
 do not wait for it (partial rollouts: samples in flight take the new weights), and no sample whose
 oldest token is more than max_staleness versions behind the policy is trained on (rollout_stream.py).
 The "old" log-probs come from the actor at train time, so the PPO ratio is taken against the right
@@ -27,288 +26,73 @@ weights go to the actor as one more per-token tensor of the update batch (rollou
 rejections as zeros in the response mask. The coordinator holds both log-probs already, and the actor's
 loss stays one generic rule (multiply by the weights when given) instead of knowing the correction's
 settings; the actor processes need no config change to turn it on.
-
-The end of a run keeps the policy: a checkpoint of the last step and RUN_DIR/final_model.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import random
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import torch
 
 from rlfabric import algorithms as algos
-from rlfabric.coordinator.checkpoints import (
-    CheckpointError,
-    CheckpointWriter,
-    CoordinatorState,
-    latest_checkpoint,
-    read_state,
-    require_complete,
-    require_part_visible,
-)
-from rlfabric.coordinator.hybrid import HybridEngine, wake_sleeping
-from rlfabric.coordinator.multi_turn import (
-    agent_metrics,
-    agent_prompt,
-    combined_result,
-    env_result,
-    multi_turn_spec,
-)
+from rlfabric.coordinator.hybrid import HybridEngine
+from rlfabric.coordinator.multi_turn import agent_metrics
 from rlfabric.coordinator.peers import Peers
-from rlfabric.coordinator.rollout_batch import RolloutBatch, build_rollout_batch, token_level_scores
-from rlfabric.coordinator.rollout_stream import SCORE_CHUNK, RolloutStream, ScoredPrompt, TakenGroups
+from rlfabric.coordinator.rollout_batch import (
+    RolloutBatch,
+    build_rollout_batch,
+    token_level_scores,
+    write_rollouts,
+)
+from rlfabric.coordinator.rollout_stream import RolloutStream, TakenGroups
 from rlfabric.coordinator.sample_failures import TooManyFailedSamples, check_failed_fraction, failure_of
 from rlfabric.coordinator.sample_failures import describe as describe_failures
+from rlfabric.coordinator.sampler import Sampler
 from rlfabric.coordinator.step_metrics import StepTimer, data_metrics
 from rlfabric.coordinator.weight_sync import WeightSync, sync_ref_model
 from rlfabric.core import tracing
-from rlfabric.core.config import ConfigError, RunConfig, check_run_rules
-from rlfabric.core.errors import FailedPrecondition, InvalidArgument
-from rlfabric.core.start_phases import StartPhases
-from rlfabric.data.dataset import DataCursor, PromptRow, RLHFDataset
-from rlfabric.reward.items import ItemResult, ScoreItem
-from rlfabric.rollout.types import FinishedSample, SamplingSpec
+from rlfabric.core.config import RunConfig
+from rlfabric.core.errors import FailedPrecondition
 
 log = logging.getLogger("rlfabric.coordinator")
 
 
+class StepRunner:
+    """Trains one step at a time over the services in `peers`: phase 1 takes the step's batch from the
+    stream, phases 2 to 6 train on it and sync the new weights. Phase changes go to `on_phase`."""
 
-class PPOTrainer:
-    """Drives one run over the services in `peers`. Phase changes and step metrics go to `report`."""
-
-    def __init__(self, config: RunConfig, peers: Peers, tokenizer, run_dir: Path, train_data: RLHFDataset,
-                 val_data: RLHFDataset | None, weight_sync: WeightSync,
-                 on_phase: Callable[[str], None] = lambda phase: None,
-                 on_metrics: Callable[[int, dict[str, float]], None] = lambda step, metrics: None,
-                 between_steps: Callable[[], Awaitable[None]] | None = None,
-                 start_phases: StartPhases | None = None, actor_mini_batch_rows: int | None = None):
+    def __init__(self, config: RunConfig, peers: Peers, sampler: Sampler, weight_sync: WeightSync,
+                 pad_token_id: int, run_dir: Path, on_phase: Callable[[str], None] = lambda phase: None,
+                 actor_mini_batch_rows: int | None = None):
         self.config = config
         self.peers = peers
-        self.run_dir = run_dir
-        self.train_data = train_data
-        self.val_data = val_data
+        self.sampler = sampler
+        self.versions = sampler.versions  # which weights the rollout serves; each sync moves them on
         self.weight_sync = weight_sync
+        self.pad_token_id = pad_token_id
+        self.run_dir = run_dir  # where trainer.dump_rollouts writes
+        self.on_phase = on_phase
         # trainer.colocated: the rollout sleeps while the trainers work (rlfabric.coordinator.hybrid).
         self.hybrid = HybridEngine(config, peers.rollout) if config.trainer.colocated else None
-        self.on_phase = on_phase
-        self.on_metrics = on_metrics
-        self.between_steps = between_steps
-        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        self.step = 0  # steps completed
-        self.weight_version = 0  # version the rollout serves
-        self.version_base = 0  # version of the policy at step 0 of this run (set by prepare())
-        self.start_cursor = DataCursor()  # where this run's data starts (a resume: the checkpoint's)
-        self.kl_ctrl = self._kl_controller(config)
-        self.checkpoint_requested: asyncio.Future | None = None
-        # Where a resume continues: the first batch not trained yet (RolloutStream.untrained_cursor: in async
-        # mode batches generating ahead are drawn but not trained).
-        self.untrained_cursor = DataCursor()
-        self.last_checkpoint_step: int | None = None
-        self.save_at_end = False  # StopRun asked for a checkpoint: the end of the run saves one in any case
-        self.last_step_trace_id = ""  # the last trained step's trace (tracing on), for the metrics' exemplars
+        self.kl_ctrl = kl_controller(config)
         # Rows of one actor optimizer step, as the actor was started: a StartRun may override rollout.n but
         # not the mini-batch of an actor that is already running (RunController passes the mesh's).
         self.actor_mini_batch_rows = actor_mini_batch_rows or config.actor.ppo_mini_batch_size * config.rollout.n
+        self.last_trace_id = ""  # the last trained step's trace (tracing on), for the metrics' exemplars
         self._last_step_end: float | None = None  # perf_counter() at the end of the previous step
-        self.run_id = run_dir.name
-        # The run's start, from StartRun to its first Generate (RunController starts it; prepare and run add to it).
-        self.start_phases = start_phases or StartPhases("run", log)
-        self._group_opened = False  # prepare() built the weight-sync group
-        self._first_sync: dict[str, float] = {}  # the metrics of the run's first sync
-        self._initial_saves: list[tuple[object, Path]] = []  # (client, directory) prepare() left to run()
-        self._saving: asyncio.Future | None = None  # that save, running beside the first step's generation
 
-    # -- requests from the run's controller, served at the next step boundary ----------------------
-
-    def request_checkpoint(self) -> asyncio.Future:
-        """A checkpoint at the next step boundary: the future gets its directory (or the save's error)."""
-        if self.checkpoint_requested is None:
-            self.checkpoint_requested = asyncio.get_running_loop().create_future()
-        return self.checkpoint_requested
-
-    def request_stop(self, save: bool) -> None:
-        """The run is being stopped: with `save`, its end keeps a checkpoint and the final model whatever
-        trainer.save_final says (two stops: either asking for the save gets it)."""
-        self.save_at_end = self.save_at_end or save
-
-    # -- the run ---------------------------------------------------------------------------------
-
-    async def prepare(self, initial_dir: Path) -> int:
-        """Puts the actor (and critic) where this run starts and builds the weight-sync group meanwhile;
-        returns the step it continues from.
-
-        A resumed run loads its checkpoint (trainer.resume / resume_from_path). A fresh run starts
-        from the initial weights: the first run on a mesh saves them into `initial_dir`, and a later
-        fresh run on the same (already trained) services loads them back. The save waits: run() makes it
-        while the first step generates (nothing changes the trainers' weights before its update), except
-        with trainer.colocated, where the trainers keep off the devices while the rollout generates.
-        """
-        trainer = self.config.trainer
-        path = Path(trainer.resume_from_path) if trainer.resume_from_path else (
-            latest_checkpoint(self.run_dir) if trainer.resume == "auto" else None)
-        self.on_phase("resuming" if path else "starting")
-        if path is not None:
-            require_complete(path)
-        phases = self.start_phases
-        # The group's rendezvous waits on the network, the save or load on the trainers' disks: side by side.
-        outcomes = await asyncio.gather(
-            phases.timed("resume" if path else "initial_weights", self._initial_weights(path, initial_dir)),
-            phases.timed("weight_sync_group", self.weight_sync.open()),
-            phases.timed("rollout_status", self.peers.rollout.status()), return_exceptions=True)
-        self._group_opened = not isinstance(outcomes[1], BaseException)
-        for outcome in outcomes:
-            if isinstance(outcome, BaseException):
-                raise outcome
-        self._initial_saves = outcomes[0]
-        if self._initial_saves and self.hybrid is not None:
-            await phases.timed("initial_save", self._save_initial_weights())
-        if path is not None:
-            state = read_state(path)
-            self.step = state.step
-            self.start_cursor = DataCursor(state.data_epoch, state.data_position)
-            self.untrained_cursor = self.start_cursor.copy()
-            self.last_checkpoint_step = self.step
-            self.kl_ctrl.value = state.kl_coef
-            log.info("resumed from %s at step %d", path, self.step)
-        # Weight versions only grow on a replica: this run's versions start above what they serve now.
-        served = [s.weight_version for s in outcomes[2].values() if not isinstance(s, str)]
-        self.version_base = max(served, default=0) + 1 - self.step
-        return self.step
-
-    async def _initial_weights(self, path: Path | None, initial_dir: Path) -> list[tuple[object, Path]]:
-        """The actor's (and critic's) weights where the run starts: the checkpoint `path`, or the initial ones;
-        the (client, directory) of each untrained role whose initial weights are still to be saved."""
-        saves = []
-        for client in (self.peers.actor, self.peers.critic):
-            if client is None:
-                continue
-            role = client.role
-            if path is not None:
-                await client.load_checkpoint(str(path / role))
-            elif (await client.get_status()).optimizer_step == 0:
-                if not (initial_dir / role / "meta.json").exists():
-                    saves.append((client, initial_dir / role))
-            elif (initial_dir / role / "meta.json").exists():
-                await client.load_checkpoint(str(initial_dir / role))
-            else:
-                raise FailedPrecondition(f"the {role} was trained by an earlier run and its initial weights were "
-                                         "not saved: resume that run (trainer.resume_from_path) or restart the mesh")
-        return saves
-
-    async def _save_initial_weights(self) -> None:
-        """Saves the untrained roles' initial weights (prepare() found them missing), side by side."""
-        saves, self._initial_saves = self._initial_saves, []
-
-        async def save(client, directory: Path) -> None:
-            await client.save_checkpoint(str(directory))
-            # Storage the coordinator and this role do not share fails here, not at the first checkpoint.
-            require_part_visible(client.role, directory, self.run_dir)
-
-        await asyncio.gather(*(save(client, directory) for client, directory in saves))
-
-    async def run(self) -> None:
-        """Steps until trainer.total_steps (or StopRun), with validation and checkpoints on schedule."""
-        trainer = self.config.trainer
-        await self._start()
-        # What generates (cancelled at the end); it draws the prompts from start_cursor on.
-        stream = RolloutStream(self, self.config, self.train_data, self.start_cursor, first_step=self.step + 1)
-        self._finish_start()
-        first_step = self.step + 1
-        # The initial weights go to disk while the first step generates; its trainers wait for them.
-        self._saving = asyncio.ensure_future(self.start_phases.timed("initial_save", self._save_initial_weights())
-                                             ) if self._initial_saves else None
-        try:
-            while self.step < trainer.total_steps:
-                await self._between_steps()
-                step = self.step + 1
-                metrics = await self.train_step(step, stream)
-                if step == first_step:
-                    metrics.update(self.start_phases.metrics())
-                    self._write_run_start()  # again, with the initial save
-                self.step = step
-                stream.trained(step)  # generation may run one step further ahead
-                if trainer.test_freq and (step % trainer.test_freq == 0 or step == trainer.total_steps):
-                    metrics.update(await self.validate())
-                self.on_metrics(step, metrics)
-                self.untrained_cursor = stream.untrained_cursor()
-                if self._checkpoint_due(step):
-                    await self.save_checkpoint()
-        finally:
-            stream.close()
-            if self._saving is not None:  # the run ended before its first update: the save ends with it
-                self._saving.cancel()
-                await asyncio.gather(self._saving, return_exceptions=True)
-        await self.keep_policy(checkpoint=trainer.save_final or self.save_at_end)
-
-    async def _start(self) -> None:
-        """The run's start after StartRun: the group (unless prepare() built it), wake, the first sync."""
-        phases = self.start_phases
-        if not self._group_opened:
-            await phases.timed("weight_sync_group", self.weight_sync.open())
-        await phases.timed("wake", wake_sleeping(self.peers.rollout))  # replicas an earlier run left asleep
-        # Every replica starts from the weights this run starts from (fresh, reset or resumed).
-        with phases.phase("first_sync"):
-            self._first_sync = await self._sync_weights(self.version(self.step))
-        if self.config.trainer.val_before_train and self.step == 0:
-            with phases.phase("validate"):
-                self.on_metrics(0, await self.validate())
-
-    @staticmethod
-    async def _initial_save_done(saving: asyncio.Future, timer: StepTimer) -> None:
-        """The first step's trainers wait for the initial save (timing_s/initial_save: how long)."""
-        try:
-            with timer("initial_save"):
-                await saving
-        except BaseException as error:
-            timer.end(error)
-            raise
-
-    def _finish_start(self) -> None:
-        """The first Generate goes out next: the start's total, logged and in RUN_DIR/run_start.json."""
-        self.start_phases.finish()
-        self._write_run_start()
-
-    def _write_run_start(self) -> None:
-        """RUN_DIR/run_start.json: the start's phases (one that began after the total ran beside the first step)."""
-        sync = self._first_sync
-        try:
-            self.start_phases.write(self.run_dir / "run_start.json", run_id=self.run_id, start_step=self.step,
-                                    weight_transfer_s=sync.get("weight_sync/seconds", 0.0),
-                                    weight_gbytes=sync.get("weight_sync/gbytes", 0.0))
-        except OSError as error:  # a record of timings is no reason to fail the run
-            log.warning("could not write run_start.json: %s", error)
-
-    async def keep_policy(self, checkpoint: bool) -> None:
-        """The end of a run (completed, or stopped with a save): a checkpoint of the last step unless
-        one was just written, and the policy as a Hugging Face directory in RUN_DIR/final_model
-        (trainer.export_final)."""
-        trainer = self.config.trainer
-        if self.step == 0:
-            return
-        if checkpoint and self.last_checkpoint_step != self.step:
-            await self.save_checkpoint()
-        if trainer.export_final:
-            self.on_phase("exporting")
-            await self.peers.actor.export_hf(str(self.final_model_dir()))
-            log.info("final policy exported to %s", self.final_model_dir())
-
-    def final_model_dir(self) -> Path:
-        return self.run_dir / "final_model"
-
-    async def train_step(self, step: int, stream: RolloutStream) -> dict[str, float]:
-        """One whole PPO step: its batch from the stream (phase 1), then phases 2 to 6 on it; its metrics."""
+    async def train_step(self, step: int, stream: RolloutStream,
+                         initial_save: Awaitable[None] | None = None) -> dict[str, float]:
+        """One whole PPO step: its batch from the stream (phase 1), then phases 2 to 6 on it; its metrics.
+        The run's first step waits for `initial_save` (the initial weights going to disk) before it trains."""
         timer = StepTimer(step)  # and the step's trace: its root span starts with generation
         batch, rollout_metrics = await self.generated(step, stream, timer)
-        if self._saving is not None:  # the first step's trainers wait for the initial save
-            await self._initial_save_done(self._saving, timer)
-            self._saving = None
+        if initial_save is not None:
+            await _initial_save_done(initial_save, timer)
         metrics = await self.train_on(step, batch, timer)
         metrics.update(rollout_metrics)
         return metrics
@@ -316,7 +100,8 @@ class PPOTrainer:
     async def generated(self, step: int, stream: RolloutStream, timer: StepTimer,
                         ) -> tuple[RolloutBatch, dict[str, float]]:
         """1. Generate and score (timing_s/gen: the wait for the step's groups; timing_s/gen_overlapped:
-        their generation that ran while earlier steps trained): the step's batch and the stream's metrics."""
+        their generation that ran while earlier steps trained; timing_s/gen_max: ReMax's greedy baselines):
+        the step's batch and the stream's metrics."""
         self.on_phase("generating")
         try:
             taken = await stream.take(step, timer)
@@ -324,7 +109,7 @@ class PPOTrainer:
             self._check_failed_fraction(step, batch)
             if self.config.algorithm.adv_estimator == "remax":
                 with timer("gen_max"):
-                    batch.baselines = await self._greedy_baselines(taken.rows, self._max_tokens())
+                    batch.baselines = await self.sampler.greedy_baselines(taken.rows)
             if self.hybrid is not None:  # done generating until the next sync: the devices go to the trainers
                 await self.hybrid.sleep()
         except BaseException as error:
@@ -351,25 +136,20 @@ class PPOTrainer:
             #    the samples in flight switch to the new weights.
             self.on_phase("syncing")
             with timer("update_weights"):
-                if self.hybrid is not None:  # VeRL's order: the weights wake, take the sync, then the KV cache
-                    await self.hybrid.wake_weights()
-                metrics.update(await self._sync_weights(self.version(step)))
-                if self.hybrid is not None:
-                    await self.hybrid.wake_kv_cache()
-                    metrics.update(self.hybrid.metrics())
+                metrics.update(await self._sync_rollout(step))
             # 6. Reference reset (reference.sync_ref_model; timing_s/sync_ref_model on the steps it runs).
             metrics.update(await sync_ref_model(self.peers.actor, self.peers.reference, self.config, step,
-                                                self.version(step)))
+                                                self.versions.after(step)))
         except BaseException as error:
             timer.end(error)
             raise
-        metrics.update(data_metrics(batch, self._max_tokens()))
+        metrics.update(data_metrics(batch, self.sampler.max_tokens()))
         metrics.update(agent_metrics(batch.samples))
         metrics.update(timer.metrics(batch, previous_step_end=self._last_step_end))
-        self.last_step_trace_id = timer.trace_id
+        self.last_trace_id = timer.trace_id
         self._last_step_end = time.perf_counter()
         if self.config.trainer.dump_rollouts:
-            self._dump_rollouts(step, batch)
+            write_rollouts(self.run_dir, step, batch, self.config.trainer.dump_rollout_tokens)
         return metrics
 
     # -- the phases of a step ---------------------------------------------------------------------
@@ -457,7 +237,43 @@ class PPOTrainer:
             metrics.update(update_metrics)
         return metrics
 
-    # -- generation and scoring -----------------------------------------------------------------
+    async def _sync_rollout(self, step: int) -> dict[str, float]:
+        """The weights after `step` to the rollout; with trainer.colocated in VeRL's order: the rollout's
+        weights wake, take the sync, then its KV cache."""
+        if self.hybrid is not None:
+            await self.hybrid.wake_weights()
+        metrics = await self.sync_weights(self.versions.after(step))
+        if self.hybrid is not None:
+            await self.hybrid.wake_kv_cache()
+            metrics.update(self.hybrid.metrics())
+        return metrics
+
+    async def sync_weights(self, version: int) -> dict[str, float]:
+        """Actor -> every live rollout replica (phase 5, and the run's first sync). A replica that misses a
+        sync leaves the router until a later sync reaches it (the weight sync does that,
+        WeightSync.serve_synced; the plane takes restarted replicas back into the group), so no request is
+        ever served by stale weights."""
+        report = await self.weight_sync.sync(version)  # raises for the actor's failures only
+        if report.failed and self.weight_sync.stale:
+            # A dead member breaks the collective for every member (gloo, NCCL); the plane rebuilds the
+            # group without the members that do not answer, so one more try reaches the live ones. (A
+            # member already left out and still unreachable broke nothing: no second full transfer.)
+            log.warning("weight sync of version %d failed for %s; retrying once", version, sorted(report.failed))
+            report = await self.weight_sync.sync(version)
+        synced = [name for name in self.weight_sync.receivers if name not in report.failed]
+        for name, error in report.failed.items():
+            log.warning("weight sync of version %d to rollout %s failed: %s", version, name, error)
+        if not synced:
+            actor = f"; the actor failed: {report.actor_error}" if report.actor_error else ""  # names its address
+            raise FailedPrecondition(f"weight sync of version {version} reached no rollout replica: {report.failed}{actor}")
+        self.versions.served = version
+        tracing.annotate(weight_version=version, bytes_synced=report.num_bytes, replicas=synced)
+        return {"weight_sync/seconds": report.seconds, "weight_sync/gbytes": report.num_bytes / 1e9,
+                "weight_sync/paused_s": max(report.paused_seconds.values(), default=0.0),
+                "weight_sync/replicas": float(len(synced)), "rollout/weight_version": float(version),
+                **report.phase_metrics()}
+
+    # -- phase 1's batch ---------------------------------------------------------------------------
 
     def _scored_batch(self, step: int, taken: TakenGroups) -> RolloutBatch:
         """The step's groups as a RolloutBatch with their scores; failed samples logged, counted by reason."""
@@ -479,203 +295,8 @@ class PPOTrainer:
             check_failed_fraction(step, batch.failures, self.config.algorithm.max_failed_fraction)
         except TooManyFailedSamples:
             if self.config.trainer.dump_rollouts:
-                self._dump_rollouts(step, batch)
+                write_rollouts(self.run_dir, step, batch, self.config.trainer.dump_rollout_tokens)
             raise
-
-    async def generate_and_score(self, rows: list[PromptRow], params: SamplingSpec,
-                                 on_sample: Callable[[FinishedSample], None] | None = None,
-                                 ) -> AsyncIterator[list[ScoredPrompt]]:
-        """params.n samples of each row over the rollout replicas, scored: yields the prompts whose samples
-        are all scored, a chunk at a time, as (prompt index, samples, results), both by sample index. Score
-        requests go out while generation still streams, once SCORE_CHUNK samples of complete prompts are in.
-        on_sample sees each sample as it arrives (raising stops it all). Training (RolloutStream), validation
-        and ReMax's baselines all generate through here."""
-        prompts = [self.prompt_of(row) for row in rows]
-        finished: asyncio.Queue[asyncio.Task] = asyncio.Queue()
-        scoring: set[asyncio.Task] = set()
-
-        async def score(chunk: list[tuple[int, dict[int, FinishedSample]]]) -> list[ScoredPrompt]:
-            pairs = [(rows[index], sample) for index, samples in chunk for sample in samples.values()]
-            results = iter(await self.score_samples(pairs))
-            return [(index, samples, {k: next(results) for k in samples}) for index, samples in chunk]
-
-        def score_later(chunk: list[tuple[int, dict[int, FinishedSample]]]) -> None:
-            task = asyncio.create_task(score(chunk))
-            scoring.add(task)
-            task.add_done_callback(finished.put_nowait)
-
-        async def generate() -> None:
-            pending: dict[int, dict[int, FinishedSample]] = {}
-            chunk: list[tuple[int, dict[int, FinishedSample]]] = []
-            async for sample in self.peers.rollout.generate_stream(prompts, params,
-                                                                   chunk_prompts=self._chunk_prompts()):
-                if on_sample is not None:
-                    on_sample(sample)
-                samples = pending.setdefault(sample.prompt_index, {})
-                samples[sample.sample_index] = sample
-                if len(samples) == params.n:
-                    chunk.append((sample.prompt_index, pending.pop(sample.prompt_index)))
-                    if len(chunk) * params.n >= SCORE_CHUNK:
-                        score_later(chunk)
-                        chunk = []
-            if chunk:
-                score_later(chunk)
-
-        generating = asyncio.create_task(generate())
-        generating.add_done_callback(finished.put_nowait)
-        try:
-            while not generating.done() or scoring:
-                task = await finished.get()
-                if task is generating:
-                    task.result()  # generation's error ends it all
-                    continue
-                scoring.discard(task)
-                yield task.result()
-            generating.result()
-        finally:
-            for task in (generating, *scoring):
-                task.cancel()
-            await asyncio.gather(generating, *scoring, return_exceptions=True)
-
-    async def score_samples(self, pairs: list[tuple[PromptRow, FinishedSample]]) -> list[ItemResult]:
-        """The score of each (row, sample): the reward service's, and with rollout.multi_turn the
-        environment's rewards instead or added (rollout.multi_turn.reward)."""
-        multi_turn = self.config.rollout.multi_turn
-        if multi_turn.enable and multi_turn.reward == "env":  # the environment's rewards alone: no Score call
-            return [env_result(sample) for _, sample in pairs]
-        items = [self._score_item(row, sample) for row, sample in pairs]
-        results = await self.peers.score(items, self.config.trainer.reward_retry_window_s)
-        if multi_turn.enable:
-            results = [combined_result(sample, result, multi_turn.reward)
-                       for (_, sample), result in zip(pairs, results, strict=True)]
-        return results
-
-    def training_params(self, gen_batch: int) -> SamplingSpec:
-        """The sampling settings of training's gen batch `gen_batch` (seeded by its index; multi-turn ones
-        included when rollout.multi_turn is on)."""
-        rollout, max_tokens = self.config.rollout, self._max_tokens()
-        return SamplingSpec(n=rollout.n, temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k,
-                            max_tokens=max_tokens, seed=self._step_seed(gen_batch),
-                            multi_turn=multi_turn_spec(self.config, max_tokens))
-
-    def prompt_of(self, row: PromptRow):
-        """What the rollout gets for a row: its token ids, or with rollout.multi_turn its agent task."""
-        return agent_prompt(row) if self.config.rollout.multi_turn.enable else row.prompt_ids
-
-    @staticmethod
-    def _score_item(row: PromptRow, sample: FinishedSample) -> ScoreItem:
-        return ScoreItem(data_source=row.data_source, response=sample.text, ground_truth=row.ground_truth,
-                         extra_info=json.loads(row.extra_info_json or "{}"),
-                         prompt=row.messages[-1]["content"] if row.messages else "",
-                         prompt_messages=row.messages, response_length=len(sample.token_ids))
-
-    async def _greedy_baselines(self, rows: list[PromptRow], max_tokens: int) -> torch.Tensor:
-        """ReMax's baseline: the score of each prompt's greedy response, repeated for its n samples."""
-        greedy = SamplingSpec(n=1, temperature=0.0, max_tokens=max_tokens,
-                              multi_turn=multi_turn_spec(self.config, max_tokens))
-        by_prompt = {index: results[0].score async for chunk in self.generate_and_score(rows, greedy)
-                     for index, _, results in chunk}
-        return torch.tensor([by_prompt[p] for p in range(len(rows))]).repeat_interleave(self.config.rollout.n)
-
-    # -- validation, weights, checkpoints ------------------------------------------------------------
-
-    async def validate(self) -> dict[str, float]:
-        """Mean score on data.val_files: val/score/mean and val-core/<data_source>/reward/mean@<n>."""
-        if self.val_data is None:
-            return {}
-        self.on_phase("validating")
-        rollout = self.config.rollout
-        params = SamplingSpec(n=rollout.val_n, temperature=rollout.val_temperature, top_p=rollout.top_p,
-                              top_k=rollout.top_k, max_tokens=self._max_tokens(), seed=self._step_seed(-1),
-                              multi_turn=multi_turn_spec(self.config, self._max_tokens()))
-        rows, size = self.val_data.rows, self.config.data.val_batch_size
-        by_source: dict[str, list[float]] = {}
-        for start in range(0, len(rows), size):
-            part = rows[start : start + size]
-            async for chunk in self.generate_and_score(part, params):
-                for prompt_index, _, results in chunk:
-                    by_source.setdefault(part[prompt_index].data_source, []).extend(r.score for r in results.values())
-        metrics = {f"val-core/{source}/reward/mean@{rollout.val_n}": sum(s) / len(s) for source, s in by_source.items()}
-        every = [score for scores in by_source.values() for score in scores]
-        metrics["val/score/mean"] = sum(every) / len(every)
-        return metrics
-
-    async def _sync_weights(self, version: int) -> dict[str, float]:
-        """Actor -> every live rollout replica. A replica that misses a sync leaves the router until a
-        later sync reaches it (the weight sync does that, WeightSync.serve_synced; the plane takes
-        restarted replicas back into the group), so no request is ever served by stale weights."""
-        report = await self.weight_sync.sync(version)  # raises for the actor's failures only
-        if report.failed and self.weight_sync.stale:
-            # A dead member breaks the collective for every member (gloo, NCCL); the plane rebuilds the
-            # group without the members that do not answer, so one more try reaches the live ones. (A
-            # member already left out and still unreachable broke nothing: no second full transfer.)
-            log.warning("weight sync of version %d failed for %s; retrying once", version, sorted(report.failed))
-            report = await self.weight_sync.sync(version)
-        synced = [name for name in self.weight_sync.receivers if name not in report.failed]
-        for name, error in report.failed.items():
-            log.warning("weight sync of version %d to rollout %s failed: %s", version, name, error)
-        if not synced:
-            actor = f"; the actor failed: {report.actor_error}" if report.actor_error else ""  # names its address
-            raise FailedPrecondition(f"weight sync of version {version} reached no rollout replica: {report.failed}{actor}")
-        self.weight_version = version
-        tracing.annotate(weight_version=version, bytes_synced=report.num_bytes, replicas=synced)
-        return {"weight_sync/seconds": report.seconds, "weight_sync/gbytes": report.num_bytes / 1e9,
-                "weight_sync/paused_s": max(report.paused_seconds.values(), default=0.0),
-                "weight_sync/replicas": float(len(synced)), "rollout/weight_version": float(version),
-                **report.phase_metrics()}
-
-    def _checkpoint_due(self, step: int) -> bool:
-        trainer = self.config.trainer
-        if self.checkpoint_requested is not None:
-            return True
-        last = step == trainer.total_steps
-        return (last and trainer.save_final) or bool(trainer.save_freq) and (step % trainer.save_freq == 0 or last)
-
-    async def save_checkpoint(self) -> Path:
-        """RUN_DIR/checkpoints/global_step_<step>, written atomically (see checkpoints.py); a resume from
-        it continues with the first batch not trained yet."""
-        self.on_phase("checkpointing")
-        cursor = self.untrained_cursor
-        writer = CheckpointWriter(self.run_dir, keep=self.config.trainer.max_checkpoints_to_keep)
-        tmp = writer.begin(self.step)
-        try:
-            saves = [self.peers.actor.save_checkpoint(str(tmp / "actor"))]
-            if self.peers.critic is not None:
-                saves.append(self.peers.critic.save_checkpoint(str(tmp / "critic")))
-            await asyncio.gather(*saves)
-            state = CoordinatorState(step=self.step, data_epoch=cursor.epoch, data_position=cursor.position,
-                                     kl_coef=self.kl_ctrl.value, weight_version=self.weight_version,
-                                     run_id=self.run_id, parts=["actor"] + ["critic"] * (self.peers.critic is not None))
-            path = await asyncio.to_thread(writer.commit, state)  # fsyncs: off the event loop
-        except BaseException as error:
-            writer.abort()
-            failure = error
-            if isinstance(error, Exception) and not isinstance(error, CheckpointError):
-                # e.g. the actor's disk is full: say which checkpoint failed and what a resume will use.
-                previous = latest_checkpoint(self.run_dir)
-                failure = CheckpointError(
-                    f"saving the checkpoint of step {self.step} failed; "
-                    f"{f'{previous} stays the resume point' if previous else 'there is no earlier checkpoint'}: "
-                    f"{type(error).__name__}: {error}")
-            if self.checkpoint_requested is not None and not self.checkpoint_requested.done():
-                self.checkpoint_requested.set_exception(failure)
-                self.checkpoint_requested = None
-            if failure is not error:
-                raise failure from error
-            raise
-        self.last_checkpoint_step = self.step
-        log.info("checkpoint %s written", path)
-        if self.checkpoint_requested is not None and not self.checkpoint_requested.done():
-            self.checkpoint_requested.set_result(path)
-        self.checkpoint_requested = None
-        return path
-
-    # -- helpers -----------------------------------------------------------------------------------
-
-    async def _between_steps(self) -> None:
-        """Run control (pause, stop) gets its turn between steps."""
-        if self.between_steps is not None:
-            await self.between_steps()
 
     def _old_log_prob_forward(self) -> bool:
         """Whether the old log-probs take a separate actor forward pass (algorithm.old_log_prob_source).
@@ -688,51 +309,23 @@ class PPOTrainer:
         one_step = config.actor.ppo_epochs == 1 and rows <= self.actor_mini_batch_rows
         return not one_step or algorithm.use_kl_in_reward or algorithm.rollout_correction.enabled()
 
-    def version(self, step: int) -> int:
-        """The weight version that holds the policy after `step` steps of this run."""
-        return self.version_base + step
 
-    def _max_tokens(self) -> int:
-        return self.config.rollout.response_length or self.config.data.max_response_length
+async def _initial_save_done(saving: Awaitable[None], timer: StepTimer) -> None:
+    """The first step's trainers wait for the initial save (timing_s/initial_save: how long)."""
+    try:
+        with timer("initial_save"):
+            await saving
+    except BaseException as error:
+        timer.end(error)
+        raise
 
-    def _chunk_prompts(self) -> int:
-        """Prompts per generate request: enough requests to spread over every replica."""
-        replicas = max(1, len(self.peers.rollout.healthy()))
-        return max(1, -(-self.config.data.train_batch_size // (2 * replicas)))
 
-    def _step_seed(self, step: int) -> int | None:
-        seed = self.config.rollout.seed
-        return None if seed is None else random.Random(f"{seed}:{step}").randrange(2**31)
-
-    @staticmethod
-    def _kl_controller(config: RunConfig):
-        algorithm = config.algorithm
-        if algorithm.kl_ctrl_type == "adaptive":
-            return algos.AdaptiveKLController(algorithm.kl_coef, algorithm.kl_target, algorithm.kl_horizon)
-        return algos.FixedKLController(algorithm.kl_coef)
-
-    def _dump_rollouts(self, step: int, batch: RolloutBatch) -> None:
-        """RUN_DIR/rollouts/step_<step>.jsonl: what was generated, from which weights, and its score
-        (score_failed: it got none; failure: why, {source, status, message}, see sample_failures.py); with
-        trainer.dump_rollout_tokens, its token ids and the sampler's log-probs too."""
-        folder = self.run_dir / "rollouts"
-        folder.mkdir(parents=True, exist_ok=True)
-        scores, failed = batch.scores.tolist(), batch.score_failed.tolist()
-        failures = batch.failures or [None] * len(scores)
-        with_tokens = self.config.trainer.dump_rollout_tokens
-        with open(folder / f"step_{step}.jsonl", "w") as out:
-            for row, sample, score, score_failed, failure in zip(batch.rows, batch.samples, scores, failed, failures,
-                                                                  strict=True):
-                record = {"uid": row.uid, "sample_index": sample.sample_index, "data_source": row.data_source,
-                          "prompt": row.messages[-1]["content"] if row.messages else "",
-                          "response": sample.text, "score": score, "score_failed": score_failed,
-                          "failure": failure.record() if failure is not None else None,
-                          "weight_version": sample.weight_version, "version_spans": sample.version_spans,
-                          "ground_truth": row.ground_truth}
-                if with_tokens:
-                    record.update(prompt_ids=list(sample.prompt_ids or row.prompt_ids),
-                                  response_ids=list(sample.token_ids), rollout_log_probs=list(sample.logprobs))
-                out.write(json.dumps(record) + "\n")
+def kl_controller(config: RunConfig):
+    """algorithm.kl_ctrl_type's controller of the KL coefficient (its value is in every checkpoint)."""
+    algorithm = config.algorithm
+    if algorithm.kl_ctrl_type == "adaptive":
+        return algos.AdaptiveKLController(algorithm.kl_coef, algorithm.kl_target, algorithm.kl_horizon)
+    return algos.FixedKLController(algorithm.kl_coef)
 
 
 def leave_out(failed: torch.Tensor, mask: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -744,25 +337,3 @@ def leave_out(failed: torch.Tensor, mask: torch.Tensor, group_ids: torch.Tensor)
     group_ids = group_ids.clone()
     group_ids[failed] = int(group_ids.max()) + 1 + torch.arange(int(failed.sum()))
     return mask, group_ids
-
-
-def check_roles(config: RunConfig) -> None:
-    """What a StartRun's config needs of this coordinator and mesh, as errors naming the keys: the config's
-    own rules (check_run_rules: load_run_config checked the mesh's config, this checks the overrides), an
-    advantage estimator registered here, and the roles the run calls. A run that needs a role the mesh was
-    started without (the launchers start only the roles of the config they were given) is
-    FAILED_PRECONDITION naming the role and the key that needs it."""
-    try:
-        check_run_rules(config)
-    except ConfigError as error:
-        raise InvalidArgument(str(error)) from None
-    if config.algorithm.adv_estimator not in algos.advantage_estimator_names():
-        raise FailedPrecondition(f"algorithm.adv_estimator {config.algorithm.adv_estimator!r} is not registered; "
-                                 f"known: {', '.join(algos.advantage_estimator_names())}")
-    kl_key = "actor.use_kl_loss" if config.actor.use_kl_loss else "algorithm.use_kl_in_reward"
-    needed = {"critic": f"algorithm.adv_estimator={config.algorithm.adv_estimator}" if config.uses_critic() else "",
-              "reference": f"{kl_key}=true" if config.uses_reference() else ""}
-    for role, key in needed.items():
-        if key and not getattr(config.cluster, role):
-            raise FailedPrecondition(f"{key} needs a {role} service, and this mesh runs none (cluster.{role} is "
-                                     f"empty): start the mesh with a config that sets {key}")

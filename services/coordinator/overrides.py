@@ -1,6 +1,7 @@
 """What a StartRun may change of the mesh's config: decided on parsed keys and on the config they make.
 
     config = config_for_run(mesh_config, ["trainer.total_steps=20", "data.train_files=[gsm8k/train.parquet]"])
+    check_roles(config)   # what the run's config needs of this coordinator and mesh
 
 A StartRun changes how the loop runs, never how the services were started (their model, dtype, optimizer,
 sampling temperature and addresses are fixed then), where the mesh writes, or whom it calls:
@@ -26,8 +27,16 @@ from __future__ import annotations
 from fnmatch import fnmatchcase
 from typing import Any
 
-from rlfabric.core.config import ConfigError, RunConfig, config_from_dict, parse_override, set_key
-from rlfabric.core.errors import InvalidArgument, PermissionDenied
+from rlfabric import algorithms as algos
+from rlfabric.core.config import (
+    ConfigError,
+    RunConfig,
+    check_run_rules,
+    config_from_dict,
+    parse_override,
+    set_key,
+)
+from rlfabric.core.errors import FailedPrecondition, InvalidArgument, PermissionDenied
 from rlfabric.core.storage import StorageRoot
 
 # Patterns (fnmatch) of the dotted keys a StartRun may change.
@@ -66,6 +75,28 @@ def config_for_run(base: RunConfig, overrides: list[str]) -> RunConfig:
                                "imported when the mesh starts, from its own config; this mesh has "
                                f"{base.algorithm.plugin_modules}")
     return config
+
+
+def check_roles(config: RunConfig) -> None:
+    """What a StartRun's config needs of this coordinator and mesh, as errors naming the keys: the config's
+    own rules (check_run_rules: load_run_config checked the mesh's config, this checks the overrides), an
+    advantage estimator registered here, and the roles the run calls. A run that needs a role the mesh was
+    started without (the launchers start only the roles of the config they were given) is
+    FAILED_PRECONDITION naming the role and the key that needs it."""
+    try:
+        check_run_rules(config)
+    except ConfigError as error:
+        raise InvalidArgument(str(error)) from None
+    if config.algorithm.adv_estimator not in algos.advantage_estimator_names():
+        raise FailedPrecondition(f"algorithm.adv_estimator {config.algorithm.adv_estimator!r} is not registered; "
+                                 f"known: {', '.join(algos.advantage_estimator_names())}")
+    kl_key = "actor.use_kl_loss" if config.actor.use_kl_loss else "algorithm.use_kl_in_reward"
+    needed = {"critic": f"algorithm.adv_estimator={config.algorithm.adv_estimator}" if config.uses_critic() else "",
+              "reference": f"{kl_key}=true" if config.uses_reference() else ""}
+    for role, key in needed.items():
+        if key and not getattr(config.cluster, role):
+            raise FailedPrecondition(f"{key} needs a {role} service, and this mesh runs none (cluster.{role} is "
+                                     f"empty): start the mesh with a config that sets {key}")
 
 
 def check_settable(key: str) -> None:

@@ -17,8 +17,10 @@ environment's tools) and its loss mask; a single-turn sample's prompt is its row
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -140,3 +142,26 @@ def token_level_scores(scores: torch.Tensor, response_mask: torch.Tensor) -> tor
     rows = torch.arange(len(scores))[has_tokens]
     out[rows, last[has_tokens]] = scores[has_tokens].to(torch.float32)
     return out
+
+
+def write_rollouts(run_dir: Path, step: int, batch: RolloutBatch, with_tokens: bool) -> None:
+    """RUN_DIR/rollouts/step_<step>.jsonl (trainer.dump_rollouts): what was generated, from which weights, and
+    its score (score_failed: it got none; failure: why, {source, status, message}, see sample_failures.py);
+    with_tokens (trainer.dump_rollout_tokens): its token ids and the sampler's log-probs too."""
+    folder = run_dir / "rollouts"
+    folder.mkdir(parents=True, exist_ok=True)
+    scores, failed = batch.scores.tolist(), batch.score_failed.tolist()
+    failures = batch.failures or [None] * len(scores)
+    with open(folder / f"step_{step}.jsonl", "w") as out:
+        for row, sample, score, score_failed, failure in zip(batch.rows, batch.samples, scores, failed, failures,
+                                                              strict=True):
+            record = {"uid": row.uid, "sample_index": sample.sample_index, "data_source": row.data_source,
+                      "prompt": row.messages[-1]["content"] if row.messages else "",
+                      "response": sample.text, "score": score, "score_failed": score_failed,
+                      "failure": failure.record() if failure is not None else None,
+                      "weight_version": sample.weight_version, "version_spans": sample.version_spans,
+                      "ground_truth": row.ground_truth}
+            if with_tokens:
+                record.update(prompt_ids=list(sample.prompt_ids or row.prompt_ids),
+                              response_ids=list(sample.token_ids), rollout_log_probs=list(sample.logprobs))
+            out.write(json.dumps(record) + "\n")

@@ -1,14 +1,14 @@
 """The rollout side of the loop: generation that streams on ahead of training, within a staleness bound.
 
-    stream = RolloutStream(trainer, config, dataset, cursor, first_step=trainer.step + 1)
+    stream = RolloutStream(sampler, config, dataset, cursor, first_step=step + 1)
     taken = await stream.take(step, timer)   # data.train_batch_size scored groups for `step`
-    ...                                      # the trainer trains on them and syncs the weights
+    ...                                      # the step trains on them and syncs the weights
     stream.trained(step)                     # generation may now run one step further ahead
     stream.close()                           # cancels what is still generating
 
-The stream owns the data cursor (it draws the prompts from `cursor` on) and reaches the rest of the run
-through a RolloutSource (the trainer): generate and score rows, the sampling settings of a gen batch, the
-weight version of a step and the one the rollout serves.
+The stream owns the data cursor (it draws the prompts from `cursor` on) and generates through the Sampler
+(sampler.py): it generates and scores rows, gives the sampling settings of a gen batch, and holds the weight
+versions (which one the rollout serves, which one holds the policy after a step).
 
 Units: a group is one prompt's n samples; a step trains on B = data.train_batch_size groups; a gen batch is B
 prompts drawn from the dataloader and generated as one stream of requests, seeded by its index (so in sync
@@ -56,50 +56,28 @@ import dataclasses
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import torch
 
 from rlfabric.algorithms.dapo import filter_groups
+from rlfabric.coordinator.sampler import Sampler
 from rlfabric.coordinator.step_metrics import StepTimer
 from rlfabric.core import tracing
 from rlfabric.core.config import RunConfig
 from rlfabric.core.errors import FailedPrecondition
 from rlfabric.data.dataset import DataCursor, PromptRow, RLHFDataset
 from rlfabric.reward.items import ItemResult
-from rlfabric.rollout.types import FinishedSample, SamplingSpec
+from rlfabric.rollout.types import FinishedSample
 
 if TYPE_CHECKING:
     from opentelemetry.trace import SpanContext
 
 log = logging.getLogger("rlfabric.coordinator.rollout")
 
-SCORE_CHUNK = 64  # samples per Score request while generation is still streaming
-
 GENERATING, READY, TAKEN, FILTERED, STALE = "generating", "ready", "taken", "filtered", "stale"
-
-# A prompt's samples and their scores, each by sample index.
-ScoredPrompt = tuple[int, dict[int, FinishedSample], dict[int, ItemResult]]
-
-
-class RolloutSource(Protocol):
-    """What the stream needs of the run (PPOTrainer)."""
-
-    weight_version: int  # the version the rollout serves now
-
-    def version(self, step: int) -> int:
-        """The weight version that holds the policy after `step` steps."""
-
-    def training_params(self, gen_batch: int) -> SamplingSpec:
-        """The sampling settings of training's gen batch `gen_batch`."""
-
-    def generate_and_score(self, rows: list[PromptRow], params: SamplingSpec,
-                           on_sample: Callable[[FinishedSample], None] | None = None,
-                           ) -> AsyncIterator[list[ScoredPrompt]]:
-        """The rows' samples, scored, a chunk of complete prompts at a time (PPOTrainer.generate_and_score)."""
-
 
 @dataclass(eq=False)
 class Group:
@@ -150,11 +128,12 @@ class TakenGroups:
 
 
 class RolloutStream:
-    """Keeps generation going for up to k steps ahead of the trainer (see the module docstring)."""
+    """Keeps generation going for up to k steps ahead of training (see the module docstring)."""
 
-    def __init__(self, source: RolloutSource, config: RunConfig, dataset: RLHFDataset, cursor: DataCursor,
+    def __init__(self, sampler: Sampler, config: RunConfig, dataset: RLHFDataset, cursor: DataCursor,
                  first_step: int):
-        self.source = source
+        self.sampler = sampler
+        self.versions = sampler.versions
         self.cursor = cursor.copy()  # the next prompt to draw; batches advance it
         self.batches: Iterator[list[PromptRow]] = dataset.batches(config.data.train_batch_size, config.data.seed,
                                                                   self.cursor)
@@ -175,14 +154,14 @@ class RolloutStream:
         self.waiting_context: contextvars.Context | None = None  # ... in its `gen` phase (its trace)
         self.counts = {"stale": 0, "kept": 0, "filtered": 0}  # since the last take
 
-    # -- the trainer's side ------------------------------------------------------------------------
+    # -- the step's side ---------------------------------------------------------------------------
 
     async def take(self, step: int, timer: StepTimer) -> TakenGroups:
         """B groups for `step`, each within the staleness bound of its policy (version(step - 1)); waits
         under timer "gen" for what is not ready yet. timer "gen_overlapped": the rest of their generation
         and scoring (from their gen batches' start to the last one scored), which ran hidden while earlier
         steps trained."""
-        policy = self.source.version(step - 1)
+        policy = self.versions.after(step - 1)
         waited_from = time.perf_counter()
         self.waiting_step = step
         with timer("gen"):
@@ -213,7 +192,7 @@ class RolloutStream:
         timer.seconds["gen_overlapped"] = max(0.0, generating - (taken_at - waited_from))
         metrics = self._metrics(step, taken, policy)
         self.gen_batches_per_step = {s: count for s, count in self.gen_batches_per_step.items() if s > step}
-        self._drop_stale(self.source.version(step))  # what no later step may train on
+        self._drop_stale(self.versions.after(step))  # what no later step may train on
         return self._layout(taken, metrics)
 
     def trained(self, step: int) -> None:
@@ -256,7 +235,7 @@ class RolloutStream:
     def _start(self, fill_step: int) -> None:
         cursor_before = self.cursor.copy()
         rows = next(self.batches)
-        gen_batch = GenBatch(self.next_index, cursor_before, fill_step, self.source.weight_version, time.perf_counter(),
+        gen_batch = GenBatch(self.next_index, cursor_before, fill_step, self.versions.served, time.perf_counter(),
                              ahead=fill_step != self.waiting_step)
         gen_batch.groups = [Group(row, gen_batch, position) for position, row in enumerate(rows)]
         self.next_index += 1
@@ -325,8 +304,8 @@ class RolloutStream:
                     f"bound trainer.max_staleness {self.max_staleness})")
 
         rows = [group.row for group in gen_batch.groups]
-        params = self.source.training_params(gen_batch.index)
-        async for scored in self.source.generate_and_score(rows, params, on_sample=from_fresh_weights):
+        params = self.sampler.training_params(gen_batch.index)
+        async for scored in self.sampler.generate_and_score(rows, params, on_sample=from_fresh_weights):
             for prompt_index, samples, results in scored:
                 group = gen_batch.groups[prompt_index]
                 group.samples, group.results = samples, results

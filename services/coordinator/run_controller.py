@@ -1,10 +1,12 @@
-"""RunController: the coordinator's engine. It owns the run (one at a time) and the PPO loop task behind
-it, and answers run control (start, status, metrics, pause/resume, stop, checkpoints); the
-CoordinatorService servicer (servicer.py) is its thin gRPC face."""
+"""RunController: the coordinator's engine. It owns the run (one at a time, a PPODriver, driver.py) and the
+task that drives it, and answers run control (start, status, metrics, pause/resume, stop, checkpoints); the
+CoordinatorService servicer (servicer.py) is its thin gRPC face. It keeps the run's state (phase, metrics,
+outcome) itself: the driver reports to it through the RunHooks it implements."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -13,10 +15,10 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry
 
 from rlfabric.algorithms.plugins import load_plugin_modules
-from rlfabric.coordinator.checkpoints import step_dir
-from rlfabric.coordinator.loop import PPOTrainer, check_roles
-from rlfabric.coordinator.overrides import config_for_run
-from rlfabric.coordinator.setup import Connect, PolicyTokenizer, build_trainer, connect_services
+from rlfabric.coordinator.checkpoints import final_model_dir
+from rlfabric.coordinator.driver import PPODriver, RunStopped
+from rlfabric.coordinator.overrides import check_roles, config_for_run
+from rlfabric.coordinator.setup import Connect, PolicyTokenizer, connect_services, open_run
 from rlfabric.coordinator.trackers import check_tracker_packages
 from rlfabric.coordinator.tracking import RunTracker
 from rlfabric.core.config import ConfigError, RunConfig, run_dir_of
@@ -30,8 +32,8 @@ ACTIVE = (coordinator_pb2.RUN_STATE_RUNNING, coordinator_pb2.RUN_STATE_PAUSED)
 
 
 class RunController:
-    """One run at a time: starts the PPO loop as a task, reports its state, relays run control. Each
-    run's connections come from `connect` (default: the services of config.cluster over gRPC)."""
+    """One run at a time: drives it in a task, reports its state, relays run control; the run's RunHooks.
+    Each run's connections come from `connect` (default: the services of config.cluster over gRPC)."""
 
     def __init__(self, config: RunConfig, registry: CollectorRegistry | None = None,
                  connect: Connect = connect_services):
@@ -45,13 +47,12 @@ class RunController:
         self.phase = "idle"
         self.error = ""
         self.total_steps = 0
-        self.trainer: PPOTrainer | None = None
+        self.driver: PPODriver | None = None
+        self.run_dir: Path | None = None
         self.history: list[tuple[int, dict[str, float], float]] = []
         self._changed = asyncio.Condition()
         self._resumed = asyncio.Event()
         self._resumed.set()
-        self._stop_requested = False
-        self._save_on_stop = False
         self._task: asyncio.Task | None = None
         self._tracker = None
         self._starting = False  # a StartRun is building its run (the awaits before state RUNNING)
@@ -87,7 +88,7 @@ class RunController:
             self._starting = False
 
     async def _start_run(self, overrides: list[str]) -> tuple[str, int]:
-        # Every phase from here to the first Generate logs its seconds (the trainer's run() ends the start).
+        # Every phase from here to the first Generate logs its seconds (the driver's run() ends the start).
         phases = StartPhases("run", log)
         with phases.phase("config"):
             config = config_for_run(self.base_config, overrides)  # what a StartRun may change: overrides.py
@@ -98,38 +99,34 @@ class RunController:
                 raise FailedPrecondition(str(error)) from None
         # The actor was started with the mesh's config: its mini-batch (in rows) does not follow a StartRun
         # override of rollout.n.
-        base = self.base_config
-        trainer = await build_trainer(config, self._between_steps, self._set_phase, self._record_metrics,
-                                      self.connect, phases, self.policy,
-                                      actor_mini_batch_rows=base.actor.ppo_mini_batch_size * base.rollout.n)
-        try:
-            start_step = await trainer.prepare(run_dir_of(self.base_config) / "initial_weights")
+        base, run_dir = self.base_config, run_dir_of(config)
+        async with contextlib.AsyncExitStack() as stack:
+            driver = await stack.enter_async_context(open_run(
+                config, self, self.connect, phases, self.policy,
+                actor_mini_batch_rows=base.actor.ppo_mini_batch_size * base.rollout.n))
+            start_step = await driver.prepare(run_dir_of(base) / "initial_weights")
             with phases.phase("trackers"):
-                tracker = RunTracker(trainer.run_dir, config, self.registry, total_steps=config.trainer.total_steps,
+                tracker = RunTracker(run_dir, config, self.registry, total_steps=config.trainer.total_steps,
                                      start_step=start_step)
-        except BaseException:
-            await trainer.weight_sync.close()
-            await trainer.peers.close()
-            raise
-        self.trainer, self._tracker = trainer, tracker
-        self.run_id = trainer.run_id or uuid.uuid4().hex[:12]
+            connections = stack.pop_all()  # the run is built: its task closes them when it ends (_run)
+        self.driver, self.run_dir, self._tracker = driver, run_dir, tracker
+        self.run_id = run_dir.name or uuid.uuid4().hex[:12]
         self.total_steps = config.trainer.total_steps
         self.history = []
         self.error = ""
-        self._stop_requested = self._save_on_stop = False
         self._resumed.set()
         self.state = coordinator_pb2.RUN_STATE_RUNNING
-        self._task = asyncio.create_task(self._run(trainer), name=f"run-{self.run_id}")
+        self._task = asyncio.create_task(self._run(driver, connections), name=f"run-{self.run_id}")
         log.info("run %s started at step %d of %d", self.run_id, start_step, self.total_steps)
         return self.run_id, start_step
 
     def status(self) -> coordinator_pb2.CoordinatorServiceGetRunStatusResponse:
-        trainer = self.trainer
+        driver = self.driver
         return coordinator_pb2.CoordinatorServiceGetRunStatusResponse(
-            run_id=self.run_id, state=self.state, step=trainer.step if trainer else 0,
+            run_id=self.run_id, state=self.state, step=driver.step if driver else 0,
             total_steps=self.total_steps, phase=self.phase,
             last_metrics=self.history[-1][1] if self.history else {},
-            weight_version=trainer.weight_version if trainer else 0, error=self.error)
+            weight_version=driver.weight_version if driver else 0, error=self.error)
 
     async def metrics_since(self, from_step: int):
         """Every recorded step >= from_step, then each new one, until the run ends."""
@@ -159,9 +156,8 @@ class RunController:
         save_checkpoint is false; returns once it has ended, with an error if the save failed."""
         self._require_active()
         # Two StopRuns: either asking for the checkpoint gets it (nothing trained is dropped silently).
-        self._stop_requested, self._save_on_stop = True, self._save_on_stop or save_checkpoint
-        self.trainer.request_stop(save_checkpoint)  # a stop during the last step ends it with the save too
-        self._resumed.set()
+        self.driver.request_stop(save_checkpoint)  # a stop during the last step ends it with the save too
+        self._resumed.set()  # a paused run goes on to its step boundary, where it stops
         # wait(), not gather(): a StopRun that is cancelled (deadline, client gone) must not cancel the run
         # (and its checkpoint) with it.
         await asyncio.wait({self._task})
@@ -170,71 +166,66 @@ class RunController:
 
     async def save_checkpoint(self) -> tuple[Path, int]:
         """A checkpoint now (idle run) or at the next step boundary (running run)."""
-        trainer = self.trainer
-        if trainer is None:
+        driver = self.driver
+        if driver is None:
             raise FailedPrecondition("no run has been started")
         if self.state in ACTIVE:
-            path = await asyncio.shield(trainer.request_checkpoint())
+            path = await asyncio.shield(driver.request_checkpoint())
         else:
-            path = await trainer.save_checkpoint()
-        return path, trainer.step
+            path = await driver.save_checkpoint()
+        return path, driver.step
 
     # -- inside the run -------------------------------------------------------------------------------
 
-    async def _run(self, trainer: PPOTrainer) -> None:
+    async def _run(self, driver: PPODriver, connections: contextlib.AsyncExitStack) -> None:
         try:
-            await trainer.run()
+            async with connections:  # the run's (setup.open_run): closed once it has ended
+                await self._drive(driver)
+        finally:
+            async with self._changed:
+                self._changed.notify_all()
+
+    async def _drive(self, driver: PPODriver) -> None:
+        try:
+            await driver.run()
             self.state, self.phase = coordinator_pb2.RUN_STATE_COMPLETED, "finished"
-        except _StopRun:
+        except RunStopped:
             self.state, self.phase = coordinator_pb2.RUN_STATE_STOPPED, "stopped"
         except asyncio.CancelledError:
             self.state, self.phase = coordinator_pb2.RUN_STATE_STOPPED, "stopped"
             raise
         except Exception as error:  # the run fails; the service keeps answering
             log.exception("run %s failed", self.run_id)
-            where = f"while {self.phase} after step {trainer.step}"  # e.g. "while computing after step 2"
+            where = f"while {self.phase} after step {driver.step}"  # e.g. "while computing after step 2"
             self.state, self.phase = coordinator_pb2.RUN_STATE_FAILED, "failed"
             self.error = f"{type(error).__name__} {where}: {error}"
         finally:
-            # A SaveCheckpoint still waiting for a step boundary gets an answer: the run ended first.
-            pending = trainer.checkpoint_requested
-            if pending is not None and not pending.done() and trainer.step and trainer.last_checkpoint_step == trainer.step:
-                pending.set_result(step_dir(trainer.run_dir, trainer.step))  # the end's own checkpoint has it all
-            elif pending is not None and not pending.done():
-                ended = coordinator_pb2.RunState.Name(self.state)
-                pending.set_exception(FailedPrecondition(
-                    f"the run ended ({ended}) before the requested checkpoint was taken"
-                    f"{': ' + self.error if self.error else ''}"))
+            ended = coordinator_pb2.RunState.Name(self.state)
+            driver.ended(f"the run ended ({ended}) before the requested checkpoint was taken"
+                         f"{': ' + self.error if self.error else ''}")
             if self._tracker is not None:
                 outcome = {coordinator_pb2.RUN_STATE_COMPLETED: "completed",
                            coordinator_pb2.RUN_STATE_FAILED: "failed"}.get(self.state, "stopped")
-                self._tracker.close(final_model=trainer.final_model_dir(), outcome=outcome)
-            await trainer.weight_sync.close()
-            await trainer.peers.close()
-            async with self._changed:
-                self._changed.notify_all()
+                self._tracker.close(final_model=final_model_dir(self.run_dir), outcome=outcome)
 
-    async def _between_steps(self) -> None:
-        """Run control at a step boundary: pause waits here, stop ends the run here."""
+    # -- the run's hooks (RunHooks: the driver calls these) ------------------------------------------
+
+    def on_phase(self, phase: str) -> None:
+        self.phase = phase
+
+    def on_metrics(self, step: int, metrics: dict[str, float], trace_id: str) -> None:
+        self.history.append((step, dict(metrics), time.time()))
+        if self._tracker is not None:
+            self._tracker.log(step, metrics, trace_id)
+        asyncio.get_running_loop().create_task(self._notify())
+
+    async def between_steps(self) -> None:
+        """Run control at a step boundary: a pause waits here (a stop ends the run in the driver)."""
         if not self._resumed.is_set():
-            self._set_phase("paused")
+            self.on_phase("paused")
             self.state = coordinator_pb2.RUN_STATE_PAUSED
             await self._resumed.wait()
             self.state = coordinator_pb2.RUN_STATE_RUNNING
-        if self._stop_requested:
-            if self._save_on_stop:
-                await self.trainer.keep_policy(checkpoint=True)
-            raise _StopRun()
-
-    def _set_phase(self, phase: str) -> None:
-        self.phase = phase
-
-    def _record_metrics(self, step: int, metrics: dict[str, float]) -> None:
-        self.history.append((step, dict(metrics), time.time()))
-        if self._tracker is not None:
-            trace_id = self.trainer.last_step_trace_id if self.trainer is not None and step else ""
-            self._tracker.log(step, metrics, trace_id)
-        asyncio.get_running_loop().create_task(self._notify())
 
     async def _notify(self) -> None:
         async with self._changed:
@@ -244,6 +235,3 @@ class RunController:
         if self.state not in ACTIVE:
             raise FailedPrecondition(f"no run is in progress (state {coordinator_pb2.RunState.Name(self.state)})")
 
-
-class _StopRun(Exception):
-    """Raised at a step boundary after StopRun."""

@@ -1,4 +1,8 @@
-"""Builds a run from its config: tokenizer, datasets, connections, weight sync and metric sinks.
+"""Builds a run from its config: tokenizer, datasets, connections and weight sync, around its PPODriver.
+
+    async with open_run(config, hooks) as driver:   # the run's connections close when the block ends
+        await driver.prepare(initial_dir)
+        await driver.run()
 
 The connections come from a `connect` function (config -> peers and weight sync): connect_services
 for services over gRPC (config.cluster's addresses), rlfabric.launch.inprocess.InProcessMesh.connect for
@@ -9,10 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 
-from rlfabric.coordinator.loop import PPOTrainer
+from rlfabric.coordinator.driver import PPODriver, RunHooks
 from rlfabric.coordinator.peers import Peers
 from rlfabric.coordinator.weight_sync import WeightSync, WeightSyncPlane
 from rlfabric.core.config import RunConfig, run_dir_of
@@ -113,13 +118,14 @@ def _log_preload_failure(future: asyncio.Future) -> None:
                     future.exception())
 
 
-async def build_trainer(config: RunConfig, between_steps, on_phase, on_metrics,
-                        connect: Connect = connect_services, phases: StartPhases | None = None,
-                        policy: PolicyTokenizer | None = None, actor_mini_batch_rows: int | None = None) -> PPOTrainer:
-    """A PPOTrainer for one run, connected to its services by `connect` (default: over gRPC, to
-    config.cluster's addresses). The tokenizer (`policy`'s, loaded at the coordinator's start) and the data
-    (on a thread) are made ready while the connections are made (waits on the services); each is a phase
-    of `phases`."""
+@asynccontextmanager
+async def open_run(config: RunConfig, hooks: RunHooks, connect: Connect = connect_services,
+                   phases: StartPhases | None = None, policy: PolicyTokenizer | None = None,
+                   actor_mini_batch_rows: int | None = None) -> AsyncIterator[PPODriver]:
+    """A PPODriver for one run, connected to its services by `connect` (default: over gRPC, to
+    config.cluster's addresses); the connections close when the block ends. The tokenizer (`policy`'s,
+    loaded at the coordinator's start) and the data (on a thread) are made ready while the connections are
+    made (waits on the services); each is a phase of `phases`."""
     phases = phases or StartPhases("run", log)
     if not config.model.path:
         raise FailedPrecondition("model.path is empty: the coordinator needs the policy's tokenizer")
@@ -136,7 +142,10 @@ async def build_trainer(config: RunConfig, between_steps, on_phase, on_metrics,
         if not isinstance(connected, BaseException):  # connected before the cancel reached it
             await connected[0].close()
         raise
-    peers, plane = await connecting
-    return PPOTrainer(config, peers, tokenizer, run_dir, train, val, plane, on_phase=on_phase,
-                      on_metrics=on_metrics, between_steps=between_steps, start_phases=phases,
-                      actor_mini_batch_rows=actor_mini_batch_rows)
+    peers, weight_sync = await connecting
+    try:
+        yield PPODriver(config, peers, tokenizer, run_dir, train, val, weight_sync, hooks, start_phases=phases,
+                        actor_mini_batch_rows=actor_mini_batch_rows)
+    finally:
+        await weight_sync.close()
+        await peers.close()

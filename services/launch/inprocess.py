@@ -5,7 +5,7 @@
         ...                                            # the CoordinatorInterface, as over gRPC
 
 `rlfabric train --in-process` runs this. Each role's engine is built exactly as `rlfabric serve ROLE`
-builds it (rlfabric.serve.build_service); the coordinator's RunController and PPOTrainer are the same
+builds it (rlfabric.serve.build_service); the coordinator's RunController and PPODriver are the same
 objects; only the clients differ: LocalActorClient, LocalRolloutClient, ... call the engines directly,
 after the same request checks the servicers make, so a bad request gets the same domain error
 (InvalidArgument, ...) as over gRPC. An unexpected exception (a bug) reaches the caller as itself, with

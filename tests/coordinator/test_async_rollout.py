@@ -13,11 +13,13 @@ from pathlib import Path
 
 import pytest
 
+from rlfabric.coordinator.driver import NoHooks
+from rlfabric.coordinator.sampler import WeightVersions
 from rlfabric.reward.items import ItemResult
 from rlfabric.rollout.types import Finish, FinishedSample
 from rlfabric.v1 import coordinator_pb2
 from tests.coordinator.meshes import fast_config, in_process
-from tests.coordinator.test_loop import PROMPTS, ModelService, config, trainer_over
+from tests.coordinator.test_loop import PROMPTS, ModelService, config, driver_over
 from tests.coordinator.test_loop_control import run_wrapped
 
 
@@ -138,8 +140,9 @@ class Rollout:
     """Stands in for the rollout router: each request's samples carry the weight version the rollout serves
     when they finish, and the request's number in their last token; request `stuck` never finishes."""
 
-    def __init__(self, trainer, stuck: int):
-        self.trainer, self.stuck, self.requests = trainer, stuck, []
+    def __init__(self, stuck: int):
+        self.stuck, self.requests = stuck, []
+        self.versions = WeightVersions()  # the run's, once it is built
 
     def healthy(self):
         return [self]
@@ -154,7 +157,17 @@ class Rollout:
             await asyncio.Event().wait()
         for p in range(len(prompts)):
             for i in range(params.n):
-                yield FinishedSample(p, i, [4, number], [], Finish.STOP, self.trainer.weight_version)
+                yield FinishedSample(p, i, [4, number], [], Finish.STOP, self.versions.served)
+
+
+class RecordedMetrics(NoHooks):
+    """The run's hooks: each step's metrics, by step."""
+
+    def __init__(self):
+        self.metrics: dict[int, dict[str, float]] = {}
+
+    def on_metrics(self, step: int, metrics: dict[str, float], trace_id: str) -> None:
+        self.metrics[step] = metrics
 
 
 class Reward:
@@ -169,12 +182,12 @@ def test_a_gen_batch_that_falls_behind_the_staleness_bound_is_dropped_never_trai
     actor = ModelService("actor")
     run_config = config("trainer.mode=async", "trainer.max_staleness=1", "trainer.save_final=false",
                         "trainer.export_final=false")
-    trainer = trainer_over(run_config, tmp_path, actor)
-    rollout = Rollout(trainer, stuck=2)
-    trainer.peers = dataclasses.replace(trainer.peers, rollout=rollout, reward=Reward())
-    metrics: dict[int, dict[str, float]] = {}
-    trainer.on_metrics = lambda step, step_metrics: metrics.update({step: step_metrics})
-    asyncio.run(trainer.run())
+    rollout = Rollout(stuck=2)
+    hooks = RecordedMetrics()
+    driver = driver_over(run_config, tmp_path, actor, rollout=rollout, reward=Reward(), hooks=hooks)
+    rollout.versions = driver.versions
+    asyncio.run(driver.run())
+    metrics = hooks.metrics
     trained_on = [int(update["responses"][0, 1]) for update in actor.updates]  # the request of each step's batch
     assert trained_on == [1, 3, 4]
     assert rollout.requests[1].cancelled()

@@ -1,21 +1,22 @@
-"""PPOTrainer in one process: the real loop and train_step over stand-in model services that return
-tensors of the right shapes and record what they were sent."""
+"""The run's driver (PPODriver) and its steps (StepRunner) in one process: the real run and train_step over
+stand-in model services that return tensors of the right shapes and record what they were sent."""
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from rlfabric.coordinator.loop import PPOTrainer, check_roles
+from rlfabric.coordinator.driver import NoHooks, PPODriver, RunStopped
+from rlfabric.coordinator.overrides import check_roles
 from rlfabric.coordinator.peers import Peers
 from rlfabric.coordinator.rollout_batch import RolloutBatch, build_rollout_batch
 from rlfabric.coordinator.sample_failures import TooManyFailedSamples, failure_of
 from rlfabric.coordinator.step_metrics import StepTimer
+from rlfabric.coordinator.weight_sync import SyncReport, WeightSync
 from rlfabric.core.config import RunConfig, config_from_dict
 from rlfabric.core.errors import FailedPrecondition, InvalidArgument
 from rlfabric.data.dataset import PromptRow
@@ -61,9 +62,25 @@ class ModelService:
         return {}
 
 
-class WeightSync:
-    async def open(self) -> None:
+class InstantSync(WeightSync):
+    """Stands in for the weight-sync plane: every sync reaches its one receiver at once."""
+
+    @property
+    def receivers(self) -> dict[str, str]:
+        return {"rollout": "rollout.test:1"}
+
+    @property
+    def stale(self) -> bool:
+        return False
+
+    async def open(self) -> dict[str, str]:
+        return {}
+
+    async def close(self) -> None:
         pass
+
+    async def sync(self, version: int) -> SyncReport:
+        return SyncReport(version)
 
 
 class Prompts:
@@ -100,23 +117,16 @@ def rollout_batch(scores: list[float], failed: list[bool] | None = None, version
     return batch
 
 
-def train_step(trainer: PPOTrainer, batch: RolloutBatch, step: int = 1) -> dict[str, float]:
-    """trainer.train_on: phases 2 to 5 on a batch already generated and scored; its metrics."""
-    return asyncio.run(trainer.train_on(step, batch, StepTimer()))
+def train_step(driver: PPODriver, batch: RolloutBatch, step: int = 1) -> dict[str, float]:
+    """StepRunner.train_on: phases 2 to 5 on a batch already generated and scored; its metrics."""
+    return asyncio.run(driver.steps.train_on(step, batch, StepTimer()))
 
 
-def trainer_over(run_config: RunConfig, tmp_path, actor: ModelService, reference: ModelService | None = None,
-                 critic: ModelService | None = None) -> PPOTrainer:
-    peers = Peers(actor=actor, rollout=None, reward=None, reference=reference, critic=critic)
-    trainer = PPOTrainer(run_config, peers, SimpleNamespace(pad_token_id=0), tmp_path, Prompts(ROWS), None,
-                         WeightSync())
-
-    async def synced(version: int) -> dict[str, float]:
-        trainer.weight_version = version
-        return {}
-
-    trainer._sync_weights = synced
-    return trainer
+def driver_over(run_config: RunConfig, tmp_path, actor: ModelService, reference: ModelService | None = None,
+                critic: ModelService | None = None, rollout=None, reward=None, hooks=None) -> PPODriver:
+    peers = Peers(actor=actor, rollout=rollout, reward=reward, reference=reference, critic=critic)
+    return PPODriver(run_config, peers, SimpleNamespace(pad_token_id=0), tmp_path, Prompts(ROWS), None,
+                     InstantSync(), hooks)
 
 
 class Rollout:
@@ -147,14 +157,14 @@ class Reward:
 
 
 def test_a_failing_step_in_async_mode_cancels_the_generation_running_ahead(tmp_path):
-    trainer = trainer_over(config("trainer.mode=async"), tmp_path, ModelService("actor", fail_update=True))
-    trainer.peers = dataclasses.replace(trainer.peers, rollout=Rollout(), reward=Reward())
+    driver = driver_over(config("trainer.mode=async"), tmp_path, ModelService("actor", fail_update=True),
+                           rollout=Rollout(), reward=Reward())
 
     async def scenario():
         with pytest.raises(FailedPrecondition, match="the update failed"):
-            await trainer.run()
-        ahead = trainer.peers.rollout.requests[-1]
-        assert len(trainer.peers.rollout.requests) == 2  # step 2's prompts were generating while step 1 trained
+            await driver.run()
+        ahead = driver.peers.rollout.requests[-1]
+        assert len(driver.peers.rollout.requests) == 2  # step 2's prompts were generating while step 1 trained
         await asyncio.wait([ahead], timeout=10)
         assert ahead.done()  # (asyncio.run would cancel it at the end in any case)
 
@@ -165,19 +175,19 @@ def test_reference_and_critic_have_timers_of_their_own(tmp_path):
     # Two epochs: the update is more than one optimizer step, so the old log-probs are computed.
     run_config = config("algorithm.adv_estimator=gae", "actor.use_kl_loss=true", "actor.ppo_epochs=2")
     actor = ModelService("actor")
-    trainer = trainer_over(run_config, tmp_path, actor, reference=ModelService("reference", slow_s=0.3),
+    driver = driver_over(run_config, tmp_path, actor, reference=ModelService("reference", slow_s=0.3),
                            critic=ModelService("critic", slow_s=0.3))
-    metrics = train_step(trainer, rollout_batch([1.0, 0.0, 1.0, 0.0]))
+    metrics = train_step(driver, rollout_batch([1.0, 0.0, 1.0, 0.0]))
     assert metrics["timing_s/ref"] >= 0.3 and metrics["timing_s/values"] >= 0.3
     assert metrics["timing_s/old_log_prob"] < 0.3  # the actor answers at once; the others are not in it
 
 
 def test_failed_scores_are_counted_and_left_out_of_the_update_by_default(tmp_path):
     actor = ModelService("actor")
-    trainer = trainer_over(config(), tmp_path, actor)
-    assert trainer.config.algorithm.score_failure == "mask"
+    driver = driver_over(config(), tmp_path, actor)
+    assert driver.config.algorithm.score_failure == "mask"
     batch = rollout_batch([1.0, 0.0, 1.0, 0.0], failed=[False, True, False, False])
-    metrics = train_step(trainer, batch)
+    metrics = train_step(driver, batch)
     assert metrics["reward/score_failed/count"] == 1.0 and metrics["reward/score_failed/fraction"] == 0.25
     sent = actor.updates[0]
     assert sent["response_mask"].sum(-1).tolist() == [2, 0, 2, 2]  # the failed sample trains on nothing
@@ -188,10 +198,10 @@ def test_failed_scores_are_counted_and_left_out_of_the_update_by_default(tmp_pat
 
 
 def test_the_rollout_dump_says_which_samples_failed_scoring_and_why(tmp_path):
-    trainer = trainer_over(config("trainer.dump_rollouts=true"), tmp_path, ModelService("actor"))
+    driver = driver_over(config("trainer.dump_rollouts=true"), tmp_path, ModelService("actor"))
     batch = rollout_batch([1.0, 0.0, 1.0, 0.0], failed=[False, True, False, False])
     batch.failures = [None, failure_of(failed_result("crashed", "the scorer died")), None, None]
-    train_step(trainer, batch)
+    train_step(driver, batch)
     lines = [json.loads(line) for line in (tmp_path / "rollouts" / "step_1.jsonl").read_text().splitlines()]
     assert [line["score_failed"] for line in lines] == [False, True, False, False]
     assert lines[1]["failure"] == {"source": "reward", "status": "crashed", "message": "the scorer died"}
@@ -203,11 +213,11 @@ def test_the_rollout_dump_has_token_ids_and_sampler_log_probs_only_when_asked(tm
                for p in range(PROMPTS) for i in range(N)]
     samples[1].prompt_ids = [7, 8, 9, 10]  # a sample rendered with its own prompt (multi-turn) keeps it
     for tokens, name in ((False, "plain"), (True, "tokens")):
-        trainer = trainer_over(config("trainer.dump_rollouts=true", f"trainer.dump_rollout_tokens={tokens}"),
+        driver = driver_over(config("trainer.dump_rollouts=true", f"trainer.dump_rollout_tokens={tokens}"),
                                tmp_path / name, ModelService("actor"))
         batch = build_rollout_batch(ROWS, samples, N, pad_token_id=0)
         batch.scores, batch.score_failed = torch.zeros(len(samples)), torch.zeros(len(samples), dtype=torch.bool)
-        train_step(trainer, batch)
+        train_step(driver, batch)
         lines = [json.loads(line) for line in (tmp_path / name / "rollouts" / "step_1.jsonl").read_text().splitlines()]
         if not tokens:
             assert not {"prompt_ids", "response_ids", "rollout_log_probs"} & set(lines[0])
@@ -218,6 +228,48 @@ def test_the_rollout_dump_has_token_ids_and_sampler_log_probs_only_when_asked(tm
             assert line["response_ids"] == sample.token_ids and line["rollout_log_probs"] == sample.logprobs
             assert line["prompt_ids"] == (sample.prompt_ids or [1, 2, 3])
         assert lines[1]["prompt_ids"] == [7, 8, 9, 10] and lines[0]["response_ids"] == [4, 5, 6]
+
+
+class StopAfterOneStep(NoHooks):
+    """Run control that, at the boundary after step 1, asks for a checkpoint and then stops without one;
+    records the phases and the metrics the run reports."""
+
+    def __init__(self):
+        self.driver: PPODriver | None = None
+        self.checkpoint: asyncio.Future | None = None
+        self.phases: list[str] = []
+        self.metrics: dict[int, tuple[dict[str, float], str]] = {}
+
+    def on_phase(self, phase: str) -> None:
+        self.phases.append(phase)
+
+    def on_metrics(self, step: int, metrics: dict[str, float], trace_id: str) -> None:
+        self.metrics[step] = (metrics, trace_id)
+
+    async def between_steps(self) -> None:
+        if self.driver.step == 1:
+            self.checkpoint = self.driver.request_checkpoint()
+            self.driver.request_stop(save=False)
+
+
+def test_a_stop_ends_the_run_at_the_step_boundary_and_a_waiting_checkpoint_request_gets_an_answer(tmp_path):
+    hooks = StopAfterOneStep()
+    driver = driver_over(config(), tmp_path, ModelService("actor"), rollout=Rollout(), reward=Reward(), hooks=hooks)
+    hooks.driver = driver
+
+    async def scenario():
+        with pytest.raises(RunStopped):
+            await driver.run()
+        assert not hooks.checkpoint.done()  # no step boundary came to take it
+        driver.ended("the run ended (RUN_STATE_STOPPED) before the requested checkpoint was taken")
+        with pytest.raises(FailedPrecondition, match="before the requested checkpoint was taken"):
+            await hooks.checkpoint
+
+    asyncio.run(scenario())
+    assert driver.step == 1 and sorted(hooks.metrics) == [1]
+    assert hooks.metrics[1][1] == ""  # the step's trace id: none with tracing off
+    # Step 1's phases, then nothing: the stop asked for no save (no checkpointing, no exporting).
+    assert hooks.phases == ["generating", "computing", "updating", "syncing"]
 
 
 class FailingReward:
@@ -234,16 +286,16 @@ class FailingReward:
 
 def test_a_step_where_most_samples_failed_fails_the_run_before_training_with_the_reasons(tmp_path, caplog):
     actor = ModelService("actor")
-    trainer = trainer_over(config("trainer.dump_rollouts=true"), tmp_path, actor)
-    assert trainer.config.algorithm.max_failed_fraction == 0.5
-    trainer.peers = dataclasses.replace(trainer.peers, rollout=Rollout(), reward=FailingReward(scored=1))
-    trainer.keep_policy = None  # a run that failed must not get to keep (export) its policy
+    driver = driver_over(config("trainer.dump_rollouts=true"), tmp_path, actor, rollout=Rollout(),
+                           reward=FailingReward(scored=1))
+    assert driver.config.algorithm.max_failed_fraction == 0.5
+    driver.keep_policy = None  # a run that failed must not get to keep (export) its policy
 
     with pytest.raises(TooManyFailedSamples) as failure:
-        asyncio.run(trainer.run())
+        asyncio.run(driver.run())
     assert str(failure.value).startswith("step 1: 3 of 4 samples failed (reward timeout: 3); the first: item 1 took")
     assert "algorithm.max_failed_fraction=0.5" in str(failure.value)
-    assert actor.updates == [] and trainer.step == 0
+    assert actor.updates == [] and driver.step == 0
     # The step's samples, each with its failure, for the error to be looked into.
     dumped = [json.loads(line) for line in (tmp_path / "rollouts" / "step_1.jsonl").read_text().splitlines()]
     assert [row["failure"] and row["failure"]["status"] for row in dumped] == [None, "timeout", "timeout", "timeout"]
@@ -254,17 +306,17 @@ def test_a_step_where_most_samples_failed_fails_the_run_before_training_with_the
 
 def test_a_step_at_the_failed_fraction_trains_on_the_rest(tmp_path):
     actor = ModelService("actor")
-    trainer = trainer_over(config("trainer.total_steps=1", "trainer.export_final=false", "trainer.save_final=false"), tmp_path, actor)
-    trainer.peers = dataclasses.replace(trainer.peers, rollout=Rollout(), reward=FailingReward(scored=2))
-    asyncio.run(trainer.run())  # 2 of 4 failed: not more than half
-    assert trainer.step == 1 and actor.updates[0]["response_mask"].sum(-1).tolist() == [2, 2, 0, 0]
+    driver = driver_over(config("trainer.total_steps=1", "trainer.export_final=false", "trainer.save_final=false"),
+                           tmp_path, actor, rollout=Rollout(), reward=FailingReward(scored=2))
+    asyncio.run(driver.run())  # 2 of 4 failed: not more than half
+    assert driver.step == 1 and actor.updates[0]["response_mask"].sum(-1).tolist() == [2, 2, 0, 0]
 
 
 def test_failed_scores_train_as_zero_when_configured(tmp_path):
     actor = ModelService("actor")
-    trainer = trainer_over(config("algorithm.score_failure=zero"), tmp_path, actor)
+    driver = driver_over(config("algorithm.score_failure=zero"), tmp_path, actor)
     batch = rollout_batch([1.0, 0.0, 1.0, 0.0], failed=[False, True, False, False])
-    metrics = train_step(trainer, batch)
+    metrics = train_step(driver, batch)
     assert metrics["reward/score_failed/count"] == 1.0
     sent = actor.updates[0]
     assert sent["response_mask"].sum(-1).tolist() == [2, 2, 2, 2]
@@ -272,8 +324,8 @@ def test_failed_scores_train_as_zero_when_configured(tmp_path):
 
 
 def test_no_failed_scores_reports_zero(tmp_path):
-    trainer = trainer_over(config(), tmp_path, ModelService("actor"))
-    metrics = train_step(trainer, rollout_batch([1.0, 0.0, 1.0, 0.0]))
+    driver = driver_over(config(), tmp_path, ModelService("actor"))
+    metrics = train_step(driver, rollout_batch([1.0, 0.0, 1.0, 0.0]))
     assert metrics["reward/score_failed/count"] == 0.0 and metrics["reward/score_failed/fraction"] == 0.0
 
 

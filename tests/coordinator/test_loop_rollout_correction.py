@@ -1,5 +1,5 @@
 """Where the PPO ratio's old log-probs come from (algorithm.old_log_prob_source) and rollout correction,
-on the real PPOTrainer over the stand-in services of test_loop.py: which actor calls a step makes and
+on the real driver (PPODriver) over the stand-in services of test_loop.py: which actor calls a step makes and
 what its update is sent.
 
 Each sample's two tokens have rollout log-probs -0.5 and -1.0; the stand-in actor's log-probs are 0, so
@@ -17,7 +17,7 @@ from rlfabric.coordinator.rollout_batch import RolloutBatch, build_rollout_batch
 from rlfabric.core.config import ConfigError, RunConfig, apply_override, check_run_rules, config_from_dict
 from rlfabric.core.errors import FailedPrecondition
 from rlfabric.rollout.types import Finish, FinishedSample
-from tests.coordinator.test_loop import PROMPTS, ROWS, ModelService, N, train_step, trainer_over
+from tests.coordinator.test_loop import PROMPTS, ROWS, ModelService, N, driver_over, train_step
 
 ROLLOUT_LOG_PROBS = [-0.5, -1.0]
 
@@ -55,7 +55,7 @@ def batch(with_log_probs: bool = True) -> RolloutBatch:
 def step(tmp_path, *overrides: str, rollout: RolloutBatch | None = None):
     """One train_step: (its metrics, the actor's forward calls, the batch its update was sent)."""
     actor = CountingActor()
-    metrics = train_step(trainer_over(config(*overrides), tmp_path, actor), rollout or batch())
+    metrics = train_step(driver_over(config(*overrides), tmp_path, actor), rollout or batch())
     return metrics, actor.forward_calls, actor.updates[0]
 
 

@@ -1,0 +1,189 @@
+"""The sampler: samples generated over the rollout replicas and scored, for whatever samples in a run.
+
+    sampler = Sampler(config, peers)
+    async for chunk in sampler.generate_and_score(rows, sampler.training_params(gen_batch)):
+        ...                                  # prompts whose samples are all scored, as they complete
+    metrics = await sampler.validate(val_rows)
+    baselines = await sampler.greedy_baselines(rows)   # ReMax
+
+Training draws its batches through the RolloutStream (rollout_stream.py), which takes the sampler;
+validation and ReMax's greedy baselines call it directly. The sampler also holds the run's weight versions
+(WeightVersions): which one the rollout serves, and which one holds the policy after a step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import torch
+
+from rlfabric.coordinator.multi_turn import agent_prompt, combined_result, env_result, multi_turn_spec
+from rlfabric.coordinator.peers import Peers
+from rlfabric.core.config import RunConfig
+from rlfabric.data.dataset import PromptRow
+from rlfabric.reward.items import ItemResult, ScoreItem
+from rlfabric.rollout.types import FinishedSample, SamplingSpec
+
+SCORE_CHUNK = 64  # samples per Score request while generation is still streaming
+
+# A prompt's samples and their scores, each by sample index: (prompt index, samples, results).
+ScoredPrompt = tuple[int, dict[int, FinishedSample], dict[int, ItemResult]]
+
+
+@dataclass
+class WeightVersions:
+    """The policy's weight versions in one run. Versions only grow on a replica, so a run's versions start
+    above what the replicas serve when it starts (the run's prepare sets `base`)."""
+
+    base: int = 0  # the version of the policy at step 0 of this run
+    served: int = 0  # the version the rollout serves now (each weight sync sets it)
+
+    def after(self, step: int) -> int:
+        """The weight version that holds the policy after `step` steps of this run."""
+        return self.base + step
+
+
+class Sampler:
+    """Generates over `peers.rollout` and scores with `peers.reward` (or the environment's rewards)."""
+
+    def __init__(self, config: RunConfig, peers: Peers, versions: WeightVersions | None = None):
+        self.config = config
+        self.peers = peers
+        self.versions = versions or WeightVersions()
+
+    # -- what samples ---------------------------------------------------------------------------------
+
+    def training_params(self, gen_batch: int) -> SamplingSpec:
+        """The sampling settings of training's gen batch `gen_batch` (seeded by its index; multi-turn ones
+        included when rollout.multi_turn is on)."""
+        rollout, max_tokens = self.config.rollout, self.max_tokens()
+        return SamplingSpec(n=rollout.n, temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k,
+                            max_tokens=max_tokens, seed=self._step_seed(gen_batch),
+                            multi_turn=multi_turn_spec(self.config, max_tokens))
+
+    async def validate(self, rows: list[PromptRow]) -> dict[str, float]:
+        """Mean score on `rows` (data.val_files): val/score/mean and val-core/<data_source>/reward/mean@<n>."""
+        rollout = self.config.rollout
+        params = SamplingSpec(n=rollout.val_n, temperature=rollout.val_temperature, top_p=rollout.top_p,
+                              top_k=rollout.top_k, max_tokens=self.max_tokens(), seed=self._step_seed(-1),
+                              multi_turn=multi_turn_spec(self.config, self.max_tokens()))
+        size = self.config.data.val_batch_size
+        by_source: dict[str, list[float]] = {}
+        for start in range(0, len(rows), size):
+            part = rows[start : start + size]
+            async for chunk in self.generate_and_score(part, params):
+                for prompt_index, _, results in chunk:
+                    by_source.setdefault(part[prompt_index].data_source, []).extend(r.score for r in results.values())
+        metrics = {f"val-core/{source}/reward/mean@{rollout.val_n}": sum(s) / len(s) for source, s in by_source.items()}
+        every = [score for scores in by_source.values() for score in scores]
+        metrics["val/score/mean"] = sum(every) / len(every)
+        return metrics
+
+    async def greedy_baselines(self, rows: list[PromptRow]) -> torch.Tensor:
+        """ReMax's baseline: the score of each prompt's greedy response, repeated for its n samples."""
+        max_tokens = self.max_tokens()
+        greedy = SamplingSpec(n=1, temperature=0.0, max_tokens=max_tokens,
+                              multi_turn=multi_turn_spec(self.config, max_tokens))
+        by_prompt = {index: results[0].score async for chunk in self.generate_and_score(rows, greedy)
+                     for index, _, results in chunk}
+        return torch.tensor([by_prompt[p] for p in range(len(rows))]).repeat_interleave(self.config.rollout.n)
+
+    # -- generation and scoring -----------------------------------------------------------------------
+
+    async def generate_and_score(self, rows: list[PromptRow], params: SamplingSpec,
+                                 on_sample: Callable[[FinishedSample], None] | None = None,
+                                 ) -> AsyncIterator[list[ScoredPrompt]]:
+        """params.n samples of each row over the rollout replicas, scored: yields the prompts whose samples
+        are all scored, a chunk at a time, as (prompt index, samples, results), both by sample index. Score
+        requests go out while generation still streams, once SCORE_CHUNK samples of complete prompts are in.
+        on_sample sees each sample as it arrives (raising stops it all). Training (RolloutStream), validation
+        and ReMax's baselines all generate through here."""
+        prompts = [self.prompt_of(row) for row in rows]
+        finished: asyncio.Queue[asyncio.Task] = asyncio.Queue()
+        scoring: set[asyncio.Task] = set()
+
+        async def score(chunk: list[tuple[int, dict[int, FinishedSample]]]) -> list[ScoredPrompt]:
+            pairs = [(rows[index], sample) for index, samples in chunk for sample in samples.values()]
+            results = iter(await self.score_samples(pairs))
+            return [(index, samples, {k: next(results) for k in samples}) for index, samples in chunk]
+
+        def score_later(chunk: list[tuple[int, dict[int, FinishedSample]]]) -> None:
+            task = asyncio.create_task(score(chunk))
+            scoring.add(task)
+            task.add_done_callback(finished.put_nowait)
+
+        async def generate() -> None:
+            pending: dict[int, dict[int, FinishedSample]] = {}
+            chunk: list[tuple[int, dict[int, FinishedSample]]] = []
+            async for sample in self.peers.rollout.generate_stream(prompts, params,
+                                                                   chunk_prompts=self._chunk_prompts()):
+                if on_sample is not None:
+                    on_sample(sample)
+                samples = pending.setdefault(sample.prompt_index, {})
+                samples[sample.sample_index] = sample
+                if len(samples) == params.n:
+                    chunk.append((sample.prompt_index, pending.pop(sample.prompt_index)))
+                    if len(chunk) * params.n >= SCORE_CHUNK:
+                        score_later(chunk)
+                        chunk = []
+            if chunk:
+                score_later(chunk)
+
+        generating = asyncio.create_task(generate())
+        generating.add_done_callback(finished.put_nowait)
+        try:
+            while not generating.done() or scoring:
+                task = await finished.get()
+                if task is generating:
+                    task.result()  # generation's error ends it all
+                    continue
+                scoring.discard(task)
+                yield task.result()
+            generating.result()
+        finally:
+            for task in (generating, *scoring):
+                task.cancel()
+            await asyncio.gather(generating, *scoring, return_exceptions=True)
+
+    async def score_samples(self, pairs: list[tuple[PromptRow, FinishedSample]]) -> list[ItemResult]:
+        """The score of each (row, sample): the reward service's, and with rollout.multi_turn the
+        environment's rewards instead or added (rollout.multi_turn.reward)."""
+        multi_turn = self.config.rollout.multi_turn
+        if multi_turn.enable and multi_turn.reward == "env":  # the environment's rewards alone: no Score call
+            return [env_result(sample) for _, sample in pairs]
+        items = [self._score_item(row, sample) for row, sample in pairs]
+        results = await self.peers.score(items, self.config.trainer.reward_retry_window_s)
+        if multi_turn.enable:
+            results = [combined_result(sample, result, multi_turn.reward)
+                       for (_, sample), result in zip(pairs, results, strict=True)]
+        return results
+
+    def prompt_of(self, row: PromptRow):
+        """What the rollout gets for a row: its token ids, or with rollout.multi_turn its agent task."""
+        return agent_prompt(row) if self.config.rollout.multi_turn.enable else row.prompt_ids
+
+    def max_tokens(self) -> int:
+        """A response's token budget: rollout.response_length, else data.max_response_length."""
+        return self.config.rollout.response_length or self.config.data.max_response_length
+
+    # -- helpers --------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _score_item(row: PromptRow, sample: FinishedSample) -> ScoreItem:
+        return ScoreItem(data_source=row.data_source, response=sample.text, ground_truth=row.ground_truth,
+                         extra_info=json.loads(row.extra_info_json or "{}"),
+                         prompt=row.messages[-1]["content"] if row.messages else "",
+                         prompt_messages=row.messages, response_length=len(sample.token_ids))
+
+    def _chunk_prompts(self) -> int:
+        """Prompts per generate request: enough requests to spread over every replica."""
+        replicas = max(1, len(self.peers.rollout.healthy()))
+        return max(1, -(-self.config.data.train_batch_size // (2 * replicas)))
+
+    def _step_seed(self, step: int) -> int | None:
+        seed = self.config.rollout.seed
+        return None if seed is None else random.Random(f"{seed}:{step}").randrange(2**31)
