@@ -96,7 +96,7 @@ def _print_placement(args) -> int:
         return 1
     if args.launcher == "ray":  # one placement group per pool; Ray picks the devices within it
         try:
-            from rlfabric.launch.ray import describe_pools, reserved_devices
+            from rlfabric.launch.ray_placement import describe_pools, reserved_devices
         except ImportError as error:
             raise ConfigError(f"--launcher ray needs Ray ({error}); pip install 'rlfabric[ray]'") from None
         print("\n".join(describe_pools(config)))

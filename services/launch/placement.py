@@ -18,9 +18,8 @@ times slower. In async mode that is all of them; in sync mode the replicas gener
 each phase's services share the cores and the other phase's do not count (computes_with). Every service's OpenMP
 threads sleep as soon as they are idle (OMP_WAIT_POLICY=PASSIVE, unless the launcher's environment sets it), so a
 service waiting for its turn leaves the cores to the one computing (launcher.threads_per_service sets the count
-instead). The Ray launcher places
-pools as placement groups instead (rlfabric.launch.ray); the in-process mesh runs every role in one process,
-where pools do not apply.
+instead). The Ray launcher places pools as placement groups instead (rlfabric.launch.ray_placement); the
+in-process mesh runs every role in one process, where pools do not apply.
 """
 
 from __future__ import annotations
@@ -247,8 +246,8 @@ def placed_devices(config: RunConfig, placements: dict[str, Placement], gpu_coun
 
 def predicted_transport(config: RunConfig, devices: tuple[DeviceReport, dict[str, DeviceReport]]) -> TransportChoice:
     """The weight-sync transport the coordinator will choose on the devices a launcher gives the actor and the
-    rollout replicas (placed_devices here, rlfabric.launch.ray.reserved_devices on Ray), as far as they tell the
-    GPUs apart; a ConfigError naming weight_sync.transport for nccl forced where it cannot run."""
+    rollout replicas (placed_devices here, rlfabric.launch.ray_placement.reserved_devices on Ray), as far as they
+    tell the GPUs apart; a ConfigError naming weight_sync.transport for nccl forced where it cannot run."""
     actor, replicas = devices
     try:
         return choose_transport(config.weight_sync.transport, actor, replicas)

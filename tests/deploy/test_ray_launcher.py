@@ -283,7 +283,7 @@ def test_a_service_that_fails_to_load_is_named(ray_address, small, tmp_path):
 
 def test_a_pool_reserves_its_gpus_per_node_and_its_services_share_them():
     from rlfabric.core.config import ConfigError
-    from rlfabric.launch.ray import pool_bundles, pool_gpu_share
+    from rlfabric.launch.ray_placement import pool_bundles, pool_gpu_share
 
     config = load_config(None, ["resource_pools={shared: {gpus: 1}, critic: {gpus: 2}}", "actor.pool=shared",
                                 "rollout.pool=shared", "algorithm.adv_estimator=gae", "critic.pool=critic",
@@ -304,7 +304,7 @@ def test_a_pool_reserves_its_gpus_per_node_and_its_services_share_them():
 def test_a_multi_node_pool_puts_its_ith_service_on_node_i_mod_nodes():
     from rlfabric.core.config import ConfigError
     from rlfabric.launch.placement import predicted_transport
-    from rlfabric.launch.ray import pool_bundles, pool_gpu_share, pool_nodes, reserved_devices
+    from rlfabric.launch.ray_placement import pool_bundles, pool_gpu_share, pool_nodes, reserved_devices
 
     config = load_config(None, ["resource_pools={spread: {gpus: 1, nodes: 2}}", "actor.pool=spread",
                                 "rollout.pool=spread", "rollout.replicas=3", "launcher.ray.rollout.num_cpus=0.5"])

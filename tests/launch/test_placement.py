@@ -194,7 +194,7 @@ def test_nccl_forced_onto_one_gpu_is_refused_before_any_service_starts(tmp_path,
     (["rollout.engine=sglang"], "nccl", "rollout-0 did not report its GPU; the resource pools keep them apart"),
 ])
 def test_the_ray_launcher_predicts_the_transport_from_what_it_reserves(overrides, transport, reason):
-    ray_launcher = pytest.importorskip("rlfabric.launch.ray")
+    ray_launcher = pytest.importorskip("rlfabric.launch.ray_placement")
     def choice(config, cluster_has_gpus: bool):
         return predicted_transport(config, ray_launcher.reserved_devices(config, cluster_has_gpus))
 

@@ -117,6 +117,6 @@ def test_cpu_workers_get_cores_of_their_own_where_vllm_auto_binding_cannot(cpus,
 
 
 def test_a_ray_replica_asks_for_its_tp_gpus():
-    ray = pytest.importorskip("rlfabric.launch.ray")
-    assert ray.default_num_gpus(load_config(None, TP2), "rollout") == 2
-    assert ray.default_num_gpus(load_config(None, []), "rollout") == 1
+    ray_placement = pytest.importorskip("rlfabric.launch.ray_placement")
+    assert ray_placement.default_num_gpus(load_config(None, TP2), "rollout") == 2
+    assert ray_placement.default_num_gpus(load_config(None, []), "rollout") == 1
