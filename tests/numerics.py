@@ -29,11 +29,13 @@ differently (a vectorised loop body against its scalar tail). The bounds follow:
 
 Two engines of the same weights (vLLM's CPU kernels or the hf engine against the actor) stay in float32: vLLM
 serves no float64. Each rounds a log-prob's terms to float32, so they end a number of float32 steps apart at the
-log-prob's magnitude: |log p| of a sampled token is below 16 here (uniform over the vocabulary of 100 is 4.6), a
-step there 2^-20. ENGINE_LOGPROB_GAP = 2^-20 * 2^8 (the same allowance) = 2^-12, the largest |rollout log-prob -
-actor log-prob| over sampled tokens. Measured under default, avx2 and avx512 (vLLM under avx2 and avx512 only: its
-compiled kernels need one of them): 9.5e-7, two float32 steps; a replica that missed a sync is 0.146 or more away,
-600 times the bound; a bfloat16 replica 3.1e-3.
+log-prob's magnitude: engine_logprob_gap(m) = the float32 step at |log p| < m, times the same 2^8 allowance, is
+the bound on the largest |rollout log-prob - actor log-prob| over sampled tokens. For the tiny models |log p| of a
+sampled token is below 16 (uniform over their vocabulary of 100 is 4.6): ENGINE_LOGPROB_GAP = 2^-20 * 2^8 =
+2^-12. Measured under default, avx2 and avx512 (vLLM under avx2 and avx512 only: its compiled kernels need one of
+them): 9.5e-7, two float32 steps; a replica that missed a sync is 0.146 or more away, 600 times the bound; a
+bfloat16 replica 3.1e-3. SmolLM2 (vocabulary 49,152: uniform is 10.8) samples at |log p| < 32: 2^-11 = 4.9e-4,
+measured 6.7e-5 with vLLM (2.7e-5 with its LoRA path).
 
 Measured on this machine's three kernel families (the largest of default, avx2 and avx512, as a fraction of the
 bound): weights 4e-7 (4.4e-13 of lr * steps one rank against two, 5.6e-12 against TP 2), gradients 5e-3
@@ -46,11 +48,20 @@ from __future__ import annotations
 import torch
 
 FLOAT64 = {"dtype": "float64"}  # the model section of a float64 trainer
-ROTARY_STEP = 2.0**-24
+UNIT_ROUNDOFF = 2.0**-24  # float32: a step below magnitude m is at most m * UNIT_ROUNDOFF
+ROTARY_STEP = UNIT_ROUNDOFF
 LAYOUT_RTOL = ROTARY_STEP * 2**8
 FLOAT32_RTOL = 2.0**-21
 LOGPROB_ATOL = 2.0**-24
-ENGINE_LOGPROB_GAP = 2.0**-20 * 2**8
+
+
+def engine_logprob_gap(largest_abs_log_prob: float) -> float:
+    """The bound on |log p| differences of two float32 engines of the same weights, for sampled log-probs of
+    magnitude below `largest_abs_log_prob`: a float32 step there is at most that * 2^-24, times the allowance."""
+    return largest_abs_log_prob * UNIT_ROUNDOFF * 2**8
+
+
+ENGINE_LOGPROB_GAP = engine_logprob_gap(16.0)  # the tiny models': 2^-12
 
 
 def _named(name: str):

@@ -13,6 +13,7 @@ import torch
 from rlfabric.core.server import ServerOptions
 from rlfabric.rollout.servicer import build_service
 from tests.conftest import ServerThread
+from tests.numerics import ENGINE_LOGPROB_GAP
 
 from .helpers import generate, rollout_config, sampled_log_probs
 
@@ -48,7 +49,7 @@ def actor(tiny_model):
     server.stop()
 
 
-@pytest.fixture(params=["hf", "vllm"])
+@pytest.fixture(params=["hf", pytest.param("vllm", marks=pytest.mark.vllm)])
 def rollout_channel(request, tiny_model):
     """A channel to the rollout service with each engine: hf started here, vllm the session's engine."""
     if request.param == "vllm":
@@ -63,6 +64,7 @@ def rollout_channel(request, tiny_model):
         rollout.stop()
 
 
+@pytest.mark.numerics
 def test_rollout_logprobs_match_the_actor_service(rollout_channel, actor):
     samples = generate(rollout_channel, PROMPTS, n=2, max_tokens=16, temperature=0.7, seed=4)
     batch = actor_batch(samples, PROMPTS)
@@ -76,4 +78,4 @@ def test_rollout_logprobs_match_the_actor_service(rollout_channel, actor):
     mask = batch["response_mask"].bool()
     assert mask.sum() > 0
     diff = (actor_log_probs[mask] - rollout_log_probs[mask]).abs()
-    assert diff.mean() <= 1e-3, diff.max()
+    assert diff.max() <= ENGINE_LOGPROB_GAP, diff.max()  # float32 engines of the same weights: tests/numerics.py

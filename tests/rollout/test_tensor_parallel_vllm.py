@@ -25,6 +25,7 @@ from rlfabric.v1 import coordinator_pb2
 from tests.actor.helpers import make_batch
 from tests.conftest import ServerThread
 from tests.coordinator.meshes import fast_config
+from tests.numerics import ENGINE_LOGPROB_GAP
 from tests.weight_sync.helpers import Loop, logprob_gap
 from tests.weight_sync.test_sync_services import rollout_version
 
@@ -34,7 +35,7 @@ from .tcp_bytes import bytes_sent_since, tcp_bytes_between_processes
 
 pytestmark = pytest.mark.slow
 
-TOLERANCE = 1e-3  # |rollout - actor| log-prob, the bound of the TP=1 vLLM engine (tests/weight_sync/test_sync_vllm.py)
+TOLERANCE = ENGINE_LOGPROB_GAP  # |rollout - actor| log-prob, the TP=1 engines' bound (tests/numerics.py)
 TP = 2
 ENGINE_START_S = 900
 OPTIONS = ServerOptions(port=0, metrics_port=None)
@@ -96,6 +97,8 @@ def mesh(tiny_model, tmp_path_factory):
             mesh.stop()
 
 
+@pytest.mark.numerics
+@pytest.mark.vllm
 def test_log_probs_of_a_tp2_replica_are_the_actors_within_the_tp1_bound(mesh):
     gaps = [mesh.gap(seed) for seed in (0, 1)]
     print(f"TP={TP} |rollout - actor| log-prob, max per seed: {gaps}")
