@@ -28,9 +28,9 @@ from rlfabric.weight_sync.grpc_stream import (
     push_weights,
     serialize_chunks,
 )
-from tests.actor.helpers import make_batch
 from tests.numerics import ENGINE_LOGPROB_GAP
 from tests.rollout.helpers import generate, original_weights
+from tests.trainer.helpers import make_batch
 
 from .helpers import PROMPTS, Mesh, mesh_config
 
