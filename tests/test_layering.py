@@ -276,3 +276,12 @@ def test_every_mesh_wide_test_folder_still_is():
     packages = {path.name for path in SERVICES.iterdir() if (path / "__init__.py").exists()}
     assert [name for name in MESH_WIDE if name not in _test_folders() or name in packages] == []
 
+def test_no_module_exports_its_names_lazily():
+    """Issue 44, item 7: a module-level __getattr__ (PEP 562) makes names that an editor cannot follow to their
+    definition, as rlfabric.weight_sync's lazy exports were: import a name from the module that defines it."""
+    lazy = []
+    for path in sorted(SERVICES.rglob("*.py")):
+        for node in ast.parse(path.read_text(), filename=str(path)).body:
+            if isinstance(node, ast.FunctionDef) and node.name == "__getattr__":
+                lazy.append(f"services/{path.relative_to(SERVICES)}:{node.lineno}")
+    assert lazy == []
