@@ -47,9 +47,9 @@ RESULTS = ROOT / "bench" / "results"
 WHEELS = ROOT / "gpu-wheels"  # bench.gpu_wheels writes it; git ignores it
 SITE_ENV = "RLFABRIC_GPU_CHECK_SITE"  # set once the wheels are installed: the re-executed check skips setup
 
-GPU_MARKED = ["tests/weight_sync/test_nccl.py", "tests/weight_sync/test_cuda_ipc.py", "tests/actor/test_offload.py",
+GPU_MARKED = ["tests/weight_sync/test_nccl.py", "tests/weight_sync/test_cuda_ipc.py", "tests/trainer/test_offload.py",
               "tests/coordinator/test_colocated_training.py"]
-DEVICE_TESTS = ["tests/actor/test_log_probs.py", "tests/actor/test_update.py", "tests/actor/test_offload.py",
+DEVICE_TESTS = ["tests/trainer/test_log_probs.py", "tests/trainer/test_update.py", "tests/trainer/test_offload.py",
                 "tests/weight_sync/test_sync_services.py", "tests/weight_sync/test_failures.py",
                 "tests/weight_sync/test_reference_sync.py", "tests/weight_sync/test_devices.py",
                 "tests/rollout/test_hf_service.py", "tests/rollout/test_actor_agreement.py",

@@ -245,3 +245,43 @@ def test_every_function_defined_twice_by_design_still_is():
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
                 homes[node.name] = homes.get(node.name, 0) + 1
     assert [name for name in SAME_NAME_BY_DESIGN if homes.get(name, 0) < 2] == []
+
+
+TESTS = Path(__file__).resolve().parent
+# Test folders that test no one package but the mesh as a whole, or code outside services/.
+MESH_WIDE = {
+    "bench": "the benchmarks' own tests (bench/, beside services/)",
+    "clients": "clients in other languages (examples/clients) against a live mesh",
+    "deploy": "the images, the Helm chart and the Ray launcher, each bringing up every role",
+    "real_model": "a real pretrained model through every service",
+    "reliability": "faults, hostile clients and fuzzing across the services",
+}
+
+
+def _test_folders() -> set[str]:
+    """tests/'s folders that hold Python files (not one that a checkout left with only __pycache__ in it)."""
+    return {path.name for path in TESTS.iterdir() if path.is_dir() and any(path.glob("*.py"))}
+
+
+def test_the_tests_mirror_the_packages():
+    """Issue 44, item 7: the tests of rlfabric.<package> are in tests/<package>/, so a package's tests are found
+    where its name says. A test folder named after no package of services/ is named here, unless MESH_WIDE says
+    why it stands apart."""
+    packages = {path.name for path in SERVICES.iterdir() if (path / "__init__.py").exists()}
+    assert sorted(_test_folders() - packages - set(MESH_WIDE)) == []
+
+
+def test_every_mesh_wide_test_folder_still_is():
+    """A folder that left tests/ (or became a package's) leaves MESH_WIDE too, so the list cannot hide one."""
+    packages = {path.name for path in SERVICES.iterdir() if (path / "__init__.py").exists()}
+    assert [name for name in MESH_WIDE if name not in _test_folders() or name in packages] == []
+
+def test_no_module_exports_its_names_lazily():
+    """Issue 44, item 7: a module-level __getattr__ (PEP 562) makes names that an editor cannot follow to their
+    definition, as rlfabric.weight_sync's lazy exports were: import a name from the module that defines it."""
+    lazy = []
+    for path in sorted(SERVICES.rglob("*.py")):
+        for node in ast.parse(path.read_text(), filename=str(path)).body:
+            if isinstance(node, ast.FunctionDef) and node.name == "__getattr__":
+                lazy.append(f"services/{path.relative_to(SERVICES)}:{node.lineno}")
+    assert lazy == []

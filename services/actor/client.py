@@ -30,9 +30,8 @@ from rlfabric.trainer.client import (
     log_probs_input,
 )
 from rlfabric.v1 import actor_pb2, actor_pb2_grpc, common_pb2
-from rlfabric.weight_sync import Manifest, SyncGroup
 from rlfabric.weight_sync.grpc_stream import PushResult
-from rlfabric.weight_sync.manifest import transport_to_proto
+from rlfabric.weight_sync.manifest import Manifest, SyncGroup, transport_to_proto
 from rlfabric.weight_sync.phases import SyncPhases
 from rlfabric.weight_sync.sender import BroadcastResult
 

@@ -28,7 +28,8 @@ from rlfabric.reward.items import ItemResult, ScoreItem
 from rlfabric.rollout.router import RolloutRouter
 from rlfabric.trainer.client import Tensors
 from rlfabric.v1 import reference_pb2
-from rlfabric.weight_sync import Manifest, SyncGroup, WeightSwap
+from rlfabric.weight_sync.manifest import Manifest, SyncGroup
+from rlfabric.weight_sync.receiver import WeightSwap
 
 log = logging.getLogger("rlfabric.coordinator")
 

@@ -47,11 +47,11 @@ from rlfabric.core.errors import FailedPrecondition
 from rlfabric.reference.client import ReferenceClient, ReferenceInterface
 from rlfabric.rollout.client import RolloutClient
 from rlfabric.rollout.router import RolloutRouter
-from rlfabric.weight_sync import Manifest, SyncGroup, WeightSwap
 from rlfabric.weight_sync.devices import DeviceReport, TransportChoice, choose_transport
 from rlfabric.weight_sync.grpc_stream import PushResult
+from rlfabric.weight_sync.manifest import Manifest, SyncGroup
 from rlfabric.weight_sync.phases import SyncPhases
-from rlfabric.weight_sync.receiver import SLACK_S
+from rlfabric.weight_sync.receiver import SLACK_S, WeightSwap
 
 log = logging.getLogger("rlfabric.coordinator.weight_sync")
 

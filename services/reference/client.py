@@ -11,8 +11,9 @@ import torch
 from rlfabric.core.client import RoleInterface, ServiceClient
 from rlfabric.trainer.client import LocalTrainerClient, Tensors, decoded_tensors, log_probs_input
 from rlfabric.v1 import reference_pb2, reference_pb2_grpc
-from rlfabric.weight_sync import Manifest, SyncGroup, WeightSwap
+from rlfabric.weight_sync.manifest import Manifest, SyncGroup
 from rlfabric.weight_sync.phases import SyncPhases
+from rlfabric.weight_sync.receiver import WeightSwap
 
 
 class ReferenceInterface(RoleInterface):

@@ -10,7 +10,7 @@ from rlfabric.core.server import ServiceDefinition
 from rlfabric.trainer.engine import TrainerEngine
 from rlfabric.trainer.servicer import build_trainer_service, decode_log_probs_input
 from rlfabric.v1 import reference_pb2, reference_pb2_grpc
-from rlfabric.weight_sync import Manifest, SyncGroup
+from rlfabric.weight_sync.manifest import Manifest, SyncGroup
 
 
 class ReferenceServicer(reference_pb2_grpc.ReferenceServiceServicer):

@@ -22,8 +22,9 @@ from rlfabric.rollout import wire
 from rlfabric.rollout.agent_rollout import AgentRollouts
 from rlfabric.rollout.types import EngineStatus, FinishedSample, SamplingSpec
 from rlfabric.v1 import rollout_pb2, rollout_pb2_grpc
-from rlfabric.weight_sync import Manifest, SyncGroup, WeightSwap
+from rlfabric.weight_sync.manifest import Manifest, SyncGroup
 from rlfabric.weight_sync.phases import SyncPhases
+from rlfabric.weight_sync.receiver import WeightSwap
 
 if TYPE_CHECKING:
     from rlfabric.rollout.engine import RolloutEngine

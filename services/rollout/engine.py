@@ -53,8 +53,9 @@ from rlfabric.rollout.types import (
     check_chat_roles,
     validate_request,
 )
-from rlfabric.weight_sync import AdapterSpec, Manifest, Membership, SyncGroup, WeightLimits, WeightSwap
 from rlfabric.weight_sync.devices import DeviceReport
+from rlfabric.weight_sync.manifest import AdapterSpec, Manifest, SyncGroup, WeightLimits
+from rlfabric.weight_sync.receiver import Membership, WeightSwap
 
 if TYPE_CHECKING:
     import torch

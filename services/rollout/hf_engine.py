@@ -60,9 +60,9 @@ from rlfabric.rollout.types import (
     row_seed,
     truncate_at_stop,
 )
-from rlfabric.weight_sync import WeightLimits, WeightSwap
 from rlfabric.weight_sync.devices import DeviceReport, report_of
-from rlfabric.weight_sync.manifest import PEFT_PREFIX
+from rlfabric.weight_sync.manifest import PEFT_PREFIX, WeightLimits
+from rlfabric.weight_sync.receiver import WeightSwap
 
 log = logging.getLogger("rlfabric.rollout.hf")
 WAKE_TAGS = ("weights", "kv_cache")

@@ -25,8 +25,9 @@ from rlfabric.rollout.agent_rollout import AgentRollouts
 from rlfabric.rollout.engine import RolloutEngine
 from rlfabric.rollout.types import FinishedSample
 from rlfabric.v1 import rollout_pb2, rollout_pb2_grpc
-from rlfabric.weight_sync import Manifest, SyncGroup, WeightSwap
 from rlfabric.weight_sync.grpc_stream import PushReceiver, add_rollout_service
+from rlfabric.weight_sync.manifest import Manifest, SyncGroup
+from rlfabric.weight_sync.receiver import WeightSwap
 
 
 class RolloutMetrics:

@@ -44,8 +44,8 @@ from rlfabric.core.errors import FailedPrecondition, InvalidArgument, Unavailabl
 from rlfabric.core.host import load_tokenizer, trust_remote_code
 from rlfabric.rollout.engine import Generation, RolloutEngine
 from rlfabric.rollout.types import EngineLimits, Finish, FinishedSample, SamplingSpec, row_seed
-from rlfabric.weight_sync import Manifest, SyncGroup, WeightSwap
-from rlfabric.weight_sync.receiver import SLACK_S
+from rlfabric.weight_sync.manifest import Manifest, SyncGroup
+from rlfabric.weight_sync.receiver import SLACK_S, WeightSwap
 
 log = logging.getLogger("rlfabric.rollout.sglang")
 _FINISH = {"stop": Finish.STOP, "length": Finish.LENGTH, "abort": Finish.ABORT}

@@ -83,12 +83,11 @@ from rlfabric.rollout.types import (
     truncate_at_stop,
 )
 from rlfabric.rollout.vllm_worker import stage_adapter
-from rlfabric.weight_sync import Manifest, SyncGroup, WeightLimits, WeightSwap
 from rlfabric.weight_sync.devices import DeviceReport, gpu_uuid
 from rlfabric.weight_sync.gloo import master_store
-from rlfabric.weight_sync.manifest import parse_adapter_tensor_name
+from rlfabric.weight_sync.manifest import Manifest, SyncGroup, WeightLimits, parse_adapter_tensor_name
 from rlfabric.weight_sync.phases import SyncPhases
-from rlfabric.weight_sync.receiver import SLACK_S
+from rlfabric.weight_sync.receiver import SLACK_S, WeightSwap
 from rlfabric.weight_sync.relay import relay_group
 
 log = logging.getLogger("rlfabric.rollout.vllm")

@@ -136,7 +136,8 @@ class RlfabricWorkerExtension:
         """Leaves any earlier group and joins this one (blocks until every rank has joined); with tensor
         parallelism, `relay` is the replica's own group over which TP rank 0 forwards to the others."""
         from rlfabric.v1 import weight_sync_pb2
-        from rlfabric.weight_sync import SyncGroup, WeightReceiver
+        from rlfabric.weight_sync.manifest import SyncGroup
+        from rlfabric.weight_sync.receiver import WeightReceiver
 
         self.rlfabric_sync_leave()
         try:
@@ -156,8 +157,7 @@ class RlfabricWorkerExtension:
         actor's group and the sender of the replica's own group `local`; the other TP ranks receive from it."""
         from vllm.distributed import get_tensor_model_parallel_rank
 
-        from rlfabric.weight_sync import WeightReceiver
-        from rlfabric.weight_sync.receiver import open_transport
+        from rlfabric.weight_sync.receiver import WeightReceiver, open_transport
         from rlfabric.weight_sync.relay import ReplicaRelay
 
         tp_rank = get_tensor_model_parallel_rank()
@@ -176,7 +176,7 @@ class RlfabricWorkerExtension:
         """Starts receiving a manifest's buckets on a thread; poll with rlfabric_sync_poll."""
         from rlfabric.core.errors import FailedPrecondition
         from rlfabric.v1 import weight_sync_pb2
-        from rlfabric.weight_sync import Manifest
+        from rlfabric.weight_sync.manifest import Manifest
 
         sync = self._rlfabric_sync()
         if sync.receiver is None:

@@ -36,8 +36,9 @@ from rlfabric.trainer.dist import Command, WorkerGroup, run_command
 from rlfabric.trainer.models import rank_device
 from rlfabric.trainer.roles import role_spec
 from rlfabric.trainer.worker import RankWorker
-from rlfabric.weight_sync import AdapterSpec, Manifest, Membership, SyncGroup, WeightLimits, WeightSwap
 from rlfabric.weight_sync.devices import DeviceReport, report_of
+from rlfabric.weight_sync.manifest import AdapterSpec, Manifest, SyncGroup, WeightLimits
+from rlfabric.weight_sync.receiver import Membership, WeightSwap
 from rlfabric.weight_sync.sender import BroadcastResult, WeightSender
 
 log = logging.getLogger("rlfabric.actor")

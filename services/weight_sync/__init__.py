@@ -27,28 +27,17 @@ torch.distributed process group built as SGLang builds its weight-update group, 
 joins with /init_weights_update_group, and dense buckets (SGLang's flattened layout), which it receives
 with /update_weights_from_distributed (rlfabric.rollout.sglang_engine).
 
-Modules: manifest (dataclasses, proto conversion, WeightLimits), buckets (plan, pack, check, unpack,
-CRC-32), gloo, nccl, torch_group (transports), grpc_stream (PushWeights, both ends), receiver (receiving
-side), sender (actor side).
+Modules (the package exports nothing: import a name from the module that defines it; importing the package
+loads no torch, so what needs only devices or phases, such as the launcher's placement, does not either):
+
+    manifest     Manifest, SyncGroup, BucketSpec, TensorSpec, AdapterSpec, WeightLimits; proto conversion
+    buckets      plan_buckets, pack, unpack, ChecksumMismatch, CRC-32
+    receiver     WeightReceiver, BucketAssembler, Membership, WeightSwap (receiving side)
+    sender       WeightSender (actor side); pipeline: bucket k+1 packed while bucket k is on the wire
+    gloo, nccl, torch_group, cuda_ipc    the collective transports; grpc_stream: PushWeights, both ends
+    relay        into a tensor-parallel replica: its TP rank 0 forwards each bucket to its peers
+    devices      what each service reports of its devices, and the transport chosen from it
+    phases       how long each phase of a sync took (SyncPhases, PhaseClock)
+
 The coordinator drives all of it through rlfabric.coordinator.weight_sync.WeightSyncPlane.
 """
-
-from importlib import import_module
-
-# Where each name of the package's interface lives. They load on first use (PEP 562), so that what needs
-# only devices or manifest (the launcher's placement, a config error in the CLI) does not import torch.
-_EXPORTS = {
-    "ChecksumMismatch": "buckets", "pack": "buckets", "plan_buckets": "buckets", "unpack": "buckets",
-    "AdapterSpec": "manifest", "BucketSpec": "manifest", "Manifest": "manifest", "SyncGroup": "manifest",
-    "TensorSpec": "manifest", "WeightLimits": "manifest",
-    "BucketAssembler": "receiver", "Membership": "receiver", "WeightReceiver": "receiver", "WeightSwap": "receiver",
-}
-
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(import_module(f"{__name__}.{_EXPORTS[name]}"), name)
-
-
-__all__ = sorted(_EXPORTS)

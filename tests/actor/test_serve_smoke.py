@@ -17,7 +17,7 @@ import yaml
 
 from rlfabric.actor.client import ActorClient
 from rlfabric.core.client import wait_until_serving
-from tests.actor.helpers import make_batch
+from tests.trainer.helpers import make_batch
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow

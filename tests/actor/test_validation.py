@@ -9,7 +9,7 @@ import torch
 from rlfabric.core import codec
 from rlfabric.core.errors import InvalidArgument, RlfabricError
 from rlfabric.v1 import actor_pb2, common_pb2
-from tests.actor.helpers import Served, make_batch, make_config
+from tests.trainer.helpers import Served, make_batch, make_config
 
 ROWS, PROMPT, RESPONSE = 8, 7, 5
 

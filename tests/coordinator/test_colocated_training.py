@@ -43,7 +43,7 @@ def test_the_quickstart_learns_colocated_and_the_rollout_frees_its_weights_while
         assert record["memory/rollout/rss_mb/asleep"] > 0
         assert record["memory/actor/rss_mb/after_update"] > 0  # the actor's side, from its update
         # On a GPU the colocated actor leaves nothing allocated after its update: weights, gradients, optimizer
-        # state and cuBLAS's workspaces (64 MiB before they were freed) are gone (tests/actor/test_offload.py).
+        # state and cuBLAS's workspaces (64 MiB before they were freed) are gone (tests/trainer/test_offload.py).
         assert record.get("memory/actor/device_mb/after_update", 0.0) < 1.0
         if engine:
             continue  # vLLM's memory lives in its engine process: the service cannot account for it

@@ -20,9 +20,9 @@ from rlfabric.reward.items import ScoreItem
 from rlfabric.rollout.client import LocalRolloutClient, RolloutClient
 from rlfabric.rollout.types import SamplingSpec
 from rlfabric.serve import build_service
-from tests.actor.helpers import make_batch
 from tests.conftest import ServerThread
 from tests.coordinator.meshes import fast_config
+from tests.trainer.helpers import make_batch
 
 GRPC_CLIENTS = {"actor": ActorClient, "critic": CriticClient, "rollout": RolloutClient, "reward": RewardClient}
 LOCAL_CLIENTS = {"actor": LocalActorClient, "critic": LocalCriticClient, "rollout": LocalRolloutClient,

@@ -25,12 +25,12 @@ from rlfabric.core.config import load_config
 from rlfabric.core.host import load_tokenizer
 from rlfabric.data.prep import write_arithmetic
 from rlfabric.v1 import coordinator_pb2
-from tests.actor.helpers import hf_log_probs
 from tests.coordinator.meshes import over_grpc
 from tests.numerics import engine_logprob_gap
 from tests.rollout.conftest import require_vllm
 from tests.rollout.helpers import environment_restored, generate, sampled_log_probs
 from tests.rollout.test_actor_agreement import actor_batch
+from tests.trainer.helpers import hf_log_probs
 from tests.weight_sync.helpers import Loop
 
 pytestmark = pytest.mark.slow

@@ -16,7 +16,7 @@ disk changed. The storage root is one folder; "the user's" files lie beside it a
 4. `rlfabric serve` on a non-loopback address without TLS and a token refuses to start.
 Elsewhere: two StartRuns at once (tests/launch/test_local_mesh.py), weight-sync group exhaustion, scoring a
 client gave up on, hung in-process scorers (test_bounded_resources.py), escapes from the reward sandbox
-(tests/reward/test_sandbox.py).
+(tests/sandbox/test_reward_sandbox.py).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from rlfabric.rollout.servicer import build_service
 from rlfabric.rollout.sglang_engine import check_dense
 from rlfabric.rollout.types import Finish, row_seed
 from rlfabric.v1 import rollout_pb2
-from rlfabric.weight_sync import BucketSpec, Manifest, SyncGroup, TensorSpec
+from rlfabric.weight_sync.manifest import BucketSpec, Manifest, SyncGroup, TensorSpec
 from tests.conftest import ServerThread
 
 from .fake_sglang import FakeSGLangServer

@@ -22,10 +22,10 @@ from rlfabric.core.server import ServerOptions
 from rlfabric.launch.local import prepare_run_dir, service_names
 from rlfabric.serve import build_service
 from rlfabric.v1 import coordinator_pb2
-from tests.actor.helpers import make_batch
 from tests.conftest import ServerThread
 from tests.coordinator.meshes import fast_config
 from tests.numerics import ENGINE_LOGPROB_GAP
+from tests.trainer.helpers import make_batch
 from tests.weight_sync.helpers import Loop, logprob_gap
 from tests.weight_sync.test_sync_services import rollout_version
 

@@ -21,10 +21,10 @@ from rlfabric.core.config import RunConfig, dump_config, load_config
 from rlfabric.core.server import ServerOptions
 from rlfabric.rollout.servicer import build_service as build_rollout
 from rlfabric.serve import build_service as build_trainer
-from tests.actor.helpers import make_batch
 from tests.conftest import ServerThread
 from tests.rollout.helpers import generate, sampled_log_probs
 from tests.rollout.test_actor_agreement import actor_batch
+from tests.trainer.helpers import make_batch
 
 PROMPTS = [[1, 90, 88, 74], [1, 70, 88, 88, 78, 88, 89, 70, 83], [40, 41]]
 # A vLLM (CPU) replica small enough to sit beside the others in one test process.

@@ -18,9 +18,9 @@ from rlfabric.core import codec
 from rlfabric.core.config import ConfigError
 from rlfabric.core.errors import InvalidArgument, ResourceExhausted
 from rlfabric.v1 import weight_sync_pb2
-from rlfabric.weight_sync import AdapterSpec, Manifest, WeightLimits, pack
+from rlfabric.weight_sync.buckets import pack
 from rlfabric.weight_sync.grpc_stream import push_weights, serialize_chunks
-from rlfabric.weight_sync.manifest import adapter_tensor_name, aligned
+from rlfabric.weight_sync.manifest import AdapterSpec, Manifest, WeightLimits, adapter_tensor_name, aligned
 from tests.numerics import ENGINE_LOGPROB_GAP
 from tests.rollout.helpers import original_weights
 

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from rlfabric.coordinator.weight_sync import WeightSyncPlane
-from rlfabric.weight_sync import AdapterSpec, pack
+from rlfabric.weight_sync.buckets import pack
 from rlfabric.weight_sync.grpc_stream import push_weights, serialize_chunks
+from rlfabric.weight_sync.manifest import AdapterSpec
 from tests.numerics import ENGINE_LOGPROB_GAP
 from tests.rollout.conftest import require_vllm
 

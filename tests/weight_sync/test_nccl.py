@@ -13,8 +13,8 @@ import torch
 
 from rlfabric.core.errors import FailedPrecondition
 from rlfabric.v1 import weight_sync_pb2
-from rlfabric.weight_sync import SyncGroup, pack, unpack
-from rlfabric.weight_sync.buckets import verify
+from rlfabric.weight_sync.buckets import pack, unpack, verify
+from rlfabric.weight_sync.manifest import SyncGroup
 from rlfabric.weight_sync.nccl import (
     UNIQUE_ID_BYTES,
     NcclTransport,

@@ -7,7 +7,7 @@ import torch
 
 from rlfabric.coordinator.weight_sync import SyncReport, WeightSyncPlane
 from rlfabric.reference.client import ReferenceClient
-from tests.actor.helpers import make_batch
+from tests.trainer.helpers import make_batch
 
 from .helpers import Mesh, mesh_config
 

@@ -19,18 +19,17 @@ from rlfabric.core.errors import FailedPrecondition, InvalidArgument, NotFound
 from rlfabric.reference.client import ReferenceClient
 from rlfabric.rollout.client import RolloutClient
 from rlfabric.v1 import rollout_pb2, rollout_pb2_grpc
-from rlfabric.weight_sync import pack
 from rlfabric.weight_sync import sender as sender_module
-from rlfabric.weight_sync.buckets import crc_buffer
+from rlfabric.weight_sync.buckets import crc_buffer, pack
 from rlfabric.weight_sync.grpc_stream import (
     PUSH_METHOD,
     STREAMS_METADATA,
     push_weights,
     serialize_chunks,
 )
-from tests.actor.helpers import make_batch
 from tests.numerics import ENGINE_LOGPROB_GAP
 from tests.rollout.helpers import generate, original_weights
+from tests.trainer.helpers import make_batch
 
 from .helpers import PROMPTS, Mesh, mesh_config
 

@@ -14,8 +14,8 @@ from transformers import AutoModelForCausalLM
 from rlfabric.core.config import config_from_dict
 from rlfabric.core.errors import FailedPrecondition, InvalidArgument
 from rlfabric.trainer.engine import TrainerEngine
-from tests.actor.helpers import Served, hf_log_probs, make_batch, make_config
 from tests.numerics import FLOAT64, assert_same_float32
+from tests.trainer.helpers import Served, hf_log_probs, make_batch, make_config
 
 pytestmark = pytest.mark.numerics  # make test-kernels runs it under every CPU kernel family
 

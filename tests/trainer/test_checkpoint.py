@@ -8,8 +8,8 @@ from safetensors.torch import load_file
 
 from rlfabric.core.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from rlfabric.trainer import checkpoint as ckpt
-from tests.actor.helpers import Served, hf_log_probs, make_batch, make_config
 from tests.numerics import FLOAT64, assert_same_float32
+from tests.trainer.helpers import Served, hf_log_probs, make_batch, make_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.numerics]  # numerics: make test-kernels
 

@@ -9,7 +9,7 @@ import torch
 from rlfabric.trainer import models
 from rlfabric.trainer.batch import validate_batch
 from rlfabric.trainer.objectives import MiniBatchCounts, PolicyObjective
-from tests.actor.helpers import Served, make_batch, make_config
+from tests.trainer.helpers import Served, make_batch, make_config
 
 
 def test_the_policy_loss_keeps_no_float32_copy_of_the_logits(tiny_model):

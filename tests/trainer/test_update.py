@@ -9,7 +9,7 @@ from grpc_health.v1 import health_pb2
 from prometheus_client import generate_latest
 
 from rlfabric.core.client import check_health, open_channel
-from tests.actor.helpers import Served, make_batch, make_config
+from tests.trainer.helpers import Served, make_batch, make_config
 from tests.waiting import wait_until_async
 
 ACTOR_METRICS = {"actor/pg_loss", "actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl", "actor/entropy",

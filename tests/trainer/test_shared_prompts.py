@@ -10,8 +10,8 @@ import torch
 from rlfabric.trainer import models
 from rlfabric.trainer.batch import validate_batch
 from rlfabric.trainer.objectives import MiniBatchCounts, PolicyObjective, forward_log_probs, shared_prompts
-from tests.actor.helpers import Served, make_batch, make_config
 from tests.numerics import FLOAT64, assert_same_float32, assert_same_gradient, assert_same_metric
+from tests.trainer.helpers import Served, make_batch, make_config
 
 pytestmark = pytest.mark.numerics  # make test-kernels runs it under every CPU kernel family
 

@@ -11,7 +11,7 @@ import torch
 
 from rlfabric.trainer import worker
 from rlfabric.trainer.worker import move_optimizer_state, release_device_memory
-from tests.actor.helpers import Served, make_batch, make_config
+from tests.trainer.helpers import Served, make_batch, make_config
 
 
 @pytest.mark.gpu

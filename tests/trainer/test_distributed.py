@@ -7,8 +7,8 @@ import torch
 from safetensors.torch import load_file
 
 from rlfabric.core.errors import FailedPrecondition
-from tests.actor.helpers import Served, make_batch, make_config
 from tests.numerics import FLOAT64, assert_same_float32, assert_same_metric, assert_same_update
+from tests.trainer.helpers import Served, make_batch, make_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.numerics]  # numerics: make test-kernels
 

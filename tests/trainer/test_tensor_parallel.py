@@ -14,8 +14,8 @@ from rlfabric.core.config import ConfigError
 from rlfabric.launch.local import check_model
 from rlfabric.trainer.engine import TrainerEngine
 from rlfabric.trainer.tensor_parallel import check_model_split, split_problem
-from tests.actor.helpers import Served, make_batch, make_config
 from tests.numerics import FLOAT64, assert_same_float32, assert_same_metric, assert_same_update
+from tests.trainer.helpers import Served, make_batch, make_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.numerics]  # numerics: make test-kernels
 

@@ -14,9 +14,9 @@ from transformers import AutoModelForCausalLM
 from rlfabric.core.config import ConfigError
 from rlfabric.launch.inprocess import InProcessMesh
 from rlfabric.trainer import models
-from tests.actor.helpers import Served, make_batch, make_config
 from tests.coordinator.meshes import fast_config
 from tests.numerics import FLOAT64, assert_same_float32, assert_same_metric, assert_same_update
+from tests.trainer.helpers import Served, make_batch, make_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.numerics]  # numerics: make test-kernels
 

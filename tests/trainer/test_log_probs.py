@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.actor.helpers import Served, hf_log_probs, make_batch, make_config
 from tests.numerics import FLOAT64, assert_same_float32
+from tests.trainer.helpers import Served, hf_log_probs, make_batch, make_config
 
 pytestmark = pytest.mark.numerics  # make test-kernels runs it under every CPU kernel family
 
