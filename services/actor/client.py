@@ -160,16 +160,16 @@ class LocalActorClient(LocalTrainerClient, ActorInterface):
     async def open_weight_sync_group(self, transport: str, num_receivers: int, bucket_bytes: int = 0,
                                      target_dtype: torch.dtype | None = None, timeout_s: float = 0.0,
                                      grpc_receiver_addresses: tuple[str, ...] = ()) -> SyncGroup:
-        return await self.engine.open_weight_sync("" if transport == "auto" else transport, num_receivers,
+        return await self.engine.weight_sync.open("" if transport == "auto" else transport, num_receivers,
                                                   bucket_bytes, target_dtype, timeout_s, grpc_receiver_addresses)
 
     async def prepare_weight_sync(self, group_id: str, version: int, timeout_s: float | None = None) -> Manifest:
-        return await self.engine.prepare_weight_sync(group_id, version)
+        return await self.engine.weight_sync.prepare(group_id, version)
 
     async def broadcast_weights(self, group_id: str, version: int, timeout_s: float | None = None) -> BroadcastResult:
-        return await self.engine.broadcast_weights(group_id, version)
+        return await self.engine.weight_sync.broadcast(group_id, version)
 
     async def close_weight_sync_group(self, group_id: str, timeout_s: float | None = None) -> None:
-        await self.engine.close_weight_sync(group_id)
+        await self.engine.weight_sync.close(group_id)
 
 

@@ -46,24 +46,24 @@ class ActorServicer(actor_pb2_grpc.ActorServiceServicer):
 
     async def OpenWeightSyncGroup(self, request, context):
         dtype = codec.torch_dtype(request.target_dtype) if request.target_dtype else None
-        group = await self.engine.open_weight_sync(
+        group = await self.engine.weight_sync.open(
             transport_from_proto(request.transport), request.num_receivers, request.bucket_bytes, dtype,
             request.timeout_s, tuple(request.grpc_receiver_addresses))
         return actor_pb2.ActorServiceOpenWeightSyncGroupResponse(group=group.to_proto())
 
     async def PrepareWeightSync(self, request, context):
-        manifest = await self.engine.prepare_weight_sync(request.group_id, request.version)
+        manifest = await self.engine.weight_sync.prepare(request.group_id, request.version)
         return actor_pb2.ActorServicePrepareWeightSyncResponse(manifest=manifest.to_proto())
 
     async def BroadcastWeights(self, request, context):
-        result = await self.engine.broadcast_weights(request.group_id, request.version)
+        result = await self.engine.weight_sync.broadcast(request.group_id, request.version)
         pushes = [actor_pb2.WeightPushResult(address=p.address, version=p.version, paused_seconds=p.paused_seconds,
                                              error=p.error, phases=p.phases.to_proto()) for p in result.pushes]
         return actor_pb2.ActorServiceBroadcastWeightsResponse(num_bytes=result.num_bytes, seconds=result.seconds,
                                                               pushes=pushes, phases=result.phases.to_proto())
 
     async def CloseWeightSyncGroup(self, request, context):
-        await self.engine.close_weight_sync(request.group_id)
+        await self.engine.weight_sync.close(request.group_id)
         return actor_pb2.ActorServiceCloseWeightSyncGroupResponse()
 
     async def GetStatus(self, request, context):

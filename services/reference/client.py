@@ -73,12 +73,12 @@ class LocalReferenceClient(LocalTrainerClient, ReferenceInterface):
 
     async def get_status(self) -> reference_pb2.ReferenceServiceGetStatusResponse:
         status = self.engine.status()
-        return reference_pb2.ReferenceServiceGetStatusResponse(model=status.model,
-                                                               weight_version=self.engine.weight_version,
-                                                               device=status.device.to_proto())
+        return reference_pb2.ReferenceServiceGetStatusResponse(
+            model=status.model, weight_version=self.engine.weight_sync.weight_version,
+            device=status.device.to_proto())
 
     async def join_weight_sync_group(self, group: SyncGroup, rank: int, timeout_s: float | None = None) -> None:
-        await self.engine.join_weight_sync(group, rank)
+        await self.engine.weight_sync.join(group, rank)
 
     async def receive_weights(self, manifest: Manifest, timeout_s: float | None = None) -> WeightSwap:
-        return await self.engine.receive_weights(manifest)
+        return await self.engine.weight_sync.receive(manifest)

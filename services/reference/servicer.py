@@ -24,19 +24,19 @@ class ReferenceServicer(reference_pb2_grpc.ReferenceServiceServicer):
 
     async def JoinWeightSyncGroup(self, request, context):
         group = SyncGroup.from_proto(request.group, self.engine.config.weight_sync.max_timeout_s)
-        await self.engine.join_weight_sync(group, request.rank)
+        await self.engine.weight_sync.join(group, request.rank)
         return reference_pb2.ReferenceServiceJoinWeightSyncGroupResponse()
 
     async def ReceiveWeights(self, request, context):
-        swap = await self.engine.receive_weights(Manifest.from_proto(request.manifest))
+        swap = await self.engine.weight_sync.receive(Manifest.from_proto(request.manifest))
         return reference_pb2.ReferenceServiceReceiveWeightsResponse(version=swap.version, phases=swap.phases.to_proto())
 
     async def GetStatus(self, request, context):
         # weight_version 0: the weights as loaded from the model path
         status = self.engine.status()
-        return reference_pb2.ReferenceServiceGetStatusResponse(model=status.model,
-                                                               weight_version=self.engine.weight_version,
-                                                               device=status.device.to_proto())
+        return reference_pb2.ReferenceServiceGetStatusResponse(
+            model=status.model, weight_version=self.engine.weight_sync.weight_version,
+            device=status.device.to_proto())
 
 
 def build_service(config: RunConfig) -> ServiceDefinition:

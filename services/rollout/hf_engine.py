@@ -10,9 +10,9 @@ concurrent requests, and runs them as one batch on a worker thread, so the event
 checks, GetStatus) stays responsive. Each unique prompt is prefilled once and its KV cache repeated
 for its n samples; finished rows leave the batch, and rows queued meanwhile join it (continuous
 batching, hf_decode.DecodeBatch.join), up to max_num_seqs. Weight loads and sleep take the same lock
-as a batch, so they happen between batches; no row joins a batch that a weight swap waits for.
-Pause(abort=True) drops the queued rows and the running batch ends its aborted rows at its next step,
-each with Finish.ABORT.
+as a batch, so they happen between batches (what they do to the model: hf_weights); no row joins a batch
+that a weight swap waits for. Pause(abort=True) drops the queued rows and the running batch ends its
+aborted rows at its next step, each with Finish.ABORT.
 
 Decoding keeps the host out of the per-token path: each token's random number comes from (row seed,
 position) on the device (sampling.counter_uniforms), and the host reads the sampled tokens once every
@@ -52,6 +52,7 @@ from rlfabric.core.errors import DeadlineExceeded, FailedPrecondition, InvalidAr
 from rlfabric.core.host import load_tokenizer, trust_remote_code
 from rlfabric.rollout.engine import Generation, RolloutEngine
 from rlfabric.rollout.hf_decode import DecodeBatch
+from rlfabric.rollout.hf_weights import copy_weights, discard_weights, restore_weights
 from rlfabric.rollout.types import (
     EngineLimits,
     Finish,
@@ -335,12 +336,7 @@ class HFEngine(RolloutEngine):
             if level == 1:
                 await asyncio.to_thread(self.net.to, "cpu")
             else:
-                # Each parameter (a tied one once) keeps its object and shape, over no memory; buffers (rotary
-                # tables) stay, as no sync sends them.
-                self._discarded_shapes = {}
-                for parameter in self.net.parameters():
-                    self._discarded_shapes[parameter] = parameter.shape
-                    parameter.data = parameter.data.new_empty(0)
+                self._discarded_shapes = discard_weights(self.net)
 
     async def _wake_up(self, tags: Sequence[str]) -> bool:
         unknown = set(tags) - set(WAKE_TAGS)
@@ -349,8 +345,7 @@ class HFEngine(RolloutEngine):
         if tags and "weights" not in tags:
             return False  # the weights are still asleep
         async with self._lock:
-            for parameter, shape in self._discarded_shapes.items():
-                parameter.data = parameter.data.new_empty(shape)
+            restore_weights(self._discarded_shapes)
             self._discarded_shapes = {}
             await asyncio.to_thread(self.net.to, self.device)
         return True
@@ -421,7 +416,7 @@ class HFEngine(RolloutEngine):
         try:
             async with self._lock:
                 started = time.monotonic()
-                adopted = await asyncio.to_thread(self._copy_weights, named, targets(), adopt)
+                adopted = await asyncio.to_thread(copy_weights, named, targets(), self.model, self.device, adopt)
                 self.weight_version = self.weight_version + 1 if version is None else int(version)
                 paused = time.monotonic() - started
         finally:
@@ -430,29 +425,6 @@ class HFEngine(RolloutEngine):
         log.info("weights loaded", extra={"fields": {"tensors": len(named), "version": self.weight_version,
                                                      "paused_s": round(paused, 4), "adopted": adopted}})
         return WeightSwap(self.weight_version, paused, adopted=adopted)
-
-    def _copy_weights(self, named: list[tuple[str, torch.Tensor]], targets: dict[str, torch.Tensor],
-                      adopt: bool = False) -> bool:
-        """Checks every tensor first, then copies all of them: a bad update changes nothing. With `adopt`
-        (tensors nobody else holds) and every tensor in its parameter's dtype and device, each parameter
-        takes the tensor itself instead (returns True). Copies on the host run on this thread alone: they
-        are memory-bound, and OpenMP's threads only wait for each other (pipeline.one_thread_on_the_host)."""
-        from rlfabric.weight_sync.pipeline import one_thread_on_the_host
-
-        for name, tensor in named:
-            if name not in targets:
-                raise InvalidArgument(f"unknown weight {name!r} for model {self.model}")
-            if tuple(tensor.shape) != tuple(targets[name].shape):
-                raise InvalidArgument(f"weight {name!r} has shape {tuple(tensor.shape)}, "
-                                      f"the model's is {tuple(targets[name].shape)}")
-        adopt = adopt and all(t.dtype == targets[n].dtype and t.device == targets[n].device for n, t in named)
-        with torch.no_grad(), one_thread_on_the_host(self.device):
-            for name, tensor in named:
-                if adopt:
-                    targets[name].data = tensor
-                else:
-                    targets[name].copy_(tensor)  # casts and moves on the way
-        return adopt
 
 
 def _put_each(finished: list[tuple[Generation, FinishedSample]]) -> None:

@@ -11,12 +11,13 @@ sample is reported as soon as it finishes and same seed -> same samples, as with
 prefix caching shares the prompt's KV across its n samples. Log-probs: logprobs_mode
 "processed_logprobs" (after temperature and top-k/top-p), see rlfabric.rollout.types.
 
-Weights: load_weights stages the tensors as a safetensors file in shared memory and calls the
-workers' rlfabric_load_weights_file (rlfabric.rollout.vllm_worker) through collective_rpc. Weight
-sync over gloo or nccl lands in the worker process itself: the worker joins the actor's group
-(rlfabric_sync_join) and receives on a thread of its own (rlfabric_sync_start / _poll) while
-generation goes on. Either way the switch (_switch) holds generation with pause_generation, applies
-the new weights, resets the prefix cache (its KV came from the old weights) and resumes. With
+Weights (how they reach the workers: rlfabric.rollout.vllm_weights): load_weights stages the tensors as a
+safetensors file in shared memory and calls the workers' rlfabric_load_weights_file
+(rlfabric.rollout.vllm_worker) through collective_rpc. Weight sync over gloo or nccl lands in the worker
+process itself: the worker joins the actor's group (rlfabric_sync_join) and receives on a thread of its own
+(rlfabric_sync_start / _poll) while generation goes on. Either way the switch (_switch) holds generation
+with pause_generation, applies the new weights, resets the prefix cache (its KV came from the old weights)
+and resumes. With
 rollout.partial_rollouts it pauses with "abort": each sample in flight ends early and goes on as a new
 request for prompt + what it generated, with the max_tokens left, under the new weights (abort and
 resume from the prefix, so the version of each token is exact: FinishedSample.version_spans; vLLM's
@@ -49,28 +50,17 @@ import math
 import os
 import shutil
 import time
-import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
-from datetime import timedelta
 from pathlib import Path
 
-import grpc
 import torch
 
 from rlfabric.core.config import RunConfig
 from rlfabric.core.dtypes import rollout_dtype
-from rlfabric.core.errors import (
-    DeadlineExceeded,
-    FailedPrecondition,
-    InvalidArgument,
-    RlfabricError,
-    Unavailable,
-    error_for_code,
-)
+from rlfabric.core.errors import FailedPrecondition, InvalidArgument, Unavailable
 from rlfabric.core.host import load_tokenizer, trust_remote_code
 from rlfabric.core.moe import check_rollout_engine, in_memory_shapes
-from rlfabric.core.storage import create_private_file
 from rlfabric.rollout.engine import Generation, RolloutEngine
 from rlfabric.rollout.tensor_parallel import check_model_splits, cpu_binding, numa_node_count
 from rlfabric.rollout.types import (
@@ -82,19 +72,22 @@ from rlfabric.rollout.types import (
     row_seed,
     truncate_at_stop,
 )
+from rlfabric.rollout.vllm_weights import (
+    WorkerSync,
+    adapter_config,
+    stage_weights,
+    staging_path,
+    worker_call,
+)
 from rlfabric.rollout.vllm_worker import stage_adapter
 from rlfabric.weight_sync.devices import DeviceReport, gpu_uuid
-from rlfabric.weight_sync.gloo import master_store
-from rlfabric.weight_sync.manifest import Manifest, SyncGroup, WeightLimits, parse_adapter_tensor_name
+from rlfabric.weight_sync.manifest import Manifest, SyncGroup, WeightLimits
 from rlfabric.weight_sync.phases import SyncPhases
-from rlfabric.weight_sync.receiver import SLACK_S, WeightSwap
-from rlfabric.weight_sync.relay import relay_group
+from rlfabric.weight_sync.receiver import WeightSwap
 
 log = logging.getLogger("rlfabric.rollout.vllm")
-RELAY_HOST = "127.0.0.1"  # a TP replica's workers are processes of this node
 WORKER_EXTENSION = "rlfabric.rollout.vllm_worker.RlfabricWorkerExtension"
 _FINISH = {"stop": Finish.STOP, "length": Finish.LENGTH, "abort": Finish.ABORT}
-SYNC_POLL_S = 0.02
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # max_lora_rank values vLLM accepts
 
 
@@ -117,15 +110,6 @@ def cpu_worker_binding(tensor_parallel_size: int):
         os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
 
 
-def stage_weights(named: dict[str, torch.Tensor], path: Path) -> None:
-    """Writes the tensors to a new file only this user can read (create_private_file): /dev/shm is shared
-    by every user of the machine, and the weights are the policy being trained."""
-    from safetensors.torch import save_file
-
-    create_private_file(path)
-    save_file(named, str(path))  # truncates and writes the file just made, keeping its mode
-
-
 class VLLMEngine(RolloutEngine):
     name = "vllm"
 
@@ -135,13 +119,12 @@ class VLLMEngine(RolloutEngine):
         self._update_lock = asyncio.Lock()  # one weight switch (or abort) at a time
         self._asleep_tags: set[str] = set()  # what Sleep released and no WakeUp has restored yet
         self._switches = 0  # weight switches so far: a request aborted by one goes on (partial rollouts)
-        self._sync_group: SyncGroup | None = None  # joined from inside the worker (gloo, nccl)
+        self._worker_sync = WorkerSync(config.rollout.tensor_parallel_size)  # gloo, nccl: the workers receive
         self._lora_request = None  # the adapter version the next requests use (weight_sync.lora adapter)
         self._lora_directory: Path | None = None  # where that version is staged
         self._lora_ids = 0
         self._fused_expert_shapes: dict[str, tuple[int, ...]] | None = None  # MoE: the in-memory names' shapes
         self._device_report: DeviceReport | None = None
-        self._relay_store = None  # tensor parallelism over gloo: the store of the replica's own group
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -330,7 +313,7 @@ class VLLMEngine(RolloutEngine):
         self._alive()
         # Clones: safetensors refuses tensors that share memory (tied embeddings).
         named = {name: tensor.detach().to("cpu").contiguous().clone() for name, tensor in weights}
-        path = Path(self.config.rollout.weight_staging_dir) / f"rlfabric-weights-{os.getpid()}-{uuid.uuid4().hex}.safetensors"
+        path = staging_path(self.config.rollout.weight_staging_dir, "weights", ".safetensors")
         try:
             await asyncio.to_thread(stage_weights, named, path)
             timeout = self.config.rollout.drain_timeout_s
@@ -348,24 +331,14 @@ class VLLMEngine(RolloutEngine):
             return await super().swap_adapter(weights, version)
         self._alive()
         named = {name: tensor.detach().to("cpu").contiguous().clone() for name, tensor in weights}
-        directory = self._new_adapter_directory()
+        directory = staging_path(self.config.rollout.weight_staging_dir, "lora")
         try:
-            await asyncio.to_thread(stage_adapter, str(directory), named, self._adapter_config(named))
+            config = adapter_config(self.adapter, self.model, named)
+            await asyncio.to_thread(stage_adapter, str(directory), named, config)
             return await self._switch_adapter(directory, version)
         except BaseException:
             shutil.rmtree(directory, ignore_errors=True)
             raise
-
-    def _new_adapter_directory(self) -> Path:
-        return Path(self.config.rollout.weight_staging_dir) / f"rlfabric-lora-{os.getpid()}-{uuid.uuid4().hex}"
-
-    def _adapter_config(self, names: Iterable[str]) -> dict:
-        """adapter_config.json of a staged version: peft's fields vLLM reads, with the layers it adapts."""
-        modules = sorted({parse_adapter_tensor_name(name)[0].rsplit(".", 1)[-1] for name in names})
-        return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": self.adapter.rank,
-                "lora_alpha": self.adapter.alpha, "target_modules": modules, "lora_dropout": 0.0, "bias": "none",
-                "fan_in_fan_out": False, "use_rslora": False, "modules_to_save": None,
-                "base_model_name_or_path": self.model}
 
     async def _switch_adapter(self, directory: Path, version: int) -> WeightSwap:
         """Adds the staged version under a new LoRA id with generation held, makes the next requests use
@@ -422,70 +395,28 @@ class VLLMEngine(RolloutEngine):
             self._device_report = DeviceReport("cuda:0", gpu_uuid(0, init_cuda=False))
         return self._device_report
 
-    # -- weight sync inside the worker process (gloo, nccl) --------------------------------------
+    # -- weight sync inside the worker processes (gloo, nccl: rlfabric.rollout.vllm_weights) ----------
 
     async def join_weight_sync(self, group: SyncGroup, rank: int) -> None:
         if group.transport == "grpc":  # the bytes arrive in this process (PushWeights)
-            self._sync_group = None
+            self._worker_sync.group = None
             return await super().join_weight_sync(group, rank)
         group.check_rank(rank)
-        llm = self._alive()
-        self._sync_group = None
-        relay = b""
-        if self.config.rollout.tensor_parallel_size > 1:
-            relay = (await asyncio.to_thread(self._open_relay_group, group)).to_proto().SerializeToString()
-        try:
-            self._raise_for(await self._worker_call(llm, group.timeout_s, "rlfabric_sync_join",
-                                                    group.to_proto().SerializeToString(), rank, relay))
-        except BaseException:
-            self._relay_store = None
-            raise
-        self._sync_group = group
-
-    def _open_relay_group(self, group: SyncGroup) -> SyncGroup:
-        """The replica's own group over which TP rank 0 forwards the actor's buckets to its TP peers
-        (rlfabric.weight_sync.relay): gloo on a store this process hosts on loopback (vLLM's "mp" workers are
-        on this node), nccl with a new unique id."""
-        tp = self.config.rollout.tensor_parallel_size
-        self._relay_store = None  # an earlier group's
-        if group.transport == "nccl":
-            from rlfabric.weight_sync.nccl import new_unique_id
-
-            return relay_group(group, tp, nccl_unique_id=new_unique_id())
-        relay_group(group, tp)  # FailedPrecondition for a transport a TP replica cannot relay
-        self._relay_store = master_store(RELAY_HOST, 0, tp, timedelta(seconds=group.timeout_s))
-        return relay_group(group, tp, RELAY_HOST, self._relay_store.port)
+        await self._worker_sync.join(self._alive(), group, rank)
 
     async def receive_weights(self, manifest: Manifest) -> WeightSwap:
-        group = self._sync_group
-        if group is None:
+        if self._worker_sync.group is None:
             return await super().receive_weights(manifest)
-        if manifest.group_id != group.group_id:
-            raise FailedPrecondition(f"manifest is for weight-sync group {manifest.group_id!r}, this replica "
-                                     f"joined {group.group_id!r}")
+        self._worker_sync.check_group(manifest)
         limits = self.weight_limits()
         if limits is not None:  # before the worker allocates the manifest's buckets
             limits.check(manifest)
         llm = self._alive()
-        self._raise_for(await self._worker_call(llm, group.timeout_s, "rlfabric_sync_start",
-                                                manifest.to_proto().SerializeToString()))
-        deadline = time.monotonic() + group.timeout_s + SLACK_S
-        while True:  # the worker receives on its own thread; generation goes on meanwhile
-            outcomes = await self._worker_call(llm, group.timeout_s, "rlfabric_sync_poll")
-            if all(o["state"] == "done" for o in outcomes):
-                break
-            if any(o["state"] == "error" for o in outcomes):
-                if any(o["code"] != "INVALID_ARGUMENT" for o in outcomes if o["state"] == "error"):
-                    self._sync_group = None  # a failed collective: the worker left the group
-                self._raise_for(outcomes)
-            if time.monotonic() > deadline:
-                self._sync_group = None
-                raise DeadlineExceeded(f"weights did not arrive within weight_sync.timeout_s={group.timeout_s:g}")
-            await asyncio.sleep(SYNC_POLL_S)
-        received = SyncPhases.slowest(SyncPhases(**o.get("phases", {})) for o in outcomes)
+        timeout_s = self._worker_sync.group.timeout_s
+        received = await self._worker_sync.receive(llm, manifest)  # generation goes on meanwhile
         started = time.perf_counter()
         if manifest.adapter is not None:  # the worker writes the adapter out; vLLM's LoRA API loads it
-            swap = await self._stage_received_adapter(llm, group, manifest)
+            swap = await self._stage_received_adapter(llm, timeout_s, manifest)
         else:
             swap = await self._switch(lambda llm: llm.collective_rpc("rlfabric_sync_apply"), manifest.version)
         swap = replace(swap, phases=received + SyncPhases(apply=time.perf_counter() - started))
@@ -493,40 +424,19 @@ class VLLMEngine(RolloutEngine):
                                                        "paused_s": round(swap.paused_seconds, 4)}})
         return swap
 
-    async def _stage_received_adapter(self, llm, group: SyncGroup, manifest: Manifest) -> WeightSwap:
+    async def _stage_received_adapter(self, llm, timeout_s: float, manifest: Manifest) -> WeightSwap:
         if self.adapter is None:  # WeightLimits refuses it first; kept for a replica without a checkpoint
             raise FailedPrecondition("this vllm replica was started without LoRA (weight_sync.lora: merged)")
-        directory = self._new_adapter_directory()
+        directory = staging_path(self.config.rollout.weight_staging_dir, "lora")
         names = [tensor.name for bucket in manifest.buckets for tensor in bucket.tensors]
         try:
-            await self._worker_call(llm, group.timeout_s, "rlfabric_sync_stage_adapter", str(directory),
-                                    self._adapter_config(names))
+            await worker_call(llm, timeout_s, "rlfabric_sync_stage_adapter", str(directory),
+                              adapter_config(self.adapter, self.model, names))
             return await self._switch_adapter(directory, manifest.version)
         except BaseException:
             shutil.rmtree(directory, ignore_errors=True)
             raise
 
     async def leave_weight_sync(self) -> None:
-        if self._sync_group is not None and self.llm is not None:
-            self._sync_group = None
-            await self._worker_call(self.llm, 30.0, "rlfabric_sync_leave")
-        self._relay_store = None
+        await self._worker_sync.leave(self.llm)
         await super().leave_weight_sync()
-
-    @staticmethod
-    def _raise_for(outcomes: list[dict]) -> None:
-        """Raises the domain error of the first worker outcome that failed (rlfabric.rollout.vllm_worker)."""
-        for outcome in outcomes:
-            if outcome["state"] == "error":
-                code = getattr(grpc.StatusCode, outcome["code"], grpc.StatusCode.UNAVAILABLE)
-                raise error_for_code(code, f"vllm worker: {outcome['message']}")
-
-    async def _worker_call(self, llm, timeout_s: float, method: str, *args):
-        try:
-            return await asyncio.wait_for(llm.collective_rpc(method, args=args), timeout_s + SLACK_S)
-        except TimeoutError:
-            raise DeadlineExceeded(f"vllm worker call {method} took longer than {timeout_s + SLACK_S:g} s") from None
-        except RlfabricError:
-            raise
-        except Exception as error:
-            raise Unavailable(f"vllm worker call {method} failed: {type(error).__name__}: {error}") from error

@@ -2,6 +2,7 @@
 the critic (rlfabric.critic) each run this engine behind a servicer and a client of their own.
 
     engine.py          TrainerEngine: rank 0; validates, shards requests over the ranks, runs them on one thread
+    weight_sync.py     TrainerWeightSync: its end of weight sync (the actor sends, the reference receives)
     dist.py            the role's process group: starting ranks 1..N-1, commands as tensors over gloo/NCCL
     worker.py          RankWorker: one rank's model (FSDP2, tensor parallel), optimizer and per-rank compute
     tensor_parallel.py <role>.tensor_parallel_size: the DTensor plan, the gradient norm, gathering onto rank 0

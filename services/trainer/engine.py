@@ -3,7 +3,8 @@
 It validates each request into a SequenceBatch, cuts it into one shard per data-parallel rank (the T ranks
 of a tensor-parallel group share one), sends the shards to ranks 1..N-1 (dist.WorkerGroup) and runs its own. All torch work runs on one dedicated thread:
 the event loop keeps answering health checks during a long update, and commands never interleave
-(their collectives must reach every rank in the same order).
+(their collectives must reach every rank in the same order). Its end of weight sync is
+rlfabric.trainer.weight_sync (engine.weight_sync).
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import asyncio
 import functools
 import logging
 import math
-import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -23,7 +23,6 @@ from prometheus_client import CollectorRegistry
 from rlfabric import algorithms as algos
 from rlfabric.algorithms.plugins import load_plugin_modules
 from rlfabric.core import lora
-from rlfabric.core.client import ChannelOptions
 from rlfabric.core.config import RunConfig
 from rlfabric.core.errors import FailedPrecondition, InvalidArgument
 from rlfabric.core.host import cpu_thread_budget, current_rss_bytes
@@ -35,11 +34,9 @@ from rlfabric.trainer.batch import SequenceBatch, shard_rows, validate_batch
 from rlfabric.trainer.dist import Command, WorkerGroup, run_command
 from rlfabric.trainer.models import rank_device
 from rlfabric.trainer.roles import role_spec
+from rlfabric.trainer.weight_sync import TrainerWeightSync
 from rlfabric.trainer.worker import RankWorker
 from rlfabric.weight_sync.devices import DeviceReport, report_of
-from rlfabric.weight_sync.manifest import AdapterSpec, Manifest, SyncGroup, WeightLimits
-from rlfabric.weight_sync.receiver import Membership, WeightSwap
-from rlfabric.weight_sync.sender import BroadcastResult, WeightSender
 
 log = logging.getLogger("rlfabric.actor")
 MB = 1 << 20
@@ -73,24 +70,10 @@ class TrainerEngine:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{role}-engine")
         self._threads_before: int | None = None
         self._rss_peak_reset = False  # whether the resident high-water mark was reset before this update
-        self.weight_version = 0  # the reference's: bumped by each weight sync it receives
-        self._sender: WeightSender | None = None  # the actor's weight-sync groups, made on first use
-        # the reference's weight-sync group; the bytes land on rank 0's device
-        self._membership = Membership(device=self._receive_device, limits=self._weight_limits)
-        self._weights_changes = 0  # commands that changed the weights so far (updates, loads)
-        self._prepared_at: dict[str, int] = {}  # weight-sync group -> _weights_changes when its sync was prepared
+        self.weights_changes = 0  # commands that changed the weights so far (updates, loads)
         registry = registry or CollectorRegistry()
-        self._sync_seconds = service_histogram(
-            registry, "rlfabric_weight_sync_seconds", "Wall time of one weight sync on this service "
-            "(actor: broadcast; reference: receive and load).", ("role",))
-        self._sync_bytes = service_counter(
-            registry, "rlfabric_weight_sync_bytes_total", "Weight bytes moved by weight sync (actor: sent per "
-            "receiver; reference: received).", ("role",))
-        self._sync_bytes.labels(role)
-        self._sync_phases = service_histogram(
-            registry, "rlfabric_weight_sync_phase_seconds", "Seconds of each phase of one weight sync on this service "
-            "(actor: gather, pack, checksum, wire; reference: wire, checksum, apply). Phases of a pipelined sync "
-            "overlap.", ("role", "phase"))
+        # the actor sends its weights, the reference receives them
+        self.weight_sync = TrainerWeightSync(self, self._executor, registry)
         if self.spec.trainable:
             self._update_seconds = service_histogram(
                 registry, "rlfabric_train_update_seconds", "Wall time of one update RPC inside the service.", ("role",))
@@ -137,9 +120,7 @@ class TrainerEngine:
             "parameters": self.worker.num_parameters, "seconds": round(time.perf_counter() - started, 2)}})
 
     async def stop(self) -> None:
-        if self._sender is not None:
-            self._sender.close_all()
-        await self._membership.leave()
+        await self.weight_sync.stop()
         if self.group is not None:
             await self._run(self.group.stop)
         if self._threads_before is not None:
@@ -154,7 +135,7 @@ class TrainerEngine:
         if dead:
             raise FailedPrecondition(f"{self.role}: rank(s) {', '.join(dead)} died; restart the service")
         if command in WEIGHT_CHANGES:
-            self._weights_changes += 1
+            self.weights_changes += 1
         self.group.send(command, params, shards)
         return run_command(self.worker, self.group.channel, command, params, shards[0], state)
 
@@ -282,10 +263,11 @@ class TrainerEngine:
         missing = sorted(set(expected) - set(model_state))
         if missing:
             raise InvalidArgument(f"checkpoint {path} does not fit {self.model_path}: missing {missing[:5]}")
-        self._check_names(model_state, f"checkpoint {path}", expected)
+        self.check_names(model_state, f"checkpoint {path}", expected)
 
-    def _check_names(self, tensors: dict[str, torch.Tensor], what: str,
-                     expected: dict[str, tuple] | None = None) -> None:
+    def check_names(self, tensors: dict[str, torch.Tensor], what: str,
+                    expected: dict[str, tuple] | None = None) -> None:
+        """InvalidArgument unless each tensor is a weight of the model (or of `expected`) in its shape."""
         expected = expected if expected is not None else self.worker.param_shapes
         unexpected = sorted(set(tensors) - set(expected))
         wrong = sorted(n for n in set(expected) & set(tensors) if tuple(tensors[n].shape) != expected[n])
@@ -310,6 +292,19 @@ class TrainerEngine:
         merged = lora.merged_state(full, lora.scaling(lora_config))
         return ckpt.export_hf(path, merged, self.worker.hf_config, source=self.model_path, also=write_adapter)
 
+    def status(self) -> EngineStatus:
+        worker = self.worker
+        return EngineStatus(model=self.model_path, world_size=self.world_size,
+                            optimizer_step=worker.optimizer_steps if worker else 0,
+                            num_parameters=worker.num_parameters if worker else 0,
+                            device=self._device_report if worker else DeviceReport())
+
+    @functools.cached_property
+    def _device_report(self) -> DeviceReport:  # asked once the worker exists: a GPU's UUID does not change
+        return report_of(self.worker.device)
+
+    # -- the weights, as rank 0 gathers and loads them (weight sync, exports, the in-process mesh) ----
+
     def _full_weights(self, on_device: bool = False) -> dict[str, torch.Tensor]:
         """Every weight, gathered on rank 0 (with LoRA: PeftModel's names, adapters included); on_device: an
         unsharded model's stay on its device (worker.full_state)."""
@@ -322,57 +317,6 @@ class TrainerEngine:
         if self.worker.lora is not None:
             model_state = lora.merged_state(model_state, lora.scaling(self.worker.lora))
         return model_state
-
-    def status(self) -> EngineStatus:
-        worker = self.worker
-        return EngineStatus(model=self.model_path, world_size=self.world_size,
-                            optimizer_step=worker.optimizer_steps if worker else 0,
-                            num_parameters=worker.num_parameters if worker else 0,
-                            device=self._device_report if worker else DeviceReport())
-
-    @functools.cached_property
-    def _device_report(self) -> DeviceReport:  # asked once the worker exists: a GPU's UUID does not change
-        return report_of(self.worker.device)
-
-    # -- weight sync: the actor sends (rank 0 of each group), the reference receives ----------------
-
-    def _weight_sender(self) -> WeightSender:
-        if not self.spec.sends_weights:
-            raise FailedPrecondition(f"the {self.role} does not send weights; only the actor does")
-        if self._sender is None:
-            sync = self.config.weight_sync
-            self._sender = WeightSender(sync_host(self.config), self.worker.device,
-                                        ChannelOptions.from_config(self.config), timeout_s=sync.timeout_s,
-                                        bucket_bytes=sync.bucket_mb << 20, max_timeout_s=sync.max_timeout_s,
-                                        max_open_groups=sync.max_open_groups)
-        return self._sender
-
-    async def open_weight_sync(self, transport: str, num_receivers: int, bucket_bytes: int = 0,
-                               dtype: torch.dtype | None = None, timeout_s: float = 0.0,
-                               addresses: tuple[str, ...] = ()) -> SyncGroup:
-        """A new group with this actor as rank 0 (dtype None = the actor's compute dtype). With SGLang
-        rollout servers, a torch.distributed group built as theirs is, so they can join it."""
-        torch_group = self.config.rollout.engine == "sglang" and transport != "grpc"
-        return self._weight_sender().open(transport, num_receivers, bucket_bytes, dtype or self.worker.dtype,
-                                          timeout_s, addresses, torch_group)
-
-    async def prepare_weight_sync(self, group_id: str, version: int) -> Manifest:
-        """Gathers the full weights for `group_id` and plans their buckets (grpc and torch groups: packs
-        them), on the torch thread, so no update changes them half-way."""
-        sender = self._weight_sender()
-        return await self._run(self._prepare_weight_sync, sender, group_id, version)
-
-    def _prepare_weight_sync(self, sender: WeightSender, group_id: str, version: int) -> Manifest:
-        started = time.perf_counter()
-        if self.config.syncs_lora_adapters():  # weight_sync.lora: the adapters alone, peft names
-            settings = self.worker.lora
-            adapter = AdapterSpec.of(settings.rank, settings.alpha, settings.target_modules)
-            state = self.adapter_weights()
-        else:  # read where they are (unsharded): packing copies them once, straight into the buckets
-            adapter, state = None, self.policy_weights(on_device=True)
-        manifest = sender.prepare(group_id, version, state, adapter, gather_s=time.perf_counter() - started)
-        self._prepared_at[group_id] = self._weights_changes
-        return manifest
 
     def adapter_weights(self) -> dict[str, torch.Tensor]:
         """The LoRA adapters alone under peft's file names: what an adapter-only weight sync sends."""
@@ -391,64 +335,7 @@ class TrainerEngine:
         weight_sync.lora resolves to adapter."""
         return await self._run(self.adapter_weights)
 
-    async def broadcast_weights(self, group_id: str, version: int) -> BroadcastResult:
-        """Sends the prepared weights; pipelined transports pack them on the torch thread meanwhile (nothing
-        else runs there until they are packed), after checking that no update or load changed them since
-        PrepareWeightSync (FailedPrecondition: prepare again)."""
-        prepared_at = self._prepared_at.get(group_id)
-
-        def unchanged() -> None:
-            if prepared_at != self._weights_changes:
-                raise FailedPrecondition(f"the actor's weights changed since PrepareWeightSync of group {group_id} "
-                                         f"(an update or a load ran in between): prepare version {version} again")
-
-        result = await self._weight_sender().broadcast(group_id, version, self._executor, unchanged)
-        self._sync_seconds.labels(self.role).observe(result.seconds)
-        self._sync_bytes.labels(self.role).inc(result.num_bytes)
-        for phase in ("gather", "pack", "checksum", "wire"):
-            self._sync_phases.labels(self.role, phase).observe(getattr(result.phases, phase))
-        log.info("weights sent", extra={"fields": {"group_id": group_id, "version": version, "bytes": result.num_bytes,
-                                                   "seconds": round(result.seconds, 3), **{
-                                                       f"{k}_s": round(v, 3) for k, v in result.phases.as_dict().items()
-                                                       if k != "apply"}}})
-        return result
-
-    async def close_weight_sync(self, group_id: str) -> None:
-        self._weight_sender().close(group_id)
-
-    def _receive_device(self) -> torch.device:
-        return self.worker.device if self.worker else torch.device("cpu")
-
-    def _weight_limits(self) -> WeightLimits | None:
-        """The model's own weights, which a manifest must fit before its buckets are allocated."""
-        return WeightLimits(self.worker.param_shapes, what=f"model {self.model_path}") if self.worker else None
-
-    async def join_weight_sync(self, group: SyncGroup, rank: int) -> None:
-        if not self.spec.receives_weights:
-            raise FailedPrecondition(f"the {self.role} does not receive weights; the reference and rollout do")
-        await self._membership.join(group, rank)
-
-    async def receive_weights(self, manifest: Manifest) -> WeightSwap:
-        """Receives and loads one manifest's weights (mixed in by reference.ref_model_mixup_alpha): the version
-        now served, how long the load held the torch thread, and this side's phases."""
-        started = time.perf_counter()
-
-        async def load(weights) -> float:
-            named = dict(weights)
-            self._check_names(named, f"weight manifest version {manifest.version}")
-            loading = time.perf_counter()
-            await self._run(self._load_mixed, named, self.config.reference.ref_model_mixup_alpha)
-            return time.perf_counter() - loading
-
-        paused, phases = await self._membership.receive(manifest, load)
-        self.weight_version = manifest.version
-        self._sync_seconds.labels(self.role).observe(time.perf_counter() - started)
-        self._sync_bytes.labels(self.role).inc(manifest.num_bytes)
-        for phase in ("wire", "checksum", "apply"):
-            self._sync_phases.labels(self.role, phase).observe(getattr(phases, phase))
-        return WeightSwap(self.weight_version, paused, phases)
-
-    def _load_mixed(self, sent: dict[str, torch.Tensor], alpha: float) -> None:
+    def load_mixed(self, sent: dict[str, torch.Tensor], alpha: float) -> None:
         """Loads alpha * sent + (1 - alpha) * current into every rank (TR-DPO's reference update); alpha 1 loads
         the sent weights as they are."""
         if alpha < 1:
@@ -479,10 +366,3 @@ def peak_rss_bytes() -> int:
     except (OSError, ValueError, IndexError):
         pass
     return 0
-
-
-def sync_host(config: RunConfig) -> str:
-    """The address receivers reach the actor's weight-sync store at (weight_sync.host, else server.host,
-    else this machine's hostname when the server binds a wildcard)."""
-    host = config.weight_sync.host or config.server.host
-    return socket.gethostname() if host in ("", "0.0.0.0", "::", "[::]") else host

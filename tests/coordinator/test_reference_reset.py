@@ -44,7 +44,8 @@ def test_every_second_step_the_reference_takes_the_actors_weights(tiny_model, tm
         async with InProcessMesh(config, tmp_path / "run", wrap_peers=beside_the_actor) as mesh:
             await mesh.coordinator.start_run()
             metrics = {update.step: dict(update.metrics) async for update in mesh.coordinator.stream_metrics(1)}
-            return metrics, await mesh.coordinator.run_status(), mesh.engine("reference").weight_version
+            reference_version = mesh.engine("reference").weight_sync.weight_version
+            return metrics, await mesh.coordinator.run_status(), reference_version
 
     metrics, status, reference_version = asyncio.run(scenario())
     assert status.state == coordinator_pb2.RUN_STATE_COMPLETED, status.error

@@ -262,12 +262,12 @@ def test_a_row_that_fails_fails_its_request_with_a_domain_error(tiny_model):
 
 def test_vllm_worker_outcomes_map_through_the_domain_errors():
     """One table: core.errors.error_for_code (NOT_FOUND used to arrive as UNAVAILABLE)."""
-    from rlfabric.rollout.vllm_engine import VLLMEngine
+    from rlfabric.rollout.vllm_weights import raise_first_failure
 
     def raised(code: str) -> Exception:
         with pytest.raises(Exception) as info:
-            VLLMEngine._raise_for([{"state": "done", "code": "OK", "message": ""},
-                                   {"state": "error", "code": code, "message": "it broke"}])
+            raise_first_failure([{"state": "done", "code": "OK", "message": ""},
+                                 {"state": "error", "code": code, "message": "it broke"}])
         return info.value
 
     assert isinstance(raised("NOT_FOUND"), NotFound) and str(raised("NOT_FOUND")) == "vllm worker: it broke"

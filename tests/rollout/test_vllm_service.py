@@ -176,7 +176,7 @@ def test_staged_weights_are_readable_by_this_user_only_and_never_written_through
     """/dev/shm is shared by every user of the machine: the staging file is 0600 and made with O_EXCL."""
     from safetensors.torch import load_file
 
-    from rlfabric.rollout.vllm_engine import stage_weights
+    from rlfabric.rollout.vllm_weights import stage_weights
 
     weights = {"w": torch.arange(6.0).reshape(2, 3)}
     path = tmp_path / "staged.safetensors"
