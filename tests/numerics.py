@@ -32,8 +32,8 @@ serves no float64. Each rounds a log-prob's terms to float32, so they end a numb
 log-prob's magnitude: engine_logprob_gap(m) = the float32 step at |log p| < m, times the same 2^8 allowance, is
 the bound on the largest |rollout log-prob - actor log-prob| over sampled tokens. For the tiny models |log p| of a
 sampled token is below 16 (uniform over their vocabulary of 100 is 4.6): ENGINE_LOGPROB_GAP = 2^-20 * 2^8 =
-2^-12. Measured under default, avx2 and avx512 (vLLM under avx2 and avx512 only: its compiled kernels need one of
-them): 9.5e-7, two float32 steps; a replica that missed a sync is 0.146 or more away, 600 times the bound; a
+2^-12. Measured under default, avx2 and avx512 (vLLM, whose kernels are compiled for the host, only under the
+host's avx512: tests/kernel_families.py): 9.5e-7, two float32 steps; a replica that missed a sync is 0.146 or more away, 600 times the bound; a
 bfloat16 replica 3.1e-3. SmolLM2 (vocabulary 49,152: uniform is 10.8) samples at |log p| < 32: 2^-11 = 4.9e-4,
 measured 6.7e-5 with vLLM (2.7e-5 with its LoRA path).
 
