@@ -285,3 +285,22 @@ def test_no_module_exports_its_names_lazily():
             if isinstance(node, ast.FunctionDef) and node.name == "__getattr__":
                 lazy.append(f"services/{path.relative_to(SERVICES)}:{node.lineno}")
     assert lazy == []
+
+
+# A file past this many lines, or a class past this many, usually holds two ideas (issue 44's targets).
+MAX_FILE_LINES, MAX_CLASS_LINES = 500, 350
+
+
+def test_no_module_or_class_outgrows_one_idea():
+    too_long = []
+    for path in sorted(SERVICES.rglob("*.py")):
+        if path.relative_to(SERVICES).parts[0] == "v1":  # generated stubs
+            continue
+        text = path.read_text()
+        if text.count("\n") > MAX_FILE_LINES:
+            too_long.append(f"{path.relative_to(SERVICES)}: {text.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES:
+                too_long.append(f"{path.relative_to(SERVICES)}: class {node.name}, "
+                                f"{node.end_lineno - node.lineno + 1} lines")
+    assert not too_long, too_long
