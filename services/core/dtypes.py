@@ -19,6 +19,11 @@ def torch_dtype(name: str, device: torch.device | str = "cpu") -> torch.dtype:
     return DTYPES[name]
 
 
+def at_least_float32(dtype: torch.dtype) -> torch.dtype:
+    """The dtype to compute a reduction or a merge of `dtype` values in: float32 for the half types, float64 kept."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def rollout_dtype(config: RunConfig) -> str:
     """The dtype name the rollout engines serve (and weight sync sends): rollout.dtype, or model.dtype
     when rollout.dtype is auto (which may itself be auto). A float64 trainer (model.dtype float64, for numerical

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from rlfabric.core.config import LoraConfig
+from rlfabric.core.dtypes import at_least_float32
 
 PREFIX = "base_model.model."  # what PeftModel puts before the base model's parameter names
 ADAPTER_NAME = "default"
@@ -125,7 +126,7 @@ def merged_state(state: dict[str, torch.Tensor], scale: float) -> dict[str, torc
     for module, pair in pairs.items():
         weight_name = hf_name(f"{module}.base_layer.weight")
         weight = merged[weight_name]
-        wide = torch.promote_types(weight.dtype, torch.float32)  # bf16 merged in float32; float64 kept
+        wide = at_least_float32(weight.dtype)
         delta = (pair["B"].to(wide) @ pair["A"].to(wide)) * scale
         merged[weight_name] = (weight.to(wide) + delta).to(weight.dtype)
     return merged

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from rlfabric.core.config import RunConfig
-from rlfabric.core.dtypes import torch_dtype
+from rlfabric.core.dtypes import at_least_float32, torch_dtype
 from rlfabric.core.moe import check_router_aux_loss
 from rlfabric.trainer.roles import role_spec
 
@@ -78,7 +78,7 @@ def load_model(role: str, config: RunConfig, device: torch.device) -> nn.Module:
 def master_dtype(compute_dtype: torch.dtype) -> torch.dtype:
     """The dtype trained weights, their gradients' reductions and optimizer state are kept in: float32, or
     float64 for a float64 compute dtype."""
-    return torch.promote_types(compute_dtype, torch.float32)
+    return at_least_float32(compute_dtype)
 
 
 def uses_gradient_checkpointing(config: RunConfig, device: torch.device) -> bool:

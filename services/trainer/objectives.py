@@ -16,6 +16,7 @@ from torch import nn
 
 from rlfabric import algorithms as algos
 from rlfabric.core.config import ActorConfig, CriticConfig
+from rlfabric.core.dtypes import at_least_float32
 from rlfabric.trainer.batch import SequenceBatch
 
 
@@ -183,7 +184,7 @@ def forward_values(model: nn.Module, batch: SequenceBatch, packed: bool = False)
         values = model(**inputs).logits.flatten(0, 1)[predicting, 0]
     else:
         values = model(**_model_inputs(batch)).logits[:, -batch.response_len - 1 : -1, 0]  # [B, T]
-    return values.to(torch.promote_types(values.dtype, torch.float32))
+    return values.to(at_least_float32(values.dtype))
 
 
 def _token_weight(stat: torch.Tensor, mask: torch.Tensor, counts: MiniBatchCounts) -> torch.Tensor:

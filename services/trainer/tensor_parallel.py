@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from rlfabric.core.config import ConfigError, RunConfig
+from rlfabric.core.dtypes import at_least_float32
 from rlfabric.trainer.roles import TRAINER_ROLES, role_spec
 
 FAMILIES = ("llama", "qwen2")  # model_types whose decoder layers the plan below fits (tested on both)
@@ -131,7 +132,7 @@ def clip_grad_norm(parameters, max_norm: float) -> float:
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     if not norms:
         return 0.0
-    wide = torch.promote_types(norms[0].dtype, torch.float32)  # float64 under a float64 model
+    wide = at_least_float32(norms[0].dtype)
     total = float(torch.linalg.vector_norm(torch.stack([norm.to(wide).cpu() for norm in norms])))
     coefficient = max_norm / (total + 1e-6)
     if coefficient < 1.0:  # as torch: grads scaled down only (a non-finite norm skips the step anyway)
