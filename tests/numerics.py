@@ -49,16 +49,17 @@ import torch
 
 FLOAT64 = {"dtype": "float64"}  # the model section of a float64 trainer
 UNIT_ROUNDOFF = 2.0**-24  # float32: a step below magnitude m is at most m * UNIT_ROUNDOFF
+ALLOWANCE = 2**8  # for the layers' gain and for how much a gradient element cancels
 ROTARY_STEP = UNIT_ROUNDOFF
-LAYOUT_RTOL = ROTARY_STEP * 2**8
+LAYOUT_RTOL = ROTARY_STEP * ALLOWANCE
 FLOAT32_RTOL = 2.0**-21
-LOGPROB_ATOL = 2.0**-24
+LOGPROB_ATOL = UNIT_ROUNDOFF  # a float32 step at magnitude 1
 
 
 def engine_logprob_gap(largest_abs_log_prob: float) -> float:
     """The bound on |log p| differences of two float32 engines of the same weights, for sampled log-probs of
-    magnitude below `largest_abs_log_prob`: a float32 step there is at most that * 2^-24, times the allowance."""
-    return largest_abs_log_prob * UNIT_ROUNDOFF * 2**8
+    magnitude below `largest_abs_log_prob`: a float32 step there, times the allowance."""
+    return largest_abs_log_prob * UNIT_ROUNDOFF * ALLOWANCE
 
 
 ENGINE_LOGPROB_GAP = engine_logprob_gap(16.0)  # the tiny models': 2^-12

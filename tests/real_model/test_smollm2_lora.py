@@ -26,20 +26,20 @@ from rlfabric.core.host import load_tokenizer
 from rlfabric.data.prep import write_arithmetic
 from rlfabric.v1 import coordinator_pb2
 from tests.coordinator.meshes import over_grpc
-from tests.numerics import engine_logprob_gap
 from tests.rollout.conftest import require_vllm
 from tests.rollout.helpers import environment_restored, generate, sampled_log_probs
 from tests.rollout.test_actor_agreement import actor_batch
 from tests.trainer.helpers import hf_log_probs
 from tests.weight_sync.helpers import Loop
 
+from .test_smollm2 import LOGPROB_BOUND
+
 pytestmark = pytest.mark.slow
 
 RANK = 8
-# Float32 engines of the same weights, SmolLM2's sampled |log p| < 32: tests/numerics.py derives 2^-11. Measured
-# here after the run: |vLLM - actor| log-prob max 2.7e-5 (mean 9.6e-6) over 44 sampled tokens, against a max of
-# 2.2 between the trained policy and its base model.
-LOGPROB_BOUND = engine_logprob_gap(32.0)
+# LOGPROB_BOUND: test_smollm2's (float32 engines of the same weights). Measured here after the run: |vLLM - actor|
+# log-prob max 2.7e-5 (mean 9.6e-6) over 44 sampled tokens, against a max of 2.2 between the trained policy and its
+# base model.
 
 
 def run_config(model_path, train_file):

@@ -17,8 +17,6 @@ pytestmark = pytest.mark.slow
 
 pytest.importorskip("vllm")
 
-TOLERANCE = ENGINE_LOGPROB_GAP  # float32 engines of the same weights: tests/numerics.py
-
 
 @pytest.fixture(scope="module")
 def mesh(tiny_moe_model):
@@ -33,7 +31,7 @@ def mesh(tiny_moe_model):
 @pytest.mark.vllm
 def test_moe_weights_sync_into_hf_and_vllm_replicas(mesh):
     vllm = mesh.addresses["vllm"]
-    assert mesh.logprob_gap(vllm) <= TOLERANCE  # vLLM's MoE as started from the checkpoint: transformers' own
+    assert mesh.logprob_gap(vllm) <= ENGINE_LOGPROB_GAP  # vLLM's MoE as started from the checkpoint: transformers' own
     version = 0
     for transport in ("gloo", "grpc"):
         plane = mesh.run(_plane(mesh, transport))
@@ -41,12 +39,12 @@ def test_moe_weights_sync_into_hf_and_vllm_replicas(mesh):
             for _ in range(2):  # a second reload of the same engine too
                 version += 1
                 mesh.train_step(seed=version)
-                assert mesh.logprob_gap(vllm) > 10 * TOLERANCE  # stale before the sync
+                assert mesh.logprob_gap(vllm) > 10 * ENGINE_LOGPROB_GAP  # stale before the sync
                 report = mesh.run(plane.sync(version))
                 assert report.ok, report.failed
                 assert {rollout_version(address) for address in mesh.addresses.values()} == {version}
                 assert mesh.serves_the_actors_weights("hf")  # the fused tensors, bit for bit
-                assert mesh.logprob_gap(vllm) <= TOLERANCE, transport
+                assert mesh.logprob_gap(vllm) <= ENGINE_LOGPROB_GAP, transport
         finally:
             mesh.run(plane.close())
 
