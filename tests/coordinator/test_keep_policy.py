@@ -73,27 +73,10 @@ def assert_final_model_is_the_checkpoint(run_dir: Path, checkpoint: Path) -> Non
         assert torch.equal(tensor, saved[name]), name
 
 
-def test_a_default_run_keeps_a_checkpoint_that_resumes_and_a_final_model_that_loads(tmp_path):
-    run_dir = tmp_path / "run"
-    first = Train(run_dir, "trainer.total_steps=2")
-    assert first.wait() == 0, first.text
-    checkpoint = run_dir / "checkpoints" / "global_step_2"
-    assert (run_dir / "checkpoints" / "latest_checkpointed_iteration.txt").read_text() == "2"
-    assert sorted(p.name for p in (run_dir / "checkpoints").glob("global_step_*")) == ["global_step_2"]
-    assert_final_model_is_the_checkpoint(run_dir, checkpoint)
-    printed = first.printed_paths(run_dir)
-    assert checkpoint in printed and run_dir / "final_model" in printed
-    assert len(printed) >= 4 and [p for p in printed if not p.exists()] == []  # every path it printed exists
-
-    # The same command with more steps continues from the kept checkpoint.
-    resumed = Train(run_dir, "trainer.total_steps=3")
-    assert resumed.wait() == 0, resumed.text
-    assert "started at step 2" in resumed.text
-    assert steps_in(run_dir) == [1, 2, 3]
-    assert_final_model_is_the_checkpoint(run_dir, run_dir / "checkpoints" / "global_step_3")
-
-
-def test_ctrl_c_stops_the_run_with_a_checkpoint_and_the_final_model(tmp_path):
+def test_ctrl_c_keeps_a_checkpoint_and_the_same_command_resumes_to_a_final_model_that_loads(tmp_path):
+    """One journey (each `rlfabric train` boots a mesh of its own): Ctrl-C stops a run with a checkpoint and the
+    final model; the same command with a reachable total_steps resumes from it and ends, with default settings,
+    keeping the end's checkpoint and a final model that loads."""
     run_dir = tmp_path / "run"
     train = Train(run_dir, "trainer.total_steps=200")
     deadline = time.monotonic() + 300
@@ -105,11 +88,27 @@ def test_ctrl_c_stops_the_run_with_a_checkpoint_and_the_final_model(tmp_path):
     assert "stopping after the current step with a checkpoint" in train.text
     steps = steps_in(run_dir)
     assert 1 <= len(steps) < 200
-    latest = int((run_dir / "checkpoints" / "latest_checkpointed_iteration.txt").read_text())
-    assert latest == steps[-1]  # every trained step is kept
-    assert_final_model_is_the_checkpoint(run_dir, run_dir / "checkpoints" / f"global_step_{latest}")
+    stopped = int((run_dir / "checkpoints" / "latest_checkpointed_iteration.txt").read_text())
+    assert stopped == steps[-1]  # every trained step is kept
+    assert_final_model_is_the_checkpoint(run_dir, run_dir / "checkpoints" / f"global_step_{stopped}")
     endpoints = json.loads((run_dir / "endpoints.json").read_text())
     for entries in endpoints.values():  # the mesh is gone
         for entry in entries:
             assert not Path(f"/proc/{entry['pid']}").exists() or \
                 Path(f"/proc/{entry['pid']}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+
+    # The same command with two more steps continues from the kept checkpoint and runs to its end.
+    end = stopped + 2
+    resumed = Train(run_dir, f"trainer.total_steps={end}")
+    assert resumed.wait() == 0, resumed.text
+    assert f"started at step {stopped}" in resumed.text
+    assert steps_in(run_dir) == list(range(1, end + 1))
+    checkpoint = run_dir / "checkpoints" / f"global_step_{end}"
+    assert (run_dir / "checkpoints" / "latest_checkpointed_iteration.txt").read_text() == str(end)
+    # By default a run saves at its end (and when stopped), not every step: nothing at stopped + 1.
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("global_step_*")) == sorted(
+        [f"global_step_{stopped}", f"global_step_{end}"])
+    assert_final_model_is_the_checkpoint(run_dir, checkpoint)
+    printed = resumed.printed_paths(run_dir)
+    assert checkpoint in printed and run_dir / "final_model" in printed
+    assert len(printed) >= 4 and [p for p in printed if not p.exists()] == []  # every path it printed exists
