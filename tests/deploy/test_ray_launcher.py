@@ -7,7 +7,6 @@ subprocess (a KubeRay user's path); RayMesh runs in-process for the failure case
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
@@ -34,15 +33,22 @@ from tests.mesh_access import mesh_channel  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-ROLES = {"actor", "reference", "critic", "rollout", "reward", "coordinator"}
+ROLES = {"actor", "reference", "critic", "rollout", "reward", "env", "coordinator"}
 LEAN_ROLES = {"actor", "rollout", "reward", "coordinator"}  # the quickstart (GRPO, no KL term)
-EVERY_ROLE = ["algorithm.adv_estimator=gae", "actor.use_kl_loss=true"]  # PPO with a KL loss: all six
+# PPO with a KL loss, multi-turn with the environment service: all seven roles.
+EVERY_ROLE = ["algorithm.adv_estimator=gae", "actor.use_kl_loss=true", "env.enable=true", "data.builtin_task=lookup",
+              "rollout.multi_turn.enable=true", "rollout.multi_turn.max_turns=2"]
+# The run the module trains on that mesh (`rlfabric train --coordinator`): two short steps.
+SHORT_RUN = ["data.max_prompt_length=96", "data.max_response_length=24", "data.train_batch_size=8",
+             "actor.ppo_mini_batch_size=8", "critic.ppo_mini_batch_size=8", "rollout.n=2",
+             "trainer.loggers=[jsonl]", "trainer.total_steps=2"]
 # Two resource pools (a placement group each) for three of the roles; the other three are placed freely.
 POOL_OF = {"actor": "train", "reward": "train", "rollout": "infer"}
 POOLS = ["resource_pools={train: {}, infer: {}}", *(f"{role}.pool={pool}" for role, pool in POOL_OF.items())]
 CLUSTER_CPUS = 8
 # Small CPU reservations (they are Ray's logical CPUs): every mesh of the module fits beside another.
-CPUS = {"actor": 1.0, "reference": 0.5, "critic": 0.5, "rollout": 1.0, "reward": 0.25, "coordinator": 0.25}
+CPUS = {"actor": 1.0, "reference": 0.5, "critic": 0.5, "rollout": 1.0, "reward": 0.25, "env": 0.25,
+        "coordinator": 0.25}
 SMALL = [f"launcher.ray.{role}.num_cpus={cpus}" for role, cpus in CPUS.items()] + ["launcher.startup_timeout_s=240"]
 
 
@@ -154,11 +160,12 @@ def small(tiny_model) -> list[str]:
 
 @pytest.fixture(scope="module")
 def cli_mesh(ray_address, tmp_path_factory):
-    """`rlfabric up --launcher ray --address ADDR` with the quickstart config as PPO with a KL loss: every role,
-    three of them in two resource pools."""
+    """`rlfabric up --launcher ray --address ADDR` with the quickstart config as multi-turn PPO with a KL loss:
+    every role, three of them in two resource pools. One mesh boot for the module's inspections, its training
+    run and its SIGTERM (a boot is most of this module's time)."""
     run_dir = tmp_path_factory.mktemp("ray") / "run"
     launcher = Launcher("up", "--launcher", "ray", "--address", ray_address, "--run-dir", str(run_dir), *SMALL,
-                        *EVERY_ROLE, *POOLS)
+                        *EVERY_ROLE, *SHORT_RUN, *POOLS)
     started = time.monotonic()
     launcher.wait_ready()
     print(f"ray mesh ready in {time.monotonic() - started:.1f} s")
@@ -243,6 +250,24 @@ def test_each_resource_pool_is_a_placement_group_holding_its_services(cli_mesh):
             placed_in = ray.get(actor.placement_group_id.remote(), timeout=30)
             pool = POOL_OF.get(role)
             assert placed_in == (pools[pool]["placement_group_id"] if pool else None), entry["name"]
+
+
+def test_a_multi_turn_run_trains_on_the_ray_mesh_and_reaches_the_env_it_starts(cli_mesh):
+    """`rlfabric train --coordinator` runs two steps on the Ray mesh (what a KubeRay user's run Job runs). A rollout
+    replica calls only an environment its own config names: the Ray launcher starts the env service first and the
+    replicas once its address is their config's cluster.env, so every sample of the multi-turn run reaches it."""
+    _, run_dir, endpoints = cli_mesh
+    coordinator = endpoints["coordinator"][0]["grpc"]
+    run = Launcher("train", "--coordinator", coordinator, "--token-file", str(run_dir / "auth_token"),
+                   str(run_dir / "config.yaml"))
+    assert run.process.wait(timeout=540) == 0, run.text()
+    assert "COMPLETED at step 2" in run.text(), run.text()
+    assert load_config(run_dir / "config.yaml").cluster.env == [endpoints["env"][0]["grpc"]]
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [step["step"] for step in steps] == [1, 2]
+    for step in steps:
+        assert step["agent/env_failed/count"] == 0 and step["agent/turns/mean"] >= 1, step
+        assert "critic/vf_loss" in step and "actor/kl_loss" in step, sorted(step)  # the critic and reference trained
 
 
 def test_sigterm_stops_every_service_and_actor(cli_mesh):
@@ -381,49 +406,3 @@ def test_up_without_address_runs_its_own_ray_and_notices_a_lost_actor(ray_addres
         assert _wait_dead(tree) == []
     finally:
         launcher.kill()
-
-
-# -- a short training run ------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def ray_training_run(ray_address, small, tmp_path_factory):
-    """`rlfabric train --launcher ray --address ADDR`, two steps of a multi-turn run with the env role: one run
-    (a mesh boot and its training are most of this module's time) for the two tests below, one reading that
-    the CLI trains its steps and cleans up, the other that the replicas reached the env it started.
-    Returns (the launcher, its run dir, its namespace's actors and its services left after it exited)."""
-    run_dir = tmp_path_factory.mktemp("ray-train") / "run"
-    launcher = Launcher("train", "--launcher", "ray", "--address", ray_address, "--run-dir", str(run_dir),
-                        *small, "launcher.ray.env.num_cpus=0.25", "trainer.total_steps=2", "data.builtin_task=lookup",
-                        "env.enable=true", "rollout.multi_turn.enable=true", "rollout.multi_turn.max_turns=2",
-                        "data.max_prompt_length=96", "data.max_response_length=24", "data.train_batch_size=8",
-                        "actor.ppo_mini_batch_size=8", "rollout.n=2", "trainer.loggers=[jsonl]")
-    try:
-        launcher.process.wait(timeout=540)
-    finally:
-        launcher.kill()
-    return launcher, run_dir, _actors_in(f"rlfabric-{run_dir.name}"), _wait_dead(_services_of(run_dir))
-
-
-@pytest.mark.skipif(importlib.util.find_spec("rlfabric.coordinator.loop") is None,
-                    reason="the coordinator's training loop (rlfabric.coordinator.loop) has not landed")
-def test_train_runs_two_steps_on_ray(ray_training_run):
-    launcher, run_dir, actors_left, services_left = ray_training_run
-    assert launcher.process.returncode == 0, launcher.text()
-    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 2
-    assert actors_left == []
-    assert services_left == []
-
-
-def test_a_multi_turn_run_on_ray_reaches_the_env_it_starts(ray_training_run):
-    """A rollout replica calls only an environment its own config names: the Ray launcher starts the env
-    service first and the replicas once its address is their config's cluster.env, so every sample of a
-    multi-turn run reaches it."""
-    launcher, run_dir, _, _ = ray_training_run
-    assert launcher.process.returncode == 0, launcher.text()
-    endpoints = json.loads((run_dir / "endpoints.json").read_text())
-    assert load_config(run_dir / "config.yaml").cluster.env == [endpoints["env"][0]["grpc"]]
-    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert steps
-    for step in steps:
-        assert step["agent/env_failed/count"] == 0 and step["agent/turns/mean"] >= 1, step
