@@ -118,16 +118,19 @@ def experiment_dir(request):
 
 # Under `pytest -n N` (pytest-xdist, `make test`): a test module is one unit of work, so that its
 # module-scoped fixtures (a mesh, a vLLM engine, a real model) boot once; the modules that start a Ray cluster
-# share one worker (two clusters on one host contend for its ports and cores); and the longest modules start
-# first, so that none of them is the last to begin. xdist's own loadgroup
-# cannot group here: it renames items, which pytest 9.2's node ids no longer follow.
+# share one worker (two clusters on one host contend for its ports and cores); and the longest units start
+# first (longest-processing-time order, from tests/durations.json), so that the last to begin is a short one and
+# the workers end together. xdist's own loadgroup cannot group here: it renames items, which pytest 9.2's node ids
+# no longer follow.
 SHARED_WORKER = {"tests/deploy/test_ray_launcher.py": "ray", "tests/deploy/test_ray_multinode.py": "ray"}
-LONGEST_FIRST = ("tests/real_model/", "tests/coordinator/test_multi_turn_learning.py",
-                 "tests/deploy/test_ray_launcher.py", "tests/deploy/test_ray_multinode.py")
 
 
 def _module(nodeid: str) -> str:
     return nodeid.split("::")[0]
+
+
+def _scope(nodeid: str) -> str:
+    return SHARED_WORKER.get(_module(nodeid), _module(nodeid))
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -136,7 +139,7 @@ def pytest_xdist_make_scheduler(config, log):
 
     class ModuleScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return SHARED_WORKER.get(_module(nodeid), _module(nodeid))
+            return _scope(nodeid)
 
     config.option.loadscopereorder = False  # the collection's order (longest first), not most tests first
     return ModuleScheduling(config, log)
@@ -145,9 +148,7 @@ def pytest_xdist_make_scheduler(config, log):
 def pytest_collection_modifyitems(config, items):
     if not hasattr(config, "workerinput"):  # the order only matters where xdist's workers collect
         return
+    from tests.durations import unit_seconds
 
-    def rank(item) -> int:
-        module = _module(item.nodeid)
-        return next((i for i, prefix in enumerate(LONGEST_FIRST) if module.startswith(prefix)), len(LONGEST_FIRST))
-
-    items.sort(key=rank)  # stable: each module's own order is kept
+    seconds = unit_seconds({_module(item.nodeid) for item in items}, SHARED_WORKER)
+    items.sort(key=lambda item: (-seconds[_scope(item.nodeid)], _scope(item.nodeid)))  # stable within a module
