@@ -29,8 +29,10 @@ def build_mesh(config, run_dir: Path, launcher: str = "local", ray_address: str 
     """The mesh of `launcher` ("local": a process per service; "ray": a Ray actor per service) for `config`
     in run_dir, not started yet; `external`: roles someone else serves (local only)."""
     from rlfabric.launch.local import LocalMesh
+    from rlfabric.launch.scrape_targets import TARGETS_FILE
 
     external = external or {}
+    outputs = f"logs in {run_dir}/logs, Prometheus targets in {run_dir / TARGETS_FILE}"
     if launcher == "ray":
         if external:
             raise ConfigError("--external is for the local launcher")
@@ -38,11 +40,11 @@ def build_mesh(config, run_dir: Path, launcher: str = "local", ray_address: str 
             from rlfabric.launch.ray import RayMesh
         except ImportError as error:
             raise ConfigError(f"--launcher ray needs Ray ({error}); pip install 'rlfabric[ray]'") from None
-        print(f"rlfabric: starting the mesh on Ray in {run_dir} (logs in {run_dir}/logs)", flush=True)
+        print(f"rlfabric: starting the mesh on Ray in {run_dir} ({outputs})", flush=True)
         return RayMesh(config, run_dir, address=ray_address)
     if ray_address:
         raise ConfigError("--address is for --launcher ray")
-    print(f"rlfabric: starting the local mesh in {run_dir} (logs in {run_dir}/logs)", flush=True)
+    print(f"rlfabric: starting the local mesh in {run_dir} ({outputs})", flush=True)
     for role, addresses in external.items():
         port = addresses[0].rpartition(":")[2]
         print(f"rlfabric: not starting {role}: serve it at {', '.join(addresses)} yourself, e.g. "
