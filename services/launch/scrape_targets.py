@@ -4,7 +4,8 @@ RUN_DIR/prometheus_targets.json holds one target group per service: its /metrics
 `role`, its `replica` (0, 1, ... within the role), `pod` (the service's name, which the Grafana dashboard
 groups by, as Kubernetes discovery would set it) and `run` (the run's id). A copy goes to the runs folder's
 prometheus_targets/<run id>.json, the folder docker/observability-compose.yaml's Prometheus watches; the copy
-leaves when the mesh stops, so a finished run's services do not linger there as down targets.
+leaves when the mesh stops, so a finished run's services do not linger there as down targets (and the folder
+with the last one).
 
     scrape_configs:
       - job_name: rlfabric
@@ -14,6 +15,7 @@ leaves when the mesh stops, so a finished run's services do not linger there as 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -52,5 +54,9 @@ def write_scrape_targets(run_dir: Path, endpoints: dict[str, list[dict]]) -> Pat
 
 
 def remove_shared_targets(run_dir: Path) -> None:
-    """The mesh stopped: its services leave the runs folder's targets (RUN_DIR keeps its file)."""
-    shared_targets_path(run_dir).unlink(missing_ok=True)
+    """The mesh stopped: its services leave the runs folder's targets (RUN_DIR keeps its file), and the folder
+    goes when no mesh is left in it, so the runs folder holds only runs."""
+    shared = shared_targets_path(run_dir)
+    shared.unlink(missing_ok=True)
+    with contextlib.suppress(OSError):  # another mesh's file is still there, or the folder is gone already
+        shared.parent.rmdir()

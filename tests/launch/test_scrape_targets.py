@@ -69,3 +69,5 @@ def test_the_runs_folder_copy_leaves_when_the_mesh_stops(tmp_path):
     remove_shared_targets(runs / "run-a")
     assert sorted(p.name for p in (runs / SHARED_FOLDER).iterdir()) == ["run-b.json"]
     assert (runs / "run-a" / TARGETS_FILE).is_file()  # the run's own record stays
+    remove_shared_targets(runs / "run-b")
+    assert sorted(p.name for p in runs.iterdir()) == ["run-a", "run-b"]  # with no mesh left, only the runs
