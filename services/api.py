@@ -13,7 +13,9 @@ Everything heavy (torch, gRPC, the engines) is imported inside the functions, so
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -67,7 +69,9 @@ def train(config: str | Path | Mapping[str, Any] | None = None, overrides: Seque
 
     A bad config raises rlfabric.core.config.ConfigError naming the key before anything starts; a run the
     coordinator refuses raises rlfabric.cli.train.RunRefused. A run that fails returns state FAILED with its
-    error. Ctrl-C stops the run (with a checkpoint on a mesh) and raises KeyboardInterrupt.
+    error. Ctrl-C stops the run (with a checkpoint on a mesh) and raises KeyboardInterrupt. Called where an
+    event loop runs (a Jupyter notebook), the run goes in a thread of its own; interrupting the wait leaves
+    it running (stop it through connect(run_dir)).
     """
     from rlfabric.cli.train import train_run
     from rlfabric.core.config import load_run_config
@@ -76,7 +80,14 @@ def train(config: str | Path | Mapping[str, Any] | None = None, overrides: Seque
 
     run_config = load_run_config(config, list(overrides))
     folder = Path(run_dir) if run_dir is not None else default_run_dir(run_config)
-    finished = train_run(run_config, folder, launcher)
+    if _event_loop_running():  # a notebook's: the run's own event loops go to a thread of their own
+        pool = ThreadPoolExecutor(1, thread_name_prefix="rlfabric-train")
+        try:
+            finished = pool.submit(train_run, run_config, folder, launcher).result()
+        finally:
+            pool.shutdown(wait=False)  # an interrupted wait returns at once; stop the run with connect(run_dir)
+    else:
+        finished = train_run(run_config, folder, launcher)
     status = finished.status
     final_model = finished.run_dir / "final_model"
     return TrainResult(
@@ -89,6 +100,14 @@ def train(config: str | Path | Mapping[str, Any] | None = None, overrides: Seque
         last_metrics=dict(status.last_metrics),
         error=status.error,
     )
+
+
+def _event_loop_running() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
 
 
 def connect(run_dir: str | Path) -> MeshClients:

@@ -4,6 +4,7 @@ tests/deploy/test_prometheus_scrape.py, which has one.)"""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import pytest
 
 import rlfabric
 from rlfabric.core.config import ConfigError, load_run_config
+from tests.coordinator.meshes import FAST
 
 # Issue 45's target, as written, then the result's other fields for the test to check.
 TRAIN_SCRIPT = textwrap.dedent("""
@@ -65,3 +67,15 @@ def test_a_config_given_as_a_dict_is_what_a_file_holds(tmp_path):
 def test_connect_to_a_folder_without_a_mesh_says_so(tmp_path):
     with pytest.raises(ConfigError, match=f"{tmp_path} is not a running mesh's folder: it has no endpoints.json"):
         rlfabric.connect(tmp_path)
+
+
+def test_train_from_a_running_event_loop_as_in_a_notebook(tiny_model, tmp_path):
+    """Jupyter runs cells inside an event loop, where the launchers' own asyncio.run would fail: the run goes to
+    a thread of its own."""
+    async def cell() -> rlfabric.TrainResult:
+        return rlfabric.train(overrides=[f"model.path={tiny_model}", *FAST], launcher="in-process",
+                              run_dir=tmp_path / "run")
+
+    result = asyncio.run(cell())
+    assert (result.state, result.final_step, result.run_dir) == ("COMPLETED", 2, (tmp_path / "run").resolve())
+    assert [record["step"] for record in result.metrics()] == [1, 2]
