@@ -24,7 +24,8 @@ FLOORS = [
     {"quickstart"},
     {"launch"},
     {"cli"},
-    {"__main__"},
+    {"api"},  # rlfabric.train and rlfabric.connect: the CLI's paths as functions
+    {"__init__", "__main__"},  # `import rlfabric` (its API), `python -m rlfabric` (the CLI)
 ]
 # Edges between packages of one floor that stay for now, each with what would remove it (none today).
 SIDEWAYS: dict[tuple[str, str], str] = {}
@@ -197,7 +198,7 @@ def test_no_import_circle_between_modules_of_a_package():
 
     def visit(module: str, path: list[str]) -> None:
         for target in sorted(graph[module]):
-            if target.split(".")[1] != module.split(".")[1]:
+            if target.split(".")[:2] != module.split(".")[:2]:
                 continue  # between packages: the floors above keep those apart
             if target in path:
                 circles.append(" -> ".join(path[path.index(target):] + [target]))

@@ -7,6 +7,7 @@ import json
 import signal
 import sys
 import time
+from pathlib import Path
 
 from rlfabric.cli.args import _split_config_and_overrides
 from rlfabric.core.config import ConfigError, load_run_config
@@ -14,25 +15,36 @@ from rlfabric.core.logs import setup_logging
 
 
 def _start_mesh(args):
-    from rlfabric.launch.local import LocalMesh, default_run_dir
+    """The mesh `rlfabric up` asks for (not started yet: `with mesh:` starts it)."""
+    from rlfabric.launch.local import default_run_dir
 
     config_path, overrides = _split_config_and_overrides(args)
     config = load_run_config(config_path, overrides)
     run_dir = args.run_dir or default_run_dir(config)
     setup_logging("launcher", run_dir.name, config.server.log_level)
-    if args.launcher == "ray":
-        if getattr(args, "external", []):
+    return build_mesh(config, run_dir, args.launcher, args.address, _external_roles(args.external))
+
+def build_mesh(config, run_dir: Path, launcher: str = "local", ray_address: str | None = None,
+               external: dict[str, list[str]] | None = None):
+    """The mesh of `launcher` ("local": a process per service; "ray": a Ray actor per service) for `config`
+    in run_dir, not started yet; `external`: roles someone else serves (local only)."""
+    from rlfabric.launch.local import LocalMesh
+    from rlfabric.launch.scrape_targets import TARGETS_FILE
+
+    external = external or {}
+    outputs = f"logs in {run_dir}/logs, Prometheus targets in {run_dir / TARGETS_FILE}"
+    if launcher == "ray":
+        if external:
             raise ConfigError("--external is for the local launcher")
         try:
             from rlfabric.launch.ray import RayMesh
         except ImportError as error:
             raise ConfigError(f"--launcher ray needs Ray ({error}); pip install 'rlfabric[ray]'") from None
-        print(f"rlfabric: starting the mesh on Ray in {run_dir} (logs in {run_dir}/logs)", flush=True)
-        return RayMesh(config, run_dir, address=args.address)
-    if args.address:
+        print(f"rlfabric: starting the mesh on Ray in {run_dir} ({outputs})", flush=True)
+        return RayMesh(config, run_dir, address=ray_address)
+    if ray_address:
         raise ConfigError("--address is for --launcher ray")
-    external = _external_roles(getattr(args, "external", []))
-    print(f"rlfabric: starting the local mesh in {run_dir} (logs in {run_dir}/logs)", flush=True)
+    print(f"rlfabric: starting the local mesh in {run_dir} ({outputs})", flush=True)
     for role, addresses in external.items():
         port = addresses[0].rpartition(":")[2]
         print(f"rlfabric: not starting {role}: serve it at {', '.join(addresses)} yourself, e.g. "

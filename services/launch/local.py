@@ -48,6 +48,7 @@ from rlfabric.launch.placement import (
     threads_per_service,
     visible_gpu_count,
 )
+from rlfabric.launch.scrape_targets import remove_shared_targets, write_scrape_targets
 from rlfabric.quickstart import cached
 
 log = logging.getLogger("rlfabric.launch.local")
@@ -246,10 +247,12 @@ def endpoint(name: str, host: str, ports: dict) -> dict:
 
 
 def write_endpoints(run_dir: Path, endpoints: dict[str, list[dict]]) -> None:
-    """RUN_DIR/endpoints.json: role -> [{name, grpc, metrics, pid}], replaced atomically."""
+    """RUN_DIR/endpoints.json: role -> [{name, grpc, metrics, pid}], replaced atomically; and the services as
+    Prometheus targets (rlfabric.launch.scrape_targets)."""
     tmp = run_dir / "endpoints.json.tmp"
     tmp.write_text(json.dumps(endpoints, indent=2))
     tmp.rename(run_dir / "endpoints.json")
+    write_scrape_targets(run_dir, endpoints)
 
 
 def spawn_order(services: Sequence[tuple[str, str]]) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
@@ -400,6 +403,7 @@ class LocalMesh(MeshContext):
 
     def stop(self) -> None:
         """SIGTERM every service (coordinator first), wait for them to drain, SIGKILL stragglers."""
+        remove_shared_targets(self.run_dir)
         for proc in reversed(self.processes):
             if proc.process.poll() is None:
                 proc.process.send_signal(signal.SIGTERM)

@@ -72,6 +72,7 @@ from rlfabric.launch.ray_placement import (
     reserve_pools,
     reserved_devices,
 )
+from rlfabric.launch.scrape_targets import remove_shared_targets
 
 log = logging.getLogger("rlfabric.launch.local")
 
@@ -257,6 +258,7 @@ class RayMesh(MeshContext):
 
     def stop(self) -> None:
         """SIGTERM every service through its actor, wait for them to drain, then kill the actors."""
+        remove_shared_targets(self.run_dir)
         if not ray.is_initialized():
             return
         timeout = self.config.launcher.stop_timeout_s

@@ -2,16 +2,19 @@
 
 One mesh and one Prometheus per module (Debian's `prometheus` package; `make system-deps` installs it):
 
-1. LocalMesh starts the six services on loopback and writes RUN_DIR/endpoints.json.
-2. A prometheus.yml gets one static target per service's /metrics address, labelled with its `role`
-   and with `pod` = the service name (the Grafana dashboard groups by pod, which Kubernetes service
-   discovery would set), scraped every second.
+1. LocalMesh starts the six services on loopback and writes RUN_DIR/endpoints.json and the services as
+   Prometheus targets, RUN_DIR/prometheus_targets.json (rlfabric.launch.scrape_targets: each service's
+   /metrics address labelled with its `role`, `replica`, `pod` = the service name, which the Grafana
+   dashboard groups by as Kubernetes discovery would set it, and `run`).
+2. Prometheus runs docker/observability-compose.yaml's prometheus.yml, reading that file (file_sd) and
+   scraping every second; promtool checks the config and the file.
 3. One deliberately failing RPC (Score with an unknown data_source -> INVALID_ARGUMENT) gives the
    dashboard's error panels data, then a short training run.
 4. Once every target has been scraped after the run ended, the tests query Prometheus at that time:
    the targets are up; reward, step timing and the gRPC metrics have plausible values; every PromQL
    expression of helm/rlfabric/dashboards/rlfabric.json parses and returns at least one series.
-5. The mesh traces to an OTLP receiver (tests.otlp_receiver) and Prometheus keeps exemplars: the
+5. rlfabric.connect(RUN_DIR) reaches every service of the live mesh, the coordinator's run status included.
+6. The mesh traces to an OTLP receiver (tests.otlp_receiver) and Prometheus keeps exemplars: the
    step-time histogram's exemplars name the steps' traces; a step's spans form one tree (the tracing
    module's checks, here on weights synced over gloo). The dashboard and one step's trace are
    drawn as PNGs (rlfabric.tools.render_dashboard, render_trace); with RLFABRIC_DOCS_IMG=docs/img the
@@ -42,11 +45,13 @@ from typing import Any
 import pytest
 import yaml
 
+import rlfabric
 from rlfabric.coordinator.client import CoordinatorClient
-from rlfabric.core.client import ChannelOptions
+from rlfabric.core.client import ChannelOptions, check_health
 from rlfabric.core.config import TracingConfig, load_config
 from rlfabric.core.errors import InvalidArgument
 from rlfabric.launch.local import LocalMesh
+from rlfabric.launch.scrape_targets import TARGETS_FILE
 from rlfabric.reward.client import RewardClient
 from rlfabric.reward.items import ScoreItem
 from rlfabric.tools.render_dashboard import PrometheusApi, render_dashboard
@@ -62,6 +67,7 @@ from tests.waiting import wait_until
 pytestmark = pytest.mark.slow
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "helm" / "rlfabric" / "dashboards" / "rlfabric.json"
+COMPOSE_PROMETHEUS = Path(__file__).resolve().parents[2] / "docker" / "observability" / "prometheus.yml"
 STEPS = 6
 # The quickstart as PPO with a critic (GAE) and a KL loss against the reference: every role serves RPCs;
 # the old log-probs take their own forward pass, so the rollout/trainer mismatch metrics exist.
@@ -89,19 +95,13 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def scrape_config(endpoints: dict[str, list[dict]]) -> dict[str, Any]:
-    """prometheus.yml: one static target per service, labelled like Kubernetes discovery would."""
-    targets = [
-        {"targets": [service["metrics"]], "labels": {"role": role, "pod": service["name"]}}
-        for role, services in endpoints.items()
-        for service in services
-    ]
-    return {
-        "global": {"scrape_interval": SCRAPE_INTERVAL, "scrape_timeout": SCRAPE_INTERVAL},
-        # honor_labels: a metric's own `role` label (rlfabric_train_*{role="critic"}) is kept as it is,
-        # instead of being renamed exported_role because the target has a `role` label too.
-        "scrape_configs": [{"job_name": "rlfabric", "honor_labels": True, "static_configs": targets}],
-    }
+def scrape_config(targets_file: Path) -> dict[str, Any]:
+    """docker/observability-compose.yaml's prometheus.yml, reading the mesh's own targets file, every second."""
+    config = yaml.safe_load(COMPOSE_PROMETHEUS.read_text())
+    config["global"] = {"scrape_interval": SCRAPE_INTERVAL, "scrape_timeout": SCRAPE_INTERVAL}
+    [job] = config["scrape_configs"]
+    job["file_sd_configs"] = [{"files": [str(targets_file)]}]
+    return config
 
 
 class Prometheus:
@@ -111,7 +111,7 @@ class Prometheus:
         binary = shutil.which("prometheus")
         assert binary, "prometheus not installed: apt-get install prometheus (`make system-deps` does it as root)"
         workdir.mkdir(parents=True, exist_ok=True)
-        config_path = workdir / "prometheus.yml"
+        self.config_path = config_path = workdir / "prometheus.yml"
         config_path.write_text(yaml.safe_dump(config))
         self.url = f"http://127.0.0.1:{free_port()}"
         self.log_path = workdir / "prometheus.log"
@@ -190,6 +190,7 @@ class Scraped:
     at: float  # a time after the run when every target had been scraped: the queries' evaluation time
     records: list[dict]  # the run's metrics.jsonl
     spans: list[ReceivedSpan]  # every span the mesh exported, each step's root span included
+    connected: tuple[int, dict[str, int]]  # through rlfabric.connect: the run's state, each service's readiness
 
     def query(self, expr: str) -> list[dict]:
         return self.prometheus.query(expr, self.at)
@@ -209,6 +210,14 @@ async def train(address: str, options: ChannelOptions) -> coordinator_pb2.Coordi
             async for _ in client.stream_metrics(timeout_s=400):
                 pass
         return await client.run_status()
+
+
+async def ask_through_connect(run_dir: Path) -> tuple[int, dict[str, int]]:
+    """rlfabric.connect's clients of the live mesh: the coordinator's run state, and each client's service's
+    readiness by address."""
+    async with rlfabric.connect(run_dir) as mesh:
+        status = await mesh.coordinator.run_status()
+        return status.state, {client.address: await check_health(client.channel) for client in mesh.clients()}
 
 
 def wait_for_scrapes_after(prometheus: Prometheus, since: float, targets: int, timeout_s: float = 60) -> float:
@@ -240,7 +249,7 @@ def scraped(tmp_path_factory) -> Scraped:
         config = load_config(None, [*MESH_OVERRIDES, f"tracing.endpoint={receiver.endpoint}"])
         mesh = stack.enter_context(LocalMesh(config, workdir / "mesh"))
         endpoints = json.loads((mesh.run_dir / "endpoints.json").read_text())
-        prometheus = Prometheus(scrape_config(endpoints), workdir / "prometheus")
+        prometheus = Prometheus(scrape_config(mesh.run_dir / TARGETS_FILE), workdir / "prometheus")
         try:
             prometheus.wait_until_ready()
             targets = sum(len(services) for services in endpoints.values())
@@ -250,6 +259,7 @@ def scraped(tmp_path_factory) -> Scraped:
             asyncio.run(fail_one_score(endpoints["reward"][0]["grpc"], options))
             status = asyncio.run(train(endpoints["coordinator"][0]["grpc"], options))
             ended = time.time()
+            connected = asyncio.run(ask_through_connect(mesh.run_dir))
             at = wait_for_scrapes_after(prometheus, ended, targets)
             records = [json.loads(line) for line in (mesh.run_dir / "metrics.jsonl").read_text().splitlines()]
             # The coordinator exports a step's spans in batches, at most a few seconds after the step.
@@ -258,7 +268,7 @@ def scraped(tmp_path_factory) -> Scraped:
             # service's spans of a later step arrived, those of steps 1 and 2 are whole, which the trace checks read.
             wait_until(lambda: services_traced_after(receiver, step=2) >= {SPAN_PREFIX + role for role in GRPC_SERVICES}, 30,
                        "every service's spans of the steps after step 2")
-            yield Scraped(prometheus, endpoints, status, records[-1], began, at, records, receiver.spans())
+            yield Scraped(prometheus, endpoints, status, records[-1], began, at, records, receiver.spans(), connected)
         finally:
             prometheus.stop()
 
@@ -279,6 +289,30 @@ def test_every_service_is_a_target_and_up(scraped):
     assert {t["labels"]["pod"]: t["health"] for t in targets} == dict.fromkeys(services, "up"), \
         {t["labels"]["pod"]: t["lastError"] for t in targets}
     assert values(scraped.query("up"), "pod") == dict.fromkeys(services, 1.0)
+    # Discovered from RUN_DIR/prometheus_targets.json: each replica of a role numbered, every target of this run.
+    replicas = {service["name"]: str(i) for entries in scraped.endpoints.values() for i, service in enumerate(entries)}
+    assert {t["labels"]["pod"]: t["labels"]["replica"] for t in targets} == replicas
+    assert {t["labels"]["run"] for t in targets} == {"mesh"}  # the run folder's name
+    assert {Path(t["discoveredLabels"]["__meta_filepath"]).relative_to(scraped.prometheus.config_path.parents[1])
+            for t in targets} == {Path("mesh") / TARGETS_FILE}
+
+
+def test_promtool_accepts_the_config_and_the_runs_targets_file(scraped):
+    promtool = shutil.which("promtool")
+    assert promtool, "promtool not installed: apt-get install prometheus (`make system-deps` does it as root)"
+    checked = subprocess.run([promtool, "check", "config", str(scraped.prometheus.config_path)],
+                             capture_output=True, text=True, timeout=60)
+    assert checked.returncode == 0 and "WARNING" not in checked.stdout + checked.stderr, \
+        checked.stdout + checked.stderr
+
+
+def test_connect_reaches_every_service_of_the_live_mesh(scraped):
+    from grpc_health.v1 import health_pb2
+
+    state, readiness = scraped.connected
+    assert state == coordinator_pb2.RUN_STATE_COMPLETED
+    addresses = {service["grpc"] for entries in scraped.endpoints.values() for service in entries}
+    assert readiness == dict.fromkeys(addresses, health_pb2.HealthCheckResponse.SERVING)
 
 
 def test_reward_and_step_timing_match_the_run(scraped):

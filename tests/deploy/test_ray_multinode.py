@@ -26,6 +26,7 @@ from rlfabric.core.config import load_config
 from rlfabric.launch.local import MeshStartError
 from rlfabric.launch.ray import RayMesh
 from rlfabric.rollout.client import RolloutClient
+from rlfabric.v1 import coordinator_pb2
 from tests.pki import TestCA
 
 pytestmark = pytest.mark.slow
@@ -119,7 +120,8 @@ def test_a_run_completes_with_its_weight_sync_group_across_the_nodes(spread_mesh
     run_dir = mesh.run_dir
     options = ChannelOptions.from_config(mesh.config)
     started = time.monotonic()
-    assert asyncio.run(_run_training_at(services["coordinator"]["grpc"], options, mesh.config, run_dir)) == 0
+    status = asyncio.run(_run_training_at(services["coordinator"]["grpc"], options, mesh.config))
+    assert status.state == coordinator_pb2.RUN_STATE_COMPLETED, status.error
     print(f"two steps on two nodes in {time.monotonic() - started:.1f} s")
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2]

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import typing
+from collections.abc import Mapping
 from importlib.resources import files
 from pathlib import Path
 from typing import Any
@@ -91,8 +93,11 @@ def config_from_dict(tree: dict[str, Any]) -> RunConfig:
         raise ConfigError(_describe_validation_error(error)) from None
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> RunConfig:
-    """Loads a YAML config (None = the built-in quickstart), applies dotted overrides, validates."""
+def load_config(path: str | Path | Mapping | None = None, overrides: list[str] = ()) -> RunConfig:
+    """Loads a YAML config (None = the built-in quickstart; a mapping: the tree such a file holds, which
+    stays as it is), applies dotted overrides, validates."""
+    if isinstance(path, Mapping):
+        return _config_from_tree(copy.deepcopy(dict(path)), overrides)
     path = Path(path) if path else default_config_path()
     try:
         tree = yaml.safe_load(path.read_text()) or {}
@@ -102,12 +107,17 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Ru
         raise ConfigError(f"config file {path} is not valid YAML: {error}") from None
     if not isinstance(tree, dict):
         raise ConfigError(f"config file {path} must hold a mapping at the top level")
+    return _config_from_tree(tree, overrides)
+
+
+def _config_from_tree(tree: dict[str, Any], overrides: list[str]) -> RunConfig:
+    """The config of a loaded tree after the dotted overrides (applied to the tree in place)."""
     for override in overrides:
         apply_override(tree, override)
     return config_from_dict(tree)
 
 
-def load_run_config(path: str | Path | None = None, overrides: list[str] = ()) -> RunConfig:
+def load_run_config(path: str | Path | Mapping | None = None, overrides: list[str] = ()) -> RunConfig:
     """load_config for a run (`rlfabric up`, `rlfabric train`): also checks the rules across keys
     (check_run_rules), so a config a run cannot train with fails before any service starts."""
     config = load_config(path, overrides)
