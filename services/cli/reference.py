@@ -50,7 +50,9 @@ def config_reference_pages() -> dict[str, str]:
         else:
             by_section.setdefault(section, []).append((key, default, doc))
     pages = {}
-    index = ["# Configuration", "", INTRO,
+    index = ["# Configuration", "", INTRO, "",
+             "One YAML file with a section per role; VeRL users will recognise `data.*`, `actor.*`, `rollout.*`, "
+             "`critic.*`, `algorithm.*` and `trainer.*`. Unknown keys and wrong types are errors that name the key. "
              "The built-in defaults are the quickstart's (`services/quickstart/quickstart.yaml`).", "",
              "| section | keys | what |", "| --- | --- | --- |"]
     for section, rows in by_section.items():
