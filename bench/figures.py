@@ -159,13 +159,15 @@ def figures_table() -> str:
 
 
 def readme_block() -> str:
-    """The README's generated lines: the headline figures against TRL."""
+    """The README's generated lines: the headline figures against TRL and on a GPU."""
     f = {name: figure.text for name, figure in FIGURES.items()}
     return (f"Against TRL's GRPOTrainer, the same algorithm on the same model, prompts and seeds (`make bench`, "
             f"`bench/results/peer_trl.json`): a step takes {f['trl.real_model.step_ratio']} TRL's time on "
             f"SmolLM2-135M and {f['trl.quickstart.step_ratio']} on the quickstart, and the reward reaches 0.6 in "
             f"{f['trl.real_model.time_to_reward_ratio']} and {f['trl.quickstart.time_to_reward_ratio']} of "
-            f"TRL's time.\n")
+            f"TRL's time. On one H200 (`bench/results/gpu.json`) the quickstart with every default goes from "
+            f"{f['gpu.quickstart.reward_first']} to {f['gpu.quickstart.reward_last']}, {f['gpu.quickstart.step_s']} "
+            f"a step.\n")
 
 
 def generated_files() -> dict[Path, str]:
