@@ -54,24 +54,29 @@ def _peer(workload: str, *path: str) -> Callable[[dict], float]:
     return read
 
 
+def _trl(workload: str, measure: str, what: str) -> Figure:
+    """A ratio rlfabric / TRL of bench/results/peer_trl.json's comparison of one workload."""
+    return Figure("peer_trl.json", _peer(workload, "comparison", f"{measure}_ratio_rlfabric_over_trl"), "{:.2f}x", what)
+
+
+def _gpu_quickstart(key: str, fmt: str, what: str) -> Figure:
+    """A figure of the quickstart run of bench/results/gpu.json (`make gpu-check` on one H200)."""
+    return Figure("gpu.json", lambda results: results["phases"]["quickstart"]["run"][key], fmt,
+                  f"the quickstart on one H200: {what}")
+
+
 def _lora(model: str, transport: str, key: str) -> Callable[[dict], float]:
     return lambda results: next(row[key] for row in results["results"]
                                 if row["model"] == model and row["transport"] == transport)
 
 
 FIGURES: dict[str, Figure] = {
-    "trl.real_model.step_ratio": Figure(
-        "peer_trl.json", _peer("real_model", "comparison", "step_time_ratio_rlfabric_over_trl"), "{:.2f}x",
-        "SmolLM2-135M: rlfabric's median step over TRL's"),
-    "trl.real_model.time_to_reward_ratio": Figure(
-        "peer_trl.json", _peer("real_model", "comparison", "time_to_reward_ratio_rlfabric_over_trl"), "{:.2f}x",
-        "SmolLM2-135M: rlfabric's time to reward 0.6 over TRL's (mean of the seeds)"),
-    "trl.quickstart.step_ratio": Figure(
-        "peer_trl.json", _peer("quickstart", "comparison", "step_time_ratio_rlfabric_over_trl"), "{:.2f}x",
-        "quickstart: rlfabric's median step over TRL's"),
-    "trl.quickstart.time_to_reward_ratio": Figure(
-        "peer_trl.json", _peer("quickstart", "comparison", "time_to_reward_ratio_rlfabric_over_trl"), "{:.2f}x",
-        "quickstart: rlfabric's time to reward 0.6 over TRL's"),
+    "trl.real_model.step_ratio": _trl("real_model", "step_time", "SmolLM2-135M: rlfabric's median step over TRL's"),
+    "trl.real_model.time_to_reward_ratio": _trl(
+        "real_model", "time_to_reward", "SmolLM2-135M: rlfabric's time to reward 0.6 over TRL's (mean of the seeds)"),
+    "trl.quickstart.step_ratio": _trl("quickstart", "step_time", "quickstart: rlfabric's median step over TRL's"),
+    "trl.quickstart.time_to_reward_ratio": _trl(
+        "quickstart", "time_to_reward", "quickstart: rlfabric's time to reward 0.6 over TRL's"),
     "update_memory.checkpointing.ratio_vs_trl": Figure(
         "update_memory.json", lambda r: r["settings"]["gradient_checkpointing"]["ratio_rlfabric_over_trl"],
         "{:.2f}x", "SmolLM2-135M update: rlfabric's peak memory over TRL's, gradient checkpointing on"),
@@ -93,15 +98,9 @@ FIGURES: dict[str, Figure] = {
     "async.multi_turn.k1.step_speedup": Figure(
         "async.json", lambda r: r["multi_turn"]["modes"]["async k=1"]["speedup_vs_sync"], "{:.2f}x",
         "multi-turn lookup: async (k = 1) median step over sync's"),
-    "gpu.quickstart.reward_first": Figure(
-        "gpu.json", lambda r: r["phases"]["quickstart"]["run"]["reward_first"], "{:.3f}",
-        "the quickstart on one H200: reward at step 1"),
-    "gpu.quickstart.reward_last": Figure(
-        "gpu.json", lambda r: r["phases"]["quickstart"]["run"]["reward_last"], "{:.3f}",
-        "the quickstart on one H200: reward at its last step"),
-    "gpu.quickstart.step_s": Figure(
-        "gpu.json", lambda r: r["phases"]["quickstart"]["run"]["step_s"], "{:.2f} s",
-        "the quickstart on one H200: median step"),
+    "gpu.quickstart.reward_first": _gpu_quickstart("reward_first", "{:.3f}", "reward at step 1"),
+    "gpu.quickstart.reward_last": _gpu_quickstart("reward_last", "{:.3f}", "reward at its last step"),
+    "gpu.quickstart.step_s": _gpu_quickstart("step_s", "{:.2f} s", "median step"),
 }
 
 
