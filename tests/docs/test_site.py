@@ -22,10 +22,10 @@ def test_site_builds_strict(tmp_path):
     build = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path)],
                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert build.returncode == 0, build.stderr[-4000:]
-    quickstart = (tmp_path / "quickstart" / "index.html").read_text()
+    quickstart = (tmp_path / "quickstart.html").read_text()
     assert "0.189 at step 1" in quickstart, "the README's quickstart section reaches the quickstart page"
     assert "--8&lt;--" not in quickstart and "--8<--" not in quickstart
-    assert 'id="actor.lr"' in (tmp_path / "configuration" / "actor" / "index.html").read_text()
+    assert 'id="actor.lr"' in (tmp_path / "configuration" / "actor.html").read_text()
 
 
 def test_readme_is_short_and_links_every_journey_early():
