@@ -49,10 +49,26 @@ def code_of(text: str) -> tuple[list[str], list[tuple[str, str]]]:
     """(inline code spans, fenced blocks as (language, body)) of a markdown page; spans that quote another
     project's names are left out."""
     blocks = [(m.group(1), m.group(2)) for m in re.finditer(r"^```(\w*)[^\n]*\n(.*?)^```", text, re.M | re.S)]
-    prose = re.sub(r"^```.*?^```", "", text, flags=re.M | re.S)
+    prose = other_projects_columns_dropped(re.sub(r"^```.*?^```", "", text, flags=re.M | re.S))
     spans = [m.group(1) for m in re.finditer(r"`([^`\n]+)`", prose)
              if not OTHER_PROJECTS.search(prose[max(0, m.start() - 12):m.start()])]
     return spans, blocks
+
+
+def other_projects_columns_dropped(prose: str) -> str:
+    """The page with the cells of table columns headed by another project's name ("VeRL key", "TRL
+    `GRPOConfig`") emptied: those cells hold that project's names, not rlfabric's."""
+    lines, foreign = prose.splitlines(), set()
+    for i, line in enumerate(lines):
+        if not line.startswith("|"):
+            foreign = set()
+            continue
+        cells = line.strip().strip("|").split("|")
+        if i + 1 < len(lines) and re.fullmatch(r"\|?[\s:|-]+\|?", lines[i + 1]) and not foreign:  # a header row
+            foreign = {n for n, cell in enumerate(cells) if re.search(r"\b(VeRL|TRL)\b", cell) and "rlfabric" not in cell}
+        elif foreign:
+            lines[i] = "|".join("" if n in foreign else cell for n, cell in enumerate(cells))
+    return "\n".join(lines)
 
 
 def code_lines(text: str) -> list[str]:
@@ -165,6 +181,8 @@ def test_a_renamed_key_is_caught():
     assert named_keys("run `rlfabric train trainer.total_steps=2 actor.lr=1e-5`") == ["trainer.total_steps", "actor.lr"]
     assert named_keys("```yaml\nactor:\n  lr: 1.0e-4\n  lora: {rank: 8}\n```\n") == ["actor.lr", "actor.lora.rank"]
     assert named_keys("VeRL's `model.lora_rank`, the file `reward.json`") == []
+    table = "| VeRL key | rlfabric key |\n| --- | --- |\n| `trainer.total_epochs` | `trainer.total_steps` |\n"
+    assert named_keys(table) == ["trainer.total_steps"]
 
 
 # --- files and links -----------------------------------------------------------------------------------------
