@@ -28,8 +28,8 @@ OTHER_PROJECTS = re.compile(r"(VeRL|TRL)(?:'s|:)?\s*$")
 
 
 def _pending_pages() -> tuple[str, ...]:
-    """Pages other branches of issue 45 write (docs/pending_pages.py): links to them may not resolve yet."""
-    spec = importlib.util.spec_from_file_location("pending_pages", DOCS / "pending_pages.py")
+    """Pages other branches of issue 45 write (docs/hooks/pending_pages.py): links to them may not resolve yet."""
+    spec = importlib.util.spec_from_file_location("pending_pages", DOCS / "hooks" / "pending_pages.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return tuple(DOCS / name for name in module.PAGES_OTHER_BRANCHES_WRITE)

@@ -1,5 +1,6 @@
-"""The docs site builds with `mkdocs build --strict` (every nav page, link, anchor and snippet resolves), and the
-README stays a short front door: at most 250 lines, every journey linked within its first 120."""
+"""The docs site builds with `mkdocs build --strict` (every nav page, link, anchor and snippet resolves; config
+keys link to their rows), and the README stays a short front door: at most 250 lines, every journey linked
+within its first 120."""
 
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ def test_site_builds_strict(tmp_path):
     assert "0.189 at step 1" in quickstart, "the README's quickstart section reaches the quickstart page"
     assert "--8&lt;--" not in quickstart and "--8<--" not in quickstart
     assert 'id="actor.lr"' in (tmp_path / "configuration" / "actor.html").read_text()
+    # docs/hooks/config_links.py: a quoted key links to its row
+    assert 'href="configuration/actor.html#actor.lr"' in (tmp_path / "peer-bench.html").read_text()
 
 
 def test_readme_is_short_and_links_every_journey_early():

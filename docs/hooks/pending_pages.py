@@ -1,6 +1,6 @@
 """mkdocs hook, for the time being only: pages that other branches of issue 45 write (listed in the nav) get a
 placeholder while this tree lacks them, so that `mkdocs build --strict` passes here. Delete this file, its
-`hooks:` and `exclude_docs:` lines in mkdocs.yml and its use in tests/docs/ once those pages have landed."""
+`hooks:` line in mkdocs.yml and its use in tests/docs/ once those pages have landed."""
 
 from __future__ import annotations
 
