@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
+from bench.benchmark_table import summary_table
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 GENERATED = ROOT / "docs" / "generated"
@@ -174,6 +176,7 @@ def generated_files() -> dict[Path, str]:
     readme = README.read_text()
     begin, end = readme.index(README_BEGIN) + len(README_BEGIN), readme.index(README_END)
     return {
+        GENERATED / "benchmarks.md": summary_table(),
         GENERATED / "peer-trl.md": peer_trl_table(),
         GENERATED / "figures.md": figures_table(),
         README: readme[:begin] + "\n" + readme_block() + readme[end:],

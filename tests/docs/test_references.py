@@ -217,7 +217,8 @@ def link_problems(page: Path) -> list[str]:
         if re.match(r"[a-z]+:", target):
             continue  # a web address
         path, _, anchor = target.partition("#")
-        resolved = (page.parent / path).resolve() if path else page
+        base = DOCS if page.parent == DOCS / "generated" else page.parent  # snippets resolve where included
+        resolved = (base / path).resolve() if path else page
         if not resolved.exists() and resolved not in _pending_pages():
             problems.append(f"{page.relative_to(ROOT)}: link to {target}: no such file")
         elif anchor and resolved.suffix == ".md" and anchor not in anchors(resolved):
