@@ -134,3 +134,43 @@ def summary_table() -> str:
     lines = ["| benchmark | figures | file |", "| --- | --- | --- |"]
     lines += [f"| {what} | {row(_load(name))} | [`{name}`](bench-results/{name}) |" for what, name, row in ROWS]
     return "\n".join(lines) + "\n"
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e6:.1f} MB" if 1e6 <= n < 1e8 else f"{n / 1e6:.0f} MB" if n >= 1e8 else f"{n / 1e3:.0f} KB"
+
+
+def _seconds(s: float) -> str:
+    return f"{s:.2f} s" if s >= 0.1 else f"{s:.3f} s"
+
+
+def lora_sync_table() -> str:
+    """docs/generated/lora-sync.md: adapter against merged weight sync, from bench/results/lora.json."""
+    names = {"smollm2": "SmolLM2-135M", "tiny": "tiny (quickstart)"}
+    lines = ["| model | transport | adapter bytes | merged bytes | adapter sync | merged sync |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for row in sorted(_load("lora.json")["results"], key=lambda x: (x["model"] != "smollm2", x["transport"])):
+        adapter, merged = row["adapter"], row["merged"]
+        lines.append(f"| {names.get(row['model'], row['model'])} | {row['transport']} | {_size(adapter['bytes'])} "
+                     f"| {_size(merged['bytes'])} ({row['bytes_ratio']}x) | {_seconds(adapter['sync_seconds'])} "
+                     f"| {_seconds(merged['sync_seconds'])} ({row['sync_speedup']}x) |")
+    return "\n".join(lines) + "\n"
+
+
+def lora_step_table() -> str:
+    """docs/generated/lora-steps.md: a GRPO step with and without LoRA, from bench/results/lora.json."""
+    results = _load("lora.json")
+    phases = {"step": "step", "gen": "generation (vLLM)", "update": "actor update", "update_weights": "weight sync"}
+    lines = ["| phase | full, default threads | LoRA r16 | LoRA / full | full, 1 thread | LoRA r16 | LoRA / full |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for phase, label in phases.items():
+        cells = []
+        for part in ("step_time", "step_time_omp1"):
+            runs = results[part]["runs"]
+            full, lora = (runs[kind]["seconds_by_phase"][phase] for kind in ("full", "lora"))
+            sizes = [f" ({_size(runs[kind]['sync_bytes'])})" if phase == "update_weights" and part == "step_time"
+                     else "" for kind in ("full", "lora")]
+            fmt = "{:.2f} s" if phase == "update_weights" else "{:.1f} s"
+            cells += [fmt.format(full) + sizes[0], fmt.format(lora) + sizes[1], f"{lora / full:.2f}"]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-from bench.benchmark_table import summary_table
+from bench.benchmark_table import lora_step_table, lora_sync_table, summary_table
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -177,6 +177,8 @@ def generated_files() -> dict[Path, str]:
     begin, end = readme.index(README_BEGIN) + len(README_BEGIN), readme.index(README_END)
     return {
         GENERATED / "benchmarks.md": summary_table(),
+        GENERATED / "lora-sync.md": lora_sync_table(),
+        GENERATED / "lora-steps.md": lora_step_table(),
         GENERATED / "peer-trl.md": peer_trl_table(),
         GENERATED / "figures.md": figures_table(),
         README: readme[:begin] + "\n" + readme_block() + readme[end:],
