@@ -174,3 +174,34 @@ def lora_step_table() -> str:
             cells += [fmt.format(full) + sizes[0], fmt.format(lora) + sizes[1], f"{lora / full:.2f}"]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+ASYNC_WORKLOADS = {
+    "multi_turn": "multi_turn: lookup tool calls, a model that learns to call (16 prompts x 8, 3 epochs)",
+    "multi_turn_slow": "multi_turn_slow: the same at actor.lr 7e-5",
+    "multi_turn_one_epoch": "multi_turn_one_epoch: the lookup example's batch (32 x 8, 1 epoch)",
+    "quickstart": "quickstart: one-letter answers",
+    "real_model": "real model: SmolLM2-135M, vLLM, arithmetic (8 x 4 x 48 tokens)",
+}
+
+
+def async_table() -> str:
+    """docs/generated/async.md: async against sync per workload and staleness k, from bench/results/async.json."""
+    results = _load("async.json")
+    lines = ["| workload (bound) | mode | median step | vs sync | final reward (last 3 steps) | to reward, vs sync |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for workload, what in ASYNC_WORKLOADS.items():
+        runs = results[workload]
+        label = (f"{what}, {runs['steps']} steps x {runs['rounds']} round(s) "
+                 f"(bound {runs['overlap_bound_vs_sync']:.2f}x)")
+        for mode, row in runs["modes"].items():
+            if mode == "sync":
+                reached = (f"{runs['reward_target']} in {row['seconds_to_target']:.1f} s"
+                           if row["seconds_to_target"] else f"{runs['reward_target']}: not reached")
+            else:
+                speedup = row["time_to_target_speedup_vs_sync"]
+                reached = f"{speedup:.2f}x" if speedup else "-"
+            lines.append(f"| {label} | {mode.replace('k=', 'k = ')} | {row['median_step_s']:.2f} s "
+                         f"| {row['speedup_vs_sync']:.2f}x | {row['final_reward']:.2f} | {reached} |")
+            label = ""
+    return "\n".join(lines) + "\n"

@@ -1,7 +1,7 @@
 """Every benchmark figure the README and the docs quote, named once and read from bench/results/*.json.
 
 `python -m bench.figures` (part of `make docs`) writes the generated tables under docs/generated/ (the docs
-pages include them) and the README's generated block; `tests/docs/test_figures.py` checks that they are
+pages include them; bench/benchmark_table.py builds the larger ones) and the README's generated block; `tests/docs/test_figures.py` checks that they are
 current and that no page quotes a figure of a topic (say, a ratio next to "TRL") with another value.
 """
 
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-from bench.benchmark_table import lora_step_table, lora_sync_table, summary_table
+from bench.benchmark_table import async_table, lora_step_table, lora_sync_table, summary_table
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -108,13 +108,22 @@ FIGURES: dict[str, Figure] = {
 
 @dataclass(frozen=True)
 class Topic:
-    """Numbers of one kind quoted near a word: each must be the value of one of the topic's figures."""
+    """Numbers of one kind quoted near a word: each must be the value of one of the topic's figures or a
+    number of that kind in one of its generated tables."""
 
     near: str
     """A regex: a sentence that matches it is about this topic."""
     number: str
     """A regex whose group 1 is a quoted figure, as the figures' fmt writes it."""
-    figures: tuple[str, ...]
+    figures: tuple[str, ...] = ()
+    in_tables: tuple[str, ...] = ()
+    """Generated tables (docs/generated/ file names) whose numbers of this kind the topic's sentences may quote."""
+
+    def allowed(self) -> set[str]:
+        values = {FIGURES[name].text for name in self.figures}
+        tables = [text for path, text in generated_files().items() if path.name in self.in_tables]
+        values |= {match.group(1) for text in tables for match in re.finditer(self.number, text)}
+        return values
 
 
 TOPICS = (
@@ -123,6 +132,8 @@ TOPICS = (
         "trl.quickstart.time_to_reward_ratio", "update_memory.checkpointing.ratio_vs_trl",
         "update_memory.no_checkpointing.ratio_vs_trl")),
     Topic(r"\badapter\b", r"(?<![\d.])(\d+(?:\.\d+)? ?x) (?:fewer|the bytes)", ("lora.smollm2.bytes_ratio",)),
+    # Async against sync: docs/generated/async.md and the summary hold every ratio.
+    Topic(r"\basync\b|\bk = \d\b", r"(?<![\d.])(\d+\.\d+x)\b", in_tables=("async.md", "benchmarks.md")),
 )
 
 
@@ -177,6 +188,7 @@ def generated_files() -> dict[Path, str]:
     begin, end = readme.index(README_BEGIN) + len(README_BEGIN), readme.index(README_END)
     return {
         GENERATED / "benchmarks.md": summary_table(),
+        GENERATED / "async.md": async_table(),
         GENERATED / "lora-sync.md": lora_sync_table(),
         GENERATED / "lora-steps.md": lora_step_table(),
         GENERATED / "peer-trl.md": peer_trl_table(),
