@@ -97,6 +97,9 @@ FIGURES: dict[str, Figure] = {
     "threads.step_speedup": Figure(
         "threads.json", lambda r: r["step_speedup_new_vs_old"], "{:.1f}x",
         "the quickstart's step with shared cores over one thread per core per service"),
+    "threads.update_speedup": Figure(
+        "threads.json", lambda r: r["update_speedup_new_vs_old"], "{:.1f}x",
+        "the quickstart's actor update with shared cores over one thread per core per service"),
     "async.multi_turn.k1.step_speedup": Figure(
         "async.json", lambda r: r["multi_turn"]["modes"]["async k=1"]["speedup_vs_sync"], "{:.2f}x",
         "multi-turn lookup: async (k = 1) median step over sync's"),
@@ -132,6 +135,9 @@ TOPICS = (
         "trl.quickstart.time_to_reward_ratio", "update_memory.checkpointing.ratio_vs_trl",
         "update_memory.no_checkpointing.ratio_vs_trl")),
     Topic(r"\badapter\b", r"(?<![\d.])(\d+(?:\.\d+)? ?x) (?:fewer|the bytes)", ("lora.smollm2.bytes_ratio",)),
+    Topic(r"\bthreads?\b", r"(?<![\d.])(\d+\.\d+x)\b", ("threads.step_speedup", "threads.update_speedup")),
+    Topic(r"\bH200\b|\bone GPU\b", r"(?<![\d.])(0\.\d{3})(?!\d| s\b)",
+          ("gpu.quickstart.reward_first", "gpu.quickstart.reward_last")),
     # Async against sync: docs/generated/async.md and the summary hold every ratio.
     Topic(r"\basync\b|\bk = \d\b", r"(?<![\d.])(\d+\.\d+x)\b", in_tables=("async.md", "benchmarks.md")),
 )
