@@ -76,10 +76,14 @@ test-fast: setup
 protos: setup
 	$(PY) -m rlfabric.tools.protogen services/v1
 
-## Regenerate docs/config-reference.md from the config classes.
+## The docs site: regenerate the configuration pages (from the config classes), the figures (from
+## bench/results/*.json) and the chart's config schema, then build the site into site/ (--strict: a broken
+## link, anchor or snippet fails it).
 docs: setup
-	$(VENV)/bin/rlfabric config-reference > docs/config-reference.md
+	$(VENV)/bin/rlfabric config-reference --out docs/configuration
+	$(PY) -m bench.figures
 	$(PY) -m rlfabric.tools.config_schema helm/rlfabric/values.schema.json
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
 
 lint: setup
 	$(VENV)/bin/ruff check services tests bench

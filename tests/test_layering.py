@@ -254,6 +254,7 @@ MESH_WIDE = {
     "bench": "the benchmarks' own tests (bench/, beside services/)",
     "clients": "clients in other languages (examples/clients) against a live mesh",
     "deploy": "the images, the Helm chart and the Ray launcher, each bringing up every role",
+    "docs": "the README and the docs site (docs/, mkdocs.yml) against the code they describe",
     "real_model": "a real pretrained model through every service",
     "reliability": "faults, hostile clients and fuzzing across the services",
 }

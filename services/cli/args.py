@@ -80,7 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     health.add_argument("--service", default="readiness")
     health.add_argument("--timeout", type=float, default=5.0)
 
-    commands.add_parser("config-reference", help="print every config key with its default and meaning")
+    reference = commands.add_parser("config-reference", help="print every config key with its default and meaning")
+    reference.add_argument("--out", type=Path, help="write the docs site's pages (one per section) into this folder")
 
     data = commands.add_parser("data", help="write training data in VeRL's parquet schema")
     data_kinds = data.add_subparsers(dest="kind", required=True)

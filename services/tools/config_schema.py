@@ -50,7 +50,7 @@ def with_config_schema(values_schema: dict[str, Any]) -> dict[str, Any]:
     updated["definitions"] = {**definitions, **config_definitions()}
     updated["properties"] = {**values_schema["properties"], "config": {
         "$ref": f"#/definitions/{PREFIX}RunConfig",
-        "description": "The run config: the YAML `rlfabric train` takes (docs/config-reference.md)."}}
+        "description": "The run config: the YAML `rlfabric train` takes (docs/configuration/)."}}
     return updated
 
 

@@ -54,6 +54,8 @@ class ModelRoleSection(Section):
 
 
 class ActorConfig(ModelRoleSection):
+    """The actor: the policy's optimizer, batch sizes, policy loss, KL loss and LoRA."""
+
     lr: float = Field(1e-5, gt=0)
     """AdamW learning rate."""
     weight_decay: float = Field(0.01, ge=0)
@@ -110,6 +112,8 @@ class ActorConfig(ModelRoleSection):
 
 
 class ReferenceConfig(ModelRoleSection):
+    """The reference: the frozen policy's log-probs for KL terms, and its optional periodic reset."""
+
     enable: bool = True
     """Run a reference service (needed for KL in reward or KL loss)."""
     log_prob_micro_batch_size_per_gpu: int = Field(16, ge=1)
@@ -130,6 +134,8 @@ class ReferenceConfig(ModelRoleSection):
 
 
 class CriticConfig(ModelRoleSection):
+    """The critic: the value model's optimizer, batch sizes and value loss (GAE only)."""
+
     lr: float = Field(1e-5, gt=0)
     """AdamW learning rate."""
     model_path: str = ""

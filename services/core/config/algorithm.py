@@ -57,6 +57,8 @@ class FilterGroupsConfig(Section):
 
 
 class AlgorithmConfig(Section):
+    """The RL algorithm: advantage estimator, KL in the reward, rollout correction and plugins."""
+
     adv_estimator: str = "grpo"
     """Advantage estimator: gae, grpo, rloo, reinforce_plus_plus, remax, or one you registered."""
     gamma: float = 1.0

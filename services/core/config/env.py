@@ -20,6 +20,8 @@ class PythonToolConfig(Section):
 
 
 class EnvConfig(Section):
+    """The environment service of multi-turn rollouts: its tools, sessions and token."""
+
     enable: bool = False
     """Start an environment service with the mesh (`rlfabric up`, the local and Ray launchers), or take one
     given with --external env=HOST:PORT; the rollout replicas call it when rollout.multi_turn.enable."""

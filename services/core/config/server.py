@@ -27,6 +27,8 @@ class TlsConfig(Section):
 
 
 class ServerConfig(Section):
+    """How every service serves gRPC: address, message limits, keepalive, TLS and the bearer token."""
+
     host: str = "127.0.0.1"
     """Address services bind to; 0.0.0.0 in a container."""
     max_receive_message_mb: int = Field(256, gt=0)
@@ -58,6 +60,8 @@ class ServerConfig(Section):
 
 
 class ClientConfig(Section):
+    """How every client calls a service: deadlines, connection wait and retries."""
+
     timeout_s: float = Field(600.0, gt=0)
     """Default deadline of every RPC a client makes (seconds); no call waits forever."""
     connect_timeout_s: float = Field(60.0, gt=0)
@@ -88,6 +92,8 @@ class ClusterConfig(Section):
 
 
 class StorageConfig(Section):
+    """Where the paths an RPC names may lie (checkpoints, exports, data files)."""
+
     root: str = ""
     """Every path that arrives over RPC (the actor's checkpoint and export paths, StartRun's data files and
     trainer.resume_from_path) must resolve, symlinks included, under this directory (relative ones are

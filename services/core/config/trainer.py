@@ -29,6 +29,8 @@ class WandbConfig(Section):
 
 
 class TrainerConfig(Section):
+    """The run: steps, sync or async mode, validation, checkpoints, loggers and the final model."""
+
     total_steps: int = Field(20, ge=1)
     """PPO steps to run."""
     project_name: str = "rlfabric"
