@@ -94,14 +94,18 @@ def test_overrides_roles_and_staging(chart, tmp_path):
     assert replicas[f"{FULLNAME}-actor"] == 2 and replicas[f"{FULLNAME}-rollout"] == 3
 
     staged, warnings = helm_values(None, ["model.path=/data/models/tiny",
-                                          "data.train_files=[/data/find-vowel/train.parquet]"],
+                                          "data.train_files=[/data/datasets/synthetic/train.parquet]"],
                                    stage_model="tiny", stage_data="synthetic")
     assert warnings == []
     docs = parse_manifests(render_chart(chart, helm_reads(dump_values(staged))))
     (stage,) = [d for d in docs if d["kind"] == "Job" and d["metadata"]["name"].endswith("-stage")]
     (script,) = stage["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "rlfabric make-tiny-model '/data/models/tiny'" in script
-    assert "rlfabric data synthetic --out '/data/find-vowel'" in script
+    assert "rlfabric data synthetic --out '/data/datasets/synthetic'" in script
+    with pytest.raises(helm.HelmError, match=r"stage.model tiny writes the model to /data/models/tiny, but "
+                                             r"config.model.path is \"/data/models/mine\""):
+        staged["config"]["model"]["path"] = "/data/models/mine"
+        render_chart(chart, helm_reads(dump_values(staged)))
 
 
 def test_a_bad_config_fails_naming_the_key(capsys):
