@@ -87,10 +87,12 @@ def await_readiness(pods: list[dict], processes: dict[str, subprocess.Popen], ti
 
 
 def run_job(job: dict, plan: dict) -> dict:
-    """A Job's pod to its end: its exit status and output."""
+    """A Job's pod to its end: its exit status, output and seconds."""
+    started = time.monotonic()
     done = subprocess.run(pod_command(job, plan["mount_root"]), env=job["env"], capture_output=True, text=True,
                           timeout=plan["job_timeout_s"])
-    return {"returncode": done.returncode, "stdout": done.stdout, "stderr": done.stderr}
+    return {"returncode": done.returncode, "stdout": done.stdout, "stderr": done.stderr,
+            "seconds": round(time.monotonic() - started, 2)}
 
 
 def main() -> None:

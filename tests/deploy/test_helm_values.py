@@ -113,3 +113,26 @@ def test_a_bad_config_fails_naming_the_key(capsys):
         main(["helm-values", str(EXAMPLES / "math_grpo.yaml"), "rollout.nn=3"])
     assert done.value.code == 2
     assert "rollout.nn" in capsys.readouterr().err
+
+
+def test_the_default_run_reads_what_the_stage_job_writes(chart):
+    """The chart's defaults: the model and the data on the volume (no hub id), written there by the stage Job,
+    which every pod that reads them waits for; the notes say how to follow it."""
+    files = render_chart(chart, {})
+    docs = parse_manifests(files)
+    (config_map,) = [d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == f"{FULLNAME}-config"]
+    config = config_from_dict(yaml.safe_load(config_map["data"]["config.yaml"]))
+    assert config.model.path == "/data/models/smollm2"
+    assert config.data.train_files == ["/data/datasets/arithmetic/train.parquet"]
+    stage = next(d for d in docs if d["kind"] == "Job" and d["metadata"]["name"] == f"{FULLNAME}-stage")
+    (script,) = stage["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "rlfabric make-model smollm2 '/data/models/smollm2'" in script
+    assert "rlfabric data arithmetic --out '/data/datasets/arithmetic'" in script
+    marker = script.splitlines()[-1].split("touch ")[1].strip("'")
+    for d in docs:
+        if d["kind"] in ("StatefulSet", "Deployment"):
+            mounts_data = any(m["name"] == "data" for m in d["spec"]["template"]["spec"]["containers"][0]["volumeMounts"])
+            waits = [c["args"][0] for c in d["spec"]["template"]["spec"].get("initContainers", [])]
+            assert bool(waits and marker in waits[0]) == mounts_data, d["metadata"]["name"]
+    notes = next(t for p, t in files.items() if p.endswith("NOTES.txt"))
+    assert f"logs -f job/{FULLNAME}-stage" in notes

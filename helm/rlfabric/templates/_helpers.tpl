@@ -677,7 +677,7 @@ was staged, so a release that stages something else waits for its own. */}}
   imagePullPolicy: {{ .ctx.Values.image.pullPolicy }}
   command: ["sh", "-c"]
   args:
-    - {{ printf "until [ -e %s ]; do echo waiting for the stage Job to put the model and data on the volume; sleep 5; done" (include "rlfabric.stageMarker" .ctx | squote) | quote }}
+    - {{ printf "until [ -e %s ]; do echo waiting for the stage Job to put the model and data on the volume; sleep 2; done" (include "rlfabric.stageMarker" .ctx | squote) | quote }}
   resources:
     requests: {cpu: 10m, memory: 16Mi}
     limits: {memory: 64Mi}
