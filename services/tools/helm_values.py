@@ -22,7 +22,14 @@ from typing import Any
 
 import yaml
 
-from rlfabric.core.config import ConfigError, RunConfig, apply_override, default_config_path, load_config
+from rlfabric.core.config import (
+    ConfigError,
+    RunConfig,
+    apply_override,
+    default_config_path,
+    load_config,
+    set_key,
+)
 
 CHART = Path(__file__).resolve().parents[2] / "helm" / "rlfabric"  # in a clone of the repository
 
@@ -30,22 +37,31 @@ CHART = Path(__file__).resolve().parents[2] / "helm" / "rlfabric"  # in a clone 
 def helm_values(config_path: str | Path | None, overrides: list[str] = (), chart: Path = CHART,
                 stage_model: str = "", stage_data: str = "") -> tuple[dict[str, Any], list[str]]:
     """(values, warnings): the chart values that run this config, and what the chart cannot run as given.
-    stage_model and stage_data choose what the chart's stage Job writes to model.path and the folder of
-    data.train_files[0] (values.yaml `stage`); "" leaves them to you."""
+    stage_model and stage_data choose what the chart's stage Job writes onto the volume (values.yaml `stage`),
+    and the config then reads it there; "" leaves the model or the data to you."""
+    chart_values = _chart_values(chart)
+    mount_path = chart_values["persistence"]["mountPath"]
+    overrides = [*overrides, *_staged_paths(mount_path, stage_model, stage_data)]
     config = load_config(config_path, overrides)  # a missing file or a bad key fails here, named
     tree = _config_tree(config_path, overrides)
-    chart_values = _chart_values(chart)
     defaults = RunConfig().model_dump(mode="json")
     for key in _leaf_keys(chart_values.get("config") or {}):
         if _lookup(tree, key) is _MISSING:
-            _set(tree, key, copy.deepcopy(_lookup(defaults, key)))
+            set_key(tree, key, copy.deepcopy(_lookup(defaults, key)))
     values: dict[str, Any] = {"config": tree, "stage": {"model": stage_model, "data": stage_data}}
     roles = _roles_of(config)
     if roles:
         values["roles"] = roles
-    staged = {"model.path"} if stage_model else set()
-    staged |= {"data.train_files", "data.val_files"} if stage_data else set()
-    return values, _off_volume(config, chart_values["persistence"]["mountPath"], staged)
+    return values, _off_volume(config, mount_path)
+
+
+def _staged_paths(mount_path: str, stage_model: str, stage_data: str) -> list[str]:
+    """Overrides that point the config at what the stage Job writes (helm/rlfabric/templates/stage-job.yaml)."""
+    overrides = [f"model.path={mount_path}/models/{stage_model}"] if stage_model else []
+    if stage_data:
+        folder = f"{mount_path}/datasets/{stage_data}"
+        overrides += [f"data.train_files=[{folder}/train.parquet]", f"data.val_files=[{folder}/val.parquet]"]
+    return overrides
 
 
 def dump_values(values: dict[str, Any]) -> str:
@@ -94,13 +110,6 @@ def _lookup(tree: Any, key: str) -> Any:
     return tree
 
 
-def _set(tree: dict[str, Any], key: str, value: Any) -> None:
-    *sections, last = key.split(".")
-    for part in sections:
-        tree = tree.setdefault(part, {})
-    tree[last] = value
-
-
 def _roles_of(config: RunConfig) -> dict[str, Any]:
     """Chart values the config decides: the pods of multi-rank and replicated roles, the reward's image."""
     roles: dict[str, Any] = {}
@@ -113,15 +122,14 @@ def _roles_of(config: RunConfig) -> dict[str, Any]:
     return roles
 
 
-def _off_volume(config: RunConfig, mount_path: str, staged: set[str]) -> list[str]:
-    """The files a run reads that no pod will find: not on the data volume, every pod's only shared disk
-    (a key in staged is checked for its place only: the stage Job writes it)."""
+def _off_volume(config: RunConfig, mount_path: str) -> list[str]:
+    """The files a run reads that no pod will find: not on the data volume, every pod's only shared disk."""
     found = [("model.path", config.model.path)]
     found += [("data.train_files", path) for path in config.data.train_files]
     found += [("data.val_files", path) for path in config.data.val_files]
     warnings = []
     for key, path in found:
-        if not path and key not in staged:
+        if not path:
             warnings.append(f"{key} is empty (the quickstart's tiny model): set it to a folder on the data volume "
                             f"({mount_path}/models/...) and stage the model there (docs/kubernetes.md)")
         elif not path.startswith(mount_path.rstrip("/") + "/"):

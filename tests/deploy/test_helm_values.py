@@ -93,16 +93,16 @@ def test_overrides_roles_and_staging(chart, tmp_path):
     replicas = {d["metadata"]["name"]: d["spec"]["replicas"] for d in docs if d["kind"] == "StatefulSet"}
     assert replicas[f"{FULLNAME}-actor"] == 2 and replicas[f"{FULLNAME}-rollout"] == 3
 
-    staged, warnings = helm_values(None, ["model.path=/data/models/tiny",
-                                          "data.train_files=[/data/datasets/synthetic/train.parquet]"],
-                                   stage_model="tiny", stage_data="synthetic")
+    staged, warnings = helm_values(None, stage_model="quickstart", stage_data="synthetic")  # the quickstart
     assert warnings == []
+    assert staged["config"]["model"]["path"] == "/data/models/quickstart"
+    assert staged["config"]["data"]["val_files"] == ["/data/datasets/synthetic/val.parquet"]
     docs = parse_manifests(render_chart(chart, helm_reads(dump_values(staged))))
     (stage,) = [d for d in docs if d["kind"] == "Job" and d["metadata"]["name"].endswith("-stage")]
     (script,) = stage["spec"]["template"]["spec"]["containers"][0]["args"]
-    assert "rlfabric make-tiny-model '/data/models/tiny'" in script
+    assert "rlfabric make-tiny-model '/data/models/quickstart' --warm-start" in script
     assert "rlfabric data synthetic --out '/data/datasets/synthetic'" in script
-    with pytest.raises(helm.HelmError, match=r"stage.model tiny writes the model to /data/models/tiny, but "
+    with pytest.raises(helm.HelmError, match=r"stage.model quickstart writes the model to /data/models/quickstart, but "
                                              r"config.model.path is \"/data/models/mine\""):
         staged["config"]["model"]["path"] = "/data/models/mine"
         render_chart(chart, helm_reads(dump_values(staged)))
