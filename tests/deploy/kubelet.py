@@ -6,8 +6,9 @@ Run in a network and mount namespace of its own, it brings up the loopback inter
 plan's hosts file on /etc/hosts (so the Services' DNS names resolve to the pods' addresses, each pod its
 own 127.0.1.x address, as each pod has its own IP in a cluster), starts every pod's container command in
 a mount namespace of the pod's own where its volumes are mounted as the pod spec says (see pod_command),
-probes each pod as the kubelet does (grpc.health.v1 Check with the probe's service name, on the probe's
-port) until all are SERVING, runs the Job to its end, stops the pods with SIGTERM and writes what
+runs the stage Job (when the plan has one) while the pods' init containers wait for it, probes each pod as
+the kubelet does (grpc.health.v1 Check with the probe's service name, on the probe's port) until all are
+SERVING, runs the run Job to its end, stops the pods with SIGTERM and writes what
 happened to RESULT.json. The plan (argv and env already resolved from the rendered manifests) is made by
 tests/deploy/test_chart_runs.py.
 """
@@ -32,7 +33,8 @@ def pod_command(pod: dict, mount_root: str) -> list[str]:
     folder every mountPath of the test's values lies in) hides whatever other pods mounted there, then
     each of the pod's volumes is bind-mounted at its mountPath (read-only where the spec says). A pod sees
     the shared "PVC" only if its spec mounts it; without it, it writes into its own tmpfs, as a pod writes
-    into its container's filesystem. Mounts outside mount_root (/tmp, /dev/shm) are left as they are."""
+    into its container's filesystem. Mounts outside mount_root (/tmp, /dev/shm) are left as they are. The pod's
+    init containers (their argv; they mount what the main container mounts) run first, as the kubelet runs them."""
     steps = ["set -e", f"mount -t tmpfs -o mode=0755 pod {shlex.quote(mount_root)}"]
     for mount in pod["mounts"]:
         if not mount["target"].startswith(mount_root + "/"):
@@ -45,6 +47,7 @@ def pod_command(pod: dict, mount_root: str) -> list[str]:
         steps.append(f"mount --bind {source} {target}")
         if mount["read_only"]:
             steps.append(f"mount -o remount,bind,ro {target}")
+    steps += [shlex.join(argv) for argv in pod.get("init", [])]  # its init containers, in order, to their end
     steps.append('exec "$@"')
     return ["unshare", "--mount", "--propagation", "private", "sh", "-c", "\n".join(steps), pod["name"], *pod["argv"]]
 
@@ -83,6 +86,15 @@ def await_readiness(pods: list[dict], processes: dict[str, subprocess.Popen], ti
     return ready
 
 
+def run_job(job: dict, plan: dict) -> dict:
+    """A Job's pod to its end: its exit status, output and seconds."""
+    started = time.monotonic()
+    done = subprocess.run(pod_command(job, plan["mount_root"]), env=job["env"], capture_output=True, text=True,
+                          timeout=plan["job_timeout_s"])
+    return {"returncode": done.returncode, "stdout": done.stdout, "stderr": done.stderr,
+            "seconds": round(time.monotonic() - started, 2)}
+
+
 def main() -> None:
     plan = json.loads(Path(sys.argv[1]).read_text())
     result_path = Path(sys.argv[2])
@@ -95,11 +107,12 @@ def main() -> None:
     try:
         for pod in plan["pods"]:
             processes[pod["name"]] = start_pod(pod, plan["mount_root"], logs)
+        if plan.get("stage"):  # the stage Job runs beside the pods, which wait for it in their init containers
+            result["stage"] = run_job(plan["stage"], plan)
+            if result["stage"]["returncode"] != 0:
+                raise RuntimeError(f"the stage Job failed: {result['stage']['stderr'][-2000:]}")
         result["ready_s"] = await_readiness(plan["pods"], processes, plan["ready_timeout_s"])
-        job = plan["job"]
-        done = subprocess.run(pod_command(job, plan["mount_root"]), env=job["env"], capture_output=True, text=True,
-                              timeout=plan["job_timeout_s"])
-        result["job"] = {"returncode": done.returncode, "stdout": done.stdout, "stderr": done.stderr}
+        result["job"] = run_job(plan["job"], plan)
     except Exception as error:  # reported to the test, with the pods' logs
         result["error"] = f"{type(error).__name__}: {error}"
     finally:

@@ -1,8 +1,8 @@
-"""The chart's acceptance test: what `helm install -f ci/cpu-values.yaml` would run, run here.
+"""The chart's acceptance test: what `helm install` with the default values would run, run here.
 
 No Kubernetes runs on this machine, so the test plays the rendered chart:
-- it renders ci/cpu-values.yaml with the config pointed at what exists here (the tiny model instead of a
-  hub model, the built-in task instead of GSM8K files on a volume, the transformers engine, 2 steps) and
+- it renders the default values (the stage Job writing the tiny model instead of SmolLM2, which needs PyPI)
+  or ci/cpu-values.yaml (the tiny model, the built-in task), with the transformers engine, 2 steps, and
   the mount paths (configPath, auth.mountPath, auth.env.mountPath, persistence.mountPath, tls.mountPath)
   pointed into one temp folder, the mount root;
 - writes each rendered ConfigMap and Secret into a folder of its own and uses one folder as the PVC; each
@@ -19,7 +19,8 @@ No Kubernetes runs on this machine, so the test plays the rendered chart:
   the machine's /etc/hosts and network are untouched);
 - probes every pod as the kubelet does (its readinessProbe: grpc.health.v1 Check of that service name)
   and runs the run Job's command to its end.
-Pass: the Job exits 0 after both steps, a complete checkpoint (actor and coordinator parts) and the final
+Pass: the stage Job puts the model and data on the "PVC" while the pods that mount it wait, the Job exits 0
+after both steps, a complete checkpoint (actor and coordinator parts) and the final
 model are on the "PVC", and every pod drains and exits 0 on SIGTERM. The same for a multi-turn run with the
 chart's env role, the actor and rollout in a two-node resource pool, and mutual TLS from cert-manager (one run for
 the three); and a mesh whose actor does not mount the shared volume fails its run at the start with a message
@@ -49,19 +50,44 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(os.geteuid() != 0 or not shut
 VENV_BIN = Path(sys.executable).parent
 
 
-def cpu_values(workdir: Path, model: Path) -> dict:
-    values = yaml.safe_load((CHART / "ci" / "cpu-values.yaml").read_text())
+def on_this_machine(values: dict, workdir: Path) -> dict:
+    """The values' mount paths moved into workdir/mnt, the mount root (the config's files on the volume with them),
+    and what a 2-core machine without vLLM runs in seconds: the transformers engine, 2 steps of 8 tokens."""
     config = values["config"]
-    config["model"]["path"] = str(model)
-    config["data"].update(train_files=[], val_files=[], max_response_length=8)
     config["rollout"]["engine"] = "hf"
-    config["trainer"].update(total_steps=2, save_freq=0, progress_bar=False)
+    config["data"]["max_response_length"] = 8
+    config["trainer"].update(total_steps=2, progress_bar=False)
     mount_root = workdir / "mnt"
+    volume = str(mount_root / "data")
+    if config["model"].get("path", "").startswith("/data/"):
+        config["model"]["path"] = volume + config["model"]["path"].removeprefix("/data")
+    for key in ("train_files", "val_files"):
+        config["data"][key] = [volume + f.removeprefix("/data") for f in config["data"].get(key, [])]
     values["configPath"] = str(mount_root / "etc" / "config.yaml")
     values["auth"] = {"mountPath": str(mount_root / "auth"), "env": {"mountPath": str(mount_root / "env-auth")}}
-    values["persistence"]["mountPath"] = str(mount_root / "data")
+    values.setdefault("persistence", {})["mountPath"] = volume
     values["tls"] = {"mountPath": str(mount_root / "tls")}
     return values
+
+
+def default_values(workdir: Path) -> dict:
+    """The chart's defaults (values.yaml): the stage Job writes the model and the data onto the volume, here the
+    tiny model (stage.model tiny, read from /data/models/tiny) where the default writes SmolLM2 from PyPI (no
+    package index here, and ~10x the time a step)."""
+    values = {"config": yaml.safe_load((CHART / "values.yaml").read_text())["config"], "stage": {"model": "tiny"}}
+    values["config"]["model"]["path"] = "/data/models/tiny"
+    return on_this_machine(values, workdir)
+
+
+def cpu_values(workdir: Path, model: Path) -> dict:
+    """ci/cpu-values.yaml with the session's tiny model and the built-in task instead of staged files."""
+    values = yaml.safe_load((CHART / "ci" / "cpu-values.yaml").read_text())
+    config = values["config"]
+    config["model"] = {"path": str(model)}
+    config["data"].update(train_files=[], val_files=[])
+    config["trainer"]["save_freq"] = 0
+    values["stage"] = {"enabled": False}
+    return on_this_machine(values, workdir)
 
 
 def with_cert_manager_tls(values: dict) -> dict:
@@ -85,7 +111,9 @@ def resolve(container: dict, pod: dict) -> tuple[list[str], dict[str, str]]:
     args = [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], a) for a in container.get("args", [])]
     if "--host" in args:  # its own network namespace in a pod; here its own address
         args[args.index("--host") + 1] = pod["ip"]
-    return [str(VENV_BIN / container["command"][0]), *container["command"][1:], *args], env
+    program = container["command"][0]  # rlfabric from this venv, sh from the machine
+    executable = str(VENV_BIN / program) if (VENV_BIN / program).exists() else shutil.which(program)
+    return [executable, *container["command"][1:], *args], env
 
 
 def write_volume_sources(docs: list[dict], volumes: Path) -> None:
@@ -145,6 +173,7 @@ def plan_of(docs: list[dict], workdir: Path) -> dict:
             (container,) = spec["template"]["spec"]["containers"]
             pod["argv"], pod["env"] = resolve(container, pod)
             pod["mounts"] = mounts_of(spec["template"]["spec"], container, pod["name"], volumes)
+            pod["init"] = [resolve(init, pod)[0] for init in spec["template"]["spec"].get("initContainers", [])]
             probe = container["readinessProbe"]["grpc"]
             pod["probe"] = {"port": probe["port"], "service": probe.get("service", "")}
             pods.append(pod)
@@ -156,18 +185,23 @@ def plan_of(docs: list[dict], workdir: Path) -> dict:
         if doc["kind"] == "Service" and doc["spec"].get("clusterIP") != "None":
             component = doc["spec"]["selector"]["app.kubernetes.io/component"]
             hosts[f"{doc['metadata']['name']}.{NAMESPACE}.svc"] = by_component[component][0]["ip"]
-    (job,) = [d for d in docs if d["kind"] == "Job"]
-    (container,) = job["spec"]["template"]["spec"]["containers"]
-    job_pod = {"name": f"{job['metadata']['name']}-0", "index": 0, "ip": "127.0.1.250"}
-    argv, env = resolve(container, job_pod)
-    job_mounts = mounts_of(job["spec"]["template"]["spec"], container, job_pod["name"], volumes)
+    jobs = {d["metadata"]["name"].rsplit("-", 1)[1]: job_of(d, f"127.0.1.{250 + i}", volumes)
+            for i, d in enumerate(d for d in docs if d["kind"] == "Job")}
     hosts_file = workdir / "hosts"
     hosts_file.write_text("127.0.0.1 localhost\n" + "".join(f"{ip} {name}\n" for name, ip in hosts.items()))
     mount_root = workdir / "mnt"
     mount_root.mkdir(parents=True, exist_ok=True)
     return {"workdir": str(workdir), "hosts_file": str(hosts_file), "mount_root": str(mount_root), "pods": pods,
-            "job": {"name": job_pod["name"], "argv": argv, "env": env, "mounts": job_mounts},
-            "ready_timeout_s": 300, "job_timeout_s": 600}
+            "job": jobs["run"], "stage": jobs.get("stage"), "ready_timeout_s": 300, "job_timeout_s": 600}
+
+
+def job_of(job: dict, ip: str, volumes: Path) -> dict:
+    """The pod of a Job (the run's or the stage's): name, argv, env and mounts."""
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    pod = {"name": f"{job['metadata']['name']}-0", "index": 0, "ip": ip}
+    argv, env = resolve(container, pod)
+    return {**pod, "argv": argv, "env": env, "mounts": mounts_of(job["spec"]["template"]["spec"], container,
+                                                                 pod["name"], volumes)}
 
 
 def play(docs: list[dict], workdir: Path) -> tuple[dict, str]:
@@ -214,12 +248,23 @@ def pod_names(docs: list[dict]) -> set[str]:
             for d in docs if d["kind"] in ("StatefulSet", "Deployment") for i in range(d["spec"]["replicas"])}
 
 
-def test_helm_install_of_the_cpu_values_runs_a_training_to_the_end(tmp_path, model):
+def test_helm_install_of_the_default_values_stages_the_model_and_data_and_runs_to_the_end(tmp_path):
+    """docs/kubernetes.md's install: the stage Job writes the model and the data where the default config reads
+    them, the pods that mount the volume wait for it (their init container), and the run Job completes."""
     workdir = tmp_path / "cluster"
-    docs = render(cpu_values(workdir, model))
+    docs = render(default_values(workdir))
     assert pod_names(docs) == {"actor-0", "rollout-0", "reward-0", "coordinator-0"}  # GRPO: no critic, no reference
+    waiting = {d["metadata"]["name"].removeprefix(f"{RELEASE}-rlfabric-") for d in docs
+               if d["kind"] in ("StatefulSet", "Deployment") and d["spec"]["template"]["spec"].get("initContainers")}
+    assert waiting == {"actor", "rollout", "coordinator"}  # every pod that mounts the volume; not the reward
     result, logs = play(docs, workdir)
+    assert result["stage"]["returncode"] == 0, result["stage"]
     check_run_completed(result, logs, workdir)
+    volume = workdir / "volumes" / f"pvc-{RELEASE}-rlfabric-data"
+    assert (volume / "models" / "tiny" / "config.json").exists()
+    assert {p.name for p in (volume / "datasets" / "arithmetic").iterdir()} == {"train.parquet", "val.parquet"}
+    (marker,) = (volume / ".rlfabric-staged").iterdir()
+    assert marker.is_file()
 
 
 def log_events(workdir: Path, pod: str) -> list[dict]:

@@ -596,6 +596,9 @@ def test_run_config_passes_values_through(rendered):
     cfg = rendered.run_config()
     user = CASES[rendered.name].get("config") or rendered.values["config"]
     for section, body in user.items():
+        if not isinstance(body, dict):  # name
+            assert cfg[section] == body, section
+            continue
         for key, value in body.items():
             assert cfg[section][key] == value, (section, key)
     assert cfg["trainer"]["run_dir"] == f"/data/runs/{RELEASE}"
@@ -674,7 +677,7 @@ def test_a_cert_manager_certificate_names_every_address_the_mesh_dials(by_case):
     def covered(host: str) -> bool:
         return host in names or f"*.{host.split('.', 1)[1]}" in names
 
-    (job,) = r.of_kind("Job")
+    job = r.get("Job", f"{FULLNAME}-run")
     dialed = [a for addrs in r.run_config()["cluster"].values() for a in addrs]
     dialed.append(job["spec"]["template"]["spec"]["containers"][0]["args"][2])  # train --coordinator HOST:PORT
     assert len(dialed) == 1 + 1 + 1 + 2 + 1 + 1 + 1  # actor, reference, critic, 2 rollouts, reward, env, coordinator
@@ -787,7 +790,7 @@ def test_the_run_job_attaches_to_the_coordinator_with_the_services_config(render
     from rlfabric.cli.args import parse_args
     from rlfabric.core.config import load_config
 
-    (job,) = rendered.of_kind("Job")
+    job = rendered.get("Job", f"{FULLNAME}-run")
     pod = job["spec"]["template"]["spec"]
     assert pod["restartPolicy"] == "Never"
     (c,) = pod["containers"]
@@ -818,35 +821,18 @@ def test_a_network_policy_admits_the_mesh_and_metrics_scrapes_only(rendered):
             assert release.items() <= labels.items(), workload["metadata"]["name"]
 
 
-def test_run_enabled_false_renders_no_job(chart):
+def test_run_enabled_false_renders_no_run_job(chart):
     docs = parse_manifests(render_chart(chart, {"run": {"enabled": False}}))
-    assert not [d for d in docs if d["kind"] == "Job"]
+    assert [d["metadata"]["name"] for d in docs if d["kind"] == "Job"] == [f"{FULLNAME}-stage"]
 
 
-def example_values(config: dict) -> dict:
-    """An example config as the chart's values; a reward model needs the reward role's train image."""
-    values: dict = {"config": config}
-    if config.get("reward", {}).get("model_path"):
-        values["roles"] = {"reward": {"image": {"variant": "train"}}}
-    return values
+def example_values(example: Path) -> dict:
+    """An example config as `rlfabric helm-values` writes it, read back as `helm install -f` reads it
+    (tests/deploy/test_helm_values.py checks that the run it renders is the file's)."""
+    from rlfabric.tools.helm_values import dump_values, helm_values
 
-
-@pytest.mark.parametrize("example", sorted(p.name for p in (REPO / "examples").glob("*.yaml")))
-def test_an_example_config_given_as_the_chart_config_loads(chart, example, tmp_path):
-    """The chart's `config` value is the YAML `rlfabric train` takes: every example works as values."""
-    from rlfabric.core.config import load_config
-
-    values = example_values(yaml.safe_load((REPO / "examples" / example).read_text()))
-    docs = parse_manifests(render_chart(chart, values))
-    cm = next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == f"{FULLNAME}-config")
-    path = tmp_path / "config.yaml"
-    path.write_text(cm["data"]["config.yaml"])
-    config = load_config(path)
-    for section, body in values["config"].items():
-        if isinstance(body, dict):
-            for key, value in body.items():
-                if not isinstance(value, dict):
-                    assert getattr(getattr(config, section), key) == value, (section, key)
+    values, _ = helm_values(example)
+    return helm.values_from_yaml(dump_values(values))
 
 
 # --- topologies ----------------------------------------------------------------------------
@@ -1235,8 +1221,7 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 def test_the_chart_deploys_the_roles_the_config_uses(chart, example):
     """Each example config as the chart's `config`, roles left at their defaults (critic and
     reference: auto): the workloads are exactly the roles the launchers would start."""
-    config = yaml.safe_load((EXAMPLES / example).read_text())
-    docs = parse_manifests(render_chart(chart, example_values(config)))
+    docs = parse_manifests(render_chart(chart, example_values(EXAMPLES / example)))
     components = {d["metadata"]["labels"]["app.kubernetes.io/component"]
                   for d in docs if d["kind"] in ("StatefulSet", "Deployment")}
     assert components == set(load_config(EXAMPLES / example).roles_in_use())
@@ -1268,9 +1253,9 @@ def test_an_external_environment_replaces_the_env_role(chart, tmp_path):
     from rlfabric.coordinator.multi_turn import multi_turn_spec
     from rlfabric.rollout.agent_rollout import allowed_env_addresses
 
-    config = yaml.safe_load((EXAMPLES / "lookup_multi_turn.yaml").read_text())
+    values = example_values(EXAMPLES / "lookup_multi_turn.yaml")
     address = "lookup-env.agents.svc:50051"
-    docs = parse_manifests(render_chart(chart, {"config": config, "roles": {"env": {"external": address}}}))
+    docs = parse_manifests(render_chart(chart, {**values, "roles": {"env": {"external": address}}}))
     components = {d["metadata"]["labels"]["app.kubernetes.io/component"]
                   for d in docs if d["kind"] in ("StatefulSet", "Deployment", "Service")}
     assert "env" not in components and "rollout" in components
@@ -1282,4 +1267,4 @@ def test_an_external_environment_replaces_the_env_role(chart, tmp_path):
     assert multi_turn_spec(loaded, max_tokens=64).env_address == address
     assert address in allowed_env_addresses(loaded)  # the rollout pods read this config too
     with pytest.raises(helm.HelmError, match="roles.env.external"):
-        render_chart(chart, {"config": config, "roles": {"env": {"external": "http://lookup-env"}}})
+        render_chart(chart, {**values, "roles": {"env": {"external": "http://lookup-env"}}})

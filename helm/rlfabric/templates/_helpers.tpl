@@ -427,6 +427,10 @@ spec:
   {{- with include "rlfabric.scheduling" . | trim }}
   {{- . | nindent 2 }}
   {{- end }}
+  {{- if and $r.mountData (include "rlfabric.waitsForStage" $ctx) }}
+  initContainers:
+    {{- include "rlfabric.stageWait" . | nindent 4 }}
+  {{- end }}
   containers:
     - name: {{ $role }}
       image: {{ include "rlfabric.image" . | quote }}
@@ -647,4 +651,39 @@ the GPU UUIDs the services report. A forced nccl with the actor or the rollout o
 {{- if and .Values.tls.enabled (eq (int .Values.ports.health) (int .Values.ports.grpc)) }}
 {{- fail "ports.health must differ from ports.grpc when TLS is on" }}
 {{- end }}
+{{- end }}
+
+{{/*
+Staging (stage-job.yaml)
+*/}}
+
+{{/* The stage Job's marker on the data volume, written when the model and data are there: named by what
+was staged, so a release that stages something else waits for its own. */}}
+{{- define "rlfabric.stageMarker" -}}
+{{- $config := .Values.config | default dict }}
+{{- $what := list .Values.stage.model .Values.stage.data ($config.model | default dict).path ($config.data | default dict).train_files }}
+{{- printf "%s/.rlfabric-staged/%s" .Values.persistence.mountPath (toJson $what | sha256sum | trunc 16) }}
+{{- end }}
+
+{{/* "true" when pods that mount the data volume wait for the stage Job. */}}
+{{- define "rlfabric.waitsForStage" -}}
+{{- if and .Values.stage.enabled (or .Values.stage.model .Values.stage.data) }}true{{ end }}
+{{- end }}
+
+{{/* The init container of a pod that mounts the data volume: waits for the stage Job's marker. Args: dict ctx role. */}}
+{{- define "rlfabric.stageWait" -}}
+- name: wait-for-stage
+  image: {{ include "rlfabric.image" . | quote }}
+  imagePullPolicy: {{ .ctx.Values.image.pullPolicy }}
+  command: ["sh", "-c"]
+  args:
+    - {{ printf "until [ -e %s ]; do echo waiting for the stage Job to put the model and data on the volume; sleep 2; done" (include "rlfabric.stageMarker" .ctx | squote) | quote }}
+  resources:
+    requests: {cpu: 10m, memory: 16Mi}
+    limits: {memory: 64Mi}
+  securityContext:
+    {{- toYaml .ctx.Values.containerSecurityContext | nindent 4 }}
+  volumeMounts:
+    - name: data
+      mountPath: {{ .ctx.Values.persistence.mountPath }}
 {{- end }}
