@@ -309,6 +309,7 @@ def write_custom(input_path: str | Path, out_path: str | Path, prompt_column: st
         prompt = _prompt_of(path, line, record, prompt_column, instruction)
         answer = _answer_of(path, line, record, answer_column)
         columns = {key: value for key, value in record.items() if key not in (prompt_column, "split", "index")}
+        columns[answer_column] = answer  # as text in every row, as ground_truth (a number in some rows is common)
         rows.append(_row(source, prompt, answer, "custom", split, index, **columns))
     if not rows:
         raise DataFormatError(path, 0, "records", "the file holds no records")
