@@ -253,6 +253,7 @@ MESH_WIDE = {
     "bench": "the benchmarks' own tests (bench/, beside services/)",
     "clients": "clients in other languages (examples/clients) against a live mesh",
     "deploy": "the images, the Helm chart and the Ray launcher, each bringing up every role",
+    "docs": "the documentation's pages: their commands run as written, their excerpts match the files",
     "real_model": "a real pretrained model through every service",
     "reliability": "faults, hostile clients and fuzzing across the services",
 }
