@@ -253,7 +253,7 @@ def write_hh_rlhf(input_jsonl: str | Path, out_path: str | Path, split: str = "t
 
 def _csv_records(path: Path):
     """(line number, record) for every row of a CSV file with a header line; every value a string."""
-    with path.open(newline="") as file:
+    with path.open(newline="", encoding="utf-8-sig") as file:  # (-sig: the byte-order mark spreadsheets write)
         reader = csv.DictReader(file)
         if not reader.fieldnames:
             raise DataFormatError(path, 1, "header", "expected a header line naming the columns")

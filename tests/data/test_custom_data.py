@@ -40,7 +40,8 @@ def test_jsonl_rows_keep_every_other_column_in_extra_info(tmp_path):
 
 def test_csv_through_the_command_line(tmp_path, capsys):
     source = tmp_path / "quiz.csv"
-    source.write_text('question,answer,topic\n"Capital of Peru, in one word?",Lima,geo\nCapital of Chile?,Santiago,geo\n')
+    source.write_text('\ufeffquestion,answer,topic\n"Capital of Peru, in one word?",Lima,geo\nCapital of Chile?,Santiago,geo\n',
+                      encoding="utf-8")  # a byte-order mark first, as spreadsheets save CSV
     out = tmp_path / "data" / "train.parquet"
     with pytest.raises(SystemExit) as done:
         main(["data", "custom", "--input", str(source), "--prompt-column", "question", "--answer-column", "answer",
