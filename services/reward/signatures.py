@@ -6,6 +6,8 @@
           TRL's reward functions (GRPOTrainer(reward_funcs=...)): every argument a list, one entry per
           completion. columns are ground_truth, data_source and each key of the row's extra_info (the
           columns of `rlfabric data custom` keep their names there), as TRL passes a data set's columns.
+          Prompts and completions are text; TRL's completion_ids and trainer_state are not passed (a
+          function that needs them fails its load).
 
 The style is a config key, not guessed from the function: the service never imports the user's file
 (only the sandboxed worker does), a `def f(*args, **kwargs)` fits both, and a key shows in the
@@ -27,6 +29,8 @@ SIGNATURES = ("verl", "trl")
 # Parameter names that only the other style's functions take.
 _TRL_NAMES = {"prompts", "completions", "completion_ids"}
 _VERL_NAMES = {"data_source", "solution_str", "ground_truth", "extra_info"}
+# What TRL passes and rlfabric does not: the completions' token ids, and the trainer's state.
+_TRL_NOT_PASSED = ("completion_ids", "trainer_state")
 
 
 class SignatureMismatch(TypeError):
@@ -50,6 +54,12 @@ def check_signature(fn: Callable[..., Any], signature: str, name: str) -> None:
         raise SignatureMismatch(
             f"{name}{inspect.signature(fn)} has no 'completions' parameter (nor **kwargs), which "
             f"reward.custom_signature: trl passes{hint}")
+    required = [key for key in _TRL_NOT_PASSED if key in parameters
+                and parameters[key].default is inspect.Parameter.empty
+                and parameters[key].kind is not inspect.Parameter.VAR_KEYWORD]
+    if signature == "trl" and required:
+        raise SignatureMismatch(f"{name} needs {', '.join(required)}, which rlfabric does not pass (TRL does): "
+                                "give it a default or take it through **kwargs")
 
 
 def caller(fn: Callable[..., Any], signature: str, kwargs: dict[str, Any]) -> Callable[[dict], Any]:

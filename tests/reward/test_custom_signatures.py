@@ -102,5 +102,10 @@ def test_signature_checks_in_process():
     check_signature(anything, "trl", "anything")  # **kwargs takes completions
     with pytest.raises(SignatureMismatch, match="no 'completions' parameter"):
         check_signature(verl, "trl", "verl")
+    def token_level(prompts, completions, completion_ids, trainer_state=None, **kwargs):
+        return [1.0]
+
+    with pytest.raises(SignatureMismatch, match="needs completion_ids, which rlfabric does not pass"):
+        check_signature(token_level, "trl", "token_level")
     with pytest.raises(ValueError, match="custom_signature must be one of"):
         caller(verl, "openai", {})
