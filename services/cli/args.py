@@ -110,6 +110,15 @@ def build_parser() -> argparse.ArgumentParser:
         converter.add_argument("--out", type=Path, required=True)
         converter.add_argument("--split", default="train")
 
+    custom = data_kinds.add_parser("custom", help="your own JSONL or CSV with named prompt and answer columns -> parquet")
+    custom.add_argument("--input", type=Path, required=True, help="a .jsonl (one JSON object a line) or .csv file")
+    custom.add_argument("--out", type=Path, required=True, help="the parquet file to write")
+    custom.add_argument("--prompt-column", required=True, help="the column holding the prompt (text, or a JSONL chat)")
+    custom.add_argument("--answer-column", required=True, help="the column holding the answer (ground truth)")
+    custom.add_argument("--data-source", default="", help="the rows' data_source (default: the input's name)")
+    custom.add_argument("--instruction", default="", help="text appended to every prompt, e.g. how to answer")
+    custom.add_argument("--split", default="train")
+
     tiny = commands.add_parser("make-tiny-model", help="write a tiny random Qwen2 model + char tokenizer")
     tiny.add_argument("out", type=Path, nargs="?",
                       help="output directory (with --warm-start, default: the machine's cache, built once; "

@@ -282,6 +282,9 @@ class StepRunner:
         batch.scores = torch.tensor([result.score for result in results])
         batch.score_failed = torch.tensor([not result.ok for result in results])
         batch.failures = [failure_of(result) for result in results]
+        for result in results:
+            for name, value in result.metrics.items():
+                batch.reward_extra_info.setdefault(name, []).append(value)
         failed = describe_failures(step, batch.failures)
         if failed:
             kept = "trained on with score 0" if self.config.algorithm.score_failure == "zero" else "left out of training"

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -44,6 +44,8 @@ class RolloutBatch:
     scores: torch.Tensor | None = None  # [B] the reward service's score
     score_failed: torch.Tensor | None = None  # [B] bool: the sample got no score (reward or environment failed)
     failures: list[SampleFailure | None] | None = None  # [B] why each sample failed (None: scored)
+    reward_extra_info: dict[str, list[float]] = field(default_factory=dict)  # each scorer output but the score
+    #                                             (a compute_score dict's other numbers), over the samples that gave it
     baselines: torch.Tensor | None = None  # [B] ReMax: the score of the prompt's greedy response
     rollout_log_probs: torch.Tensor | None = None  # [B, T] the sampler's (pi_rollout), None if a sample had none
     # Log-probs and values phase:

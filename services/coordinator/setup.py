@@ -46,6 +46,11 @@ def load_datasets(config: RunConfig, run_dir: Path, tokenizer) -> tuple[RLHFData
         val = RLHFDataset(val_files, **kwargs) if val_files else None
     except DatasetError as error:
         raise InvalidArgument(str(error)) from None
+    for name, dataset in (("data.train_files", train), ("data.val_files", val)):
+        if dataset is not None and dataset.num_filtered:
+            log.warning("%s: %d of the prompts are longer than data.max_prompt_length %d tokens and were left out "
+                        "(data.filter_overlong_prompts); %d remain", name, dataset.num_filtered,
+                        data.max_prompt_length, len(dataset))
     if data.train_batch_size > len(train):
         raise InvalidArgument(f"data.train_batch_size {data.train_batch_size} > {len(train)} usable training rows")
     return train, val

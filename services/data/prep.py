@@ -1,4 +1,4 @@
-"""Writes training data in VeRL's parquet schema: `rlfabric data synthetic|arithmetic|gsm8k|math|hellaswag|hh-rlhf`.
+"""Writes training data in VeRL's parquet schema: `rlfabric data synthetic|arithmetic|gsm8k|math|hellaswag|hh-rlhf|custom`.
 
 Each converter reads a data set's files in their published form and writes one row per record:
 data_source (VeRL's name, which picks the scorer), prompt (chat messages), ability,
@@ -8,6 +8,7 @@ DataFormatError naming the file, the line and the field.
 
 from __future__ import annotations
 
+import csv
 import json
 import random
 import re
@@ -248,3 +249,71 @@ def write_hh_rlhf(input_jsonl: str | Path, out_path: str | Path, split: str = "t
         rows.append(_row(HH_RLHF_DATA_SOURCE, prompt, chosen[-1]["content"], "alignment", split, index,
                          style="model", chosen=chosen[-1]["content"], rejected=rejected[-1]["content"]))
     return _write(rows, Path(out_path))
+
+
+def _csv_records(path: Path):
+    """(line number, record) for every row of a CSV file with a header line; every value a string."""
+    with path.open(newline="", encoding="utf-8-sig") as file:  # (-sig: the byte-order mark spreadsheets write)
+        reader = csv.DictReader(file)
+        if not reader.fieldnames:
+            raise DataFormatError(path, 1, "header", "expected a header line naming the columns")
+        for record in reader:
+            if None in record:  # more values than the header names
+                raise DataFormatError(path, reader.line_num, "record", f"more values than the header's "
+                                                                        f"{len(reader.fieldnames)} columns")
+            yield reader.line_num, record
+
+
+def _column(path: Path, line: int, record: dict, column: str) -> object:
+    if column not in record:
+        raise DataFormatError(path, line, column, f"no such column (the columns: {', '.join(map(str, record))})")
+    return record[column]
+
+
+def _prompt_of(path: Path, line: int, record: dict, column: str, instruction: str) -> str | list[dict]:
+    """A user message (the column's text, plus the instruction), or a JSONL record's whole chat."""
+    value = _column(path, line, record, column)
+    if isinstance(value, list):
+        if not value or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                and isinstance(m.get("content"), str) for m in value):
+            raise DataFormatError(path, line, column, "expected text or a list of {role, content} messages")
+        return value
+    if not isinstance(value, str) or not value.strip():
+        raise DataFormatError(path, line, column, f"expected non-empty text, got {repr(value)[:60]}")
+    return f"{value} {instruction}" if instruction else value
+
+
+def _answer_of(path: Path, line: int, record: dict, column: str) -> str:
+    value = _column(path, line, record, column)
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)) or not str(value).strip():
+        raise DataFormatError(path, line, column, f"expected a non-empty text or number, got {repr(value)[:60]}")
+    return str(value)
+
+
+def write_custom(input_path: str | Path, out_path: str | Path, prompt_column: str, answer_column: str,
+                 data_source: str = "", split: str = "train", instruction: str = "") -> Path:
+    """A JSONL or CSV file of your own as VeRL-schema parquet: the prompt column's text as the user message
+    (a JSONL value may be a whole chat), the answer column as reward_model.ground_truth, and every column
+    but the prompt's in extra_info under its own name (what a custom reward function reads; a trl one gets
+    each as a keyword argument). data_source defaults to the file's name without its suffix."""
+    path = Path(input_path)
+    if path.suffix.lower() == ".csv":
+        records = _csv_records(path)
+    elif path.suffix.lower() in (".jsonl", ".json"):
+        records = _jsonl_records(path)
+    else:
+        raise ValueError(f"{path}: expected a .jsonl or .csv file")
+    source = data_source or path.stem
+    rows = []
+    for index, (line, record) in enumerate(records):
+        prompt = _prompt_of(path, line, record, prompt_column, instruction)
+        answer = _answer_of(path, line, record, answer_column)
+        columns = {key: value for key, value in record.items() if key not in (prompt_column, "split", "index")}
+        columns[answer_column] = answer  # as text in every row, as ground_truth (a number in some rows is common)
+        rows.append(_row(source, prompt, answer, "custom", split, index, **columns))
+    if not rows:
+        raise DataFormatError(path, 0, "records", "the file holds no records")
+    try:
+        return _write(rows, Path(out_path))
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as error:
+        raise ValueError(f"{path}: a column holds values of different types in different rows ({error})") from None

@@ -4,7 +4,9 @@ The config names a Python file and a function in it with VeRL's custom_reward_fu
 
     def compute_score(data_source, solution_str, ground_truth, extra_info, **function_kwargs) -> float | dict
 
-A dict's "score" is the reward; its other numeric entries become metrics. The function never runs in
+A dict's "score" is the reward; its other numeric entries become metrics. With signature="trl" the
+function is TRL's kind instead, fn(prompts, completions, **columns) -> list[float] (see
+rlfabric.reward.signatures), called through the same workers and sandbox. The function never runs in
 the caller's process. An item whose function raises (MemoryError included) gets status "error", one
 that runs past timeout_s gets "timeout", one whose worker dies (segfault, os._exit) gets "crashed";
 each scores 0, and a hung or dead worker (or one that hit MemoryError, or whose processes together
@@ -50,6 +52,7 @@ from rlfabric.reward.items import (
     json_default,
     result_from_value,
 )
+from rlfabric.reward.signatures import SIGNATURES
 from rlfabric.sandbox.confine import user_variables, worker_environment
 from rlfabric.sandbox.process_tree import kill_descendants
 
@@ -165,6 +168,7 @@ class CustomScorerPool:
         function_kwargs: dict[str, Any] | None = None,
         start_timeout_s: float = 60.0,
         sandbox: CustomSandboxConfig | None = None,
+        signature: str = "verl",
     ):
         """Start the workers and wait until each has loaded the function.
 
@@ -172,7 +176,8 @@ class CustomScorerPool:
         a function that imports torch needs a few GB) and all of them together (resident; see
         rlfabric.sandbox.process_tree.MemoryBound); None = no cap. function_kwargs (JSON
         values) are passed to every call, as VeRL's custom_reward_function.reward_kwargs.
-        sandbox confines the function (None = the defaults of reward.custom_sandbox).
+        sandbox confines the function (None = the defaults of reward.custom_sandbox). signature is how
+        the function is called: "verl" or "trl" (rlfabric.reward.signatures).
         Raises FileNotFoundError or CustomFunctionLoadError when the function cannot be loaded.
         """
         if not os.path.isfile(path):
@@ -181,6 +186,8 @@ class CustomScorerPool:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        if signature not in SIGNATURES:
+            raise ValueError(f"signature must be one of {SIGNATURES}, got {signature!r}")
         self.path = os.path.abspath(path)
         self.name = name
         self.timeout_s = timeout_s
@@ -198,6 +205,7 @@ class CustomScorerPool:
                     "name": name,
                     "memory_limit_mb": memory_limit_mb,
                     "function_kwargs": function_kwargs or {},
+                    "signature": signature,
                     "sandbox": {**sandbox.model_dump(), "variables": variables},
                     "parent_pid": os.getpid(),
                 }
@@ -390,6 +398,7 @@ def _encode(item: ScoreItem) -> bytes:
         "solution_str": item.response,
         "ground_truth": item.ground_truth,
         "extra_info": item.extra_info,
+        "prompt": item.prompt,  # (a trl function's `prompts`)
     }
     # json.dumps escapes newlines inside strings, so one request is one line.
     return json.dumps(request, default=json_default).encode() + b"\n"

@@ -58,6 +58,7 @@ import psutil
 
 from rlfabric.reward.custom_protocol import Relay, encode_line, write_all
 from rlfabric.reward.items import describe_exception
+from rlfabric.reward.signatures import caller, check_signature
 from rlfabric.sandbox.confine import (
     SandboxError,
     UidClaim,
@@ -287,12 +288,13 @@ def run_scorer(
     # 3. Load the user's function.
     try:
         fn = load_function(settings["path"], source, settings["name"])
+        check_signature(fn, settings["signature"], settings["name"])
     except Exception as exc:
         send({"type": "load_error", "message": describe_exception(exc)})
         return 1
     _end_own_processes()
     send({"type": "ready", "warnings": warnings})
-    kwargs = settings["function_kwargs"]
+    score = caller(fn, settings["signature"], settings["function_kwargs"])
     cpu_limit_s = settings["sandbox"]["cpu_limit_s"]
 
     # 4. Score items until the supervisor closes the channel.
@@ -302,10 +304,7 @@ def run_scorer(
         if not hard_cpu_limit:  # else the supervisor renewed it
             renew_own_cpu_limit(cpu_limit_s)
         try:
-            value = fn(
-                item["data_source"], item["solution_str"], item["ground_truth"], item["extra_info"], **kwargs
-            )
-            reply = {"type": "result", "value": to_plain(value)}
+            reply = {"type": "result", "value": to_plain(score(item))}
         except Exception as exc:  # MemoryError included
             # After a MemoryError the pool replaces this worker rather than trust its heap.
             reply = {

@@ -161,6 +161,7 @@ class RewardEngine:
                 memory_limit_mb=config.memory_limit_mb or None,
                 function_kwargs=dict(config.custom_kwargs),
                 sandbox=config.custom_sandbox,
+                signature=config.custom_signature,
             )
         if config.model_path:
             self.reward_model = await asyncio.to_thread(_load_reward_model, config)

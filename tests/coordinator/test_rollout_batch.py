@@ -73,6 +73,16 @@ def test_data_metrics_use_verl_names_and_masked_statistics():
     assert metrics["response_length/mean"] == pytest.approx(1.5)
     assert metrics["response_length/clip_ratio"] == pytest.approx(0.25)
     assert metrics["prompt_length/max"] == 3
+    assert not any(key.startswith("reward_extra/") for key in metrics)  # the scorer gave no other outputs
+
+
+def test_a_scorers_extra_outputs_are_logged_over_the_samples_that_gave_them():
+    batch = build_rollout_batch(ROWS, SAMPLES, n=2, pad_token_id=PAD)
+    batch.scores = torch.tensor([1.0, 0.0, 0.5, 0.5])
+    batch.reward_extra_info = {"exact_match": [1.0, 0.0, 0.0], "words": [3.0]}  # one sample's scoring failed
+    metrics = data_metrics(batch, max_response_length=3)
+    assert metrics["reward_extra/exact_match/mean"] == pytest.approx(1 / 3)
+    assert metrics["reward_extra/exact_match/max"] == 1.0 and metrics["reward_extra/words/min"] == 3.0
 
 
 # Multi-turn: a sample brings its prompt (rendered with the tools) and a loss mask with the

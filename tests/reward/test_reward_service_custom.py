@@ -87,3 +87,20 @@ def test_missing_custom_file_fails_start(tmp_path):
     engine = RewardEngine(RewardConfig(custom_path=str(tmp_path / "missing.py")))
     with pytest.raises(FileNotFoundError, match="missing.py"):
         asyncio.run(engine.start())
+
+
+TRL_FILE = textwrap.dedent(
+    """
+    def prompt_words(prompts, completions, ground_truth, **columns):
+        return [len(p.split()) + (c == t) + len(columns["mode"][0]) for p, c, t in zip(prompts, completions, ground_truth)]
+    """
+)
+
+
+def test_a_trl_function_gets_the_prompt_and_columns_sent_over_grpc(reward_server, tmp_path):
+    path = tmp_path / "trl_reward.py"
+    path.write_text(TRL_FILE)
+    served = reward_server(custom_path=str(path), custom_name="prompt_words", custom_signature="trl")
+    items = [ScoreItem("any/source", response, "42", extra_info={"mode": "exact"}, prompt="three word prompt")
+             for response in ("42", "41")]
+    assert [(r.status, r.score) for r in served.score(items)] == [(STATUS_OK, 3 + 1 + 5), (STATUS_OK, 3 + 5)]

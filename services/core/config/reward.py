@@ -66,7 +66,11 @@ class RewardConfig(Section):
     custom_sources: list[str] = []
     """data_source values the custom function scores; empty = every item (the reward model's sources excepted)."""
     custom_name: str = "compute_score"
-    """Function in custom_path, called as fn(data_source, solution_str, ground_truth, extra_info, **custom_kwargs)."""
+    """Function in custom_path, called as custom_signature says."""
+    custom_signature: Literal["verl", "trl"] = "verl"
+    """How the custom function is called. verl: fn(data_source, solution_str, ground_truth, extra_info, **custom_kwargs)
+    -> float or {score, other metrics} (VeRL's compute_score); trl: fn(prompts, completions, **columns, **custom_kwargs)
+    -> list[float] (TRL's reward functions; columns: ground_truth, data_source and each extra_info key, as lists)."""
     custom_kwargs: dict[str, Any] = {}
     """Keyword arguments of every custom function call (VeRL: custom_reward_function.reward_kwargs)."""
     timeout_s: float = Field(10.0, gt=0)
