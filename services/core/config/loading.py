@@ -16,6 +16,7 @@ from pydantic import (
 from rlfabric.core.config.base import _DOTTED_KEY, _QUOTE, DEFAULT_CONFIG_NAME, ConfigError
 from rlfabric.core.config.run import RunConfig
 from rlfabric.core.config.server import ServerConfig
+from rlfabric.core.config.unknown_keys import describe_unknown_key
 
 
 def default_config_path() -> Path:
@@ -74,8 +75,8 @@ def _describe_validation_error(error: ValidationError) -> str:
     lines = []
     for item in error.errors():
         key = ".".join(str(p) for p in item["loc"])
-        if item["type"] == "extra_forbidden":
-            lines.append(f"{key}: unknown key")
+        if item["type"] == "extra_forbidden":  # VeRL's name for it, or a did-you-mean
+            lines.extend(describe_unknown_key(item["loc"], item.get("input")))
         elif not key:  # a rule across sections: its message names the keys; the input is the whole config
             lines.append(item["msg"].removeprefix("Value error, "))
         else:
