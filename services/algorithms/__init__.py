@@ -8,7 +8,7 @@ Per-token tensors are [batch, response_len]; `mask` is the response mask (1 = re
 
 Modules: stats (masked statistics), advantages (GAE, GRPO, RLOO, REINFORCE++, ReMax), losses
 (aggregation, policy and value losses), kl (KL estimators, controllers, KL in the reward), logits
-(log-probs and entropy from logits), dapo (dynamic sampling), rollout_correction
+(log-probs and entropy from logits), dapo (dynamic sampling), mismatch
 (rollout/trainer mismatch: metrics, truncated IS, rejection), registry (by-name lookup), plugins
 (algorithm.plugin_modules; not imported here).
 """
@@ -33,7 +33,7 @@ from .registry import (
     register_advantage_estimator,
     register_policy_loss,
 )
-from .rollout_correction import RolloutCorrection, mismatch_metrics, rollout_correction
+from .mismatch import RolloutCorrection, mismatch_metrics, rollout_correction
 from .stats import masked_mean, masked_var, masked_whiten
 
 __all__ = [
