@@ -9,7 +9,7 @@ from pathlib import Path
 
 from rlfabric.cli.args import _split_config_and_overrides
 from rlfabric.cli.control import _coordinator_target
-from rlfabric.cli.up import _raise_on_sigterm, _start_mesh
+from rlfabric.cli.up import _print_placement, _raise_on_sigterm, _start_mesh
 from rlfabric.core.config import ConfigError, load_config, load_run_config
 from rlfabric.core.logs import setup_logging
 from rlfabric.core.roles import ROLE_TABLE, Kind
@@ -22,6 +22,8 @@ def cmd_train(args) -> int:
     from rlfabric.core.client import ChannelOptions
     from rlfabric.core.config import run_dir_of
 
+    if args.dry_run:
+        return _print_placement(args)
     _raise_on_sigterm()
     if args.in_process:
         return _train_in_process(args)
