@@ -16,16 +16,16 @@ def cmd_check(args) -> int:
     config_path, overrides = _split_config_and_overrides(args)
     config = load_run_config(config_path, overrides)  # a ConfigError: one line, exit 2 (rlfabric.cli.main)
     out = args.out or Path("runs") / f"{config.name}-resolved.yaml"
-    return report_checks(config, resources=args.launcher == "local", out=out)
+    return report_checks(config, resources=args.launcher == "local", out=out)  # ray: the cluster's resources
 
 
 def report_checks(config: RunConfig, resources: bool, out: Path | None) -> int:
     """Runs the checks, prints what passed (stdout) and each problem (stderr, one line each), writes the
     resolved config to `out` (if given); the exit code."""
-    from rlfabric.launch.preflight import check_run
+    from rlfabric.launch.preflight import STAGE_NAMES, check_run
 
     started = time.monotonic()
-    report = check_run(config, resources=resources)
+    report = check_run(config, [stage for stage in STAGE_NAMES if resources or stage != "resources"])
     for line in report.passed:
         print(f"ok       {line}")
     for line in report.skipped:
