@@ -165,7 +165,7 @@ TRL_GRPO_KEYS: tuple[KeyRow, ...] = (
     KeyRow("save_steps", "trainer.save_freq"),
     KeyRow("report_to", "trainer.loggers"),
     KeyRow("seed", "data.seed", "and rollout.seed"),
-    KeyRow("reward_funcs", "reward.custom_path", "a file with compute_score"),
+    KeyRow("reward_funcs", "reward.custom_path", "a Python file holding the function reward.custom_name names"),
 )
 
 _VERL_ROWS = {row.theirs: row for row in VERL_KEYS}
