@@ -23,6 +23,11 @@ def check_per_row(fn: str, name: str, x: torch.Tensor, batch: int) -> None:
         raise ValueError(f"{fn}: {name} must have shape ({batch},), got {tuple(x.shape)}")
 
 
+def unknown_name(fn: str, what: str, name: str, known) -> ValueError:
+    """The error for a name that is not one of `known` (lists the known names)."""
+    return ValueError(f"{fn}: unknown {what} {name!r}; known: {', '.join(sorted(known))}")
+
+
 def check_group_ids(fn: str, group_ids: torch.Tensor, batch: int) -> None:
     """Raise unless `group_ids` is an integer tensor [batch] (same id = same prompt)."""
     if not isinstance(group_ids, torch.Tensor) or group_ids.is_floating_point() or group_ids.is_complex():

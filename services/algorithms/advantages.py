@@ -11,6 +11,7 @@ The registry adapters at the bottom give all of them one keyword call form (see 
 import torch
 
 from ._checks import check_2d, check_group_ids, check_per_row, check_same_shape
+from .registry import register_advantage_estimator
 from .stats import group_index, group_sum, masked_whiten
 
 
@@ -181,6 +182,8 @@ def _remax(*, token_rewards, mask, values=None, group_ids=None, baselines=None, 
     return compute_remax_advantage(token_rewards, _need("remax", "baselines", baselines), mask)
 
 
-# The built-ins of registry.get_advantage_estimator, in its call form.
-ADVANTAGE_ESTIMATORS = {"gae": _gae, "grpo": _grpo, "rloo": _rloo, "reinforce_plus_plus": _reinforce_pp,
-                        "remax": _remax}
+register_advantage_estimator("gae", _gae)
+register_advantage_estimator("grpo", _grpo)
+register_advantage_estimator("rloo", _rloo)
+register_advantage_estimator("reinforce_plus_plus", _reinforce_pp)
+register_advantage_estimator("remax", _remax)

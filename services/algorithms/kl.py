@@ -4,9 +4,10 @@ KL-in-the-reward step.
 
 import torch
 
-from ._checks import check_2d, check_same_shape
-from .registry import kl_kind_base
+from ._checks import check_2d, check_same_shape, unknown_name
 from .stats import masked_mean
+
+KL_KINDS = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl")
 
 
 def _kl_value(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, kind: str) -> torch.Tensor:
@@ -30,7 +31,9 @@ def kl_penalty(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, kind: str) 
     do not estimate the KL's gradient; k2's does.
     """
     check_same_shape("kl_penalty", "ref_log_probs", ref_log_probs, "log_probs", log_probs)
-    base = kl_kind_base(kind)
+    base = kind[:-1] if kind.endswith("+") else kind
+    if base not in KL_KINDS:
+        raise unknown_name("kl_penalty", "kind", kind, KL_KINDS + tuple(k + "+" for k in KL_KINDS))
     value = _kl_value(log_probs, ref_log_probs, base)
     if base == kind or base in ("k2", "mse"):
         return value

@@ -7,8 +7,8 @@ logging). An all-zero mask gives a loss of 0, not NaN.
 
 import torch
 
-from ._checks import check_2d, check_same_shape
-from .registry import get_policy_loss, unknown_name
+from ._checks import check_2d, check_same_shape, unknown_name
+from .registry import get_policy_loss, register_policy_loss
 from .stats import EPS, masked_mean
 
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -242,5 +242,5 @@ def value_loss(
     return loss, {k: v.detach() for k, v in stats.items()}
 
 
-# The built-ins of registry.get_policy_loss.
-POLICY_LOSSES = {"vanilla": ppo_clip_loss, "gspo": gspo_loss}
+register_policy_loss("vanilla", ppo_clip_loss)
+register_policy_loss("gspo", gspo_loss)

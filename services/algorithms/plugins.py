@@ -38,8 +38,11 @@ def load_plugin_modules(modules: Sequence[str]) -> None:
 def check_algorithm_names(config: RunConfig) -> None:
     """Imports algorithm.plugin_modules, then ConfigError naming the key unless algorithm.adv_estimator and
     actor.loss_mode are registered and actor.kl_loss_type and algorithm.kl_penalty are KL estimators. What
-    the coordinator (StartRun), the actor (its start) and `rlfabric check` ask; torch is not imported here."""
-    from rlfabric.algorithms.registry import advantage_estimator_names, kl_kind_base, policy_loss_names
+    the coordinator (StartRun), the actor (its start) and `rlfabric check` ask."""
+    import torch
+
+    from rlfabric.algorithms.kl import kl_penalty
+    from rlfabric.algorithms.registry import advantage_estimator_names, policy_loss_names
 
     load_plugin_modules(config.algorithm.plugin_modules)
     for key, name, known in (("algorithm.adv_estimator", config.algorithm.adv_estimator, advantage_estimator_names()),
@@ -50,6 +53,6 @@ def check_algorithm_names(config: RunConfig) -> None:
     for key, kind in (("actor.kl_loss_type", config.actor.kl_loss_type),
                       ("algorithm.kl_penalty", config.algorithm.kl_penalty)):
         try:
-            kl_kind_base(kind)
+            kl_penalty(torch.zeros(1), torch.zeros(1), kind)  # ValueError naming the kinds for an unknown one
         except ValueError as error:
             raise ConfigError(f"{key}: {error}") from None

@@ -20,7 +20,7 @@ The "old" log-probs come from the actor at train time, so the PPO ratio is taken
 policy; when the update is one optimizer step they are the updated policy's own, taken inside that step
 (algorithm.old_log_prob_source says where they come from; `rollout`: the sampler's own).
 
-Rollout correction (algorithm.rollout_correction, rlfabric.algorithms.mismatch) compares the
+Rollout correction (algorithm.rollout_correction, rlfabric.algorithms.rollout_correction) compares the
 rollout engine's log-probs with the old ones here, in the coordinator, after the advantages: its IS
 weights go to the actor as one more per-token tensor of the update batch (rollout_is_weights) and its
 rejections as zeros in the response mask. The coordinator holds both log-probs already, and the actor's

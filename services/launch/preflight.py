@@ -167,7 +167,7 @@ def check_data_sources(config: RunConfig, report: CheckReport) -> str:
 # -- 3. model and data rows --------------------------------------------------------------------------
 
 
-def check_model(config: RunConfig, report: CheckReport) -> str:
+def check_model_loads(config: RunConfig, report: CheckReport) -> str:
     from rlfabric.launch.local import check_model as launcher_check_model
 
     if report.model_dir is None:
@@ -204,7 +204,7 @@ def check_resources(config: RunConfig, report: CheckReport) -> str:
 STAGES: tuple[tuple[str, tuple[Check, ...]], ...] = (
     ("files", (check_model_paths, check_data_files, check_reward_files, check_run_environment)),
     ("names", (check_algorithm, check_data_sources)),
-    ("model", (check_model, check_data_rows)),
+    ("model", (check_model_loads, check_data_rows)),
     ("resources", (check_resources,)),
 )
 

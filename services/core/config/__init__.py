@@ -27,7 +27,6 @@ from rlfabric.core.config.loading import (
     apply_override,
     check_run_rules,
     config_from_dict,
-    config_reference,
     default_config_path,
     dump_config,
     load_config,
@@ -40,6 +39,7 @@ from rlfabric.core.config.loading import (
     set_key,
 )
 from rlfabric.core.config.model import DataConfig, ModelConfig
+from rlfabric.core.config.reference import config_reference
 from rlfabric.core.config.reward import CustomSandboxConfig, PythonSandboxConfig, RewardConfig
 from rlfabric.core.config.rollout import MultiTurnConfig, RolloutConfig
 from rlfabric.core.config.run import RunConfig

@@ -1,17 +1,13 @@
-"""Reading a run config: YAML files, dotted overrides, the run's rules, tokens, and the config reference."""
+"""Reading a run config: YAML files, dotted overrides, the run's rules and tokens."""
 
 from __future__ import annotations
 
-import typing
 from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import (
-    BaseModel,
-    ValidationError,
-)
+from pydantic import ValidationError
 
 from rlfabric.core.config.base import _DOTTED_KEY, _QUOTE, DEFAULT_CONFIG_NAME, ConfigError
 from rlfabric.core.config.run import RunConfig
@@ -199,20 +195,3 @@ def read_env_token(config: RunConfig) -> str:
 def dump_config(config: RunConfig, path: str | Path) -> None:
     """Writes a config as YAML (the resolved config every service of a run reads)."""
     Path(path).write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
-
-
-def config_reference(model: type[BaseModel] = RunConfig, prefix: str = "") -> list[tuple[str, str, str]]:
-    """(dotted key, default, description) for every leaf field, for docs and `rlfabric config-reference`."""
-    rows = []
-    for name, field in model.model_fields.items():
-        key = f"{prefix}{name}"
-        annotation = field.annotation
-        value_type = typing.get_args(annotation)[-1] if typing.get_origin(annotation) is dict else None
-        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-            rows.extend(config_reference(annotation, key + "."))
-        elif isinstance(value_type, type) and issubclass(value_type, BaseModel):  # resource_pools.<name>.gpus
-            rows.append((key, repr(field.default), field.description or ""))
-            rows.extend(config_reference(value_type, key + ".<name>."))
-        else:
-            rows.append((key, repr(field.default), field.description or ""))
-    return rows

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from functools import cache
 from typing import Any
 
+from rlfabric.core.config.reference import config_reference
 from rlfabric.core.config.verl_keys import VERL_SECTIONS, verl_hint
 
 _NAME = "<name>"  # a key of a dict section (resource_pools.<name>.gpus) in config_reference
@@ -22,8 +23,6 @@ _NAME = "<name>"  # a key of a dict section (resource_pools.<name>.gpus) in conf
 @cache
 def _known_keys() -> tuple[str, ...]:
     """Every dotted key of RunConfig, leaves and sections, with <name> for a dict section's keys."""
-    from rlfabric.core.config.loading import config_reference
-
     keys = set()
     for key, _, _ in config_reference():
         parts = key.split(".")

@@ -21,8 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._checks import check_2d, check_same_shape
-from .registry import unknown_name
+from ._checks import check_2d, check_same_shape, unknown_name
 from .stats import masked_mean
 
 LEVELS = ("token", "sequence")
