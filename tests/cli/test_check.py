@@ -129,7 +129,7 @@ def test_check_names_the_mistake_in_one_line_in_under_5_cpu_seconds(tmp_path, ov
     assert result.returncode == 1, result.stderr
     lines = result.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"rlfabric check: {named.format(tmp=tmp_path)}"), lines
-    assert seconds < 5, f"{seconds:.1f} CPU s"  # no torch, no model: ~1.5 CPU s here
+    assert seconds < 5, f"{seconds:.1f} CPU s"  # no model loaded: ~0.7 CPU s, ~2.5 with torch (the estimator)
     assert load_config(out).name == "quickstart"  # the resolved config, written even so
     assert not (tmp_path / "runs").exists()  # no run dir: nothing started
 
