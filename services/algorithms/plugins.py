@@ -18,21 +18,15 @@ them at start, and a StartRun may not name a module its mesh was not started wit
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Sequence
 
-from rlfabric.core.config import ConfigError, RunConfig
+from rlfabric.core.config import ConfigError, RunConfig, import_named_modules
 
 
 def load_plugin_modules(modules: Sequence[str]) -> None:
     """Imports each module (again: a no-op); ConfigError naming algorithm.plugin_modules and the module when
     one cannot be imported or its registrations fail (e.g. a name that clashes with a built-in)."""
-    for name in modules:
-        try:
-            importlib.import_module(name)
-        except Exception as error:  # ImportError, a SyntaxError, the ValueError of a clashing name, ...
-            raise ConfigError(f"algorithm.plugin_modules: cannot import {name!r}: {type(error).__name__}: "
-                              f"{error}") from error
+    import_named_modules("algorithm.plugin_modules", modules)
 
 
 def check_algorithm_names(config: RunConfig) -> None:

@@ -7,11 +7,10 @@ compute_score_kwargs (e.g. ``method="flexible"`` for GSM8K); a scorer that takes
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from typing import Any
 
-from rlfabric.core.config import ConfigError
+from rlfabric.core.config import import_named_modules
 from rlfabric.reward import arithmetic, find_vowel, gsm8k, hellaswag, math_equiv
 
 Scorer = Callable[..., Any]
@@ -50,12 +49,7 @@ def register_scorer(data_source: str, fn: Scorer, replace: bool = False) -> None
 def load_scorer_modules(modules: list[str]) -> None:
     """Imports each of reward.scorer_modules, so its register_scorer calls run (again: a no-op); ConfigError
     naming the key and the module when one cannot be imported."""
-    for name in modules:
-        try:
-            importlib.import_module(name)
-        except Exception as error:  # ImportError, a SyntaxError, the ValueError of a taken data_source, ...
-            raise ConfigError(f"reward.scorer_modules: cannot import {name!r}: {type(error).__name__}: "
-                              f"{error}") from error
+    import_named_modules("reward.scorer_modules", modules)
 
 
 def get_scorer(data_source: str) -> Scorer:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 from importlib.resources import files
 from pathlib import Path
 from typing import Any
@@ -161,6 +162,16 @@ def read_named_file(key: str, path: str | Path) -> bytes:
         return Path(path).read_bytes()
     except OSError as error:
         raise ConfigError(f"{key}: cannot read {path}: {error.strerror or error}") from None
+
+
+def import_named_modules(key: str, modules: list[str]) -> None:
+    """Imports each module a config key names (plugins, scorers: their imports register what they add; again:
+    a no-op); ConfigError naming the key and the module when one cannot be imported."""
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except Exception as error:  # ImportError, a SyntaxError, the ValueError of a clashing name, ...
+            raise ConfigError(f"{key}: cannot import {name!r}: {type(error).__name__}: {error}") from error
 
 
 def run_dir_of(config: RunConfig) -> Path:
