@@ -18,18 +18,35 @@ them at start, and a StartRun may not name a module its mesh was not started wit
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Sequence
 
-from rlfabric.core.config import ConfigError
+from rlfabric.core.config import ConfigError, RunConfig, import_named_modules
 
 
 def load_plugin_modules(modules: Sequence[str]) -> None:
     """Imports each module (again: a no-op); ConfigError naming algorithm.plugin_modules and the module when
     one cannot be imported or its registrations fail (e.g. a name that clashes with a built-in)."""
-    for name in modules:
+    import_named_modules("algorithm.plugin_modules", modules)
+
+
+def check_algorithm_names(config: RunConfig) -> None:
+    """Imports algorithm.plugin_modules, then ConfigError naming the key unless algorithm.adv_estimator and
+    actor.loss_mode are registered and actor.kl_loss_type and algorithm.kl_penalty are KL estimators. What
+    the coordinator (StartRun), the actor (its start) and `rlfabric check` ask."""
+    import torch
+
+    from rlfabric.algorithms.kl import kl_penalty
+    from rlfabric.algorithms.registry import advantage_estimator_names, policy_loss_names
+
+    load_plugin_modules(config.algorithm.plugin_modules)
+    for key, name, known in (("algorithm.adv_estimator", config.algorithm.adv_estimator, advantage_estimator_names()),
+                             ("actor.loss_mode", config.actor.loss_mode, policy_loss_names())):
+        if name not in known:
+            raise ConfigError(f"{key} {name!r} is not registered; known: {', '.join(known)} (add yours with "
+                              "algorithm.plugin_modules)")
+    for key, kind in (("actor.kl_loss_type", config.actor.kl_loss_type),
+                      ("algorithm.kl_penalty", config.algorithm.kl_penalty)):
         try:
-            importlib.import_module(name)
-        except Exception as error:  # ImportError, a SyntaxError, the ValueError of a clashing name, ...
-            raise ConfigError(f"algorithm.plugin_modules: cannot import {name!r}: {type(error).__name__}: "
-                              f"{error}") from error
+            kl_penalty(torch.zeros(1), torch.zeros(1), kind)  # ValueError naming the kinds for an unknown one
+        except ValueError as error:
+            raise ConfigError(f"{key}: {error}") from None

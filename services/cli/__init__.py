@@ -1,10 +1,12 @@
-"""The `rlfabric` command (one module per command: serve, up, train, control, reference, data, models; args
-holds the parser).
+"""The `rlfabric` command (one module per command: serve, up, train, check, control, reference, data, models;
+args holds the parser).
 
     rlfabric up [CONFIG] [--run-dir DIR] [key=value ...]       local mesh until Ctrl-C
     rlfabric train [CONFIG] [--run-dir DIR] [key=value ...]    local mesh + training run + teardown
         (both take --launcher ray [--address ADDR]: each service as a Ray actor on a Ray cluster)
-    rlfabric up --dry-run [CONFIG] [key=value ...]             where each service would run (pools, GPUs, cores)
+    rlfabric check [CONFIG] [key=value ...] [--out FILE]       every check a run's start makes; starts nothing
+    rlfabric up --dry-run [CONFIG] [key=value ...]             where each service would run, and check's checks
+        (train --dry-run too)
     rlfabric up --external ROLE=HOST:PORT ...                   the mesh without ROLE, which you serve yourself
     rlfabric train --in-process [CONFIG] [key=value ...]       every role in this process (debuggers, breakpoints)
     rlfabric serve ROLE --config C [--port P --metrics-port M] one service (what containers run)
@@ -12,6 +14,7 @@ holds the parser).
     rlfabric status [--run-dir DIR | --coordinator HOST:PORT --token-file F]   ask a running coordinator
     rlfabric stop [--run-dir DIR | --coordinator HOST:PORT --token-file F]     stop its run (with a checkpoint)
     rlfabric health ADDRESS [--service readiness]              one health check (probes, helm test)
+    rlfabric --version
     rlfabric config-reference [--out DIR]                       every config key with default and doc
     rlfabric data synthetic|arithmetic|gsm8k|math|hellaswag|hh-rlhf   training data in VeRL's parquet schema
     rlfabric make-tiny-model OUT [--warm-start] [--moe]         tiny Qwen2 (or Qwen3-MoE) model for tests (warm-started: quickstart)
@@ -25,6 +28,7 @@ import logging
 import sys
 
 from rlfabric.cli.args import parse_args
+from rlfabric.cli.check import cmd_check
 from rlfabric.cli.control import cmd_health, cmd_status, cmd_stop
 from rlfabric.cli.data import cmd_data
 from rlfabric.cli.helm_values import cmd_helm_values
@@ -39,6 +43,7 @@ COMMANDS = {
     "serve": cmd_serve,
     "up": cmd_up,
     "train": cmd_train,
+    "check": cmd_check,
     "status": cmd_status,
     "stop": cmd_stop,
     "health": cmd_health,

@@ -30,8 +30,17 @@ def _split_config_and_overrides(args) -> tuple[str | None, list[str]]:
         config = None
     return config, overrides
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("rlfabric")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "(not installed)"
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlfabric", description="The `rlfabric` command.")
+    parser.add_argument("--version", action="version", version=f"rlfabric {_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     serve = commands.add_parser("serve", help="run one service")
@@ -54,7 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="do not start ROLE: you serve it yourself at HOST:PORT (e.g. `rlfabric serve ROLE` under "
                          "a debugger, with RUN_DIR/config.yaml); repeat for several roles or replicas")
     up.add_argument("--dry-run", action="store_true",
-                    help="print where each service would run (resource pools, GPUs, CPU cores) and exit")
+                    help="print where each service would run (resource pools, GPUs, CPU cores), run "
+                         "`rlfabric check`'s checks, and exit")
+    up.add_argument("--out", type=Path, help="--dry-run: write the resolved config here")
     train = commands.add_parser("train", help="start the local mesh, run training, tear down; or, with "
                                              "--coordinator, run it on a mesh that is already up")
     _add_config_args(train)
@@ -64,8 +75,19 @@ def build_parser() -> argparse.ArgumentParser:
                        help="run every role in this process, with in-process clients instead of gRPC: the same "
                             "loop and engines, one debugger for all of them (python -m pdb -m rlfabric train "
                             "--in-process)")
+    train.add_argument("--dry-run", action="store_true", help="as `rlfabric up --dry-run`: the placement and "
+                                                              "`rlfabric check`'s checks; nothing starts")
+    train.add_argument("--out", type=Path, help="--dry-run: write the resolved config here")
     train.add_argument("--wait-timeout", type=float, default=900.0,
                        help="--coordinator: how long to wait for every service of the mesh to be ready (s)")
+
+    check = commands.add_parser("check", help="every check a run's start makes (model, data and its columns, "
+                                              "algorithm names, scorers, resources); starts nothing")
+    check.add_argument("config", nargs="?", help="run config YAML (default: the built-in quickstart)")
+    check.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.total_steps=20")
+    check.add_argument("--out", type=Path, help="write the resolved config here (default: runs/<name>-resolved.yaml)")
+    check.add_argument("--launcher", choices=("local", "ray"), default="local",
+                       help="ray: leave out this machine's resources (the Ray cluster's count)")
 
     status = commands.add_parser("status", help="show the coordinator's run status")
     status.add_argument("--run-dir", type=Path, help="read the coordinator address from RUN_DIR/endpoints.json")

@@ -19,7 +19,10 @@ def _coordinator_target(args, config=None):
 
     run_dir = getattr(args, "run_dir", None)
     if args.coordinator is None and run_dir is not None:
-        address = json.loads((run_dir / "endpoints.json").read_text())["coordinator"][0]["grpc"]
+        address = _coordinator_of_run(run_dir)
+        if address is None or not (run_dir / "config.yaml").is_file():
+            return None, (f"{run_dir} is not the folder of a running mesh: it has no endpoints.json with the "
+                          "coordinator's address (`rlfabric up` and `rlfabric train` write it once the mesh is up)")
         # The run's own TLS and token settings, so this works on a mesh that runs mTLS.
         return address, ChannelOptions.from_config(load_config(run_dir / "config.yaml"))
     if args.coordinator is None:
@@ -28,6 +31,13 @@ def _coordinator_target(args, config=None):
     if args.token_file:
         options = replace(options, auth_token=read_auth_token(ServerConfig(auth_token_file=args.token_file)))
     return args.coordinator, options
+
+def _coordinator_of_run(run_dir) -> str | None:
+    """The coordinator's address in RUN_DIR/endpoints.json; None when the file is missing or holds none."""
+    try:
+        return json.loads((run_dir / "endpoints.json").read_text())["coordinator"][0]["grpc"]
+    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        return None
 
 def _ask_coordinator(args, ask) -> int:
     """Runs ask(client) against the coordinator the arguments name; a refusal is one line, exit 1."""
@@ -69,6 +79,7 @@ def cmd_stop(args) -> int:
     return _ask_coordinator(args, stop)
 
 def cmd_health(args) -> int:
+    import grpc
     from grpc_health.v1 import health_pb2
 
     from rlfabric.core.client import check_health, open_channel
@@ -80,7 +91,8 @@ def cmd_health(args) -> int:
     try:
         status = asyncio.run(check())
     except Exception as error:  # any failure is "not healthy" for a probe
-        print(f"{args.address}: {error}", file=sys.stderr)
+        details = error.details() if isinstance(error, grpc.RpcError) else str(error)  # not the repr's 5 lines
+        print(f"{args.address}: {details}", file=sys.stderr)
         return 1
     print(health_pb2.HealthCheckResponse.ServingStatus.Name(status))
     return 0 if status == health_pb2.HealthCheckResponse.SERVING else 1

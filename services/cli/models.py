@@ -3,6 +3,8 @@ and a real pretrained model from a PyPI wheel."""
 
 from __future__ import annotations
 
+import sys
+
 
 def cmd_make_tiny_model(args) -> int:
     if args.out is None:  # the quickstart model of the machine's cache
@@ -23,5 +25,9 @@ def cmd_make_tiny_model(args) -> int:
 def cmd_make_model(args) -> int:
     from rlfabric.trainer.pretrained import cached_model, make_model
 
-    print(make_model(args.name, args.out) if args.out else cached_model(args.name))
+    try:
+        print(make_model(args.name, args.out) if args.out else cached_model(args.name))
+    except FileExistsError as error:
+        print(f"rlfabric make-model: {error}", file=sys.stderr)
+        return 2
     return 0

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from rlfabric.cli.args import _split_config_and_overrides
 from rlfabric.cli.control import _coordinator_target
-from rlfabric.cli.up import _raise_on_sigterm, build_mesh
+from rlfabric.cli.up import _print_placement, _raise_on_sigterm, build_mesh
 from rlfabric.core.config import ConfigError, RunConfig, load_config, load_run_config
 from rlfabric.core.logs import setup_logging
 from rlfabric.core.roles import ROLE_TABLE, Kind
@@ -41,6 +41,8 @@ def cmd_train(args) -> int:
     a second Ctrl-C stops at once."""
     from rlfabric.launch.local import default_run_dir
 
+    if args.dry_run:
+        return _print_placement(args)
     _raise_on_sigterm()
     if args.in_process and (args.launcher != "local" or args.address or args.coordinator):
         raise ConfigError("--in-process runs every role in this process: --launcher, --address and --coordinator "

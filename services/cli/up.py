@@ -86,15 +86,11 @@ def cmd_up(args) -> int:
     return 1
 
 def _print_placement(args) -> int:
-    """`rlfabric up --dry-run`: the services the config starts and the devices each gets; nothing starts."""
-    from rlfabric.launch.local import service_names
-    from rlfabric.launch.placement import (
-        describe_placement,
-        placed_devices,
-        plan_placement,
-        predicted_transport,
-        visible_gpu_count,
-    )
+    """`rlfabric up --dry-run` (and `train --dry-run`): the services the config starts and the devices each
+    gets, then every check of `rlfabric check`; nothing starts."""
+    from rlfabric.cli.check import report_checks
+    from rlfabric.launch.local import plan_local, service_names
+    from rlfabric.launch.placement import describe_placement, plan_placement
     from rlfabric.rollout.tensor_parallel import check_model_splits
 
     config_path, overrides = _split_config_and_overrides(args)
@@ -108,6 +104,7 @@ def _print_placement(args) -> int:
         return 1
     if args.launcher == "ray":  # one placement group per pool; Ray picks the devices within it
         try:
+            from rlfabric.launch.placement import predicted_transport
             from rlfabric.launch.ray_placement import describe_pools, reserved_devices
         except ImportError as error:
             raise ConfigError(f"--launcher ray needs Ray ({error}); pip install 'rlfabric[ray]'") from None
@@ -118,13 +115,11 @@ def _print_placement(args) -> int:
             print(f"rlfabric: a Ray cluster with GPUs cannot run it: {error}")
             return 1
         print(f"weight sync on a cluster with GPUs: {choice.transport or 'as the actor chooses'} ({choice.reason})")
-        return 0
-    try:
-        gpu_count = visible_gpu_count()
-        placements = plan_placement(config, services, gpu_count=gpu_count)
-        choice = predicted_transport(config, placed_devices(config, placements, gpu_count))
-    except ConfigError as error:
-        print(f"rlfabric: this machine cannot run it with the local launcher: {error}")
-        return 1
-    print(f"weight sync: {choice.transport or 'as the actor chooses'} ({choice.reason})")
-    return 0
+    else:
+        try:
+            _, choice = plan_local(config)
+        except ConfigError as error:
+            print(f"rlfabric: this machine cannot run it with the local launcher: {error}")
+            return 1
+        print(f"weight sync: {choice.transport or 'as the actor chooses'} ({choice.reason})")
+    return report_checks(config, resources=False, out=args.out)  # the placement above was the resources' check

@@ -27,7 +27,7 @@ from __future__ import annotations
 from fnmatch import fnmatchcase
 from typing import Any
 
-from rlfabric import algorithms as algos
+from rlfabric.algorithms.plugins import check_algorithm_names
 from rlfabric.core.config import (
     ConfigError,
     RunConfig,
@@ -87,9 +87,10 @@ def check_roles(config: RunConfig) -> None:
         check_run_rules(config)
     except ConfigError as error:
         raise InvalidArgument(str(error)) from None
-    if config.algorithm.adv_estimator not in algos.advantage_estimator_names():
-        raise FailedPrecondition(f"algorithm.adv_estimator {config.algorithm.adv_estimator!r} is not registered; "
-                                 f"known: {', '.join(algos.advantage_estimator_names())}")
+    try:
+        check_algorithm_names(config)  # the names its plugin modules (the mesh's) registered count
+    except ConfigError as error:
+        raise FailedPrecondition(str(error)) from None
     kl_key = "actor.use_kl_loss" if config.actor.use_kl_loss else "algorithm.use_kl_in_reward"
     needed = {"critic": f"algorithm.adv_estimator={config.algorithm.adv_estimator}" if config.uses_critic() else "",
               "reference": f"{kl_key}=true" if config.uses_reference() else ""}

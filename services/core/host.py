@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+from pathlib import Path
 
 
 def cpu_thread_budget() -> int:
@@ -53,6 +54,19 @@ def index_ranges(indices) -> str:
 def trust_remote_code(config) -> bool:
     """model.trust_remote_code (read defensively: the field belongs to the model section's owner)."""
     return bool(getattr(config.model, "trust_remote_code", False))
+
+
+def check_model_directory(path: str, key: str = "model.path") -> None:
+    """ValueError naming `key` unless `path` is a local Hugging Face model directory (it holds config.json);
+    checked without importing transformers, so a wrong path fails in a blink."""
+    directory = Path(path)
+    if not directory.is_dir():
+        hub_id = "/" in path and not directory.is_absolute() and not path.startswith(".")
+        why = "it looks like a hub id, and rlfabric reads local directories only" if hub_id else "no such directory"
+        raise ValueError(f"{key} {path}: {why}; point it at a local Hugging Face model directory (one with "
+                         "config.json)")
+    if not (directory / "config.json").is_file():
+        raise ValueError(f"{key} {path}: no config.json there; point it at a local Hugging Face model directory")
 
 
 def load_tokenizer(path: str, trust_remote_code: bool = False):

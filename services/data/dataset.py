@@ -61,17 +61,35 @@ def _row_error(path: Path, row: int, column: str, problem: str) -> DatasetError:
     return DatasetError(f"{path}: row {row}, column {column!r}: {problem}")
 
 
-def _read_rows(path: Path) -> list[dict]:
+def _read_parquet(read, path: Path):
+    """read(path) (pyarrow's), its errors as a DatasetError naming the file."""
     try:
-        table = pq.read_table(path)
+        return read(path)
     except FileNotFoundError:
         raise DatasetError(f"{path}: file does not exist") from None
     except Exception as error:  # pyarrow raises several types for corrupt files
         raise DatasetError(f"{path}: not a readable parquet file ({type(error).__name__}: {error})") from None
-    missing = [c for c in REQUIRED_COLUMNS if c not in table.column_names]
+
+
+def check_columns(path: str | Path) -> list[str]:
+    """The column names of a data file that exists, is parquet and has every REQUIRED_COLUMNS; DatasetError
+    naming the file otherwise. Reads the file's footer only: fast on any size."""
+    names = _read_parquet(pq.read_schema, Path(path)).names
+    missing = [c for c in REQUIRED_COLUMNS if c not in names]
     if missing:
-        raise DatasetError(f"{path}: missing column(s) {missing}; it has {table.column_names}")
-    return table.to_pylist()
+        raise DatasetError(f"{path}: missing column(s) {missing}; it has {names}")
+    return names
+
+
+def data_sources(path: str | Path) -> set[str]:
+    """The data_source values of a data file (check_columns first): the scorers a run with it needs."""
+    column = _read_parquet(lambda p: pq.read_table(p, columns=["data_source"]), Path(path)).column("data_source")
+    return {source for source in column.unique().to_pylist() if isinstance(source, str)}
+
+
+def _read_rows(path: Path) -> list[dict]:
+    check_columns(path)
+    return _read_parquet(pq.read_table, path).to_pylist()
 
 
 def _parse_row(path: Path, index: int, row: dict) -> tuple[str, list[dict[str, str]], str, str, str]:

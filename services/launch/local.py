@@ -50,6 +50,7 @@ from rlfabric.launch.placement import (
 )
 from rlfabric.launch.scrape_targets import remove_shared_targets, write_scrape_targets
 from rlfabric.quickstart import cached
+from rlfabric.weight_sync.devices import TransportChoice
 
 log = logging.getLogger("rlfabric.launch.local")
 
@@ -190,6 +191,16 @@ def check_model(config: RunConfig) -> None:
     pool = config.resource_pools.get(config.rollout.pool)
     rollout_gpus = pool.gpus_per_node if pool else torch.cuda.is_available()  # no pool: this machine's devices
     check_moe_settings(config, on_gpu=bool(rollout_gpus))
+
+
+def plan_local(config: RunConfig, external: Mapping[str, Sequence[str]] | None = None) \
+        -> tuple[dict[str, Placement], TransportChoice]:
+    """Where each service but the coordinator runs on this machine, and the weight-sync transport it will
+    get; a ConfigError naming the pool, or weight_sync.transport for nccl where it cannot run, when this
+    machine cannot run the config."""
+    gpu_count = visible_gpu_count()
+    placements = plan_placement(config, service_names(config), gpu_count=gpu_count)
+    return placements, predicted_transport(config, placed_devices(config, placements, gpu_count, external or {}))
 
 
 def check_external(config: RunConfig, external: Mapping[str, Sequence[str]]) -> None:
@@ -365,10 +376,7 @@ class LocalMesh(MeshContext):
         RUN_DIR/mesh_start.json records them."""
         phases = StartPhases("mesh", log)
         with phases.phase("placement"):
-            gpu_count = visible_gpu_count()
-            self.placements = plan_placement(self.config, service_names(self.config), gpu_count=gpu_count)
-            devices = placed_devices(self.config, self.placements, gpu_count, self.external)
-            predicted_transport(self.config, devices)  # a ConfigError for nccl where it cannot run
+            self.placements, _ = plan_local(self.config, self.external)
         for role, addresses in self.external.items():
             if ROLE_TABLE[role].kind is Kind.ENVIRONMENT:  # the replicas' config names the environment they may call
                 self.config.cluster.env = list(addresses)

@@ -155,6 +155,12 @@ class _Worker:
         return f"exited with code {returncode}"
 
 
+def check_custom_file(path: str) -> None:
+    """FileNotFoundError unless the custom function's file (reward.custom_path) is a file."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"custom reward file not found: {path!r}")
+
+
 class CustomScorerPool:
     """Scores items with a user's function in num_workers persistent worker processes."""
 
@@ -180,8 +186,7 @@ class CustomScorerPool:
         the function is called: "verl" or "trl" (rlfabric.reward.signatures).
         Raises FileNotFoundError or CustomFunctionLoadError when the function cannot be loaded.
         """
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"custom reward file not found: {path!r}")
+        check_custom_file(path)
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
         if timeout_s <= 0:

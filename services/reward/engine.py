@@ -22,11 +22,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import importlib
 import logging
 import threading
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry
@@ -38,7 +37,7 @@ from rlfabric.reward.custom import CustomScorerPool
 from rlfabric.reward.items import STATUS_CRASHED, STATUS_ERROR, STATUS_TIMEOUT, ItemResult, ScoreItem
 from rlfabric.reward.model_batcher import ModelBatcher
 from rlfabric.reward.overlong import OverlongConfig
-from rlfabric.reward.registry import UnknownDataSourceError, registered_data_sources
+from rlfabric.reward.registry import UnknownDataSourceError, load_scorer_modules, registered_data_sources
 from rlfabric.reward.scoring import (
     ScorerThreads,
     ScoringConfig,
@@ -100,6 +99,24 @@ class ScorerRouter:
         return groups
 
 
+def unscored_sources(config: RewardConfig, sources: Iterable[str]) -> list[str]:
+    """The data sources no scorer takes, sorted: routed to the rules (ScorerRouter) with none registered for
+    them (scorers registered until now count), when reward.default_score_for_unknown is not set."""
+    if config.default_score_for_unknown is not None:
+        return []
+    router, known = ScorerRouter.from_config(config), set(registered_data_sources())
+    return sorted(source for source in set(sources) if router.route(source) == RULES and source not in known)
+
+
+def unscored_sources_advice(config: RewardConfig, unscored: Sequence[str]) -> str:
+    """What an error says about data sources no scorer takes (unscored_sources)."""
+    other = [f"reward.{key}" for key, path in (("model_sources", config.model_path),
+                                               ("custom_sources", config.custom_path)) if path]
+    return (f"unknown data_source {', '.join(map(repr, unscored))}; registered: "
+            f"{', '.join(registered_data_sources())} (or set reward.default_score_for_unknown"
+            + "".join(f", or list it in {key}" for key in other) + ")")
+
+
 class RewardEngine:
     """Scores batches of ScoreItems; start() loads the tokenizer, custom pool or reward model."""
 
@@ -146,8 +163,7 @@ class RewardEngine:
     async def start(self) -> None:
         """Import scorer modules, then load what the config asks for (off the event loop: health stays live)."""
         config = self.config
-        for module in config.scorer_modules:
-            importlib.import_module(module)  # its register_scorer calls run now
+        load_scorer_modules(config.scorer_modules)  # their register_scorer calls run now
         if config.tokenizer_path:
             self.tokenizer = await asyncio.to_thread(_load_tokenizer, config.tokenizer_path)
             self.vocab_size = len(self.tokenizer)  # added special tokens included
@@ -230,19 +246,10 @@ class RewardEngine:
 
     def _check_data_sources(self, items: Sequence[ScoreItem], rule_indices: Sequence[int]) -> None:
         """InvalidArgument for the first of the items the rules take whose data_source has no rule."""
-        if self.scoring.default_score_for_unknown is not None:
-            return
-        known = set(registered_data_sources())  # read now: scorers registered after start count
+        unscored = unscored_sources(self.config, {items[index].data_source for index in rule_indices})
         for index in rule_indices:
-            item = items[index]
-            if item.data_source not in known:
-                other = [f"reward.{key}" for key, path in (("model_sources", self.config.model_path),
-                                                           ("custom_sources", self.config.custom_path)) if path]
-                raise InvalidArgument(
-                    f"item {index}: unknown data_source {item.data_source!r}; "
-                    f"registered: {', '.join(sorted(known))} (or set reward.default_score_for_unknown"
-                    + "".join(f", or list it in {key}" for key in other) + ")"
-                )
+            if items[index].data_source in unscored:
+                raise InvalidArgument(f"item {index}: {unscored_sources_advice(self.config, [items[index].data_source])}")
 
     async def _resolve_responses(self, items: Sequence[ScoreItem]) -> Sequence[ScoreItem]:
         """Items with token ids get their response_length (when 0) and, if response is empty, their

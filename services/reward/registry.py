@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from rlfabric.core.config import import_named_modules
 from rlfabric.reward import arithmetic, find_vowel, gsm8k, hellaswag, math_equiv
 
 Scorer = Callable[..., Any]
@@ -43,6 +44,12 @@ def register_scorer(data_source: str, fn: Scorer, replace: bool = False) -> None
             f"a scorer for data_source {data_source!r} is already registered (pass replace=True)"
         )
     _SCORERS[data_source] = fn
+
+
+def load_scorer_modules(modules: list[str]) -> None:
+    """Imports each of reward.scorer_modules, so its register_scorer calls run (again: a no-op); ConfigError
+    naming the key and the module when one cannot be imported."""
+    import_named_modules("reward.scorer_modules", modules)
 
 
 def get_scorer(data_source: str) -> Scorer:

@@ -20,8 +20,7 @@ from dataclasses import dataclass
 import torch
 from prometheus_client import CollectorRegistry
 
-from rlfabric import algorithms as algos
-from rlfabric.algorithms.plugins import load_plugin_modules
+from rlfabric.algorithms.plugins import check_algorithm_names
 from rlfabric.core import lora
 from rlfabric.core.config import RunConfig
 from rlfabric.core.errors import FailedPrecondition, InvalidArgument
@@ -101,10 +100,7 @@ class TrainerEngine:
                              f"split over {self.data_parallel_size} data-parallel ranks (world_size "
                              f"{self.world_size} / tensor_parallel_size {self.tensor_parallel_size})")
         if self.spec.trains_policy:
-            load_plugin_modules(self.config.algorithm.plugin_modules)  # before the loss_mode check
-            if self.section.loss_mode not in algos.policy_loss_names():
-                raise ValueError(f"actor.loss_mode {self.section.loss_mode!r} is not one of {algos.policy_loss_names()}")
-            algos.kl_penalty(torch.zeros(1), torch.zeros(1), self.section.kl_loss_type)  # ValueError if unknown
+            check_algorithm_names(self.config)  # after its plugin modules: actor.loss_mode, actor.kl_loss_type
 
     def _start(self) -> None:
         device = rank_device(0)

@@ -16,13 +16,13 @@ from __future__ import annotations
 import contextlib
 import inspect
 import os
-from pathlib import Path
 
 import torch
 from torch import nn
 
 from rlfabric.core.config import RunConfig
 from rlfabric.core.dtypes import at_least_float32, torch_dtype
+from rlfabric.core.host import check_model_directory
 from rlfabric.core.moe import check_router_aux_loss
 from rlfabric.trainer.roles import role_spec
 
@@ -153,9 +153,7 @@ def check_policy_model(path: str, trust_remote_code: bool = False) -> None:
     are chat messages). ValueError names the path and what is wrong."""
     from transformers import AutoConfig, AutoTokenizer
 
-    directory = Path(path)
-    if not (directory / "config.json").is_file():
-        raise ValueError(f"model.path {path}: no config.json there; point it at a local Hugging Face model directory")
+    check_model_directory(path)
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, KeyError) as error:

@@ -27,9 +27,9 @@ from rlfabric.core.config.loading import (
     apply_override,
     check_run_rules,
     config_from_dict,
-    config_reference,
     default_config_path,
     dump_config,
+    import_named_modules,
     load_config,
     load_run_config,
     parse_override,
@@ -40,6 +40,7 @@ from rlfabric.core.config.loading import (
     set_key,
 )
 from rlfabric.core.config.model import DataConfig, ModelConfig
+from rlfabric.core.config.reference import config_reference
 from rlfabric.core.config.reward import CustomSandboxConfig, PythonSandboxConfig, RewardConfig
 from rlfabric.core.config.rollout import MultiTurnConfig, RolloutConfig
 from rlfabric.core.config.run import RunConfig
@@ -100,6 +101,7 @@ __all__ = [
     "load_run_config",
     "check_run_rules",
     "read_named_file",
+    "import_named_modules",
     "run_dir_of",
     "read_auth_token",
     "read_env_token",

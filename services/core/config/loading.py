@@ -1,23 +1,21 @@
-"""Reading a run config: YAML files, dotted overrides, the run's rules, tokens, and the config reference."""
+"""Reading a run config: YAML files, dotted overrides, the run's rules and tokens."""
 
 from __future__ import annotations
 
 import copy
-import typing
+import importlib
 from collections.abc import Mapping
 from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import (
-    BaseModel,
-    ValidationError,
-)
+from pydantic import ValidationError
 
 from rlfabric.core.config.base import _DOTTED_KEY, _QUOTE, DEFAULT_CONFIG_NAME, ConfigError
 from rlfabric.core.config.run import RunConfig
 from rlfabric.core.config.server import ServerConfig
+from rlfabric.core.config.unknown_keys import describe_unknown_key
 
 
 def default_config_path() -> Path:
@@ -76,8 +74,8 @@ def _describe_validation_error(error: ValidationError) -> str:
     lines = []
     for item in error.errors():
         key = ".".join(str(p) for p in item["loc"])
-        if item["type"] == "extra_forbidden":
-            lines.append(f"{key}: unknown key")
+        if item["type"] == "extra_forbidden":  # VeRL's name for it, or a did-you-mean
+            lines.extend(describe_unknown_key(item["loc"], item.get("input")))
         elif not key:  # a rule across sections: its message names the keys; the input is the whole config
             lines.append(item["msg"].removeprefix("Value error, "))
         else:
@@ -176,6 +174,16 @@ def read_named_file(key: str, path: str | Path) -> bytes:
         raise ConfigError(f"{key}: cannot read {path}: {error.strerror or error}") from None
 
 
+def import_named_modules(key: str, modules: list[str]) -> None:
+    """Imports each module a config key names (plugins, scorers: their imports register what they add; again:
+    a no-op); ConfigError naming the key and the module when one cannot be imported."""
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except Exception as error:  # ImportError, a SyntaxError, the ValueError of a clashing name, ...
+            raise ConfigError(f"{key}: cannot import {name!r}: {type(error).__name__}: {error}") from error
+
+
 def run_dir_of(config: RunConfig) -> Path:
     """trainer.run_dir (default runs/<name>), or its experiments/<trainer.experiment_name>."""
     run_dir = Path(config.trainer.run_dir or Path("runs") / config.name).resolve()
@@ -208,20 +216,3 @@ def read_env_token(config: RunConfig) -> str:
 def dump_config(config: RunConfig, path: str | Path) -> None:
     """Writes a config as YAML (the resolved config every service of a run reads)."""
     Path(path).write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
-
-
-def config_reference(model: type[BaseModel] = RunConfig, prefix: str = "") -> list[tuple[str, str, str]]:
-    """(dotted key, default, description) for every leaf field, for docs and `rlfabric config-reference`."""
-    rows = []
-    for name, field in model.model_fields.items():
-        key = f"{prefix}{name}"
-        annotation = field.annotation
-        value_type = typing.get_args(annotation)[-1] if typing.get_origin(annotation) is dict else None
-        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-            rows.extend(config_reference(annotation, key + "."))
-        elif isinstance(value_type, type) and issubclass(value_type, BaseModel):  # resource_pools.<name>.gpus
-            rows.append((key, repr(field.default), field.description or ""))
-            rows.extend(config_reference(value_type, key + ".<name>."))
-        else:
-            rows.append((key, repr(field.default), field.description or ""))
-    return rows
