@@ -6,7 +6,6 @@ link to an issue tracker outside the repository)."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import re
 from pathlib import Path
 
@@ -25,14 +24,6 @@ NOT_CONFIG_KEYS = {"server.address"}  # OpenTelemetry's attribute of a client sp
 FILE_SUFFIXES = ("json", "proto", "py", "yaml", "yml", "md", "png", "txt", "log", "jsonl", "parquet")
 # A key quoted right after these words is another project's name for it ("VeRL's `model.lora_rank`").
 OTHER_PROJECTS = re.compile(r"(VeRL|TRL)(?:'s|:)?\s*$")
-
-
-def _pending_pages() -> tuple[str, ...]:
-    """Pages other branches of issue 45 write (docs/hooks/pending_pages.py): links to them may not resolve yet."""
-    spec = importlib.util.spec_from_file_location("pending_pages", DOCS / "hooks" / "pending_pages.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return tuple(DOCS / name for name in module.PAGES_OTHER_BRANCHES_WRITE)
 
 
 def ignored(path: str) -> bool:
@@ -219,7 +210,7 @@ def link_problems(page: Path) -> list[str]:
         path, _, anchor = target.partition("#")
         base = DOCS if page.parent == DOCS / "generated" else page.parent  # snippets resolve where included
         resolved = (base / path).resolve() if path else page
-        if not resolved.exists() and resolved not in _pending_pages():
+        if not resolved.exists():
             problems.append(f"{page.relative_to(ROOT)}: link to {target}: no such file")
         elif anchor and resolved.suffix == ".md" and anchor not in anchors(resolved):
             problems.append(f"{page.relative_to(ROOT)}: link to {target}: no such section")
