@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -26,6 +26,8 @@ from rlfabric.gateway.render import ChatRenderer, message_key, tools_key
 from rlfabric.gateway.replies import parse_reply
 from rlfabric.gateway.segments import RecordedCall
 from rlfabric.rollout.types import Finish, FinishedSample, SamplingSpec, row_seed
+
+LATENCIES_KEPT = 100_000  # call latencies kept between two take_metrics (the newest)
 
 
 class TokenGenerator(Protocol):
@@ -88,7 +90,7 @@ class CallHandler:
         self.max_tokens = settings.max_tokens_per_call or rollout.response_length or config.data.max_response_length
         self.inflight = 0
         self.counts: Counter[str] = Counter()  # calls, retries_replayed, sampling_overrides, tool_parse_errors, ...
-        self.latencies: list[float] = []
+        self.latencies: deque[float] = deque(maxlen=LATENCIES_KEPT)
 
     # -- the two kinds of call ---------------------------------------------------------------------------
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -22,6 +22,10 @@ class OpenAIError(Exception):
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+# The roles a message may have; chat templates write any role as given, so others are refused.
+MESSAGE_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 def unsupported(param: str, why: str) -> OpenAIError:
@@ -69,6 +73,13 @@ class ChatRequest(_Request):
         self.check_common()
         if not self.messages:
             raise OpenAIError(400, "messages: at least one message is needed", "invalid_value", param="messages")
+        for index, message in enumerate(self.messages):
+            if message.get("role") not in MESSAGE_ROLES:
+                raise OpenAIError(400, f"messages.{index}.role: {str(message.get('role'))[:40]!r} is not one of "
+                                       f"{', '.join(MESSAGE_ROLES)}", "invalid_value", param=f"messages.{index}.role")
+            content = message.get("content")
+            if isinstance(content, list) and any(not isinstance(p, dict) or p.get("type") != "text" for p in content):
+                raise unsupported(f"messages.{index}.content", "only text parts are supported")
         if self.response_format and self.response_format.get("type", "text") != "text":
             raise unsupported("response_format", "structured outputs are not supported: the run trains on what "
                                                  "the model samples freely")
@@ -160,10 +171,9 @@ def chat_chunk(call_id: str, model: str, delta: dict, finish_reason: str | None 
 
 
 def text_completion(call_id: str, model: str, text: str, finish_reason: str, prompt_ids: list[int],
-                    token_ids: list[int], logprobs: dict | None, return_token_ids: bool,
-                    object_name: Literal["text_completion"] = "text_completion") -> dict:
+                    token_ids: list[int], logprobs: dict | None, return_token_ids: bool) -> dict:
     choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-    body: dict[str, Any] = {"id": call_id, "object": object_name, "created": int(time.time()), "model": model,
+    body: dict[str, Any] = {"id": call_id, "object": "text_completion", "created": int(time.time()), "model": model,
                             "choices": [choice], "usage": usage(len(prompt_ids), len(token_ids))}
     if return_token_ids:
         body["prompt_token_ids"] = prompt_ids

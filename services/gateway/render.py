@@ -54,7 +54,10 @@ def tools_key(tools: Sequence[dict] | None) -> str:
 
 def template_message(message: dict) -> dict:
     """An OpenAI message as chat templates take it: text content, tool-call arguments as objects."""
-    out: dict[str, Any] = {"role": message.get("role", ""), "content": content_text(message.get("content"))}
+    role = message.get("role", "")
+    # OpenAI's "developer" messages are the system prompt of newer models; templates know "system".
+    out: dict[str, Any] = {"role": "system" if role == "developer" else role,
+                           "content": content_text(message.get("content"))}
     for name in ("name", "tool_call_id"):
         if message.get(name):
             out[name] = message[name]

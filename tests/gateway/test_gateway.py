@@ -199,7 +199,16 @@ def test_unsupported_requests_are_400_in_openais_format(mesh):
         with pytest.raises(openai.BadRequestError) as refused:
             client.chat.completions.create(model="m", messages=messages, **extra)
         assert refused.value.body["param"] == param and refused.value.body["type"] == "invalid_request_error"
+    with pytest.raises(openai.BadRequestError) as robot:
+        client.chat.completions.create(model="m", messages=[{"role": "robot", "content": "x"}])
+    assert robot.value.body["param"] == "messages.0.role"
     assert mesh.call(gateway.episodes.close, episode.key).calls == []
+    # OpenAI's developer role is the system prompt.
+    episode = mesh.call(gateway.episodes.open)
+    client_of(gateway, episode).chat.completions.create(
+        model="m", max_tokens=1, messages=[{"role": "developer", "content": "dev"}, {"role": "user", "content": "u"}])
+    (call,) = mesh.call(gateway.episodes.close, episode.key).calls
+    assert mesh.tokenizer.decode(call.prompt_ids).startswith("<|im_start|>system\ndev<|im_end|>")
 
 
 def test_agent_sampling_settings_are_replaced_by_the_runs_and_counted(mesh):
