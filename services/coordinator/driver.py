@@ -273,6 +273,8 @@ class PPODriver:
                 stream.trained(step)  # generation may run one step further ahead
                 if trainer.test_freq and (step % trainer.test_freq == 0 or step == trainer.total_steps):
                     metrics.update(await self._validate())
+                if self.gateway is not None:  # agent/*: the gateway's calls since the step before
+                    metrics.update(self.gateway.calls.take_metrics())
                 self.hooks.on_metrics(step, metrics, self.steps.last_trace_id)
                 self.untrained_cursor = stream.untrained_cursor()
                 if self._checkpoint_due(step):

@@ -16,6 +16,7 @@ from openai import AsyncOpenAI, OpenAI
 from rlfabric.gateway.calls import RouterGenerator
 from rlfabric.gateway.segments import episode_advantages
 from tests.gateway.helpers import GatewayMesh
+from tests.rollout.helpers import original_weights
 from tests.waiting import wait_until
 
 
@@ -99,6 +100,24 @@ def test_a_summarising_agent_gives_two_segments_that_share_the_episodes_advantag
     first, second = (advantages[i][mask[i].bool()] for i in (0, 1))
     assert torch.all(first == first[0]) and torch.all(second == first[0]) and first[0] > 0
     assert advantages[2, 0] == -first[0]  # two episodes, not three rows: +a and -a
+
+
+def test_weights_that_move_mid_episode_give_each_token_the_version_that_sampled_it(mesh):
+    gateway = mesh.gateway
+    episode = mesh.call(gateway.episodes.open)
+    client = client_of(gateway, episode)
+    messages = [{"role": "user", "content": "versions"}]
+    first = client.chat.completions.create(model="m", messages=messages, max_tokens=4)
+    version = mesh.run(mesh.engine.load_weights(original_weights(mesh.model_path).items()))  # a new version
+    client.chat.completions.create(model="m", max_tokens=4,
+                                   messages=messages + [reply_message(first), {"role": "user", "content": "and"}])
+    record = mesh.call(gateway.episodes.close, episode.key)
+    (segment,) = record.segments
+    assert [set(call.token_versions) for call in record.calls] == [{version - 1}, {version}]
+    sample = segment.to_sample(0, 0, mesh.tokenizer.decode)
+    assert (sample.weight_version, sample.newest_version) == (version - 1, version)  # staleness: the oldest token
+    assert sample.token_versions() == segment.token_versions
+    check_token_exact(mesh, record)
 
 
 def _stream_agent(client: OpenAI, tag: str) -> tuple[list[str], list[list[int]]]:
