@@ -38,7 +38,7 @@ def _hermes(text: str, call_id: str) -> Reply:
         return Reply(text, parse_error=True)
     content = _HERMES_BLOCK.sub("", text).strip()
     return Reply(content, [{"id": f"{call_id}_{index}", "type": "function",
-                            "function": {"name": call.name, "arguments": call.arguments}}
+                            "function": {"name": call.name, "arguments": call.arguments_json}}
                            for index, call in enumerate(calls)])
 
 

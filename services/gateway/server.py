@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,8 @@ from rlfabric.core.config import RunConfig
 from rlfabric.gateway.app import build_app
 from rlfabric.gateway.calls import CallHandler, TokenGenerator
 from rlfabric.gateway.episodes import Episode, EpisodeStore
+
+log = logging.getLogger("rlfabric.gateway")
 
 
 class _InProcessServer(uvicorn.Server):
@@ -60,6 +63,7 @@ class Gateway:
                 raise RuntimeError(f"the agent gateway did not start on {settings.host}:{settings.port}")
             await asyncio.sleep(0.01)
         self.port = self._server.servers[0].sockets[0].getsockname()[1]
+        log.info("agent gateway listening", extra={"fields": {"base_url": self.base_url, "model": self.model}})
 
     @property
     def base_url(self) -> str:

@@ -245,6 +245,16 @@ def test_agent_sampling_settings_are_replaced_by_the_runs_and_counted(mesh):
     assert (request.params.temperature, request.params.top_p) == (1.0, 1.0)
 
 
+def test_the_config_can_let_agents_choose_their_sampling(mesh):
+    gateway = mesh.gateway_with("agent.gateway.honour_agent_sampling=true")
+    episode = mesh.call(gateway.episodes.open)
+    client_of(gateway, episode).chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "honoured"}], max_tokens=2, temperature=0.25)
+    (call,) = mesh.call(gateway.episodes.close, episode.key).calls
+    (request,) = mesh.requests_of([call.prompt_ids])
+    assert request.params.temperature == 0.25
+
+
 def test_limits_per_episode_and_in_flight(mesh):
     gateway = mesh.gateway_with("agent.gateway.max_calls_per_episode=2", "agent.gateway.max_tokens_per_episode=7")
     episode = mesh.call(gateway.episodes.open)
