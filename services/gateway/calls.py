@@ -18,6 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from jinja2 import TemplateError
+
 from rlfabric.core.config import RunConfig
 from rlfabric.core.errors import InvalidArgument, ResourceExhausted, RlfabricError
 from rlfabric.gateway.episodes import Episode, EpisodeStore
@@ -100,11 +102,15 @@ class CallHandler:
             return replayed
         messages, tools = request.messages, request.tools
         parent, new_messages = self._extended(episode, messages, tools)
-        if parent is not None:
-            prompt_ids = parent.prompt_ids + parent.token_ids + self.renderer.continuation_ids(new_messages,
-                                                                                                parent.token_ids)
-        else:
-            prompt_ids = self.renderer.prompt_ids(messages, tools)
+        try:
+            if parent is not None:
+                prompt_ids = parent.prompt_ids + parent.token_ids + self.renderer.continuation_ids(new_messages,
+                                                                                                    parent.token_ids)
+            else:
+                prompt_ids = self.renderer.prompt_ids(messages, tools)
+        except (TemplateError, ValueError, TypeError, KeyError) as error:  # the template refused these messages
+            raise OpenAIError(400, f"the model's chat template cannot render these messages: {error}",
+                              "invalid_messages", param="messages") from None
 
         def reply_of(call: RecordedCall) -> None:
             reply = parse_reply(call.text, self.settings.tool_call_format,

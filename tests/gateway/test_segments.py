@@ -93,3 +93,27 @@ def test_messages_match_through_json_nulls_and_text_parts():
     assert message_key(sent) == message_key(echoed)
     assert message_key({"role": "user", "content": [{"type": "text", "text": "hi"}]}) == \
         message_key({"role": "user", "content": "hi"})
+
+
+def test_messages_the_template_refuses_are_400_before_anything_generates():
+    import asyncio
+
+    from rlfabric.gateway.calls import CallHandler
+    from rlfabric.gateway.openai_api import ChatRequest
+
+    class NoGenerator:
+        async def generate(self, prompt_ids, params, routing_key):
+            raise AssertionError("nothing may generate for a refused request")
+
+        def release(self, routing_key):
+            pass
+
+    tokenizer = build_tokenizer()
+    tokenizer.chat_template = "{% if messages[0]['role'] == 'system' %}{{ raise_exception('no system role') }}{% endif %}"
+    config = load_config(None, [])
+    store = EpisodeStore(config.agent.gateway)
+    handler = CallHandler(config, tokenizer, NoGenerator(), store)
+    request = ChatRequest(messages=[{"role": "system", "content": "s"}, {"role": "user", "content": "u"}])
+    with pytest.raises(OpenAIError) as refused:
+        asyncio.run(handler.chat(store.open(), request, "hash", is_retry=False))
+    assert refused.value.status == 400 and "no system role" in refused.value.message
