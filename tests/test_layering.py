@@ -18,7 +18,7 @@ FLOORS = [
     {"reward"},
     {"env", "trainer"},  # the environment service; the trainer the three model roles share
     {"actor", "critic", "reference", "rollout"},  # the roles
-    {"data"},
+    {"data", "gateway"},  # gateway: the OpenAI-compatible endpoint agents call, over the rollout router
     {"coordinator"},
     {"serve"},
     {"quickstart"},

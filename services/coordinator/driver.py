@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from rlfabric.coordinator.checkpoints import (
     CoordinatorState,
@@ -42,6 +42,9 @@ from rlfabric.core.config import RunConfig
 from rlfabric.core.errors import FailedPrecondition
 from rlfabric.core.start_phases import StartPhases
 from rlfabric.data.dataset import DataCursor, RLHFDataset
+
+if TYPE_CHECKING:
+    from rlfabric.gateway.server import Gateway
 
 log = logging.getLogger("rlfabric.coordinator")
 
@@ -81,8 +84,10 @@ class PPODriver:
 
     def __init__(self, config: RunConfig, peers: Peers, tokenizer, run_dir: Path, train_data: RLHFDataset,
                  val_data: RLHFDataset | None, weight_sync: WeightSync, hooks: RunHooks | None = None,
-                 start_phases: StartPhases | None = None, actor_mini_batch_rows: int | None = None):
+                 start_phases: StartPhases | None = None, actor_mini_batch_rows: int | None = None,
+                 gateway: Gateway | None = None):
         self.config = config
+        self.gateway = gateway  # agent.gateway: the OpenAI endpoint agent episodes call (None when off)
         self.peers = peers
         self.run_dir = run_dir
         self.run_id = run_dir.name
@@ -268,6 +273,8 @@ class PPODriver:
                 stream.trained(step)  # generation may run one step further ahead
                 if trainer.test_freq and (step % trainer.test_freq == 0 or step == trainer.total_steps):
                     metrics.update(await self._validate())
+                if self.gateway is not None:  # agent/*: the gateway's calls since the step before
+                    metrics.update(self.gateway.calls.take_metrics())
                 self.hooks.on_metrics(step, metrics, self.steps.last_trace_id)
                 self.untrained_cursor = stream.untrained_cursor()
                 if self._checkpoint_due(step):

@@ -130,7 +130,8 @@ async def open_run(config: RunConfig, hooks: RunHooks, connect: Connect = connec
     """A PPODriver for one run, connected to its services by `connect` (default: over gRPC, to
     config.cluster's addresses); the connections close when the block ends. The tokenizer (`policy`'s,
     loaded at the coordinator's start) and the data (on a thread) are made ready while the connections are
-    made (waits on the services); each is a phase of `phases`."""
+    made (waits on the services); each is a phase of `phases`. With agent.gateway.enable the agent gateway
+    starts here too, over the run's rollout router (driver.gateway), and stops when the block ends."""
     phases = phases or StartPhases("run", log)
     if not config.model.path:
         raise FailedPrecondition("model.path is empty: the coordinator needs the policy's tokenizer")
@@ -148,9 +149,19 @@ async def open_run(config: RunConfig, hooks: RunHooks, connect: Connect = connec
             await connected[0].close()
         raise
     peers, weight_sync = await connecting
+    gateway = None
     try:
+        if config.agent.gateway.enable:  # agents' OpenAI endpoint, in front of the run's rollout router
+            # Imported here: FastAPI and uvicorn take ~0.8 s to import, which a run without agents need not pay.
+            from rlfabric.gateway.calls import RouterGenerator
+            from rlfabric.gateway.server import Gateway
+
+            gateway = Gateway(config, tokenizer, RouterGenerator(peers.rollout))
+            await phases.timed("agent_gateway", gateway.start())
         yield PPODriver(config, peers, tokenizer, run_dir, train, val, weight_sync, hooks, start_phases=phases,
-                        actor_mini_batch_rows=actor_mini_batch_rows)
+                        actor_mini_batch_rows=actor_mini_batch_rows, gateway=gateway)
     finally:
+        if gateway is not None:
+            await gateway.close()
         await weight_sync.close()
         await peers.close()

@@ -11,6 +11,9 @@
   refused, server gone, stuck) is taken out and the work goes to another one. A request streams
   its samples, so samples that already finished are kept and only the missing ones are sent again
   (same sampling parameters; with a seed they are drawn again on the new replica).
+- Routing keys: a request with a routing_key (an agent episode's, rlfabric.gateway) goes to the replica its
+  key's first request went to, while that replica is healthy, so the episode's growing prompt stays in one
+  prefix cache; release(key) forgets it.
 - Probing: a background task (start()) health-checks replicas that are out and puts them back
   when they report readiness SERVING; with no healthy replica left, the router probes once before
   giving up with UNAVAILABLE.
@@ -93,6 +96,7 @@ class RolloutRouter:
         self.max_attempts = max_attempts
         self._round_robin = itertools.count()
         self._prober: asyncio.Task | None = None
+        self._sticky: dict[str, Replica] = {}  # routing key -> the replica its requests go to
 
     # -- replica choice ------------------------------------------------------------------------
 
@@ -132,7 +136,11 @@ class RolloutRouter:
                 return replica
         raise KeyError(f"no rollout replica {address!r} in this router")
 
-    async def _pick(self) -> Replica:
+    async def _pick(self, routing_key: str = "") -> Replica:
+        """The replica of routing_key while it is healthy, else the least busy healthy one (then the key's)."""
+        kept = self._sticky.get(routing_key) if routing_key else None
+        if kept is not None and kept.healthy and not kept.excluded:
+            return kept
         candidates = self.healthy()
         if not candidates:
             await self.probe()
@@ -141,8 +149,15 @@ class RolloutRouter:
             errors = "; ".join(f"{r.address}: {r.last_error}" for r in self.replicas)
             raise Unavailable(f"no healthy rollout replica ({errors})")
         turn = next(self._round_robin)
-        return min(candidates, key=lambda r: (r.outstanding, r.queue_depth,
-                                              (self.replicas.index(r) - turn) % len(self.replicas)))
+        chosen = min(candidates, key=lambda r: (r.outstanding, r.queue_depth,
+                                                (self.replicas.index(r) - turn) % len(self.replicas)))
+        if routing_key:
+            self._sticky[routing_key] = chosen
+        return chosen
+
+    def release(self, routing_key: str) -> None:
+        """Forgets routing_key's replica (its episode ended)."""
+        self._sticky.pop(routing_key, None)
 
     def _take_out(self, replica: Replica, error: RlfabricError) -> None:
         replica.healthy = False
@@ -195,21 +210,23 @@ class RolloutRouter:
     # -- generation ----------------------------------------------------------------------------
 
     async def generate(self, prompts: Sequence[PromptInput], params: SamplingSpec, chunk_prompts: int | None = None,
-                       timeout_s: float | None = None) -> list[FinishedSample]:
+                       timeout_s: float | None = None, routing_key: str = "") -> list[FinishedSample]:
         """Every sample, ordered by (prompt_index, sample_index)."""
-        samples = [s async for s in self.generate_stream(prompts, params, chunk_prompts, timeout_s)]
+        samples = [s async for s in self.generate_stream(prompts, params, chunk_prompts, timeout_s, routing_key)]
         return sorted(samples, key=sample_order)
 
     async def generate_stream(self, prompts: Sequence[PromptInput], params: SamplingSpec,
                               chunk_prompts: int | None = None, timeout_s: float | None = None,
-                              ) -> AsyncIterator[FinishedSample]:
-        """Each sample once, as soon as it finishes, with indices of the original request."""
+                              routing_key: str = "") -> AsyncIterator[FinishedSample]:
+        """Each sample once, as soon as it finishes, with indices of the original request; the parts of a
+        request with a routing_key go to that key's replica."""
         size = chunk_prompts or max(1, len(prompts))
         parts = [_Part(list(range(i, min(i + size, len(prompts)))), list(range(params.n)))
                  for i in range(0, len(prompts), size)] or [_Part([], list(range(params.n)))]
         out: asyncio.Queue = asyncio.Queue()
         progress = _Progress()
-        tasks = {asyncio.create_task(self._run_part(part, prompts, params, timeout_s, progress, out)) for part in parts}
+        tasks = {asyncio.create_task(self._run_part(part, prompts, params, timeout_s, progress, out,
+                                                      routing_key)) for part in parts}
         running = len(tasks)
         try:
             while running:
@@ -225,13 +242,13 @@ class RolloutRouter:
                 task.cancel()
 
     async def _run_part(self, part: _Part, prompts, params: SamplingSpec, timeout_s, progress: _Progress,
-                        out: asyncio.Queue) -> None:
+                        out: asyncio.Queue, routing_key: str = "") -> None:
         """Runs one part to completion on some replica, re-sending what a failed replica left unfinished."""
         try:
             pending = [part]
             while pending:
                 part = pending.pop()
-                replica = await self._pick()
+                replica = await self._pick(routing_key)
                 sub_prompts = [prompts[i] for i in part.prompt_indices]
                 sub_params = replace(params, n=len(part.sample_indices))
                 replica.outstanding += 1

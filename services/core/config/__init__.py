@@ -1,6 +1,6 @@
 """The run config: one YAML file with a section per role, VeRL-style names, validated on load.
 
-Sections: server, client, cluster, model, data, actor, reference, critic, rollout, reward, env,
+Sections: server, client, cluster, model, data, actor, reference, critic, rollout, reward, env, agent,
 algorithm, trainer, weight_sync, storage, launcher, tracing, resource_pools. Every field has a default and a docstring
 (`rlfabric config-reference`
 prints them). Unknown keys and wrong types are errors that name the dotted key.
@@ -14,6 +14,7 @@ The built-in default (`rlfabric/quickstart/quickstart.yaml`) is the quickstart.
 from __future__ import annotations
 
 from rlfabric.core.config.actor import ActorConfig, CriticConfig, LoraConfig, ReferenceConfig
+from rlfabric.core.config.agent import AgentConfig, GatewayConfig
 from rlfabric.core.config.algorithm import AlgorithmConfig, FilterGroupsConfig, RolloutCorrectionConfig
 from rlfabric.core.config.base import DEFAULT_CONFIG_NAME, LOSS_MODE_AGGREGATION, ConfigError, Section
 from rlfabric.core.config.env import EnvConfig, PythonToolConfig
@@ -78,6 +79,8 @@ __all__ = [
     "RolloutCorrectionConfig",
     "PythonToolConfig",
     "EnvConfig",
+    "GatewayConfig",
+    "AgentConfig",
     "FilterGroupsConfig",
     "AlgorithmConfig",
     "MlflowConfig",

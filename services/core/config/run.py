@@ -5,6 +5,7 @@ from __future__ import annotations
 from pydantic import model_validator
 
 from rlfabric.core.config.actor import ActorConfig, CriticConfig, ReferenceConfig
+from rlfabric.core.config.agent import AgentConfig
 from rlfabric.core.config.algorithm import AlgorithmConfig
 from rlfabric.core.config.base import Section
 from rlfabric.core.config.env import EnvConfig
@@ -42,6 +43,7 @@ class RunConfig(Section):
     rollout: RolloutConfig = RolloutConfig()
     reward: RewardConfig = RewardConfig()
     env: EnvConfig = EnvConfig()
+    agent: AgentConfig = AgentConfig()
     algorithm: AlgorithmConfig = AlgorithmConfig()
     trainer: TrainerConfig = TrainerConfig()
     weight_sync: WeightSyncConfig = WeightSyncConfig()

@@ -1,0 +1,53 @@
+"""agent: existing agent code trained through the OpenAI-compatible gateway (rlfabric.gateway)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from rlfabric.core.config.base import Section
+
+
+class GatewayConfig(Section):
+    enable: bool = False
+    """Start the gateway with the run: an OpenAI-compatible endpoint in the coordinator's process, in front of the
+    rollout replicas, that records every call of an episode as token ids (docs/agents-gateway.md)."""
+    host: str = "127.0.0.1"
+    """Address the gateway listens on (loopback: only agents on this host reach it)."""
+    port: int = Field(0, ge=0, le=65535)
+    """Port the gateway listens on; 0 = a free one, chosen when it starts."""
+    served_model_name: str = ""
+    """The model name GET /v1/models lists and responses carry; empty = the last folder of model.path. Requests
+    may name any model: agent code written for another name runs unchanged."""
+    max_concurrent_episodes: int = Field(1024, ge=1)
+    """Most episodes open at once; opening one more is RESOURCE_EXHAUSTED."""
+    max_inflight_calls: int = Field(256, ge=1)
+    """Most calls generating at once over all episodes; more get 429 with a retry-after-ms header (the SDKs wait
+    and retry)."""
+    retry_after_ms: int = Field(200, ge=1)
+    """The wait a 429 asks for."""
+    max_calls_per_episode: int = Field(64, ge=1)
+    """Most recorded calls of one episode; a call beyond is 400 (code episode_call_limit)."""
+    max_tokens_per_episode: int = Field(16384, ge=1)
+    """Most sampled tokens of one episode; a call's max_tokens is cut to what is left, and a call with none left
+    is 400 (code episode_token_limit)."""
+    max_tokens_per_call: int = Field(0, ge=0)
+    """max_tokens of a call that names none, and the most one may ask; 0 = rollout.response_length (or
+    data.max_response_length)."""
+    episode_timeout_s: float = Field(3600.0, gt=0)
+    """An episode open this long times out: its calls then get 410 (code episode_timed_out) and it is marked so."""
+    tool_call_format: Literal["hermes", "none"] = "hermes"
+    """How tool calls are read from a reply when the request declares tools: hermes = <tool_call>{"name": ...,
+    "arguments": {...}}</tool_call> (Qwen, Hermes, SmolLM2); none = never (the reply is plain text). A call that
+    does not parse leaves the whole reply as plain text."""
+    honour_agent_sampling: bool = False
+    """Use the temperature, top_p and top_k an agent sends. Off: the run's (rollout.*) replace them, so the
+    recorded log-probs match the trainer's, and each call that sent others counts in agent/sampling_overrides."""
+    closed_episodes_remembered: int = Field(65536, ge=1)
+    """Keys of closed episodes kept to answer 410 (not 401); the oldest are forgotten first."""
+
+
+class AgentConfig(Section):
+    gateway: GatewayConfig = GatewayConfig()
+    """The OpenAI-compatible endpoint agent code calls (its base URL and a per-episode key)."""

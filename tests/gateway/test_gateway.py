@@ -1,0 +1,337 @@
+"""The agent gateway end to end: the openai SDK over loopback HTTP, a real RolloutRouter over two in-process
+replicas of the hf engine on the tiny model; each engine request logged on the replica's side."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+import httpx
+import openai
+import pytest
+import torch
+from openai import AsyncOpenAI, OpenAI
+
+from rlfabric.gateway.calls import RouterGenerator
+from rlfabric.gateway.segments import episode_advantages
+from tests.gateway.helpers import GatewayMesh
+from tests.rollout.helpers import original_weights
+from tests.waiting import wait_until
+
+
+@pytest.fixture(scope="module")
+def mesh(tiny_model):
+    mesh = GatewayMesh(tiny_model)
+    yield mesh
+    mesh.stop()
+
+
+def client_of(gateway, episode, **kwargs) -> OpenAI:
+    return OpenAI(base_url=gateway.base_url, api_key=episode.key, max_retries=0, **kwargs)
+
+
+def reply_message(reply) -> dict:
+    """The assistant message as an agent appends it to its history, through JSON."""
+    return json.loads(json.dumps(reply.choices[0].message.model_dump(exclude_none=True)))
+
+
+def run_agent(client: OpenAI, tag: str, turns: int, summarise_after: int | None = None) -> list[dict]:
+    """A chat agent: `turns` calls, its history round-tripped through JSON; after `summarise_after` calls it
+    replaces its history with a summary (a new conversation)."""
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": f"task {tag}"}]
+    for turn in range(turns):
+        reply = client.chat.completions.create(model="whatever", messages=messages, max_tokens=6)
+        messages = messages + [reply_message(reply), {"role": "user", "content": f"go on {turn}"}]
+        if summarise_after is not None and turn + 1 == summarise_after:
+            messages = [{"role": "user", "content": f"summary of task {tag}: {len(messages)} messages"}]
+    return messages
+
+
+def check_token_exact(mesh, record) -> None:
+    """Each engine request of the episode consumed a prefix of its segment and sampled the segment's next
+    tokens: ids, mask 1, log-probs and versions as the engine returned them."""
+    for segment in record.segments:
+        requests = mesh.requests_of([segment.prompt_ids])
+        requests = [r for r in requests if r.prompt_ids == segment.ids()[:len(r.prompt_ids)]]
+        assert len(requests) == len(segment.calls)
+        for request in requests:
+            start = len(request.prompt_ids) - len(segment.prompt_ids)
+            end = start + len(request.sample.token_ids)
+            assert segment.token_ids[start:end] == request.sample.token_ids
+            assert segment.loss_mask[start:end] == [1] * (end - start)
+            assert segment.logprobs[start:end] == request.sample.logprobs
+            assert segment.token_versions[start:end] == request.sample.token_versions()
+    sampled = sum(len(call.token_ids) for call in record.calls)
+    assert sum(sum(segment.loss_mask) for segment in record.segments) == sampled > 0
+
+
+def test_a_history_round_tripped_through_json_is_one_segment_of_the_engines_own_ids(mesh):
+    gateway = mesh.gateway
+    episode = mesh.call(gateway.episodes.open)
+    run_agent(client_of(gateway, episode), "json-round-trip", turns=3)
+    record = mesh.call(gateway.episodes.close, episode.key)
+    assert [call.parent for call in record.calls] == [None, 0, 1]
+    (segment,) = record.segments
+    first = mesh.tokenizer.apply_chat_template(
+        [{"role": "system", "content": "be brief"}, {"role": "user", "content": "task json-round-trip"}],
+        add_generation_prompt=True, tokenize=False)
+    assert segment.prompt_ids == mesh.tokenizer.encode(first, add_special_tokens=False)
+    check_token_exact(mesh, record)
+    # The tokens between turns are the template's, not sampled: masked.
+    assert 0 in segment.loss_mask and segment.calls == [0, 1, 2]
+    # The episode's requests all went to one replica (its routing key).
+    assert len({r.replica for r in mesh.requests_of([segment.prompt_ids])}) == 1
+
+
+def test_a_summarising_agent_gives_two_segments_that_share_the_episodes_advantage(mesh):
+    gateway = mesh.gateway
+    episode = mesh.call(gateway.episodes.open)
+    run_agent(client_of(gateway, episode), "summarise", turns=4, summarise_after=2)
+    record = mesh.call(gateway.episodes.close, episode.key)
+    assert [call.parent for call in record.calls] == [None, 0, None, 2]
+    assert [segment.calls for segment in record.segments] == [[0, 1], [2, 3]]
+    check_token_exact(mesh, record)
+    # Advantages per episode: this one (two segments) and another of the same prompt with one.
+    longest = max(len(s.token_ids) for s in record.segments)
+    mask = torch.tensor([s.loss_mask + [0] * (longest - len(s.loss_mask)) for s in record.segments] + [[1] * longest])
+    advantages = episode_advantages("grpo", torch.tensor([1.0, 0.0]), torch.tensor([0, 0]),
+                                    torch.tensor([0, 0, 1]), mask)
+    first, second = (advantages[i][mask[i].bool()] for i in (0, 1))
+    assert torch.all(first == first[0]) and torch.all(second == first[0]) and first[0] > 0
+    assert advantages[2, 0] == -first[0]  # two episodes, not three rows: +a and -a
+
+
+def test_weights_that_move_mid_episode_give_each_token_the_version_that_sampled_it(mesh):
+    gateway = mesh.gateway
+    episode = mesh.call(gateway.episodes.open)
+    client = client_of(gateway, episode)
+    messages = [{"role": "user", "content": "versions"}]
+    first = client.chat.completions.create(model="m", messages=messages, max_tokens=4)
+    version = mesh.run(mesh.engine.load_weights(original_weights(mesh.model_path).items()))  # a new version
+    client.chat.completions.create(model="m", max_tokens=4,
+                                   messages=messages + [reply_message(first), {"role": "user", "content": "and"}])
+    record = mesh.call(gateway.episodes.close, episode.key)
+    (segment,) = record.segments
+    assert [set(call.token_versions) for call in record.calls] == [{version - 1}, {version}]
+    sample = segment.to_sample(0, 0, mesh.tokenizer.decode)
+    assert (sample.weight_version, sample.newest_version) == (version - 1, version)  # staleness: the oldest token
+    assert sample.token_versions() == segment.token_versions
+    check_token_exact(mesh, record)
+
+
+def _stream_agent(client: OpenAI, tag: str) -> tuple[list[str], list[list[int]]]:
+    """Two streamed turns: the messages as the client assembles them, and the token ids the chunks carried."""
+    messages, contents, ids = [{"role": "user", "content": f"stream {tag}"}], [], []
+    for turn in range(2):
+        content, token_ids = "", []
+        stream = client.chat.completions.create(model="m", messages=messages, max_tokens=6, stream=True,
+                                                logprobs=True, extra_body={"return_token_ids": True})
+        for chunk in stream:
+            for choice in chunk.choices:
+                content += choice.delta.content or ""
+                token_ids += (choice.model_extra or {}).get("token_ids") or []
+        contents.append(content)
+        ids.append(token_ids)
+        messages += [{"role": "assistant", "content": content}, {"role": "user", "content": f"and {turn}"}]
+    return contents, ids
+
+
+def _plain_agent(client: OpenAI, tag: str) -> tuple[list[str], list[list[int]]]:
+    messages, contents, ids = [{"role": "user", "content": f"stream {tag}"}], [], []
+    for turn in range(2):
+        reply = client.chat.completions.create(model="m", messages=messages, max_tokens=6, logprobs=True,
+                                               extra_body={"return_token_ids": True})
+        contents.append(reply.choices[0].message.content)
+        ids.append(reply.choices[0].model_extra["token_ids"])
+        assert len(reply.choices[0].logprobs.content) == len(ids[-1])
+        messages += [reply_message(reply), {"role": "user", "content": f"and {turn}"}]
+    return contents, ids
+
+
+def test_stream_and_plain_calls_record_the_same_ids_and_assemble_the_same_messages(mesh):
+    gateway = mesh.gateway
+    results = []
+    for agent in (_stream_agent, _plain_agent):
+        episode = mesh.call(gateway.episodes.open, 1234)  # the same seed: the same samples
+        contents, ids = agent(client_of(gateway, episode), "same")
+        record = mesh.call(gateway.episodes.close, episode.key)
+        assert ids == [call.token_ids for call in record.calls]
+        results.append((contents, [(c.prompt_ids, c.token_ids, c.logprobs) for c in record.calls],
+                        len(record.segments)))
+    assert results[0] == results[1]
+    assert results[0][2] == 1
+
+
+def test_wrong_key_401_closed_episode_410_and_nothing_recorded(mesh):
+    gateway = mesh.gateway
+    with pytest.raises(openai.AuthenticationError) as unknown:
+        OpenAI(base_url=gateway.base_url, api_key="not-a-key", max_retries=0).models.list()
+    assert unknown.value.status_code == 401 and unknown.value.body["code"] == "invalid_api_key"
+    episode = mesh.call(gateway.episodes.open)
+    client = client_of(gateway, episode)
+    assert [model.id for model in client.models.list()] == [gateway.model]
+    record = mesh.call(gateway.episodes.close, episode.key)
+    requests_before = len(mesh.log)
+    with pytest.raises(openai.APIStatusError) as closed:
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "late"}], max_tokens=2)
+    assert closed.value.status_code == 410 and closed.value.body["code"] == "episode_closed"
+    assert record.calls == [] and len(mesh.log) == requests_before
+
+
+def test_a_retried_request_is_answered_from_the_record(mesh):
+    gateway = mesh.gateway
+    episode = mesh.call(gateway.episodes.open)
+    url, auth = f"{gateway.base_url}/chat/completions", {"Authorization": f"Bearer {episode.key}"}
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "retry me"}], "max_tokens": 5,
+                       "temperature": 1.0})
+    first = httpx.post(url, content=body, headers=auth, timeout=60).json()
+    again = httpx.post(url, content=body, headers={**auth, "x-stainless-retry-count": "1"}, timeout=60).json()
+    assert again["id"] == first["id"] and again["choices"] == first["choices"]
+    assert len(mesh.call(lambda: list(episode.calls))) == 1
+    httpx.post(url, content=body, headers=auth, timeout=60).raise_for_status()  # not a retry: sampled again
+    record = mesh.call(gateway.episodes.close, episode.key)
+    assert len(record.calls) == 2 and record.calls[1].parent is None
+
+
+def test_the_path_form_carries_the_key_for_clients_whose_key_is_fixed(mesh):
+    gateway = mesh.gateway
+    episode = mesh.call(gateway.episodes.open)
+    client = OpenAI(base_url=gateway.episode_url(episode), api_key="EMPTY", max_retries=0)
+    completion = client.completions.create(model="m", prompt=[1, 40, 41, 42], max_tokens=4,
+                                           extra_body={"return_token_ids": True})
+    ids = completion.choices[0].model_extra["token_ids"]
+    follow = client.completions.create(model="m", prompt=[1, 40, 41, 42, *ids, 43], max_tokens=4)
+    record = mesh.call(gateway.episodes.close, episode.key)
+    assert [len(s.calls) for s in record.segments] == [2]  # token-id prompts that extend: one segment
+    assert record.calls[1].text == follow.choices[0].text
+    check_token_exact(mesh, record)
+
+
+def test_unsupported_requests_are_400_in_openais_format(mesh):
+    gateway = mesh.gateway
+    episode = mesh.call(gateway.episodes.open)
+    client = client_of(gateway, episode)
+    messages = [{"role": "user", "content": "x"}]
+    for extra, param in [({"n": 2}, "n"), ({"response_format": {"type": "json_object"}}, "response_format"),
+                         ({"top_logprobs": 3, "logprobs": True}, "top_logprobs")]:
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(model="m", messages=messages, **extra)
+        assert refused.value.body["param"] == param and refused.value.body["type"] == "invalid_request_error"
+    with pytest.raises(openai.BadRequestError) as robot:
+        client.chat.completions.create(model="m", messages=[{"role": "robot", "content": "x"}])
+    assert robot.value.body["param"] == "messages.0.role"
+    assert mesh.call(gateway.episodes.close, episode.key).calls == []
+    # OpenAI's developer role is the system prompt.
+    episode = mesh.call(gateway.episodes.open)
+    client_of(gateway, episode).chat.completions.create(
+        model="m", max_tokens=1, messages=[{"role": "developer", "content": "dev"}, {"role": "user", "content": "u"}])
+    (call,) = mesh.call(gateway.episodes.close, episode.key).calls
+    assert mesh.tokenizer.decode(call.prompt_ids).startswith("<|im_start|>system\ndev<|im_end|>")
+
+
+def test_agent_sampling_settings_are_replaced_by_the_runs_and_counted(mesh):
+    gateway = mesh.gateway
+    mesh.call(gateway.calls.take_metrics)
+    episode = mesh.call(gateway.episodes.open)
+    client = client_of(gateway, episode)
+    client.chat.completions.create(model="m", messages=[{"role": "user", "content": "cold"}], max_tokens=3,
+                                   temperature=0.2, top_p=0.5)
+    client.chat.completions.create(model="m", messages=[{"role": "user", "content": "as run"}], max_tokens=3)
+    record = mesh.call(gateway.episodes.close, episode.key)
+    metrics = mesh.call(gateway.calls.take_metrics)
+    assert metrics["agent/sampling_overrides"] == 1 and metrics["agent/calls"] == 2
+    (request,) = mesh.requests_of([record.calls[0].prompt_ids])
+    assert (request.params.temperature, request.params.top_p) == (1.0, 1.0)
+
+
+def test_the_config_can_let_agents_choose_their_sampling(mesh):
+    gateway = mesh.gateway_with("agent.gateway.honour_agent_sampling=true")
+    episode = mesh.call(gateway.episodes.open)
+    client_of(gateway, episode).chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "honoured"}], max_tokens=2, temperature=0.25)
+    (call,) = mesh.call(gateway.episodes.close, episode.key).calls
+    (request,) = mesh.requests_of([call.prompt_ids])
+    assert request.params.temperature == 0.25
+
+
+def test_limits_per_episode_and_in_flight(mesh):
+    gateway = mesh.gateway_with("agent.gateway.max_calls_per_episode=2", "agent.gateway.max_tokens_per_episode=7")
+    episode = mesh.call(gateway.episodes.open)
+    client = client_of(gateway, episode)
+    ask = dict(model="m", messages=[{"role": "user", "content": "limits"}], max_tokens=5)
+    first = client.chat.completions.create(**ask)
+    second = client.chat.completions.create(**{**ask, "messages": [{"role": "user", "content": "two"}]})
+    assert first.usage.completion_tokens <= 5 and second.usage.completion_tokens <= 7 - first.usage.completion_tokens
+    with pytest.raises(openai.BadRequestError) as third:
+        client.chat.completions.create(**ask)
+    assert third.value.body["code"] in ("episode_call_limit", "episode_token_limit")
+    # Timed out: 410, and the record says so.
+    mesh.call(setattr, episode, "deadline", 0.0)
+    with pytest.raises(openai.APIStatusError) as late:
+        client.chat.completions.create(**ask)
+    assert late.value.status_code == 410 and late.value.body["code"] == "episode_timed_out"
+    assert mesh.call(gateway.episodes.close, episode.key).status == "timed_out"
+
+
+class GatedGenerator(RouterGenerator):
+    """The router's generator, held at a gate: calls stay in flight until the test opens it."""
+
+    def __init__(self, router):
+        super().__init__(router)
+        self.gate = threading.Event()
+
+    async def generate(self, prompt_ids, params, routing_key):
+        await asyncio.to_thread(self.gate.wait, 60)
+        return await super().generate(prompt_ids, params, routing_key)
+
+
+def test_calls_past_the_in_flight_limit_get_429_and_the_sdk_retries_them(mesh):
+    generator = GatedGenerator(mesh.router)
+    gateway = mesh.gateway_with("agent.gateway.max_inflight_calls=1", "agent.gateway.retry_after_ms=50",
+                                generator=generator)
+    episodes = [mesh.call(gateway.episodes.open) for _ in range(2)]
+    held = threading.Thread(target=lambda: client_of(gateway, episodes[0]).chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "held"}], max_tokens=2))
+    held.start()
+    wait_until(lambda: gateway.calls.inflight == 1, 30, "the first call in flight")
+    url = f"{gateway.base_url}/chat/completions"
+    refused = httpx.post(url, json={"model": "m", "messages": [{"role": "user", "content": "x"}]},
+                         headers={"Authorization": f"Bearer {episodes[1].key}"}, timeout=30)
+    assert refused.status_code == 429 and refused.headers["retry-after-ms"] == "50"
+    assert refused.json()["error"]["code"] == "rate_limit_exceeded"
+    # The SDK waits retry-after-ms and retries; the gate opens once it has been refused once more.
+    retried = threading.Thread(target=lambda: OpenAI(base_url=gateway.base_url, api_key=episodes[1].key,
+                                                     max_retries=50).chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "retried"}], max_tokens=2))
+    retried.start()
+    wait_until(lambda: gateway.calls.counts["rejected/429"] >= 2, 30, "the SDK's call refused")
+    generator.gate.set()
+    held.join(60)
+    retried.join(60)
+    records = [mesh.call(gateway.episodes.close, episode.key) for episode in episodes]
+    assert [len(record.calls) for record in records] == [1, 1]
+
+
+@pytest.mark.slow  # ~30 s here: 512 calls through 256 SDK clients
+def test_256_concurrent_episodes_each_record_only_their_own_calls(mesh):
+    gateway = mesh.gateway
+    episodes = [mesh.call(gateway.episodes.open) for _ in range(256)]
+
+    async def agent(http: httpx.AsyncClient, index: int, key: str) -> None:
+        client = AsyncOpenAI(base_url=gateway.base_url, api_key=key, http_client=http, max_retries=0)
+        messages = [{"role": "user", "content": f"episode {index}"}]
+        for _ in range(2):
+            reply = await client.chat.completions.create(model="m", messages=messages, max_tokens=3)
+            messages += [reply.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "more"}]
+
+    async def all_agents() -> None:
+        async with httpx.AsyncClient(limits=httpx.Limits(max_connections=300), timeout=120) as http:
+            await asyncio.gather(*(agent(http, i, e.key) for i, e in enumerate(episodes)))
+
+    asyncio.run(all_agents())
+    for index, episode in enumerate(episodes):
+        record = mesh.call(gateway.episodes.close, episode.key)
+        assert len(record.calls) == 2 and len(record.segments) == 1
+        assert f"episode {index}<" in mesh.tokenizer.decode(record.segments[0].prompt_ids)
+    assert mesh.call(len, gateway.episodes) == 0
