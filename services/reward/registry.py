@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from rlfabric.core.config import import_named_modules
 from rlfabric.reward import arithmetic, find_vowel, gsm8k, hellaswag, math_equiv
 
 Scorer = Callable[..., Any]
@@ -49,6 +48,10 @@ def register_scorer(data_source: str, fn: Scorer, replace: bool = False) -> None
 def load_scorer_modules(modules: list[str]) -> None:
     """Imports each of reward.scorer_modules, so its register_scorer calls run (again: a no-op); ConfigError
     naming the key and the module when one cannot be imported."""
+    # Imported here: the sandboxed scorer imports this package, and the config's models (pydantic) would
+    # double its address space, which RLIMIT_AS (reward.custom_sandbox) counts against the user's function.
+    from rlfabric.core.config import import_named_modules
+
     import_named_modules("reward.scorer_modules", modules)
 
 
