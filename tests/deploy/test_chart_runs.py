@@ -333,8 +333,11 @@ def test_a_multi_turn_run_calls_the_charts_environment_service(run_on_a_two_node
     metrics_file = workdir / "volumes" / f"pvc-{RELEASE}-rlfabric-data" / "runs" / RELEASE / "metrics.jsonl"
     steps = [json.loads(line) for line in metrics_file.read_text().splitlines()]
     assert len(steps) == 2
-    for step in steps:  # every sample's turns reached the environment, whose Steps answered
-        assert step["agent/env_failed/count"] == 0 and step["agent/env_seconds/max"] > 0, step
+    # Every sample opened its session on the environment (a Reset that fails marks it env_failed) and took a
+    # turn. Its Step calls follow only turns the model ends by itself, which the random tiny model may not do in
+    # 24 tokens on any one step: agent/env_seconds (Step time) can be 0 in a step that reached the environment.
+    for step in steps:
+        assert step["agent/env_failed/count"] == 0 and step["agent/turns/mean"] >= 1, step
 
 
 def test_a_two_node_resource_pool_runs_with_its_pods_apart(run_on_a_two_node_pool):
