@@ -1,0 +1,41 @@
+"""The subprocess runner's program: one episode of an entrypoint in a process of its own.
+
+    python -m rlfabric.agents.host path/to/agent.py:run  < task.json
+
+The task comes as JSON on stdin, the model from OPENAI_BASE_URL, OPENAI_API_KEY and OPENAI_MODEL. Whatever the
+agent prints goes to stderr; stdout carries only its result, as one line of JSON. A failure exits non-zero with
+the error on stderr.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import sys
+
+from rlfabric.agents.entrypoint import load_entrypoint
+from rlfabric.agents.runners import LLM
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print("usage: python -m rlfabric.agents.host ENTRYPOINT < task.json", file=sys.stderr)
+        return 2
+    task = json.load(sys.stdin)
+    llm = LLM(os.environ["OPENAI_BASE_URL"], os.environ["OPENAI_API_KEY"], os.environ.get("OPENAI_MODEL", ""))
+    with contextlib.redirect_stdout(sys.stderr):  # the agent's prints must not pass for its result
+        run = load_entrypoint(argv[0])
+        result = asyncio.run(run(task, llm))
+    try:
+        line = json.dumps(result)
+    except (TypeError, ValueError) as error:
+        print(f"the agent returned a {type(result).__name__} that is not JSON: {error}", file=sys.stderr)
+        return 3
+    sys.stdout.write(line + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
