@@ -47,20 +47,20 @@ async def run(task: dict, llm=None) -> dict:
     """One episode: the model's final answer, for the reward service to score."""
     # rlfabric's subprocess and command runners set OPENAI_BASE_URL and OPENAI_API_KEY (the episode's key), so a
     # plain AsyncOpenAI() works there; the inline runner runs many episodes in one process and hands them in llm.
-    client = AsyncOpenAI(base_url=llm.base_url, api_key=llm.api_key) if llm else AsyncOpenAI()
     model = llm.model if llm else os.environ.get("OPENAI_MODEL", "policy")
     table = lookup_table(task)
     messages = list(task["messages"])
     tool_calls = 0
-    for _ in range(MAX_TURNS):
-        reply = await client.chat.completions.create(model=model, messages=messages, tools=TOOLS)
-        message = reply.choices[0].message
-        if not message.tool_calls:
-            return {"answer": message.content or "", "metrics": {"tool_calls": tool_calls}}
-        messages.append(message.model_dump(exclude_none=True))
-        for call in message.tool_calls:
-            tool_calls += 1
-            messages.append({"role": "tool", "tool_call_id": call.id, "content": run_tool(table, call)})
+    async with AsyncOpenAI(base_url=llm.base_url, api_key=llm.api_key) if llm else AsyncOpenAI() as client:
+        for _ in range(MAX_TURNS):
+            reply = await client.chat.completions.create(model=model, messages=messages, tools=TOOLS)
+            message = reply.choices[0].message
+            if not message.tool_calls:
+                return {"answer": message.content or "", "metrics": {"tool_calls": tool_calls}}
+            messages.append(message.model_dump(exclude_none=True))
+            for call in message.tool_calls:
+                tool_calls += 1
+                messages.append({"role": "tool", "tool_call_id": call.id, "content": run_tool(table, call)})
     return {"answer": "", "metrics": {"tool_calls": tool_calls}}
 
 

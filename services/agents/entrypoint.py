@@ -26,8 +26,15 @@ def check_entrypoint(entrypoint: str) -> None:
     if where.endswith(".py"):
         if not Path(where).is_file():
             raise ConfigError(f"agent.entrypoint {entrypoint!r}: no file {Path(where).resolve()}")
-    elif importlib.util.find_spec(where) is None:
+    elif _find_spec(where) is None:
         raise ConfigError(f"agent.entrypoint {entrypoint!r}: no module {where!r} on the path")
+
+
+def _find_spec(module: str):
+    try:
+        return importlib.util.find_spec(module)
+    except ModuleNotFoundError:  # its package is missing
+        return None
 
 
 def load_entrypoint(entrypoint: str) -> Callable:

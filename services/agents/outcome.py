@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 RAISED, TIMEOUT, GARBAGE, EXITED = "raised", "timeout", "garbage", "exited"
+AGENT_FAILED_STATUS = "agent_failed"  # the reward ItemResult status of an episode whose agent failed
 
 
 class AgentFailed(Exception):
@@ -40,7 +41,7 @@ def parse_outcome(value: Any) -> AgentOutcome:
     """The outcome an agent returned; AgentFailed("garbage") for anything but a reward, an answer or such a dict."""
     if isinstance(value, str):
         return AgentOutcome(answer=value)
-    if _is_number(value):
+    if _a_number(value):
         return AgentOutcome(reward=_reward(value))
     if not isinstance(value, dict):
         raise AgentFailed(GARBAGE, f"the agent returned {_shown(value)}: return a reward (a number), an answer "
@@ -48,17 +49,17 @@ def parse_outcome(value: Any) -> AgentOutcome:
     reward, answer, metrics = value.get("reward"), value.get("answer"), value.get("metrics") or {}
     if reward is None and answer is None:
         raise AgentFailed(GARBAGE, f"the agent returned a dict with neither reward nor answer: {_shown(value)}")
-    if reward is not None and not _is_number(reward):
+    if reward is not None and not _a_number(reward):
         raise AgentFailed(GARBAGE, f"the agent's reward is {_shown(reward)}, not a number")
     if answer is not None and not isinstance(answer, str):
         raise AgentFailed(GARBAGE, f"the agent's answer is {_shown(answer)}, not a string")
-    if not isinstance(metrics, dict) or not all(isinstance(k, str) and _is_number(v) for k, v in metrics.items()):
+    if not isinstance(metrics, dict) or not all(isinstance(k, str) and _a_number(v) for k, v in metrics.items()):
         raise AgentFailed(GARBAGE, f"the agent's metrics are {_shown(metrics)}, not names to numbers")
     return AgentOutcome(None if reward is None else _reward(reward), answer,
                         {name: float(number) for name, number in metrics.items()})
 
 
-def _is_number(value: Any) -> bool:
+def _a_number(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 

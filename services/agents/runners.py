@@ -102,5 +102,7 @@ def runner_of(settings: AgentConfig) -> AgentRunner:
         return InlineRunner(settings.entrypoint)
     if settings.runner == "subprocess":
         check_entrypoint(settings.entrypoint)
-        return ProcessRunner([sys.executable, "-m", "rlfabric.agents.host", settings.entrypoint], settings.working_dir)
+        private_tmp = ["--private-tmp"] if settings.private_tmp else []
+        return ProcessRunner([sys.executable, "-m", "rlfabric.agents.host", *private_tmp, settings.entrypoint],
+                             settings.working_dir)
     return ProcessRunner(list(settings.command), settings.working_dir)

@@ -27,7 +27,7 @@ from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from rlfabric.agents.outcome import RAISED, TIMEOUT, AgentFailed, AgentOutcome
+from rlfabric.agents.outcome import AGENT_FAILED_STATUS, RAISED, TIMEOUT, AgentFailed, AgentOutcome
 from rlfabric.agents.runners import LLM, AgentRunner
 from rlfabric.core.config import RunConfig
 from rlfabric.data.dataset import PromptRow
@@ -35,13 +35,13 @@ from rlfabric.reward.items import ItemResult, ScoreItem, failed
 from rlfabric.rollout.types import FinishedSample, SamplingSpec, row_seed
 
 if TYPE_CHECKING:
-    from rlfabric.coordinator.sampler import ScoredPrompt
     from rlfabric.gateway.server import Gateway
 
 log = logging.getLogger("rlfabric.coordinator.agents")
 
-AGENT_FAILED_STATUS = "agent_failed"  # the ItemResult status of an episode whose agent failed
 Score = Callable[[list[ScoreItem]], Awaitable[list[ItemResult]]]
+# A prompt's episodes: (prompt index, their segments, their results by sample index), as sampler.ScoredPrompt.
+ScoredEpisodes = tuple[int, list[FinishedSample], dict[int, ItemResult]]
 
 
 def agent_task(row: PromptRow) -> dict[str, Any]:
@@ -67,7 +67,7 @@ class AgentEpisodes:
 
     async def generate_and_score(self, rows: list[PromptRow], params: SamplingSpec,
                                  on_sample: Callable[[FinishedSample], None] | None = None,
-                                 ) -> AsyncIterator[list[ScoredPrompt]]:
+                                 ) -> AsyncIterator[list[ScoredEpisodes]]:
         """params.n episodes of each row: yields each prompt as (prompt index, its episodes' segments, their
         results by sample index) once all its episodes are scored, in the order they finish."""
         prompts = [asyncio.create_task(self._prompt(index, row, params)) for index, row in enumerate(rows)]
@@ -83,7 +83,7 @@ class AgentEpisodes:
                 task.cancel()
             await asyncio.gather(*prompts, return_exceptions=True)
 
-    async def _prompt(self, index: int, row: PromptRow, params: SamplingSpec) -> ScoredPrompt:
+    async def _prompt(self, index: int, row: PromptRow, params: SamplingSpec) -> ScoredEpisodes:
         episodes = await asyncio.gather(*(self._episode(index, sample, row, params) for sample in range(params.n)))
         results: dict[int, ItemResult] = {}
         to_score: list[tuple[int, str]] = []

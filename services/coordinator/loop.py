@@ -163,7 +163,7 @@ class StepRunner:
         with algorithm.old_log_prob_source=rollout they are the rollout's."""
         peers, temperature, tensors = self.peers, self.config.rollout.temperature or 1.0, batch.tensors
         calls = {}
-        if self._old_log_prob_forward():
+        if self._old_log_prob_forward(batch):
             calls["old_log_prob"] = peers.actor.compute_log_probs(tensors, temperature, compute_entropy=False)
         if peers.reference is not None:
             calls["ref"] = peers.reference.compute_log_probs(tensors, temperature)
@@ -223,7 +223,7 @@ class StepRunner:
         """rollout_corr/* metrics whenever the step has the rollout's log-probs and separate old ones, and
         with algorithm.rollout_correction on: batch.rollout_is_weights and rejected tokens out of
         batch.train_mask; perf/old_log_prob_forward: 1 when the old-log-prob forward pass ran."""
-        forward = float(self._old_log_prob_forward())
+        forward = float(self._old_log_prob_forward(batch))
         if batch.rollout_log_probs is None or batch.old_log_probs is None or not forward:
             return {"perf/old_log_prob_forward": forward}
         settings = self.config.algorithm.rollout_correction
@@ -245,7 +245,9 @@ class StepRunner:
             policy_batch["ref_log_probs"] = batch.ref_log_probs
         if batch.rollout_is_weights is not None:
             policy_batch["rollout_is_weights"] = batch.rollout_is_weights
-        updates = [self.peers.actor.update_policy(policy_batch, global_step=step)]
+        # Agent episodes: as many rows as segments, padded (mask 0) to whole mini-batches for the actor.
+        updates = [self.peers.actor.update_policy(padded_rows(policy_batch, self.actor_mini_batch_rows),
+                                                  global_step=step)]
         if self.peers.critic is not None:
             updates.append(self.peers.critic.update_values(
                 {**tensors, "values": batch.values, "returns": batch.returns}, global_step=step))
@@ -302,7 +304,7 @@ class StepRunner:
             log.warning("%s (%s)", failed, kept)
         if not taken.samples:  # agent episodes that recorded no call: no batch to dump
             check_failed_fraction(step, failures, self.config.algorithm.max_failed_fraction)
-        batch = self.sampler.scored_batch(taken, self.pad_token_id)
+        batch = self.sampler.scored_batch(taken.rows, taken.samples, taken.results, self.pad_token_id)
         self._check_failed_fraction(step, batch, failures)
         return batch
 
@@ -316,15 +318,14 @@ class StepRunner:
                 write_rollouts(self.run_dir, step, batch, self.config.trainer.dump_rollout_tokens)
             raise
 
-    def _old_log_prob_forward(self) -> bool:
+    def _old_log_prob_forward(self, batch: RolloutBatch) -> bool:
         """Whether the old log-probs take a separate actor forward pass (algorithm.old_log_prob_source).
         auto skips it when the actor's update is a single optimizer step (one mini-batch, one epoch) and
         nothing reads them before it: no KL in the reward, no rollout correction."""
         config, algorithm = self.config, self.config.algorithm
         if algorithm.old_log_prob_source != "auto":
             return algorithm.old_log_prob_source == "actor"
-        rows = config.data.train_batch_size * config.rollout.n
-        one_step = config.actor.ppo_epochs == 1 and rows <= self.actor_mini_batch_rows
+        one_step = config.actor.ppo_epochs == 1 and batch.num_rows <= self.actor_mini_batch_rows
         return not one_step or algorithm.use_kl_in_reward or algorithm.rollout_correction.enabled()
 
 
@@ -344,6 +345,20 @@ def kl_controller(config: RunConfig):
     if algorithm.kl_ctrl_type == "adaptive":
         return algos.AdaptiveKLController(algorithm.kl_coef, algorithm.kl_target, algorithm.kl_horizon)
     return algos.FixedKLController(algorithm.kl_coef)
+
+
+def padded_rows(tensors: dict[str, torch.Tensor], multiple: int) -> dict[str, torch.Tensor]:
+    """The batch (tensors [B, ...]) with copies of its first row added, their response mask 0 (no loss sees
+    them), up to a multiple of `multiple` rows: agent batches have a row per segment, and the actor's updates
+    take whole mini-batches. The batch itself when it has such a count already."""
+    rows = len(tensors["response_mask"])
+    extra = -rows % multiple
+    if not extra:
+        return tensors
+    index = torch.cat([torch.arange(rows), torch.zeros(extra, dtype=torch.int64)])  # [B + extra]
+    padded = {name: tensor[index] for name, tensor in tensors.items()}
+    padded["response_mask"][rows:] = 0
+    return padded
 
 
 def leave_out(failed: torch.Tensor, mask: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

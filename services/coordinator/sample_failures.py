@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from rlfabric.coordinator.agent_episodes import AGENT_FAILED_STATUS
+from rlfabric.agents.outcome import AGENT_FAILED_STATUS
 from rlfabric.coordinator.multi_turn import ENV_FAILED_STATUS
 from rlfabric.core.errors import FailedPrecondition
 from rlfabric.reward.items import ItemResult, short_message

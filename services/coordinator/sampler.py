@@ -36,7 +36,6 @@ from rlfabric.rollout.types import FinishedSample, SamplingSpec
 
 if TYPE_CHECKING:
     from rlfabric.coordinator.agent_episodes import AgentEpisodes
-    from rlfabric.coordinator.rollout_stream import TakenGroups
 
 SCORE_CHUNK = 64  # samples per Score request while generation is still streaming
 
@@ -168,21 +167,23 @@ class Sampler:
                 task.cancel()
             await asyncio.gather(generating, *scoring, return_exceptions=True)
 
-    def scored_batch(self, taken: TakenGroups, pad_token_id: int) -> RolloutBatch:
-        """The groups a step took as its RolloutBatch, with their scores (failed samples: score_failed, and why).
-        Agent episodes: a row per segment, each episode's result on all of its rows (build_episode_batch)."""
+    def scored_batch(self, rows: list[PromptRow], samples: list[FinishedSample],
+                     results: dict[tuple[int, int], ItemResult], pad_token_id: int) -> RolloutBatch:
+        """The groups a step took (rollout_stream.TakenGroups: its rows, samples and their results by (prompt,
+        sample)) as its RolloutBatch, with their scores (failed samples: score_failed, and why). Agent episodes:
+        a row per segment, each episode's result on all of its rows (build_episode_batch)."""
         n = self.config.rollout.n
         build = build_episode_batch if self.agents is not None else build_rollout_batch
-        batch = build(taken.rows, taken.samples, n, pad_token_id)
-        results = [taken.results[(s.prompt_index, s.sample_index)] for s in batch.samples]
-        batch.scores = torch.tensor([result.score for result in results])
-        batch.score_failed = torch.tensor([not result.ok for result in results], dtype=torch.bool)
-        batch.failures = [failure_of(result) for result in results]
-        for result in results:
+        batch = build(rows, samples, n, pad_token_id)
+        row_results = [results[(s.prompt_index, s.sample_index)] for s in batch.samples]
+        batch.scores = torch.tensor([result.score for result in row_results])
+        batch.score_failed = torch.tensor([not result.ok for result in row_results], dtype=torch.bool)
+        batch.failures = [failure_of(result) for result in row_results]
+        for result in row_results:
             for name, value in result.metrics.items():
                 batch.reward_extra_info.setdefault(name, []).append(value)
         if batch.episode_ids is not None:
-            episodes = [taken.results[(p, i)] for p in range(len(taken.rows)) for i in range(n)]
+            episodes = [results[(p, i)] for p in range(len(rows)) for i in range(n)]
             batch.episode_scores = torch.tensor([result.score for result in episodes], dtype=torch.float32)
             batch.episode_failed = torch.tensor([not result.ok for result in episodes], dtype=torch.bool)
         return batch

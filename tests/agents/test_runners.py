@@ -29,7 +29,7 @@ def test_an_agent_returns_a_reward_an_answer_or_a_dict_of_them(value, outcome):
 
 
 @pytest.mark.parametrize("value, says", [
-    (None, "returned None"), (True, "returned True"), ([1], "returned [1]"), ({"score": 1}, "neither"),
+    (None, "returned None"), (True, "returned True"), ([1], "returned \\[1\\]"), ({"score": 1}, "neither"),
     ({"reward": "high"}, "not a number"), ({"answer": 7}, "not a string"), (float("nan"), "not a finite"),
     ({"reward": 1, "metrics": {"x": "y"}}, "metrics"),
 ])
@@ -122,3 +122,17 @@ def test_an_agent_run_needs_an_outcome_estimator_and_no_environment_loop():
                             (["agent.runner=command", agent], "set agent.command")]:
         with pytest.raises(ConfigError, match=says):
             load_config(None, overrides)
+
+
+def test_a_subprocess_agent_has_a_tmp_and_dev_shm_of_its_own(tmp_path):
+    marker = f"rlfabric-agent-{os.getpid()}-{tmp_path.name}"
+    (tmp_path / "agent.py").write_text(
+        "import os\n"
+        "async def run(task, llm):\n"
+        f"    for folder in ('/tmp', '/dev/shm'):\n"
+        f"        open(os.path.join(folder, {marker!r}), 'w').write('x')\n"
+        "    return {'reward': float(len(os.listdir('/tmp')) + len(os.listdir('/dev/shm')))}\n")
+    config = load_config(None, ["agent.runner=subprocess", f"agent.entrypoint={tmp_path}/agent.py:run"])
+    outcome = asyncio.run(runner_of(config.agent).run({}, LLM_HERE))
+    assert outcome.reward == 2.0  # its own two files, nothing of this host's
+    assert not os.path.exists(f"/tmp/{marker}") and not os.path.exists(f"/dev/shm/{marker}")

@@ -67,13 +67,13 @@ async def run(task, llm):
         await asyncio.sleep(3600)
     if kind == "garbage":
         return ["not", "a", "reward"]
-    client = AsyncOpenAI(base_url=llm.base_url, api_key=llm.api_key, max_retries=0)
-    messages = list(task["messages"])
-    first = await client.chat.completions.create(model=llm.model, messages=messages, max_tokens=4)
-    messages += [first.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "more"}]
-    second = await client.chat.completions.create(model=llm.model, messages=messages, max_tokens=4)  # extends
-    summary = [{"role": "user", "content": "summary: " + (second.choices[0].message.content or "")}]
-    third = await client.chat.completions.create(model=llm.model, messages=summary, max_tokens=4)  # rewritten
+    async with AsyncOpenAI(base_url=llm.base_url, api_key=llm.api_key, max_retries=0) as client:
+        messages = list(task["messages"])
+        first = await client.chat.completions.create(model=llm.model, messages=messages, max_tokens=4)
+        messages += [first.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "more"}]
+        second = await client.chat.completions.create(model=llm.model, messages=messages, max_tokens=4)  # extends
+        summary = [{"role": "user", "content": "summary: " + (second.choices[0].message.content or "")}]
+        third = await client.chat.completions.create(model=llm.model, messages=summary, max_tokens=4)  # rewritten
     return {"answer": third.choices[0].message.content or "", "metrics": {"calls": 3}}
 '''
 

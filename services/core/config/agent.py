@@ -66,6 +66,9 @@ class AgentConfig(Section):
     """The command line of runner command (e.g. [node, agent.js]); run in agent.working_dir."""
     working_dir: str = ""
     """The working directory of subprocess and command agents; empty = the coordinator's."""
+    private_tmp: bool = True
+    """Subprocess agents get empty /tmp, /var/tmp and /dev/shm of their own (a mount namespace; tmpfs gone with
+    the process), so episodes never see each other's files. Command agents run unconfined (for now)."""
     max_concurrent_episodes: int = Field(256, ge=1)
     """Most episodes running at once (with subprocess and command: processes); the others wait their turn.
     agent.gateway.max_concurrent_episodes bounds it too."""
