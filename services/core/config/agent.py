@@ -53,7 +53,7 @@ class AgentConfig(Section):
     """The OpenAI-compatible endpoint agent code calls (its base URL and a per-episode key)."""
     entrypoint: str = ""
     """The agent the run trains: `path/to/agent.py:run` or `package.module:run`, an `async def run(task, llm)`.
-    task: the row's prompt `messages` and public fields (data_source, extra_info, index; never the ground truth);
+    task: the row's prompt `messages` and public fields (data_source, ability, uid, extra_info; never the ground truth);
     llm: `base_url`, `api_key` (the episode's key) and `model`. It returns a reward (a number), a dict with
     reward and/or answer (and metrics), or an answer (a string) the reward service scores by the row's
     data_source. Each (prompt, sample) is one episode; the gateway starts with the run. Empty = no agent."""
