@@ -50,8 +50,18 @@ def agent_task(row: PromptRow) -> dict[str, Any]:
             "ability": row.ability, "uid": row.uid, "extra_info": json.loads(row.extra_info_json or "{}")}
 
 
+def concurrent_episodes(config: RunConfig) -> int:
+    """How many episodes run at once: agent.max_concurrent_episodes, at most what the gateway opens and, as an
+    episode has one call in flight at a time, what the replicas admit (rollout.max_pending_requests each):
+    calls past that would be 429s, which the SDKs retry only twice before the agent sees an error."""
+    bounds = [config.agent.max_concurrent_episodes, config.agent.gateway.max_concurrent_episodes]
+    if config.rollout.max_pending_requests:
+        bounds.append(config.rollout.max_pending_requests * config.rollout.replicas)
+    return min(bounds)
+
+
 class AgentEpisodes:
-    """Runs the agent once per (prompt, sample) through `gateway`, at most agent.max_concurrent_episodes at once;
+    """Runs the agent once per (prompt, sample) through `gateway`, at most concurrent_episodes(config) at once;
     counts what agent/episodes, agent/segments and agent/failed/<reason> report."""
 
     def __init__(self, config: RunConfig, gateway: Gateway, runner: AgentRunner, score: Score):
@@ -60,8 +70,7 @@ class AgentEpisodes:
         self.runner = runner
         self.score = score
         self.timeout_s = config.agent.timeout_s
-        self.slots = asyncio.Semaphore(min(config.agent.max_concurrent_episodes,
-                                           config.agent.gateway.max_concurrent_episodes))
+        self.slots = asyncio.Semaphore(concurrent_episodes(config))
         self.counts: Counter[str] = Counter()
         self.seconds: list[float] = []
 

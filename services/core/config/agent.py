@@ -71,7 +71,8 @@ class AgentConfig(Section):
     the process), so episodes never see each other's files. Command agents run unconfined (for now)."""
     max_concurrent_episodes: int = Field(256, ge=1)
     """Most episodes running at once (with subprocess and command: processes); the others wait their turn.
-    agent.gateway.max_concurrent_episodes bounds it too."""
+    agent.gateway.max_concurrent_episodes and what the replicas admit (rollout.max_pending_requests x
+    rollout.replicas: an episode has one call in flight at a time) bound it too."""
     timeout_s: float = Field(600.0, gt=0)
     """An episode running longer is cancelled (its process killed) and marked failed: masked, counted in
     agent/failed/timeout, and the run goes on."""
