@@ -21,7 +21,7 @@ import os
 import sys
 
 from rlfabric.agents.entrypoint import load_entrypoint
-from rlfabric.agents.runners import LLM
+from rlfabric.agents.llm import LLM
 from rlfabric.sandbox.confine import enter_namespaces
 
 # The sandbox settings enter_namespaces reads: temp dirs of its own; the network stays (it must reach the gateway).

@@ -15,32 +15,14 @@ import asyncio
 import json
 import os
 import sys
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from rlfabric.agents.entrypoint import check_entrypoint, load_entrypoint
+from rlfabric.agents.llm import LLM, AgentRunner
 from rlfabric.agents.outcome import EXITED, GARBAGE, RAISED, AgentFailed, AgentOutcome, parse_outcome
 from rlfabric.core.config.agent import AgentConfig
 
 STDERR_KEPT = 600  # characters of a failed process's stderr its failure message keeps (the end)
-
-
-@dataclass(frozen=True)
-class LLM:
-    """The model an episode's agent calls: an OpenAI-compatible base URL, the episode's key, the model name."""
-
-    base_url: str
-    api_key: str
-    model: str
-
-    def env(self) -> dict[str, str]:
-        """The variables a plain `AsyncOpenAI()` reads (and OPENAI_MODEL, the name to ask for)."""
-        return {"OPENAI_BASE_URL": self.base_url, "OPENAI_API_KEY": self.api_key, "OPENAI_MODEL": self.model}
-
-
-class AgentRunner(Protocol):
-    async def run(self, task: dict[str, Any], llm: LLM) -> AgentOutcome:
-        """One episode of the agent on `task`."""
 
 
 class InlineRunner:
@@ -100,6 +82,10 @@ def runner_of(settings: AgentConfig) -> AgentRunner:
     """agent.runner's runner; ConfigError (naming the key) when its entrypoint or command cannot run."""
     if settings.runner == "inline":
         return InlineRunner(settings.entrypoint)
+    if settings.runner == "service":
+        from rlfabric.agents.service import ServiceRunner  # gRPC stubs: only runs that ask a host need them
+
+        return ServiceRunner(settings.address, settings.timeout_s)
     if settings.runner == "subprocess":
         check_entrypoint(settings.entrypoint)
         private_tmp = ["--private-tmp"] if settings.private_tmp else []

@@ -27,8 +27,8 @@ from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
+from rlfabric.agents.llm import LLM, AgentRunner
 from rlfabric.agents.outcome import AGENT_FAILED_STATUS, RAISED, TIMEOUT, AgentFailed, AgentOutcome
-from rlfabric.agents.runners import LLM, AgentRunner
 from rlfabric.core.config import RunConfig
 from rlfabric.data.dataset import PromptRow
 from rlfabric.reward.items import ItemResult, ScoreItem, failed

@@ -18,7 +18,8 @@ from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
 
-from rlfabric.agents.runners import AgentRunner, runner_of
+from rlfabric.agents.llm import AgentRunner
+from rlfabric.agents.runners import runner_of
 from rlfabric.coordinator.agent_episodes import AgentEpisodes
 from rlfabric.coordinator.driver import PPODriver, RunHooks
 from rlfabric.coordinator.peers import Peers

@@ -10,8 +10,9 @@ import sys
 import pytest
 
 from rlfabric.agents.entrypoint import load_entrypoint
+from rlfabric.agents.llm import LLM
 from rlfabric.agents.outcome import AgentFailed, AgentOutcome, parse_outcome
-from rlfabric.agents.runners import LLM, InlineRunner, ProcessRunner, runner_of
+from rlfabric.agents.runners import InlineRunner, ProcessRunner, runner_of
 from rlfabric.core.config import AgentConfig, ConfigError, load_config
 
 LLM_HERE = LLM("http://127.0.0.1:9/v1", "rlf-ep-test", "policy")

@@ -124,7 +124,7 @@ class RunConfig(Section):
         """An agent run's episodes have one reward each, shared by their segments: an outcome estimator."""
         if not self.agent.runs_agents():
             return self
-        key = "agent.command" if self.agent.runner == "command" else "agent.entrypoint"
+        key = {"command": "agent.command", "service": "agent.address"}.get(self.agent.runner, "agent.entrypoint")
         if self.algorithm.adv_estimator not in AGENT_ESTIMATORS:
             raise ValueError(f"{key} with algorithm.adv_estimator {self.algorithm.adv_estimator}: an episode's "
                              f"reward is shared by its segments, which needs an outcome estimator "
