@@ -18,7 +18,8 @@ FLOORS = [
     {"reward"},
     {"env", "trainer"},  # the environment service; the trainer the three model roles share
     {"actor", "critic", "reference", "rollout"},  # the roles
-    {"data", "gateway"},  # gateway: the OpenAI-compatible endpoint agents call, over the rollout router
+    {"data", "gateway", "agents"},  # gateway: the OpenAI-compatible endpoint agents call, over the rollout router;
+    #                                 agents: the user's agent code, run per episode (inline, subprocess, command)
     {"coordinator"},
     {"serve"},
     {"quickstart"},

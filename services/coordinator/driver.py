@@ -44,6 +44,7 @@ from rlfabric.core.start_phases import StartPhases
 from rlfabric.data.dataset import DataCursor, RLHFDataset
 
 if TYPE_CHECKING:
+    from rlfabric.coordinator.agent_episodes import AgentEpisodes
     from rlfabric.gateway.server import Gateway
 
 log = logging.getLogger("rlfabric.coordinator")
@@ -85,9 +86,10 @@ class PPODriver:
     def __init__(self, config: RunConfig, peers: Peers, tokenizer, run_dir: Path, train_data: RLHFDataset,
                  val_data: RLHFDataset | None, weight_sync: WeightSync, hooks: RunHooks | None = None,
                  start_phases: StartPhases | None = None, actor_mini_batch_rows: int | None = None,
-                 gateway: Gateway | None = None):
+                 gateway: Gateway | None = None, agents: AgentEpisodes | None = None):
         self.config = config
         self.gateway = gateway  # agent.gateway: the OpenAI endpoint agent episodes call (None when off)
+        self.agents = agents  # agent.entrypoint: the agent's episodes are the samples (None: the rollout's)
         self.peers = peers
         self.run_dir = run_dir
         self.run_id = run_dir.name
@@ -95,7 +97,7 @@ class PPODriver:
         self.val_data = val_data
         self.weight_sync = weight_sync
         self.hooks = hooks or NoHooks()
-        self.sampler = Sampler(config, peers)  # generates and scores; holds the weight versions
+        self.sampler = Sampler(config, peers, agents=agents)  # generates and scores; holds the weight versions
         self.versions = self.sampler.versions
         pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.steps = StepRunner(config, peers, self.sampler, weight_sync, pad_token_id, run_dir,
@@ -230,7 +232,7 @@ class PPODriver:
             self._first_sync = await self.steps.sync_weights(self.versions.after(self.step))
         if self.config.trainer.val_before_train and self.step == 0:
             with phases.phase("validate"):
-                self.hooks.on_metrics(0, await self._validate(), "")
+                self.hooks.on_metrics(0, {**await self._validate(), **self._agent_metrics()}, "")
 
     def _finish_start(self) -> None:
         """The first Generate goes out next: the start's total, logged and in RUN_DIR/run_start.json."""
@@ -273,8 +275,7 @@ class PPODriver:
                 stream.trained(step)  # generation may run one step further ahead
                 if trainer.test_freq and (step % trainer.test_freq == 0 or step == trainer.total_steps):
                     metrics.update(await self._validate())
-                if self.gateway is not None:  # agent/*: the gateway's calls since the step before
-                    metrics.update(self.gateway.calls.take_metrics())
+                metrics.update(self._agent_metrics())
                 self.hooks.on_metrics(step, metrics, self.steps.last_trace_id)
                 self.untrained_cursor = stream.untrained_cursor()
                 if self._checkpoint_due(step):
@@ -285,6 +286,11 @@ class PPODriver:
                 self._saving.cancel()
                 await asyncio.gather(self._saving, return_exceptions=True)
         await self.keep_policy(checkpoint=trainer.save_final or self._save_at_end)
+
+    def _agent_metrics(self) -> dict[str, float]:
+        """agent/*: the gateway's calls and the agent's episodes since the last report (validation's included)."""
+        metrics = self.gateway.calls.take_metrics() if self.gateway is not None else {}
+        return metrics | (self.agents.take_metrics() if self.agents is not None else {})
 
     async def _between_steps(self) -> None:
         """Run control's turn: a pause waits in the hooks; a stop ends the run here (RunStopped), after

@@ -2,9 +2,11 @@
 is PPODriver's, driver.py):
 
     1. generate and score    the step's groups from the RolloutStream (rollout_stream.py), n samples per
-                             prompt generated over the rollout replicas and scored as they finish
-                             (sampler.py); a step where more than algorithm.max_failed_fraction of the
-                             samples failed fails the run here (sample_failures.py)
+                             prompt generated over the rollout replicas and scored as they finish, or
+                             with agent.entrypoint n agent episodes per prompt through the gateway
+                             (agent_episodes.py); the sampler makes them the step's batch (sampler.py);
+                             a step where more than algorithm.max_failed_fraction of the samples
+                             (episodes) failed fails the run here (sample_failures.py)
     2. log-probs and values  reference, old policy and critic, concurrently
     3. advantages            KL in the reward (optional), then the estimator (rlfabric.algorithms)
     4. updates               critic and actor, concurrently
@@ -42,14 +44,14 @@ from rlfabric import algorithms as algos
 from rlfabric.coordinator.hybrid import HybridEngine
 from rlfabric.coordinator.multi_turn import agent_metrics
 from rlfabric.coordinator.peers import Peers
-from rlfabric.coordinator.rollout_batch import (
-    RolloutBatch,
-    build_rollout_batch,
-    token_level_scores,
-    write_rollouts,
-)
+from rlfabric.coordinator.rollout_batch import RolloutBatch, token_level_scores, write_rollouts
 from rlfabric.coordinator.rollout_stream import RolloutStream, TakenGroups
-from rlfabric.coordinator.sample_failures import TooManyFailedSamples, check_failed_fraction, failure_of
+from rlfabric.coordinator.sample_failures import (
+    SampleFailure,
+    TooManyFailedSamples,
+    check_failed_fraction,
+    failure_of,
+)
 from rlfabric.coordinator.sample_failures import describe as describe_failures
 from rlfabric.coordinator.sampler import Sampler
 from rlfabric.coordinator.step_metrics import StepTimer, data_metrics
@@ -57,6 +59,7 @@ from rlfabric.coordinator.weight_sync import WeightSync, sync_ref_model
 from rlfabric.core import tracing
 from rlfabric.core.config import RunConfig
 from rlfabric.core.errors import FailedPrecondition
+from rlfabric.gateway.segments import episode_advantages
 
 log = logging.getLogger("rlfabric.coordinator")
 
@@ -105,8 +108,7 @@ class StepRunner:
         self.on_phase("generating")
         try:
             taken = await stream.take(step, timer)
-            batch = self._scored_batch(step, taken)
-            self._check_failed_fraction(step, batch)
+            batch = self._batch_of(step, taken)
             if self.config.algorithm.adv_estimator == "remax":
                 with timer("gen_max"):
                     batch.baselines = await self.sampler.greedy_baselines(taken.rows)
@@ -161,7 +163,7 @@ class StepRunner:
         with algorithm.old_log_prob_source=rollout they are the rollout's."""
         peers, temperature, tensors = self.peers, self.config.rollout.temperature or 1.0, batch.tensors
         calls = {}
-        if self._old_log_prob_forward():
+        if self._old_log_prob_forward(batch):
             calls["old_log_prob"] = peers.actor.compute_log_probs(tensors, temperature, compute_entropy=False)
         if peers.reference is not None:
             calls["ref"] = peers.reference.compute_log_probs(tensors, temperature)
@@ -194,19 +196,34 @@ class StepRunner:
         train_mask, group_ids = mask, batch.group_ids
         if algorithm.score_failure == "mask":
             train_mask, group_ids = leave_out(batch.score_failed, mask, group_ids)
-        estimator = algos.get_advantage_estimator(algorithm.adv_estimator)
-        batch.advantages, batch.returns = estimator(
-            token_rewards=token_rewards, mask=train_mask, values=batch.values, group_ids=group_ids,
-            baselines=batch.baselines, gamma=algorithm.gamma, lam=algorithm.lam,
-            norm_by_std=algorithm.norm_adv_by_std_in_grpo)
+        if batch.episode_ids is not None:  # agent episodes: one advantage per episode, shared by its segments
+            batch.advantages = self._episode_advantages(batch, train_mask)
+            batch.returns = batch.advantages
+        else:
+            estimator = algos.get_advantage_estimator(algorithm.adv_estimator)
+            batch.advantages, batch.returns = estimator(
+                token_rewards=token_rewards, mask=train_mask, values=batch.values, group_ids=group_ids,
+                baselines=batch.baselines, gamma=algorithm.gamma, lam=algorithm.lam,
+                norm_by_std=algorithm.norm_adv_by_std_in_grpo)
         batch.token_rewards, batch.train_mask = token_rewards, train_mask
         return metrics
+
+    def _episode_advantages(self, batch: RolloutBatch, train_mask: torch.Tensor) -> torch.Tensor:
+        """[B, T] the outcome estimator over the step's episodes (a prompt's n episodes are its group), each
+        segment taking its episode's on its trained tokens; failed episodes (score_failure mask) in no group."""
+        algorithm, n = self.config.algorithm, self.config.rollout.n
+        scores, failed = batch.episode_scores, batch.episode_failed
+        groups = torch.arange(len(scores)) // n  # [E] the episode's prompt
+        if algorithm.score_failure == "mask":
+            _, groups = leave_out(failed, torch.zeros(len(scores), 1), groups)
+        return episode_advantages(algorithm.adv_estimator, scores, groups, batch.episode_ids, train_mask,
+                                  norm_by_std=algorithm.norm_adv_by_std_in_grpo)
 
     def _rollout_correction(self, batch: RolloutBatch) -> dict[str, float]:
         """rollout_corr/* metrics whenever the step has the rollout's log-probs and separate old ones, and
         with algorithm.rollout_correction on: batch.rollout_is_weights and rejected tokens out of
         batch.train_mask; perf/old_log_prob_forward: 1 when the old-log-prob forward pass ran."""
-        forward = float(self._old_log_prob_forward())
+        forward = float(self._old_log_prob_forward(batch))
         if batch.rollout_log_probs is None or batch.old_log_probs is None or not forward:
             return {"perf/old_log_prob_forward": forward}
         settings = self.config.algorithm.rollout_correction
@@ -228,7 +245,9 @@ class StepRunner:
             policy_batch["ref_log_probs"] = batch.ref_log_probs
         if batch.rollout_is_weights is not None:
             policy_batch["rollout_is_weights"] = batch.rollout_is_weights
-        updates = [self.peers.actor.update_policy(policy_batch, global_step=step)]
+        # Agent episodes: as many rows as segments, padded (mask 0) to whole mini-batches for the actor.
+        updates = [self.peers.actor.update_policy(padded_rows(policy_batch, self.actor_mini_batch_rows),
+                                                  global_step=step)]
         if self.peers.critic is not None:
             updates.append(self.peers.critic.update_values(
                 {**tensors, "values": batch.values, "returns": batch.returns}, global_step=step))
@@ -275,41 +294,38 @@ class StepRunner:
 
     # -- phase 1's batch ---------------------------------------------------------------------------
 
-    def _scored_batch(self, step: int, taken: TakenGroups) -> RolloutBatch:
-        """The step's groups as a RolloutBatch with their scores; failed samples logged, counted by reason."""
-        batch = build_rollout_batch(taken.rows, taken.samples, self.config.rollout.n, self.pad_token_id)
-        results = [taken.results[(s.prompt_index, s.sample_index)] for s in batch.samples]
-        batch.scores = torch.tensor([result.score for result in results])
-        batch.score_failed = torch.tensor([not result.ok for result in results])
-        batch.failures = [failure_of(result) for result in results]
-        for result in results:
-            for name, value in result.metrics.items():
-                batch.reward_extra_info.setdefault(name, []).append(value)
-        failed = describe_failures(step, batch.failures)
+    def _batch_of(self, step: int, taken: TakenGroups) -> RolloutBatch:
+        """The step's groups as its scored batch (the sampler makes it); failed samples (agent episodes) logged,
+        counted by reason, and more than algorithm.max_failed_fraction of them fail the step."""
+        failures = [failure_of(taken.results[key]) for key in sorted(taken.results)]  # one per sample (episode)
+        failed = describe_failures(step, failures)
         if failed:
             kept = "trained on with score 0" if self.config.algorithm.score_failure == "zero" else "left out of training"
             log.warning("%s (%s)", failed, kept)
+        if not taken.samples:  # agent episodes that recorded no call: no batch to dump
+            check_failed_fraction(step, failures, self.config.algorithm.max_failed_fraction)
+        batch = self.sampler.scored_batch(taken.rows, taken.samples, taken.results, self.pad_token_id)
+        self._check_failed_fraction(step, batch, failures)
         return batch
 
-    def _check_failed_fraction(self, step: int, batch: RolloutBatch) -> None:
-        """Fails the step (and the run) when more than algorithm.max_failed_fraction of its samples failed;
-        with trainer.dump_rollouts its samples and their failures are written first."""
+    def _check_failed_fraction(self, step: int, batch: RolloutBatch, failures: list[SampleFailure | None]) -> None:
+        """Fails the step (and the run) when more than algorithm.max_failed_fraction of its samples (agent
+        episodes) failed; with trainer.dump_rollouts its samples and their failures are written first."""
         try:
-            check_failed_fraction(step, batch.failures, self.config.algorithm.max_failed_fraction)
+            check_failed_fraction(step, failures, self.config.algorithm.max_failed_fraction)
         except TooManyFailedSamples:
             if self.config.trainer.dump_rollouts:
                 write_rollouts(self.run_dir, step, batch, self.config.trainer.dump_rollout_tokens)
             raise
 
-    def _old_log_prob_forward(self) -> bool:
+    def _old_log_prob_forward(self, batch: RolloutBatch) -> bool:
         """Whether the old log-probs take a separate actor forward pass (algorithm.old_log_prob_source).
         auto skips it when the actor's update is a single optimizer step (one mini-batch, one epoch) and
         nothing reads them before it: no KL in the reward, no rollout correction."""
         config, algorithm = self.config, self.config.algorithm
         if algorithm.old_log_prob_source != "auto":
             return algorithm.old_log_prob_source == "actor"
-        rows = config.data.train_batch_size * config.rollout.n
-        one_step = config.actor.ppo_epochs == 1 and rows <= self.actor_mini_batch_rows
+        one_step = config.actor.ppo_epochs == 1 and batch.num_rows <= self.actor_mini_batch_rows
         return not one_step or algorithm.use_kl_in_reward or algorithm.rollout_correction.enabled()
 
 
@@ -329,6 +345,20 @@ def kl_controller(config: RunConfig):
     if algorithm.kl_ctrl_type == "adaptive":
         return algos.AdaptiveKLController(algorithm.kl_coef, algorithm.kl_target, algorithm.kl_horizon)
     return algos.FixedKLController(algorithm.kl_coef)
+
+
+def padded_rows(tensors: dict[str, torch.Tensor], multiple: int) -> dict[str, torch.Tensor]:
+    """The batch (tensors [B, ...]) with copies of its first row added, their response mask 0 (no loss sees
+    them), up to a multiple of `multiple` rows: agent batches have a row per segment, and the actor's updates
+    take whole mini-batches. The batch itself when it has such a count already."""
+    rows = len(tensors["response_mask"])
+    extra = -rows % multiple
+    if not extra:
+        return tensors
+    index = torch.cat([torch.arange(rows), torch.zeros(extra, dtype=torch.int64)])  # [B + extra]
+    padded = {name: tensor[index] for name, tensor in tensors.items()}
+    padded["response_mask"][rows:] = 0
+    return padded
 
 
 def leave_out(failed: torch.Tensor, mask: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,6 +13,11 @@ B = prompts x n samples, ordered prompt by prompt (rows of one prompt form its G
 P and T are the longest prompt and response of this batch, not the configured maxima: padding
 costs compute in every service. A multi-turn sample brings its own prompt ids (rendered with the
 environment's tools) and its loss mask; a single-turn sample's prompt is its row's.
+
+Agent episodes (build_episode_batch): E = prompts x n episodes, and B = their segments (zero or more
+each; a segment brings its prompt ids and loss mask as a multi-turn sample does). episode_ids [B] says
+whose each row is; the episodes' scores are [E], so advantages are taken per episode and shared by its
+segments (rlfabric.gateway.segments.episode_advantages), and an episode with many segments weighs no more.
 """
 
 from __future__ import annotations
@@ -37,9 +42,13 @@ class RolloutBatch:
     """The samples of one step plus what the loop computes for them, filled in phase by phase."""
 
     tensors: dict[str, torch.Tensor]
-    rows: list[PromptRow]  # one per sample (a prompt's row repeated n times)
+    rows: list[PromptRow]  # one per row of the batch (a prompt's row repeated for each of its samples)
     samples: list[FinishedSample]
     group_ids: torch.Tensor  # [B] int64, index of the prompt within the step
+    # Agent episodes only (None otherwise: each row is a sample of its own):
+    episode_ids: torch.Tensor | None = None  # [B] int64, the row's episode: prompt index * n + sample index
+    episode_scores: torch.Tensor | None = None  # [E] each episode's score
+    episode_failed: torch.Tensor | None = None  # [E] bool: the episode failed (its agent, or its scoring)
     # Scoring (generation phase):
     scores: torch.Tensor | None = None  # [B] the reward service's score
     score_failed: torch.Tensor | None = None  # [B] bool: the sample got no score (reward or environment failed)
@@ -96,7 +105,29 @@ def build_rollout_batch(rows: Sequence[PromptRow], samples: Sequence[FinishedSam
         raise ValueError(f"rollout returned {len(samples)} samples for {len(rows)} prompts x n={n}; "
                          f"missing {missing}, duplicates {len(samples) - len(by_key)}")
     ordered = [by_key[(p, i)] for p in range(len(rows)) for i in range(n)]
-    sample_rows = [rows[p] for p in range(len(rows)) for _ in range(n)]
+    return _assembled(rows, ordered, pad_token_id)
+
+
+def build_episode_batch(rows: Sequence[PromptRow], segments: Sequence[FinishedSample], n: int,
+                        pad_token_id: int) -> RolloutBatch:
+    """Assembles agent episodes' segments (each a FinishedSample of its episode's (prompt, sample index), an
+    episode's in the order it recorded them) into a RolloutBatch, a row per segment, ordered by episode;
+    batch.episode_ids says whose each row is. ValueError for a segment of no episode of `rows` x n."""
+    outside = [(s.prompt_index, s.sample_index) for s in segments
+               if not (0 <= s.prompt_index < len(rows) and 0 <= s.sample_index < n)]
+    if outside:
+        raise ValueError(f"agent segments of episodes {outside[:5]} outside {len(rows)} prompts x n={n}")
+    if not segments:
+        raise ValueError(f"none of the {len(rows) * n} agent episodes recorded a call: nothing to train on")
+    ordered = sorted(segments, key=lambda s: (s.prompt_index, s.sample_index))  # stable: recorded order kept
+    batch = _assembled(rows, ordered, pad_token_id)
+    batch.episode_ids = torch.tensor([s.prompt_index * n + s.sample_index for s in ordered], dtype=torch.int64)
+    return batch
+
+
+def _assembled(rows: Sequence[PromptRow], ordered: Sequence[FinishedSample], pad_token_id: int) -> RolloutBatch:
+    """The batch of `ordered` samples, each of its prompt_index's row, as the actor takes them (module docstring)."""
+    sample_rows = [rows[s.prompt_index] for s in ordered]
     prompts = [sample.prompt_ids or row.prompt_ids for row, sample in zip(sample_rows, ordered, strict=True)]
     prompt_len = max(len(prompt) for prompt in prompts)
     response_len = max(1, max(len(s.token_ids) for s in ordered))
@@ -118,8 +149,8 @@ def build_rollout_batch(rows: Sequence[PromptRow], samples: Sequence[FinishedSam
         "responses": input_ids[:, prompt_len:].clone(),
         "response_mask": response_mask,
     }
-    group_ids = torch.arange(len(rows)).repeat_interleave(n)
-    return RolloutBatch(tensors, sample_rows, ordered, group_ids,
+    group_ids = torch.tensor([s.prompt_index for s in ordered], dtype=torch.int64)
+    return RolloutBatch(tensors, sample_rows, list(ordered), group_ids,
                         rollout_log_probs=_rollout_log_probs(ordered, response_len))
 
 

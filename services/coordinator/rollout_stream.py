@@ -86,13 +86,14 @@ class Group:
     row: PromptRow
     gen_batch: GenBatch
     position: int  # the prompt's index in its gen batch
-    samples: dict[int, FinishedSample] = field(default_factory=dict)  # by sample index
+    samples: list[FinishedSample] = field(default_factory=list)  # in sample order (an agent episode: its segments)
     results: dict[int, ItemResult] = field(default_factory=dict)  # by sample index
     state: str = GENERATING
     resolved_at: float = 0.0  # perf_counter() when it was scored and kept (or dropped)
 
     def oldest_version(self) -> int:
-        return min(sample.weight_version for sample in self.samples.values())
+        """The oldest weight version of its tokens (agent episodes that recorded no call: its gen batch's start)."""
+        return min((sample.weight_version for sample in self.samples), default=self.gen_batch.started_version)
 
     def order(self) -> tuple[int, int]:
         """Dataloader order: a step's groups are laid out in it."""
@@ -346,8 +347,9 @@ class RolloutStream:
     def _metrics(self, step: int, taken: list[Group], policy: int) -> dict[str, float]:
         """Staleness (by each sample's oldest token, and per token), partial rollouts, dropped groups and
         dynamic sampling's counts since the last step."""
-        samples = [sample for group in taken for sample in group.samples.values()]
-        staleness = torch.tensor([policy - sample.weight_version for sample in samples], dtype=torch.float32)
+        samples = [sample for group in taken for sample in group.samples]
+        # [0.0] when none: agent episodes that recorded no call have no tokens to be stale
+        staleness = torch.tensor([policy - sample.weight_version for sample in samples] or [0.0], dtype=torch.float32)
         token_staleness = torch.tensor([policy - v for sample in samples for v in sample.token_versions()],
                                        dtype=torch.float32)
         if int(staleness.max()) > self.max_staleness or int(staleness.min()) < 0 or (
@@ -358,7 +360,7 @@ class RolloutStream:
                                      f"version {policy} (trainer.max_staleness {self.max_staleness})")
         metrics = {"rollout/staleness/mean": staleness.mean().item(), "rollout/staleness/max": staleness.max().item(),
                    "rollout/staleness/token_mean": token_staleness.mean().item() if token_staleness.numel() else 0.0,
-                   "rollout/partial_fraction": sum(bool(s.version_spans) for s in samples) / len(samples),
+                   "rollout/partial_fraction": sum(bool(s.version_spans) for s in samples) / max(1, len(samples)),
                    "rollout/stale_groups": float(self.counts["stale"])}
         if self.filter.enable:
             metrics.update({"dynamic_sampling/kept_groups": float(self.counts["kept"]),
@@ -372,8 +374,6 @@ class RolloutStream:
         rows, samples, results = [], [], {}
         for prompt_index, group in enumerate(taken):
             rows.append(group.row)
-            for sample_index in sorted(group.samples):
-                sample = group.samples[sample_index]
-                samples.append(dataclasses.replace(sample, prompt_index=prompt_index))
-                results[(prompt_index, sample_index)] = group.results[sample_index]
+            samples += [dataclasses.replace(sample, prompt_index=prompt_index) for sample in group.samples]
+            results.update({(prompt_index, index): result for index, result in group.results.items()})
         return TakenGroups(rows, samples, results, metrics)

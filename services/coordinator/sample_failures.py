@@ -1,8 +1,10 @@
 """Why a step's samples failed, and when too many failed to train on the step.
 
 A sample fails when it gets no score: the reward function failed on it (ItemResult status error,
-timeout or crashed), or with rollout.multi_turn its environment did (status env_failed: its Reset or
-Step answered an error status, or none in time). It is left out of training, or trained on with score
+timeout or crashed), with rollout.multi_turn its environment did (status env_failed: its Reset or
+Step answered an error status, or none in time), or with agent.entrypoint its agent did (status
+agent_failed: it raised, ran past agent.timeout_s, returned garbage, or its process exited with an error;
+an agent episode is one sample however many segments it recorded). It is left out of training, or trained on with score
 0 (algorithm.score_failure). Each gets a SampleFailure: where it failed, the status, and the message
 cut to 300 characters (rlfabric.reward.items.short_message). A step counts them by reason in the log
 ("env UNAVAILABLE: 32"), records each in RUN_DIR/rollouts/step_N.jsonl (trainer.dump_rollouts), and
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from rlfabric.agents.outcome import AGENT_FAILED_STATUS
 from rlfabric.coordinator.multi_turn import ENV_FAILED_STATUS
 from rlfabric.core.errors import FailedPrecondition
 from rlfabric.reward.items import ItemResult, short_message
@@ -32,10 +35,11 @@ class SampleFailure:
     """Why one sample has no score."""
 
     source: str
-    """"env" (the environment failed) or "reward" (the reward function failed)."""
+    """"env" (the environment failed), "agent" (the agent's episode failed) or "reward" (the reward function
+    failed)."""
     status: str
     """env: the gRPC status code name of the failed call (UNAVAILABLE, DEADLINE_EXCEEDED, ...);
-    reward: the item's status (error, timeout or crashed)."""
+    agent: raised, timeout, garbage or exited; reward: the item's status (error, timeout or crashed)."""
     message: str
     """What went wrong, cut to 300 characters."""
 
@@ -61,6 +65,8 @@ def failure_of(result: ItemResult) -> SampleFailure | None:
         parts = message.split(": ", 2)
         code = parts[1] if len(parts) > 2 and parts[1] in grpc.StatusCode.__members__ else "UNKNOWN"
         return SampleFailure("env", code, message)
+    if result.status == AGENT_FAILED_STATUS:  # "timeout: the agent ran past ..."
+        return SampleFailure("agent", message.split(": ", 1)[0], message)
     return SampleFailure("reward", result.status, message)
 
 

@@ -6,9 +6,12 @@
     metrics = await sampler.validate(val_rows)
     baselines = await sampler.greedy_baselines(rows)   # ReMax
 
-Training draws its batches through the RolloutStream (rollout_stream.py), which takes the sampler;
-validation and ReMax's greedy baselines call it directly. The sampler also holds the run's weight versions
-(WeightVersions): which one the rollout serves, and which one holds the policy after a step.
+Training draws its batches through the RolloutStream (rollout_stream.py), which takes the sampler, and the
+sampler turns the groups a step takes into its RolloutBatch (scored_batch); validation and ReMax's greedy
+baselines call it directly. With agent.entrypoint (or agent.command) the samples are agent episodes run
+through the gateway (AgentEpisodes, agent_episodes.py): an episode may record several segments, all of them
+its sample index's. The sampler also holds the run's weight versions (WeightVersions): which one the rollout
+serves, and which one holds the policy after a step.
 """
 
 from __future__ import annotations
@@ -18,20 +21,27 @@ import json
 import random
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from rlfabric.coordinator.multi_turn import agent_prompt, combined_result, env_result, multi_turn_spec
 from rlfabric.coordinator.peers import Peers
+from rlfabric.coordinator.rollout_batch import RolloutBatch, build_episode_batch, build_rollout_batch
+from rlfabric.coordinator.sample_failures import failure_of
 from rlfabric.core.config import RunConfig
 from rlfabric.data.dataset import PromptRow
 from rlfabric.reward.items import ItemResult, ScoreItem
 from rlfabric.rollout.types import FinishedSample, SamplingSpec
 
+if TYPE_CHECKING:
+    from rlfabric.coordinator.agent_episodes import AgentEpisodes
+
 SCORE_CHUNK = 64  # samples per Score request while generation is still streaming
 
-# A prompt's samples and their scores, each by sample index: (prompt index, samples, results).
-ScoredPrompt = tuple[int, dict[int, FinishedSample], dict[int, ItemResult]]
+# A prompt's samples (in sample order; an agent episode's segments share its sample index) and their scores by
+# sample index: (prompt index, samples, results).
+ScoredPrompt = tuple[int, list[FinishedSample], dict[int, ItemResult]]
 
 
 @dataclass
@@ -48,12 +58,15 @@ class WeightVersions:
 
 
 class Sampler:
-    """Generates over `peers.rollout` and scores with `peers.reward` (or the environment's rewards)."""
+    """Generates over `peers.rollout` and scores with `peers.reward` (or the environment's rewards); with
+    `agents`, runs agent episodes instead."""
 
-    def __init__(self, config: RunConfig, peers: Peers, versions: WeightVersions | None = None):
+    def __init__(self, config: RunConfig, peers: Peers, versions: WeightVersions | None = None,
+                 agents: AgentEpisodes | None = None):
         self.config = config
         self.peers = peers
         self.versions = versions or WeightVersions()
+        self.agents = agents
 
     # -- what samples ---------------------------------------------------------------------------------
 
@@ -101,15 +114,20 @@ class Sampler:
         are all scored, a chunk at a time, as (prompt index, samples, results), both by sample index. Score
         requests go out while generation still streams, once SCORE_CHUNK samples of complete prompts are in.
         on_sample sees each sample as it arrives (raising stops it all). Training (RolloutStream), validation
-        and ReMax's baselines all generate through here."""
+        and ReMax's baselines all generate through here; with agents, each sample is an agent episode."""
+        if self.agents is not None:
+            async for chunk in self.agents.generate_and_score(rows, params, on_sample):
+                yield chunk
+            return
         prompts = [self.prompt_of(row) for row in rows]
         finished: asyncio.Queue[asyncio.Task] = asyncio.Queue()
         scoring: set[asyncio.Task] = set()
 
         async def score(chunk: list[tuple[int, dict[int, FinishedSample]]]) -> list[ScoredPrompt]:
-            pairs = [(rows[index], sample) for index, samples in chunk for sample in samples.values()]
+            pairs = [(rows[index], samples[k]) for index, samples in chunk for k in sorted(samples)]
             results = iter(await self.score_samples(pairs))
-            return [(index, samples, {k: next(results) for k in samples}) for index, samples in chunk]
+            return [(index, [samples[k] for k in sorted(samples)], {k: next(results) for k in sorted(samples)})
+                    for index, samples in chunk]
 
         def score_later(chunk: list[tuple[int, dict[int, FinishedSample]]]) -> None:
             task = asyncio.create_task(score(chunk))
@@ -148,6 +166,27 @@ class Sampler:
             for task in (generating, *scoring):
                 task.cancel()
             await asyncio.gather(generating, *scoring, return_exceptions=True)
+
+    def scored_batch(self, rows: list[PromptRow], samples: list[FinishedSample],
+                     results: dict[tuple[int, int], ItemResult], pad_token_id: int) -> RolloutBatch:
+        """The groups a step took (rollout_stream.TakenGroups: its rows, samples and their results by (prompt,
+        sample)) as its RolloutBatch, with their scores (failed samples: score_failed, and why). Agent episodes:
+        a row per segment, each episode's result on all of its rows (build_episode_batch)."""
+        n = self.config.rollout.n
+        build = build_episode_batch if self.agents is not None else build_rollout_batch
+        batch = build(rows, samples, n, pad_token_id)
+        row_results = [results[(s.prompt_index, s.sample_index)] for s in batch.samples]
+        batch.scores = torch.tensor([result.score for result in row_results])
+        batch.score_failed = torch.tensor([not result.ok for result in row_results], dtype=torch.bool)
+        batch.failures = [failure_of(result) for result in row_results]
+        for result in row_results:
+            for name, value in result.metrics.items():
+                batch.reward_extra_info.setdefault(name, []).append(value)
+        if batch.episode_ids is not None:
+            episodes = [results[(p, i)] for p in range(len(rows)) for i in range(n)]
+            batch.episode_scores = torch.tensor([result.score for result in episodes], dtype=torch.float32)
+            batch.episode_failed = torch.tensor([not result.ok for result in episodes], dtype=torch.bool)
+        return batch
 
     async def score_samples(self, pairs: list[tuple[PromptRow, FinishedSample]]) -> list[ItemResult]:
         """The score of each (row, sample): the reward service's, and with rollout.multi_turn the

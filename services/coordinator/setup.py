@@ -15,12 +15,16 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from functools import partial
 from pathlib import Path
 
+from rlfabric.agents.llm import AgentRunner
+from rlfabric.agents.runners import runner_of
+from rlfabric.coordinator.agent_episodes import AgentEpisodes
 from rlfabric.coordinator.driver import PPODriver, RunHooks
 from rlfabric.coordinator.peers import Peers
 from rlfabric.coordinator.weight_sync import WeightSync, WeightSyncPlane
-from rlfabric.core.config import RunConfig, run_dir_of
+from rlfabric.core.config import ConfigError, RunConfig, run_dir_of
 from rlfabric.core.errors import FailedPrecondition, InvalidArgument
 from rlfabric.core.host import load_tokenizer
 from rlfabric.core.start_phases import StartPhases
@@ -123,6 +127,25 @@ def _log_preload_failure(future: asyncio.Future) -> None:
                     future.exception())
 
 
+async def _started_gateway(config: RunConfig, tokenizer, peers: Peers):
+    """The agent gateway in front of the run's rollout router, listening."""
+    # Imported here: FastAPI and uvicorn take ~0.8 s to import, which a run without agents need not pay.
+    from rlfabric.gateway.calls import RouterGenerator
+    from rlfabric.gateway.server import Gateway
+
+    gateway = Gateway(config, tokenizer, RouterGenerator(peers.rollout))
+    await gateway.start()
+    return gateway
+
+
+def _agent_runner(config: RunConfig) -> AgentRunner:
+    """agent.runner's runner; InvalidArgument naming the key when the agent cannot be loaded or found."""
+    try:
+        return runner_of(config.agent)
+    except ConfigError as error:
+        raise InvalidArgument(str(error)) from None
+
+
 @asynccontextmanager
 async def open_run(config: RunConfig, hooks: RunHooks, connect: Connect = connect_services,
                    phases: StartPhases | None = None, policy: PolicyTokenizer | None = None,
@@ -130,8 +153,9 @@ async def open_run(config: RunConfig, hooks: RunHooks, connect: Connect = connec
     """A PPODriver for one run, connected to its services by `connect` (default: over gRPC, to
     config.cluster's addresses); the connections close when the block ends. The tokenizer (`policy`'s,
     loaded at the coordinator's start) and the data (on a thread) are made ready while the connections are
-    made (waits on the services); each is a phase of `phases`. With agent.gateway.enable the agent gateway
-    starts here too, over the run's rollout router (driver.gateway), and stops when the block ends."""
+    made (waits on the services); each is a phase of `phases`. With agent.gateway.enable (or an agent to run,
+    agent.entrypoint / agent.command) the agent gateway starts here too, over the run's rollout router
+    (driver.gateway), and stops when the block ends; an agent's episodes are then the run's samples."""
     phases = phases or StartPhases("run", log)
     if not config.model.path:
         raise FailedPrecondition("model.path is empty: the coordinator needs the policy's tokenizer")
@@ -149,17 +173,15 @@ async def open_run(config: RunConfig, hooks: RunHooks, connect: Connect = connec
             await connected[0].close()
         raise
     peers, weight_sync = await connecting
-    gateway = None
+    gateway, agents = None, None
     try:
-        if config.agent.gateway.enable:  # agents' OpenAI endpoint, in front of the run's rollout router
-            # Imported here: FastAPI and uvicorn take ~0.8 s to import, which a run without agents need not pay.
-            from rlfabric.gateway.calls import RouterGenerator
-            from rlfabric.gateway.server import Gateway
-
-            gateway = Gateway(config, tokenizer, RouterGenerator(peers.rollout))
-            await phases.timed("agent_gateway", gateway.start())
+        if config.agent.gateway.enable or config.agent.runs_agents():  # agents' OpenAI endpoint
+            gateway = await phases.timed("agent_gateway", _started_gateway(config, tokenizer, peers))
+        if config.agent.runs_agents():
+            agents = AgentEpisodes(config, gateway, _agent_runner(config), score=partial(
+                peers.score, retry_window_s=config.trainer.reward_retry_window_s))
         yield PPODriver(config, peers, tokenizer, run_dir, train, val, weight_sync, hooks, start_phases=phases,
-                        actor_mini_batch_rows=actor_mini_batch_rows, gateway=gateway)
+                        actor_mini_batch_rows=actor_mini_batch_rows, gateway=gateway, agents=agents)
     finally:
         if gateway is not None:
             await gateway.close()

@@ -178,6 +178,8 @@ class CallHandler:
         max_tokens = self._limits(episode, request)
         temperature, top_p, top_k, overridden = self.sampling.resolve(request)
         self.counts["sampling_overrides"] += overridden
+        if episode.temperature is not None and not self.sampling.honour_agent:  # validation's, say
+            temperature = episode.temperature
         number = episode.started_calls
         seed = row_seed(episode.seed, number, 0) if episode.seed is not None else request.seed
         params = SamplingSpec(n=1, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,

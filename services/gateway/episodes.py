@@ -37,6 +37,8 @@ class Episode:
     """Seeds its calls (call i: row_seed(seed, i, 0)); None = the agent's seed, else random."""
     info: dict[str, Any] = field(default_factory=dict)
     """Whatever its opener attaches (the row, the sample index)."""
+    temperature: float | None = None
+    """Samples its calls at this temperature instead of the run's (validation's rollout.val_temperature)."""
     status: str = OPEN
     calls: list[RecordedCall] = field(default_factory=list)
     started_calls: int = 0  # recorded and in flight: what max_calls_per_episode bounds
@@ -73,13 +75,15 @@ class EpisodeStore:
     def __len__(self) -> int:
         return len(self._open)
 
-    def open(self, seed: int | None = None, info: dict[str, Any] | None = None) -> Episode:
+    def open(self, seed: int | None = None, info: dict[str, Any] | None = None,
+             temperature: float | None = None) -> Episode:
         """A new episode with a fresh key; ResourceExhausted past agent.gateway.max_concurrent_episodes."""
         if len(self._open) >= self.settings.max_concurrent_episodes:
             raise ResourceExhausted(f"{len(self._open)} agent episodes are open, the most "
                                     "agent.gateway.max_concurrent_episodes allows: close one first")
         key = KEY_PREFIX + secrets.token_urlsafe(24)
-        episode = Episode(key, self.clock() + self.settings.episode_timeout_s, seed, dict(info or {}))
+        episode = Episode(key, self.clock() + self.settings.episode_timeout_s, seed, dict(info or {}),
+                          temperature)
         self._open[key] = episode
         return episode
 

@@ -105,12 +105,13 @@ def _starts_with(ids: list[int], prefix: list[int]) -> bool:
 
 
 def episode_advantages(estimator: str, episode_scores: torch.Tensor, episode_groups: torch.Tensor,
-                       segment_episodes: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+                       segment_episodes: torch.Tensor, mask: torch.Tensor, norm_by_std: bool = True) -> torch.Tensor:
     """[B, T] advantages of B segments: the outcome estimator (grpo, rloo, reinforce_plus_plus) over E
     episodes, each one row (episode_scores [E], episode_groups [E]: its prompt), then each segment takes its
-    episode's (segment_episodes [B]: index into the episodes) on its sampled tokens (mask [B, T])."""
+    episode's (segment_episodes [B]: index into the episodes) on its sampled tokens (mask [B, T]). norm_by_std:
+    GRPO divides by the group's standard deviation (algorithm.norm_adv_by_std_in_grpo)."""
     token_rewards = episode_scores.to(torch.float32).unsqueeze(-1)  # [E, 1]
     ones = torch.ones_like(token_rewards)
     per_episode, _ = get_advantage_estimator(estimator)(token_rewards=token_rewards, mask=ones,
-                                                        group_ids=episode_groups)  # [E, 1]
+                                                        group_ids=episode_groups, norm_by_std=norm_by_std)  # [E, 1]
     return per_episode[segment_episodes, 0].unsqueeze(-1) * mask.to(torch.float32)  # [B, T]

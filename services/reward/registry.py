@@ -14,7 +14,9 @@ from rlfabric.reward import arithmetic, find_vowel, gsm8k, hellaswag, math_equiv
 
 Scorer = Callable[..., Any]
 
-GSM8K_DATA_SOURCES = ("openai/gsm8k",)
+# rlfabric/lookup (rlfabric.env.lookup): its answer is "#### D" too, scored as its environment scores it, so an
+# agent trained through the gateway (agent.entrypoint) may return its answer for the reward service to score.
+GSM8K_DATA_SOURCES = ("openai/gsm8k", "rlfabric/lookup")
 # VeRL sends these to its Hendrycks-style math.py; other math sources it knows ("math_dapo", "aime*",
 # "numina_*") use different scorers (math_dapo, prime_math) that are not part of rlfabric.
 MATH_DATA_SOURCES = ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500")

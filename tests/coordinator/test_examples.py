@@ -59,3 +59,12 @@ def test_multi_turn_examples_validate_as_runs(name, environment):
     assert config.rollout.multi_turn.enable and config.env.enable
     assert config.env.name == environment  # lookup rows name their environment themselves (extra_info)
     assert config.rollout.multi_turn.max_total_tokens <= config.data.max_response_length
+
+
+def test_the_agent_example_validates_as_a_run():
+    from rlfabric.core.config import load_run_config
+
+    config = load_run_config(EXAMPLES / "agents" / "lookup.yaml")
+    assert config.agent.runs_agents() and config.agent.runner == "subprocess"
+    assert config.agent.entrypoint == "examples/agents/lookup_agent.py:run"
+    assert not config.rollout.multi_turn.enable and not config.env.enable  # the agent runs its own tool

@@ -55,7 +55,7 @@ def test_no_service_proto_imports_another_services_proto():
     services = {name for name, text in protos.items() if re.search(r"^service ", text, re.M)}
     imports = {name: set(re.findall(r'^import "([^"]+)";', text, re.M)) for name, text in protos.items()}
     assert {name: sorted(imported & services) for name, imported in imports.items() if imported & services} == {}
-    assert {"rlfabric/v1/common.proto", "rlfabric/v1/tensor.proto"} <= set(protos) and len(services) == 7
+    assert {"rlfabric/v1/common.proto", "rlfabric/v1/tensor.proto"} <= set(protos) and len(services) == 8
 
 
 def test_request_and_response_messages_are_named_after_service_and_rpc():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from rlfabric.core.config.base import Section
 
@@ -51,3 +51,48 @@ class GatewayConfig(Section):
 class AgentConfig(Section):
     gateway: GatewayConfig = GatewayConfig()
     """The OpenAI-compatible endpoint agent code calls (its base URL and a per-episode key)."""
+    entrypoint: str = ""
+    """The agent the run trains: `path/to/agent.py:run` or `package.module:run`, an `async def run(task, llm)`.
+    task: the row's prompt `messages` and public fields (data_source, ability, uid, extra_info; never the ground truth);
+    llm: `base_url`, `api_key` (the episode's key) and `model`. It returns a reward (a number), a dict with
+    reward and/or answer (and metrics), or an answer (a string) the reward service scores by the row's
+    data_source. Each (prompt, sample) is one episode; the gateway starts with the run. Empty = no agent."""
+    runner: Literal["inline", "subprocess", "command", "service"] = "inline"
+    """Where an episode runs: inline = awaited in the coordinator's event loop; subprocess = a Python process of
+    its own per episode, with OPENAI_BASE_URL, OPENAI_API_KEY and OPENAI_MODEL set (a plain AsyncOpenAI() works),
+    its result as JSON on stdout; command = agent.command, any language, the same variables, the task as JSON on
+    stdin and its result as JSON on stdout's last line; service = a RunEpisode per episode on the agent host at
+    agent.address (AgentService, protos/rlfabric/v1/agent.proto: a host in any language)."""
+    command: list[str] = []
+    """The command line of runner command (e.g. [node, agent.js]); run in agent.working_dir."""
+    address: str = ""
+    """host:port of the AgentService that runs the episodes of runner service."""
+    working_dir: str = ""
+    """The working directory of subprocess and command agents; empty = the coordinator's."""
+    private_tmp: bool = True
+    """Subprocess agents get empty /tmp, /var/tmp and /dev/shm of their own (a mount namespace; tmpfs gone with
+    the process), so episodes never see each other's files. Command agents run unconfined (for now)."""
+    max_concurrent_episodes: int = Field(256, ge=1)
+    """Most episodes running at once (with subprocess and command: processes); the others wait their turn.
+    agent.gateway.max_concurrent_episodes and what the replicas admit (rollout.max_pending_requests x
+    rollout.replicas: an episode has one call in flight at a time) bound it too."""
+    timeout_s: float = Field(600.0, gt=0)
+    """An episode running longer is cancelled (its process killed) and marked failed: masked, counted in
+    agent/failed/timeout, and the run goes on."""
+
+    def runs_agents(self) -> bool:
+        """The run's samples are agent episodes (agent.entrypoint; with runner command agent.command, with runner
+    service agent.address)."""
+        what = {"command": self.command, "service": self.address}.get(self.runner, self.entrypoint)
+        return bool(what)
+
+    @model_validator(mode="after")
+    def _runner_has_what_it_runs(self) -> AgentConfig:
+        if self.runner == "command" and self.entrypoint and not self.command:
+            raise ValueError("agent.runner command runs agent.command (a command line), not agent.entrypoint: "
+                             "set agent.command")
+        if self.runner == "service" and not self.address:
+            raise ValueError("agent.runner service asks the AgentService at agent.address: set agent.address")
+        if self.runner != "command" and self.command and not self.entrypoint:
+            raise ValueError(f"agent.command is set but agent.runner is {self.runner}: set agent.runner command")
+        return self

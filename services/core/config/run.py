@@ -29,6 +29,9 @@ from rlfabric.core.roles import POOL_ROLES, ROLES, TRAINER_ROLES
 PACKING_BACKENDS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3")
 
 
+AGENT_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus")
+
+
 class RunConfig(Section):
     name: str = "quickstart"
     """Run name; the default run dir is runs/<name>-<timestamp>."""
@@ -114,6 +117,23 @@ class RunConfig(Section):
         if self.reward.num_workers > reward.uid_count:
             raise ValueError(f"reward.num_workers {self.reward.num_workers} > reward.custom_sandbox.uid_count "
                              f"{reward.uid_count}: each worker needs a uid of its own")
+        return self
+
+    @model_validator(mode="after")
+    def _agents_train_by_outcome(self) -> RunConfig:
+        """An agent run's episodes have one reward each, shared by their segments: an outcome estimator."""
+        if not self.agent.runs_agents():
+            return self
+        key = {"command": "agent.command", "service": "agent.address"}.get(self.agent.runner, "agent.entrypoint")
+        if self.algorithm.adv_estimator not in AGENT_ESTIMATORS:
+            raise ValueError(f"{key} with algorithm.adv_estimator {self.algorithm.adv_estimator}: an episode's "
+                             f"reward is shared by its segments, which needs an outcome estimator "
+                             f"({', '.join(AGENT_ESTIMATORS)})")
+        if self.algorithm.use_kl_in_reward:
+            raise ValueError(f"{key} with algorithm.use_kl_in_reward: not for agent episodes; use actor.use_kl_loss")
+        if self.rollout.multi_turn.enable:
+            raise ValueError(f"{key} with rollout.multi_turn.enable: an episode is either the agent's (through the "
+                             "gateway) or the environment service's; turn one off")
         return self
 
     @model_validator(mode="after")

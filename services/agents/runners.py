@@ -1,0 +1,94 @@
+"""The three ways an episode's agent runs (agent.runner), each `await runner.run(task, llm) -> AgentOutcome`.
+
+    inline      the entrypoint awaited in this (the coordinator's) event loop: no process per episode
+    subprocess  `python -m rlfabric.agents.host ENTRYPOINT` per episode: the task as JSON on stdin, OPENAI_BASE_URL,
+                OPENAI_API_KEY and OPENAI_MODEL in its environment, its result as JSON on stdout
+    command     agent.command (any language): the same variables and stdin, its result as JSON on stdout's last line
+
+A runner raises AgentFailed for what the agent did wrong (raised, exited with an error, printed garbage); the
+caller bounds the time (agent.timeout_s) and cancels, which kills a runner's process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+from typing import Any
+
+from rlfabric.agents.entrypoint import check_entrypoint, load_entrypoint
+from rlfabric.agents.llm import LLM, AgentRunner
+from rlfabric.agents.outcome import EXITED, GARBAGE, RAISED, AgentFailed, AgentOutcome, parse_outcome
+from rlfabric.core.config.agent import AgentConfig
+
+STDERR_KEPT = 600  # characters of a failed process's stderr its failure message keeps (the end)
+
+
+class InlineRunner:
+    """Awaits the entrypoint in this event loop (loaded once, at the run's start)."""
+
+    def __init__(self, entrypoint: str):
+        self.function = load_entrypoint(entrypoint)
+
+    async def run(self, task: dict[str, Any], llm: LLM) -> AgentOutcome:
+        try:
+            value = await self.function(task, llm)
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:
+            raise AgentFailed(RAISED, f"{type(error).__name__}: {error}") from error
+        return parse_outcome(value)
+
+
+class ProcessRunner:
+    """Runs a program per episode: `argv`, the task as JSON on stdin, the LLM's variables in its environment;
+    the last line it prints is its result as JSON."""
+
+    def __init__(self, argv: list[str], working_dir: str = ""):
+        self.argv = argv
+        self.working_dir = working_dir or None
+
+    async def run(self, task: dict[str, Any], llm: LLM) -> AgentOutcome:
+        process = await asyncio.create_subprocess_exec(
+            *self.argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE, cwd=self.working_dir, env={**os.environ, **llm.env()})
+        try:
+            stdout, stderr = await process.communicate(json.dumps(task).encode())
+        except BaseException:  # cancelled (agent.timeout_s): the process goes with the episode
+            if process.returncode is None:
+                process.kill()
+                await process.wait()
+            raise
+        if process.returncode != 0:
+            tail = stderr.decode(errors="replace")[-STDERR_KEPT:].strip()
+            raise AgentFailed(EXITED, f"{self.argv[0]} exited with status {process.returncode}: {tail}")
+        return parse_outcome(last_json_line(stdout.decode(errors="replace")))
+
+
+def last_json_line(stdout: str) -> Any:
+    """The JSON value on the last non-empty line of a program's output; AgentFailed("garbage") if it is not JSON."""
+    lines = [line for line in stdout.splitlines() if line.strip()]
+    if not lines:
+        raise AgentFailed(GARBAGE, "the agent printed nothing: print its result as JSON on the last line")
+    try:
+        return json.loads(lines[-1])
+    except ValueError:
+        shown = lines[-1] if len(lines[-1]) <= 120 else lines[-1][:117] + "..."
+        raise AgentFailed(GARBAGE, f"the agent's last line is not JSON: {shown!r}") from None
+
+
+def runner_of(settings: AgentConfig) -> AgentRunner:
+    """agent.runner's runner; ConfigError (naming the key) when its entrypoint or command cannot run."""
+    if settings.runner == "inline":
+        return InlineRunner(settings.entrypoint)
+    if settings.runner == "service":
+        from rlfabric.agents.service import ServiceRunner  # gRPC stubs: only runs that ask a host need them
+
+        return ServiceRunner(settings.address, settings.timeout_s)
+    if settings.runner == "subprocess":
+        check_entrypoint(settings.entrypoint)
+        private_tmp = ["--private-tmp"] if settings.private_tmp else []
+        return ProcessRunner([sys.executable, "-m", "rlfabric.agents.host", *private_tmp, settings.entrypoint],
+                             settings.working_dir)
+    return ProcessRunner(list(settings.command), settings.working_dir)
