@@ -6,8 +6,9 @@ Per-token tensors are [batch, response_len]; `mask` is the response mask (1 = re
     adv, ret = algos.get_advantage_estimator("grpo")(token_rewards=r, mask=m, group_ids=uid)
     loss, stats = algos.policy_loss(old_logp, logp, adv, m, clip_high=0.28, mode="vanilla")
 
-Modules: stats (masked statistics), advantages (GAE, GRPO, RLOO, REINFORCE++, ReMax), losses
-(aggregation, policy and value losses), kl (KL estimators, controllers, KL in the reward), logits
+Modules: stats (masked statistics), advantages (GAE, GRPO, RLOO, REINFORCE++, ReMax and VeRL's outcome
+variants), losses (aggregation, PPO's policy losses, the value loss), reinforce_losses and surrogate_losses
+(VeRL's other policy losses), kl (KL estimators, controllers, KL in the reward), logits
 (log-probs and entropy from logits), dapo (dynamic sampling), rollout_correction
 (rollout/trainer mismatch: metrics, truncated IS, rejection), registry (by-name lookup), plugins
 (algorithm.plugin_modules; not imported here).
@@ -15,8 +16,12 @@ Modules: stats (masked statistics), advantages (GAE, GRPO, RLOO, REINFORCE++, Re
 
 from .advantages import (
     compute_gae,
+    compute_gpg_advantage,
     compute_grpo_advantage,
+    compute_grpo_passk_advantage,
+    compute_opo_advantage,
     compute_reinforce_pp_advantage,
+    compute_reinforce_pp_baseline_advantage,
     compute_remax_advantage,
     compute_rloo_advantage,
 )
@@ -30,11 +35,14 @@ from .registry import (
     get_advantage_estimator,
     get_policy_loss,
     policy_loss_names,
+    policy_loss_params,
     register_advantage_estimator,
     register_policy_loss,
 )
+from .reinforce_losses import cispo_loss, dppo_kl_loss, dppo_tv_loss, dro_loss, gpg_loss
 from .rollout_correction import RolloutCorrection, mismatch_metrics, rollout_correction
 from .stats import masked_mean, masked_var, masked_whiten
+from .surrogate_losses import clip_cov_loss, geo_mean_loss, kl_cov_loss, sapo_loss
 
 __all__ = [
     "ADVANTAGE_ESTIMATOR_KWARGS",
@@ -43,16 +51,28 @@ __all__ = [
     "FixedKLController",
     "advantage_estimator_names",
     "aggregate_loss",
+    "cispo_loss",
+    "clip_cov_loss",
     "compute_gae",
+    "compute_gpg_advantage",
     "compute_grpo_advantage",
+    "compute_grpo_passk_advantage",
+    "compute_opo_advantage",
     "compute_reinforce_pp_advantage",
+    "compute_reinforce_pp_baseline_advantage",
     "compute_remax_advantage",
     "compute_rloo_advantage",
+    "dppo_kl_loss",
+    "dppo_tv_loss",
+    "dro_loss",
     "entropy_from_logits",
     "filter_groups",
     "get_advantage_estimator",
+    "geo_mean_loss",
     "get_policy_loss",
+    "gpg_loss",
     "gspo_loss",
+    "kl_cov_loss",
     "kl_in_reward",
     "kl_penalty",
     "log_probs_and_entropy",
@@ -62,11 +82,13 @@ __all__ = [
     "masked_whiten",
     "policy_loss",
     "policy_loss_names",
+    "policy_loss_params",
     "ppo_clip_loss",
     "register_advantage_estimator",
     "register_policy_loss",
     "RolloutCorrection",
     "mismatch_metrics",
     "rollout_correction",
+    "sapo_loss",
     "value_loss",
 ]

@@ -1,4 +1,5 @@
-"""Loss aggregation, the PPO clipped policy loss (vanilla and GSPO) and the clipped value loss.
+"""Loss aggregation, the PPO clipped policy loss (vanilla and GSPO), the policy loss dispatcher and the
+clipped value loss. VeRL's other policy losses are in reinforce_losses.py and surrogate_losses.py.
 
 Per-token tensors are [batch, response_len]; `mask` is the response mask. Losses come back as 0-dim
 tensors with their graph; stats are dicts of detached 0-dim tensors (no device sync: call .item() when
@@ -66,6 +67,25 @@ def aggregate_loss(
         _check_count(fn, "scale_factor", scale_factor, allow_zero=False)
         loss = loss / (loss_mat.shape[-1] if scale_factor is None else scale_factor)
     return loss
+
+
+def weighted_aggregate(
+    pg_losses: torch.Tensor,
+    mask: torch.Tensor,
+    agg: str,
+    rollout_is_weights: torch.Tensor | None,
+    counts: dict,
+) -> torch.Tensor:
+    """aggregate_loss of the per-token policy loss [batch, len], each token's first multiplied by its
+    rollout_is_weights (when given); `counts`: aggregate_loss's global_token_count, global_seq_count and
+    scale_factor."""
+    if rollout_is_weights is not None:
+        pg_losses = pg_losses * rollout_is_weights
+    return aggregate_loss(pg_losses, mask, agg, **counts)
+
+
+def detached(stats: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {name: value.detach() for name, value in stats.items()}
 
 
 def ppo_clip_loss(
@@ -178,15 +198,17 @@ def policy_loss(
     global_seq_count: float | torch.Tensor | None = None,
     scale_factor: float | None = None,
     rollout_is_weights: torch.Tensor | None = None,
+    **params,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Policy loss of the registered `mode` ("vanilla" PPO clip, "gspo", or your own).
+    """Policy loss of the registered `mode` ("vanilla" PPO clip, "gspo", VeRL's others, or your own).
 
     All per-token inputs are [batch, response_len]. `agg` None picks the mode's own default
     (vanilla: token-mean, gspo: seq-mean-token-mean); the count arguments go to aggregate_loss.
     rollout_is_weights (rollout correction's truncated IS weights, or None) multiply the per-token
-    policy loss before aggregation.
-    Returns (loss, stats) with stats `pg_clipfrac`, `pg_clipfrac_lower`, `ppo_kl` as detached 0-dim
-    tensors.
+    policy loss before aggregation. `params`: the mode's own settings (registry.policy_loss_params, e.g.
+    clip_cov_ratio for clip_cov).
+    Returns (loss, stats), stats detached 0-dim tensors: `pg_clipfrac`, `pg_clipfrac_lower`, `ppo_kl`
+    for most modes.
     """
     fn = "policy_loss"
     check_2d(fn, "log_probs", log_probs)
@@ -200,7 +222,7 @@ def policy_loss(
         old_log_probs, log_probs, advantages, mask,
         clip_low=clip_low, clip_high=clip_high, clip_ratio_c=clip_ratio_c, agg=agg,
         global_token_count=global_token_count, global_seq_count=global_seq_count, scale_factor=scale_factor,
-        rollout_is_weights=rollout_is_weights,
+        rollout_is_weights=rollout_is_weights, **params,
     )
 
 

@@ -1,13 +1,13 @@
 """algorithm.plugin_modules: your advantage estimators and policy losses, registered without editing
 rlfabric. A plugin is a plain Python module on the processes' import path whose import registers them:
 
-    # my_algos.py (examples/plugins/ has a complete one)
+    # my_algos.py (examples/plugins/topr_plugin.py is a complete one)
     from rlfabric import algorithms as algos
-    algos.register_policy_loss("cispo", cispo_loss)
+    algos.register_policy_loss("topr", topr_loss)
 
     # the run's config
     algorithm: {plugin_modules: [my_algos], adv_estimator: grpo}
-    actor: {loss_mode: cispo}
+    actor: {loss_mode: topr}
 
 The coordinator imports them when it starts (advantage estimators run there) and so does every rank of
 the actor (policy losses run there). Reward scorers are the reward service's: reward.scorer_modules.
@@ -31,12 +31,13 @@ def load_plugin_modules(modules: Sequence[str]) -> None:
 
 def check_algorithm_names(config: RunConfig) -> None:
     """Imports algorithm.plugin_modules, then ConfigError naming the key unless algorithm.adv_estimator and
-    actor.loss_mode are registered and actor.kl_loss_type and algorithm.kl_penalty are KL estimators. What
-    the coordinator (StartRun), the actor (its start) and `rlfabric check` ask."""
+    actor.loss_mode are registered, the loss's params are actor keys, and actor.kl_loss_type and
+    algorithm.kl_penalty are KL estimators. What the coordinator (StartRun), the actor (its start) and
+    `rlfabric check` ask."""
     import torch
 
     from rlfabric.algorithms.kl import kl_penalty
-    from rlfabric.algorithms.registry import advantage_estimator_names, policy_loss_names
+    from rlfabric.algorithms.registry import advantage_estimator_names, policy_loss_names, policy_loss_params
 
     load_plugin_modules(config.algorithm.plugin_modules)
     for key, name, known in (("algorithm.adv_estimator", config.algorithm.adv_estimator, advantage_estimator_names()),
@@ -44,6 +45,10 @@ def check_algorithm_names(config: RunConfig) -> None:
         if name not in known:
             raise ConfigError(f"{key} {name!r} is not registered; known: {', '.join(known)} (add yours with "
                               "algorithm.plugin_modules)")
+    unknown = [key for key in policy_loss_params(config.actor.loss_mode) if key not in type(config.actor).model_fields]
+    if unknown:
+        raise ConfigError(f"actor.loss_mode {config.actor.loss_mode!r} was registered with params {unknown} that are "
+                          "no actor keys")
     for key, kind in (("actor.kl_loss_type", config.actor.kl_loss_type),
                       ("algorithm.kl_penalty", config.algorithm.kl_penalty)):
         try:

@@ -22,10 +22,14 @@ default); `rollout_is_weights` is None or [batch, response_len] weights to multi
 by before aggregation (algorithm.rollout_correction.rollout_is). Inputs arrive already shape-checked;
 stats is a dict of 0-dim tensors, reported by the actor as actor/<name>.
 
-Built-ins: estimators gae, grpo, rloo, reinforce_plus_plus, remax (advantages.py); policy losses
-vanilla, gspo (losses.py). Each module registers its own at import; no registration may replace a
-built-in (overwrite=True replaces only your own). A run's config imports its own registrations from
-algorithm.plugin_modules (rlfabric.algorithms.plugins).
+A loss that needs settings of its own names them at registration (`params`): actor config keys that the
+actor passes it as extra keyword arguments (e.g. clip_cov's actor.clip_cov_ratio).
+
+Built-ins, under VeRL's names: the estimators of BUILTIN_ADVANTAGE_ESTIMATORS (advantages.py) and the
+policy losses of BUILTIN_POLICY_LOSSES (losses.py, reinforce_losses.py, surrogate_losses.py). Each module
+registers its own at import; no registration may replace a built-in (overwrite=True replaces only your
+own). A run's config imports its own registrations from algorithm.plugin_modules
+(rlfabric.algorithms.plugins).
 """
 
 from collections.abc import Callable
@@ -36,11 +40,17 @@ ADVANTAGE_ESTIMATOR_KWARGS = (
     "token_rewards", "mask", "values", "group_ids", "baselines", "gamma", "lam", "norm_by_std",
 )
 
-BUILTIN_ADVANTAGE_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus", "remax")
-BUILTIN_POLICY_LOSSES = ("vanilla", "gspo")
+BUILTIN_ADVANTAGE_ESTIMATORS = (
+    "gae", "grpo", "rloo", "reinforce_plus_plus", "remax", "grpo_vectorized", "rloo_vectorized", "grpo_passk",
+    "reinforce_plus_plus_baseline", "opo", "gpg",
+)
+BUILTIN_POLICY_LOSSES = (
+    "vanilla", "gspo", "gpg", "cispo", "dppo_tv", "dppo_kl", "dro", "sapo", "geo_mean", "clip_cov", "kl_cov",
+)
 
 _ADVANTAGE_ESTIMATORS: dict[str, Callable] = {}
 _POLICY_LOSSES: dict[str, Callable] = {}
+_POLICY_LOSS_PARAMS: dict[str, tuple[str, ...]] = {}
 _BUILTINS = {"advantage_estimator": BUILTIN_ADVANTAGE_ESTIMATORS, "policy_loss": BUILTIN_POLICY_LOSSES}
 
 
@@ -74,9 +84,13 @@ def advantage_estimator_names() -> list[str]:
     return sorted(_ADVANTAGE_ESTIMATORS)
 
 
-def register_policy_loss(name: str, fn: Callable, overwrite: bool = False) -> None:
-    """Make `fn` (in the policy loss call form above) selectable as policy_loss(mode=name)."""
+def register_policy_loss(name: str, fn: Callable, overwrite: bool = False, params: tuple[str, ...] = ()) -> None:
+    """Make `fn` (in the policy loss call form above) selectable as policy_loss(mode=name). `params`: the
+    actor config keys it takes as extra keyword arguments of the same names."""
+    if isinstance(params, str) or not all(isinstance(p, str) and p.isidentifier() for p in params):
+        raise ValueError(f"register_policy_loss: params of {name!r} must be a tuple of key names, got {params!r}")
     _register(_POLICY_LOSSES, "policy_loss", name, fn, overwrite)
+    _POLICY_LOSS_PARAMS[name] = tuple(params)
 
 
 def get_policy_loss(name: str) -> Callable:
@@ -84,6 +98,12 @@ def get_policy_loss(name: str) -> Callable:
     if name not in _POLICY_LOSSES:
         raise unknown_name("get_policy_loss", "policy loss mode", name, _POLICY_LOSSES)
     return _POLICY_LOSSES[name]
+
+
+def policy_loss_params(name: str) -> tuple[str, ...]:
+    """The actor config keys the policy loss `name` takes (register_policy_loss's params); () for most."""
+    get_policy_loss(name)  # ValueError for an unknown name
+    return _POLICY_LOSS_PARAMS.get(name, ())
 
 
 def policy_loss_names() -> list[str]:

@@ -68,3 +68,10 @@ def group_index(group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def group_sum(x: torch.Tensor, inverse: torch.Tensor, n_groups: int) -> torch.Tensor:
     """Sum of the 1-D tensor `x` within each group -> [n_groups]."""
     return torch.zeros(n_groups, dtype=x.dtype, device=x.device).index_add_(0, inverse, x)
+
+
+def group_reduce(x: torch.Tensor, inverse: torch.Tensor, n_groups: int, reduce: str) -> torch.Tensor:
+    """`reduce` ("amax", "amin") of the 1-D tensor `x` within each group -> [n_groups]; every group has a
+    member (group_index's numbering)."""
+    return torch.zeros(n_groups, dtype=x.dtype, device=x.device).scatter_reduce(0, inverse, x, reduce,
+                                                                               include_self=False)

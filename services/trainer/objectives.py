@@ -225,11 +225,13 @@ class PolicyObjective:
         # Without old_log_probs the update is one optimizer step on the policy that sampled the batch
         # (TrainerEngine checks), so the old policy is the current one: its log-probs, detached.
         old_log_probs = batch["old_log_probs"] if "old_log_probs" in batch else log_probs.detach()
+        loss_params = {key: getattr(cfg, key) for key in algos.policy_loss_params(cfg.loss_mode)}  # e.g. clip_cov's
         pg_loss, pg_stats = algos.policy_loss(
             old_log_probs, log_probs, batch["advantages"], mask,
             clip_low=cfg.clip_ratio_low, clip_high=cfg.clip_ratio_high, clip_ratio_c=cfg.clip_ratio_c,
             agg=cfg.loss_agg_mode, mode=cfg.loss_mode, **agg,
             rollout_is_weights=batch["rollout_is_weights"] if "rollout_is_weights" in batch else None,
+            **loss_params,
         )
         entropy_agg = algos.aggregate_loss(entropy, mask, cfg.loss_agg_mode, **agg)
         loss = pg_loss - cfg.entropy_coeff * entropy_agg if want_entropy_grad else pg_loss

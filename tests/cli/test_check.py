@@ -38,7 +38,7 @@ def _problems(*overrides: str, stages=("files", "names")) -> list[str]:
 
 @pytest.mark.parametrize("override, problem", [
     ("algorithm.adv_estimator=grpoo", "algorithm.adv_estimator 'grpoo' is not registered; known: "),
-    ("actor.loss_mode=cispo", "actor.loss_mode 'cispo' is not registered; known: "),  # and what tests registered
+    ("actor.loss_mode=topr", "actor.loss_mode 'topr' is not registered; known: "),  # and what tests registered
     ("actor.kl_loss_type=k9", "actor.kl_loss_type: kl_penalty: unknown kind 'k9'"),
     ("model.path=/nowhere/model", "model.path /nowhere/model: no such directory"),
     ("model.path=Qwen/Qwen2.5-0.5B", "model.path Qwen/Qwen2.5-0.5B: it looks like a hub id"),

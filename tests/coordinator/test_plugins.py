@@ -1,4 +1,4 @@
-"""algorithm.plugin_modules: the example plugin (examples/plugins/cispo_plugin.py) trains a short run on
+"""algorithm.plugin_modules: the example plugin (examples/plugins/topr_plugin.py) trains a short run on
 the in-process mesh with its loss and estimator; a module that cannot be imported or that replaces a
 built-in fails at start naming the key; a StartRun over gRPC cannot name a module of its own."""
 
@@ -28,32 +28,32 @@ PLUGINS = Path(__file__).resolve().parents[2] / "examples" / "plugins"
 
 @pytest.fixture
 def example_plugin(monkeypatch):
-    """The example plugin module, importable as `cispo_plugin`. Its registrations go into copies of the
+    """The example plugin module, importable as `topr_plugin`. Its registrations go into copies of the
     registries that the test's end discards (the in-process mesh shares this process with other tests)."""
     monkeypatch.setattr(registry, "_ADVANTAGE_ESTIMATORS", dict(registry._ADVANTAGE_ESTIMATORS))
     monkeypatch.setattr(registry, "_POLICY_LOSSES", dict(registry._POLICY_LOSSES))
     monkeypatch.syspath_prepend(str(PLUGINS))
-    yield importlib.import_module("cispo_plugin")
-    sys.modules.pop("cispo_plugin", None)
+    yield importlib.import_module("topr_plugin")
+    sys.modules.pop("topr_plugin", None)
 
 
 def test_a_run_trains_with_the_plugins_loss_and_estimator(tiny_model, tmp_path, example_plugin):
-    config = fast_config(tiny_model, "algorithm.plugin_modules=[cispo_plugin]", "actor.loss_mode=cispo",
+    config = fast_config(tiny_model, "algorithm.plugin_modules=[topr_plugin]", "actor.loss_mode=topr",
                          "algorithm.adv_estimator=group_rank")
     calls_before = dict(example_plugin.CALLS)
 
     async def scenario():
         async with in_process(config, tmp_path / "run") as client:
             # Naming a module the mesh was started with is fine (it is imported already).
-            await client.start_run(["algorithm.plugin_modules=[cispo_plugin]"])
+            await client.start_run(["algorithm.plugin_modules=[topr_plugin]"])
             metrics = {update.step: dict(update.metrics) async for update in client.stream_metrics(from_step=1)}
             return metrics, await client.run_status()
 
     metrics, status = asyncio.run(scenario())
     assert status.state == coordinator_pb2.RUN_STATE_COMPLETED, status.error
     assert example_plugin.CALLS["group_rank"] - calls_before["group_rank"] == 2  # once a step
-    assert example_plugin.CALLS["cispo"] > calls_before["cispo"]  # in the actor, once a micro-batch
-    assert 0.0 <= metrics[2]["actor/cispo_clipfrac"] <= 1.0  # the plugin's own stat reached the metrics
+    assert example_plugin.CALLS["topr"] > calls_before["topr"]  # in the actor, once a micro-batch
+    assert 0.0 <= metrics[2]["actor/topr_truncfrac"] <= 1.0  # the plugin's own stat reached the metrics
 
 
 def test_a_module_that_cannot_be_imported_fails_at_start_naming_the_key(tiny_model):
@@ -85,7 +85,7 @@ def test_start_run_cannot_add_a_plugin_module(tiny_model, serve_in_thread):
         asyncio.run(start(["algorithm.plugin_modules=[os]"]))
     # The service keeps answering.
     with pytest.raises(PermissionDenied):
-        asyncio.run(start(["algorithm.plugin_modules=[cispo_plugin]"]))
+        asyncio.run(start(["algorithm.plugin_modules=[topr_plugin]"]))
 
 
 def test_the_example_estimator_ranks_within_each_group(example_plugin):

@@ -75,16 +75,40 @@ class ActorConfig(ModelRoleSection):
     ppo_epochs: int = Field(1, ge=1)
     """Passes over the batch per UpdatePolicy."""
     loss_mode: str = "vanilla"
-    """Policy loss from rlfabric.algorithms: vanilla (PPO clip + dual clip), gspo, or one you registered."""
+    """Policy loss from rlfabric.algorithms, VeRL's names (VeRL: actor.policy_loss.loss_mode): vanilla (PPO
+    clip + dual clip), gspo, gpg, cispo, dppo_tv, dppo_kl, dro, sapo, geo_mean (GMPO), clip_cov, kl_cov, or
+    one you registered."""
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
     """How per-token losses reduce to one number (token-mean, seq-mean-token-sum, ...); when not set, the
-    loss mode's own: seq-mean-token-mean for gspo (as in the GSPO paper), token-mean otherwise."""
+    loss mode's own: seq-mean-token-mean for gspo (as in the GSPO paper) and sapo, token-mean otherwise. sapo
+    and geo_mean reduce their policy loss their own way whatever this says (as VeRL's do)."""
     clip_ratio_low: float = Field(0.2, ge=0)
     """PPO ratio lower clip: ratio >= 1 - clip_ratio_low."""
     clip_ratio_high: float = Field(0.2, ge=0)
     """PPO ratio upper clip: ratio <= 1 + clip_ratio_high (DAPO's clip-higher uses 0.28)."""
     clip_ratio_c: float = Field(3.0, gt=1)
-    """Dual-clip bound for negative advantages (Ye et al. 2020)."""
+    """Dual-clip bound for negative advantages (Ye et al. 2020); with loss_mode dppo_tv or dppo_kl, the
+    truncation of their importance weights (the DPPO paper advises a large one, e.g. 20)."""
+    clip_cov_ratio: float = Field(0.0002, gt=0, le=1)
+    """loss_mode clip_cov: fraction of the valid tokens whose gradient is cut (VeRL:
+    actor.policy_loss.clip_cov_ratio)."""
+    clip_cov_lb: float = 1.0
+    """loss_mode clip_cov: a token may be cut when its covariance (A - mean A) * (log pi - mean log pi) is above
+    this (VeRL: actor.policy_loss.clip_cov_lb)."""
+    clip_cov_ub: float = 5.0
+    """loss_mode clip_cov: ... and below this (VeRL: actor.policy_loss.clip_cov_ub)."""
+    kl_cov_ratio: float = Field(0.0002, gt=0, le=1)
+    """loss_mode kl_cov: fraction of the valid tokens, those of largest covariance, that get the |log ratio|
+    penalty (VeRL: actor.policy_loss.kl_cov_ratio)."""
+    ppo_kl_coef: float = Field(0.1, ge=0)
+    """loss_mode kl_cov: weight of that penalty (VeRL: actor.policy_loss.ppo_kl_coef)."""
+    dro_beta: float | None = Field(None, gt=0)
+    """loss_mode dro: weight of the quadratic log-ratio penalty, needed by dro (VeRL:
+    actor.policy_loss.dro_beta)."""
+    tau_pos: float = Field(1.0, gt=0)
+    """loss_mode sapo: temperature of the soft gate for positive advantages."""
+    tau_neg: float = Field(1.05, gt=0)
+    """loss_mode sapo: temperature of the soft gate for the other advantages (above tau_pos for asymmetry)."""
     entropy_coeff: float = 0.0
     """Entropy bonus weight: loss -= entropy_coeff * entropy."""
     use_kl_loss: bool = False
@@ -109,6 +133,14 @@ class ActorConfig(ModelRoleSection):
         if isinstance(data, dict) and "loss_agg_mode" not in data and data.get("loss_mode") in LOSS_MODE_AGGREGATION:
             data = {**data, "loss_agg_mode": LOSS_MODE_AGGREGATION[data["loss_mode"]]}
         return data
+
+    @model_validator(mode="after")
+    def _loss_mode_settings(self) -> ActorConfig:
+        if self.loss_mode == "dro" and self.dro_beta is None:
+            raise ValueError("loss_mode dro needs dro_beta, the weight of its log-ratio penalty (> 0)")
+        if self.clip_cov_lb >= self.clip_cov_ub:
+            raise ValueError(f"clip_cov_lb {self.clip_cov_lb} must be below clip_cov_ub {self.clip_cov_ub}")
+        return self
 
 
 class ReferenceConfig(ModelRoleSection):

@@ -11,7 +11,7 @@ from pydantic import (
 )
 
 # Policy loss modes whose own loss aggregation differs from actor.loss_agg_mode's default, token-mean.
-LOSS_MODE_AGGREGATION = {"gspo": "seq-mean-token-mean"}
+LOSS_MODE_AGGREGATION = {"gspo": "seq-mean-token-mean", "sapo": "seq-mean-token-mean"}
 DEFAULT_CONFIG_NAME = "quickstart.yaml"
 _DOTTED_KEY = re.compile(r"[A-Za-z0-9_-]+(?:\.[A-Za-z0-9_-]+)*")
 # Messages quote inputs through this: an input of megabytes (a value, an override) shows as its start.

@@ -17,6 +17,10 @@ from rlfabric.core.config.run import RunConfig
 from rlfabric.core.config.server import ServerConfig
 from rlfabric.core.config.unknown_keys import describe_unknown_key
 
+# The built-in estimators whose baseline is the other samples of the prompt (rlfabric.algorithms.advantages).
+GROUP_ESTIMATORS = ("grpo", "grpo_vectorized", "grpo_passk", "rloo", "rloo_vectorized",
+                    "reinforce_plus_plus_baseline", "opo", "gpg")
+
 
 def default_config_path() -> Path:
     """Path of the built-in quickstart config."""
@@ -154,7 +158,7 @@ def check_run_rules(config: RunConfig) -> None:
     if config.trainer.colocated and config.rollout.engine == "vllm" and not config.rollout.enable_sleep_mode:
         raise ConfigError("trainer.colocated=true with rollout.engine=vllm needs rollout.enable_sleep_mode=true "
                           "(vLLM's sleep mode, CUDA only)")
-    if config.algorithm.adv_estimator in ("grpo", "rloo") and config.rollout.n < 2:
+    if config.algorithm.adv_estimator in GROUP_ESTIMATORS and config.rollout.n < 2:
         raise ConfigError(f"algorithm.adv_estimator={config.algorithm.adv_estimator} compares samples of a "
                           "prompt: set rollout.n >= 2")
     multi_turn = config.rollout.multi_turn

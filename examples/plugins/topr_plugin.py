@@ -2,12 +2,14 @@
 without editing rlfabric. Put this folder on the services' import path and name the module in the
 mesh's config:
 
-    PYTHONPATH=examples/plugins rlfabric train algorithm.plugin_modules=[cispo_plugin] \\
-        actor.loss_mode=cispo algorithm.adv_estimator=group_rank
+    PYTHONPATH=examples/plugins rlfabric train algorithm.plugin_modules=[topr_plugin] \\
+        actor.loss_mode=topr algorithm.adv_estimator=group_rank
 
-- "cispo" (MiniMax-M1, 2025): REINFORCE on each token's log-prob, weighted by its importance ratio
-  clipped to [1 - clip_ratio_low, 1 + clip_ratio_high] and detached, so a clipped token still has a
-  gradient (PPO's clip drops it). Reports actor/cispo_clipfrac.
+- "topr" (Tapered Off-Policy REINFORCE, Le Roux et al. 2025, arXiv 2503.14286): REINFORCE on each token's
+  log-prob; a token with a positive advantage learns as in supervised fine-tuning (no importance weight),
+  one with a negative advantage is weighted by its importance ratio truncated to [0, 1] and detached, so
+  pushing a bad token down stops once the policy has left it. Reports actor/topr_truncfrac (the tokens
+  with A < 0 whose ratio was above 1). The clip settings are unused.
 - "group_rank": each sample's advantage is its score's rank within its prompt's group, centred and
   scaled to [-1, 1] (ties share their mean rank); a group of one gets 0.
 
@@ -20,24 +22,22 @@ import torch
 
 from rlfabric import algorithms as algos
 
-CALLS = {"cispo": 0, "group_rank": 0}
+CALLS = {"topr": 0, "group_rank": 0}
 
 
-def cispo_loss(old_log_probs, log_probs, advantages, mask, *, clip_low, clip_high, clip_ratio_c, agg,
-               global_token_count, global_seq_count, scale_factor, rollout_is_weights):
-    """The registry's policy loss call form (rlfabric.algorithms.registry); clip_ratio_c is unused."""
-    CALLS["cispo"] += 1
-    ratio = torch.exp(torch.clamp(log_probs - old_log_probs, -20.0, 20.0))  # [B, T]
-    clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high).detach()
-    pg_losses = -advantages * clipped * log_probs  # [B, T]
+def topr_loss(old_log_probs, log_probs, advantages, mask, *, clip_low, clip_high, clip_ratio_c, agg,
+              global_token_count, global_seq_count, scale_factor, rollout_is_weights):
+    """The registry's policy loss call form (rlfabric.algorithms.registry)."""
+    CALLS["topr"] += 1
+    ratio = torch.exp(torch.clamp(log_probs - old_log_probs, -20.0, 20.0)).detach()  # [B, T]
+    weight = torch.where(advantages >= 0, torch.ones_like(ratio), torch.clamp(ratio, max=1.0))
+    pg_losses = -advantages * weight * log_probs  # [B, T]
     if rollout_is_weights is not None:
         pg_losses = pg_losses * rollout_is_weights
     loss = algos.aggregate_loss(pg_losses, mask, agg or "token-mean", global_token_count=global_token_count,
                                 global_seq_count=global_seq_count, scale_factor=scale_factor)
-    clipfrac = algos.masked_mean((ratio.detach() != clipped).to(log_probs.dtype), mask)
-    stats = {"pg_clipfrac": clipfrac, "cispo_clipfrac": clipfrac,
-             "pg_clipfrac_lower": torch.zeros((), dtype=log_probs.dtype, device=log_probs.device),
-             "ppo_kl": algos.masked_mean(old_log_probs - log_probs, mask)}
+    truncated = algos.masked_mean(((advantages < 0) & (ratio > 1.0)).to(log_probs.dtype), mask)
+    stats = {"topr_truncfrac": truncated, "ppo_kl": algos.masked_mean(old_log_probs - log_probs, mask)}
     return loss, {name: value.detach() for name, value in stats.items()}
 
 
@@ -63,5 +63,5 @@ def group_rank_advantage(*, token_rewards, mask, values=None, group_ids=None, ba
     return advantages, advantages
 
 
-algos.register_policy_loss("cispo", cispo_loss)
+algos.register_policy_loss("topr", topr_loss)
 algos.register_advantage_estimator("group_rank", group_rank_advantage)
