@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 
 from rlfabric.algorithms import registry
-from rlfabric.algorithms.plugins import load_plugin_modules
+from rlfabric.algorithms.plugins import check_algorithm_names, load_plugin_modules
 from rlfabric.coordinator.client import CoordinatorClient
 from rlfabric.coordinator.run_controller import RunController
 from rlfabric.core.client import ChannelOptions
-from rlfabric.core.config import ConfigError
+from rlfabric.core.config import ConfigError, load_run_config
 from rlfabric.core.errors import PermissionDenied
 from rlfabric.core.server import ServerOptions
 from rlfabric.serve import build_service
@@ -102,3 +102,19 @@ def test_the_example_estimator_ranks_within_each_group(example_plugin):
         token_rewards=token_rewards, mask=mask, group_ids=torch.tensor([0, 0, 0, 1, 1, 2]))
     assert advantages[:, 0].tolist() == [-1.0, 1.0, 0.0, 0.0, 0.0, 0.0]  # ranks 0, 2, 1 of 3; a tie; alone
     assert advantages[0, 1] == 0  # masked
+
+
+def test_a_plugin_loss_takes_only_actor_keys_as_its_settings(tmp_path, monkeypatch):
+    monkeypatch.setattr(registry, "_POLICY_LOSSES", dict(registry._POLICY_LOSSES))
+    monkeypatch.setattr(registry, "_POLICY_LOSS_PARAMS", dict(registry._POLICY_LOSS_PARAMS))
+    (tmp_path / "loss_with_settings.py").write_text(
+        "from rlfabric import algorithms as algos\n"
+        "algos.register_policy_loss('my_kl_cov', lambda *a, **kw: None, params=('ppo_kl_coef',))\n"
+        "algos.register_policy_loss('my_beta_loss', lambda *a, **kw: None, params=('beta',))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    plugin = "algorithm.plugin_modules=[loss_with_settings]"
+    check_algorithm_names(load_run_config(None, [plugin, "actor.loss_mode=my_kl_cov"]))  # an actor key: fine
+    with pytest.raises(ConfigError, match=r"actor.loss_mode 'my_beta_loss' was registered with params \['beta'\] "
+                                          "that are no actor keys"):
+        check_algorithm_names(load_run_config(None, [plugin, "actor.loss_mode=my_beta_loss"]))
+    sys.modules.pop("loss_with_settings", None)

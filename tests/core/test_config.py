@@ -71,6 +71,7 @@ def test_every_field_is_documented():
     (["actor.loss_mode=gspo"], "seq-mean-token-mean"),  # GSPO's own, as documented and as in the paper
     (["actor.loss_mode=gspo", "actor.loss_agg_mode=token-mean"], "token-mean"),  # set: kept
     (["actor.loss_mode=vanilla"], "token-mean"),
+    (["actor.loss_mode=sapo"], "seq-mean-token-mean"),  # SAPO's loss is a sequence mean, as VeRL's
     ([], "token-mean"),
 ])
 def test_loss_aggregation_left_out_is_the_loss_modes_own(tmp_path, overrides, aggregation):
@@ -89,6 +90,7 @@ def test_loss_aggregation_left_out_is_the_loss_modes_own(tmp_path, overrides, ag
      "data.train_batch_size 64 < critic.ppo_mini_batch_size 128"),
     (["rollout.n=1"], "algorithm.adv_estimator=grpo compares samples of a prompt: set rollout.n >= 2"),
     (["algorithm.adv_estimator=rloo", "rollout.n=1"], "algorithm.adv_estimator=rloo compares samples"),
+    (["algorithm.adv_estimator=grpo_passk", "rollout.n=1"], "algorithm.adv_estimator=grpo_passk compares samples"),
     (["reference.sync_ref_model=true"], "reference.sync_ref_model=true needs a reference service"),
     (["reference.sync_ref_model=true", "actor.use_kl_loss=true", "actor.lora.rank=8"],
      "reference.sync_ref_model=true needs a reference service"),
@@ -100,6 +102,18 @@ def test_a_config_a_run_cannot_train_with_fails_to_load(overrides, message):
     with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
         load_run_config(overrides=overrides)
     load_config(overrides=overrides)  # one service's config: its own section is what counts
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["actor.loss_mode=dro"], "actor: .*loss_mode dro needs dro_beta"),
+    (["actor.loss_mode=dro", "actor.dro_beta=0"], "actor.dro_beta"),
+    (["actor.clip_cov_lb=5", "actor.clip_cov_ub=1"], "clip_cov_lb 5.0 must be below clip_cov_ub 1.0"),
+    (["actor.clip_cov_ratio=0"], "actor.clip_cov_ratio"),
+])
+def test_a_loss_modes_settings_are_checked_at_load(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(overrides=overrides)
+    assert load_config(overrides=["actor.loss_mode=dro", "actor.dro_beta=0.1"]).actor.dro_beta == 0.1
 
 
 def test_a_critic_mini_batch_does_not_matter_without_a_critic():

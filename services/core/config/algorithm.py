@@ -60,13 +60,15 @@ class AlgorithmConfig(Section):
     """The RL algorithm: advantage estimator, KL in the reward, rollout correction and plugins."""
 
     adv_estimator: str = "grpo"
-    """Advantage estimator: gae, grpo, rloo, reinforce_plus_plus, remax, or one you registered."""
+    """Advantage estimator, VeRL's names: gae, grpo, rloo, reinforce_plus_plus, remax, grpo_passk,
+    reinforce_plus_plus_baseline, opo, gpg, grpo_vectorized, rloo_vectorized, or one you registered."""
     gamma: float = 1.0
     """Discount factor."""
     lam: float = 1.0
     """GAE lambda."""
     norm_adv_by_std_in_grpo: bool = True
-    """GRPO: divide by the group's reward std (False = Dr. GRPO's mean-only baseline)."""
+    """GRPO (and grpo_vectorized, grpo_passk): divide by the group's reward std (False = Dr. GRPO's mean-only
+    baseline)."""
     use_kl_in_reward: bool = False
     """Subtract kl_coef * KL(policy || reference) from the token rewards (PPO-RLHF style)."""
     kl_penalty: str = "kl"

@@ -79,6 +79,10 @@ VERL_KEYS: tuple[KeyRow, ...] = (
     KeyRow(f"{_AR}.actor.kl_loss_type", "actor.kl_loss_type"),
     KeyRow(f"{_AR}.actor.loss_agg_mode", "actor.loss_agg_mode"),
     KeyRow(f"{_AR}.actor.policy_loss.loss_mode", "actor.loss_mode"),
+    *(KeyRow(f"{_AR}.actor.policy_loss.{key}", f"actor.{key}")
+      for key in ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef", "dro_beta")),
+    KeyRow(f"{_AR}.actor.tau_pos", "actor.tau_pos"),
+    KeyRow(f"{_AR}.actor.tau_neg", "actor.tau_neg"),
     KeyRow(f"{_AR}.actor.strategy", note="no equivalent: set actor.world_size and actor.tensor_parallel_size"),
     KeyRow(f"{_AR}.actor.ulysses_sequence_parallel_size", note="no equivalent: rlfabric has no sequence "
                                                                "parallelism; see actor.tensor_parallel_size"),

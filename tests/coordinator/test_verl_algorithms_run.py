@@ -1,0 +1,79 @@
+"""VeRL's advantage estimators and a policy loss with settings of its own, by their config names, through a
+real training step on the in-process mesh: one mesh whose actor trains with loss_mode clip_cov, one StartRun
+(one step) per estimator. The advantages the actor receives are the named estimator's on the step's scores
+and groups (read back from the rollout dump), and clip_cov cuts the share of tokens actor.clip_cov_ratio says,
+so a name or a setting that does not reach its function fails here."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from rlfabric import algorithms as algos
+from rlfabric.coordinator.rollout_batch import token_level_scores
+from rlfabric.v1 import coordinator_pb2
+from tests.coordinator.meshes import fast_config, in_process
+
+pytestmark = pytest.mark.slow
+
+ESTIMATORS = ("grpo_passk", "reinforce_plus_plus_baseline", "opo", "gpg", "grpo_vectorized", "rloo_vectorized")
+CUT_RATIO = 0.5
+
+
+class RecordingActor:
+    """The run's actor client, keeping each UpdatePolicy batch; everything else passes through."""
+
+    def __init__(self, actor):
+        self.actor = actor
+        self.batches: list[dict[str, torch.Tensor]] = []
+
+    def __getattr__(self, name):
+        return getattr(self.actor, name)
+
+    async def update_policy(self, batch, *args, **kwargs):
+        self.batches.append(batch)
+        return await self.actor.update_policy(batch, *args, **kwargs)
+
+
+def test_each_estimator_and_clip_cov_train_by_their_config_names(tiny_model, tmp_path):
+    # Every valid token a candidate (lower bound far below any covariance): clip_cov cuts int(ratio * tokens)
+    # of them in each micro-batch, where vanilla PPO would clip none in a step's first optimizer step.
+    config = fast_config(tiny_model, "actor.loss_mode=clip_cov", f"actor.clip_cov_ratio={CUT_RATIO}",
+                         "actor.clip_cov_lb=-1e9", "trainer.total_steps=1", "trainer.dump_rollouts=true")
+    actors: list[RecordingActor] = []
+
+    def recording(peers):
+        actors.append(RecordingActor(peers.actor))
+        return dataclasses.replace(peers, actor=actors[-1])
+
+    async def scenario():
+        results = {}
+        async with in_process(config, tmp_path / "run", wrap_peers=recording) as client:
+            for name in ESTIMATORS:
+                await client.start_run([f"algorithm.adv_estimator={name}", f"trainer.experiment_name={name}"])
+                metrics = [dict(update.metrics) async for update in client.stream_metrics(from_step=1)]
+                results[name] = metrics, await client.run_status()
+        return results
+
+    results = asyncio.run(scenario())
+    batches = [batch for actor in actors for batch in actor.batches]
+    assert len(batches) == len(ESTIMATORS)  # one update a run
+    for name, batch in zip(ESTIMATORS, batches, strict=True):
+        metrics, status = results[name]
+        assert status.state == coordinator_pb2.RUN_STATE_COMPLETED, (name, status.error)
+        assert CUT_RATIO - 0.1 < metrics[-1]["actor/pg_clipfrac"] <= CUT_RATIO, name
+        rows = [json.loads(line) for line in
+                (tmp_path / "run" / "experiments" / name / "rollouts" / "step_1.jsonl").read_text().splitlines()]
+        mask = batch["response_mask"]
+        scores = torch.tensor([row["score"] for row in rows], dtype=torch.float32)
+        uids = [row["uid"] for row in rows]
+        group_ids = torch.tensor([uids.index(uid) for uid in uids])
+        expected, _ = algos.get_advantage_estimator(name)(
+            token_rewards=token_level_scores(scores, mask), mask=mask, group_ids=group_ids, norm_by_std=True)
+        torch.testing.assert_close(batch["advantages"], expected, msg=name)
+    passk = batches[0]["advantages"].abs().sum(-1) > 0  # [B] grpo_passk: the best of each group of 4 at most
+    assert int(passk.view(-1, 4).sum(-1).max()) <= 1
