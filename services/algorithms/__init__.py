@@ -16,6 +16,7 @@ variants), losses (aggregation, PPO's policy losses, the value loss), reinforce_
 
 from .advantages import (
     compute_gae,
+    compute_gdpo_advantage,
     compute_gpg_advantage,
     compute_grpo_advantage,
     compute_grpo_passk_advantage,
@@ -31,7 +32,10 @@ from .logits import entropy_from_logits, log_probs_and_entropy, log_probs_from_l
 from .losses import AGG_MODES, aggregate_loss, gspo_loss, policy_loss, ppo_clip_loss, value_loss
 from .registry import (
     ADVANTAGE_ESTIMATOR_KWARGS,
+    ESTIMATOR_INPUTS,
+    advantage_estimator_inputs,
     advantage_estimator_names,
+    advantage_estimator_params,
     get_advantage_estimator,
     get_policy_loss,
     policy_loss_names,
@@ -47,13 +51,17 @@ from .surrogate_losses import clip_cov_loss, geo_mean_loss, kl_cov_loss, sapo_lo
 __all__ = [
     "ADVANTAGE_ESTIMATOR_KWARGS",
     "AGG_MODES",
+    "ESTIMATOR_INPUTS",
     "AdaptiveKLController",
     "FixedKLController",
+    "advantage_estimator_inputs",
     "advantage_estimator_names",
+    "advantage_estimator_params",
     "aggregate_loss",
     "cispo_loss",
     "clip_cov_loss",
     "compute_gae",
+    "compute_gdpo_advantage",
     "compute_gpg_advantage",
     "compute_grpo_advantage",
     "compute_grpo_passk_advantage",

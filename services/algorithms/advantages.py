@@ -1,5 +1,5 @@
 """Advantage estimators: GAE (PPO), GRPO, RLOO, REINFORCE++, ReMax, and VeRL's outcome variants: GRPO
-pass@k, REINFORCE++ with a group baseline, OPO and GPG.
+pass@k, REINFORCE++ with a group baseline, OPO, GPG and GDPO.
 
 Every estimator takes per-token rewards `token_rewards` [batch, response_len] (the outcome score usually
 sits on the last valid token) and the response mask, and returns (advantages, returns), both
@@ -244,6 +244,44 @@ def compute_gpg_advantage(
     return advantages, advantages
 
 
+def compute_gdpo_advantage(
+    token_rewards: torch.Tensor,
+    mask: torch.Tensor,
+    group_ids: torch.Tensor,
+    reward_components: torch.Tensor | None = None,
+    reward_weights: list[float] | None = None,
+    norm_by_std: bool = True,
+    epsilon: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GDPO (arXiv 2601.05242): each reward component normalized within its group on its own, as GRPO
+    normalizes the score (so that a dominant component does not drown the others), their weighted sum
+    whitened over the batch.
+
+    reward_components [batch, K] (None: the score alone, K = 1); reward_weights: K weights (None: 1 each).
+    returns = advantages.
+    """
+    _check_rewards("compute_gdpo_advantage", token_rewards, mask)
+    check_group_ids("compute_gdpo_advantage", group_ids, token_rewards.shape[0])
+    if reward_components is None:
+        reward_components = token_rewards.sum(dim=-1, keepdim=True)
+    if reward_components.dim() != 2 or reward_components.shape[0] != token_rewards.shape[0]:
+        raise ValueError(f"compute_gdpo_advantage: reward_components must be [{token_rewards.shape[0]}, K], got "
+                         f"{tuple(reward_components.shape)}")
+    weights = [1.0] * reward_components.shape[1] if reward_weights is None else list(reward_weights)
+    if len(weights) != reward_components.shape[1]:
+        raise ValueError(f"compute_gdpo_advantage: {len(weights)} reward_weights for {reward_components.shape[1]} "
+                         "reward components")
+    with torch.no_grad():
+        mask = mask.to(token_rewards.dtype)
+        total = torch.zeros(token_rewards.shape[0], dtype=token_rewards.dtype, device=token_rewards.device)
+        for weight, component in zip(weights, reward_components.to(token_rewards.dtype).unbind(-1), strict=True):
+            row_mean, row_std, _ = _row_group_stats(component, group_ids)
+            centred = component - row_mean
+            total = total + weight * (centred / (row_std + epsilon) if norm_by_std else centred)
+        advantages = masked_whiten(total.unsqueeze(-1) * mask, mask) * mask  # [batch, response_len]
+    return advantages, advantages
+
+
 # Registry adapters, in the uniform keyword call form of registry.py (ADVANTAGE_ESTIMATOR_KWARGS);
 # each takes every keyword so a misspelt one fails, and ignores what its estimator does not need.
 
@@ -308,6 +346,13 @@ def _gpg(*, token_rewards, mask, values=None, group_ids=None, baselines=None, ga
     return compute_gpg_advantage(token_rewards, mask, _need("gpg", "group_ids", group_ids))
 
 
+def _gdpo(*, token_rewards, mask, values=None, group_ids=None, baselines=None, gamma=1.0, lam=1.0,
+          norm_by_std=True, reward_components=None, gdpo_reward_weights=None):
+    group_ids = _need("gdpo", "group_ids", group_ids)
+    return compute_gdpo_advantage(token_rewards, mask, group_ids, reward_components, gdpo_reward_weights,
+                                  norm_by_std=norm_by_std)
+
+
 register_advantage_estimator("gae", _gae)
 register_advantage_estimator("grpo", _grpo)
 register_advantage_estimator("rloo", _rloo)
@@ -321,3 +366,4 @@ register_advantage_estimator("grpo_passk", _grpo_passk)
 register_advantage_estimator("reinforce_plus_plus_baseline", _reinforce_pp_baseline)
 register_advantage_estimator("opo", _opo)
 register_advantage_estimator("gpg", _gpg)
+register_advantage_estimator("gdpo", _gdpo, params=("gdpo_reward_weights",), inputs=("reward_components",))

@@ -31,13 +31,18 @@ def load_plugin_modules(modules: Sequence[str]) -> None:
 
 def check_algorithm_names(config: RunConfig) -> None:
     """Imports algorithm.plugin_modules, then ConfigError naming the key unless algorithm.adv_estimator and
-    actor.loss_mode are registered, the loss's params are actor keys, and actor.kl_loss_type and
+    actor.loss_mode are registered, their params are algorithm / actor keys, and actor.kl_loss_type and
     algorithm.kl_penalty are KL estimators. What the coordinator (StartRun), the actor (its start) and
     `rlfabric check` ask."""
     import torch
 
     from rlfabric.algorithms.kl import kl_penalty
-    from rlfabric.algorithms.registry import advantage_estimator_names, policy_loss_names, policy_loss_params
+    from rlfabric.algorithms.registry import (
+        advantage_estimator_names,
+        advantage_estimator_params,
+        policy_loss_names,
+        policy_loss_params,
+    )
 
     load_plugin_modules(config.algorithm.plugin_modules)
     for key, name, known in (("algorithm.adv_estimator", config.algorithm.adv_estimator, advantage_estimator_names()),
@@ -45,10 +50,14 @@ def check_algorithm_names(config: RunConfig) -> None:
         if name not in known:
             raise ConfigError(f"{key} {name!r} is not registered; known: {', '.join(known)} (add yours with "
                               "algorithm.plugin_modules)")
-    unknown = [key for key in policy_loss_params(config.actor.loss_mode) if key not in type(config.actor).model_fields]
-    if unknown:
-        raise ConfigError(f"actor.loss_mode {config.actor.loss_mode!r} was registered with params {unknown} that are "
-                          "no actor keys")
+    for key, name, params, section in (
+            ("algorithm.adv_estimator", config.algorithm.adv_estimator,
+             advantage_estimator_params(config.algorithm.adv_estimator), config.algorithm),
+            ("actor.loss_mode", config.actor.loss_mode, policy_loss_params(config.actor.loss_mode), config.actor)):
+        unknown = [param for param in params if param not in type(section).model_fields]
+        if unknown:
+            raise ConfigError(f"{key} {name!r} was registered with params {unknown} that are no "
+                              f"{key.split('.')[0]} keys")
     for key, kind in (("actor.kl_loss_type", config.actor.kl_loss_type),
                       ("algorithm.kl_penalty", config.algorithm.kl_penalty)):
         try:

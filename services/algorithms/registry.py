@@ -23,7 +23,9 @@ by before aggregation (algorithm.rollout_correction.rollout_is). Inputs arrive a
 stats is a dict of 0-dim tensors, reported by the actor as actor/<name>.
 
 A loss that needs settings of its own names them at registration (`params`): actor config keys that the
-actor passes it as extra keyword arguments (e.g. clip_cov's actor.clip_cov_ratio).
+actor passes it as extra keyword arguments (e.g. clip_cov's actor.clip_cov_ratio). An estimator may name
+algorithm config keys the same way, and `inputs`: per-sample data beyond the call form, from
+ESTIMATOR_INPUTS, which the coordinator then gathers and passes (e.g. gdpo's reward_components).
 
 Built-ins, under VeRL's names: the estimators of BUILTIN_ADVANTAGE_ESTIMATORS (advantages.py) and the
 policy losses of BUILTIN_POLICY_LOSSES (losses.py, reinforce_losses.py, surrogate_losses.py). Each module
@@ -42,13 +44,20 @@ ADVANTAGE_ESTIMATOR_KWARGS = (
 
 BUILTIN_ADVANTAGE_ESTIMATORS = (
     "gae", "grpo", "rloo", "reinforce_plus_plus", "remax", "grpo_vectorized", "rloo_vectorized", "grpo_passk",
-    "reinforce_plus_plus_baseline", "opo", "gpg",
+    "reinforce_plus_plus_baseline", "opo", "gpg", "gdpo",
 )
 BUILTIN_POLICY_LOSSES = (
     "vanilla", "gspo", "gpg", "cispo", "dppo_tv", "dppo_kl", "dro", "sapo", "geo_mean", "clip_cov", "kl_cov",
 )
 
+# What an estimator may ask for beyond the call form (register_advantage_estimator's inputs).
+ESTIMATOR_INPUTS = {
+    "reward_components": "[batch, K] float: the scorer outputs algorithm.gdpo_reward_keys names, a column each "
+                         "(0 for a sample whose scoring failed)",
+}
+
 _ADVANTAGE_ESTIMATORS: dict[str, Callable] = {}
+_ADVANTAGE_ESTIMATOR_EXTRAS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {}  # name -> (params, inputs)
 _POLICY_LOSSES: dict[str, Callable] = {}
 _POLICY_LOSS_PARAMS: dict[str, tuple[str, ...]] = {}
 _BUILTINS = {"advantage_estimator": BUILTIN_ADVANTAGE_ESTIMATORS, "policy_loss": BUILTIN_POLICY_LOSSES}
@@ -67,9 +76,23 @@ def _register(table: dict[str, Callable], what: str, name: str, fn: Callable, ov
     table[name] = fn
 
 
-def register_advantage_estimator(name: str, fn: Callable, overwrite: bool = False) -> None:
-    """Make `fn` (in the advantage estimator call form above) selectable as `name`."""
+def _key_names(what: str, name: str, keys: tuple[str, ...]) -> tuple[str, ...]:
+    if isinstance(keys, str) or not all(isinstance(key, str) and key.isidentifier() for key in keys):
+        raise ValueError(f"register_{what}: the extra arguments of {name!r} must be a tuple of names, got {keys!r}")
+    return tuple(keys)
+
+
+def register_advantage_estimator(name: str, fn: Callable, overwrite: bool = False, params: tuple[str, ...] = (),
+                                 inputs: tuple[str, ...] = ()) -> None:
+    """Make `fn` (in the advantage estimator call form above) selectable as `name`. `params`: algorithm config
+    keys it takes as extra keyword arguments of the same names; `inputs`: ESTIMATOR_INPUTS it takes so."""
+    params, inputs = _key_names("advantage_estimator", name, params), _key_names("advantage_estimator", name, inputs)
+    unknown = [key for key in inputs if key not in ESTIMATOR_INPUTS]
+    if unknown:
+        raise ValueError(f"register_advantage_estimator: {name!r} asks for inputs {unknown}; known: "
+                         f"{', '.join(ESTIMATOR_INPUTS)}")
     _register(_ADVANTAGE_ESTIMATORS, "advantage_estimator", name, fn, overwrite)
+    _ADVANTAGE_ESTIMATOR_EXTRAS[name] = params, inputs
 
 
 def get_advantage_estimator(name: str) -> Callable:
@@ -77,6 +100,18 @@ def get_advantage_estimator(name: str) -> Callable:
     if name not in _ADVANTAGE_ESTIMATORS:
         raise unknown_name("get_advantage_estimator", "advantage estimator", name, _ADVANTAGE_ESTIMATORS)
     return _ADVANTAGE_ESTIMATORS[name]
+
+
+def advantage_estimator_params(name: str) -> tuple[str, ...]:
+    """The algorithm config keys the estimator `name` takes (its registration's params); () for most."""
+    get_advantage_estimator(name)  # ValueError for an unknown name
+    return _ADVANTAGE_ESTIMATOR_EXTRAS.get(name, ((), ()))[0]
+
+
+def advantage_estimator_inputs(name: str) -> tuple[str, ...]:
+    """The ESTIMATOR_INPUTS the estimator `name` takes (its registration's inputs); () for most."""
+    get_advantage_estimator(name)
+    return _ADVANTAGE_ESTIMATOR_EXTRAS.get(name, ((), ()))[1]
 
 
 def advantage_estimator_names() -> list[str]:
@@ -87,10 +122,9 @@ def advantage_estimator_names() -> list[str]:
 def register_policy_loss(name: str, fn: Callable, overwrite: bool = False, params: tuple[str, ...] = ()) -> None:
     """Make `fn` (in the policy loss call form above) selectable as policy_loss(mode=name). `params`: the
     actor config keys it takes as extra keyword arguments of the same names."""
-    if isinstance(params, str) or not all(isinstance(p, str) and p.isidentifier() for p in params):
-        raise ValueError(f"register_policy_loss: params of {name!r} must be a tuple of key names, got {params!r}")
+    params = _key_names("policy_loss", name, params)
     _register(_POLICY_LOSSES, "policy_loss", name, fn, overwrite)
-    _POLICY_LOSS_PARAMS[name] = tuple(params)
+    _POLICY_LOSS_PARAMS[name] = params
 
 
 def get_policy_loss(name: str) -> Callable:

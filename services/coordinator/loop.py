@@ -200,11 +200,14 @@ class StepRunner:
             batch.advantages = self._episode_advantages(batch, train_mask)
             batch.returns = batch.advantages
         else:
-            estimator = algos.get_advantage_estimator(algorithm.adv_estimator)
-            batch.advantages, batch.returns = estimator(
+            name = algorithm.adv_estimator
+            # What the estimator asked for at its registration beyond the call form (e.g. gdpo's components).
+            extra = {key: getattr(algorithm, key) for key in algos.advantage_estimator_params(name)}
+            extra.update({key: getattr(batch, key) for key in algos.advantage_estimator_inputs(name)})
+            batch.advantages, batch.returns = algos.get_advantage_estimator(name)(
                 token_rewards=token_rewards, mask=train_mask, values=batch.values, group_ids=group_ids,
                 baselines=batch.baselines, gamma=algorithm.gamma, lam=algorithm.lam,
-                norm_by_std=algorithm.norm_adv_by_std_in_grpo)
+                norm_by_std=algorithm.norm_adv_by_std_in_grpo, **extra)
         batch.token_rewards, batch.train_mask = token_rewards, train_mask
         return metrics
 

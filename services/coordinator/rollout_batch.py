@@ -55,6 +55,7 @@ class RolloutBatch:
     failures: list[SampleFailure | None] | None = None  # [B] why each sample failed (None: scored)
     reward_extra_info: dict[str, list[float]] = field(default_factory=dict)  # each scorer output but the score
     #                                             (a compute_score dict's other numbers), over the samples that gave it
+    reward_components: torch.Tensor | None = None  # [B, K] algorithm.gdpo_reward_keys' scorer outputs, 0 if failed
     baselines: torch.Tensor | None = None  # [B] ReMax: the score of the prompt's greedy response
     rollout_log_probs: torch.Tensor | None = None  # [B, T] the sampler's (pi_rollout), None if a sample had none
     # Log-probs and values phase:

@@ -30,6 +30,7 @@ from rlfabric.coordinator.peers import Peers
 from rlfabric.coordinator.rollout_batch import RolloutBatch, build_episode_batch, build_rollout_batch
 from rlfabric.coordinator.sample_failures import failure_of
 from rlfabric.core.config import RunConfig
+from rlfabric.core.errors import FailedPrecondition
 from rlfabric.data.dataset import PromptRow
 from rlfabric.reward.items import ItemResult, ScoreItem
 from rlfabric.rollout.types import FinishedSample, SamplingSpec
@@ -182,6 +183,8 @@ class Sampler:
         for result in row_results:
             for name, value in result.metrics.items():
                 batch.reward_extra_info.setdefault(name, []).append(value)
+        if self.config.algorithm.gdpo_reward_keys:
+            batch.reward_components = reward_components(row_results, self.config.algorithm.gdpo_reward_keys)
         if batch.episode_ids is not None:
             episodes = [results[(p, i)] for p in range(len(rows)) for i in range(n)]
             batch.episode_scores = torch.tensor([result.score for result in episodes], dtype=torch.float32)
@@ -226,3 +229,17 @@ class Sampler:
     def _step_seed(self, step: int) -> int | None:
         seed = self.config.rollout.seed
         return None if seed is None else random.Random(f"{seed}:{step}").randrange(2**31)
+
+
+def reward_components(results: list[ItemResult], keys: list[str]) -> torch.Tensor:
+    """[B, K] the scorer outputs `keys` (algorithm.gdpo_reward_keys) of each sample, 0 for a sample whose scoring
+    failed (it trains on nothing); FailedPrecondition naming the key when a scored sample lacks one."""
+    rows = []
+    for result in results:
+        missing = [key for key in keys if key not in result.metrics]
+        if result.ok and missing:
+            raise FailedPrecondition(f"algorithm.gdpo_reward_keys: the scorer gave no {missing} for a sample (its "
+                                     f"outputs: {sorted(result.metrics) or 'the score alone'}); return them in "
+                                     "compute_score's dict")
+        rows.append([float(result.metrics[key]) if result.ok else 0.0 for key in keys])
+    return torch.tensor(rows, dtype=torch.float32).reshape(len(results), len(keys))

@@ -242,7 +242,7 @@ def test_registry_builtins_match_direct_calls():
 
 
 def test_registry_unknown_and_missing_arguments():
-    with pytest.raises(ValueError, match="unknown advantage estimator 'ppo2'; known: gae, gpg, grpo, grpo_passk"):
+    with pytest.raises(ValueError, match="unknown advantage estimator 'ppo2'; known: gae, gdpo, gpg, grpo, grpo_passk"):
         algos.get_advantage_estimator("ppo2")
     with pytest.raises(ValueError, match="unknown policy loss mode 'clip'; known: cispo, clip_cov, dppo_kl"):
         algos.get_policy_loss("clip")

@@ -46,35 +46,55 @@ def _outcome(gen: torch.Generator, sizes: list[int], length: int = 8) -> dict[st
     return {"rewards": rewards, "mask": mask, "index": index}
 
 
-def _inputs() -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(48)
+def _outcome_inputs(gen: torch.Generator) -> dict[str, torch.Tensor]:
     inputs = {}
     for name, sizes in (("outcome", [4, 4, 3, 5, 1, 2, 5]), ("pairs", [4, 4, 3, 5, 2, 6])):
         inputs.update({f"{name}/{key}": value for key, value in _outcome(gen, sizes).items()})
-    # Dense rewards with values, masks with holes (tool output inside a multi-turn response) and padding.
+    # GDPO's reward components (two scorer outputs on the grid) and the prompt/attention layout VeRL reads them by.
+    components = torch.randint(0, 5, (24, 2), generator=gen).to(F64) / 4
+    components[:4, 1] = 1.0  # one component with no spread in group 0
+    inputs.update({"outcome/format_reward": components[:, 0], "outcome/accuracy_reward": components[:, 1],
+                   "outcome/prompts": torch.zeros(24, 3, dtype=torch.int64),
+                   "outcome/attention_mask": torch.cat([torch.ones(24, 3), inputs["outcome/mask"]], 1).long()})
+    return inputs
+
+
+def _dense_inputs(gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """Dense rewards with values, masks with holes (tool output inside a multi-turn response) and padding."""
     mask = (torch.rand(6, 9, generator=gen) > 0.25).to(F64)
     mask[:, 0], mask[2, 6:] = 1, 0
-    inputs.update({"dense/rewards": torch.randn(6, 9, generator=gen, dtype=F64), "dense/mask": mask,
-                   "dense/values": torch.randn(6, 9, generator=gen, dtype=F64),
-                   "dense/baselines": torch.randn(6, generator=gen, dtype=F64)})
-    # Policy-loss inputs: probabilities in (0.02, 0.98), the new policy near the old one.
+    return {"dense/rewards": torch.randn(6, 9, generator=gen, dtype=F64), "dense/mask": mask,
+            "dense/values": torch.randn(6, 9, generator=gen, dtype=F64),
+            "dense/baselines": torch.randn(6, generator=gen, dtype=F64)}
+
+
+def _loss_inputs(gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """Probabilities in (0.02, 0.98), the new policy near the old one, and one far from it (ratios past the
+    dual clip, sequence ratios past GSPO's clip)."""
     old = torch.log(0.02 + 0.96 * torch.rand(8, 16, generator=gen, dtype=F64))
     lengths = torch.tensor([16, 3, 9, 12, 1, 16, 7, 10])
     mask = (torch.arange(16)[None, :] < lengths[:, None]).to(F64)
     empty = mask.clone()
     empty[3] = 0  # a row with no valid token (e.g. a sample whose scoring failed)
-    inputs.update({
-        "loss/old": old, "loss/new": torch.clamp(old + 0.25 * torch.randn(8, 16, generator=gen, dtype=F64), max=-1e-3),
-        "loss/adv": 1.5 * torch.randn(8, 16, generator=gen, dtype=F64), "loss/mask": mask, "loss/mask_empty": empty,
+    values = torch.randn(8, 16, generator=gen, dtype=F64)
+
+    def near(scale: float) -> torch.Tensor:
+        return torch.clamp(old + scale * torch.randn(8, 16, generator=gen, dtype=F64), max=-1e-3)
+
+    return {
+        "loss/old": old, "loss/new": near(0.25), "loss/far": near(1.0), "loss/mask": mask, "loss/mask_empty": empty,
+        "loss/adv": 1.5 * torch.randn(8, 16, generator=gen, dtype=F64),
         "loss/adv_seq": (1.5 * torch.randn(8, 1, generator=gen, dtype=F64)).expand(8, 16).contiguous(),
         "loss/is_weights": 0.5 + 1.5 * torch.rand(8, 16, generator=gen, dtype=F64),
-        "loss/values": torch.randn(8, 16, generator=gen, dtype=F64),
+        "loss/values": values, "loss/vpreds": values + 0.8 * torch.randn(8, 16, generator=gen, dtype=F64),
         "loss/returns": torch.randn(8, 16, generator=gen, dtype=F64),
-    })
-    inputs["loss/vpreds"] = inputs["loss/values"] + 0.8 * torch.randn(8, 16, generator=gen, dtype=F64)
-    # A policy far from the old one: ratios past the dual clip, sequence ratios past GSPO's clip.
-    inputs["loss/far"] = torch.clamp(old + torch.randn(8, 16, generator=gen, dtype=F64), max=-1e-3)
-    return inputs
+    }
+
+
+def _inputs() -> dict[str, torch.Tensor]:
+    """Each family from a generator of its own, so that adding inputs to one leaves the others as they were."""
+    return {**_outcome_inputs(torch.Generator().manual_seed(48)), **_dense_inputs(torch.Generator().manual_seed(49)),
+            **_loss_inputs(torch.Generator().manual_seed(50))}
 
 
 INPUTS = _inputs()
@@ -114,6 +134,25 @@ def _estimator_case(verl_name: str, ours_name: str, batch: str, suffix: str = ""
         return {"advantages": advantages, "returns": returns}
 
     return Case(f"estimator/{verl_name}{suffix}", verl, ours)
+
+
+def _gdpo_case(suffix: str, weights: list[float] | None, norm_by_std: bool = True) -> Case:
+    keys = ["format_reward", "accuracy_reward"]
+    verl = {"kind": "estimator", "name": "gdpo", "index": "outcome/index",
+            "tensors": {"token_level_rewards": "outcome/rewards", "response_mask": "outcome/mask"},
+            "scalars": {"norm_adv_by_std_in_grpo": norm_by_std},
+            "algo": {"gdpo_reward_keys": keys, "gdpo_reward_weights": weights},
+            "non_tensor_batch": {key: f"outcome/{key}" for key in keys},
+            "batch": {"prompts": "outcome/prompts", "attention_mask": "outcome/attention_mask"}}
+
+    def ours() -> dict[str, torch.Tensor]:
+        advantages, returns = algos.get_advantage_estimator("gdpo")(
+            token_rewards=INPUTS["outcome/rewards"], mask=INPUTS["outcome/mask"], group_ids=INPUTS["outcome/index"],
+            norm_by_std=norm_by_std, gdpo_reward_weights=weights,
+            reward_components=torch.stack([INPUTS[f"outcome/{key}"] for key in keys], dim=-1))
+        return {"advantages": advantages, "returns": returns}
+
+    return Case(f"estimator/gdpo{suffix}", verl, ours)
 
 
 def _loss_case(mode: str, suffix: str = "", agg: str = "token-mean", mask: str = "loss/mask", adv: str = "loss/adv",
@@ -188,6 +227,9 @@ CASES = [
     _estimator_case("reinforce_plus_plus_baseline", "reinforce_plus_plus_baseline", "outcome"),
     _estimator_case("opo", "opo", "outcome"),
     _estimator_case("gpg", "gpg", "outcome"),
+    _gdpo_case("", None),
+    _gdpo_case("/weights", [0.25, 1.5]),
+    _gdpo_case("/no_std", [0.25, 1.5], norm_by_std=False),
     # Policy losses: PPO's under every aggregation, then VeRL's others.
     *[_loss_case("vanilla", f"/{agg}", agg=agg, mask="loss/mask_empty") for agg in algos.AGG_MODES],
     _loss_case("vanilla", "/is_weights", is_weights=True),

@@ -8,7 +8,7 @@ No pickle: plain arrays in, plain arrays out. Imports nothing of rlfabric's.
 
 A case: {"id", "kind": estimator | policy_loss | value_loss | kl_penalty, "name": VeRL's registered name,
 "tensors": {VeRL's argument: input key}, "scalars": {argument: value}, "index": input key of the group ids
-(estimators), "algo": AlgoConfig fields, "actor": FSDPActorConfig fields, "policy_loss": PolicyLossConfig
+(estimators), "non_tensor_batch" and "batch": {name: input key} (gdpo), "algo": AlgoConfig fields, "actor": FSDPActorConfig fields, "policy_loss": PolicyLossConfig
 fields, "agg": loss_agg_mode, "seed": torch's seed before the call}.
 """
 
@@ -33,6 +33,9 @@ def estimator(case: dict, inputs: dict[str, np.ndarray]) -> dict[str, torch.Tens
     kwargs = {**_tensors(case, inputs), **case.get("scalars", {})}
     if "index" in case:
         kwargs["index"] = inputs[case["index"]]  # a numpy array of ids, as VeRL's uid column
+    if "non_tensor_batch" in case:  # gdpo: the scorer's outputs by name, and the batch's layout
+        kwargs["non_tensor_batch"] = {name: inputs[key] for name, key in case["non_tensor_batch"].items()}
+        kwargs["batch"] = {name: torch.from_numpy(inputs[key]) for name, key in case["batch"].items()}
     if "algo" in case:
         kwargs["config"] = AlgoConfig(**case["algo"])
     advantages, returns = core_algos.get_adv_estimator_fn(case["name"])(**kwargs)

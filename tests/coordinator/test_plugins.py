@@ -104,17 +104,26 @@ def test_the_example_estimator_ranks_within_each_group(example_plugin):
     assert advantages[0, 1] == 0  # masked
 
 
-def test_a_plugin_loss_takes_only_actor_keys_as_its_settings(tmp_path, monkeypatch):
-    monkeypatch.setattr(registry, "_POLICY_LOSSES", dict(registry._POLICY_LOSSES))
-    monkeypatch.setattr(registry, "_POLICY_LOSS_PARAMS", dict(registry._POLICY_LOSS_PARAMS))
-    (tmp_path / "loss_with_settings.py").write_text(
+def test_a_plugins_settings_are_keys_of_its_section(tmp_path, monkeypatch):
+    for table in ("_POLICY_LOSSES", "_POLICY_LOSS_PARAMS", "_ADVANTAGE_ESTIMATORS", "_ADVANTAGE_ESTIMATOR_EXTRAS"):
+        monkeypatch.setattr(registry, table, dict(getattr(registry, table)))
+    (tmp_path / "with_settings.py").write_text(
         "from rlfabric import algorithms as algos\n"
         "algos.register_policy_loss('my_kl_cov', lambda *a, **kw: None, params=('ppo_kl_coef',))\n"
-        "algos.register_policy_loss('my_beta_loss', lambda *a, **kw: None, params=('beta',))\n")
+        "algos.register_policy_loss('my_beta_loss', lambda *a, **kw: None, params=('beta',))\n"
+        "algos.register_advantage_estimator('my_discounted', lambda **kw: None, params=('gamma',))\n"
+        "algos.register_advantage_estimator('my_tempered', lambda **kw: None, params=('temperature',))\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    plugin = "algorithm.plugin_modules=[loss_with_settings]"
-    check_algorithm_names(load_run_config(None, [plugin, "actor.loss_mode=my_kl_cov"]))  # an actor key: fine
+    plugin = "algorithm.plugin_modules=[with_settings]"
+    check_algorithm_names(load_run_config(None, [plugin, "actor.loss_mode=my_kl_cov",  # keys of their sections
+                                                 "algorithm.adv_estimator=my_discounted"]))
     with pytest.raises(ConfigError, match=r"actor.loss_mode 'my_beta_loss' was registered with params \['beta'\] "
                                           "that are no actor keys"):
         check_algorithm_names(load_run_config(None, [plugin, "actor.loss_mode=my_beta_loss"]))
-    sys.modules.pop("loss_with_settings", None)
+    with pytest.raises(ConfigError, match=r"algorithm.adv_estimator 'my_tempered' was registered with params "
+                                          r"\['temperature'\] that are no algorithm keys"):
+        check_algorithm_names(load_run_config(None, [plugin, "algorithm.adv_estimator=my_tempered"]))
+    with pytest.raises(ValueError, match=r"'my_critic' asks for inputs \['values_of_others'\]; known: "
+                                         "reward_components"):
+        registry.register_advantage_estimator("my_critic", lambda **kw: None, inputs=("values_of_others",))
+    sys.modules.pop("with_settings", None)

@@ -4,8 +4,11 @@ import pytest
 import torch
 
 from rlfabric.coordinator.rollout_batch import build_rollout_batch, token_level_scores
+from rlfabric.coordinator.sampler import reward_components
 from rlfabric.coordinator.step_metrics import data_metrics
+from rlfabric.core.errors import FailedPrecondition
 from rlfabric.data.dataset import PromptRow
+from rlfabric.reward.items import ItemResult, failed
 from rlfabric.rollout.types import Finish, FinishedSample
 from rlfabric.trainer.batch import validate_batch
 
@@ -83,6 +86,15 @@ def test_a_scorers_extra_outputs_are_logged_over_the_samples_that_gave_them():
     metrics = data_metrics(batch, max_response_length=3)
     assert metrics["reward_extra/exact_match/mean"] == pytest.approx(1 / 3)
     assert metrics["reward_extra/exact_match/max"] == 1.0 and metrics["reward_extra/words/min"] == 3.0
+
+
+def test_gdpos_reward_components_are_the_scorers_outputs_a_row_each():
+    results = [ItemResult(1.0, metrics={"fmt": 1.0, "acc": 0.5}), failed("error", "it raised"),
+               ItemResult(0.0, metrics={"acc": 0.0, "fmt": 0.25, "other": 9.0})]
+    assert reward_components(results, ["fmt", "acc"]).tolist() == [[1.0, 0.5], [0.0, 0.0], [0.25, 0.0]]
+    with pytest.raises(FailedPrecondition, match=r"algorithm.gdpo_reward_keys: the scorer gave no \['acc'\] for a "
+                                                 r"sample \(its outputs: the score alone\)"):
+        reward_components([ItemResult(1.0)], ["fmt", "acc"][1:])
 
 
 # Multi-turn: a sample brings its prompt (rendered with the tools) and a loss mask with the

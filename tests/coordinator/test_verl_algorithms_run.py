@@ -1,7 +1,8 @@
 """VeRL's advantage estimators and a policy loss with settings of its own, by their config names, through a
-real training step on the in-process mesh: one mesh whose actor trains with loss_mode clip_cov, one StartRun
-(one step) per estimator. The advantages the actor receives are the named estimator's on the step's scores
-and groups (read back from the rollout dump), and clip_cov cuts the share of tokens actor.clip_cov_ratio says,
+real training step on the in-process mesh: one mesh whose actor trains with loss_mode clip_cov and whose
+reward function returns two components beside its score, one StartRun (one step) per estimator. The
+advantages the actor receives are the named estimator's on the step's scores, groups and (gdpo) reward
+components, read back from the rollout dump, and clip_cov cuts the share of tokens actor.clip_cov_ratio says,
 so a name or a setting that does not reach its function fails here."""
 
 from __future__ import annotations
@@ -20,8 +21,22 @@ from tests.coordinator.meshes import fast_config, in_process
 
 pytestmark = pytest.mark.slow
 
-ESTIMATORS = ("grpo_passk", "reinforce_plus_plus_baseline", "opo", "gpg", "grpo_vectorized", "rloo_vectorized")
+ESTIMATORS = ("grpo_passk", "reinforce_plus_plus_baseline", "opo", "gpg", "grpo_vectorized", "rloo_vectorized",
+              "gdpo")
+GDPO = ["algorithm.gdpo_reward_keys=[exact,early]", "algorithm.gdpo_reward_weights=[1.0,0.5]"]
 CUT_RATIO = 0.5
+# The quickstart's task scored exactly, and two components: that score, and one apart from it (the answer
+# starts early in the alphabet), so that GDPO's normalizing them one by one shows.
+REWARD = """
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    exact, early = float(solution_str.strip() == ground_truth), float(solution_str.strip()[:1] < "D")
+    return {"score": exact, "exact": exact, "early": early}
+"""
+
+
+def components(row: dict) -> list[float]:
+    response = row["response"].strip()
+    return [float(response == row["ground_truth"]), float(response[:1] < "D")]
 
 
 class RecordingActor:
@@ -42,8 +57,10 @@ class RecordingActor:
 def test_each_estimator_and_clip_cov_train_by_their_config_names(tiny_model, tmp_path):
     # Every valid token a candidate (lower bound far below any covariance): clip_cov cuts int(ratio * tokens)
     # of them in each micro-batch, where vanilla PPO would clip none in a step's first optimizer step.
+    (tmp_path / "reward.py").write_text(REWARD)
     config = fast_config(tiny_model, "actor.loss_mode=clip_cov", f"actor.clip_cov_ratio={CUT_RATIO}",
-                         "actor.clip_cov_lb=-1e9", "trainer.total_steps=1", "trainer.dump_rollouts=true")
+                         "actor.clip_cov_lb=-1e9", "trainer.total_steps=1", "trainer.dump_rollouts=true",
+                         f"reward.custom_path={tmp_path / 'reward.py'}")
     actors: list[RecordingActor] = []
 
     def recording(peers):
@@ -54,7 +71,8 @@ def test_each_estimator_and_clip_cov_train_by_their_config_names(tiny_model, tmp
         results = {}
         async with in_process(config, tmp_path / "run", wrap_peers=recording) as client:
             for name in ESTIMATORS:
-                await client.start_run([f"algorithm.adv_estimator={name}", f"trainer.experiment_name={name}"])
+                await client.start_run([f"algorithm.adv_estimator={name}", f"trainer.experiment_name={name}",
+                                        *(GDPO if name == "gdpo" else [])])
                 metrics = [dict(update.metrics) async for update in client.stream_metrics(from_step=1)]
                 results[name] = metrics, await client.run_status()
         return results
@@ -72,8 +90,13 @@ def test_each_estimator_and_clip_cov_train_by_their_config_names(tiny_model, tmp
         scores = torch.tensor([row["score"] for row in rows], dtype=torch.float32)
         uids = [row["uid"] for row in rows]
         group_ids = torch.tensor([uids.index(uid) for uid in uids])
+        gdpo = {"reward_components": torch.tensor([components(row) for row in rows]), "gdpo_reward_weights": [1.0, 0.5]}
         expected, _ = algos.get_advantage_estimator(name)(
-            token_rewards=token_level_scores(scores, mask), mask=mask, group_ids=group_ids, norm_by_std=True)
+            token_rewards=token_level_scores(scores, mask), mask=mask, group_ids=group_ids, norm_by_std=True,
+            **(gdpo if name == "gdpo" else {}))
         torch.testing.assert_close(batch["advantages"], expected, msg=name)
+        if name == "gdpo":  # not what the score alone gives: the components arrived
+            score_only, _ = algos.compute_gdpo_advantage(token_level_scores(scores, mask), mask, group_ids)
+            assert not torch.allclose(expected, score_only)
     passk = batches[0]["advantages"].abs().sum(-1) > 0  # [B] grpo_passk: the best of each group of 4 at most
     assert int(passk.view(-1, 4).sum(-1).max()) <= 1

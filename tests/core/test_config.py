@@ -109,8 +109,11 @@ def test_a_config_a_run_cannot_train_with_fails_to_load(overrides, message):
     (["actor.loss_mode=dro", "actor.dro_beta=0"], "actor.dro_beta"),
     (["actor.clip_cov_lb=5", "actor.clip_cov_ub=1"], "clip_cov_lb 5.0 must be below clip_cov_ub 1.0"),
     (["actor.clip_cov_ratio=0"], "actor.clip_cov_ratio"),
+    (["algorithm.adv_estimator=gdpo"], "adv_estimator gdpo needs gdpo_reward_keys"),
+    (["algorithm.gdpo_reward_keys=[fmt,acc]", "algorithm.gdpo_reward_weights=[1.0]"],
+     "gdpo_reward_weights has 1 weights for 2 gdpo_reward_keys"),
 ])
-def test_a_loss_modes_settings_are_checked_at_load(overrides, message):
+def test_an_algorithms_settings_are_checked_at_load(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(overrides=overrides)
     assert load_config(overrides=["actor.loss_mode=dro", "actor.dro_beta=0.1"]).actor.dro_beta == 0.1

@@ -61,14 +61,20 @@ class AlgorithmConfig(Section):
 
     adv_estimator: str = "grpo"
     """Advantage estimator, VeRL's names: gae, grpo, rloo, reinforce_plus_plus, remax, grpo_passk,
-    reinforce_plus_plus_baseline, opo, gpg, grpo_vectorized, rloo_vectorized, or one you registered."""
+    reinforce_plus_plus_baseline, opo, gpg, gdpo, grpo_vectorized, rloo_vectorized, or one you registered."""
     gamma: float = 1.0
     """Discount factor."""
     lam: float = 1.0
     """GAE lambda."""
     norm_adv_by_std_in_grpo: bool = True
-    """GRPO (and grpo_vectorized, grpo_passk): divide by the group's reward std (False = Dr. GRPO's mean-only
-    baseline)."""
+    """GRPO (and grpo_vectorized, grpo_passk, gdpo): divide by the group's reward std (False = Dr. GRPO's
+    mean-only baseline)."""
+    gdpo_reward_keys: list[str] = []
+    """adv_estimator gdpo: the scorer outputs that are its reward components (the numbers a compute_score dict
+    returns beside its score, e.g. [format_reward, accuracy_reward]); each is normalized within its group on its
+    own before their weighted sum. Every scored sample must have them."""
+    gdpo_reward_weights: list[float] | None = None
+    """adv_estimator gdpo: a weight per gdpo_reward_keys entry; null = 1 each."""
     use_kl_in_reward: bool = False
     """Subtract kl_coef * KL(policy || reference) from the token rewards (PPO-RLHF style)."""
     kl_penalty: str = "kl"
@@ -108,3 +114,12 @@ class AlgorithmConfig(Section):
     (rlfabric.algorithms.plugins). Only the mesh's own config may name them: a StartRun cannot add one."""
     filter_groups: FilterGroupsConfig = FilterGroupsConfig()
     """Dynamic sampling (DAPO): groups whose samples all scored alike are dropped and more prompts drawn."""
+
+    @model_validator(mode="after")
+    def _gdpo_components(self) -> AlgorithmConfig:
+        keys, weights = self.gdpo_reward_keys, self.gdpo_reward_weights
+        if self.adv_estimator == "gdpo" and not keys:
+            raise ValueError("adv_estimator gdpo needs gdpo_reward_keys: the scorer outputs it normalizes one by one")
+        if weights is not None and len(weights) != len(keys):
+            raise ValueError(f"gdpo_reward_weights has {len(weights)} weights for {len(keys)} gdpo_reward_keys")
+        return self

@@ -19,7 +19,7 @@ from rlfabric.core.config.unknown_keys import describe_unknown_key
 
 # The built-in estimators whose baseline is the other samples of the prompt (rlfabric.algorithms.advantages).
 GROUP_ESTIMATORS = ("grpo", "grpo_vectorized", "grpo_passk", "rloo", "rloo_vectorized",
-                    "reinforce_plus_plus_baseline", "opo", "gpg")
+                    "reinforce_plus_plus_baseline", "opo", "gpg", "gdpo")
 
 
 def default_config_path() -> Path:
