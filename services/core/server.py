@@ -308,7 +308,7 @@ class RlfabricServer:
             await self.service.engine.stop()
         finally:
             if self._metrics is not None:
-                self._metrics.close()
+                await self._metrics.aclose()
             self._state = "stopped"
             self.stopped.set()
             log.info("stopped", extra={"fields": {"role": self.service.role}})
