@@ -106,12 +106,15 @@ class SimTrainerEngine:
         floats = POLICY_FLOATS if self.spec.trains_policy else VALUE_FLOATS
         required = ("advantages",) if self.spec.trains_policy else VALUE_FLOATS
         batch = self._validate(tensors, required, floats)
+        rows = self.section.ppo_mini_batch_size * self.config.rollout.n
+        if batch.num_rows % rows:
+            raise InvalidArgument(f"batch has {batch.num_rows} rows; {self.role} updates need a multiple of the "
+                                  f"mini-batch of {rows} rows")
         tokens, epochs = batch.num_tokens(), self.section.ppo_epochs
         modelled = self.cost.update_seconds(tokens, epochs)
         seconds = await self._take(modelled)
         self.worker.updates += 1
-        self.worker.optimizer_steps += epochs * max(1, batch.num_rows // (self.section.ppo_mini_batch_size *
-                                                                            self.config.rollout.n))
+        self.worker.optimizer_steps += epochs * batch.num_rows // rows
         self.weights_changes += 1
         role = self.role
         return {f"{role}/grad_norm": 0.0, f"{role}/lr": self.section.lr, f"{role}/update_s": seconds,
