@@ -12,7 +12,7 @@ import torch
 from rlfabric.core.config import RunConfig
 from rlfabric.weight_sync.manifest import WeightLimits
 
-PAYLOAD_NAME = "sim.weights"
+PAYLOAD_NAME = "simulated_weights"
 PAYLOAD_SHAPE = (256,)  # 1 KiB of float32: what the wire carries
 DEFAULT_PARAMETERS = 7_000_000_000
 
