@@ -14,17 +14,24 @@ from pathlib import Path
 from rlfabric.core import tracing
 from rlfabric.core.config import RunConfig
 from rlfabric.core.roles import Kind, role_of
-from rlfabric.core.server import ServerOptions, ServiceDefinition, serve
+from rlfabric.core.server import ServerOptions, ServiceDefinition, serve_all
 
 
-def build_service(role: str, config: RunConfig) -> ServiceDefinition:
-    """The ServiceDefinition of `role` for this config: its servicer module's build_service."""
-    return importlib.import_module(role_of(role).servicer).build_service(config)
+def build_service(role: str, config: RunConfig, replica: int = 0) -> ServiceDefinition:
+    """The ServiceDefinition of `role` for this config: its servicer module's build_service; a rollout's as
+    replica number `replica` of the run."""
+    module = importlib.import_module(role_of(role).servicer)
+    if role_of(role).kind is Kind.ROLLOUT:
+        return module.build_service(config, replica=replica)
+    return module.build_service(config)
 
 
-def run_service(role: str, config: RunConfig, options: ServerOptions, port_file: Path | None = None) -> None:
+def run_service(role: str, config: RunConfig, options: ServerOptions, port_file: str | Path | None = None,
+                replicas: range = range(1)) -> None:
     """Serves `role` until SIGTERM/SIGINT; a rank >= 1 of a role launched one process per rank (RANK etc.
-    set, e.g. a StatefulSet pod) runs that rank instead, with only health on its port (the pod's probes)."""
+    set, e.g. a StatefulSet pod) runs that rank instead, with only health on its port (the pod's probes).
+    A rollout serves each of `replicas` (replica numbers) on ports of its own; port_file then has {replica} in
+    its path."""
     if role_of(role).kind is Kind.TRAINER:
         from rlfabric.trainer.dist import external_launch, serve_rank
 
@@ -35,7 +42,8 @@ def run_service(role: str, config: RunConfig, options: ServerOptions, port_file:
             return
     tracing.setup(config.tracing, role)  # first: the channels a service opens get its interceptor
     try:
-        service = build_service(role, config)
-        asyncio.run(serve(service, options, port_file=port_file))
+        services = [build_service(role, config, replica=replica) for replica in replicas]
+        port_files = [str(port_file).replace("{replica}", str(replica)) if port_file else None for replica in replicas]
+        asyncio.run(serve_all(services, options, port_files))
     finally:
         tracing.shutdown()  # exports the spans still queued

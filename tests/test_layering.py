@@ -15,7 +15,7 @@ FLOORS = [
     {"v1"},  # the generated gRPC stubs
     {"core"},  # config, errors, servers and clients, storage, host, model helpers (LoRA, MoE)
     {"algorithms", "weight_sync", "sandbox", "tools"},
-    {"reward"},
+    {"reward", "sim"},  # sim: the simulated engines' cost models (rollout.engine sim, <role>.engine sim)
     {"env", "trainer"},  # the environment service; the trainer the three model roles share
     {"actor", "critic", "reference", "rollout"},  # the roles
     {"data", "gateway", "agents"},  # gateway: the OpenAI-compatible endpoint agents call, over the rollout router;

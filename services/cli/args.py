@@ -50,8 +50,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=50051, help="gRPC port (0 = any free port)")
     serve.add_argument("--metrics-port", type=int, default=9400, help="Prometheus /metrics port (0 = any)")
     serve.add_argument("--health-port", type=int, help="extra plaintext health-only port (for probes under mTLS)")
-    serve.add_argument("--port-file", type=Path, help="write the bound ports here as JSON")
+    serve.add_argument("--port-file", help="write the bound ports here as JSON; with --replicas, a path with "
+                       "{replica} in it, which each replica's number replaces")
     serve.add_argument("--run-id", default="", help="run id for log lines")
+    serve.add_argument("--replicas", type=int, default=1,
+                       help="rollout: serve this many replicas in this one process, each on ports of its own (fixed "
+                            "ports count up from --port, --metrics-port); for rollout.engine sim at scale")
+    serve.add_argument("--replica", type=int, default=0,
+                       help="rollout: the number of the (first) replica served, of the run's rollout.replicas")
     serve.add_argument("--check", action="store_true",
                        help="build the role's service from the config (importing all it loads) and exit 0: "
                             "the image holds what the role needs")

@@ -17,7 +17,7 @@ def cmd_serve(args) -> int:
         config.server.host = args.host  # what the service binds, for everything derived from it
     setup_logging(args.role, args.run_id, config.server.log_level)
     if args.check:  # the imports and the service, not the mounts (token, TLS files) of a pod
-        service = build_service(args.role, config)
+        service = build_service(args.role, config, replica=args.replica)
         print(f"rlfabric serve {args.role}: {type(service.engine).__name__} builds; ready to serve")
         return 0
     # An environment never holds the mesh's token.
@@ -25,5 +25,12 @@ def cmd_serve(args) -> int:
     options = ServerOptions.from_config(
         config.server, token, host=args.host, port=args.port, metrics_port=args.metrics_port,
         health_port=args.health_port)
-    run_service(args.role, config, options, port_file=args.port_file)
+    if args.replicas < 1 or args.replica < 0:
+        raise SystemExit("rlfabric serve: --replicas must be >= 1 and --replica >= 0")
+    if args.replicas > 1 and ROLE_TABLE[args.role].kind is not Kind.ROLLOUT:
+        raise SystemExit(f"rlfabric serve {args.role}: --replicas is for the rollout role")
+    if args.replicas > 1 and args.port_file and "{replica}" not in args.port_file:
+        raise SystemExit("rlfabric serve: with --replicas, --port-file needs {replica} in its path")
+    run_service(args.role, config, options, port_file=args.port_file,
+                replicas=range(args.replica, args.replica + args.replicas))
     return 0

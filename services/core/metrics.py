@@ -7,6 +7,8 @@ units, `_total` counters, no unbounded label values.
 
 from __future__ import annotations
 
+import asyncio
+import threading
 from dataclasses import dataclass
 
 import grpc
@@ -64,6 +66,21 @@ class MetricsEndpoint:
     def close(self) -> None:
         self._httpd.shutdown()
         self._httpd.server_close()
+
+    async def aclose(self) -> None:
+        """close() on a thread of its own: shutdown() waits up to the HTTP server's poll interval (0.5 s), and
+        a process serving many replicas closes their endpoints at once, not one pool slot at a time."""
+        loop = asyncio.get_running_loop()
+        closed = loop.create_future()
+
+        def close() -> None:
+            try:
+                self.close()
+            finally:
+                loop.call_soon_threadsafe(closed.set_result, None)
+
+        threading.Thread(target=close, name="metrics-close", daemon=True).start()
+        await closed
 
 
 def start_metrics_endpoint(registry: CollectorRegistry, host: str, port: int) -> MetricsEndpoint:

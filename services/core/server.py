@@ -21,6 +21,7 @@ Lifecycle:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -307,7 +308,7 @@ class RlfabricServer:
             await self.service.engine.stop()
         finally:
             if self._metrics is not None:
-                self._metrics.close()
+                await self._metrics.aclose()
             self._state = "stopped"
             self.stopped.set()
             log.info("stopped", extra={"fields": {"role": self.service.role}})
@@ -319,30 +320,56 @@ async def serve(service: ServiceDefinition, options: ServerOptions, port_file: s
     port_file, when given, receives {"grpc": port, "metrics": port, "health": port, "pid": pid}
     once the ports are bound, so a launcher can use port 0 without races.
     """
-    server = RlfabricServer(service, options)
+    await serve_all([service], options, [port_file])
+
+
+async def serve_all(services: list[ServiceDefinition], options: ServerOptions,
+                    port_files: list[str | Path | None]) -> None:
+    """Runs several services in this process, each a server with ports of its own (options.port + i when a port
+    is fixed), until SIGTERM/SIGINT; then drains them all. Service i's ports go to port_files[i]. A service that
+    fails to start stops them all and raises its error."""
+    servers = [RlfabricServer(service, _nth(options, i)) for i, service in enumerate(services)]
     loop = asyncio.get_running_loop()
     stop_requested = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop_requested.set)
-    start = asyncio.create_task(server.start())
-    # Ports are bound early in start(), before the engine loads; publish them as soon as they are.
-    bound = asyncio.create_task(server.bound.wait())
-    await asyncio.wait({start, bound}, return_when=asyncio.FIRST_COMPLETED)
-    if start.done() and start.exception() is not None:
-        bound.cancel()
-        await server.stop(0)
+    starts = [asyncio.create_task(server.start()) for server in servers]
+    try:
+        # Ports are bound early in start(), before the engine loads; publish them as soon as they are.
+        for server, start, port_file in zip(servers, starts, port_files, strict=True):
+            bound = asyncio.create_task(server.bound.wait())
+            await asyncio.wait({start, bound}, return_when=asyncio.FIRST_COMPLETED)
+            bound.cancel()
+            _raise_failed(start)
+            if port_file:
+                _write_port_file(Path(port_file), server)
+        stopper = asyncio.create_task(stop_requested.wait())
+        pending = {*starts, stopper}
+        while stopper in pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for start in done - {stopper}:
+                _raise_failed(start)
+    except BaseException:
+        await asyncio.gather(*(server.stop(0) for server in servers))
+        raise
+    for start in starts:
+        if not start.done():
+            start.cancel()
+    await asyncio.gather(*(server.stop() for server in servers))
+
+
+def _nth(options: ServerOptions, index: int) -> ServerOptions:
+    """The options of the index-th service of a process: fixed ports moved on by `index`."""
+    if not index:
+        return options
+    return dataclasses.replace(options, **{name: getattr(options, name) + index
+                                           for name in ("port", "metrics_port", "health_port")
+                                           if getattr(options, name)})
+
+
+def _raise_failed(start: asyncio.Task) -> None:
+    if start.done() and not start.cancelled() and start.exception() is not None:
         raise start.exception()
-    if port_file:
-        _write_port_file(Path(port_file), server)
-    stopper = asyncio.create_task(stop_requested.wait())
-    done, _ = await asyncio.wait({start, stopper}, return_when=asyncio.FIRST_COMPLETED)
-    if start in done and start.exception() is not None:
-        await server.stop(0)
-        raise start.exception()
-    await stopper
-    if not start.done():
-        start.cancel()
-    await server.stop()
 
 
 def _write_port_file(path: Path, server: RlfabricServer) -> None:

@@ -128,10 +128,10 @@ class InProcessMesh:
         addresses: dict[str, list[str]] = {}
         for name, role in service_names(self.config):
             address = ADDRESS_PREFIX + name
-            engine = build_service(role, self.config).engine
+            engine = build_service(role, self.config, replica=len(addresses.get(role, []))).engine
             self.engines[address] = engine  # before start(): stop() stops a half-started one too
-            await engine.start()
             addresses.setdefault(role, []).append(address)
+            await engine.start()
         for role, listed in addresses.items():
             setattr(self.config.cluster, role, listed)
         self.agents = self._agent_rollouts(addresses)

@@ -59,6 +59,7 @@ from rlfabric.weight_sync.receiver import Membership, WeightSwap
 
 if TYPE_CHECKING:
     import torch
+    from prometheus_client import CollectorRegistry
 
 
 @dataclass(eq=False)
@@ -143,6 +144,10 @@ class RolloutEngine(abc.ABC):
                             queue_depth=len(self._requests), kv_cache_usage=self.kv_cache_usage,
                             paused=self._paused, sleeping=self._sleeping, rss_bytes=current_rss_bytes(),
                             device_memory_bytes=self.device_memory_bytes(), device=self.device_report())
+
+    def register_metrics(self, registry: CollectorRegistry) -> None:
+        """Adds the engine's own metrics to its service's registry; none by default."""
+        return None
 
     def device_memory_bytes(self) -> int:
         """What the engine's weights and KV cache hold on its device, by its own accounting; 0 = unknown."""

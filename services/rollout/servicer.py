@@ -158,8 +158,9 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             yield sample
 
 
-def build_engine(config: RunConfig) -> RolloutEngine:
-    """The engine named by rollout.engine (imported lazily: vLLM is heavy and optional)."""
+def build_engine(config: RunConfig, replica: int = 0) -> RolloutEngine:
+    """The engine named by rollout.engine (imported lazily: vLLM is heavy and optional); `replica`: which of
+    the run's replicas it is (the simulated engine draws its stragglers and randomness by it)."""
     engine = config.rollout.engine
     if engine == "hf":
         from rlfabric.rollout.hf_engine import HFEngine
@@ -173,15 +174,20 @@ def build_engine(config: RunConfig) -> RolloutEngine:
         from rlfabric.rollout.sglang_engine import SGLangEngine
 
         return SGLangEngine(config)
+    if engine == "sim":
+        from rlfabric.rollout.sim_engine import SimEngine
+
+        return SimEngine(config, replica)
     raise ValueError(f"unknown rollout.engine {engine!r}")
 
 
-def build_service(config: RunConfig, engine: RolloutEngine | None = None) -> ServiceDefinition:
-    """The rollout role: RolloutService over the configured engine, or the given one (which keeps the
-    rollout limits of the config it was built with); its multi-turn requests call the environments the
-    config names."""
-    engine = engine or build_engine(config)
+def build_service(config: RunConfig, engine: RolloutEngine | None = None, replica: int = 0) -> ServiceDefinition:
+    """The rollout role: RolloutService over the configured engine (replica number `replica` of the run), or
+    the given one (which keeps the rollout limits of the config it was built with); its multi-turn requests
+    call the environments the config names."""
+    engine = engine or build_engine(config, replica)
     registry = CollectorRegistry()
+    engine.register_metrics(registry)
     servicer = RolloutServicer(engine, AgentRollouts(engine, config), RolloutMetrics(registry, engine))
     binding = ServiceBinding(servicer, add_rollout_service,  # PushWeights takes raw bytes
                              "rlfabric.v1.RolloutService")

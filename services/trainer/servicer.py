@@ -20,8 +20,14 @@ def decode_log_probs_input(message: common_pb2.LogProbsInput) -> tuple[dict, flo
 
 
 def build_trainer_service(role: str, config: RunConfig, servicer_class, add_to_server, full_name: str) -> ServiceDefinition:
-    """A model role's service (actor, reference, critic): its servicer over a TrainerEngine (loaded in start())."""
+    """A model role's service (actor, reference, critic): its servicer over a TrainerEngine (loaded in start()),
+    or with <role>.engine sim the simulated one (rlfabric.trainer.sim_engine)."""
     registry = CollectorRegistry()
-    engine = TrainerEngine(role, config, registry)
+    if getattr(config, role).engine == "sim":
+        from rlfabric.trainer.sim_engine import SimTrainerEngine
+
+        engine = SimTrainerEngine(role, config, registry)
+    else:
+        engine = TrainerEngine(role, config, registry)
     binding = ServiceBinding(servicer_class(engine), add_to_server, full_name)
     return ServiceDefinition(role=role, bindings=[binding], engine=engine, registry=registry)

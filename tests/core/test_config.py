@@ -33,7 +33,7 @@ def test_dotted_overrides_are_parsed_as_yaml():
         ("trainer.total_stpes=3", "trainer.total_stpes: unknown key"),
         ("rollout.n=two", "rollout.n: Input should be a valid integer"),
         ("rollout.n=0", "rollout.n: Input should be greater than or equal to 1"),
-        ("rollout.engine=tgi", "rollout.engine: Input should be 'hf', 'vllm' or 'sglang'"),
+        ("rollout.engine=tgi", "rollout.engine: Input should be 'hf', 'vllm', 'sglang' or 'sim'"),
         ("server=4", "server: Input should be a valid dictionary"),
         ("nokey", "is not of the form dotted.key=value"),
     ],

@@ -224,7 +224,7 @@ def test_up_with_a_bad_config_file_names_the_key_and_starts_nothing(tmp_path, ca
 BAD_OVERRIDES = {
     "actor.lr=-1": "actor.lr: Input should be greater than 0",
     "actor.lr=[": "actor.lr is not valid YAML",
-    "rollout.engine=tgi": "rollout.engine: Input should be 'hf', 'vllm' or 'sglang'",
+    "rollout.engine=tgi": "rollout.engine: Input should be 'hf', 'vllm', 'sglang' or 'sim'",
     "trainer.total_steps=0": "trainer.total_steps: Input should be greater than or equal to 1",
     "reward.timeout_s=-.inf": "reward.timeout_s: Input should be greater than 0",
     "rollout.top_p=.nan": "rollout.top_p",

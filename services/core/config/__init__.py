@@ -1,7 +1,7 @@
 """The run config: one YAML file with a section per role, VeRL-style names, validated on load.
 
 Sections: server, client, cluster, model, data, actor, reference, critic, rollout, reward, env, agent,
-algorithm, trainer, weight_sync, storage, launcher, tracing, resource_pools. Every field has a default and a docstring
+algorithm, trainer, weight_sync, storage, launcher, tracing, sim, resource_pools. Every field has a default and a docstring
 (`rlfabric config-reference`
 prints them). Unknown keys and wrong types are errors that name the dotted key.
 
@@ -53,6 +53,7 @@ from rlfabric.core.config.server import (
     TlsConfig,
     TracingConfig,
 )
+from rlfabric.core.config.sim import SimConfig, SimRolloutConfig, SimTrainerConfig
 from rlfabric.core.config.trainer import MlflowConfig, TrainerConfig, WandbConfig
 from rlfabric.core.config.weight_sync import ADAPTER_ENGINES, WeightSyncConfig
 
@@ -63,6 +64,9 @@ __all__ = [
     "Section",
     "TlsConfig",
     "ServerConfig",
+    "SimConfig",
+    "SimRolloutConfig",
+    "SimTrainerConfig",
     "ClientConfig",
     "ClusterConfig",
     "ModelConfig",

@@ -29,7 +29,12 @@ class LoraConfig(Section):
 
 
 class ModelRoleSection(Section):
-    """What the three model roles (actor, reference, critic) set alike: their ranks, packing and pool."""
+    """What the three model roles (actor, reference, critic) set alike: their engine, ranks, packing and pool."""
+
+    engine: Literal["torch", "sim"] = "torch"
+    """torch = the model trained with torch (FSDP2, tensor parallel); sim = no model: each request takes the time
+    sim.trainer's cost model gives, log-probs and values are placeholders, and weight syncs carry a tiny payload
+    plus the modelled transfer of the virtual weights (docs/simulation.md)."""
 
     world_size: int = Field(1, ge=1)
     """Ranks (FSDP2 data-parallel x tensor_parallel_size); rank 0 serves gRPC."""

@@ -41,8 +41,9 @@ class MultiTurnConfig(Section):
 class RolloutConfig(Section):
     """The rollout replicas: the generation engine, sampling, replicas and multi-turn agent loops."""
 
-    engine: Literal["hf", "vllm", "sglang"] = "hf"
-    """Inference engine: embedded transformers, in-process vLLM, or an SGLang server."""
+    engine: Literal["hf", "vllm", "sglang", "sim"] = "hf"
+    """Inference engine: embedded transformers, in-process vLLM, an SGLang server, or sim (no model: modelled
+    latency and random token ids, sim.rollout; docs/simulation.md)."""
     replicas: int = Field(1, ge=1)
     """Rollout replicas the local launcher starts."""
     pool: str = ""

@@ -20,6 +20,7 @@ from rlfabric.core.config.server import (
     StorageConfig,
     TracingConfig,
 )
+from rlfabric.core.config.sim import SimConfig
 from rlfabric.core.config.trainer import TrainerConfig
 from rlfabric.core.config.weight_sync import ADAPTER_ENGINES, WeightSyncConfig
 from rlfabric.core.roles import POOL_ROLES, ROLES, TRAINER_ROLES
@@ -53,6 +54,7 @@ class RunConfig(Section):
     storage: StorageConfig = StorageConfig()
     launcher: LauncherConfig = LauncherConfig()
     tracing: TracingConfig = TracingConfig()
+    sim: SimConfig = SimConfig()
     resource_pools: dict[str, ResourcePoolConfig] = {}
     """Named device pools (VeRL's resource_pool_spec): {name: {gpus: N | devices: [...], cpus: [...], nodes: M}};
     a role picks one with its section's `pool` key (actor.pool, rollout.pool, ...). Roles in one pool share its
@@ -134,6 +136,17 @@ class RunConfig(Section):
         if self.rollout.multi_turn.enable:
             raise ValueError(f"{key} with rollout.multi_turn.enable: an episode is either the agent's (through the "
                              "gateway) or the environment service's; turn one off")
+        return self
+
+    @model_validator(mode="after")
+    def _sim_trainers_are_one_process(self) -> RunConfig:
+        """A simulated trainer is one process whatever the GPUs it models (sim.trainer.gpus)."""
+        for role in TRAINER_ROLES:
+            section = getattr(self, role)
+            if section.engine == "sim" and (section.world_size > 1 or section.tensor_parallel_size > 1):
+                raise ValueError(f"{role}.engine sim with {role}.world_size {section.world_size} and "
+                                 f"tensor_parallel_size {section.tensor_parallel_size}: a simulated trainer runs as "
+                                 "one process; set the GPUs it models with sim.trainer.gpus")
         return self
 
     @model_validator(mode="after")
