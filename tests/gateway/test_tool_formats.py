@@ -1,13 +1,16 @@
 """Tool-call formats (hermes, qwen3_xml, llama3_json): calls read into OpenAI's tool calls, badly written ones
-left as plain text and flagged, and each format checked at start against the model's chat template (a call
-rendered and parsed back; a mismatch is a config error naming agent.gateway.tool_call_format)."""
+left as plain text and flagged (over HTTP: a 200 with the text, counted in agent/tool_parse_errors), and each
+format checked at start against the model's chat template (a call rendered and parsed back; a mismatch is a
+config error naming agent.gateway.tool_call_format)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 
 import pytest
+from openai import AsyncOpenAI
 
 from rlfabric.core.config import ConfigError, load_config
 from rlfabric.gateway.calls import RouterGenerator
@@ -21,6 +24,7 @@ from rlfabric.gateway.format_check import (
 from rlfabric.gateway.replies import parse_reply
 from rlfabric.gateway.server import Gateway
 from rlfabric.quickstart.tiny_model import build_tokenizer
+from rlfabric.rollout.types import Finish, FinishedSample
 from tests.gateway.templates import tokenizer_with
 
 TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {
@@ -136,3 +140,57 @@ def test_a_template_that_cannot_render_a_call_is_not_checked():
     check = check_tool_call_format(tokenizer, "hermes")
     assert not check.checked and "no tools here" in check.why_unchecked
 
+
+
+class WrittenReplies:
+    """A TokenGenerator whose replica writes the given texts, in turn (no model here writes qwen3_xml or
+    llama3_json calls, well-formed or not): each text's tokens, then the end of turn."""
+
+    def __init__(self, tokenizer, texts: list[str]):
+        self.tokenizer, self.texts = tokenizer, list(texts)
+
+    async def generate(self, prompt_ids, params, routing_key):
+        ids = self.tokenizer.encode(self.texts.pop(0), add_special_tokens=False) + [self.tokenizer.eos_token_id]
+        return FinishedSample(0, 0, ids, [-0.5] * len(ids), Finish.STOP, 0)
+
+    def release(self, routing_key):
+        pass
+
+
+WELL_AND_BADLY_WRITTEN = {
+    "qwen3_xml": ("<tool_call>\n<function=lookup>\n<parameter=key>\na\n</parameter>\n</function>\n</tool_call>",
+                  "<tool_call>\n<function=lookup>\n<parameter=key>\na"),
+    "llama3_json": ('{"name": "lookup", "parameters": {"key": "a"}}', '{"name": "lookup", "parameters": {"key": "a"'),
+}
+
+
+@pytest.mark.parametrize("tool_call_format", sorted(WELL_AND_BADLY_WRITTEN))
+def test_over_http_a_badly_written_call_is_a_plain_reply_and_counted(tool_call_format):
+    tokenizer = tokenizer_with(tool_call_format)
+    good, bad = WELL_AND_BADLY_WRITTEN[tool_call_format]
+    config = load_config(None, ["model.path=/nonexistent", "agent.gateway.enable=true", "data.max_response_length=64",
+                                f"agent.gateway.tool_call_format={tool_call_format}"])
+
+    async def scenario():
+        gateway = Gateway(config, tokenizer, WrittenReplies(tokenizer, [good, bad, bad]))
+        await gateway.start()
+        try:
+            episode = gateway.episodes.open()
+            client = AsyncOpenAI(base_url=gateway.base_url, api_key=episode.key, max_retries=0)
+            ask = {"model": "m", "messages": [{"role": "user", "content": "look up a"}], "tools": TOOLS}
+            called = await client.chat.completions.create(**ask)
+            plain = await client.chat.completions.create(**ask)
+            chunks = [chunk async for chunk in await client.chat.completions.create(**ask, stream=True)]
+            return called, plain, chunks, gateway.calls.take_metrics()
+        finally:
+            await gateway.close()
+
+    called, plain, chunks, metrics = asyncio.run(scenario())
+    (call,) = called.choices[0].message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == ("lookup", {"key": "a"})
+    assert called.choices[0].finish_reason == "tool_calls"
+    assert plain.choices[0].message.content == bad and plain.choices[0].message.tool_calls is None
+    assert plain.choices[0].finish_reason == "stop"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == bad
+    assert not any(c.choices[0].delta.tool_calls for c in chunks if c.choices)
+    assert (metrics["agent/calls"], metrics["agent/tool_calls"], metrics["agent/tool_parse_errors"]) == (3, 1, 2)
