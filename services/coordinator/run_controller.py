@@ -103,7 +103,7 @@ class RunController:
         async with contextlib.AsyncExitStack() as stack:
             driver = await stack.enter_async_context(open_run(
                 config, self, self.connect, phases, self.policy,
-                actor_mini_batch_rows=base.actor.ppo_mini_batch_size * base.rollout.n))
+                actor_mini_batch_rows=base.actor.ppo_mini_batch_size * base.rollout.n, registry=self.registry))
             start_step = await driver.prepare(run_dir_of(base) / "initial_weights")
             with phases.phase("trackers"):
                 tracker = RunTracker(run_dir, config, self.registry, total_steps=config.trainer.total_steps,

@@ -18,6 +18,8 @@ from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
 
+from prometheus_client import CollectorRegistry
+
 from rlfabric.agents.llm import AgentRunner
 from rlfabric.agents.runners import runner_of
 from rlfabric.coordinator.agent_episodes import AgentEpisodes
@@ -127,13 +129,17 @@ def _log_preload_failure(future: asyncio.Future) -> None:
                     future.exception())
 
 
-async def _started_gateway(config: RunConfig, tokenizer, peers: Peers):
-    """The agent gateway in front of the run's rollout router, listening."""
+async def _started_gateway(config: RunConfig, tokenizer, peers: Peers, registry: CollectorRegistry | None):
+    """The agent gateway in front of the run's rollout router, listening; InvalidArgument naming the key when
+    its tool-call format does not read the calls the model's chat template writes."""
     # Imported here: FastAPI and uvicorn take ~0.8 s to import, which a run without agents need not pay.
     from rlfabric.gateway.calls import RouterGenerator
     from rlfabric.gateway.server import Gateway
 
-    gateway = Gateway(config, tokenizer, RouterGenerator(peers.rollout))
+    try:
+        gateway = Gateway(config, tokenizer, RouterGenerator(peers.rollout), registry)
+    except ConfigError as error:
+        raise InvalidArgument(str(error)) from None
     await gateway.start()
     return gateway
 
@@ -149,13 +155,15 @@ def _agent_runner(config: RunConfig) -> AgentRunner:
 @asynccontextmanager
 async def open_run(config: RunConfig, hooks: RunHooks, connect: Connect = connect_services,
                    phases: StartPhases | None = None, policy: PolicyTokenizer | None = None,
-                   actor_mini_batch_rows: int | None = None) -> AsyncIterator[PPODriver]:
+                   actor_mini_batch_rows: int | None = None,
+                   registry: CollectorRegistry | None = None) -> AsyncIterator[PPODriver]:
     """A PPODriver for one run, connected to its services by `connect` (default: over gRPC, to
     config.cluster's addresses); the connections close when the block ends. The tokenizer (`policy`'s,
     loaded at the coordinator's start) and the data (on a thread) are made ready while the connections are
     made (waits on the services); each is a phase of `phases`. With agent.gateway.enable (or an agent to run,
     agent.entrypoint / agent.command) the agent gateway starts here too, over the run's rollout router
-    (driver.gateway), and stops when the block ends; an agent's episodes are then the run's samples."""
+    (driver.gateway), and stops when the block ends; an agent's episodes are then the run's samples. `registry`
+    (the coordinator's) gets the gateway's Prometheus metrics."""
     phases = phases or StartPhases("run", log)
     if not config.model.path:
         raise FailedPrecondition("model.path is empty: the coordinator needs the policy's tokenizer")
@@ -176,7 +184,7 @@ async def open_run(config: RunConfig, hooks: RunHooks, connect: Connect = connec
     gateway, agents = None, None
     try:
         if config.agent.gateway.enable or config.agent.runs_agents():  # agents' OpenAI endpoint
-            gateway = await phases.timed("agent_gateway", _started_gateway(config, tokenizer, peers))
+            gateway = await phases.timed("agent_gateway", _started_gateway(config, tokenizer, peers, registry))
         if config.agent.runs_agents():
             agents = AgentEpisodes(config, gateway, _agent_runner(config), score=partial(
                 peers.score, retry_window_s=config.trainer.reward_retry_window_s))

@@ -13,15 +13,18 @@ from __future__ import annotations
 
 import asyncio
 import time
+import weakref
 from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from jinja2 import TemplateError
+from prometheus_client import CollectorRegistry, Histogram
 
 from rlfabric.core.config import RunConfig
 from rlfabric.core.errors import InvalidArgument, ResourceExhausted, RlfabricError
+from rlfabric.core.metrics import RPC_SECONDS_BUCKETS, service_histogram
 from rlfabric.gateway.episodes import Episode, EpisodeStore
 from rlfabric.gateway.openai_api import ChatRequest, CompletionRequest, OpenAIError
 from rlfabric.gateway.render import ChatRenderer, message_key, tools_key
@@ -30,6 +33,18 @@ from rlfabric.gateway.segments import RecordedCall
 from rlfabric.rollout.types import Finish, FinishedSample, SamplingSpec, row_seed
 
 LATENCIES_KEPT = 100_000  # call latencies kept between two take_metrics (the newest)
+CALL_LATENCY = "rlfabric_agent_call_latency_seconds"
+_histograms: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def call_latency_histogram(registry: CollectorRegistry) -> Histogram:
+    """The registry's rlfabric_agent_call_latency_seconds, made once (a coordinator runs one gateway per run)."""
+    if registry not in _histograms:
+        _histograms[registry] = service_histogram(
+            registry, CALL_LATENCY, "Seconds from a call's request to its reply through the agent gateway (render, "
+            "wait for a replica, generate, parse); calls answered from the record or refused are not counted.",
+            buckets=RPC_SECONDS_BUCKETS)
+    return _histograms[registry]
 
 
 class TokenGenerator(Protocol):
@@ -80,7 +95,8 @@ class SamplingPolicy:
 class CallHandler:
     """Runs the calls of every episode; counts what agent/* metrics report."""
 
-    def __init__(self, config: RunConfig, tokenizer: Any, generator: TokenGenerator, episodes: EpisodeStore):
+    def __init__(self, config: RunConfig, tokenizer: Any, generator: TokenGenerator, episodes: EpisodeStore,
+                 registry: CollectorRegistry | None = None):
         settings = config.agent.gateway
         self.settings = settings
         self.generator = generator
@@ -93,10 +109,12 @@ class CallHandler:
         self.inflight = 0
         self.counts: Counter[str] = Counter()  # calls, retries_replayed, sampling_overrides, tool_parse_errors, ...
         self.latencies: deque[float] = deque(maxlen=LATENCIES_KEPT)
+        self.latency_histogram = call_latency_histogram(registry) if registry is not None else None
 
     # -- the two kinds of call ---------------------------------------------------------------------------
 
     async def chat(self, episode: Episode, request: ChatRequest, request_hash: str, is_retry: bool) -> RecordedCall:
+        started = time.monotonic()
         replayed = await self._replay(episode, request_hash, is_retry)
         if replayed is not None:
             return replayed
@@ -114,23 +132,24 @@ class CallHandler:
 
         def reply_of(call: RecordedCall) -> None:
             reply = parse_reply(call.text, self.settings.tool_call_format,
-                                bool(request.tools) and request.tool_choice != "none", call.call_id)
+                                tools if request.tool_choice != "none" else None, call.call_id)
             self.counts["tool_parse_errors"] += reply.parse_error
             self.counts["tool_calls"] += len(reply.tool_calls)
             call.message = reply.message()
             key = (tools_key(tools), *(message_key(m) for m in messages), message_key(call.message))
             episode.conversations[key] = call.number
 
-        return await self._run(episode, request, request_hash, prompt_ids, parent, reply_of)
+        return await self._run(episode, request, request_hash, prompt_ids, parent, reply_of, started)
 
     async def completion(self, episode: Episode, request: CompletionRequest, request_hash: str,
                          is_retry: bool) -> RecordedCall:
+        started = time.monotonic()
         replayed = await self._replay(episode, request_hash, is_retry)
         if replayed is not None:
             return replayed
         prompt = request.prompt
         prompt_ids = list(prompt) if isinstance(prompt, list) else list(self.renderer.tokenizer.encode(prompt))
-        return await self._run(episode, request, request_hash, prompt_ids, None, lambda call: None)
+        return await self._run(episode, request, request_hash, prompt_ids, None, lambda call: None, started)
 
     # -- shared steps ----------------------------------------------------------------------------------
 
@@ -174,7 +193,9 @@ class CallHandler:
         return min(request.token_budget() or self.max_tokens, self.max_tokens, left)
 
     async def _run(self, episode: Episode, request, request_hash: str, prompt_ids: list[int],
-                   parent: RecordedCall | None, finish) -> RecordedCall:
+                   parent: RecordedCall | None, finish, started: float) -> RecordedCall:
+        """Samples, records and answers one call; its seconds run from `started` (the request taken) to its
+        reply parsed."""
         max_tokens = self._limits(episode, request)
         temperature, top_p, top_k, overridden = self.sampling.resolve(request)
         self.counts["sampling_overrides"] += overridden
@@ -188,7 +209,6 @@ class CallHandler:
         episode.by_request[request_hash] = pending
         episode.started_calls += 1
         self.inflight += 1
-        started = time.monotonic()
         try:
             sample = await self._generate(episode, prompt_ids, params)
         except BaseException as error:
@@ -202,12 +222,15 @@ class CallHandler:
         call = RecordedCall(number, f"call_{number}", prompt_ids, list(sample.token_ids), list(sample.logprobs),
                             sample.token_versions(), sample.finish_reason,
                             parent.number if parent is not None else None,
-                            text=self.renderer.text(sample.token_ids), seconds=time.monotonic() - started)
+                            text=self.renderer.text(sample.token_ids))
         finish(call)
+        call.seconds = time.monotonic() - started
         episode.calls.append(call)
         episode.sampled_tokens += len(call.token_ids)
         self.counts["calls"] += 1
         self.latencies.append(call.seconds)
+        if self.latency_histogram is not None:
+            self.latency_histogram.observe(call.seconds)
         pending.set_result(call)
         return call
 

@@ -4,13 +4,10 @@ parse is plain text (counted), never an error."""
 
 from __future__ import annotations
 
-import re
-from collections.abc import Callable
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from rlfabric.rollout.agent_loop import parse_tool_calls
-
-_HERMES_BLOCK = re.compile(r"<tool_call>.*?(?:</tool_call>|$)", re.DOTALL)
+from rlfabric.gateway.tool_formats import TOOL_CALL_FORMATS, MalformedToolCall
 
 
 @dataclass
@@ -30,28 +27,15 @@ class Reply:
         return message
 
 
-def _hermes(text: str, call_id: str) -> Reply:
-    if "<tool_call>" not in text:
+def parse_reply(text: str, tool_call_format: str, tools: Sequence[dict] | None, call_id: str) -> Reply:
+    """The reply of `text`; tool calls only when the request declared tools (None: it did not, or said
+    tool_choice none). Tool-call ids are `call_id`_<index>: the same reply gets the same ids."""
+    if not tools:
         return Reply(text)
-    calls = parse_tool_calls(text)
-    if not calls or any(not call.name for call in calls):
+    try:
+        content, calls = TOOL_CALL_FORMATS[tool_call_format](text, tools)
+    except MalformedToolCall:
         return Reply(text, parse_error=True)
-    content = _HERMES_BLOCK.sub("", text).strip()
     return Reply(content, [{"id": f"{call_id}_{index}", "type": "function",
-                            "function": {"name": call.name, "arguments": call.arguments_json}}
-                           for index, call in enumerate(calls)])
-
-
-def _plain(text: str, call_id: str) -> Reply:
-    return Reply(text)
-
-
-REPLY_FORMATS: dict[str, Callable[[str, str], Reply]] = {"hermes": _hermes, "none": _plain}
-
-
-def parse_reply(text: str, tool_call_format: str, tools_declared: bool, call_id: str) -> Reply:
-    """The reply of `text`; tool calls only when the request declared tools (and did not say tool_choice none).
-    Tool-call ids are `call_id`_<index>: the same reply gets the same ids."""
-    if not tools_declared:
-        return Reply(text)
-    return REPLY_FORMATS[tool_call_format](text, call_id)
+                            "function": {"name": name, "arguments": arguments}}
+                           for index, (name, arguments) in enumerate(calls)])

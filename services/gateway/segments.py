@@ -43,7 +43,7 @@ class RecordedCall:
     message: dict | None = None
     """The assistant message answered (chat calls)."""
     seconds: float = 0.0
-    """How long generation took."""
+    """Seconds from the request taken to the reply parsed (render, wait for a replica, generate, parse)."""
 
 
 @dataclass

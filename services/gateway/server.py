@@ -20,11 +20,13 @@ from pathlib import Path
 from typing import Any
 
 import uvicorn
+from prometheus_client import CollectorRegistry
 
 from rlfabric.core.config import RunConfig
 from rlfabric.gateway.app import build_app
 from rlfabric.gateway.calls import CallHandler, TokenGenerator
 from rlfabric.gateway.episodes import Episode, EpisodeStore
+from rlfabric.gateway.format_check import check_tool_call_format
 
 log = logging.getLogger("rlfabric.gateway")
 
@@ -38,13 +40,17 @@ class _InProcessServer(uvicorn.Server):
 
 
 class Gateway:
-    """The episodes, the call handler and the HTTP server over them."""
+    """The episodes, the call handler and the HTTP server over them. ConfigError (naming the key) when
+    agent.gateway.tool_call_format does not read the calls the model's chat template writes; the call latency
+    histogram goes to `registry` (the coordinator's: its metrics port)."""
 
-    def __init__(self, config: RunConfig, tokenizer: Any, generator: TokenGenerator):
+    def __init__(self, config: RunConfig, tokenizer: Any, generator: TokenGenerator,
+                 registry: CollectorRegistry | None = None):
         self.settings = config.agent.gateway
+        self.tool_format = check_tool_call_format(tokenizer, self.settings.tool_call_format)
         self.model = self.settings.served_model_name or Path(config.model.path).name or "rlfabric-policy"
         self.episodes = EpisodeStore(self.settings, on_close=generator.release)
-        self.calls = CallHandler(config, tokenizer, generator, self.episodes)
+        self.calls = CallHandler(config, tokenizer, generator, self.episodes, registry)
         self.app = build_app(self.episodes, self.calls, self.model)
         self._server: _InProcessServer | None = None
         self._serving: asyncio.Task | None = None

@@ -37,10 +37,14 @@ class GatewayConfig(Section):
     data.max_response_length)."""
     episode_timeout_s: float = Field(3600.0, gt=0)
     """An episode open this long times out: its calls then get 410 (code episode_timed_out) and it is marked so."""
-    tool_call_format: Literal["hermes", "none"] = "hermes"
-    """How tool calls are read from a reply when the request declares tools: hermes = <tool_call>{"name": ...,
-    "arguments": {...}}</tool_call> (Qwen, Hermes, SmolLM2); none = never (the reply is plain text). A call that
-    does not parse leaves the whole reply as plain text."""
+    tool_call_format: Literal["hermes", "qwen3_xml", "llama3_json", "none"] = "hermes"
+    """How tool calls are read from a reply when the request declares tools (vLLM's tool-call-parser names):
+    hermes = <tool_call>{"name": ..., "arguments": {...}}</tool_call> (Hermes, Qwen2.5, Qwen3, SmolLM2);
+    qwen3_xml = <tool_call><function=NAME><parameter=KEY>VALUE</parameter></function></tool_call> (Qwen3-Coder;
+    vLLM's qwen3_coder); llama3_json = the reply is {"name": ..., "parameters": {...}} (Llama 3.1, 3.2); none =
+    never (the reply is plain text). Checked at start against the model's chat template (a call rendered and
+    parsed back): a mismatch is a config error. A call that does not parse leaves the whole reply as plain
+    text, counted in agent/tool_parse_errors."""
     honour_agent_sampling: bool = False
     """Use the temperature, top_p and top_k an agent sends. Off: the run's (rollout.*) replace them, so the
     recorded log-probs match the trainer's, and each call that sent others counts in agent/sampling_overrides."""
