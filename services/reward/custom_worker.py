@@ -64,6 +64,7 @@ from rlfabric.sandbox.confine import (
     UidClaim,
     can_renew_hard_cpu_limit,
     claim_uid,
+    clear_temp_files,
     confine,
     make_workdir,
     renew_own_cpu_limit,
@@ -275,6 +276,7 @@ def run_scorer(
     # 2. Confine this process before any user code runs (see rlfabric.sandbox.confine); what it may no
     # longer read, the installed modules the file imports, is imported first.
     import_installed_modules(source, settings["path"])
+    own_uid = os.geteuid() == 0  # (confine drops root for the worker's claimed uid)
     try:
         warnings = confine(settings["sandbox"], settings["memory_limit_mb"], workdir, hard_cpu_limit, cgroup)
     except SandboxError as exc:
@@ -315,6 +317,7 @@ def run_scorer(
         # Sent after the except block, so the traceback and the user's locals are freed by now.
         reply["nonce"] = nonce
         reply["ended"] = _end_own_processes()
+        clear_temp_files(workdir, own_uid)  # what the item wrote there, the next one does not see
         send(reply)
     return 0
 

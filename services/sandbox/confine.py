@@ -11,9 +11,11 @@ When the service runs as root (the case this is built for):
   only its own processes, not the other sandbox's nor another worker's. No supplementary groups, the
   configured gid, no_new_privs (a setuid binary gains nothing): it cannot read root's 0600 files (the
   token file), nor signal, trace or read the memory and descriptors of the service or its supervisor;
-- files: with private_tmp (the python tool's default), empty tmpfs of its own on /tmp, /var/tmp and
-  /dev/shm (a mount namespace), gone when it ends; else (and where no mount namespace can be made)
-  the supervisor deletes what its uid left in them when it ends (UidClaim.release);
+- files: with private_tmp (the default), empty tmpfs of its own on /tmp, /var/tmp and /dev/shm (a
+  mount namespace), gone when it ends; a long-lived process (the reward scorer) empties them and its
+  working directory after each item (clear_temp_files), so no call sees what an earlier one wrote;
+  else (and where no mount namespace can be made) the supervisor deletes what its uid left in them
+  when it ends (UidClaim.release);
 - memory: all its processes together under memory_limit_mb (rlfabric.sandbox.process_tree.MemoryBound:
   a cgroup where one can be made, else counting the tree), each one also under RLIMIT_AS;
 - environment: PATH, HOME and TMPDIR (a private, empty working directory), the variables the
@@ -78,6 +80,11 @@ INTERPRETER_VARIABLES = ("PYTHONPATH", "PYTHONHOME", "LD_LIBRARY_PATH")
 SHARED_TEMP_DIRS = ("/tmp", "/var/tmp", "/dev/shm")
 # Where claimed uids are locked (one file per uid, flock held by the claiming supervisor): /run is root's.
 UID_LOCK_DIRS = ("/run/rlfabric-sandbox-uids", os.path.join(tempfile.gettempdir(), "rlfabric-sandbox-uids-0"))
+
+
+# Whether this process mounted private SHARED_TEMP_DIRS (mount_private_temp_dirs): only then may
+# clear_temp_files empty them whole.
+_private_temp_dirs = False
 
 
 class SandboxError(RuntimeError):
@@ -310,7 +317,34 @@ def mount_private_temp_dirs(memory_limit_mb: int | None, workdir: str) -> str:
     if not os.path.isdir(workdir):  # it was in the host's /tmp, now hidden: the same path, empty, in ours
         os.makedirs(workdir, mode=0o700)
         os.chown(workdir, owner.st_uid, owner.st_gid)
+    global _private_temp_dirs
+    _private_temp_dirs = True
     return ""
+
+
+def clear_temp_files(workdir: str, own_uid: bool) -> None:
+    """After an item, in the confined process: empty the working directory (cwd, HOME, TMPDIR) and, where
+    they are this process's own tmpfs, SHARED_TEMP_DIRS (the working directory itself stays); else, with
+    `own_uid` (root dropped to the sandbox's uid), delete what that uid has there. Neither: the working
+    directory only (the uid is the service's, whose files there are not the item's)."""
+    _remove_entries(workdir)
+    if _private_temp_dirs:
+        for directory in SHARED_TEMP_DIRS:
+            _remove_entries(directory, keep=workdir)
+    elif own_uid:
+        remove_files_of(os.getuid())
+
+
+def _remove_entries(directory: str, keep: str = "") -> None:
+    with contextlib.suppress(OSError), os.scandir(directory) as entries:
+        for entry in entries:
+            if keep and (entry.path == keep or keep.startswith(entry.path + os.sep)):
+                continue
+            with contextlib.suppress(OSError):
+                if entry.is_dir(follow_symlinks=False):
+                    shutil.rmtree(entry.path, ignore_errors=True)
+                else:
+                    os.unlink(entry.path)
 
 
 def set_limits(sandbox: dict, memory_limit_mb: int | None, as_root: bool, hard_cpu_limit: bool) -> None:

@@ -266,8 +266,9 @@ def request(data_source: str, count: int) -> reward_pb2.RewardServiceScoreReques
 
 @pytest.fixture
 def shared_dir():
-    """A folder the reward sandbox's uid may write to (pytest's are root's alone, mode 0700)."""
-    directory = Path(tempfile.mkdtemp(prefix="rlfabric-bounded-"))
+    """A folder the reward sandbox's uid may write to (pytest's are root's alone, mode 0700), outside its
+    private /tmp."""
+    directory = Path(tempfile.mkdtemp(prefix="rlfabric-bounded-", dir="/run"))
     directory.chmod(0o1777)
     yield directory
     shutil.rmtree(directory, ignore_errors=True)

@@ -265,8 +265,9 @@ CUSTOM_TIMEOUT_S = 1.0
 
 
 def _shared_directory() -> Path:
-    """A directory the sandbox uid may write its markers into (pytest's are root's alone, mode 0700)."""
-    directory = Path(tempfile.mkdtemp(prefix="rlfabric-sandbox-markers-"))
+    """A directory the sandbox uid may write its markers into (pytest's are root's alone, mode 0700; the
+    sandbox's /tmp is its own, so not there)."""
+    directory = Path(tempfile.mkdtemp(prefix="rlfabric-sandbox-markers-", dir="/run"))
     directory.chmod(0o1777)
     return directory
 

@@ -149,7 +149,8 @@ TOOL_CODE = textwrap.dedent("""
 
 @pytest.fixture
 def shared_directory():
-    directory = Path(tempfile.mkdtemp(prefix="rlfabric-test-shared-"))
+    """A directory the test and the reward item both see: in /run, since the sandbox's /tmp is its own."""
+    directory = Path(tempfile.mkdtemp(prefix="rlfabric-test-shared-", dir="/run"))
     directory.chmod(0o1777)
     yield directory
     shutil.rmtree(directory)

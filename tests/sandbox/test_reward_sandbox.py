@@ -214,6 +214,13 @@ USER_FILE = textwrap.dedent(
         if mode == "spin":
             while True:
                 pass
+        if mode == "temp_files":  # write the names (unless told to read only); which of them exist
+            names = extra_info["names"]
+            if extra_info["write"]:
+                for name in names:
+                    with open(name, "w") as file:
+                        file.write("left by an earlier call")
+            return {"score": 1.0, **{str(n): float(os.path.exists(name)) for n, name in enumerate(names)}}
         if mode == "big_file":
             with open("big.bin", "wb") as file:
                 for _ in range(extra_info["mib"]):
@@ -318,8 +325,8 @@ def test_network_when_allowed(user_file):
 
 @pytest.fixture
 def open_directory():
-    """A new directory every uid may list (pytest's are root's alone)."""
-    directory = Path(tempfile.mkdtemp())
+    """A new directory every uid may list (pytest's are root's alone), in /run: the sandbox's /tmp is its own."""
+    directory = Path(tempfile.mkdtemp(prefix="rlfabric-test-", dir="/run"))
     directory.chmod(0o755)
     yield directory
     shutil.rmtree(directory)
@@ -409,8 +416,10 @@ def shared_directory():
 
 
 def test_nothing_an_item_starts_outlives_it(user_file, shared_directory):
-    # (A timeout far off: forking a dozen interpreters takes a while on a busy machine.)
-    with CustomScorerPool(user_file, num_workers=NUM_WORKERS, timeout_s=30, sandbox=sandbox_config()) as pool:
+    # (A timeout far off: forking a dozen interpreters takes a while on a busy machine.) The host's /tmp, where
+    # the leftovers' markers must land for this test to read them.
+    with CustomScorerPool(user_file, num_workers=NUM_WORKERS, timeout_s=30,
+                          sandbox=sandbox_config(private_tmp=False)) as pool:
         supervisors = set(supervisor_pids())
         for _ in range(3):  # each item forks as many: no leftover, nor zombie, uses up RLIMIT_NPROC
             result = score(pool, "leave_children", count=LEFTOVERS, dir=str(shared_directory))
@@ -427,6 +436,19 @@ def test_nothing_an_item_starts_outlives_it(user_file, shared_directory):
         assert len(markers) == 3 * LEFTOVERS
         assert not any(secret.encode() in marker.read_bytes() for marker in markers)
         assert set(supervisor_pids()) == supervisors  # the same workers all along
+
+
+@pytest.mark.parametrize("private_tmp", [True, False], ids=["private", "cleared"])
+def test_no_call_sees_the_temp_files_of_an_earlier_one(user_file, private_tmp):
+    token = secrets.token_hex(8)
+    names = [f"/tmp/x-{token}", f"/var/tmp/v-{token}", f"/dev/shm/y-{token}", f"in-the-working-directory-{token}"]
+    with CustomScorerPool(user_file, num_workers=1, sandbox=sandbox_config(private_tmp=private_tmp)) as pool:
+        assert not any("no private" in warning for warning in pool.sandbox_warnings)
+        written = score(pool, "temp_files", names=names, write=True)
+        assert written.status == STATUS_OK and [written.metrics[str(n)] for n in range(4)] == [1.0] * 4
+        assert not any(os.path.exists(name) for name in names[:3])  # the host's never had them (or no longer)
+        later = score(pool, "temp_files", names=names, write=False)  # the same worker, the next call
+        assert later.status == STATUS_OK and [later.metrics[str(n)] for n in range(4)] == [0.0] * 4
 
 
 @pytest.mark.parametrize("memory_cgroup", [True, False], ids=["cgroup", "counted"])

@@ -36,8 +36,8 @@ class CustomSandboxConfig(Section):
     """RLIMIT_NOFILE of user code: most file descriptors one of its processes may hold."""
     cpu_limit_s: int = Field(60, ge=1)
     """RLIMIT_CPU of user code: CPU seconds (all threads together) one item may use, renewed before each item; a hard limit only where the worker has CAP_SYS_RESOURCE."""
-    private_tmp: bool = False
-    """Give user code empty /tmp, /var/tmp and /dev/shm of its own (tmpfs in a mount namespace, each at most the memory limit), gone when it ends; they hide the host's, so keep files the function reads elsewhere. false, or where no mount namespace can be made: the host's, and what the sandbox uid left there is deleted when its worker ends (root only)."""
+    private_tmp: bool = True
+    """Give user code empty /tmp, /var/tmp and /dev/shm of its own (tmpfs in a mount namespace, each at most the memory limit), emptied after each item (with its working directory, TMPDIR) and gone when its worker ends: no call sees what an earlier one wrote there. They hide the host's, so keep files the function reads elsewhere (or open them at import). false, or where no mount namespace can be made: the host's, and what the sandbox uid left there is deleted after each item (root only; not root, only the working directory is emptied)."""
     memory_cgroup: bool = True
     """Bound the memory of all the sandbox's processes together with a cgroup v1 memory controller where one can be made (root, a writable cgroup file system); false, or where none can be made: by counting its processes' memory (every 0.2 s while user code runs) and killing them past the limit."""
 
