@@ -15,9 +15,11 @@ import asyncio
 import json
 import os
 import sys
+import urllib.parse
 from typing import Any
 
 from rlfabric.agents.entrypoint import check_entrypoint, load_entrypoint
+from rlfabric.agents.jail import NO_ISOLATION
 from rlfabric.agents.llm import LLM, AgentRunner
 from rlfabric.agents.outcome import EXITED, GARBAGE, RAISED, AgentFailed, AgentOutcome, parse_outcome
 from rlfabric.core.config.agent import AgentConfig
@@ -45,13 +47,24 @@ class ProcessRunner:
     """Runs a program per episode: `argv`, the task as JSON on stdin, the LLM's variables in its environment;
     the last line it prints is its result as JSON."""
 
-    def __init__(self, argv: list[str], working_dir: str = ""):
+    def __init__(self, argv: list[str], working_dir: str = "", network_isolation: bool = False,
+                 require_network_isolation: bool = False):
         self.argv = argv
         self.working_dir = working_dir or None
+        self.network_isolation = network_isolation
+        self.require = ["--require"] if require_network_isolation else []
+
+    def command_line(self, llm: LLM) -> list[str]:
+        """argv, run through rlfabric.agents.jail (a network that reaches the gateway only) if asked."""
+        if not self.network_isolation:
+            return self.argv
+        url = urllib.parse.urlsplit(llm.base_url)
+        gateway = f"{url.hostname}:{url.port or 80}"
+        return [sys.executable, "-m", "rlfabric.agents.jail", *self.require, gateway, "--", *self.argv]
 
     async def run(self, task: dict[str, Any], llm: LLM) -> AgentOutcome:
         process = await asyncio.create_subprocess_exec(
-            *self.argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+            *self.command_line(llm), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE, cwd=self.working_dir, env={**os.environ, **llm.env()})
         try:
             stdout, stderr = await process.communicate(json.dumps(task).encode())
@@ -60,6 +73,8 @@ class ProcessRunner:
                 process.kill()
                 await process.wait()
             raise
+        if process.returncode == NO_ISOLATION and self.network_isolation:
+            raise AgentFailed(EXITED, stderr.decode(errors="replace")[-STDERR_KEPT:].strip())
         if process.returncode != 0:
             tail = stderr.decode(errors="replace")[-STDERR_KEPT:].strip()
             raise AgentFailed(EXITED, f"{self.argv[0]} exited with status {process.returncode}: {tail}")
@@ -90,5 +105,6 @@ def runner_of(settings: AgentConfig) -> AgentRunner:
         check_entrypoint(settings.entrypoint)
         private_tmp = ["--private-tmp"] if settings.private_tmp else []
         return ProcessRunner([sys.executable, "-m", "rlfabric.agents.host", *private_tmp, settings.entrypoint],
-                             settings.working_dir)
-    return ProcessRunner(list(settings.command), settings.working_dir)
+                             settings.working_dir, settings.network_isolation, settings.require_network_isolation)
+    return ProcessRunner(list(settings.command), settings.working_dir, settings.network_isolation,
+                         settings.require_network_isolation)

@@ -75,7 +75,14 @@ class AgentConfig(Section):
     """The working directory of subprocess and command agents; empty = the coordinator's."""
     private_tmp: bool = True
     """Subprocess agents get empty /tmp, /var/tmp and /dev/shm of their own (a mount namespace; tmpfs gone with
-    the process), so episodes never see each other's files. Command agents run unconfined (for now)."""
+    the process), so episodes never see each other's files. Command agents keep the host's (for now)."""
+    network_isolation: bool = True
+    """Subprocess and command agents get a network namespace of their own where only the gateway answers (at the
+    same 127.0.0.1:port, relayed by rlfabric.agents.jail): no other port of this host, no outside address. Needs
+    root; elsewhere a warning on the agent's stderr, and it has this host's network."""
+    require_network_isolation: bool = False
+    """Where no network namespace can be made (not root, a kernel that refuses), fail each subprocess or command
+    episode (agent/failed/exited) instead of running the agent with this host's network."""
     max_concurrent_episodes: int = Field(256, ge=1)
     """Most episodes running at once (with subprocess and command: processes); the others wait their turn.
     agent.gateway.max_concurrent_episodes and what the replicas admit (rollout.max_pending_requests x
