@@ -11,6 +11,7 @@ import torch
 
 from rlfabric.coordinator.rollout_batch import RolloutBatch
 from rlfabric.core import tracing
+from rlfabric.reward.judge import JUDGE_FAILED
 
 T = TypeVar("T")
 
@@ -26,7 +27,8 @@ def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
 def data_metrics(batch: RolloutBatch, max_response_length: int) -> dict[str, float]:
     """critic/score, critic/rewards, critic/advantages, critic/returns, critic/values, response and
     prompt lengths: per-sequence values for scores/rewards, per-token values (masked) for the rest;
-    reward/score_failed/{count,fraction}: samples whose scoring failed; reward_extra/<name>/{mean,max,min}: each
+    reward/score_failed/{count,fraction}: samples whose scoring failed; reward/judge_failures/{count,fraction}: of
+    the samples the generative judge scored, those it gave no score (masked like any failed sample); reward_extra/<name>/{mean,max,min}: each
     other output of the scorer (a compute_score dict's numbers besides "score"), over the samples that gave it."""
     mask = batch.response_mask.bool()
     metrics: dict[str, float] = {}
@@ -35,8 +37,13 @@ def data_metrics(batch: RolloutBatch, max_response_length: int) -> dict[str, flo
         failed = batch.score_failed.to(torch.float32)
         metrics["reward/score_failed/count"] = failed.sum().item()
         metrics["reward/score_failed/fraction"] = failed.mean().item() if failed.numel() else 0.0
+    judge_failed = batch.reward_extra_info.get(JUDGE_FAILED)
+    if judge_failed:  # the samples a generative judge scored (reward.judge), 1.0 where it gave no score
+        metrics["reward/judge_failures/count"] = float(sum(judge_failed))
+        metrics["reward/judge_failures/fraction"] = sum(judge_failed) / len(judge_failed)
     for name, values in sorted(batch.reward_extra_info.items()):
-        metrics.update(_stats(f"reward_extra/{name}", torch.tensor(values)))
+        if name != JUDGE_FAILED:
+            metrics.update(_stats(f"reward_extra/{name}", torch.tensor(values)))
     if batch.token_rewards is not None:
         metrics.update(_stats("critic/rewards", batch.token_rewards.sum(-1)))
     for name in ("advantages", "returns", "values"):

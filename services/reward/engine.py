@@ -1,14 +1,16 @@
 """RewardEngine: what the reward service runs behind its servicer.
 
-Three kinds of scorer, and a ScorerRouter that sends each item to one of them by its data_source
+Four kinds of scorer, and a ScorerRouter that sends each item to one of them by its data_source
 (as VeRL's RewardManager does: rules for math, a reward model for dialogue), within one request:
 - the reward model (reward.model_path; imports torch): the items of reward.model_sources, in forward
   passes shared by concurrent Score calls (ModelBatcher);
 - the user's function (reward.custom_path; a sandboxed worker pool): the items of reward.custom_sources;
+- a generative judge (reward.judge.addresses; rollout services serving a judge model, rlfabric.reward.judge):
+  the items of reward.judge.data_sources;
 - the rule-based scorer registered for the item's data_source (GSM8K, MATH, HellaSwag, anything
   register_scorer added), run on a watched thread of this process: every other item.
-A configured model or custom function with an empty source list takes every item the other one's
-list does not name, so one of them alone scores everything (VeRL's default).
+A configured model, custom function or judge with an empty source list takes every item the others'
+lists do not name, so one of them alone scores everything (VeRL's default).
 
 A request is validated as a whole before anything is scored (a bad item fails the request with
 InvalidArgument naming it); a scorer that fails fails only its items (status error/timeout/crashed).
@@ -30,11 +32,13 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from rlfabric.core.client import ChannelOptions
 from rlfabric.core.config import RewardConfig
 from rlfabric.core.errors import InvalidArgument, ResourceExhausted, Unavailable
 from rlfabric.core.metrics import service_counter
 from rlfabric.reward.custom import CustomScorerPool
 from rlfabric.reward.items import STATUS_CRASHED, STATUS_ERROR, STATUS_TIMEOUT, ItemResult, ScoreItem
+from rlfabric.reward.judge import JUDGE_FAILURE_REASONS, JudgeScorer
 from rlfabric.reward.model_batcher import ModelBatcher
 from rlfabric.reward.overlong import OverlongConfig
 from rlfabric.reward.registry import UnknownDataSourceError, load_scorer_modules, registered_data_sources
@@ -46,7 +50,7 @@ from rlfabric.reward.scoring import (
 )
 
 FAILURE_REASONS = (STATUS_ERROR, STATUS_TIMEOUT, STATUS_CRASHED)
-RULES, CUSTOM, MODEL = "rules", "custom", "model"  # the routes of ScorerRouter
+RULES, CUSTOM, MODEL, JUDGE = "rules", "custom", "model", "judge"  # the routes of ScorerRouter
 
 log = logging.getLogger("rlfabric.reward")
 
@@ -73,22 +77,24 @@ class ScorerRouter:
     """Sources of the custom function; None = no custom function, empty = every other item."""
     model_sources: frozenset[str] | None
     """Sources of the reward model; None = no reward model, empty = every other item."""
+    judge_sources: frozenset[str] | None = None
+    """Sources of the judge; None = no judge, empty = every other item."""
 
     @classmethod
     def from_config(cls, config: RewardConfig) -> ScorerRouter:
         return cls(frozenset(config.custom_sources) if config.custom_path else None,
-                   frozenset(config.model_sources) if config.model_path else None)
+                   frozenset(config.model_sources) if config.model_path else None,
+                   frozenset(config.judge.data_sources) if config.judge.addresses else None)
 
     def route(self, data_source: str) -> str:
-        """RULES, CUSTOM or MODEL."""
-        if self.custom_sources and data_source in self.custom_sources:
-            return CUSTOM
-        if self.model_sources and data_source in self.model_sources:
-            return MODEL
-        if self.custom_sources == frozenset():
-            return CUSTOM
-        if self.model_sources == frozenset():
-            return MODEL
+        """RULES, CUSTOM, MODEL or JUDGE."""
+        routes = ((CUSTOM, self.custom_sources), (MODEL, self.model_sources), (JUDGE, self.judge_sources))
+        for route, sources in routes:
+            if sources and data_source in sources:
+                return route
+        for route, sources in routes:
+            if sources == frozenset():
+                return route
         return RULES
 
     def split(self, items: Sequence[ScoreItem]) -> dict[str, list[int]]:
@@ -111,7 +117,8 @@ def unscored_sources(config: RewardConfig, sources: Iterable[str]) -> list[str]:
 def unscored_sources_advice(config: RewardConfig, unscored: Sequence[str]) -> str:
     """What an error says about data sources no scorer takes (unscored_sources)."""
     other = [f"reward.{key}" for key, path in (("model_sources", config.model_path),
-                                               ("custom_sources", config.custom_path)) if path]
+                                               ("custom_sources", config.custom_path),
+                                               ("judge.data_sources", config.judge.addresses)) if path]
     return (f"unknown data_source {', '.join(map(repr, unscored))}; registered: "
             f"{', '.join(registered_data_sources())} (or set reward.default_score_for_unknown"
             + "".join(f", or list it in {key}" for key in other) + ")")
@@ -121,9 +128,11 @@ class RewardEngine:
     """Scores batches of ScoreItems; start() loads the tokenizer, custom pool or reward model."""
 
     def __init__(
-        self, config: RewardConfig, registry: CollectorRegistry | None = None, max_response_length: int = 1024
+        self, config: RewardConfig, registry: CollectorRegistry | None = None, max_response_length: int = 1024,
+        judge_options: ChannelOptions | None = None,
     ):
-        """max_response_length is the overlong penalty's Lmax when the reward config leaves it 0."""
+        """max_response_length is the overlong penalty's Lmax when the reward config leaves it 0; judge_options:
+        how the judge pool is reached (the mesh's TLS and token)."""
         self.config = config
         self.router = ScorerRouter.from_config(config)  # RewardConfig checked that the routes do not overlap
         self.scoring = ScoringConfig(
@@ -155,7 +164,14 @@ class RewardEngine:
         )
         for reason in FAILURE_REASONS:  # export 0 from the start, so rate() works from the first failure
             self._failures_total.labels(reason=reason)
+        self._judge_failures_total = service_counter(
+            registry, "rlfabric_reward_judge_failures_total",
+            "Items the generative judge gave no score, by reason.", ("reason",))
+        for reason in JUDGE_FAILURE_REASONS:
+            self._judge_failures_total.labels(reason=reason)
         self.model_batcher = ModelBatcher(self._score_model_batch, config.model_batch_size)
+        self.judge: JudgeScorer | None = None
+        self._judge_options = judge_options
         self._started = False
 
     # --- lifecycle ---
@@ -181,6 +197,8 @@ class RewardEngine:
             )
         if config.model_path:
             self.reward_model = await asyncio.to_thread(_load_reward_model, config)
+        if config.judge.addresses:
+            self.judge = JudgeScorer(config.judge, self._judge_options, self._count_judge_failure)
         self._started = True
 
     async def stop(self) -> None:
@@ -191,6 +209,9 @@ class RewardEngine:
             self.custom_pool = None
         self.reward_model = None
         self.tokenizer = None
+        if self.judge is not None:
+            await self.judge.close()
+            self.judge = None
 
     # --- scoring ---
 
@@ -228,6 +249,10 @@ class RewardEngine:
     async def _score_route(self, route: str, items: list[ScoreItem]) -> list[ItemResult]:
         if route == MODEL:
             results = await self.model_batcher.score(items)
+            add_overlong_penalty(items, results, self.scoring.overlong)
+            return results
+        if route == JUDGE:
+            results = await self.judge.score(items)
             add_overlong_penalty(items, results, self.scoring.overlong)
             return results
         if route == CUSTOM:
@@ -296,6 +321,9 @@ class RewardEngine:
             raise InvalidArgument(
                 f"item {index}: response_token_ids holds {bad}, outside the tokenizer's vocabulary [0, {vocab_size})"
             )
+
+    def _count_judge_failure(self, reason: str) -> None:
+        self._judge_failures_total.labels(reason=reason).inc()
 
     def _record(self, results: Sequence[ItemResult]) -> None:
         failures = Counter(result.status for result in results if not result.ok)

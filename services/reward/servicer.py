@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry
 
+from rlfabric.core.client import ChannelOptions
 from rlfabric.core.config import RunConfig
 from rlfabric.core.server import ServiceBinding, ServiceDefinition
 from rlfabric.reward import wire
@@ -38,6 +39,7 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
 def build_service(config: RunConfig) -> ServiceDefinition:
     """The reward role: a RewardEngine for config.reward behind RewardService."""
     registry = CollectorRegistry()
-    engine = RewardEngine(config.reward, registry, max_response_length=config.data.max_response_length)
+    engine = RewardEngine(config.reward, registry, max_response_length=config.data.max_response_length,
+                          judge_options=ChannelOptions.from_config(config))
     binding = ServiceBinding(RewardServicer(engine), reward_pb2_grpc.add_RewardServiceServicer_to_server, SERVICE_NAME)
     return ServiceDefinition(role="reward", bindings=[binding], engine=engine, registry=registry)

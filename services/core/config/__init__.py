@@ -42,7 +42,7 @@ from rlfabric.core.config.loading import (
 )
 from rlfabric.core.config.model import DataConfig, ModelConfig
 from rlfabric.core.config.reference import config_reference
-from rlfabric.core.config.reward import CustomSandboxConfig, PythonSandboxConfig, RewardConfig
+from rlfabric.core.config.reward import CustomSandboxConfig, JudgeConfig, PythonSandboxConfig, RewardConfig
 from rlfabric.core.config.rollout import MultiTurnConfig, RolloutConfig
 from rlfabric.core.config.run import RunConfig
 from rlfabric.core.config.server import (
@@ -78,6 +78,7 @@ __all__ = [
     "MultiTurnConfig",
     "RolloutConfig",
     "CustomSandboxConfig",
+    "JudgeConfig",
     "PythonSandboxConfig",
     "RewardConfig",
     "RolloutCorrectionConfig",

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import (
     Field,
     ValidationInfo,
     field_validator,
+    model_validator,
 )
 
 from rlfabric.core.config.base import Section
@@ -51,6 +53,80 @@ class PythonSandboxConfig(CustomSandboxConfig):
     """How many uids the range holds: at least the python calls that may run at once (env.threads) on this machine; a call waits for a free one up to half its timeout_s."""
     private_tmp: bool = True
     """Give the code empty /tmp, /var/tmp and /dev/shm of its own for each call (tmpfs in a mount namespace, each at most env.python.memory_limit_mb), so nothing written there is kept between calls; false, or where no mount namespace can be made: the host's, and what the call's uid left there is deleted after the call (root only)."""
+
+
+DEFAULT_JUDGE_TEMPLATE = (
+    "Rate how well the response answers the question, from 0 (wrong) to 10 (correct and clear).\n\n"
+    "Question: {prompt}\n\nResponse: {response}\n\nReply with one line: Score: N"
+)
+JUDGE_FIELDS = ("prompt", "response", "ground_truth")
+
+
+class JudgeConfig(Section):
+    """A generative judge (LLM-as-judge): rollout services serving the judge model read each item through a prompt
+    template and write a verdict; its parsed score is the item's reward. The judge pool is its own: it never
+    receives weight syncs."""
+
+    addresses: list[str] = []
+    """gRPC addresses ("host:port") of the rollout services that serve the judge model (started with their own
+    model.path); empty = no judge. They must not be the policy's rollout replicas (cluster.rollout)."""
+    data_sources: list[str] = []
+    """data_source values the judge scores; empty = every item (the custom function's and the reward model's
+    sources excepted). Other items go to the rule registered for their data_source."""
+    prompt_template: str = DEFAULT_JUDGE_TEMPLATE
+    """The judge's user message: {response} (required), {prompt} and {ground_truth} are replaced by the item's;
+    any other braces stay as written. It is rendered with the judge model's chat template by its rollout service."""
+    system_prompt: str = ""
+    """A system message before the template's user message; empty = none (the chat template's default)."""
+    parse: Literal["regex", "json"] = "regex"
+    """How the score is read from the verdict: regex = the first match of `regex`, its one group a number;
+    json = the number at `json_field` of the first JSON object in the verdict."""
+    regex: str = r"Score:\s*(-?\d+(?:\.\d+)?)"
+    """With parse regex: a regular expression with exactly one group, the score."""
+    json_field: str = "score"
+    """With parse json: the key of the score in the verdict's JSON object."""
+    min_score: float = 0.0
+    """Lowest score the judge may give."""
+    max_score: float = 10.0
+    """Highest score the judge may give."""
+    out_of_range: Literal["clamp", "fail"] = "clamp"
+    """A parsed score outside [min_score, max_score]: clamp = moved to the nearest bound; fail = the item fails
+    (status error), as an unparseable verdict does."""
+    batch_size: int = Field(8, ge=1)
+    """Most items per Generate request to the judge, gathered from concurrent Score calls."""
+    max_concurrency: int = Field(4, ge=1)
+    """Most Generate requests in flight to the judge pool at once; more items wait in the queue."""
+    timeout_s: float = Field(60.0, gt=0)
+    """Deadline of one Generate request; its items fail with status timeout past it (never a hang)."""
+    max_tokens: int = Field(32, ge=1)
+    """Most tokens of a verdict."""
+    temperature: float = Field(0.0, ge=0)
+    """Sampling temperature of the judge; 0 = greedy (the default: the same item gets the same verdict)."""
+    seed: int | None = 0
+    """Sampling seed of the judge's requests when temperature > 0; null = random."""
+
+    @field_validator("prompt_template")
+    @classmethod
+    def _template_reads_the_response(cls, template: str) -> str:
+        if "{response}" not in template:
+            raise ValueError("reward.judge.prompt_template has no {response}: the judge would never see the response")
+        return template
+
+    @model_validator(mode="after")
+    def _parse_rule_and_range(self) -> JudgeConfig:
+        if self.parse == "regex":
+            try:
+                groups = re.compile(self.regex).groups
+            except re.error as error:
+                raise ValueError(f"reward.judge.regex {self.regex!r} is not a regular expression: {error}") from None
+            if groups != 1:
+                raise ValueError(f"reward.judge.regex {self.regex!r} has {groups} groups; it needs exactly one, "
+                                 "the score")
+        elif not self.json_field:
+            raise ValueError("reward.judge.json_field is empty: parse json needs the key of the score")
+        if not self.min_score < self.max_score:
+            raise ValueError(f"reward.judge.min_score {self.min_score:g} must be below max_score {self.max_score:g}")
+        return self
 
 
 class RewardConfig(Section):
@@ -116,7 +192,8 @@ class RewardConfig(Section):
     """Reward model weights dtype."""
     model_max_length: int = Field(0, ge=0)
     """Longest reward-model input in tokens (longer ones lose their start); 0 = no limit."""
-
+    judge: JudgeConfig = JudgeConfig()
+    """A generative judge: a pool of rollout services serving a judge model, for the items of judge.data_sources."""
 
     @field_validator("model_sources")
     @classmethod
@@ -138,3 +215,25 @@ class RewardConfig(Section):
                 raise ValueError(f"reward.custom_sources and reward.model_sources share {shared}: "
                                  "each data_source goes to one scorer")
         return model_sources
+
+    @model_validator(mode="after")
+    def _judge_does_not_overlap(self) -> RewardConfig:
+        """The judge takes its own data sources: with another scorer configured, one of them lists its sources,
+        and they share none."""
+        judge = self.judge
+        if judge.data_sources and not judge.addresses:
+            raise ValueError("reward.judge.data_sources is set but reward.judge.addresses is empty")
+        if not judge.addresses:
+            return self
+        others = {key: sources for key, sources, path in (("reward.custom_sources", self.custom_sources, self.custom_path),
+                                                           ("reward.model_sources", self.model_sources, self.model_path))
+                  if path}
+        for key, sources in others.items():
+            if not sources and not judge.data_sources:
+                raise ValueError(f"reward.judge.addresses and {key.replace('_sources', '_path')} would both score every "
+                                 f"item: list the data sources of one of them in reward.judge.data_sources or {key}")
+            shared = sorted(set(sources) & set(judge.data_sources))
+            if shared:
+                raise ValueError(f"reward.judge.data_sources and {key} share {shared}: each data_source goes to one "
+                                 "scorer")
+        return self

@@ -122,6 +122,15 @@ class RunConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _judge_pool_is_its_own(self) -> RunConfig:
+        """The judge's replicas are not the policy's: those receive every weight sync, and the judge must not."""
+        shared = sorted(set(self.reward.judge.addresses) & set(self.cluster.rollout))
+        if shared:
+            raise ValueError(f"reward.judge.addresses shares {shared} with cluster.rollout: the judge needs rollout "
+                             "services of its own, serving the judge model (the policy's receive its weight syncs)")
+        return self
+
+    @model_validator(mode="after")
     def _agents_train_by_outcome(self) -> RunConfig:
         """An agent run's episodes have one reward each, shared by their segments: an outcome estimator."""
         if not self.agent.runs_agents():
