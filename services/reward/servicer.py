@@ -39,7 +39,9 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
 def build_service(config: RunConfig) -> ServiceDefinition:
     """The reward role: a RewardEngine for config.reward behind RewardService."""
     registry = CollectorRegistry()
+    # Only a judge reads the mesh's credentials: a reward service without one starts without them.
+    judge_options = ChannelOptions.from_config(config) if config.reward.judge.addresses else None
     engine = RewardEngine(config.reward, registry, max_response_length=config.data.max_response_length,
-                          judge_options=ChannelOptions.from_config(config))
+                          judge_options=judge_options)
     binding = ServiceBinding(RewardServicer(engine), reward_pb2_grpc.add_RewardServiceServicer_to_server, SERVICE_NAME)
     return ServiceDefinition(role="reward", bindings=[binding], engine=engine, registry=registry)
