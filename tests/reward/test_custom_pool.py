@@ -48,10 +48,10 @@ USER_FILE = textwrap.dedent(
             os._exit(3)
         if mode == "segfault":
             ctypes.string_at(0)
-        if mode == "hog":
-            chunks = []
+        if mode == "hog":  # address space (RLIMIT_AS): bytes() maps zero pages it does not touch, so the limit
+            chunks = []    # is met at once, not after seconds of page faults on a loaded machine
             while True:
-                chunks.append(bytearray(16 * 1024 * 1024))
+                chunks.append(bytes(16 * 1024 * 1024))
         if mode == "print":
             print("chatter on stdout that must not break the protocol")
             return 1.0
