@@ -63,7 +63,8 @@ def test_async_k1_episodes_straddling_a_weight_sync_record_both_versions_and_are
     global AGENTS
     config = fast_config(tiny_model, f"agent.entrypoint={__name__}:agent", "trainer.mode=async",
                          "trainer.max_staleness=1", "trainer.total_steps=2", "trainer.test_freq=0",
-                         "trainer.export_final=false", "trainer.dump_rollouts=true", "trainer.dump_rollout_tokens=true")
+                         "trainer.export_final=false", "trainer.dump_rollouts=true",
+                         "trainer.dump_rollout_tokens=true")
     # The rows of steps 1 and 2, as the run draws them: RolloutStream's batches from the start.
     train, _ = load_datasets(config, tmp_path / "data", load_tokenizer(str(tiny_model)))
     batches = train.batches(config.data.train_batch_size, config.data.seed, DataCursor())
