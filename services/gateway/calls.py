@@ -16,7 +16,7 @@ import time
 import weakref
 from collections import Counter, deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from jinja2 import TemplateError
@@ -30,7 +30,7 @@ from rlfabric.gateway.openai_api import ChatRequest, CompletionRequest, OpenAIEr
 from rlfabric.gateway.render import ChatRenderer, message_key, tools_key
 from rlfabric.gateway.replies import parse_reply
 from rlfabric.gateway.segments import RecordedCall
-from rlfabric.rollout.types import Finish, FinishedSample, SamplingSpec, row_seed
+from rlfabric.rollout.types import Finish, FinishedSample, SamplingSpec, compact_versions, row_seed
 
 LATENCIES_KEPT = 100_000  # call latencies kept between two take_metrics (the newest)
 CALL_LATENCY = "rlfabric_agent_call_latency_seconds"
@@ -237,7 +237,7 @@ class CallHandler:
     async def _generate(self, episode: Episode, prompt_ids: list[int], params: SamplingSpec) -> FinishedSample:
         """The engine's sample; OpenAIErrors for what the agent is told (its episode ended meanwhile: 410)."""
         try:
-            sample = await asyncio.wait_for(self.generator.generate(prompt_ids, params, episode.key),
+            sample = await asyncio.wait_for(self._sample(prompt_ids, params, episode.key),
                                             max(0.0, self.episodes.seconds_left(episode)))
         except TimeoutError:
             self.episodes.time_out(episode)
@@ -253,9 +253,30 @@ class CallHandler:
                               type="server_error") from None
         if not episode.is_open():
             self.episodes.get(episode.key)  # closed while it ran: 410, not recorded
-        if sample.finish_reason == Finish.ABORT or (sample.logprobs and len(sample.logprobs) != len(sample.token_ids)):
-            raise OpenAIError(503, "the rollout aborted this call; retry it", "rollout_aborted", type="server_error")
+        if sample.logprobs and len(sample.logprobs) != len(sample.token_ids):
+            raise OpenAIError(503, "the rollout returned a sample whose log-probs do not match its tokens; retry it",
+                              "rollout_aborted", type="server_error")
         return sample
+
+    async def _sample(self, prompt_ids: list[int], params: SamplingSpec, routing_key: str) -> FinishedSample:
+        """The call's sample, waiting through pauses: a replica's gate holds a call while it is paused (a weight
+        sync, Pause), and one that Pause(abort=True) ended early (Finish.ABORT) goes on as a new request for the
+        prompt and what it sampled, with the max_tokens left, held until Resume. Each token keeps the version
+        that sampled it; the caller bounds the wait (the episode's time left)."""
+        pieces: list[FinishedSample] = []
+        sampled: list[int] = []
+        while True:
+            piece = await self.generator.generate(prompt_ids + sampled, replace(
+                params, max_tokens=params.max_tokens - len(sampled)), routing_key)
+            pieces.append(piece)
+            sampled += piece.token_ids
+            if piece.finish_reason != Finish.ABORT:
+                break
+            if len(sampled) >= params.max_tokens:  # aborted, but with every token it may sample
+                pieces[-1] = replace(piece, finish_reason=Finish.LENGTH)
+                break
+            self.counts["calls_resumed"] += 1
+        return joined_sample(pieces)
 
     def take_metrics(self) -> dict[str, float]:
         """agent/* since the last take: counts, and call latency (mean, max)."""
@@ -266,3 +287,22 @@ class CallHandler:
         self.counts.clear()
         self.latencies.clear()
         return metrics
+
+
+def joined_sample(pieces: Sequence[FinishedSample]) -> FinishedSample:
+    """One call's sample from the pieces an abort split it into, in order (each continuing the ones before):
+    their tokens and log-probs end to end, each token with the version that sampled it, the last one's finish."""
+    if len(pieces) == 1:
+        return pieces[0]
+    tokens: list[int] = []
+    logprobs: list[float] = []
+    spans: list[tuple[int, int]] = []
+    for piece in pieces:
+        own = piece.version_spans or [(piece.weight_version, 0)]
+        spans += [(version, len(tokens) + first) for version, first in own]
+        tokens += piece.token_ids
+        logprobs += piece.logprobs
+    weight_version, version_spans = compact_versions(spans)
+    return replace(pieces[-1], token_ids=tokens, logprobs=logprobs, weight_version=weight_version,
+                   version_spans=version_spans, text="")
+

@@ -4,6 +4,7 @@ replicas of the hf engine on the tiny model; each engine request logged on the r
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import threading
 
@@ -15,6 +16,7 @@ from openai import AsyncOpenAI, OpenAI
 
 from rlfabric.gateway.calls import RouterGenerator
 from rlfabric.gateway.segments import episode_advantages
+from rlfabric.rollout.types import Finish
 from tests.gateway.helpers import GatewayMesh
 from tests.rollout.helpers import original_weights
 from tests.waiting import wait_until
@@ -118,6 +120,75 @@ def test_weights_that_move_mid_episode_give_each_token_the_version_that_sampled_
     assert (sample.weight_version, sample.newest_version) == (version - 1, version)  # staleness: the oldest token
     assert sample.token_versions() == segment.token_versions
     check_token_exact(mesh, record)
+
+
+def test_a_call_that_pause_with_abort_ends_is_held_until_resume_and_answered(mesh):
+    """Pause(abort=True) ends the call the gate held (an empty Finish.ABORT sample): the gateway sends it
+    again, the gate holds it again, and Resume lets it through. The agent sees one answer, no error."""
+    gateway, engine = mesh.gateway, mesh.engine
+    episode = mesh.call(gateway.episodes.open)
+    resumed_before = gateway.calls.counts["calls_resumed"]
+    replies = []
+    call = threading.Thread(target=lambda: replies.append(client_of(gateway, episode).chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "paused"}], max_tokens=4)))
+    mesh.run(engine.pause(abort=False))
+    try:
+        call.start()
+        wait_until(lambda: mesh.call(engine.status).queue_depth == 1, 30, "the call held at the gate")
+        assert mesh.run(engine.pause(abort=True)) == 1
+        wait_until(lambda: gateway.calls.counts["calls_resumed"] == resumed_before + 1, 30, "the call sent again")
+        wait_until(lambda: mesh.call(engine.status).queue_depth == 1, 30, "the call held again")
+        assert call.is_alive() and not replies
+    finally:
+        mesh.run(engine.resume())
+    call.join(60)
+    record = mesh.call(gateway.episodes.close, episode.key)
+    (recorded,) = record.calls
+    (reply,) = replies
+    assert reply.choices[0].message.content == recorded.text and reply.choices[0].finish_reason != "abort"
+    assert reply.usage.completion_tokens == len(recorded.token_ids) > 0
+    # The engine's two requests: the one the abort ended, with nothing sampled, then the one answered.
+    aborted, answered = mesh.requests_of([recorded.prompt_ids])
+    assert aborted.sample.finish_reason == Finish.ABORT and aborted.sample.token_ids == []
+    assert answered.prompt_ids == recorded.prompt_ids and answered.sample.token_ids == recorded.token_ids
+    assert answered.sample.logprobs == recorded.logprobs
+
+
+class AbortedOnce(RouterGenerator):
+    """The router's generator, but its first call ends as Pause(abort=True) ends a call in flight: after its
+    first `kept` tokens (Finish.ABORT), and a weight sync lands before the engine is asked again."""
+
+    def __init__(self, router, engine, model_path, kept: int):
+        super().__init__(router)
+        self.engine, self.model_path, self.kept, self.requests = engine, model_path, kept, []
+
+    async def generate(self, prompt_ids, params, routing_key):
+        self.requests.append((list(prompt_ids), params.max_tokens))
+        sample = await super().generate(prompt_ids, params, routing_key)
+        if len(self.requests) > 1:
+            return sample
+        await self.engine.load_weights(original_weights(self.model_path).items())
+        return dataclasses.replace(sample, token_ids=sample.token_ids[:self.kept], logprobs=sample.logprobs[:self.kept],
+                                   finish_reason=Finish.ABORT)
+
+
+def test_a_call_aborted_mid_generation_goes_on_from_its_tokens_under_the_new_weights(mesh):
+    generator = AbortedOnce(mesh.router, mesh.engine, mesh.model_path, kept=2)
+    gateway = mesh.gateway_with("agent.gateway.max_tokens_per_call=6", generator=generator)
+    episode = mesh.call(gateway.episodes.open)
+    reply = client_of(gateway, episode).chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "aborted mid-way"}], max_tokens=6)
+    record = mesh.call(gateway.episodes.close, episode.key)
+    (call,) = record.calls
+    (prompt, asked), (continued, asked_after) = generator.requests
+    # The second request is the prompt and the two tokens sampled, for the tokens left.
+    assert continued == prompt + call.token_ids[:2] and (asked, asked_after) == (6, 4)
+    version = mesh.call(lambda: mesh.engine.weight_version)
+    assert call.token_versions == [version - 1] * 2 + [version] * (len(call.token_ids) - 2)
+    assert len(call.logprobs) == len(call.token_ids) == reply.usage.completion_tokens > 2
+    assert call.finish_reason != Finish.ABORT and gateway.calls.counts["calls_resumed"] == 1
+    (segment,) = record.segments
+    assert segment.to_sample(0, 0, mesh.tokenizer.decode).version_spans == [(version - 1, 0), (version, 2)]
 
 
 def _stream_agent(client: OpenAI, tag: str) -> tuple[list[str], list[list[int]]]:
