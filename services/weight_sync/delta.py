@@ -1,0 +1,244 @@
+"""Delta sync (weight_sync.delta): each tensor's change against what the receiver already holds, not the tensor.
+
+    sender = DeltaSender()                                   # the actor, per delta group: what it last sent
+    manifest, buffers, sent = sender.prepare(state, ..., base_version, clock)   # the change, or the full weights
+    sender.sent(*sent)                                       # once sent: the base of the next delta
+    base = DeltaBase()                                       # a receiver: what it last received, as received
+    base.keep(full_manifest, buffers)                        # after a full sync with keep_base
+    weights = base.apply(delta_manifest, received_entries)   # after a delta: the new weights, checked
+
+Both sides compare bit patterns in the receivers' dtype (a bfloat16 rollout's rounding is part of the base),
+so the receiver rebuilds the sender's packed bytes exactly; each tensor's CRC-32 after applying proves it.
+At RL learning rates most bfloat16 elements round to what they were, so few change per step. Per tensor the
+smallest of these wins (rlfabric.v1.DeltaEncoding):
+
+- unchanged: no bytes;
+- sparse: the changed elements, zstd of their index gaps and new bit patterns, each split into byte planes
+  (gaps are small, so their high bytes are zeros; neighbouring values share their high bytes);
+- xor_zstd: zstd of the XOR of new and base bit patterns, every element. It is measured only where at least
+  XOR_FROM of the elements changed: below that the sparse encoding was the smaller one on every tensor of
+  SmolLM2-135M at learning rates 1e-6 to 2e-5 (bench/weight_sync_delta_bench.py), and compressing every
+  element costs several times more than gathering a few;
+- raw: the new bytes, when no encoding is smaller.
+
+A receiver whose base is not the delta's base version, or whose rebuilt tensor's CRC-32 differs, rejects the
+delta (DeltaRejected, INVALID_ARGUMENT) after every byte has arrived, and keeps no base until the next full sync.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+
+import torch
+import zstandard
+
+from rlfabric.core.errors import InvalidArgument
+from rlfabric.weight_sync.buckets import crc32, pack, unpack
+from rlfabric.weight_sync.manifest import BucketSpec, DeltaSpec, Manifest, TensorDelta, TensorSpec
+from rlfabric.weight_sync.phases import PhaseClock
+
+ZSTD_LEVEL = 1  # zstd's fastest level that still finds the zero runs
+XOR_FROM = 1 / 16  # the changed fraction from which XOR + zstd is measured too
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # bit patterns per element size
+_COUNT = struct.Struct("<Q")
+
+
+class DeltaRejected(InvalidArgument):
+    """A delta this receiver cannot apply (another base, or a rebuilt tensor whose CRC-32 differs): the sender
+    sends the full weights instead; the old weights keep serving meanwhile."""
+
+
+def _bits(buffer: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
+    """The tensor's elements as integers of its element size, flat (a view into the bucket)."""
+    return buffer[spec.offset : spec.offset + spec.num_bytes].view(_BITS[spec.dtype.itemsize])
+
+
+def _planes(values: torch.Tensor) -> bytes:
+    """Byte k of every value, then byte k + 1, ...: runs a compressor finds."""
+    return values.view(torch.uint8).view(-1, values.element_size()).t().contiguous().numpy().tobytes()
+
+
+def _from_planes(data: memoryview | bytes, count: int, dtype: torch.dtype) -> torch.Tensor:
+    size = torch.empty(0, dtype=dtype).element_size()
+    planes = torch.frombuffer(bytearray(data), dtype=torch.uint8) if count else torch.empty(0, dtype=torch.uint8)
+    return planes.view(size, count).t().contiguous().view(dtype).view(-1)
+
+
+def encode_sparse(new: torch.Tensor, changed: torch.Tensor, compressor: zstandard.ZstdCompressor) -> bytes:
+    """The sparse encoding of the elements of `new` at the flat indices `changed` (ascending)."""
+    gaps = torch.diff(changed, prepend=changed.new_full((1,), -1)).to(torch.int32)
+    return compressor.compress(_COUNT.pack(changed.numel()) + _planes(gaps) + _planes(new[changed]))
+
+
+def encode_tensor(new: torch.Tensor, base: torch.Tensor, compressor: zstandard.ZstdCompressor,
+                  encodings: Sequence[str] = ("sparse", "xor_zstd")) -> tuple[str, bytes]:
+    """(encoding, bytes) of the change from `base` to `new`, both bit patterns of one tensor (flat): the smallest
+    of `encodings` and raw (xor_zstd only from XOR_FROM changed, unless it is the only one asked for)."""
+    changed = (new != base).nonzero().view(-1)
+    if changed.numel() == 0:
+        return "unchanged", b""
+    raw = new.numel() * new.element_size()
+    best = ("raw", b"")
+    if "sparse" in encodings and new.numel() < 2**31:  # gaps travel as int32
+        blob = encode_sparse(new, changed, compressor)
+        if len(blob) < raw:
+            best = ("sparse", blob)
+    if "xor_zstd" in encodings and (changed.numel() >= XOR_FROM * new.numel() or best[0] == "raw"):
+        blob = compressor.compress(torch.bitwise_xor(new, base).numpy())
+        if len(blob) < (len(best[1]) if best[0] != "raw" else raw):
+            best = ("xor_zstd", blob)
+    return best if best[0] != "raw" else ("raw", new.numpy().tobytes())
+
+
+def encode_delta(layout: Sequence[BucketSpec], new: Sequence[torch.Tensor], base: Sequence[torch.Tensor],
+                 clock: PhaseClock | None = None, encodings: Sequence[str] = ("sparse", "xor_zstd"),
+                 ) -> tuple[tuple[TensorDelta, ...], dict[str, torch.Tensor]]:
+    """Every tensor of `layout` from its bucket in `base` to the same in `new` (CPU uint8 buffers of the layout):
+    each tensor's TensorDelta (encoding, CRC-32 of its new bytes), and the encoded bytes of those that changed
+    (uint8 tensors, by name), for the buckets. Seconds go to `clock`'s checksum and pack."""
+    clock = clock or PhaseClock()
+    compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
+    tensors, entries = [], {}
+    for spec in layout:
+        for tensor in spec.tensors:
+            new_bits, base_bits = _bits(new[spec.index], tensor), _bits(base[spec.index], tensor)
+            with clock.timing("checksum"):
+                crc = crc32(new_bits.view(torch.uint8).numpy())
+            with clock.timing("pack"):
+                encoding, blob = encode_tensor(new_bits, base_bits, compressor, encodings)
+            tensors.append(TensorDelta(tensor.name, encoding, crc))
+            if encoding != "unchanged":
+                entries[tensor.name] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+    return tuple(tensors), entries
+
+
+def apply_tensor(base: torch.Tensor, encoding: str, data: memoryview | bytes,
+                 decompressor: zstandard.ZstdDecompressor) -> None:
+    """Applies one tensor's encoded change to its bit patterns `base` (flat), in place; DeltaRejected for bytes
+    that do not decode to a change of this tensor."""
+    numel, size = base.numel(), base.element_size()
+    try:
+        if encoding == "raw":
+            if len(data) != numel * size:
+                raise ValueError(f"{len(data)} raw bytes for {numel * size}")
+            base.view(torch.uint8).copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        elif encoding == "xor_zstd":
+            flips = decompressor.decompress(bytes(data), max_output_size=numel * size)
+            if len(flips) != numel * size:
+                raise ValueError(f"{len(flips)} bytes of XOR for {numel * size}")
+            base.bitwise_xor_(torch.frombuffer(bytearray(flips), dtype=base.dtype))
+        elif encoding == "sparse":
+            plain = decompressor.decompress(bytes(data), max_output_size=_COUNT.size + numel * (4 + size))
+            (count,) = _COUNT.unpack_from(plain)
+            if not 0 < count <= numel or len(plain) != _COUNT.size + count * (4 + size):
+                raise ValueError(f"{count} changed elements in {len(plain)} bytes")
+            gaps = _from_planes(memoryview(plain)[_COUNT.size : _COUNT.size + 4 * count], count, torch.int32)
+            if int(gaps.min()) < 1:
+                raise ValueError("index gaps must be >= 1")
+            changed = gaps.to(torch.int64).cumsum(0) - 1
+            if int(changed[-1]) >= numel:
+                raise ValueError(f"changed index {int(changed[-1])} past the tensor's {numel} elements")
+            base[changed] = _from_planes(memoryview(plain)[_COUNT.size + 4 * count :], count, base.dtype)
+        elif encoding != "unchanged":
+            raise ValueError(f"unknown encoding {encoding!r}")
+    except (ValueError, zstandard.ZstdError) as error:
+        raise DeltaRejected(f"delta rejected: a {encoding} change does not decode ({error})") from None
+
+
+class DeltaSender:
+    """The actor's side of a delta group: the full weights it last sent (as packed, in the receivers' dtype), and
+    the buffers the next version is packed into (the two alternate: no copy per sync)."""
+
+    def __init__(self):
+        self.base: tuple[Manifest, list[torch.Tensor]] | None = None
+        self._spare: list[torch.Tensor] | None = None
+
+    def prepare(self, state: Mapping[str, torch.Tensor], bucket_bytes: int, version: int, group_id: str,
+                dtype: torch.dtype | None, base_version: int | None, clock: PhaseClock,
+                ) -> tuple[Manifest, list[torch.Tensor], tuple[Manifest, list[torch.Tensor]]]:
+        """(manifest, its buffers, the full weights packed): the change against the base when the receivers hold
+        it (`base_version` is the base's, with the same layout), else the full weights; either way keep_base."""
+        base = self.base
+        full, buffers = pack(state, bucket_bytes, version, group_id, dtype, base[0] if base else None, self._spare,
+                             clock=clock)
+        full = replace(full, keep_base=True)
+        self._spare = None  # the prepared sync holds them until it is sent
+        if base is None or base_version != base[0].version or _shape(base[0].buckets) != _shape(full.buckets):
+            return full, buffers, (full, buffers)
+        tensors, entries = encode_delta(full.buckets, buffers, base[1], clock)
+        wire, wire_buffers = pack(entries, bucket_bytes, version, group_id, clock=clock)
+        delta = replace(wire, keep_base=True, delta=DeltaSpec(base[0].version, full.buckets, tensors))
+        return delta, wire_buffers, (full, buffers)
+
+    def sent(self, manifest: Manifest, buffers: list[torch.Tensor]) -> None:
+        """The full weights of a sync just sent are the base now; the old base's buffers take the next pack."""
+        self._spare = self.base[1] if self.base is not None else None
+        self.base = (manifest, buffers)
+
+
+class DeltaBase:
+    """What a receiver keeps for the next delta: the buckets of the version it last received, as received."""
+
+    def __init__(self):
+        self.version: int | None = None
+        self.layout: tuple[BucketSpec, ...] = ()
+        self.buffers: list[torch.Tensor] = []
+
+    def clear(self) -> None:
+        self.version, self.layout, self.buffers = None, (), []
+
+    def recycle(self, sizes: list[int], device: torch.device) -> list[torch.Tensor]:
+        """Buffers for a full sync that will be kept: the base's own when their sizes match (the base is
+        dropped first: they are overwritten), else new ones."""
+        buffers = self.buffers if [b.numel() for b in self.buffers] == sizes else None
+        self.clear()
+        return buffers or [torch.empty(n, dtype=torch.uint8, device=device) for n in sizes]
+
+    def keep(self, manifest: Manifest, buffers: list[torch.Tensor]) -> None:
+        """The checked buckets of a full sync (manifest.keep_base) are the base now."""
+        self.version, self.layout, self.buffers = manifest.version, manifest.buckets, buffers
+
+    def apply(self, manifest: Manifest, entries: list[tuple[str, torch.Tensor]],
+              clock: PhaseClock | None = None) -> list[tuple[str, torch.Tensor]]:
+        """The weights of delta `manifest`, rebuilt in the base's buffers from the received `entries` and checked
+        tensor by tensor (the base is then that version): views, as a full receive returns them. DeltaRejected
+        (no base kept) for another base or a tensor whose CRC-32 differs."""
+        delta = manifest.delta
+        if self.version != delta.base_version or _shape(self.layout) != _shape(delta.layout):
+            held = "no base" if self.version is None else f"base version {self.version}"
+            self.clear()
+            raise DeltaRejected(f"delta rejected: version {manifest.version} is a change against version "
+                                f"{delta.base_version} (of this layout); this receiver holds {held}")
+        clock = clock or PhaseClock()
+        self.version = None  # changed in place from here: no base unless every tensor checks out
+        data = dict(entries)
+        decompressor = zstandard.ZstdDecompressor()
+        changes = iter(delta.tensors)
+        for spec in delta.layout:
+            buffer = self.buffers[spec.index]
+            if buffer.is_cuda:
+                raise DeltaRejected("delta rejected: a base on a GPU is not supported")
+            for tensor in spec.tensors:
+                change = next(changes)
+                bits = _bits(buffer, tensor)
+                with clock.timing("apply"):
+                    apply_tensor(bits, change.encoding, _bytes_of(data.get(tensor.name)), decompressor)
+                with clock.timing("checksum"):
+                    crc = crc32(bits.view(torch.uint8).numpy())
+                if crc != change.crc32:
+                    self.clear()
+                    raise DeltaRejected(f"delta rejected: tensor {tensor.name!r} of version {manifest.version} has "
+                                        f"CRC-32 {crc:#010x} once applied, the sender's is {change.crc32:#010x}")
+        self.version, self.layout = manifest.version, delta.layout
+        return unpack(self.buffers, Manifest(manifest.version, manifest.group_id, delta.layout))
+
+
+def _shape(layout: tuple[BucketSpec, ...]) -> list:
+    """A layout without its CRC-32s: what a delta and its base must share."""
+    return [(b.num_bytes, b.tensors) for b in layout]
+
+
+def _bytes_of(entry: torch.Tensor | None) -> memoryview:
+    return memoryview(b"") if entry is None else memoryview(entry.contiguous().numpy())
