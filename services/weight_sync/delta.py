@@ -31,6 +31,7 @@ import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
+import numpy as np
 import torch
 import zstandard
 
@@ -55,41 +56,48 @@ def _bits(buffer: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
     return buffer[spec.offset : spec.offset + spec.num_bytes].view(_BITS[spec.dtype.itemsize])
 
 
-def _planes(values: torch.Tensor) -> bytes:
-    """Byte k of every value, then byte k + 1, ...: runs a compressor finds."""
-    return values.view(torch.uint8).view(-1, values.element_size()).t().contiguous().numpy().tobytes()
+def _planes(values: np.ndarray) -> bytes:
+    """Byte k of every value, then byte k + 1, ...: runs a compressor finds (one strided copy per plane, far
+    quicker than a transposed copy of the whole)."""
+    data = values.view(np.uint8).reshape(-1, values.itemsize)
+    return b"".join(np.ascontiguousarray(data[:, k]).tobytes() for k in range(values.itemsize))
 
 
-def _from_planes(data: memoryview | bytes, count: int, dtype: torch.dtype) -> torch.Tensor:
-    size = torch.empty(0, dtype=dtype).element_size()
-    planes = torch.frombuffer(bytearray(data), dtype=torch.uint8) if count else torch.empty(0, dtype=torch.uint8)
-    return planes.view(size, count).t().contiguous().view(dtype).view(-1)
+def _from_planes(data: bytes, offset: int, count: int, dtype: np.dtype) -> np.ndarray:
+    """_planes' values back: `count` of `dtype` whose byte planes start at `offset` of `data`."""
+    size = np.dtype(dtype).itemsize
+    planes = np.frombuffer(data, dtype=np.uint8, count=count * size, offset=offset).reshape(size, count)
+    values = np.empty(count, dtype=dtype)
+    for k, plane in enumerate(planes):  # a strided write per plane, as _planes reads them
+        values.view(np.uint8).reshape(count, size)[:, k] = plane
+    return values
 
 
-def encode_sparse(new: torch.Tensor, changed: torch.Tensor, compressor: zstandard.ZstdCompressor) -> bytes:
+def encode_sparse(new: np.ndarray, changed: np.ndarray, compressor: zstandard.ZstdCompressor) -> bytes:
     """The sparse encoding of the elements of `new` at the flat indices `changed` (ascending)."""
-    gaps = torch.diff(changed, prepend=changed.new_full((1,), -1)).to(torch.int32)
-    return compressor.compress(_COUNT.pack(changed.numel()) + _planes(gaps) + _planes(new[changed]))
+    gaps = np.diff(changed, prepend=-1).astype(np.int32)
+    return compressor.compress(b"".join((_COUNT.pack(changed.size), _planes(gaps), _planes(new[changed]))))
 
 
 def encode_tensor(new: torch.Tensor, base: torch.Tensor, compressor: zstandard.ZstdCompressor,
                   encodings: Sequence[str] = ("sparse", "xor_zstd")) -> tuple[str, bytes]:
     """(encoding, bytes) of the change from `base` to `new`, both bit patterns of one tensor (flat): the smallest
-    of `encodings` and raw (xor_zstd only from XOR_FROM changed, unless it is the only one asked for)."""
-    changed = (new != base).nonzero().view(-1)
-    if changed.numel() == 0:
+    of `encodings` and raw (xor_zstd only from XOR_FROM changed, unless it is the only one asked for). numpy, on
+    the calling thread: one core streams these passes faster than torch's threads do on a busy host."""
+    new, base = new.numpy(), base.numpy()
+    changed = np.flatnonzero(new != base)
+    if changed.size == 0:
         return "unchanged", b""
-    raw = new.numel() * new.element_size()
-    best = ("raw", b"")
-    if "sparse" in encodings and new.numel() < 2**31:  # gaps travel as int32
+    best = ("raw", new.nbytes)
+    if "sparse" in encodings and new.size < 2**31:  # gaps travel as int32
         blob = encode_sparse(new, changed, compressor)
-        if len(blob) < raw:
+        if len(blob) < best[1]:
             best = ("sparse", blob)
-    if "xor_zstd" in encodings and (changed.numel() >= XOR_FROM * new.numel() or best[0] == "raw"):
-        blob = compressor.compress(torch.bitwise_xor(new, base).numpy())
-        if len(blob) < (len(best[1]) if best[0] != "raw" else raw):
+    if "xor_zstd" in encodings and (changed.size >= XOR_FROM * new.size or best[0] == "raw"):
+        blob = compressor.compress(np.bitwise_xor(new, base))
+        if len(blob) < (best[1] if best[0] == "raw" else len(best[1])):
             best = ("xor_zstd", blob)
-    return best if best[0] != "raw" else ("raw", new.numpy().tobytes())
+    return best if best[0] != "raw" else ("raw", new.tobytes())
 
 
 def encode_delta(layout: Sequence[BucketSpec], new: Sequence[torch.Tensor], base: Sequence[torch.Tensor],
@@ -118,29 +126,29 @@ def apply_tensor(base: torch.Tensor, encoding: str, data: memoryview | bytes,
                  decompressor: zstandard.ZstdDecompressor) -> None:
     """Applies one tensor's encoded change to its bit patterns `base` (flat), in place; DeltaRejected for bytes
     that do not decode to a change of this tensor."""
-    numel, size = base.numel(), base.element_size()
+    bits = base.numpy()
     try:
         if encoding == "raw":
-            if len(data) != numel * size:
-                raise ValueError(f"{len(data)} raw bytes for {numel * size}")
-            base.view(torch.uint8).copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+            if len(data) != bits.nbytes:
+                raise ValueError(f"{len(data)} raw bytes for {bits.nbytes}")
+            bits[:] = np.frombuffer(data, dtype=bits.dtype)
         elif encoding == "xor_zstd":
-            flips = decompressor.decompress(bytes(data), max_output_size=numel * size)
-            if len(flips) != numel * size:
-                raise ValueError(f"{len(flips)} bytes of XOR for {numel * size}")
-            base.bitwise_xor_(torch.frombuffer(bytearray(flips), dtype=base.dtype))
+            flips = decompressor.decompress(data, max_output_size=bits.nbytes)
+            if len(flips) != bits.nbytes:
+                raise ValueError(f"{len(flips)} bytes of XOR for {bits.nbytes}")
+            np.bitwise_xor(bits, np.frombuffer(flips, dtype=bits.dtype), out=bits)
         elif encoding == "sparse":
-            plain = decompressor.decompress(bytes(data), max_output_size=_COUNT.size + numel * (4 + size))
+            plain = decompressor.decompress(data, max_output_size=_COUNT.size + bits.size * (4 + bits.itemsize))
             (count,) = _COUNT.unpack_from(plain)
-            if not 0 < count <= numel or len(plain) != _COUNT.size + count * (4 + size):
+            if not 0 < count <= bits.size or len(plain) != _COUNT.size + count * (4 + bits.itemsize):
                 raise ValueError(f"{count} changed elements in {len(plain)} bytes")
-            gaps = _from_planes(memoryview(plain)[_COUNT.size : _COUNT.size + 4 * count], count, torch.int32)
+            gaps = _from_planes(plain, _COUNT.size, count, np.int32)
             if int(gaps.min()) < 1:
                 raise ValueError("index gaps must be >= 1")
-            changed = gaps.to(torch.int64).cumsum(0) - 1
-            if int(changed[-1]) >= numel:
-                raise ValueError(f"changed index {int(changed[-1])} past the tensor's {numel} elements")
-            base[changed] = _from_planes(memoryview(plain)[_COUNT.size + 4 * count :], count, base.dtype)
+            changed = np.cumsum(gaps, dtype=np.int64) - 1
+            if int(changed[-1]) >= bits.size:
+                raise ValueError(f"changed index {int(changed[-1])} past the tensor's {bits.size} elements")
+            bits[changed] = _from_planes(plain, _COUNT.size + 4 * count, count, bits.dtype)
         elif encoding != "unchanged":
             raise ValueError(f"unknown encoding {encoding!r}")
     except (ValueError, zstandard.ZstdError) as error:

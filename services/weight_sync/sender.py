@@ -57,7 +57,7 @@ from rlfabric.weight_sync.delta import DeltaSender
 from rlfabric.weight_sync.grpc_stream import PushPayload, PushResult, push_weights
 from rlfabric.weight_sync.manifest import MAX_WORLD_SIZE, AdapterSpec, Manifest, SyncGroup
 from rlfabric.weight_sync.phases import PhaseClock, SyncPhases
-from rlfabric.weight_sync.pipeline import Pipeline, Staged, staging_buffers
+from rlfabric.weight_sync.pipeline import Pipeline, Staged, one_thread_on_the_host, staging_buffers
 from rlfabric.weight_sync.receiver import SLACK_S, in_thread
 
 log = logging.getLogger("rlfabric.weight_sync")
@@ -270,7 +270,7 @@ class WeightSender:
         if version < 0:
             raise InvalidArgument(f"weight version must be >= 0, got {version}")
         if entry.delta and adapter is None:
-            with entry.buffers_lock:
+            with entry.buffers_lock, one_thread_on_the_host(torch.device("cpu")):
                 entry.prepared = None
                 clock = PhaseClock(gather=gather_s)
                 manifest, buffers, sent = entry.delta.prepare(dedupe_shared(state), entry.bucket_bytes, version,
@@ -282,7 +282,7 @@ class WeightSender:
             manifest = Manifest(version, group_id, tuple(plan), adapter)
             entry.prepared = _Prepared(manifest, SyncPhases(gather=gather_s), state=state)
         else:
-            with entry.buffers_lock:
+            with entry.buffers_lock, one_thread_on_the_host(torch.device("cpu")):  # packs into host memory
                 entry.prepared = None
                 reuse, buffers = entry.last or (None, None)
                 clock = PhaseClock(gather=gather_s)

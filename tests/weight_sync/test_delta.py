@@ -40,6 +40,17 @@ def test_every_encoding_rebuilds_the_new_bits_exactly(encodings, lr):
     assert encoding in (*encodings, "raw") and len(blob) <= new.numel() * 2  # never more than the tensor itself
 
 
+@pytest.mark.parametrize("changed", [[0], [999], [3, 500], list(range(0, 1000, 7))])
+def test_the_changed_elements_anywhere_in_any_number(changed):
+    base = bits(torch.linspace(-1, 1, 1000))
+    new = base.clone()
+    new[changed] += 1
+    encoding, blob = encode_tensor(new, base, zstandard.ZstdCompressor(), ("sparse",))
+    rebuilt = base.clone()
+    apply_tensor(rebuilt, encoding, memoryview(blob), zstandard.ZstdDecompressor())
+    assert encoding == "sparse" and torch.equal(rebuilt, new)
+
+
 def test_nothing_changed_is_no_bytes_and_bad_bytes_are_rejected():
     base = bits(torch.linspace(-1, 1, 1000))
     assert encode_tensor(base, base.clone(), zstandard.ZstdCompressor()) == ("unchanged", b"")
