@@ -16,9 +16,9 @@ smallest of these wins (rlfabric.v1.DeltaEncoding):
 - sparse: the changed elements, zstd of their index gaps and new bit patterns, each split into byte planes
   (gaps are small, so their high bytes are zeros; neighbouring values share their high bytes);
 - xor_zstd: zstd of the XOR of new and base bit patterns, every element. It is measured only where at least
-  XOR_FROM of the elements changed: below that the sparse encoding was the smaller one on every tensor of
-  SmolLM2-135M at learning rates 1e-6 to 2e-5 (bench/weight_sync_delta_bench.py), and compressing every
-  element costs several times more than gathering a few;
+  XOR_FROM of the elements changed: compressing every element takes about twice as long as gathering the few
+  changed ones, and below that it saves little (SmolLM2-135M, one AdamW step at lr 1e-6: 4.6% of the bytes
+  with this rule, 4.4% with the best of both on every tensor; bench/results/weight_sync_delta.json);
 - raw: the new bytes, when no encoding is smaller.
 
 A receiver whose base is not the delta's base version, or whose rebuilt tensor's CRC-32 differs, rejects the
@@ -226,15 +226,16 @@ class DeltaBase:
         changes = iter(delta.tensors)
         for spec in delta.layout:
             buffer = self.buffers[spec.index]
-            if buffer.is_cuda:
-                raise DeltaRejected("delta rejected: a base on a GPU is not supported")
             for tensor in spec.tensors:
                 change = next(changes)
                 bits = _bits(buffer, tensor)
+                host = bits.cpu()  # a base on a GPU (nccl) is rebuilt on the host, tensor by tensor
                 with clock.timing("apply"):
-                    apply_tensor(bits, change.encoding, _bytes_of(data.get(tensor.name)), decompressor)
+                    apply_tensor(host, change.encoding, _bytes_of(data.get(tensor.name)), decompressor)
+                    if host is not bits:
+                        bits.copy_(host)
                 with clock.timing("checksum"):
-                    crc = crc32(bits.view(torch.uint8).numpy())
+                    crc = crc32(host.view(torch.uint8).numpy())
                 if crc != change.crc32:
                     self.clear()
                     raise DeltaRejected(f"delta rejected: tensor {tensor.name!r} of version {manifest.version} has "
