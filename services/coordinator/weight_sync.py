@@ -20,9 +20,15 @@ request is ever served by stale weights and nobody else copies sync outcomes int
 
 Elastic membership: add_receiver / remove_receiver take effect at the next sync, which rebuilds the
 group first. Members that do not answer a health probe are left out of the group (reported in
-SyncReport.failed) and taken back in as soon as they answer again, e.g. after a restart; since every
-sync sends the full weights (with adapter-only syncs, the whole adapter), a (re)joined replica is
+SyncReport.failed) and taken back in as soon as they answer again, e.g. after a restart; since the first sync
+of a group sends the full weights (with adapter-only syncs, the whole adapter), a (re)joined replica is
 current after its first sync.
+
+Delta sync (weight_sync.delta, rlfabric.weight_sync.delta): the plane records the version each member of the
+group kept as its base (`held`) and the version the actor last sent. When every member holds the latter, the
+actor sends only the change against it; otherwise the full weights, and the members that did not hold it count
+in SyncReport.fallback_full. Members that reject a delta (another base, or a tensor whose CRC-32 does not check
+out: INVALID_ARGUMENT, the group stays in step) get the full weights in the same sync, counted too.
 """
 
 from __future__ import annotations

@@ -11,6 +11,9 @@ worker extension.
   blocking work runs on threads, so the event loop keeps serving, and a new group replaces one whose
   join or receive is stuck.
 
+A manifest with keep_base (weight_sync.delta) leaves its buckets as the receiver's base (DeltaBase), and a delta
+manifest's buckets are applied to that base: the result is the full weights, checked tensor by tensor.
+
 Either way the result is a list of (name, tensor) views that nothing has loaded yet: the engine swaps
 them in atomically afterwards, and a checksum mismatch raises before anything changed. A manifest is
 checked against the receiver's own weights (WeightLimits) before any bucket is allocated for it.

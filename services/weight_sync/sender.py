@@ -11,7 +11,10 @@ buckets, and broadcast() packs bucket k+1 into one of two staging buffers while 
 taking each bucket's CRC-32 as it packs (the receivers get the CRC-32s after the last bucket; cuda_ipc has
 none). The packing reads `state` then, on the thread broadcast() is given (the actor's torch thread, so no
 update changes the weights half-way). grpc pushes and torch groups (SGLang) pack and checksum every bucket in
-prepare(), as their manifests carry the CRC-32s, and keep the packed buffers for the next sync.
+prepare(), as their manifests carry the CRC-32s, and keep the packed buffers for the next sync. So do delta
+groups (open(delta=True), weight_sync.delta): prepare() packs the full weights and, when the receivers hold the
+version last sent, encodes the change against it (rlfabric.weight_sync.delta.DeltaSender); once sent, the packed
+full weights are the base of the next delta.
 
 open() returns at once: rank 0's half of the rendezvous runs on a thread of its own and completes
 when every receiver has joined; broadcast() waits for it. A group whose collective failed is broken
