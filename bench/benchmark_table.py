@@ -218,16 +218,20 @@ def async_table() -> str:
 def weight_sync_delta_table() -> str:
     """docs/generated/weight-sync-delta.md: delta against full weight sync per learning rate, from
     bench/results/weight_sync_delta.json."""
-    rates = _load("weight_sync_delta.json")["learning_rates"]
+    results = _load("weight_sync_delta.json")
+    rows = [(f"{lr}, 1 replica", row) for lr, row in results["learning_rates"].items()]
+    if "two_replicas" in results:
+        rows.append((f"{results['two_replicas']['learning_rate']}, 2 replicas", results["two_replicas"]))
     lines = ["| learning rate | bytes, delta / full | sync, delta / full | actor pack + encode, delta / full "
-             "| replica rebuild + switch, delta / full | elements changed by one AdamW step | bytes: changed "
+             "| replica rebuild + switch, delta / full | elements changed by a first AdamW step | bytes: changed "
              "elements / XOR + zstd / best of both |", "| --- | --- | --- | --- | --- | --- | --- |"]
-    for lr, row in rates.items():
+    for label, row in rows:
         delta, full = row["phases_median"]["delta"], row["phases_median"]["full"]
-        sizes = row["encodings"]["bytes_ratio"]
-        lines.append(f"| {lr} | {row['bytes_ratio']:.3f} | {_seconds(row['delta_s_median'])} / "
+        encodings = row.get("encodings")
+        sizes = encodings["bytes_ratio"] if encodings else None
+        lines.append(f"| {label} | {row['bytes_ratio']:.3f} | {_seconds(row['delta_s_median'])} / "
                      f"{_seconds(row['full_s_median'])} = {row['time_ratio']:.2f} | {_seconds(delta['pack'])} / "
                      f"{_seconds(full['pack'])} | {_seconds(delta['apply'])} / {_seconds(full['apply'])} "
-                     f"| {row['encodings']['changed_fraction']:.3f} | {sizes['sparse']:.3f} / {sizes['xor_zstd']:.3f} "
-                     f"/ {sizes['best']:.3f} |")
+                     + (f"| {encodings['changed_fraction']:.3f} | {sizes['sparse']:.3f} / {sizes['xor_zstd']:.3f} "
+                        f"/ {sizes['best']:.3f} |" if encodings else "| | |"))
     return "\n".join(lines) + "\n"

@@ -6,7 +6,8 @@ WeightSyncPlane driving. Writes bench/results/weight_sync_delta.json.
 
 Per learning rate (1e-6, 1e-5, 2e-5: the actor restarted with actor.lr), side by side in one run: a real actor
 update (UpdatePolicy, AdamW) then a delta sync, another update then a full sync (plane.sync(full=True)), and so
-on for --rounds rounds. Each sync moves one update's change. Figures per learning rate:
+on for --rounds rounds. Each sync moves one update's change; then the same at lr 1e-6 with two replicas (the
+grpc transport pushes to each: a full sync's bytes leave the actor twice, a delta is encoded once). Figures:
 - bytes ratio: what a delta sync sent per replica / what the full weights take (median over its syncs);
 - time ratio: the median delta sync / the median full sync, each the whole plane.sync (gather, pack or encode,
   checksums, the gRPC stream, the replica's rebuild, checks and switch).
@@ -81,19 +82,19 @@ class RecordingActor:
         return manifest
 
 
-async def measure(actor_address: str, rollout_address: str, config, rounds: int) -> list[dict]:
+async def measure(actor_address: str, rollouts: list[str], config, rounds: int) -> list[dict]:
     from rlfabric.actor.client import ActorClient
     from rlfabric.coordinator.weight_sync import WeightSyncPlane
     from rlfabric.core.client import ChannelOptions, wait_until_serving
 
-    for address in (actor_address, rollout_address):
+    for address in (actor_address, *rollouts):
         await wait_until_serving(address, timeout_s=600)
     rows = []
     async with ActorClient(actor_address, ChannelOptions(timeout_s=1800)) as client:
         actor = RecordingActor(client)
-        plane = WeightSyncPlane(actor, {"rollout-0": rollout_address}, config)
+        plane = WeightSyncPlane(actor, {f"rollout-{i}": address for i, address in enumerate(rollouts)}, config)
         if await plane.open():
-            raise RuntimeError("the replica did not join")
+            raise RuntimeError("a replica did not join")
         await plane.sync(0)  # full: first touch of every buffer, and the base of the first delta
         version = 0
         for round_ in range(rounds):
@@ -117,8 +118,9 @@ async def measure(actor_address: str, rollout_address: str, config, rounds: int)
     return rows
 
 
-def run_lr(model: Path, lr: float, rounds: int) -> list[dict]:
-    """Fresh services at `lr` (the actor's optimizer is built at start-up); the rows of measure()."""
+def run_lr(model: Path, lr: float, rounds: int, replicas: int = 1) -> list[dict]:
+    """Fresh services at `lr` (the actor's optimizer is built at start-up), `replicas` rollout replicas; the rows
+    of measure()."""
     from rlfabric.core.config import dump_config, load_config
 
     workdir = Path(tempfile.mkdtemp(prefix="rlfabric-ws-delta-"))
@@ -129,10 +131,10 @@ def run_lr(model: Path, lr: float, rounds: int) -> list[dict]:
     dump_config(config, config_path)
     processes = []
     try:
-        for role in ("actor", "rollout"):
-            process, address = serve(role, config_path, workdir, role)
+        for role, name in [("actor", "actor"), *(("rollout", f"rollout-{i}") for i in range(replicas))]:
+            process, address = serve(role, config_path, workdir, name)
             processes.append((process, address))
-        return asyncio.run(measure(processes[0][1], processes[1][1], config, rounds))
+        return asyncio.run(measure(processes[0][1], [address for _, address in processes[1:]], config, rounds))
     finally:
         for process, _ in processes:
             process.terminate()
@@ -212,6 +214,10 @@ def main(argv: list[str] | None = None) -> None:
         result["learning_rates"][f"{lr:g}"] = {**summary(rows), "encodings": encodings_comparison(model, lr),
                                                "rows": rows}
         log(f"lr {lr:g}: {json.dumps({k: v for k, v in result['learning_rates'][f'{lr:g}'].items() if k != 'rows'})}")
+    log(f"lr {LRS[0]:g}, 2 replicas: services")
+    rows = run_lr(model, LRS[0], args.rounds, replicas=2)
+    result["two_replicas"] = {"learning_rate": f"{LRS[0]:g}", **summary(rows), "rows": rows}
+    log(f"2 replicas: {json.dumps({k: v for k, v in result['two_replicas'].items() if k != 'rows'})}")
     result["load_average"] = os.getloadavg()
     RESULTS.write_text(json.dumps(result, indent=1) + "\n")
     log(f"wrote {RESULTS}")

@@ -15,10 +15,10 @@ smallest of these wins (rlfabric.v1.DeltaEncoding):
 - unchanged: no bytes;
 - sparse: the changed elements, zstd of their index gaps and new bit patterns, each split into byte planes
   (gaps are small, so their high bytes are zeros; neighbouring values share their high bytes);
-- xor_zstd: zstd of the XOR of new and base bit patterns, every element. It is measured only where at least
-  XOR_FROM of the elements changed: compressing every element takes about twice as long as gathering the few
-  changed ones, and below that it saves little (SmolLM2-135M, one AdamW step at lr 1e-6: 4.6% of the bytes
-  with this rule, 4.4% with the best of both on every tensor; bench/results/weight_sync_delta.json);
+- xor_zstd: zstd of the XOR of new and base bit patterns, every element. It is measured where at least
+  XOR_FROM of the elements changed (a float32 rollout, large learning rates). Below that it saves about 7% of
+  the bytes at twice the actor's time (SmolLM2-135M, a first AdamW step at lr 1e-5 and 2e-5, 7-9% of the
+  elements changed: bench/results/weight_sync_delta.json, "encodings");
 - raw: the new bytes, when no encoding is smaller.
 
 A receiver whose base is not the delta's base version, or whose rebuilt tensor's CRC-32 differs, rejects the
@@ -41,7 +41,7 @@ from rlfabric.weight_sync.manifest import BucketSpec, DeltaSpec, Manifest, Tenso
 from rlfabric.weight_sync.phases import PhaseClock
 
 ZSTD_LEVEL = 1  # zstd's fastest level that still finds the zero runs
-XOR_FROM = 1 / 16  # the changed fraction from which XOR + zstd is measured too
+XOR_FROM = 1 / 4  # the changed fraction from which XOR + zstd is measured too
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # bit patterns per element size
 _COUNT = struct.Struct("<Q")
 

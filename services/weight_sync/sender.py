@@ -317,7 +317,7 @@ class WeightSender:
                     pushes = await self._push(entry, manifest, prepared.buffers)
                 finally:
                     entry.last_used = time.monotonic()
-                    if prepared.sent is not None:  # delta groups: what the receivers hold now
+                    if prepared.sent is not None and entry.delta is not None:  # delta groups: the receivers' now
                         entry.delta.sent(*prepared.sent)
                 seconds = time.perf_counter() - started
                 return BroadcastResult(manifest.num_bytes, seconds, pushes, prepared.phases + SyncPhases(wire=seconds))
@@ -329,7 +329,7 @@ class WeightSender:
                     await self._wait(entry, len(prepared.buffers), asyncio.wrap_future(
                         in_thread(f"weight-sync-send-{group_id}", self._send, entry, prepared.buffers, crcs)))
                     phases = prepared.phases + SyncPhases(wire=time.perf_counter() - started)
-                    if prepared.sent is not None:  # delta groups: what the receivers hold now
+                    if prepared.sent is not None and entry.delta is not None:  # delta groups: the receivers' now
                         entry.delta.sent(*prepared.sent)
             except Exception as error:
                 self._check_not_evicted(entry)  # its rendezvous was abandoned under this broadcast
