@@ -180,3 +180,34 @@ def test_a_manifest_whose_delta_names_other_tensors_is_refused():
     with pytest.raises(InvalidArgument, match="layout's, in layout order"):
         Manifest.from_proto(message)
     assert Manifest.from_proto(manifest.to_proto()) == dataclasses.replace(manifest)
+
+
+def test_a_delta_entry_larger_than_its_tensor_or_for_an_unchanged_one_is_refused():
+    from rlfabric.weight_sync.manifest import Manifest, TensorDelta, WeightLimits
+
+    base = _delta_manifest(base_version=3)
+    changed = dataclasses.replace(base, delta=dataclasses.replace(base.delta, tensors=(TensorDelta("w", "raw", 0),)))
+    message = changed.to_proto()
+    bucket = message.buckets.add(index=0, num_bytes=64)
+    bucket.tensors.add(name="w", dtype=message.delta.layout[0].tensors[0].dtype, shape=[9], offset=0)
+    with pytest.raises(InvalidArgument, match="not uint8 bytes of at most"):
+        Manifest.from_proto(message)  # bfloat16, not uint8
+    message = changed.to_proto()
+    message.buckets.add(index=0, num_bytes=64).tensors.add(name="w", dtype=_uint8_wire(), shape=[9], offset=0)
+    with pytest.raises(InvalidArgument, match="not uint8 bytes of at most"):
+        Manifest.from_proto(message)  # 9 bytes for a tensor of 8
+    unchanged = base.to_proto()  # an entry for a tensor the delta says is unchanged
+    unchanged.buckets.add(index=0, num_bytes=64).tensors.add(name="w", dtype=_uint8_wire(), shape=[8], offset=0)
+    with pytest.raises(InvalidArgument, match="exactly once"):
+        Manifest.from_proto(unchanged)
+    # The layout is what a receiver's limits judge: its tensors, its bytes.
+    limits = WeightLimits.of({"w": torch.zeros(4, dtype=torch.bfloat16)})
+    limits.check(base)
+    with pytest.raises(InvalidArgument, match="has no weight of that name"):
+        WeightLimits.of({"v": torch.zeros(4)}).check(base)
+
+
+def _uint8_wire() -> int:
+    from rlfabric.core import codec
+
+    return codec.wire_dtype(torch.uint8)

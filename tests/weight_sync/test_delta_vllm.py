@@ -38,11 +38,11 @@ def test_vllm_after_deltas_samples_what_it_samples_after_a_full_sync(mesh, trans
     address = mesh.addresses["vllm"]
     try:
         assert mesh.run(plane.sync(first)).ok
-        for version in range(first + 1, first + 6):
+        for version in range(first + 1, first + 4):
             mesh.train_step(seed=version)
             report = mesh.run(plane.sync(version))
             assert report.ok and report.delta and 0 < report.num_bytes < report.full_bytes, report.failed
-        last = first + 5
+        last = first + 3
         after_deltas = _samples(address)
         full = mesh.run(plane.sync(last, full=True))
         assert full.ok and not full.delta
