@@ -113,6 +113,12 @@ def _load_test(r: dict) -> str:
             f"Score {over['OK']} OK + {over['RESOURCE_EXHAUSTED']} RESOURCE_EXHAUSTED, no other error")
 
 
+def _weight_sync_delta(r: dict) -> str:
+    rates = r["learning_rates"]
+    return "; ".join(f"lr {lr}: {row['bytes_ratio']:.3f} of the bytes, {row['time_ratio']:.2f} of the time"
+                     for lr, row in rates.items())
+
+
 ROWS: tuple[tuple[str, str, Callable[[dict], str]], ...] = (
     ("time to the first step, SmolLM2 example, before -> after (medians)", "time_to_first_step.json",
      _time_to_first_step),
@@ -122,6 +128,8 @@ ROWS: tuple[tuple[str, str, Callable[[dict], str]], ...] = (
     ("rollout service overhead", "rollout.json", _rollout),
     ("weight sync against raw loopback TCP", "weight_sync.json", _weight_sync),
     ("weight sync phases, before and after pipelining", "weight_sync_phases.json", _weight_sync_phases),
+    ("delta against full weight sync, SmolLM2-135M, bfloat16 replica, grpc", "weight_sync_delta.json",
+     _weight_sync_delta),
     ("coordinator loop", "coordinator.json", _coordinator),
     ("async against sync, separate CPU pools", "async.json", _async),
     ("LoRA: adapter against merged sync, step time", "lora.json", _lora),
@@ -204,4 +212,26 @@ def async_table() -> str:
             lines.append(f"| {label} | {mode.replace('k=', 'k = ')} | {row['median_step_s']:.2f} s "
                          f"| {row['speedup_vs_sync']:.2f}x | {row['final_reward']:.2f} | {reached} |")
             label = ""
+    return "\n".join(lines) + "\n"
+
+
+def weight_sync_delta_table() -> str:
+    """docs/generated/weight-sync-delta.md: delta against full weight sync per learning rate, from
+    bench/results/weight_sync_delta.json."""
+    results = _load("weight_sync_delta.json")
+    rows = [(f"{lr}, 1 replica", row) for lr, row in results["learning_rates"].items()]
+    if "two_replicas" in results:
+        rows.append((f"{results['two_replicas']['learning_rate']}, 2 replicas", results["two_replicas"]))
+    lines = ["| learning rate | bytes, delta / full | sync, delta / full | actor pack + encode, delta / full "
+             "| replica rebuild + switch, delta / full | elements changed by a first AdamW step | bytes: changed "
+             "elements / XOR + zstd / best of both |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for label, row in rows:
+        delta, full = row["phases_median"]["delta"], row["phases_median"]["full"]
+        encodings = row.get("encodings")
+        sizes = encodings["bytes_ratio"] if encodings else None
+        lines.append(f"| {label} | {row['bytes_ratio']:.3f} | {_seconds(row['delta_s_median'])} / "
+                     f"{_seconds(row['full_s_median'])} = {row['time_ratio']:.2f} | {_seconds(delta['pack'])} / "
+                     f"{_seconds(full['pack'])} | {_seconds(delta['apply'])} / {_seconds(full['apply'])} "
+                     + (f"| {encodings['changed_fraction']:.3f} | {sizes['sparse']:.3f} / {sizes['xor_zstd']:.3f} "
+                        f"/ {sizes['best']:.3f} |" if encodings else "| | |"))
     return "\n".join(lines) + "\n"

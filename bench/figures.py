@@ -15,7 +15,13 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-from bench.benchmark_table import async_table, lora_step_table, lora_sync_table, summary_table
+from bench.benchmark_table import (
+    async_table,
+    lora_step_table,
+    lora_sync_table,
+    summary_table,
+    weight_sync_delta_table,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -103,6 +109,12 @@ FIGURES: dict[str, Figure] = {
     "async.multi_turn.k1.step_speedup": Figure(
         "async.json", lambda r: r["multi_turn"]["modes"]["async k=1"]["speedup_vs_sync"], "{:.2f}x",
         "multi-turn lookup: async (k = 1) median step over sync's"),
+    "weight_sync_delta.bytes_ratio": Figure(
+        "weight_sync_delta.json", lambda r: r["learning_rates"]["1e-06"]["bytes_ratio"], "{:.3f}",
+        "SmolLM2-135M, bfloat16 replica, lr 1e-6: a delta sync's bytes over the full weights' (median)"),
+    "weight_sync_delta.time_ratio": Figure(
+        "weight_sync_delta.json", lambda r: r["learning_rates"]["1e-06"]["time_ratio"], "{:.2f}",
+        "the same over the gRPC stream on loopback: the median delta sync's time over the median full sync's"),
     "gpu.quickstart.reward_first": _gpu_quickstart("reward_first", "{:.3f}", "reward at step 1"),
     "gpu.quickstart.reward_last": _gpu_quickstart("reward_last", "{:.3f}", "reward at its last step"),
     "gpu.quickstart.step_s": _gpu_quickstart("step_s", "{:.2f} s", "median step"),
@@ -139,6 +151,9 @@ TOPICS = (
     Topic(r"\bH200\b|\bone GPU\b", r"(?<![\d.])(0\.\d{3})(?!\d| s\b)",
           ("gpu.quickstart.reward_first", "gpu.quickstart.reward_last")),
     # Async against sync: docs/generated/async.md and the summary hold every ratio.
+    # Delta weight sync: the figures at lr 1e-6, and docs/generated/weight-sync-delta.md's other rates.
+    Topic(r"\bdelta\b", r"(?<![\d.])(\d\.\d{2,3})(?![\d.]| s\b)",
+          ("weight_sync_delta.bytes_ratio", "weight_sync_delta.time_ratio"), ("weight-sync-delta.md",)),
     Topic(r"\basync\b|\bk = \d\b", r"(?<![\d.])(\d+\.\d+x)\b", in_tables=("async.md", "benchmarks.md")),
 )
 
@@ -198,6 +213,7 @@ def generated_files() -> dict[Path, str]:
         GENERATED / "lora-sync.md": lora_sync_table(),
         GENERATED / "lora-steps.md": lora_step_table(),
         GENERATED / "peer-trl.md": peer_trl_table(),
+        GENERATED / "weight-sync-delta.md": weight_sync_delta_table(),
         GENERATED / "figures.md": figures_table(),
         README: readme[:begin] + "\n" + readme_block() + readme[end:],
     }

@@ -66,12 +66,15 @@ class ActorInterface(TrainableInterface):
     @abstractmethod
     async def open_weight_sync_group(self, transport: str, num_receivers: int, bucket_bytes: int = 0,
                                      target_dtype: torch.dtype | None = None, timeout_s: float = 0.0,
-                                     grpc_receiver_addresses: tuple[str, ...] = ()) -> SyncGroup:
-        """A new weight-sync group with the actor as rank 0 (transport "auto"/"" lets the actor choose)."""
+                                     grpc_receiver_addresses: tuple[str, ...] = (), delta: bool = False) -> SyncGroup:
+        """A new weight-sync group with the actor as rank 0 (transport "auto"/"" lets the actor choose); `delta`:
+        it keeps what it last sent, to send only the change (weight_sync.delta)."""
 
     @abstractmethod
-    async def prepare_weight_sync(self, group_id: str, version: int, timeout_s: float | None = None) -> Manifest:
-        """Gathers and packs the weights; the manifest to hand to every receiver."""
+    async def prepare_weight_sync(self, group_id: str, version: int, timeout_s: float | None = None,
+                                  delta_base_version: int | None = None) -> Manifest:
+        """Gathers and packs the weights; the manifest to hand to every receiver. Delta groups: the change against
+        `delta_base_version` when every receiver holds it and the actor last sent it, else the full weights."""
 
     @abstractmethod
     async def broadcast_weights(self, group_id: str, version: int, timeout_s: float | None = None) -> BroadcastResult:
@@ -114,15 +117,17 @@ class ActorClient(ServiceClient, ActorInterface):
 
     async def open_weight_sync_group(self, transport: str, num_receivers: int, bucket_bytes: int = 0,
                                      target_dtype: torch.dtype | None = None, timeout_s: float = 0.0,
-                                     grpc_receiver_addresses: tuple[str, ...] = ()) -> SyncGroup:
+                                     grpc_receiver_addresses: tuple[str, ...] = (), delta: bool = False) -> SyncGroup:
         request = actor_pb2.ActorServiceOpenWeightSyncGroupRequest(
             transport=transport_to_proto(transport), num_receivers=num_receivers, bucket_bytes=bucket_bytes,
             target_dtype=codec.wire_dtype(target_dtype) if target_dtype is not None else 0, timeout_s=timeout_s,
-            grpc_receiver_addresses=list(grpc_receiver_addresses))
+            grpc_receiver_addresses=list(grpc_receiver_addresses), delta=delta)
         return SyncGroup.from_proto((await self.call("OpenWeightSyncGroup", request)).group)
 
-    async def prepare_weight_sync(self, group_id: str, version: int, timeout_s: float | None = None) -> Manifest:
-        request = actor_pb2.ActorServicePrepareWeightSyncRequest(group_id=group_id, version=version)
+    async def prepare_weight_sync(self, group_id: str, version: int, timeout_s: float | None = None,
+                                  delta_base_version: int | None = None) -> Manifest:
+        request = actor_pb2.ActorServicePrepareWeightSyncRequest(group_id=group_id, version=version,
+                                                                 delta_base_version=delta_base_version)
         return Manifest.from_proto((await self.call("PrepareWeightSync", request, timeout_s)).manifest)
 
     async def broadcast_weights(self, group_id: str, version: int, timeout_s: float | None = None) -> BroadcastResult:
@@ -159,12 +164,14 @@ class LocalActorClient(LocalTrainerClient, ActorInterface):
 
     async def open_weight_sync_group(self, transport: str, num_receivers: int, bucket_bytes: int = 0,
                                      target_dtype: torch.dtype | None = None, timeout_s: float = 0.0,
-                                     grpc_receiver_addresses: tuple[str, ...] = ()) -> SyncGroup:
+                                     grpc_receiver_addresses: tuple[str, ...] = (), delta: bool = False) -> SyncGroup:
         return await self.engine.weight_sync.open("" if transport == "auto" else transport, num_receivers,
-                                                  bucket_bytes, target_dtype, timeout_s, grpc_receiver_addresses)
+                                                  bucket_bytes, target_dtype, timeout_s, grpc_receiver_addresses,
+                                                  delta)
 
-    async def prepare_weight_sync(self, group_id: str, version: int, timeout_s: float | None = None) -> Manifest:
-        return await self.engine.weight_sync.prepare(group_id, version)
+    async def prepare_weight_sync(self, group_id: str, version: int, timeout_s: float | None = None,
+                                  delta_base_version: int | None = None) -> Manifest:
+        return await self.engine.weight_sync.prepare(group_id, version, delta_base_version)
 
     async def broadcast_weights(self, group_id: str, version: int, timeout_s: float | None = None) -> BroadcastResult:
         return await self.engine.weight_sync.broadcast(group_id, version)

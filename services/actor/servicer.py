@@ -48,11 +48,12 @@ class ActorServicer(actor_pb2_grpc.ActorServiceServicer):
         dtype = codec.torch_dtype(request.target_dtype) if request.target_dtype else None
         group = await self.engine.weight_sync.open(
             transport_from_proto(request.transport), request.num_receivers, request.bucket_bytes, dtype,
-            request.timeout_s, tuple(request.grpc_receiver_addresses))
+            request.timeout_s, tuple(request.grpc_receiver_addresses), request.delta)
         return actor_pb2.ActorServiceOpenWeightSyncGroupResponse(group=group.to_proto())
 
     async def PrepareWeightSync(self, request, context):
-        manifest = await self.engine.weight_sync.prepare(request.group_id, request.version)
+        base = request.delta_base_version if request.HasField("delta_base_version") else None
+        manifest = await self.engine.weight_sync.prepare(request.group_id, request.version, base)
         return actor_pb2.ActorServicePrepareWeightSyncResponse(manifest=manifest.to_proto())
 
     async def BroadcastWeights(self, request, context):

@@ -20,9 +20,15 @@ request is ever served by stale weights and nobody else copies sync outcomes int
 
 Elastic membership: add_receiver / remove_receiver take effect at the next sync, which rebuilds the
 group first. Members that do not answer a health probe are left out of the group (reported in
-SyncReport.failed) and taken back in as soon as they answer again, e.g. after a restart; since every
-sync sends the full weights (with adapter-only syncs, the whole adapter), a (re)joined replica is
+SyncReport.failed) and taken back in as soon as they answer again, e.g. after a restart; since the first sync
+of a group sends the full weights (with adapter-only syncs, the whole adapter), a (re)joined replica is
 current after its first sync.
+
+Delta sync (weight_sync.delta, rlfabric.weight_sync.delta): the plane records the version each member of the
+group kept as its base (`held`) and the version the actor last sent. When every member holds the latter, the
+actor sends only the change against it; otherwise the full weights, and the members that did not hold it count
+in SyncReport.fallback_full. Members that reject a delta (another base, or a tensor whose CRC-32 does not check
+out: INVALID_ARGUMENT, the group stays in step) get the full weights in the same sync, counted too.
 """
 
 from __future__ import annotations
@@ -43,7 +49,7 @@ from rlfabric.actor.client import ActorInterface
 from rlfabric.core.client import ChannelOptions
 from rlfabric.core.config import RunConfig
 from rlfabric.core.dtypes import rollout_dtype, torch_dtype
-from rlfabric.core.errors import FailedPrecondition
+from rlfabric.core.errors import FailedPrecondition, InvalidArgument
 from rlfabric.reference.client import ReferenceClient, ReferenceInterface
 from rlfabric.rollout.client import RolloutClient
 from rlfabric.rollout.router import RolloutRouter
@@ -78,6 +84,9 @@ class SyncReport:
     actor_error: str = ""  # the actor's side of a failed broadcast (gloo, nccl), if it failed
     phases: SyncPhases = field(default_factory=SyncPhases)  # the actor's: gather, pack, checksum, wire
     receiver_phases: SyncPhases = field(default_factory=SyncPhases)  # the slowest receiver's: wire, checksum, apply
+    full_bytes: int = 0  # per receiver: what the full weights take (num_bytes when the sync sent them)
+    delta: bool = False  # the sync sent the change against the replicas' base (weight_sync.delta)
+    fallback_full: int = 0  # receivers that got the full weights where a delta was due (another base, or rejected)
 
     @property
     def ok(self) -> bool:
@@ -103,6 +112,14 @@ class SyncReport:
         metrics.update({f"{prefix}receive_{phase}": getattr(self.receiver_phases, phase) for phase in ("wire", "checksum")})
         metrics[f"{prefix}apply"] = self.receiver_phases.apply
         return metrics
+
+    def delta_metrics(self) -> dict[str, float]:
+        """weight_sync/delta_bytes (what went per receiver), weight_sync/full_bytes (what the full weights take),
+        their ratio, and weight_sync/delta_fallback_full: receivers that got the full weights instead of a delta."""
+        full = self.full_bytes or self.num_bytes
+        return {"weight_sync/delta_bytes": float(self.num_bytes), "weight_sync/full_bytes": float(full),
+                "weight_sync/delta_ratio": self.num_bytes / full if full else 1.0,
+                "weight_sync/delta_fallback_full": float(self.fallback_full)}
 
 
 @dataclass
@@ -212,6 +229,9 @@ class WeightSyncPlane(WeightSync):
         self.group: SyncGroup | None = None
         self.ranks: dict[str, int] = {}  # members of the current group -> rank
         self._stale = True  # the group must be (re)built before the next sync
+        # weight_sync.delta: the version each member of the group kept as its base, and the one the actor last sent
+        self.held: dict[str, int] = {}
+        self._sent: int | None = None
 
     # -- membership -------------------------------------------------------------------------------
 
@@ -257,6 +277,7 @@ class WeightSyncPlane(WeightSync):
 
     async def _close_group(self) -> None:
         group, self.group, self.ranks = self.group, None, {}
+        self.held, self._sent = {}, None  # a new group's sender and receivers keep no base yet
         if group is not None:
             with contextlib.suppress(Exception):
                 await self.actor.close_weight_sync_group(group.group_id, timeout_s=PROBE_TIMEOUT_S + SLACK_S)
@@ -320,7 +341,7 @@ class WeightSyncPlane(WeightSync):
             return failed
         group = await self.actor.open_weight_sync_group(
             self.transport, len(live), self.config.weight_sync.bucket_mb << 20, target_dtype(self.config),
-            self.timeout_s, tuple(m.address for m in live))
+            self.timeout_s, tuple(m.address for m in live), delta=self._sends_deltas(live))
         ranks = {m.name: rank for rank, m in enumerate(live, start=1)}
         joins = await asyncio.gather(*(m.client.join_weight_sync_group(group, ranks[m.name], self.timeout_s + SLACK_S)
                                        for m in live), return_exceptions=True)
@@ -332,6 +353,14 @@ class WeightSyncPlane(WeightSync):
         log.info("weight-sync group built", extra={"fields": {
             "group_id": group.group_id, "transport": group.transport, "members": list(ranks), "failed": failed}})
         return failed
+
+    def _sends_deltas(self, members: list[_Member]) -> bool:
+        """weight_sync.delta, where it applies: rollout replicas alone, full weights, a transport that moves bytes
+        (not cuda_ipc), engines that take our buckets (not SGLang's torch groups)."""
+        config = self.config
+        return (config.weight_sync.delta and not any(m.is_reference for m in members)
+                and self.transport in ("", "gloo", "nccl", "grpc") and config.rollout.engine != "sglang"
+                and not config.syncs_lora_adapters())
 
     async def _needs_rebuild(self) -> bool:
         """True when membership changed, the last sync failed, a left-out member answers again, or a
@@ -345,9 +374,11 @@ class WeightSyncPlane(WeightSync):
 
     # -- one sync ---------------------------------------------------------------------------------
 
-    async def sync(self, version: int) -> SyncReport:
+    async def sync(self, version: int, full: bool = False) -> SyncReport:
         """Sends the actor's current weights as `version` to every member; never raises for a failed
-        receiver (see SyncReport.failed). Raises when the actor itself cannot prepare the weights."""
+        receiver (see SyncReport.failed). Raises when the actor itself cannot prepare the weights. With
+        weight_sync.delta, only the change when every member holds the version last sent (unless `full`); members
+        that reject it get the full weights at once."""
         started = time.perf_counter()
         report = SyncReport(version)
         if await self._needs_rebuild():
@@ -360,13 +391,20 @@ class WeightSyncPlane(WeightSync):
             self._stale = True
             self.serve_synced(report)
             return report
-        try:
-            manifest = await self.actor.prepare_weight_sync(self.group.group_id, version)
-        except Exception:
-            self._stale = True  # e.g. the actor restarted and lost the group: rebuild next time
-            raise
-        report.num_bytes = manifest.num_bytes
-        report.record(await self._transfer(manifest, report))
+        base = None if full else self._common_base()
+        if not full and base is None and self._sent is not None:  # a delta was due: who does not hold its base
+            report.fallback_full += sum(self.held.get(name) != self._sent for name in self.ranks)
+        outcomes = await self._prepare_and_transfer(version, base, report)
+        rejected = [name for name, outcome in outcomes.items() if report.delta and _rejected(outcome)]
+        if rejected and not report.actor_error:  # the group is in step: the full weights to every member
+            log.warning("delta weight sync rejected; sending the full weights", extra={"fields": {
+                "version": version, "members": rejected, "reasons": {n: str(outcomes[n]) for n in rejected}}})
+            report.fallback_full += len(rejected)
+            sent, phases = report.num_bytes, report.phases
+            outcomes = await self._prepare_and_transfer(version, None, report)
+            report.num_bytes, report.phases = report.num_bytes + sent, report.phases + phases
+        report.record(outcomes)
+        self.held = {name: version for name, outcome in outcomes.items() if name not in report.failed}
         if report.actor_error or any(name in report.failed for name in self.ranks):
             self._stale = True  # gloo/nccl groups do not survive a lost peer; rebuild before the next sync
         report.seconds = time.perf_counter() - started
@@ -376,6 +414,26 @@ class WeightSyncPlane(WeightSync):
             **{key.rsplit("/", 1)[1] + "_s": round(value, 3) for key, value in report.phase_metrics().items()}}})
         self.serve_synced(report)
         return report
+
+    def _common_base(self) -> int | None:
+        """The version every member of the group kept, when it is the one the actor last sent (a delta applies)."""
+        held = {self.held.get(name) for name in self.ranks}
+        return self._sent if self._sent is not None and held == {self._sent} else None
+
+    async def _prepare_and_transfer(self, version: int, base: int | None,
+                                    report: SyncReport) -> dict[str, WeightSwap | BaseException]:
+        """PrepareWeightSync (the change against `base` where the actor can) and the transfer; the report takes
+        what was sent."""
+        try:
+            manifest = await self.actor.prepare_weight_sync(self.group.group_id, version, delta_base_version=base)
+        except Exception:
+            self._stale = True  # e.g. the actor restarted and lost the group: rebuild next time
+            raise
+        report.num_bytes, report.full_bytes, report.delta = manifest.num_bytes, manifest.full_bytes, bool(manifest.delta)
+        outcomes = await self._transfer(manifest, report)
+        if manifest.keep_base:
+            self._sent = version
+        return outcomes
 
     async def _transfer(self, manifest: Manifest, report: SyncReport) -> dict[str, WeightSwap | BaseException]:
         """Runs the broadcast and every receive together; {member: its WeightSwap or the error}."""
@@ -422,6 +480,13 @@ async def sync_ref_model(actor: ActorInterface, reference: ReferenceInterface | 
     if report.failed:
         raise FailedPrecondition(f"the reference reset of step {step} failed: {report.failed['reference']}")
     return {"timing_s/sync_ref_model": time.perf_counter() - started}
+
+
+def _rejected(outcome: WeightSwap | BaseException) -> bool:
+    """A member refused a delta (another base, or bytes that do not check out: INVALID_ARGUMENT), and stayed in
+    step with its group; a full sync reaches it."""
+    return isinstance(outcome, InvalidArgument) or (isinstance(outcome, RuntimeError) and str(outcome).startswith(
+        "INVALID_ARGUMENT"))
 
 
 def _push_outcome(push: PushResult) -> WeightSwap | BaseException:

@@ -381,8 +381,9 @@ class RolloutEngine(abc.ABC):
     async def receive_weights(self, manifest: Manifest) -> WeightSwap:
         """Receives the manifest's buckets while generation goes on, then swaps them in at once; the swap
         carries this replica's phases (wire, checksum, apply)."""
+        adopt = not manifest.keep_base  # a kept base stays the receiver's (weight_sync.delta)
         swap, phases = await self.weight_sync.receive(manifest, lambda weights: self.apply_weights(weights, manifest,
-                                                                                                   adopt=True))
+                                                                                                   adopt=adopt))
         return replace(swap, phases=phases)
 
     async def apply_weights(self, weights: Iterable[tuple[str, torch.Tensor]], manifest: Manifest,

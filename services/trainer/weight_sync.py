@@ -104,20 +104,22 @@ class TrainerWeightSync:
 
     async def open(self, transport: str, num_receivers: int, bucket_bytes: int = 0,
                    dtype: torch.dtype | None = None, timeout_s: float = 0.0,
-                   addresses: tuple[str, ...] = ()) -> SyncGroup:
+                   addresses: tuple[str, ...] = (), delta: bool = False) -> SyncGroup:
         """A new group with this actor as rank 0 (dtype None = the actor's compute dtype). With SGLang
-        rollout servers, a torch.distributed group built as theirs is, so they can join it."""
+        rollout servers, a torch.distributed group built as theirs is, so they can join it. `delta`: the group
+        keeps what it last sent and may send only the change (weight_sync.delta)."""
         torch_group = self.engine.config.rollout.engine == "sglang" and transport != "grpc"
         return self._weight_sender().open(transport, num_receivers, bucket_bytes, dtype or self.engine.worker.dtype,
-                                          timeout_s, addresses, torch_group)
+                                          timeout_s, addresses, torch_group, delta)
 
-    async def prepare(self, group_id: str, version: int) -> Manifest:
-        """Gathers the full weights for `group_id` and plans their buckets (grpc and torch groups: packs
-        them), on the torch thread, so no update changes them half-way."""
+    async def prepare(self, group_id: str, version: int, delta_base_version: int | None = None) -> Manifest:
+        """Gathers the full weights for `group_id` and plans their buckets (grpc, torch and delta groups: packs
+        them; delta groups also encode the change against `delta_base_version` where they can), on the torch
+        thread, so no update changes them half-way."""
         sender = self._weight_sender()
-        return await self._on_torch_thread(self._prepare, sender, group_id, version)
+        return await self._on_torch_thread(self._prepare, sender, group_id, version, delta_base_version)
 
-    def _prepare(self, sender: WeightSender, group_id: str, version: int) -> Manifest:
+    def _prepare(self, sender: WeightSender, group_id: str, version: int, delta_base_version: int | None) -> Manifest:
         engine = self.engine
         started = time.perf_counter()
         if engine.config.syncs_lora_adapters():  # weight_sync.lora: the adapters alone, peft names
@@ -126,7 +128,8 @@ class TrainerWeightSync:
             state = engine.adapter_weights()
         else:  # read where they are (unsharded): packing copies them once, straight into the buckets
             adapter, state = None, engine.policy_weights(on_device=True)
-        manifest = sender.prepare(group_id, version, state, adapter, gather_s=time.perf_counter() - started)
+        manifest = sender.prepare(group_id, version, state, adapter, gather_s=time.perf_counter() - started,
+                                  delta_base_version=delta_base_version)
         self._prepared_at[group_id] = engine.weights_changes
         return manifest
 

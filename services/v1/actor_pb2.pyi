@@ -79,20 +79,22 @@ class ActorServiceExportHFResponse(_message.Message):
     def __init__(self, num_bytes: _Optional[int] = ...) -> None: ...
 
 class ActorServiceOpenWeightSyncGroupRequest(_message.Message):
-    __slots__ = ("transport", "num_receivers", "bucket_bytes", "target_dtype", "timeout_s", "grpc_receiver_addresses")
+    __slots__ = ("transport", "num_receivers", "bucket_bytes", "target_dtype", "timeout_s", "grpc_receiver_addresses", "delta")
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     NUM_RECEIVERS_FIELD_NUMBER: _ClassVar[int]
     BUCKET_BYTES_FIELD_NUMBER: _ClassVar[int]
     TARGET_DTYPE_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     GRPC_RECEIVER_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
     transport: _weight_sync_pb2.WeightTransport
     num_receivers: int
     bucket_bytes: int
     target_dtype: _tensor_pb2.DataType
     timeout_s: float
     grpc_receiver_addresses: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, transport: _Optional[_Union[_weight_sync_pb2.WeightTransport, str]] = ..., num_receivers: _Optional[int] = ..., bucket_bytes: _Optional[int] = ..., target_dtype: _Optional[_Union[_tensor_pb2.DataType, str]] = ..., timeout_s: _Optional[float] = ..., grpc_receiver_addresses: _Optional[_Iterable[str]] = ...) -> None: ...
+    delta: bool
+    def __init__(self, transport: _Optional[_Union[_weight_sync_pb2.WeightTransport, str]] = ..., num_receivers: _Optional[int] = ..., bucket_bytes: _Optional[int] = ..., target_dtype: _Optional[_Union[_tensor_pb2.DataType, str]] = ..., timeout_s: _Optional[float] = ..., grpc_receiver_addresses: _Optional[_Iterable[str]] = ..., delta: _Optional[bool] = ...) -> None: ...
 
 class ActorServiceOpenWeightSyncGroupResponse(_message.Message):
     __slots__ = ("group",)
@@ -101,12 +103,14 @@ class ActorServiceOpenWeightSyncGroupResponse(_message.Message):
     def __init__(self, group: _Optional[_Union[_weight_sync_pb2.WeightSyncGroup, _Mapping]] = ...) -> None: ...
 
 class ActorServicePrepareWeightSyncRequest(_message.Message):
-    __slots__ = ("group_id", "version")
+    __slots__ = ("group_id", "version", "delta_base_version")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    DELTA_BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     version: int
-    def __init__(self, group_id: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
+    delta_base_version: int
+    def __init__(self, group_id: _Optional[str] = ..., version: _Optional[int] = ..., delta_base_version: _Optional[int] = ...) -> None: ...
 
 class ActorServicePrepareWeightSyncResponse(_message.Message):
     __slots__ = ("manifest",)

@@ -25,15 +25,17 @@ _sym_db = _symbol_database.Default()
 from rlfabric.v1 import tensor_pb2 as rlfabric_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1drlfabric/v1/weight_sync.proto\x12\x0brlfabric.v1\x1a\x18rlfabric/v1/tensor.proto\"\xe5\x01\n\x0fWeightSyncGroup\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12/\n\ttransport\x18\x02 \x01(\x0e\x32\x1c.rlfabric.v1.WeightTransport\x12\x12\n\nworld_size\x18\x03 \x01(\x05\x12\x16\n\x0enccl_unique_id\x18\x04 \x01(\x0c\x12\x12\n\nstore_host\x18\x05 \x01(\t\x12\x12\n\nstore_port\x18\x06 \x01(\x05\x12\x11\n\ttimeout_s\x18\x07 \x01(\x01\x12\x13\n\x0btorch_group\x18\x08 \x01(\x08\x12\x13\n\x0b\x64\x65vice_uuid\x18\t \x01(\t\"e\n\x10WeightTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12$\n\x05\x64type\x18\x02 \x01(\x0e\x32\x15.rlfabric.v1.DataType\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06offset\x18\x04 \x01(\x03\"o\n\x0cWeightBucket\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x11\n\tnum_bytes\x18\x02 \x01(\x03\x12\r\n\x05\x63rc32\x18\x03 \x01(\r\x12.\n\x07tensors\x18\x04 \x03(\x0b\x32\x1d.rlfabric.v1.WeightTensorSpec\"\x93\x01\n\x0eWeightManifest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12*\n\x07\x62uckets\x18\x03 \x03(\x0b\x32\x19.rlfabric.v1.WeightBucket\x12\x32\n\x0clora_adapter\x18\x04 \x01(\x0b\x32\x1c.rlfabric.v1.LoraAdapterSpec\"F\n\x0fLoraAdapterSpec\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\r\n\x05\x61lpha\x18\x02 \x01(\x01\x12\x16\n\x0etarget_modules\x18\x03 \x03(\t\"0\n\x10WeightSyncDevice\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\t\x12\x0c\n\x04uuid\x18\x02 \x01(\t\"i\n\x10WeightSyncPhases\x12\x10\n\x08gather_s\x18\x01 \x01(\x01\x12\x0e\n\x06pack_s\x18\x02 \x01(\x01\x12\x12\n\nchecksum_s\x18\x03 \x01(\x01\x12\x0e\n\x06wire_s\x18\x04 \x01(\x01\x12\x0f\n\x07\x61pply_s\x18\x05 \x01(\x01\"\xab\x01\n\rCudaIpcBucket\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x14\n\x0c\x62ucket_index\x18\x03 \x01(\x05\x12\x0c\n\x04slot\x18\x04 \x01(\x05\x12\x11\n\tnum_bytes\x18\x05 \x01(\x03\x12\x13\n\x0b\x64\x65vice_uuid\x18\x06 \x01(\t\x12+\n\x07handles\x18\x07 \x03(\x0b\x32\x1a.rlfabric.v1.CudaIpcHandle\"\xbc\x01\n\rCudaIpcHandle\x12\x12\n\nmem_handle\x18\x01 \x01(\x0c\x12\x16\n\x0estorage_offset\x18\x02 \x01(\x03\x12\x14\n\x0cstorage_size\x18\x03 \x01(\x03\x12\x1a\n\x12ref_counter_handle\x18\x04 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\x05 \x01(\x03\x12\x14\n\x0c\x65vent_handle\x18\x06 \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\x07 \x01(\x08*\xa3\x01\n\x0fWeightTransport\x12 \n\x1cWEIGHT_TRANSPORT_UNSPECIFIED\x10\x00\x12\x19\n\x15WEIGHT_TRANSPORT_NCCL\x10\x01\x12\x19\n\x15WEIGHT_TRANSPORT_GLOO\x10\x02\x12\x19\n\x15WEIGHT_TRANSPORT_GRPC\x10\x03\x12\x1d\n\x19WEIGHT_TRANSPORT_CUDA_IPC\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1drlfabric/v1/weight_sync.proto\x12\x0brlfabric.v1\x1a\x18rlfabric/v1/tensor.proto\"\xe5\x01\n\x0fWeightSyncGroup\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12/\n\ttransport\x18\x02 \x01(\x0e\x32\x1c.rlfabric.v1.WeightTransport\x12\x12\n\nworld_size\x18\x03 \x01(\x05\x12\x16\n\x0enccl_unique_id\x18\x04 \x01(\x0c\x12\x12\n\nstore_host\x18\x05 \x01(\t\x12\x12\n\nstore_port\x18\x06 \x01(\x05\x12\x11\n\ttimeout_s\x18\x07 \x01(\x01\x12\x13\n\x0btorch_group\x18\x08 \x01(\x08\x12\x13\n\x0b\x64\x65vice_uuid\x18\t \x01(\t\"e\n\x10WeightTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12$\n\x05\x64type\x18\x02 \x01(\x0e\x32\x15.rlfabric.v1.DataType\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06offset\x18\x04 \x01(\x03\"o\n\x0cWeightBucket\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x11\n\tnum_bytes\x18\x02 \x01(\x03\x12\r\n\x05\x63rc32\x18\x03 \x01(\r\x12.\n\x07tensors\x18\x04 \x03(\x0b\x32\x1d.rlfabric.v1.WeightTensorSpec\"\xcf\x01\n\x0eWeightManifest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12*\n\x07\x62uckets\x18\x03 \x03(\x0b\x32\x19.rlfabric.v1.WeightBucket\x12\x32\n\x0clora_adapter\x18\x04 \x01(\x0b\x32\x1c.rlfabric.v1.LoraAdapterSpec\x12\x11\n\tkeep_base\x18\x05 \x01(\x08\x12\'\n\x05\x64\x65lta\x18\x06 \x01(\x0b\x32\x18.rlfabric.v1.WeightDelta\"\x7f\n\x0bWeightDelta\x12\x14\n\x0c\x62\x61se_version\x18\x01 \x01(\x03\x12)\n\x06layout\x18\x02 \x03(\x0b\x32\x19.rlfabric.v1.WeightBucket\x12/\n\x07tensors\x18\x03 \x03(\x0b\x32\x1e.rlfabric.v1.WeightTensorDelta\"^\n\x11WeightTensorDelta\x12\x0c\n\x04name\x18\x01 \x01(\t\x12,\n\x08\x65ncoding\x18\x02 \x01(\x0e\x32\x1a.rlfabric.v1.DeltaEncoding\x12\r\n\x05\x63rc32\x18\x03 \x01(\r\"F\n\x0fLoraAdapterSpec\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\r\n\x05\x61lpha\x18\x02 \x01(\x01\x12\x16\n\x0etarget_modules\x18\x03 \x03(\t\"0\n\x10WeightSyncDevice\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\t\x12\x0c\n\x04uuid\x18\x02 \x01(\t\"i\n\x10WeightSyncPhases\x12\x10\n\x08gather_s\x18\x01 \x01(\x01\x12\x0e\n\x06pack_s\x18\x02 \x01(\x01\x12\x12\n\nchecksum_s\x18\x03 \x01(\x01\x12\x0e\n\x06wire_s\x18\x04 \x01(\x01\x12\x0f\n\x07\x61pply_s\x18\x05 \x01(\x01\"\xab\x01\n\rCudaIpcBucket\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x14\n\x0c\x62ucket_index\x18\x03 \x01(\x05\x12\x0c\n\x04slot\x18\x04 \x01(\x05\x12\x11\n\tnum_bytes\x18\x05 \x01(\x03\x12\x13\n\x0b\x64\x65vice_uuid\x18\x06 \x01(\t\x12+\n\x07handles\x18\x07 \x03(\x0b\x32\x1a.rlfabric.v1.CudaIpcHandle\"\xbc\x01\n\rCudaIpcHandle\x12\x12\n\nmem_handle\x18\x01 \x01(\x0c\x12\x16\n\x0estorage_offset\x18\x02 \x01(\x03\x12\x14\n\x0cstorage_size\x18\x03 \x01(\x03\x12\x1a\n\x12ref_counter_handle\x18\x04 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\x05 \x01(\x03\x12\x14\n\x0c\x65vent_handle\x18\x06 \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\x07 \x01(\x08*\xa3\x01\n\x0fWeightTransport\x12 \n\x1cWEIGHT_TRANSPORT_UNSPECIFIED\x10\x00\x12\x19\n\x15WEIGHT_TRANSPORT_NCCL\x10\x01\x12\x19\n\x15WEIGHT_TRANSPORT_GLOO\x10\x02\x12\x19\n\x15WEIGHT_TRANSPORT_GRPC\x10\x03\x12\x1d\n\x19WEIGHT_TRANSPORT_CUDA_IPC\x10\x04*\x9d\x01\n\rDeltaEncoding\x12\x1e\n\x1a\x44\x45LTA_ENCODING_UNSPECIFIED\x10\x00\x12\x1c\n\x18\x44\x45LTA_ENCODING_UNCHANGED\x10\x01\x12\x19\n\x15\x44\x45LTA_ENCODING_SPARSE\x10\x02\x12\x1b\n\x17\x44\x45LTA_ENCODING_XOR_ZSTD\x10\x03\x12\x16\n\x12\x44\x45LTA_ENCODING_RAW\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'rlfabric.v1.weight_sync_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_WEIGHTTRANSPORT']._serialized_start=1265
-  _globals['_WEIGHTTRANSPORT']._serialized_end=1428
+  _globals['_WEIGHTTRANSPORT']._serialized_start=1550
+  _globals['_WEIGHTTRANSPORT']._serialized_end=1713
+  _globals['_DELTAENCODING']._serialized_start=1716
+  _globals['_DELTAENCODING']._serialized_end=1873
   _globals['_WEIGHTSYNCGROUP']._serialized_start=73
   _globals['_WEIGHTSYNCGROUP']._serialized_end=302
   _globals['_WEIGHTTENSORSPEC']._serialized_start=304
@@ -41,15 +43,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WEIGHTBUCKET']._serialized_start=407
   _globals['_WEIGHTBUCKET']._serialized_end=518
   _globals['_WEIGHTMANIFEST']._serialized_start=521
-  _globals['_WEIGHTMANIFEST']._serialized_end=668
-  _globals['_LORAADAPTERSPEC']._serialized_start=670
-  _globals['_LORAADAPTERSPEC']._serialized_end=740
-  _globals['_WEIGHTSYNCDEVICE']._serialized_start=742
-  _globals['_WEIGHTSYNCDEVICE']._serialized_end=790
-  _globals['_WEIGHTSYNCPHASES']._serialized_start=792
-  _globals['_WEIGHTSYNCPHASES']._serialized_end=897
-  _globals['_CUDAIPCBUCKET']._serialized_start=900
-  _globals['_CUDAIPCBUCKET']._serialized_end=1071
-  _globals['_CUDAIPCHANDLE']._serialized_start=1074
-  _globals['_CUDAIPCHANDLE']._serialized_end=1262
+  _globals['_WEIGHTMANIFEST']._serialized_end=728
+  _globals['_WEIGHTDELTA']._serialized_start=730
+  _globals['_WEIGHTDELTA']._serialized_end=857
+  _globals['_WEIGHTTENSORDELTA']._serialized_start=859
+  _globals['_WEIGHTTENSORDELTA']._serialized_end=953
+  _globals['_LORAADAPTERSPEC']._serialized_start=955
+  _globals['_LORAADAPTERSPEC']._serialized_end=1025
+  _globals['_WEIGHTSYNCDEVICE']._serialized_start=1027
+  _globals['_WEIGHTSYNCDEVICE']._serialized_end=1075
+  _globals['_WEIGHTSYNCPHASES']._serialized_start=1077
+  _globals['_WEIGHTSYNCPHASES']._serialized_end=1182
+  _globals['_CUDAIPCBUCKET']._serialized_start=1185
+  _globals['_CUDAIPCBUCKET']._serialized_end=1356
+  _globals['_CUDAIPCHANDLE']._serialized_start=1359
+  _globals['_CUDAIPCHANDLE']._serialized_end=1547
 # @@protoc_insertion_point(module_scope)

@@ -15,11 +15,24 @@ class WeightTransport(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     WEIGHT_TRANSPORT_GLOO: _ClassVar[WeightTransport]
     WEIGHT_TRANSPORT_GRPC: _ClassVar[WeightTransport]
     WEIGHT_TRANSPORT_CUDA_IPC: _ClassVar[WeightTransport]
+
+class DeltaEncoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DELTA_ENCODING_UNSPECIFIED: _ClassVar[DeltaEncoding]
+    DELTA_ENCODING_UNCHANGED: _ClassVar[DeltaEncoding]
+    DELTA_ENCODING_SPARSE: _ClassVar[DeltaEncoding]
+    DELTA_ENCODING_XOR_ZSTD: _ClassVar[DeltaEncoding]
+    DELTA_ENCODING_RAW: _ClassVar[DeltaEncoding]
 WEIGHT_TRANSPORT_UNSPECIFIED: WeightTransport
 WEIGHT_TRANSPORT_NCCL: WeightTransport
 WEIGHT_TRANSPORT_GLOO: WeightTransport
 WEIGHT_TRANSPORT_GRPC: WeightTransport
 WEIGHT_TRANSPORT_CUDA_IPC: WeightTransport
+DELTA_ENCODING_UNSPECIFIED: DeltaEncoding
+DELTA_ENCODING_UNCHANGED: DeltaEncoding
+DELTA_ENCODING_SPARSE: DeltaEncoding
+DELTA_ENCODING_XOR_ZSTD: DeltaEncoding
+DELTA_ENCODING_RAW: DeltaEncoding
 
 class WeightSyncGroup(_message.Message):
     __slots__ = ("group_id", "transport", "world_size", "nccl_unique_id", "store_host", "store_port", "timeout_s", "torch_group", "device_uuid")
@@ -68,16 +81,40 @@ class WeightBucket(_message.Message):
     def __init__(self, index: _Optional[int] = ..., num_bytes: _Optional[int] = ..., crc32: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[WeightTensorSpec, _Mapping]]] = ...) -> None: ...
 
 class WeightManifest(_message.Message):
-    __slots__ = ("version", "group_id", "buckets", "lora_adapter")
+    __slots__ = ("version", "group_id", "buckets", "lora_adapter", "keep_base", "delta")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     BUCKETS_FIELD_NUMBER: _ClassVar[int]
     LORA_ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    KEEP_BASE_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
     version: int
     group_id: str
     buckets: _containers.RepeatedCompositeFieldContainer[WeightBucket]
     lora_adapter: LoraAdapterSpec
-    def __init__(self, version: _Optional[int] = ..., group_id: _Optional[str] = ..., buckets: _Optional[_Iterable[_Union[WeightBucket, _Mapping]]] = ..., lora_adapter: _Optional[_Union[LoraAdapterSpec, _Mapping]] = ...) -> None: ...
+    keep_base: bool
+    delta: WeightDelta
+    def __init__(self, version: _Optional[int] = ..., group_id: _Optional[str] = ..., buckets: _Optional[_Iterable[_Union[WeightBucket, _Mapping]]] = ..., lora_adapter: _Optional[_Union[LoraAdapterSpec, _Mapping]] = ..., keep_base: _Optional[bool] = ..., delta: _Optional[_Union[WeightDelta, _Mapping]] = ...) -> None: ...
+
+class WeightDelta(_message.Message):
+    __slots__ = ("base_version", "layout", "tensors")
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    base_version: int
+    layout: _containers.RepeatedCompositeFieldContainer[WeightBucket]
+    tensors: _containers.RepeatedCompositeFieldContainer[WeightTensorDelta]
+    def __init__(self, base_version: _Optional[int] = ..., layout: _Optional[_Iterable[_Union[WeightBucket, _Mapping]]] = ..., tensors: _Optional[_Iterable[_Union[WeightTensorDelta, _Mapping]]] = ...) -> None: ...
+
+class WeightTensorDelta(_message.Message):
+    __slots__ = ("name", "encoding", "crc32")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ENCODING_FIELD_NUMBER: _ClassVar[int]
+    CRC32_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    encoding: DeltaEncoding
+    crc32: int
+    def __init__(self, name: _Optional[str] = ..., encoding: _Optional[_Union[DeltaEncoding, str]] = ..., crc32: _Optional[int] = ...) -> None: ...
 
 class LoraAdapterSpec(_message.Message):
     __slots__ = ("rank", "alpha", "target_modules")

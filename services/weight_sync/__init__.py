@@ -27,6 +27,13 @@ torch.distributed process group built as SGLang builds its weight-update group, 
 joins with /init_weights_update_group, and dense buckets (SGLang's flattened layout), which it receives
 with /update_weights_from_distributed (rlfabric.rollout.sglang_engine).
 
+With weight_sync.delta (gloo, nccl and grpc groups, full weights), the actor keeps what it last sent in the
+receivers' dtype, and every receiver keeps what it received (WeightManifest.keep_base). When every receiver holds
+the version last sent, step 3 packs each tensor's change against it instead (WeightManifest.delta: per tensor an
+encoding and the CRC-32 of the result, rlfabric.weight_sync.delta); a receiver rebuilds the full weights from its
+base, checks every tensor, and switches to them as after a full sync. A receiver that cannot (another base, a
+tensor that does not check out) rejects the delta and gets the full weights.
+
 Modules (the package exports nothing: import a name from the module that defines it; importing the package
 loads no torch, so what needs only devices or phases, such as the launcher's placement, does not either):
 
@@ -34,6 +41,7 @@ loads no torch, so what needs only devices or phases, such as the launcher's pla
     buckets      plan_buckets, pack, unpack, ChecksumMismatch, CRC-32
     receiver     WeightReceiver, BucketAssembler, Membership, WeightSwap (receiving side)
     sender       WeightSender (actor side); pipeline: bucket k+1 packed while bucket k is on the wire
+    delta        delta sync: DeltaSender (the actor's base), DeltaBase (a receiver's), the encodings
     gloo, nccl, torch_group, cuda_ipc    the collective transports; grpc_stream: PushWeights, both ends
     relay        into a tensor-parallel replica: its TP rank 0 forwards each bucket to its peers
     devices      what each service reports of its devices, and the transport chosen from it

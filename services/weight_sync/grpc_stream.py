@@ -49,6 +49,7 @@ from rlfabric.core.client import ChannelOptions, channel_credentials
 from rlfabric.core.errors import DeadlineExceeded, InvalidArgument, RlfabricError, Unavailable
 from rlfabric.core.interceptors import bearer_metadata
 from rlfabric.v1 import rollout_pb2
+from rlfabric.weight_sync.delta import DeltaBase
 from rlfabric.weight_sync.manifest import Manifest, WeightLimits
 from rlfabric.weight_sync.phases import PhaseClock, SyncPhases
 from rlfabric.weight_sync.receiver import BucketAssembler, Weights, WeightSwap
@@ -356,6 +357,7 @@ class PushReceiver:
         self._push: _Push | None = None
         self._changed: asyncio.Condition | None = None
         self._buffers: list[torch.Tensor] = []
+        self.base = DeltaBase()  # what the last keep_base push brought, for the next delta (weight_sync.delta)
 
     async def receive(self, requests: AsyncIterator[bytes], context, limits: WeightLimits | None,
                       apply: Callable[[Weights, Manifest], Awaitable[WeightSwap]]) -> PushOutcome:
@@ -398,8 +400,9 @@ class PushReceiver:
                 clock = push.assembler.clock
                 clock.add("wire", time.perf_counter() - push.started)
                 try:
+                    weights = await self._weights(push.assembler, manifest)
                     with clock.timing("apply"):
-                        swap = await apply(push.assembler.finish(), manifest)
+                        swap = await apply(weights, manifest)
                     swap = dataclasses.replace(swap, phases=clock.phases())
                 except asyncio.CancelledError:
                     push.fail(Unavailable(f"PushWeights: the stream switching to version {manifest.version} was "
@@ -421,6 +424,14 @@ class PushReceiver:
         finally:
             await self._leave(push)
 
+    async def _weights(self, assembler: BucketAssembler, manifest: Manifest) -> Weights:
+        """The push's weights: its buckets, or (a delta) the base rebuilt from them, off the event loop."""
+        if manifest.delta is not None:
+            return await asyncio.to_thread(self.base.apply, manifest, assembler.finish(), assembler.clock)
+        if manifest.keep_base:
+            self.base.keep(manifest, assembler.buffers)
+        return assembler.finish()
+
     def _condition(self) -> asyncio.Condition:
         if self._changed is None:
             self._changed = asyncio.Condition()
@@ -439,10 +450,13 @@ class PushReceiver:
                                        "received at the deadline") from None
             if self._push is None:
                 sizes = [b.num_bytes for b in manifest.buckets]
+                keeps = manifest.keep_base and manifest.delta is None  # the buffers become the base
                 reuse = self._buffers if [b.numel() for b in self._buffers] == sizes else None
                 self._buffers = []  # the old buffers go before new ones are mapped
+                if keeps:
+                    reuse = self.base.recycle(sizes, torch.device("cpu"))
                 assembler = BucketAssembler(manifest, reuse, PhaseClock())
-                self._buffers = assembler.buffers
+                self._buffers = [] if keeps else assembler.buffers
                 self._push = _Push(manifest, streams, assembler)
             push = self._push
             push.joined += 1

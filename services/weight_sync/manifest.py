@@ -201,65 +201,153 @@ def parse_adapter_tensor_name(name: str) -> tuple[str, str] | None:
     return None
 
 
+DELTA_ENCODINGS = ("unchanged", "sparse", "xor_zstd", "raw")  # rlfabric.v1.DeltaEncoding, in wire order from 1
+
+
+@dataclass(frozen=True)
+class TensorDelta:
+    """How one tensor of a delta sync changed (rlfabric.v1.WeightTensorDelta): its encoding (DELTA_ENCODINGS)
+    and the CRC-32 of its bytes once the change is applied."""
+
+    name: str
+    encoding: str
+    crc32: int
+
+
+@dataclass(frozen=True)
+class DeltaSpec:
+    """A delta sync (rlfabric.v1.WeightDelta): the manifest's buckets carry encoded changes against
+    `base_version`; `layout` is the full buckets they rebuild, `tensors` every layout tensor's encoding."""
+
+    base_version: int
+    layout: tuple[BucketSpec, ...]
+    tensors: tuple[TensorDelta, ...]
+
+    @property
+    def full_bytes(self) -> int:
+        """What the full sync of this version moves."""
+        return sum(b.num_bytes for b in self.layout)
+
+
 @dataclass(frozen=True)
 class Manifest:
     """One sync: receivers serve `version` once every bucket has landed and checked out. With
-    `adapter`, the buckets hold LoRA adapters alone (peft names) rather than full weights."""
+    `adapter`, the buckets hold LoRA adapters alone (peft names) rather than full weights. With `delta`, they
+    hold each changed tensor's encoded change against the base the receiver kept (`keep_base` on the sync that
+    brought it)."""
 
     version: int
     group_id: str
     buckets: tuple[BucketSpec, ...] = field(default_factory=tuple)
     adapter: AdapterSpec | None = None
+    keep_base: bool = False
+    delta: DeltaSpec | None = None
 
     @property
     def num_bytes(self) -> int:
         return sum(b.num_bytes for b in self.buckets)
 
+    @property
+    def full_bytes(self) -> int:
+        """The full weights' bytes (num_bytes unless this is a delta)."""
+        return self.delta.full_bytes if self.delta is not None else self.num_bytes
+
     def to_proto(self) -> weight_sync_pb2.WeightManifest:
-        message = weight_sync_pb2.WeightManifest(version=self.version, group_id=self.group_id, buckets=[
-            weight_sync_pb2.WeightBucket(index=b.index, num_bytes=b.num_bytes, crc32=b.crc32, tensors=[
-                weight_sync_pb2.WeightTensorSpec(name=t.name, dtype=codec.wire_dtype(t.dtype), shape=t.shape,
-                                                 offset=t.offset) for t in b.tensors])
-            for b in self.buckets])
+        message = weight_sync_pb2.WeightManifest(version=self.version, group_id=self.group_id,
+                                                 buckets=_buckets_to_proto(self.buckets), keep_base=self.keep_base)
         if self.adapter is not None:
             message.lora_adapter.CopyFrom(self.adapter.to_proto())
+        if self.delta is not None:
+            message.delta.CopyFrom(weight_sync_pb2.WeightDelta(
+                base_version=self.delta.base_version, layout=_buckets_to_proto(self.delta.layout), tensors=[
+                    weight_sync_pb2.WeightTensorDelta(name=t.name, encoding=DELTA_ENCODINGS.index(t.encoding) + 1,
+                                                      crc32=t.crc32) for t in self.delta.tensors]))
         return message
 
     @classmethod
     def from_proto(cls, message: weight_sync_pb2.WeightManifest) -> Manifest:
         """The manifest, after checking it describes buckets a receiver can safely slice."""
-        if not message.buckets:
-            raise InvalidArgument("weight manifest has no buckets")
         if message.version < 0:
             raise InvalidArgument(f"weight manifest version {message.version} < 0")
-        buckets, names = [], set()
-        for position, bucket in enumerate(message.buckets):
-            if bucket.index != position:
-                raise InvalidArgument(f"weight manifest bucket {position} has index {bucket.index}")
-            if bucket.num_bytes <= 0:
-                raise InvalidArgument(f"weight manifest bucket {position} has {bucket.num_bytes} bytes")
-            tensors = []
-            for spec in bucket.tensors:
-                tensor = TensorSpec(spec.name, codec.torch_dtype(spec.dtype), tuple(spec.shape), spec.offset)
-                where = f"weight manifest bucket {position} tensor {spec.name!r}"
-                if not spec.name or spec.name in names:
-                    raise InvalidArgument(f"{where}: empty or repeated name")
-                if any(d < 0 for d in tensor.shape) or spec.offset < 0 or spec.offset % ALIGNMENT:
-                    raise InvalidArgument(f"{where}: negative dimension or misaligned offset {spec.offset}")
-                if spec.offset + tensor.num_bytes > bucket.num_bytes:
-                    raise InvalidArgument(f"{where}: bytes {spec.offset}..{spec.offset + tensor.num_bytes} "
-                                          f"outside the bucket's {bucket.num_bytes}")
-                names.add(spec.name)
-                tensors.append(tensor)
-            # A bucket is its tensors packed at aligned offsets, nothing more: without this, one
-            # announced number would decide how much memory the receiver maps.
-            packed = sum(aligned(t.num_bytes) for t in tensors)
-            if bucket.num_bytes > packed:
-                raise InvalidArgument(f"weight manifest bucket {position} announces {bucket.num_bytes} bytes but its "
-                                      f"{len(tensors)} tensor(s) fill only {packed} (aligned)")
-            buckets.append(BucketSpec(bucket.index, bucket.num_bytes, tuple(tensors), bucket.crc32))
+        delta = _delta_from_proto(message) if message.HasField("delta") else None
+        if not message.buckets and delta is None:  # a delta where nothing changed has none
+            raise InvalidArgument("weight manifest has no buckets")
         adapter = AdapterSpec.from_proto(message.lora_adapter) if message.HasField("lora_adapter") else None
-        return cls(message.version, message.group_id, tuple(buckets), adapter)
+        if delta is not None and adapter is not None:
+            raise InvalidArgument("weight manifest: a delta of LoRA adapters is not supported")
+        return cls(message.version, message.group_id, _buckets_from_proto(message.buckets, "weight manifest"), adapter,
+                   message.keep_base, delta)
+
+
+def _buckets_to_proto(buckets: tuple[BucketSpec, ...]) -> list[weight_sync_pb2.WeightBucket]:
+    return [weight_sync_pb2.WeightBucket(index=b.index, num_bytes=b.num_bytes, crc32=b.crc32, tensors=[
+        weight_sync_pb2.WeightTensorSpec(name=t.name, dtype=codec.wire_dtype(t.dtype), shape=t.shape, offset=t.offset)
+        for t in b.tensors]) for b in buckets]
+
+
+def _delta_from_proto(message: weight_sync_pb2.WeightManifest) -> DeltaSpec:
+    """The delta of a manifest: a layout like a full manifest's, every layout tensor's encoding once, and a
+    bucket entry (uint8, 1-D, at most the tensor's own bytes) for exactly the tensors that are not unchanged."""
+    delta = message.delta
+    if not 0 <= delta.base_version <= message.version:
+        raise InvalidArgument(f"weight manifest version {message.version}: delta base version {delta.base_version} "
+                              "must be >= 0 and not newer")
+    if not delta.layout:
+        raise InvalidArgument("weight manifest delta has no layout buckets")
+    layout = _buckets_from_proto(delta.layout, "weight manifest delta layout")
+    specs = [t for b in layout for t in b.tensors]
+    if [t.name for t in delta.tensors] != [t.name for t in specs]:
+        raise InvalidArgument("weight manifest delta: its tensors must be the layout's, in layout order")
+    tensors = []
+    for tensor in delta.tensors:
+        if not 1 <= tensor.encoding <= len(DELTA_ENCODINGS):
+            raise InvalidArgument(f"weight manifest delta tensor {tensor.name!r}: unknown encoding {tensor.encoding}")
+        tensors.append(TensorDelta(tensor.name, DELTA_ENCODINGS[tensor.encoding - 1], tensor.crc32))
+    sizes = {t.name: t.num_bytes for t in specs}
+    sent = {}
+    for bucket in message.buckets:
+        for entry in bucket.tensors:
+            if (entry.name not in sizes or entry.name in sent or codec.torch_dtype(entry.dtype) != torch.uint8
+                    or len(entry.shape) != 1 or entry.shape[0] > sizes[entry.name]):
+                raise InvalidArgument(f"weight manifest delta entry {entry.name!r}: not a tensor of the layout, "
+                                      "repeated, or not uint8 bytes of at most the tensor's size")
+            sent[entry.name] = entry.shape[0]
+    encoded = {t.name for t in tensors if t.encoding != "unchanged"}
+    if set(sent) != encoded:
+        raise InvalidArgument(f"weight manifest delta: the buckets carry {len(sent)} entries for {len(encoded)} "
+                              "changed tensors (every changed tensor exactly once, no unchanged one)")
+    return DeltaSpec(delta.base_version, layout, tuple(tensors))
+
+
+def _buckets_from_proto(messages, what: str) -> tuple[BucketSpec, ...]:
+    """Buckets a receiver can safely slice: in order, each its tensors packed at aligned offsets, nothing more."""
+    buckets, names = [], set()
+    for position, bucket in enumerate(messages):
+        if bucket.index != position:
+            raise InvalidArgument(f"{what} bucket {position} has index {bucket.index}")
+        if bucket.num_bytes <= 0:
+            raise InvalidArgument(f"{what} bucket {position} has {bucket.num_bytes} bytes")
+        tensors = []
+        for spec in bucket.tensors:
+            tensor = TensorSpec(spec.name, codec.torch_dtype(spec.dtype), tuple(spec.shape), spec.offset)
+            where = f"{what} bucket {position} tensor {spec.name!r}"
+            if not spec.name or spec.name in names:
+                raise InvalidArgument(f"{where}: empty or repeated name")
+            if any(d < 0 for d in tensor.shape) or spec.offset < 0 or spec.offset % ALIGNMENT:
+                raise InvalidArgument(f"{where}: negative dimension or misaligned offset {spec.offset}")
+            if spec.offset + tensor.num_bytes > bucket.num_bytes:
+                raise InvalidArgument(f"{where}: bytes {spec.offset}..{spec.offset + tensor.num_bytes} "
+                                      f"outside the bucket's {bucket.num_bytes}")
+            names.add(spec.name)
+            tensors.append(tensor)
+        # A bucket is its tensors packed at aligned offsets, nothing more: without this, one
+        # announced number would decide how much memory the receiver maps.
+        packed = sum(aligned(t.num_bytes) for t in tensors)
+        if bucket.num_bytes > packed:
+            raise InvalidArgument(f"{what} bucket {position} announces {bucket.num_bytes} bytes but its "
+                                  f"{len(tensors)} tensor(s) fill only {packed} (aligned)")
+        buckets.append(BucketSpec(bucket.index, bucket.num_bytes, tuple(tensors), bucket.crc32))
+    return tuple(buckets)
 
 
 _SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -320,6 +408,8 @@ class WeightLimits:
         ResourceExhausted for a manifest larger than this receiver's weights can be."""
         if manifest.adapter is not None:
             return self.check_adapter(manifest)
+        if manifest.delta is not None:  # its buckets are bounded by the layout's tensors (Manifest.from_proto)
+            manifest = Manifest(manifest.version, manifest.group_id, manifest.delta.layout)
         for bucket in manifest.buckets:
             for tensor in bucket.tensors:
                 where = f"weight manifest version {manifest.version} bucket {bucket.index} tensor {tensor.name!r}"

@@ -11,6 +11,9 @@ worker extension.
   blocking work runs on threads, so the event loop keeps serving, and a new group replaces one whose
   join or receive is stuck.
 
+A manifest with keep_base (weight_sync.delta) leaves its buckets as the receiver's base (DeltaBase), and a delta
+manifest's buckets are applied to that base: the result is the full weights, checked tensor by tensor.
+
 Either way the result is a list of (name, tensor) views that nothing has loaded yet: the engine swaps
 them in atomically afterwards, and a checksum mismatch raises before anything changed. A manifest is
 checked against the receiver's own weights (WeightLimits) before any bucket is allocated for it.
@@ -45,6 +48,7 @@ from rlfabric.weight_sync.buckets import (
     crcs_of_buffer,
     unpack,
 )
+from rlfabric.weight_sync.delta import DeltaBase
 from rlfabric.weight_sync.manifest import Manifest, SyncGroup, WeightLimits
 from rlfabric.weight_sync.phases import PhaseClock, SyncPhases
 
@@ -97,6 +101,7 @@ class WeightReceiver:
         self.group, self.rank, self.limits = group, rank, limits
         self.transport = open_transport(group, rank, device or torch.device("cpu"))
         self._buffers: list[torch.Tensor] = []  # reused by the next receive of the same sizes
+        self.base = DeltaBase()  # what the last keep_base sync brought, for the next delta (weight_sync.delta)
 
     def check(self, manifest: Manifest) -> None:
         """FailedPrecondition unless `manifest` can arrive over this receiver's collective;
@@ -142,6 +147,10 @@ class WeightReceiver:
                 expected, source = [bucket.crc32 for bucket in manifest.buckets], "in the manifest"
             for index, crc in enumerate(actual):
                 check_crc(index, crc.result(), expected[index], source)
+        if manifest.delta is not None:  # the base rebuilt, checked tensor by tensor
+            return self.base.apply(manifest, unpack(buffers, manifest), clock)
+        if manifest.keep_base:
+            self.base.keep(manifest, buffers)
         return unpack(buffers, manifest)
 
     def hand_over(self) -> None:
@@ -160,6 +169,8 @@ class WeightReceiver:
         """Last sync's buffers when the sizes match (every step of a run): the bytes then land in
         memory that is already mapped instead of page-faulting on the way in."""
         sizes = [b.num_bytes for b in manifest.buckets]
+        if manifest.keep_base and manifest.delta is None:  # they become the base: not reused by the next receive
+            return self.base.recycle(sizes, self.transport.device)
         if [b.numel() for b in self._buffers] != sizes:
             self._buffers = []  # free the old ones first
             self._buffers = [torch.empty(n, dtype=torch.uint8, device=self.transport.device) for n in sizes]
@@ -167,6 +178,7 @@ class WeightReceiver:
 
     def close(self) -> None:
         self._buffers = []
+        self.base.clear()
         if self.transport is not None:
             self.transport.close()
 

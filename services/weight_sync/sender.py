@@ -11,7 +11,10 @@ buckets, and broadcast() packs bucket k+1 into one of two staging buffers while 
 taking each bucket's CRC-32 as it packs (the receivers get the CRC-32s after the last bucket; cuda_ipc has
 none). The packing reads `state` then, on the thread broadcast() is given (the actor's torch thread, so no
 update changes the weights half-way). grpc pushes and torch groups (SGLang) pack and checksum every bucket in
-prepare(), as their manifests carry the CRC-32s, and keep the packed buffers for the next sync.
+prepare(), as their manifests carry the CRC-32s, and keep the packed buffers for the next sync. So do delta
+groups (open(delta=True), weight_sync.delta): prepare() packs the full weights and, when the receivers hold the
+version last sent, encodes the change against it (rlfabric.weight_sync.delta.DeltaSender); once sent, the packed
+full weights are the base of the next delta.
 
 open() returns at once: rank 0's half of the rendezvous runs on a thread of its own and completes
 when every receiver has joined; broadcast() waits for it. A group whose collective failed is broken
@@ -53,10 +56,11 @@ from rlfabric.core.errors import (
     ResourceExhausted,
 )
 from rlfabric.weight_sync.buckets import crc_buffer, dedupe_shared, pack, plan_buckets
+from rlfabric.weight_sync.delta import DeltaSender
 from rlfabric.weight_sync.grpc_stream import PushPayload, PushResult, push_weights
 from rlfabric.weight_sync.manifest import MAX_WORLD_SIZE, AdapterSpec, Manifest, SyncGroup
 from rlfabric.weight_sync.phases import PhaseClock, SyncPhases
-from rlfabric.weight_sync.pipeline import Pipeline, Staged, staging_buffers
+from rlfabric.weight_sync.pipeline import Pipeline, Staged, one_thread_on_the_host, staging_buffers
 from rlfabric.weight_sync.receiver import SLACK_S, in_thread
 
 log = logging.getLogger("rlfabric.weight_sync")
@@ -79,8 +83,9 @@ class _Prepared:
 
     manifest: Manifest
     phases: SyncPhases  # so far: the gather, and for grpc and torch groups the pack and checksum
-    buffers: list[torch.Tensor] | None = None  # grpc, torch groups: every bucket, packed
+    buffers: list[torch.Tensor] | None = None  # grpc, torch groups, delta groups: every bucket, packed
     state: Mapping[str, torch.Tensor] | None = None  # pipelined: the weights, packed while they are sent
+    sent: tuple[Manifest, list[torch.Tensor]] | None = None  # delta groups: the full weights, the base once sent
 
 
 @dataclass
@@ -94,6 +99,7 @@ class _Group:
     prepared: _Prepared | None = None
     last: tuple[Manifest, list[torch.Tensor]] | None = None  # grpc, torch groups: kept for the next pack
     staging: list[torch.Tensor] | None = None  # pipelined: the staging buffers, kept for the next sync
+    delta: DeltaSender | None = None  # weight_sync.delta: what it last sent, and the change against it
     broken: str = ""
     evicted: str = ""  # why, once evicted
     last_used: float = field(default_factory=time.monotonic)  # opened, or a prepare or broadcast ended
@@ -102,7 +108,7 @@ class _Group:
 
     @property
     def pipelined(self) -> bool:
-        return self.group.transport in ("gloo", "nccl", "cuda_ipc") and not self.group.torch_group
+        return self.group.transport in ("gloo", "nccl", "cuda_ipc") and not self.group.torch_group and not self.delta
 
     @property
     def busy(self) -> bool:
@@ -128,10 +134,11 @@ class WeightSender:
 
     def open(self, transport: str = "", num_receivers: int = 1, bucket_bytes: int = 0,
              dtype: torch.dtype | None = None, timeout_s: float = 0.0, addresses: tuple[str, ...] = (),
-             torch_group: bool = False) -> SyncGroup:
+             torch_group: bool = False, delta: bool = False) -> SyncGroup:
         """A new group with this actor as rank 0; receivers join with ranks 1..num_receivers. `torch_group`
         (gloo, nccl): a torch.distributed group an SGLang server can join (rlfabric.weight_sync.torch_group),
-        whose buckets are packed densely, as SGLang's flattened buckets are."""
+        whose buckets are packed densely, as SGLang's flattened buckets are. `delta` (gloo, nccl, grpc): the
+        group keeps what it last sent, and prepare() sends the change against it where the receivers hold it."""
         transport = transport or self.default_transport()
         timeout_s = timeout_s or self.timeout_s
         if not 1 <= num_receivers < MAX_WORLD_SIZE:
@@ -150,6 +157,9 @@ class WeightSender:
         if torch_group and transport in ("grpc", "cuda_ipc"):
             raise InvalidArgument(f"the {transport} transport cannot be a torch group (SGLang joins gloo or nccl "
                                   "groups)")
+        if delta and (torch_group or transport == "cuda_ipc"):
+            raise InvalidArgument("delta weight sync runs over gloo, nccl and grpc groups (not cuda_ipc, where no "
+                                  "byte travels, nor SGLang's torch groups, which take full buckets only)")
         if transport == "nccl" and self.device.type != "cuda":
             raise FailedPrecondition("the nccl weight-sync transport needs the actor on a CUDA device; "
                                      "this actor runs on CPU (use gloo or grpc)")
@@ -158,7 +168,7 @@ class WeightSender:
         group_id = f"ws-{uuid.uuid4().hex[:12]}"
         world_size = num_receivers + 1
         entry = _Group(SyncGroup(group_id, transport, world_size, timeout_s), bucket_bytes or self.bucket_bytes,
-                       dtype, tuple(addresses))
+                       dtype, tuple(addresses), delta=DeltaSender() if delta else None)
         if torch_group:
             from rlfabric.weight_sync.gloo import GlooTransport
             from rlfabric.weight_sync.torch_group import TorchGroupTransport, host_store
@@ -198,7 +208,7 @@ class WeightSender:
         self._groups[group_id] = entry
         log.info("weight-sync group opened", extra={"fields": {
             "group_id": group_id, "transport": transport, "world_size": world_size, "timeout_s": timeout_s,
-            "torch_group": torch_group}})
+            "torch_group": torch_group, "delta": delta}})
         return entry.group
 
     def _sharing(self):
@@ -251,21 +261,31 @@ class WeightSender:
             raise NotFound(f"weight-sync group {entry.group.group_id} was {entry.evicted}; open a new one")
 
     def prepare(self, group_id: str, version: int, state: Mapping[str, torch.Tensor],
-                adapter: AdapterSpec | None = None, gather_s: float = 0.0) -> Manifest:
+                adapter: AdapterSpec | None = None, gather_s: float = 0.0,
+                delta_base_version: int | None = None) -> Manifest:
         """The manifest of sending `state` as `version`, ready for broadcast(). Pipelined transports only plan
-        the buckets here (`state` is packed while it is sent, so it must not change until then); grpc and
-        torch groups pack and checksum every bucket now. With `adapter`, `state` is LoRA adapters alone (peft
-        names) and the manifest says so. `gather_s`: how long the caller took to gather `state`."""
+        the buckets here (`state` is packed while it is sent, so it must not change until then); grpc, torch
+        and delta groups pack and checksum every bucket now. With `adapter`, `state` is LoRA adapters alone (peft
+        names) and the manifest says so. `gather_s`: how long the caller took to gather `state`. Delta groups:
+        when `delta_base_version` (the version every receiver holds) is the version this group last sent, the
+        manifest carries the change against it; else the full weights."""
         entry = self._entry(group_id)
         if version < 0:
             raise InvalidArgument(f"weight version must be >= 0, got {version}")
-        if entry.pipelined:
+        if entry.delta and adapter is None:
+            with entry.buffers_lock, one_thread_on_the_host(torch.device("cpu")):
+                entry.prepared = None
+                clock = PhaseClock(gather=gather_s)
+                manifest, buffers, sent = entry.delta.prepare(dedupe_shared(state), entry.bucket_bytes, version,
+                                                              group_id, entry.dtype, delta_base_version, clock)
+                entry.prepared = _Prepared(manifest, clock.phases(), buffers=buffers, sent=sent)
+        elif entry.pipelined:
             state = dedupe_shared(state)
             plan = plan_buckets(state, entry.bucket_bytes, entry.dtype)
             manifest = Manifest(version, group_id, tuple(plan), adapter)
             entry.prepared = _Prepared(manifest, SyncPhases(gather=gather_s), state=state)
         else:
-            with entry.buffers_lock:
+            with entry.buffers_lock, one_thread_on_the_host(torch.device("cpu")):  # packs into host memory
                 entry.prepared = None
                 reuse, buffers = entry.last or (None, None)
                 clock = PhaseClock(gather=gather_s)
@@ -297,15 +317,20 @@ class WeightSender:
                     pushes = await self._push(entry, manifest, prepared.buffers)
                 finally:
                     entry.last_used = time.monotonic()
+                    if prepared.sent is not None and entry.delta is not None:  # delta groups: the receivers' now
+                        entry.delta.sent(*prepared.sent)
                 seconds = time.perf_counter() - started
                 return BroadcastResult(manifest.num_bytes, seconds, pushes, prepared.phases + SyncPhases(wire=seconds))
             try:
                 if entry.pipelined:
                     phases = await self._send_pipelined(entry, prepared, pack_executor, before_pack)
                 else:
+                    crcs = [bucket.crc32 for bucket in manifest.buckets]
                     await self._wait(entry, len(prepared.buffers), asyncio.wrap_future(
-                        in_thread(f"weight-sync-send-{group_id}", self._send, entry, prepared.buffers)))
+                        in_thread(f"weight-sync-send-{group_id}", self._send, entry, prepared.buffers, crcs)))
                     phases = prepared.phases + SyncPhases(wire=time.perf_counter() - started)
+                    if prepared.sent is not None and entry.delta is not None:  # delta groups: the receivers' now
+                        entry.delta.sent(*prepared.sent)
             except Exception as error:
                 self._check_not_evicted(entry)  # its rendezvous was abandoned under this broadcast
                 entry.broken = f"{type(error).__name__}: {error}"
@@ -318,7 +343,7 @@ class WeightSender:
     async def _push(self, entry: _Group, manifest: Manifest, buffers: list[torch.Tensor]) -> tuple[PushResult, ...]:
         """grpc: PushWeights to every receiver at once, each chunk encoded once for all of them while
         the streams ask for it (no pack may refill the buffers meanwhile)."""
-        deadline = entry.group.timeout_s * len(manifest.buckets)  # the group's timeout per bucket
+        deadline = entry.group.timeout_s * max(1, len(manifest.buckets))  # the group's timeout per bucket
         lock = entry.buffers_lock
         if not lock.acquire(blocking=False):  # a pack is running (on the actor's torch thread)
             acquiring = asyncio.wrap_future(in_thread(f"weight-sync-wait-{entry.group.group_id}", lock.acquire))
@@ -388,11 +413,14 @@ class WeightSender:
                     raise DeadlineExceeded(f"weight-sync group {entry.group.group_id}: not every receiver joined "
                                            f"within weight_sync.timeout_s={entry.group.timeout_s:g}") from None
 
-    def _send(self, entry: _Group, buffers: list[torch.Tensor]) -> None:
+    def _send(self, entry: _Group, buffers: list[torch.Tensor], crcs: list[int]) -> None:
+        """Every packed bucket, then (gloo, nccl) their CRC-32s, as the pipelined wire sends them."""
         transport = self._connected(entry)
         with entry.buffers_lock:
             for buffer in buffers:
                 transport.broadcast(buffer.to(transport.device, non_blocking=True))
+            if entry.group.checksums == "after":
+                transport.broadcast(crc_buffer(crcs).to(transport.device))
 
     async def _wait(self, entry: _Group, num_buckets: int, future):
         # The rendezvous and each bucket's collective time out on their own; this is only a backstop.
@@ -404,7 +432,7 @@ class WeightSender:
                                    f"{timeout:g} s") from None
 
     def _drop(self, entry: _Group) -> None:
-        entry.prepared = entry.last = entry.staging = None
+        entry.prepared = entry.last = entry.staging = entry.delta = None
         connecting, entry.connecting = entry.connecting, None
         if connecting is not None:
             connecting.add_done_callback(lambda f: f.exception() is None and f.result().close())

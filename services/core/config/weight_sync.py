@@ -36,6 +36,16 @@ class WeightSyncConfig(Section):
     host: str = ""
     """Address receivers use to reach the actor's gloo store, which listens on it only; empty = server.host, or
     this machine's hostname when server.host is a wildcard (0.0.0.0)."""
+    delta: bool = False
+    """Send only what changed since the last sync (gloo, nccl and grpc; rollout replicas, full weights): the actor
+    keeps what it last sent in the rollout's dtype and packs the next version beside it (two copies of the model
+    in host memory; gloo and nccl then pack before sending instead of pipelining), each replica keeps what it
+    received (one more copy), and each tensor's change travels (its changed elements, or the XOR of its bit
+    patterns, zstd-compressed: the smaller) with the CRC-32 of the result, which the replica checks. At RL learning
+    rates few bfloat16 elements change per step. A replica that does not hold the last version, or whose result
+    does not check out, gets the full weights (weight_sync/delta_fallback_full). The first sync, and the first
+    after the group is rebuilt, are full. It saves bytes, and time where the link is slower than the actor's
+    encoding (docs: training, delta weight sync)."""
     lora: Literal["auto", "adapter", "merged"] = "auto"
     """With actor.lora: adapter = each sync sends the LoRA adapters alone (rank x (in + out) per adapted layer) and
     the rollout engine applies them on its base model (hf: peft; vllm: its LoRA API); merged = each sync sends the
