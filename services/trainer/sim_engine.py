@@ -199,9 +199,9 @@ class SimWeightSync(TrainerWeightSync):
     async def _on_torch_thread(self, fn, *args):
         return fn(*args)  # nothing heavy: the payload is a few bytes
 
-    async def prepare(self, group_id: str, version: int):
+    async def prepare(self, group_id: str, version: int, delta_base_version: int | None = None):
         await self.engine._take(self.engine.sync_cost.gather_s)
-        return await super().prepare(group_id, version)
+        return await super().prepare(group_id, version, delta_base_version)
 
     async def broadcast(self, group_id: str, version: int) -> BroadcastResult:
         cost = self.engine.sync_cost
