@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import numpy as np
 from jinja2 import TemplateError
 
 from rlfabric.core.config import RunConfig
@@ -199,10 +200,11 @@ class CallHandler:
             raise
         finally:
             self.inflight -= 1
-        call = RecordedCall(number, f"call_{number}", prompt_ids, list(sample.token_ids), list(sample.logprobs),
+        token_ids = np.asarray(sample.token_ids).tolist()  # Python ints: the agent gets them as JSON
+        call = RecordedCall(number, f"call_{number}", prompt_ids, token_ids, np.asarray(sample.logprobs).tolist(),
                             sample.token_versions(), sample.finish_reason,
                             parent.number if parent is not None else None,
-                            text=self.renderer.text(sample.token_ids), seconds=time.monotonic() - started)
+                            text=self.renderer.text(token_ids), seconds=time.monotonic() - started)
         finish(call)
         episode.calls.append(call)
         episode.sampled_tokens += len(call.token_ids)
@@ -230,7 +232,7 @@ class CallHandler:
                               type="server_error") from None
         if not episode.is_open():
             self.episodes.get(episode.key)  # closed while it ran: 410, not recorded
-        if sample.finish_reason == Finish.ABORT or (sample.logprobs and len(sample.logprobs) != len(sample.token_ids)):
+        if sample.finish_reason == Finish.ABORT or (len(sample.logprobs) and len(sample.logprobs) != len(sample.token_ids)):
             raise OpenAIError(503, "the rollout aborted this call; retry it", "rollout_aborted", type="server_error")
         return sample
 
