@@ -89,13 +89,14 @@ class ActorClient(ServiceClient, ActorInterface):
 
     async def compute_log_probs(self, batch: Tensors, temperature: float = 1.0, compute_entropy: bool = False,
                                 timeout_s: float | None = None, base_model: bool = False) -> dict[str, torch.Tensor]:
-        request = actor_pb2.ActorServiceComputeLogProbsRequest(
-            input=log_probs_input(batch, temperature, compute_entropy, base_model))
+        request = actor_pb2.ActorServiceComputeLogProbsRequest()
+        log_probs_input(request.input, batch, temperature, compute_entropy, base_model)
         return decoded_tensors((await self.call("ComputeLogProbs", request, timeout_s)).outputs)
 
     async def update_policy(self, batch: Tensors, global_step: int = 0,
                             timeout_s: float | None = None) -> dict[str, float]:
-        request = actor_pb2.ActorServiceUpdatePolicyRequest(batch=codec.encode_batch(batch), global_step=global_step)
+        request = actor_pb2.ActorServiceUpdatePolicyRequest(global_step=global_step)
+        codec.encode_batch(batch, out=request.batch)  # in place: the batch is the request's bulk
         return dict((await self.call("UpdatePolicy", request, timeout_s)).metrics)
 
     async def save_checkpoint(self, path: str, timeout_s: float | None = None) -> int:

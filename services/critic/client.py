@@ -45,12 +45,14 @@ class CriticClient(ServiceClient, CriticInterface):
     stub_class = critic_pb2_grpc.CriticServiceStub
 
     async def compute_values(self, batch: Tensors, timeout_s: float | None = None) -> dict[str, torch.Tensor]:
-        request = critic_pb2.CriticServiceComputeValuesRequest(batch=codec.encode_batch(batch))
+        request = critic_pb2.CriticServiceComputeValuesRequest()
+        codec.encode_batch(batch, out=request.batch)
         return decoded_tensors((await self.call("ComputeValues", request, timeout_s)).outputs)
 
     async def update_values(self, batch: Tensors, global_step: int = 0,
                             timeout_s: float | None = None) -> dict[str, float]:
-        request = critic_pb2.CriticServiceUpdateValuesRequest(batch=codec.encode_batch(batch), global_step=global_step)
+        request = critic_pb2.CriticServiceUpdateValuesRequest(global_step=global_step)
+        codec.encode_batch(batch, out=request.batch)
         return dict((await self.call("UpdateValues", request, timeout_s)).metrics)
 
     async def save_checkpoint(self, path: str, timeout_s: float | None = None) -> int:

@@ -47,8 +47,8 @@ class ReferenceClient(ServiceClient, ReferenceInterface):
 
     async def compute_log_probs(self, batch: Tensors, temperature: float = 1.0, compute_entropy: bool = False,
                                 timeout_s: float | None = None) -> dict[str, torch.Tensor]:
-        request = reference_pb2.ReferenceServiceComputeLogProbsRequest(
-            input=log_probs_input(batch, temperature, compute_entropy))
+        request = reference_pb2.ReferenceServiceComputeLogProbsRequest()
+        log_probs_input(request.input, batch, temperature, compute_entropy)
         return decoded_tensors((await self.call("ComputeLogProbs", request, timeout_s)).outputs)
 
     async def get_status(self) -> reference_pb2.ReferenceServiceGetStatusResponse:

@@ -46,10 +46,11 @@ class TrainableInterface(RoleInterface):
         """The optimizer step restored."""
 
 
-def log_probs_input(batch: Tensors, temperature: float, compute_entropy: bool,
-                     base_model: bool = False) -> common_pb2.LogProbsInput:
-    return common_pb2.LogProbsInput(batch=codec.encode_batch(batch), temperature=temperature,
-                                   compute_entropy=compute_entropy, base_model=base_model)
+def log_probs_input(out: common_pb2.LogProbsInput, batch: Tensors, temperature: float, compute_entropy: bool,
+                    base_model: bool = False) -> None:
+    """Fills a request's LogProbsInput in place (the batch is encoded once, into the request)."""
+    out.temperature, out.compute_entropy, out.base_model = temperature, compute_entropy, base_model
+    codec.encode_batch(batch, out=out.batch)
 
 
 def decoded_tensors(batch) -> dict[str, torch.Tensor]:
