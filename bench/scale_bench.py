@@ -1,8 +1,9 @@
 """The control plane as the cluster grows: the real coordinator against N = 1, 8, 64, 256 simulated rollout replicas
 (rollout.engine sim) and a simulated 7B actor. Writes bench/results/scale.json and scale.png.
 
-    python -m bench.scale_bench                     # the default grid
-    python -m bench.scale_bench --replicas 8 64 --prompts 256 --steps 3
+    python -m bench.scale_bench                     # the default grid (make bench BENCH=scale)
+    python -m bench.scale_bench --replicas 8 256 --prompts 1024 --merge    # more points into scale.json
+    python -m bench.scale_bench ... --reference OTHER/scale.json   # plus another checkout's points, dashed
 
 Each point is its own mesh of processes on loopback: `rlfabric serve rollout --replicas N` (every replica in one
 process, a port each), `serve actor` (sim), `serve reward` and `serve coordinator`, driven by a CoordinatorClient.
@@ -177,7 +178,8 @@ def point(replicas: int, prompts: int, n: int, steps: int, mode: str, time_scale
                 os.killpg(process.pid, signal.SIGKILL)
 
 
-def plot(points: list[dict]) -> None:
+def plot(points: list[dict], reference: dict | None = None) -> None:
+    """Each figure against the replicas, a line per batch size and mode; `reference`'s points dashed."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -186,11 +188,16 @@ def plot(points: list[dict]) -> None:
     keys = ("coordinator_cpu_s_per_step", "coordinator_overhead_s_median", "coordinator_peak_rss_mb",
             "router_balance", "after_last_sample_s_median", "series_per_replica")
     figure, axes = plt.subplots(2, 3, figsize=(13, 7))
+    series = [(points, "o-", "")]
+    if reference:
+        series.append((reference["points"], "x--", f" ({reference['label']})"))
     for key, ax in zip(keys, axes.flat, strict=True):
-        for (samples, mode) in sorted({(p["samples"], p["mode"]) for p in points}):
-            line = sorted((p for p in points if p["samples"] == samples and p["mode"] == mode),
-                          key=lambda p: p["replicas"])
-            ax.plot([p["replicas"] for p in line], [p[key] for p in line], "o-", label=f"{samples} samples, {mode}")
+        for these, style, suffix in series:
+            for (samples, mode) in sorted({(p["samples"], p["mode"]) for p in these}):
+                line = sorted((p for p in these if p["samples"] == samples and p["mode"] == mode),
+                              key=lambda p: p["replicas"])
+                ax.plot([p["replicas"] for p in line], [p.get(key, float("nan")) for p in line], style,
+                        label=f"{samples} samples, {mode}{suffix}")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("rollout replicas")
         ax.set_title(key, fontsize=9)
@@ -213,7 +220,14 @@ def main() -> None:
     parser.add_argument("--time-scale", type=float, default=0.01)
     parser.add_argument("--merge", action="store_true",
                         help="add the points to scale.json (replacing those of the same replicas, batch and mode)")
+    parser.add_argument("--reference", type=Path, metavar="SCALE_JSON",
+                        help="keep another run's points (e.g. an earlier commit's scale.json) beside these, and plot them")
+    parser.add_argument("--reference-label", default="before")
     args = parser.parse_args()
+    previous = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    reference = previous.get("reference")
+    if args.reference:
+        reference = {"label": args.reference_label, "points": json.loads(args.reference.read_text())["points"]}
     points = []
     for prompts in args.prompts:
         for mode in args.modes:
@@ -222,13 +236,13 @@ def main() -> None:
                 points.append(point(replicas, prompts, args.n, args.steps, mode, args.time_scale))
                 points[-1]["load_average"] = list(os.getloadavg())
                 log(f"  {json.dumps(points[-1])}")
-    if args.merge and RESULTS.exists():
+    if args.merge and previous:
         ours = {_key(p) for p in points}
-        points = sorted([p for p in json.loads(RESULTS.read_text())["points"] if _key(p) not in ours] + points,
+        points = sorted([p for p in previous["points"] if _key(p) not in ours] + points,
                         key=lambda p: (p["mode"], p["samples"], p["replicas"]))
     RESULTS.write_text(json.dumps({"machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-                                   "points": points}, indent=1))
-    plot(points)
+                                   "points": points, **({"reference": reference} if reference else {})}, indent=1))
+    plot(points, reference)
     log(f"wrote {RESULTS} and {PLOT}")
 
 
