@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-from bench.benchmark_table import async_table, lora_step_table, lora_sync_table, summary_table
+from bench.benchmark_table import async_table, lora_step_table, lora_sync_table, scale_table, summary_table
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -198,6 +198,7 @@ def generated_files() -> dict[Path, str]:
         GENERATED / "lora-sync.md": lora_sync_table(),
         GENERATED / "lora-steps.md": lora_step_table(),
         GENERATED / "peer-trl.md": peer_trl_table(),
+        GENERATED / "scale.md": scale_table(),
         GENERATED / "figures.md": figures_table(),
         README: readme[:begin] + "\n" + readme_block() + readme[end:],
     }

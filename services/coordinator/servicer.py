@@ -51,7 +51,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
 
 def build_service(config: RunConfig) -> ServiceDefinition:
     """The coordinator role: a RunController behind CoordinatorService."""
-    _no_huge_pages_for_numpy()
+    numpy_without_huge_pages()
     registry = CollectorRegistry()
     controller = RunController(config, registry)
     binding = ServiceBinding(CoordinatorServicer(controller), coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server,
@@ -59,7 +59,7 @@ def build_service(config: RunConfig) -> ServiceDefinition:
     return ServiceDefinition(role="coordinator", bindings=[binding], engine=controller, registry=registry)
 
 
-def _no_huge_pages_for_numpy() -> None:
+def numpy_without_huge_pages() -> None:
     """Each step builds its batch in fresh numpy arrays (GBs at thousands of samples, freed at the step's end).
     numpy asks the kernel for transparent huge pages for them (madvise), and where THP defrag is "madvise" (the
     usual default) a fault then waits for memory compaction: 0.7 s for a 160 MB array on a busy host here
