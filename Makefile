@@ -89,8 +89,9 @@ lint: setup
 	$(VENV)/bin/ruff check services tests bench
 	cd protos && ../$(VENV)/bin/buf lint
 
+## Every benchmark (bench/*_bench.py, each writes bench/results/<name>.json); BENCH="scale load": only those.
 bench: setup
-	$(PY) -m bench.run_all
+	$(PY) -m bench.run_all $(BENCH)
 
 ## On a machine with one GPU (at most ~8 minutes): the GPU tests, the quickstart (defaults and colocated) and
 ## rlfabric against TRL on a SmolLM2-1.7B-shaped model; writes bench/results/gpu.json and gpu.png. No `make

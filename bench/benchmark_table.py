@@ -235,3 +235,26 @@ def weight_sync_delta_table() -> str:
                      + (f"| {encodings['changed_fraction']:.3f} | {sizes['sparse']:.3f} / {sizes['xor_zstd']:.3f} "
                         f"/ {sizes['best']:.3f} |" if encodings else "| | |"))
     return "\n".join(lines) + "\n"
+
+
+def scale_table() -> str:
+    """docs/generated/scale.md: the coordinator against N sim replicas per batch (bench/results/scale.json), each
+    point beside the reference run's of the same replicas, batch and mode (an earlier commit) where it has one."""
+    results = _load("scale.json")
+    reference = {(p["replicas"], p["samples"], p["mode"]): p for p in results.get("reference", {}).get("points", [])}
+    label = results.get("reference", {}).get("label", "")
+    lines = ["| samples (mode) | replicas | coordinator CPU / step | overhead / step | peak RSS | router balance |",
+             "| --- | --- | --- | --- | --- | --- |"]
+
+    def cell(point: dict, key: str, fmt: str, was: dict | None) -> str:
+        return fmt.format(point[key]) + (f" ({fmt.format(was[key])})" if was and key in was else "")
+
+    for p in results["points"]:
+        was = reference.get((p["replicas"], p["samples"], p["mode"]))
+        lines.append(f"| {p['prompts']} x {p['n']} ({p['mode']}) | {p['replicas']} "
+                     f"| {cell(p, 'coordinator_cpu_s_per_step', '{:.1f} s', was)} "
+                     f"| {cell(p, 'coordinator_overhead_s_median', '{:.2f} s', was)} "
+                     f"| {cell(p, 'coordinator_peak_rss_mb', '{:.0f} MB', was)} | {p['router_balance']:.2f} |")
+    if reference:
+        lines.append(f"\nIn brackets: {label}, measured the same way on the same machine.")
+    return "\n".join(lines) + "\n"

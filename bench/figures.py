@@ -19,6 +19,7 @@ from bench.benchmark_table import (
     async_table,
     lora_step_table,
     lora_sync_table,
+    scale_table,
     summary_table,
     weight_sync_delta_table,
 )
@@ -214,6 +215,7 @@ def generated_files() -> dict[Path, str]:
         GENERATED / "lora-steps.md": lora_step_table(),
         GENERATED / "peer-trl.md": peer_trl_table(),
         GENERATED / "weight-sync-delta.md": weight_sync_delta_table(),
+        GENERATED / "scale.md": scale_table(),
         GENERATED / "figures.md": figures_table(),
         README: readme[:begin] + "\n" + readme_block() + readme[end:],
     }

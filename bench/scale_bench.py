@@ -1,13 +1,16 @@
 """The control plane as the cluster grows: the real coordinator against N = 1, 8, 64, 256 simulated rollout replicas
 (rollout.engine sim) and a simulated 7B actor. Writes bench/results/scale.json and scale.png.
 
-    python -m bench.scale_bench                     # the default grid
-    python -m bench.scale_bench --replicas 8 64 --prompts 256 --steps 3
+    python -m bench.scale_bench                     # the default grid (make bench BENCH=scale)
+    python -m bench.scale_bench --replicas 8 256 --prompts 1024 --merge    # more points into scale.json
+    python -m bench.scale_bench ... --reference OTHER/scale.json   # plus another checkout's points, dashed
 
 Each point is its own mesh of processes on loopback: `rlfabric serve rollout --replicas N` (every replica in one
 process, a port each), `serve actor` (sim), `serve reward` and `serve coordinator`, driven by a CoordinatorClient.
 Per step it records:
-    coordinator_cpu_s         the coordinator process's CPU seconds (user + system, psutil) over the run / steps
+    coordinator_cpu_s         the coordinator process's CPU seconds (user + system, psutil) from one step's metrics
+                              to the next (median); coordinator_cpu_s_run: over the whole run (its start, the
+                              first sync and the first step included) / steps
     coordinator_overhead_s    timing_s/step - (gen + old_log_prob + adv + update + update_weights): the loop's own
                               wall time outside the phases that wait on a role
     coordinator_peak_rss_mb   the coordinator process's resident high-water mark (VmHWM)
@@ -33,6 +36,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from itertools import pairwise
 from pathlib import Path
 
 import psutil
@@ -48,7 +52,9 @@ PHASES = ("gen", "old_log_prob", "adv", "update", "update_weights")
 SIM = ["rollout.engine=sim", "actor.engine=sim", "reference.enable=false", "sim.trainer.parameters=7000000000",
        "sim.trainer.gpus=64", "weight_sync.transport=grpc", "trainer.progress_bar=false", "trainer.plot=false",
        "trainer.loggers=[jsonl]", "trainer.save_final=false", "trainer.export_final=false",
-       "sim.rollout.response_length_mean=512", "data.max_response_length=1024", "rollout.max_num_seqs=256"]
+       "sim.rollout.response_length_mean=512", "data.max_response_length=1024", "rollout.max_num_seqs=256",
+       # One update request carries the step's padded batch: ~40 KB a sample here (~650 MB at 1,024 x 16).
+       "server.max_receive_message_mb=2047", "server.max_send_message_mb=2047"]
 
 
 def log(message: str) -> None:
@@ -91,12 +97,14 @@ def generated_tokens(lines: list[str]) -> float:
     return sum(float(line.split()[-1]) for line in lines if line.startswith("rlfabric_rollout_generated_tokens_total"))
 
 
-async def drive(address: str, options: ChannelOptions, steps: int, mode: str) -> list[dict]:
+async def drive(address: str, options: ChannelOptions, steps: int, mode: str, cpu: psutil.Process) -> list[dict]:
+    """The run's metrics, step by step, each with the coordinator's CPU seconds so far (cpu_s)."""
     async with CoordinatorClient(address, dataclasses.replace(options, timeout_s=3600)) as client:
         await client.start_run([f"trainer.total_steps={steps}", f"trainer.mode={mode}", "trainer.resume=disable"])
         records = []
         async for update in client.stream_metrics():
-            records.append(dict(update.metrics))
+            times = cpu.cpu_times()
+            records.append({**update.metrics, "cpu_s": times.user + times.system})
             log(f"  step {update.step}: {update.metrics['timing_s/step']:.2f} s")
         status = await client.run_status()
         if status.state != coordinator_pb2.RUN_STATE_COMPLETED:
@@ -134,7 +142,7 @@ def point(replicas: int, prompts: int, n: int, steps: int, mode: str, time_scale
         cpu = psutil.Process(coordinator.pid)
         before = cpu.cpu_times()
         started = time.perf_counter()
-        records = asyncio.run(drive(address, options, steps, mode))
+        records = asyncio.run(drive(address, options, steps, mode, cpu))
         wall = time.perf_counter() - started
         after = cpu.cpu_times()
         tokens = [generated_tokens(scrape(p["metrics"])) for p in replica_ports]
@@ -148,7 +156,10 @@ def point(replicas: int, prompts: int, n: int, steps: int, mode: str, time_scale
             "time_scale": time_scale, "wall_s": round(wall, 2),
             "step_s_median": statistics.median(r["timing_s/step"] for r in timed),
             "gen_s_median": statistics.median(r["timing_s/gen"] for r in timed),
-            "coordinator_cpu_s_per_step": (after.user + after.system - before.user - before.system) / steps,
+            "coordinator_cpu_s_per_step": statistics.median(
+                later["cpu_s"] - earlier["cpu_s"] for earlier, later in pairwise(records)) if steps > 1
+                else after.user + after.system - before.user - before.system,
+            "coordinator_cpu_s_run": (after.user + after.system - before.user - before.system) / steps,
             "coordinator_overhead_s_median": statistics.median(overhead),
             "coordinator_peak_rss_mb": peak_rss_mb(coordinator.pid),
             "router_balance": max(tokens) / (sum(tokens) / len(tokens)) if sum(tokens) else 0.0,
@@ -167,7 +178,8 @@ def point(replicas: int, prompts: int, n: int, steps: int, mode: str, time_scale
                 os.killpg(process.pid, signal.SIGKILL)
 
 
-def plot(points: list[dict]) -> None:
+def plot(points: list[dict], reference: dict | None = None) -> None:
+    """Each figure against the replicas, a line per batch size and mode; `reference`'s points dashed."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -176,17 +188,26 @@ def plot(points: list[dict]) -> None:
     keys = ("coordinator_cpu_s_per_step", "coordinator_overhead_s_median", "coordinator_peak_rss_mb",
             "router_balance", "after_last_sample_s_median", "series_per_replica")
     figure, axes = plt.subplots(2, 3, figsize=(13, 7))
+    series = [(points, "o-", "")]
+    if reference:
+        series.append((reference["points"], "x--", f" ({reference['label']})"))
     for key, ax in zip(keys, axes.flat, strict=True):
-        for (samples, mode) in sorted({(p["samples"], p["mode"]) for p in points}):
-            line = sorted((p for p in points if p["samples"] == samples and p["mode"] == mode),
-                          key=lambda p: p["replicas"])
-            ax.plot([p["replicas"] for p in line], [p[key] for p in line], "o-", label=f"{samples} samples, {mode}")
+        for these, style, suffix in series:
+            for (samples, mode) in sorted({(p["samples"], p["mode"]) for p in these}):
+                line = sorted((p for p in these if p["samples"] == samples and p["mode"] == mode),
+                              key=lambda p: p["replicas"])
+                ax.plot([p["replicas"] for p in line], [p.get(key, float("nan")) for p in line], style,
+                        label=f"{samples} samples, {mode}{suffix}")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("rollout replicas")
         ax.set_title(key, fontsize=9)
     axes.flat[0].legend(fontsize=7)
     figure.tight_layout()
     figure.savefig(PLOT, dpi=90)
+
+
+def _key(point: dict) -> tuple:
+    return point["replicas"], point["samples"], point["mode"]
 
 
 def main() -> None:
@@ -197,17 +218,31 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--modes", nargs="+", default=["sync"])
     parser.add_argument("--time-scale", type=float, default=0.01)
+    parser.add_argument("--merge", action="store_true",
+                        help="add the points to scale.json (replacing those of the same replicas, batch and mode)")
+    parser.add_argument("--reference", type=Path, metavar="SCALE_JSON",
+                        help="keep another run's points (e.g. an earlier commit's scale.json) beside these, and plot them")
+    parser.add_argument("--reference-label", default="before")
     args = parser.parse_args()
+    previous = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    reference = previous.get("reference")
+    if args.reference:
+        reference = {"label": args.reference_label, "points": json.loads(args.reference.read_text())["points"]}
     points = []
     for prompts in args.prompts:
         for mode in args.modes:
             for replicas in args.replicas:
                 log(f"{replicas} replicas, {prompts} x {args.n} samples, {mode}")
                 points.append(point(replicas, prompts, args.n, args.steps, mode, args.time_scale))
+                points[-1]["load_average"] = list(os.getloadavg())
                 log(f"  {json.dumps(points[-1])}")
+    if args.merge and previous:
+        ours = {_key(p) for p in points}
+        points = sorted([p for p in previous["points"] if _key(p) not in ours] + points,
+                        key=lambda p: (p["mode"], p["samples"], p["replicas"]))
     RESULTS.write_text(json.dumps({"machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-                                   "load_average": list(os.getloadavg()), "points": points}, indent=1))
-    plot(points)
+                                   "points": points, **({"reference": reference} if reference else {})}, indent=1))
+    plot(points, reference)
     log(f"wrote {RESULTS} and {PLOT}")
 
 

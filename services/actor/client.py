@@ -35,6 +35,8 @@ from rlfabric.weight_sync.manifest import Manifest, SyncGroup, transport_to_prot
 from rlfabric.weight_sync.phases import SyncPhases
 from rlfabric.weight_sync.sender import BroadcastResult
 
+SERVICE = actor_pb2.DESCRIPTOR.services_by_name["ActorService"].full_name
+
 # -- the interfaces ----------------------------------------------------------------------------------
 
 
@@ -93,13 +95,19 @@ class ActorClient(ServiceClient, ActorInterface):
     async def compute_log_probs(self, batch: Tensors, temperature: float = 1.0, compute_entropy: bool = False,
                                 timeout_s: float | None = None, base_model: bool = False) -> dict[str, torch.Tensor]:
         request = actor_pb2.ActorServiceComputeLogProbsRequest(
-            input=log_probs_input(batch, temperature, compute_entropy, base_model))
-        return decoded_tensors((await self.call("ComputeLogProbs", request, timeout_s)).outputs)
+            input=log_probs_input(temperature, compute_entropy, base_model))
+        payload = codec.serialized_with_batch(request, ("input", "batch"), batch)
+        response = await self.call_serialized(SERVICE, "ComputeLogProbs", payload,
+                                              actor_pb2.ActorServiceComputeLogProbsResponse, timeout_s)
+        return decoded_tensors(response.outputs)
 
     async def update_policy(self, batch: Tensors, global_step: int = 0,
                             timeout_s: float | None = None) -> dict[str, float]:
-        request = actor_pb2.ActorServiceUpdatePolicyRequest(batch=codec.encode_batch(batch), global_step=global_step)
-        return dict((await self.call("UpdatePolicy", request, timeout_s)).metrics)
+        request = actor_pb2.ActorServiceUpdatePolicyRequest(global_step=global_step)
+        payload = codec.serialized_with_batch(request, ("batch",), batch)
+        response = await self.call_serialized(SERVICE, "UpdatePolicy", payload,
+                                              actor_pb2.ActorServiceUpdatePolicyResponse, timeout_s)
+        return dict(response.metrics)
 
     async def save_checkpoint(self, path: str, timeout_s: float | None = None) -> int:
         request = actor_pb2.ActorServiceSaveCheckpointRequest(location=common_pb2.CheckpointLocation(path=str(path)))

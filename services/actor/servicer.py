@@ -25,7 +25,9 @@ class ActorServicer(actor_pb2_grpc.ActorServiceServicer):
     async def ComputeLogProbs(self, request, context):
         tensors, temperature, entropy = decode_log_probs_input(request.input)
         outputs = await self.engine.compute(tensors, temperature, entropy, base_model=request.input.base_model)
-        return actor_pb2.ActorServiceComputeLogProbsResponse(outputs=codec.encode_batch(outputs))
+        response = actor_pb2.ActorServiceComputeLogProbsResponse()
+        codec.encode_batch(outputs, out=response.outputs)
+        return response
 
     async def UpdatePolicy(self, request, context):
         batch = codec.decode_batch(request.batch, *POLICY_UPDATE_BATCH)

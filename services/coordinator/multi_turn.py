@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 
+import numpy as np
+
 from rlfabric.core.config import RunConfig
 from rlfabric.data.dataset import PromptRow
 from rlfabric.reward.items import ItemResult
@@ -86,7 +88,7 @@ def agent_metrics(samples: Sequence[FinishedSample]) -> dict[str, float]:
         "agent/env_seconds/mean": sum(steps) / len(steps) if steps else 0.0,
         "agent/env_seconds/max": max(steps, default=0.0),
         "agent/env_reward/mean": sum(s.env_reward for s in agents) / len(agents),
-        "agent/model_token_fraction": (sum(sum(s.loss_mask) for s in agents)
+        "agent/model_token_fraction": (sum(int(np.sum(s.loss_mask, dtype=np.int64)) for s in agents)
                                        / max(1, sum(len(s.token_ids) for s in agents))),
     }
     for status in sorted({s.agent_status for s in agents}):

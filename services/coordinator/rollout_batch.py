@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from rlfabric.data.dataset import PromptRow
@@ -129,41 +130,48 @@ def build_episode_batch(rows: Sequence[PromptRow], segments: Sequence[FinishedSa
 def _assembled(rows: Sequence[PromptRow], ordered: Sequence[FinishedSample], pad_token_id: int) -> RolloutBatch:
     """The batch of `ordered` samples, each of its prompt_index's row, as the actor takes them (module docstring)."""
     sample_rows = [rows[s.prompt_index] for s in ordered]
-    prompts = [sample.prompt_ids or row.prompt_ids for row, sample in zip(sample_rows, ordered, strict=True)]
-    prompt_len = max(len(prompt) for prompt in prompts)
-    response_len = max(1, max(len(s.token_ids) for s in ordered))
-    # Each tensor is built from Python lists in one call: a slice assignment per row costs more than the
-    # rest of the step's bookkeeping at hundreds of rows.
-    responses = [sample.token_ids for sample in ordered]
-    input_ids = torch.tensor([[pad_token_id] * (prompt_len - len(prompt)) + list(prompt) + list(response)
-                              + [pad_token_id] * (response_len - len(response))
-                              for prompt, response in zip(prompts, responses, strict=True)], dtype=torch.int64)
-    columns = torch.arange(prompt_len + response_len)
-    starts = torch.tensor([prompt_len - len(prompt) for prompt in prompts]).unsqueeze(1)
-    ends = torch.tensor([prompt_len + len(response) for response in responses]).unsqueeze(1)
-    attention_mask = ((columns >= starts) & (columns < ends)).to(torch.int64)
-    response_mask = torch.tensor(_right_padded([s.model_token_mask() for s in ordered], response_len, 0),
-                                 dtype=torch.int64)
+    row_prompts = {index: np.asarray(rows[index].prompt_ids, dtype=np.int64)  # once for a row's n samples
+                   for index in {s.prompt_index for s in ordered}}
+    prompts = [s.prompt_ids if len(s.prompt_ids) else row_prompts[s.prompt_index] for s in ordered]
+    prompt_lens = np.array([len(prompt) for prompt in prompts], dtype=np.int64)  # [B]
+    response_lens = np.array([len(s.token_ids) for s in ordered], dtype=np.int64)  # [B]
+    prompt_len, response_len = int(prompt_lens.max()), max(1, int(response_lens.max()))
+    # Each tensor is filled by one masked assignment from the samples' tokens laid end to end (a boolean
+    # mask's true cells are taken in row-major order): no Python per token and no copy per row. In numpy,
+    # then shared with torch: numpy's masked assignment and fills run several times faster here.
+    columns = np.arange(prompt_len + response_len)  # [P+T]
+    attention_mask = (columns >= (prompt_len - prompt_lens)[:, None]) & (columns < (prompt_len + response_lens)[:, None])
+    input_ids = np.full(attention_mask.shape, pad_token_id, dtype=np.int64)  # [B, P+T]
+    input_ids[:, :prompt_len][attention_mask[:, :prompt_len]] = _joined(prompts, np.int64)
+    responded = attention_mask[:, prompt_len:]  # [B, T] a view: the response's real tokens
+    input_ids[:, prompt_len:][responded] = _joined([s.token_ids for s in ordered], np.int64)
+    response_mask = responded.astype(np.int64)
+    if any(len(s.loss_mask) for s in ordered):  # multi-turn: the environment's tokens are masked out
+        response_mask[responded] = _joined([s.model_token_mask() for s in ordered], np.int64)
     tensors = {
-        "input_ids": input_ids,
-        "attention_mask": attention_mask,
-        "responses": input_ids[:, prompt_len:].clone(),
-        "response_mask": response_mask,
+        "input_ids": torch.from_numpy(input_ids),
+        "attention_mask": torch.from_numpy(attention_mask.astype(np.int64)),
+        "responses": torch.from_numpy(input_ids[:, prompt_len:].copy()),
+        "response_mask": torch.from_numpy(response_mask),
     }
     group_ids = torch.tensor([s.prompt_index for s in ordered], dtype=torch.int64)
     return RolloutBatch(tensors, sample_rows, list(ordered), group_ids,
-                        rollout_log_probs=_rollout_log_probs(ordered, response_len))
+                        rollout_log_probs=_rollout_log_probs(ordered, responded))
 
 
-def _right_padded(values: list[list], length: int, pad) -> list[list]:
-    return [list(row) + [pad] * (length - len(row)) for row in values]
+def _joined(values: Sequence[Sequence], dtype) -> np.ndarray:
+    """The sequences end to end, as one array of `dtype`."""
+    return np.concatenate([np.asarray(v, dtype=dtype) for v in values]) if values else np.zeros(0, dtype=dtype)
 
 
-def _rollout_log_probs(samples: Sequence[FinishedSample], response_len: int) -> torch.Tensor | None:
-    """[B, T] each sample's log-probs, right-padded with 0; None unless every sample has one per token."""
+def _rollout_log_probs(samples: Sequence[FinishedSample], responded: np.ndarray) -> torch.Tensor | None:
+    """[B, T] each sample's log-probs, right-padded with 0; None unless every sample has one per token.
+    `responded` [B, T]: true on each sample's response tokens."""
     if any(len(s.logprobs) != len(s.token_ids) for s in samples):
         return None
-    return torch.tensor(_right_padded([s.logprobs for s in samples], response_len, 0.0), dtype=torch.float32)
+    out = np.zeros(responded.shape, dtype=np.float32)
+    out[responded] = _joined([s.logprobs for s in samples], np.float32)
+    return torch.from_numpy(out)
 
 
 def token_level_scores(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
@@ -196,6 +204,12 @@ def write_rollouts(run_dir: Path, step: int, batch: RolloutBatch, with_tokens: b
                       "weight_version": sample.weight_version, "version_spans": sample.version_spans,
                       "ground_truth": row.ground_truth}
             if with_tokens:
-                record.update(prompt_ids=list(sample.prompt_ids or row.prompt_ids),
-                              response_ids=list(sample.token_ids), rollout_log_probs=list(sample.logprobs))
+                prompt_ids = sample.prompt_ids if len(sample.prompt_ids) else row.prompt_ids
+                record.update(prompt_ids=_listed(prompt_ids), response_ids=_listed(sample.token_ids),
+                              rollout_log_probs=_listed(sample.logprobs))
             out.write(json.dumps(record) + "\n")
+
+
+def _listed(values: Sequence) -> list:
+    """Python numbers for JSON (a sample's fields may be numpy arrays)."""
+    return np.asarray(values).tolist()

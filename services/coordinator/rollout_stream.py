@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import dataclasses
 import logging
 import time
 from collections import Counter
@@ -88,12 +87,32 @@ class Group:
     position: int  # the prompt's index in its gen batch
     samples: list[FinishedSample] = field(default_factory=list)  # in sample order (an agent episode: its segments)
     results: dict[int, ItemResult] = field(default_factory=dict)  # by sample index
-    state: str = GENERATING
     resolved_at: float = 0.0  # perf_counter() when it was scored and kept (or dropped)
+    _state: str = GENERATING
+    _oldest: int | None = None
+
+    def __post_init__(self):
+        self.gen_batch.states[self._state] += 1
+
+    @property
+    def state(self) -> str:
+        return self._state
+
+    @state.setter
+    def state(self, state: str) -> None:
+        # Its gen batch counts its groups by state: the stream asks how many are in flight after every
+        # group it resolves, and a walk over every group each time made a step quadratic in its prompts.
+        self.gen_batch.states[self._state] -= 1
+        self.gen_batch.states[state] += 1
+        self._state = state
 
     def oldest_version(self) -> int:
-        """The oldest weight version of its tokens (agent episodes that recorded no call: its gen batch's start)."""
-        return min((sample.weight_version for sample in self.samples), default=self.gen_batch.started_version)
+        """The oldest weight version of its tokens (agent episodes that recorded no call: its gen batch's start).
+        Asked of scored groups only (their samples are final), and then at every wake of a waiting step: kept."""
+        if self._oldest is None:
+            self._oldest = min((sample.weight_version for sample in self.samples),
+                               default=self.gen_batch.started_version)
+        return self._oldest
 
     def order(self) -> tuple[int, int]:
         """Dataloader order: a step's groups are laid out in it."""
@@ -110,12 +129,13 @@ class GenBatch:
     started_version: int  # the weight version the rollout served when it started
     started_at: float  # perf_counter()
     groups: list[Group] = field(default_factory=list)
+    states: Counter = field(default_factory=Counter)  # its groups by state (Group.state keeps it)
     ahead: bool = False  # started before its step waited for it: traced on its own (own_trace)
     trace: SpanContext | None = None  # while tracing, the span it ran under: steps of other traces link to it
     task: asyncio.Task | None = None
 
     def active(self) -> bool:
-        return any(group.state in (GENERATING, READY) for group in self.groups)
+        return self.states[GENERATING] + self.states[READY] > 0
 
 
 @dataclass
@@ -220,7 +240,7 @@ class RolloutStream:
         return self.steps_taken * self.batch_size + len(self.ready) + self._in_flight()
 
     def _in_flight(self) -> int:
-        return sum(group.state == GENERATING for gen_batch in self.gen_batches for group in gen_batch.groups)
+        return sum(gen_batch.states[GENERATING] for gen_batch in self.gen_batches)
 
     def _top_up(self) -> None:
         """Starts gen batches until generation covers the steps up to trained_step + 1 + k."""
@@ -254,7 +274,8 @@ class RolloutStream:
         stale = [group for group in self.ready if group.oldest_version() < bound]
         for group in stale:
             group.state = STALE
-        self.ready = [group for group in self.ready if group.state == READY]
+        if stale:
+            self.ready = [group for group in self.ready if group.state == READY]
         self.counts["stale"] += len(stale)
         for gen_batch in self.gen_batches:
             if gen_batch.started_version < bound:
@@ -350,16 +371,18 @@ class RolloutStream:
         samples = [sample for group in taken for sample in group.samples]
         # [0.0] when none: agent episodes that recorded no call have no tokens to be stale
         staleness = torch.tensor([policy - sample.weight_version for sample in samples] or [0.0], dtype=torch.float32)
-        token_staleness = torch.tensor([policy - v for sample in samples for v in sample.token_versions()],
-                                       dtype=torch.float32)
+        # Per token, by runs of one version ([R] each): a sample's tokens as (version, count) spans
+        spans = torch.tensor([span for sample in samples for span in sample.version_counts()] or [(policy, 0)],
+                             dtype=torch.float64)
+        run_staleness, run_tokens = policy - spans[:, 0], spans[:, 1]
+        tokens = run_tokens.sum()
         if int(staleness.max()) > self.max_staleness or int(staleness.min()) < 0 or (
-                token_staleness.numel() and int(token_staleness.min()) < 0):
-            versions = sorted({v for sample in samples for v in sample.token_versions()} |
-                              {sample.weight_version for sample in samples})
+                tokens and int(run_staleness[run_tokens > 0].min()) < 0):
+            versions = sorted({v for sample in samples for v, _ in sample.version_counts()})
             raise FailedPrecondition(f"step {step}: samples from weight versions {versions} but the actor is at "
                                      f"version {policy} (trainer.max_staleness {self.max_staleness})")
         metrics = {"rollout/staleness/mean": staleness.mean().item(), "rollout/staleness/max": staleness.max().item(),
-                   "rollout/staleness/token_mean": token_staleness.mean().item() if token_staleness.numel() else 0.0,
+                   "rollout/staleness/token_mean": ((run_staleness * run_tokens).sum() / tokens).item() if tokens else 0.0,
                    "rollout/partial_fraction": sum(bool(s.version_spans) for s in samples) / max(1, len(samples)),
                    "rollout/stale_groups": float(self.counts["stale"])}
         if self.filter.enable:
@@ -374,6 +397,8 @@ class RolloutStream:
         rows, samples, results = [], [], {}
         for prompt_index, group in enumerate(taken):
             rows.append(group.row)
-            samples += [dataclasses.replace(sample, prompt_index=prompt_index) for sample in group.samples]
+            for sample in group.samples:  # a taken group is done with: its samples move, uncopied, to the step
+                sample.prompt_index = prompt_index
+            samples += group.samples
             results.update({(prompt_index, index): result for index, result in group.results.items()})
         return TakenGroups(rows, samples, results, metrics)

@@ -197,7 +197,8 @@ class Sampler:
         multi_turn = self.config.rollout.multi_turn
         if multi_turn.enable and multi_turn.reward == "env":  # the environment's rewards alone: no Score call
             return [env_result(sample) for _, sample in pairs]
-        items = [self._score_item(row, sample) for row, sample in pairs]
+        extra_infos: dict[int, dict] = {}  # a row's extra_info by id(row), parsed once for its n samples
+        items = [self._score_item(row, sample, extra_infos) for row, sample in pairs]
         results = await self.peers.score(items, self.config.trainer.reward_retry_window_s)
         if multi_turn.enable:
             results = [combined_result(sample, result, multi_turn.reward)
@@ -215,9 +216,11 @@ class Sampler:
     # -- helpers --------------------------------------------------------------------------------------
 
     @staticmethod
-    def _score_item(row: PromptRow, sample: FinishedSample) -> ScoreItem:
+    def _score_item(row: PromptRow, sample: FinishedSample, extra_infos: dict[int, dict]) -> ScoreItem:
+        if id(row) not in extra_infos:
+            extra_infos[id(row)] = json.loads(row.extra_info_json or "{}")
         return ScoreItem(data_source=row.data_source, response=sample.text, ground_truth=row.ground_truth,
-                         extra_info=json.loads(row.extra_info_json or "{}"),
+                         extra_info=dict(extra_infos[id(row)]),  # a copy each: a scorer may change its own
                          prompt=row.messages[-1]["content"] if row.messages else "",
                          prompt_messages=row.messages, response_length=len(sample.token_ids))
 

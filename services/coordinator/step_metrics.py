@@ -46,9 +46,15 @@ def data_metrics(batch: RolloutBatch, max_response_length: int) -> dict[str, flo
             metrics.update(_stats(f"reward_extra/{name}", torch.tensor(values)))
     if batch.token_rewards is not None:
         metrics.update(_stats("critic/rewards", batch.token_rewards.sum(-1)))
+    done: dict[int, str] = {}  # the outcome estimators' returns are their advantages: one pass over [B, T]
     for name in ("advantages", "returns", "values"):
-        if getattr(batch, name) is not None:
-            metrics.update(_stats(f"critic/{name}", getattr(batch, name)[mask]))
+        tensor = getattr(batch, name)
+        if tensor is not None and id(tensor) in done:
+            metrics.update({f"critic/{name}/{stat}": metrics[f"critic/{done[id(tensor)]}/{stat}"]
+                            for stat in ("mean", "max", "min") if f"critic/{done[id(tensor)]}/{stat}" in metrics})
+        elif tensor is not None:
+            metrics.update(_stats(f"critic/{name}", tensor[mask]))
+            done[id(tensor)] = name
     if batch.values is not None and batch.returns is not None:
         returns, values = batch.returns[mask], batch.values[mask]
         variance = returns.var(unbiased=False)

@@ -178,6 +178,18 @@ class ServiceClient:
         except grpc.RpcError as error:
             raise self.domain_error(error, method, timeout_s) from None
 
+    async def call_serialized(self, service: str, method: str, request: bytes, response_class,
+                              timeout_s: float | None = None):
+        """`call` with the request already serialized (codec.serialized_with_batch: bulk tensors written once,
+        straight from their memory); `service` is its full name ("rlfabric.v1.ActorService")."""
+        timeout_s = timeout_s or self.options.timeout_s
+        rpc = self.channel.unary_unary(f"/{service}/{method}", request_serializer=None,  # already bytes
+                                       response_deserializer=response_class.FromString)
+        try:
+            return await rpc(request, timeout=timeout_s, metadata=self._metadata)
+        except grpc.RpcError as error:
+            raise self.domain_error(error, method, timeout_s) from None
+
     async def stream(self, method: str, request, timeout_s: float | None = None) -> AsyncIterator:
         """Server-streaming call with a deadline over the whole stream; the call is cancelled when the
         caller stops iterating."""

@@ -19,6 +19,8 @@ from rlfabric.trainer.client import (
 )
 from rlfabric.v1 import common_pb2, critic_pb2, critic_pb2_grpc
 
+SERVICE = critic_pb2.DESCRIPTOR.services_by_name["CriticService"].full_name
+
 
 class CriticInterface(TrainableInterface):
     """The value model: values, value-loss updates, checkpoints."""
@@ -45,13 +47,18 @@ class CriticClient(ServiceClient, CriticInterface):
     stub_class = critic_pb2_grpc.CriticServiceStub
 
     async def compute_values(self, batch: Tensors, timeout_s: float | None = None) -> dict[str, torch.Tensor]:
-        request = critic_pb2.CriticServiceComputeValuesRequest(batch=codec.encode_batch(batch))
-        return decoded_tensors((await self.call("ComputeValues", request, timeout_s)).outputs)
+        payload = codec.serialized_with_batch(critic_pb2.CriticServiceComputeValuesRequest(), ("batch",), batch)
+        response = await self.call_serialized(SERVICE, "ComputeValues", payload,
+                                              critic_pb2.CriticServiceComputeValuesResponse, timeout_s)
+        return decoded_tensors(response.outputs)
 
     async def update_values(self, batch: Tensors, global_step: int = 0,
                             timeout_s: float | None = None) -> dict[str, float]:
-        request = critic_pb2.CriticServiceUpdateValuesRequest(batch=codec.encode_batch(batch), global_step=global_step)
-        return dict((await self.call("UpdateValues", request, timeout_s)).metrics)
+        request = critic_pb2.CriticServiceUpdateValuesRequest(global_step=global_step)
+        payload = codec.serialized_with_batch(request, ("batch",), batch)
+        response = await self.call_serialized(SERVICE, "UpdateValues", payload,
+                                              critic_pb2.CriticServiceUpdateValuesResponse, timeout_s)
+        return dict(response.metrics)
 
     async def save_checkpoint(self, path: str, timeout_s: float | None = None) -> int:
         request = critic_pb2.CriticServiceSaveCheckpointRequest(location=common_pb2.CheckpointLocation(path=str(path)))

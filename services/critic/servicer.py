@@ -19,7 +19,9 @@ class CriticServicer(critic_pb2_grpc.CriticServiceServicer):
     async def ComputeValues(self, request, context):
         batch = codec.decode_batch(request.batch, *FORWARD_BATCH)
         outputs = await self.engine.compute(batch.tensors)
-        return critic_pb2.CriticServiceComputeValuesResponse(outputs=codec.encode_batch(outputs))
+        response = critic_pb2.CriticServiceComputeValuesResponse()
+        codec.encode_batch(outputs, out=response.outputs)
+        return response
 
     async def UpdateValues(self, request, context):
         batch = codec.decode_batch(request.batch, *VALUE_UPDATE_BATCH)

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
+import numpy as np
 from jinja2 import TemplateError
 from prometheus_client import CollectorRegistry, Histogram
 
@@ -219,10 +220,11 @@ class CallHandler:
             raise
         finally:
             self.inflight -= 1
-        call = RecordedCall(number, f"call_{number}", prompt_ids, list(sample.token_ids), list(sample.logprobs),
+        token_ids = np.asarray(sample.token_ids).tolist()  # Python ints: the agent gets them as JSON
+        call = RecordedCall(number, f"call_{number}", prompt_ids, token_ids, np.asarray(sample.logprobs).tolist(),
                             sample.token_versions(), sample.finish_reason,
                             parent.number if parent is not None else None,
-                            text=self.renderer.text(sample.token_ids))
+                            text=self.renderer.text(token_ids))
         finish(call)
         call.seconds = time.monotonic() - started
         episode.calls.append(call)
@@ -253,7 +255,7 @@ class CallHandler:
                               type="server_error") from None
         if not episode.is_open():
             self.episodes.get(episode.key)  # closed while it ran: 410, not recorded
-        if sample.logprobs and len(sample.logprobs) != len(sample.token_ids):
+        if len(sample.logprobs) and len(sample.logprobs) != len(sample.token_ids):
             raise OpenAIError(503, "the rollout returned a sample whose log-probs do not match its tokens; retry it",
                               "rollout_aborted", type="server_error")
         return sample
@@ -269,7 +271,7 @@ class CallHandler:
             piece = await self.generator.generate(prompt_ids + sampled, replace(
                 params, max_tokens=params.max_tokens - len(sampled)), routing_key)
             pieces.append(piece)
-            sampled += piece.token_ids
+            sampled += np.asarray(piece.token_ids).tolist()
             if piece.finish_reason != Finish.ABORT:
                 break
             if len(sampled) >= params.max_tokens:  # aborted, but with every token it may sample
@@ -300,8 +302,8 @@ def joined_sample(pieces: Sequence[FinishedSample]) -> FinishedSample:
     for piece in pieces:
         own = piece.version_spans or [(piece.weight_version, 0)]
         spans += [(version, len(tokens) + first) for version, first in own]
-        tokens += piece.token_ids
-        logprobs += piece.logprobs
+        tokens += np.asarray(piece.token_ids).tolist()
+        logprobs += np.asarray(piece.logprobs).tolist()
     weight_version, version_spans = compact_versions(spans)
     return replace(pieces[-1], token_ids=tokens, logprobs=logprobs, weight_version=weight_version,
                    version_spans=version_spans, text="")

@@ -8,12 +8,15 @@ from abc import abstractmethod
 
 import torch
 
+from rlfabric.core import codec
 from rlfabric.core.client import RoleInterface, ServiceClient
 from rlfabric.trainer.client import LocalTrainerClient, Tensors, decoded_tensors, log_probs_input
 from rlfabric.v1 import reference_pb2, reference_pb2_grpc
 from rlfabric.weight_sync.manifest import Manifest, SyncGroup
 from rlfabric.weight_sync.phases import SyncPhases
 from rlfabric.weight_sync.receiver import WeightSwap
+
+SERVICE = reference_pb2.DESCRIPTOR.services_by_name["ReferenceService"].full_name
 
 
 class ReferenceInterface(RoleInterface):
@@ -48,8 +51,11 @@ class ReferenceClient(ServiceClient, ReferenceInterface):
     async def compute_log_probs(self, batch: Tensors, temperature: float = 1.0, compute_entropy: bool = False,
                                 timeout_s: float | None = None) -> dict[str, torch.Tensor]:
         request = reference_pb2.ReferenceServiceComputeLogProbsRequest(
-            input=log_probs_input(batch, temperature, compute_entropy))
-        return decoded_tensors((await self.call("ComputeLogProbs", request, timeout_s)).outputs)
+            input=log_probs_input(temperature, compute_entropy))
+        payload = codec.serialized_with_batch(request, ("input", "batch"), batch)
+        response = await self.call_serialized(SERVICE, "ComputeLogProbs", payload,
+                                              reference_pb2.ReferenceServiceComputeLogProbsResponse, timeout_s)
+        return decoded_tensors(response.outputs)
 
     async def get_status(self) -> reference_pb2.ReferenceServiceGetStatusResponse:
         return await self.call("GetStatus", reference_pb2.ReferenceServiceGetStatusRequest())

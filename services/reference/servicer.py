@@ -20,7 +20,9 @@ class ReferenceServicer(reference_pb2_grpc.ReferenceServiceServicer):
     async def ComputeLogProbs(self, request, context):
         tensors, temperature, entropy = decode_log_probs_input(request.input)
         outputs = await self.engine.compute(tensors, temperature, entropy, base_model=request.input.base_model)
-        return reference_pb2.ReferenceServiceComputeLogProbsResponse(outputs=codec.encode_batch(outputs))
+        response = reference_pb2.ReferenceServiceComputeLogProbsResponse()
+        codec.encode_batch(outputs, out=response.outputs)
+        return response
 
     async def JoinWeightSyncGroup(self, request, context):
         group = SyncGroup.from_proto(request.group, self.engine.config.weight_sync.max_timeout_s)

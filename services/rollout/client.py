@@ -128,7 +128,8 @@ class LocalRolloutClient(RolloutInterface):
     config names, as the servicer's do).
 
     Prompts and sampling parameters go through their proto conversion and back, so the engine sees
-    exactly what the servicer would hand it (top_p 0 means 1, top_k 0 means off, ...)."""
+    exactly what the servicer would hand it (top_p 0 means 1, top_k 0 means off, ...); so do its samples,
+    so callers get what RolloutClient gives (per-token numpy arrays)."""
 
     def __init__(self, engine: RolloutEngine, agents: AgentRollouts | None = None):
         self.engine = engine
@@ -146,7 +147,7 @@ class LocalRolloutClient(RolloutInterface):
         spec = wire.sampling_from_proto(wire.sampling_to_proto(params))
         generator = self.agents if spec.multi_turn is not None else self.engine
         async for sample in generator.generate(as_served, spec):
-            yield sample
+            yield wire.sample_from_proto(wire.sample_to_proto(sample))
 
     async def status(self, timeout_s: float | None = None) -> EngineStatus:
         return self.engine.status()

@@ -148,9 +148,10 @@ class RolloutRouter:
         if not candidates:
             errors = "; ".join(f"{r.address}: {r.last_error}" for r in self.replicas)
             raise Unavailable(f"no healthy rollout replica ({errors})")
-        turn = next(self._round_robin)
-        chosen = min(candidates, key=lambda r: (r.outstanding, r.queue_depth,
-                                                (self.replicas.index(r) - turn) % len(self.replicas)))
+        # One pass over the replicas (a list.index per candidate made each pick O(replicas^2)).
+        turn, count = next(self._round_robin), len(self.replicas)
+        _, chosen = min(((r.outstanding, r.queue_depth, (index - turn) % count), r)
+                        for index, r in enumerate(self.replicas) if r.healthy and not r.excluded)
         if routing_key:
             self._sticky[routing_key] = chosen
         return chosen

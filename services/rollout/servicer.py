@@ -152,7 +152,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         requested, spec = [wire.prompt_from_proto(prompt) for prompt in prompts], wire.sampling_from_proto(params)
         generator = self.agents if spec.multi_turn is not None else self.engine
         async for sample in generator.generate(requested, spec):
-            self.metrics.generated_tokens.inc(sum(sample.model_token_mask()))
+            self.metrics.generated_tokens.inc(sample.num_model_tokens())
             if sample.agent_status:
                 self.metrics.agent_sample(sample)
             yield sample

@@ -119,34 +119,48 @@ class FinishedSample:
     and no version_spans. A partial rollout (a weight switch reached it mid-generation, and it went on
     from its prefix under the new weights) has version_spans [(version, first token index), ...] in
     order, the first (weight_version, 0): weight_version is always the version of its first token,
-    the oldest it holds."""
+    the oldest it holds.
+
+    The per-token fields are lists where an engine makes the sample, and numpy arrays where it comes off
+    the wire (rlfabric.rollout.wire.sample_from_proto, so the coordinator's samples): a Python int or
+    float per token would cost 4-8x the memory and most of the coordinator's time per sample at scale.
+    Read them with len(), indexing or np.asarray, never by truth value."""
 
     prompt_index: int
     sample_index: int
-    token_ids: list[int]  # (L,) prompt excluded
-    logprobs: list[float]  # (L,) empty unless SamplingSpec.logprobs
+    token_ids: Sequence[int]  # (L,) prompt excluded
+    logprobs: Sequence[float]  # (L,) empty unless SamplingSpec.logprobs
     finish_reason: Finish
     weight_version: int
     text: str = ""
     _: KW_ONLY  # the fields below by name only: they are many, and optional
     # Multi-turn samples only (empty otherwise):
-    prompt_ids: list[int] = field(default_factory=list)  # (P,) the prompt as rendered with the session's tools
-    loss_mask: list[int] = field(default_factory=list)  # (L,) 1 = the model's token, 0 = the environment's
+    prompt_ids: Sequence[int] = field(default_factory=list)  # (P,) the prompt as rendered with the session's tools
+    loss_mask: Sequence[int] = field(default_factory=list)  # (L,) 1 = the model's token, 0 = the environment's
     turns: list[TurnInfo] = field(default_factory=list)
     agent_status: str = ""  # done, max_turns, max_tokens or env_failed
     agent_error: str = ""  # what failed, with env_failed
     env_reward: float = 0.0  # the sum of the environment's step rewards
     version_spans: list[tuple[int, int]] = field(default_factory=list)
 
-    def model_token_mask(self) -> list[int]:
+    def model_token_mask(self) -> Sequence[int]:
         """(L,) 1 for each token the model sampled (every token of a single-turn sample)."""
-        return self.loss_mask or [1] * len(self.token_ids)
+        return self.loss_mask if len(self.loss_mask) else [1] * len(self.token_ids)
+
+    def num_model_tokens(self) -> int:
+        """The tokens the model sampled (all of a single-turn sample's)."""
+        return int(sum(self.loss_mask)) if len(self.loss_mask) else len(self.token_ids)
 
     def token_versions(self) -> list[int]:
         """(L,) the weight version that produced each token."""
+        return [version for version, count in self.version_counts() for _ in range(count)]
+
+    def version_counts(self) -> list[tuple[int, int]]:
+        """[(version, tokens)] in order: how many tokens each span of versions produced (token_versions
+        run-length, for counting without a Python object per token)."""
         spans = self.version_spans or [(self.weight_version, 0)]
         ends = [first for _, first in spans[1:]] + [len(self.token_ids)]
-        return [version for (version, first), end in zip(spans, ends, strict=True) for _ in range(first, end)]
+        return [(version, end - first) for (version, first), end in zip(spans, ends, strict=True)]
 
     @property
     def newest_version(self) -> int:

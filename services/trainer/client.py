@@ -46,10 +46,9 @@ class TrainableInterface(RoleInterface):
         """The optimizer step restored."""
 
 
-def log_probs_input(batch: Tensors, temperature: float, compute_entropy: bool,
-                     base_model: bool = False) -> common_pb2.LogProbsInput:
-    return common_pb2.LogProbsInput(batch=codec.encode_batch(batch), temperature=temperature,
-                                   compute_entropy=compute_entropy, base_model=base_model)
+def log_probs_input(temperature: float, compute_entropy: bool, base_model: bool = False) -> common_pb2.LogProbsInput:
+    """A request's LogProbsInput but its batch (codec.serialized_with_batch writes that, at ("input", "batch"))."""
+    return common_pb2.LogProbsInput(temperature=temperature, compute_entropy=compute_entropy, base_model=base_model)
 
 
 def decoded_tensors(batch) -> dict[str, torch.Tensor]:

@@ -96,7 +96,7 @@ def test_rollout_requests_are_checked_as_the_service_sees_them(tiny_model):
     # top_p 0 is the proto's "unset" (1.0): accepted on both paths; n 0 is refused on both.
     unset_top_p = SamplingSpec(n=2, max_tokens=3, top_p=0.0, seed=1, temperature=0.0)
     out = both("rollout", config, lambda rollout: rollout.generate([[5, 6, 7]], unset_top_p))
-    assert [s.token_ids for s in out["in-process"]] == [s.token_ids for s in out["grpc"]]
+    assert [s.token_ids.tolist() for s in out["in-process"]] == [s.token_ids.tolist() for s in out["grpc"]]
     assert [(s.prompt_index, s.sample_index) for s in out["in-process"]] == [(0, 0), (0, 1)]
     out = both("rollout", config, lambda rollout: rollout.generate([[5, 6, 7]], SamplingSpec(n=0, max_tokens=3)))
     for kind, error in out.items():

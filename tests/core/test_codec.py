@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from rlfabric.core import codec
 from rlfabric.core.errors import InvalidArgument
-from rlfabric.v1 import tensor_pb2
+from rlfabric.v1 import actor_pb2, common_pb2, tensor_pb2
 
 TORCH_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.uint8, torch.bool]
 shapes = st.lists(st.integers(0, 5), min_size=0, max_size=4)
@@ -110,6 +110,26 @@ def test_batch_round_trip_and_validation():
         codec.decode_batch(codec.encode_batch({"x": torch.zeros(0, 2)}))
     with pytest.raises(InvalidArgument, match="scalars"):
         codec.decode_batch(codec.encode_batch({"x": torch.tensor(1.0)}))
+
+
+@settings(max_examples=30, deadline=None)
+@given(dtypes=st.lists(st.sampled_from(TORCH_DTYPES), min_size=0, max_size=4), rows=st.integers(0, 4),
+       seed=st.integers(0, 2**31))
+def test_a_request_serialized_with_its_batch_parses_as_the_protobuf_built_one(dtypes, rows, seed):
+    tensors = {f"t{i}": _random_tensor(dtype, [rows, 3], seed + i) for i, dtype in enumerate(dtypes)}
+    tensors["view"] = torch.arange(rows * 6).reshape(rows, 6)[:, ::2]  # not contiguous
+    tensors["big_endian"] = np.arange(rows * 2, dtype=">i8").reshape(rows, 2)
+    update = actor_pb2.ActorServiceUpdatePolicyRequest(global_step=7)
+    built = actor_pb2.ActorServiceUpdatePolicyRequest(global_step=7)
+    codec.encode_batch(tensors, out=built.batch)
+    assert actor_pb2.ActorServiceUpdatePolicyRequest.FromString(
+        codec.serialized_with_batch(update, ("batch",), tensors)) == built
+    nested = actor_pb2.ActorServiceComputeLogProbsRequest(input=common_pb2.LogProbsInput(temperature=0.5, base_model=True))
+    built = actor_pb2.ActorServiceComputeLogProbsRequest()
+    built.input.CopyFrom(nested.input)
+    codec.encode_batch(tensors, out=built.input.batch)
+    assert actor_pb2.ActorServiceComputeLogProbsRequest.FromString(
+        codec.serialized_with_batch(nested, ("input", "batch"), tensors)) == built
 
 
 @settings(max_examples=30, deadline=None)

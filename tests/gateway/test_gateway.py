@@ -60,9 +60,9 @@ def check_token_exact(mesh, record) -> None:
         for request in requests:
             start = len(request.prompt_ids) - len(segment.prompt_ids)
             end = start + len(request.sample.token_ids)
-            assert segment.token_ids[start:end] == request.sample.token_ids
+            assert segment.token_ids[start:end] == request.sample.token_ids.tolist()
             assert segment.loss_mask[start:end] == [1] * (end - start)
-            assert segment.logprobs[start:end] == request.sample.logprobs
+            assert segment.logprobs[start:end] == request.sample.logprobs.tolist()
             assert segment.token_versions[start:end] == request.sample.token_versions()
     sampled = sum(len(call.token_ids) for call in record.calls)
     assert sum(sum(segment.loss_mask) for segment in record.segments) == sampled > 0

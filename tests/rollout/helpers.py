@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 
 import grpc
@@ -10,7 +11,7 @@ import torch
 
 from rlfabric.core.config import RunConfig, load_config
 from rlfabric.rollout import wire
-from rlfabric.rollout.types import SamplingSpec
+from rlfabric.rollout.types import FinishedSample, SamplingSpec
 from rlfabric.v1 import rollout_pb2, rollout_pb2_grpc
 
 
@@ -52,15 +53,25 @@ def request(prompts, **params) -> rollout_pb2.RolloutServiceGenerateRequest:
                                                      sampling_params=wire.sampling_to_proto(spec))
 
 
-def generate(channel, prompts, timeout: float = 60, **params) -> list:
-    return [wire.sample_from_proto(s) for s in stub(channel).Generate(request(prompts, **params), timeout=timeout).samples]
+def generate(channel, prompts, timeout: float = 60, **params) -> list[FinishedSample]:
+    return [listed(s) for s in stub(channel).Generate(request(prompts, **params), timeout=timeout).samples]
 
 
-def stream(channel, prompts, timeout: float = 60, **params) -> list:
+def stream(channel, prompts, timeout: float = 60, **params) -> list[FinishedSample]:
     req = request(prompts, **params)
     stream_req = rollout_pb2.RolloutServiceGenerateStreamRequest(prompts=req.prompts,
                                                                  sampling_params=req.sampling_params)
-    return [wire.sample_from_proto(r.sample) for r in stub(channel).GenerateStream(stream_req, timeout=timeout)]
+    return [listed(r.sample) for r in stub(channel).GenerateStream(stream_req, timeout=timeout)]
+
+
+def listed(sample: rollout_pb2.Sample) -> FinishedSample:
+    """A sample off the wire with its per-token fields as Python lists, as the engine made them (the wire's
+    decoder gives numpy arrays): the engines' tests compare and concatenate token lists."""
+    decoded = wire.sample_from_proto(sample)
+    return dataclasses.replace(decoded, **{name: getattr(decoded, name).tolist() for name in PER_TOKEN})
+
+
+PER_TOKEN = ("token_ids", "logprobs", "prompt_ids", "loss_mask")
 
 
 def invalid_argument(channel, prompts, **params) -> str:

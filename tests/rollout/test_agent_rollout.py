@@ -9,6 +9,7 @@ import time
 from types import SimpleNamespace
 
 import grpc
+import numpy as np
 import pytest
 
 from rlfabric.core.config import EnvConfig, RunConfig
@@ -24,7 +25,7 @@ from rlfabric.rollout.types import AgentPrompt, AgentTask, MultiTurnSpec, Sampli
 from rlfabric.v1 import rollout_pb2
 from tests.conftest import ServerThread, closed_port
 
-from .helpers import rollout_config, stub
+from .helpers import listed, rollout_config, stub
 
 TOKENIZER = build_tokenizer()
 QUESTION = [{"role": "user", "content": "Say something."}]
@@ -89,7 +90,7 @@ def agent_request(environments, n=1, max_turns=3, max_total_tokens=200, **multi_
 
 def agent_generate(channel, environments, **params):
     response = stub(channel).Generate(agent_request(environments, **params), timeout=60)
-    return [wire.sample_from_proto(s) for s in response.samples]
+    return [listed(s) for s in response.samples]
 
 
 def rendered_conversation(sample) -> str:
@@ -211,11 +212,13 @@ def test_multi_turn_fields_cross_the_wire_and_a_single_turn_sample_carries_none(
     sample = FinishedSample(1, 2, [5, 6, 7, 8, 9], [-1.0, -2.0, -3.0, 0.0, 0.0], Finish.STOP, 4, "text",
                             prompt_ids=[1, 2], loss_mask=[1, 1, 1, 0, 0], turns=[turn], agent_status="max_turns",
                             agent_error="", env_reward=0.5)
-    assert wire.sample_from_proto(wire.sample_to_proto(sample)) == sample
+    decoded = wire.sample_from_proto(wire.sample_to_proto(sample))
+    assert (decoded.token_ids.dtype, decoded.logprobs.dtype, decoded.loss_mask.dtype) == (np.int64, np.float32, np.int32)
+    assert listed(wire.sample_to_proto(sample)) == sample  # and the same values
     single = FinishedSample(0, 0, [5, 6], [-1.0, -2.0], Finish.LENGTH, 1, "hi")
     on_wire = wire.sample_to_proto(single)
     assert not (on_wire.prompt_token_ids or on_wire.loss_mask or on_wire.turns or on_wire.agent_status)
-    assert wire.sample_from_proto(on_wire) == single and single.model_token_mask() == [1, 1]
+    assert listed(on_wire) == single and single.model_token_mask() == [1, 1]
     prompt = AgentPrompt(QUESTION, AgentTask("lookup", "7", {"tools_kwargs": {"lookup": {}}}))
     assert wire.prompt_from_proto(wire.prompt_to_proto(prompt)) == prompt
     spec = SamplingSpec(n=2, max_tokens=9, multi_turn=MultiTurnSpec("h:1", 3, 50, "hermes", 2.5))

@@ -85,7 +85,7 @@ def test_spreads_requests_and_chunks_over_replicas(replicas):
     assert [(s.prompt_index, s.sample_index) for s in chunked] == [(p, s) for p in range(6) for s in range(2)]
     assert [streams_served(s) for s in servers] == [3.0, 3.0, 3.0]  # 6 requests + 3 chunks, evenly
     # Same seed and indices -> same samples, whichever replica served them.
-    assert [s.token_ids for s in batches[0]] == [s.token_ids for s in batches[5]]
+    assert [s.token_ids.tolist() for s in batches[0]] == [s.token_ids.tolist() for s in batches[5]]
 
 
 def test_a_replica_that_is_down_is_taken_out(replicas):
