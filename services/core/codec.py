@@ -228,10 +228,11 @@ def serialized_with_batch(message, path: Sequence[str], tensors: Mapping[str, to
 
 def _length_prefixed(number: int, pieces: list) -> list:
     """A length-delimited field (wire type 2): its key and length, then `pieces`."""
-    return [_varint(number << 3 | 2) + _varint(sum(len(piece) for piece in pieces)), *pieces]
+    return [varint(number << 3 | 2) + varint(sum(len(piece) for piece in pieces)), *pieces]
 
 
-def _varint(value: int) -> bytes:
+def varint(value: int) -> bytes:
+    """A protobuf varint (an unsigned value: a field key, a length)."""
     out = bytearray()
     while value > 0x7F:
         out.append(value & 0x7F | 0x80)

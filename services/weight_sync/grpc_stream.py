@@ -46,6 +46,7 @@ from grpc import aio
 
 from rlfabric.core import tracing
 from rlfabric.core.client import ChannelOptions, channel_credentials
+from rlfabric.core.codec import varint
 from rlfabric.core.errors import DeadlineExceeded, InvalidArgument, RlfabricError, Unavailable
 from rlfabric.core.interceptors import bearer_metadata
 from rlfabric.v1 import rollout_pb2
@@ -83,26 +84,17 @@ class PushResult:
 
 # -- the wire format of a chunk -----------------------------------------------------------------------
 
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value > 0x7F:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
 def encode_chunk(bucket_index: int, offset: int, data) -> bytes:
     """RolloutServicePushWeightsRequest(bucket_index, offset, data).SerializeToString(), byte for byte, with one
     copy of `data` (any buffer: bytes, memoryview, a numpy slice)."""
     view = memoryview(data).cast("B")
     header = bytearray()
     if bucket_index:
-        header += _varint(_BUCKET_INDEX << 3 | _VARINT) + _varint(bucket_index)
+        header += varint(_BUCKET_INDEX << 3 | _VARINT) + varint(bucket_index)
     if offset:
-        header += _varint(_OFFSET << 3 | _VARINT) + _varint(offset)
+        header += varint(_OFFSET << 3 | _VARINT) + varint(offset)
     if len(view):
-        header += _varint(_DATA << 3 | _LEN) + _varint(len(view))
+        header += varint(_DATA << 3 | _LEN) + varint(len(view))
     return b"".join((header, view))
 
 
