@@ -10,6 +10,7 @@ import threading
 
 import httpx
 import openai
+import numpy as np
 import pytest
 import torch
 from openai import AsyncOpenAI, OpenAI
@@ -149,9 +150,10 @@ def test_a_call_that_pause_with_abort_ends_is_held_until_resume_and_answered(mes
     assert reply.usage.completion_tokens == len(recorded.token_ids) > 0
     # The engine's two requests: the one the abort ended, with nothing sampled, then the one answered.
     aborted, answered = mesh.requests_of([recorded.prompt_ids])
-    assert aborted.sample.finish_reason == Finish.ABORT and aborted.sample.token_ids == []
-    assert answered.prompt_ids == recorded.prompt_ids and answered.sample.token_ids == recorded.token_ids
-    assert answered.sample.logprobs == recorded.logprobs
+    assert aborted.sample.finish_reason == Finish.ABORT and len(aborted.sample.token_ids) == 0
+    assert list(answered.prompt_ids) == recorded.prompt_ids
+    assert np.asarray(answered.sample.token_ids).tolist() == recorded.token_ids  # numpy arrays, or lists
+    assert np.asarray(answered.sample.logprobs).tolist() == recorded.logprobs
 
 
 class AbortedOnce(RouterGenerator):
