@@ -9,8 +9,8 @@ import json
 import threading
 
 import httpx
-import openai
 import numpy as np
+import openai
 import pytest
 import torch
 from openai import AsyncOpenAI, OpenAI
