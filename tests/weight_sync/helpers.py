@@ -17,6 +17,7 @@ import grpc
 import torch
 
 from rlfabric.actor.client import ActorClient
+from rlfabric.coordinator.weight_sync import WeightSyncPlane
 from rlfabric.core.config import RunConfig, dump_config, load_config
 from rlfabric.core.server import ServerOptions
 from rlfabric.rollout.servicer import build_service as build_rollout
@@ -77,6 +78,15 @@ class Mesh:
 
     def run(self, coroutine, timeout: float = 120):
         return self.loop.run(coroutine, timeout)
+
+    def open_plane(self) -> WeightSyncPlane:
+        """The coordinator's weight-sync plane from this actor to every replica, opened (each joined)."""
+        plane = self.run(self._plane())
+        assert self.run(plane.open()) == {}
+        return plane
+
+    async def _plane(self) -> WeightSyncPlane:
+        return WeightSyncPlane(self.actor_client, self.addresses, self.config)
 
     def train_step(self, seed: int) -> None:
         """One PPO update with positive advantages: the actor's weights move."""

@@ -11,7 +11,6 @@ import pytest
 import torch
 import zstandard
 
-from rlfabric.coordinator.weight_sync import WeightSyncPlane
 from rlfabric.core.errors import InvalidArgument
 from rlfabric.weight_sync import delta as delta_module
 from rlfabric.weight_sync.delta import DeltaBase, DeltaRejected, apply_tensor, encode_tensor
@@ -85,15 +84,10 @@ def mesh(request, tiny_model):
     config = mesh_config(tiny_model, f"weight_sync.transport={request.param}", "weight_sync.delta=true",
                          "rollout.dtype=bfloat16", f"actor.lr={LR}")
     mesh = Mesh(config, {"r0": config, "r1": config})
-    plane = mesh.run(_plane(mesh))
-    assert mesh.run(plane.open()) == {}
+    plane = mesh.open_plane()
     yield mesh, plane
     mesh.run(plane.close())
     mesh.stop()
-
-
-async def _plane(mesh: Mesh) -> WeightSyncPlane:
-    return WeightSyncPlane(mesh.actor_client, mesh.addresses, mesh.config)
 
 
 def served(mesh: Mesh, replica: str) -> dict[str, torch.Tensor]:

@@ -13,7 +13,6 @@ import math
 import pytest
 import torch
 
-from rlfabric.coordinator.weight_sync import WeightSyncPlane
 from rlfabric.core import codec
 from rlfabric.core.config import ConfigError
 from rlfabric.core.errors import InvalidArgument, ResourceExhausted
@@ -54,15 +53,10 @@ def mesh(request, tiny_model):
     config = mesh_config(tiny_model, f"weight_sync.transport={request.param}", *LORA)
     assert config.syncs_lora_adapters()  # weight_sync.lora auto with the hf engine
     mesh = Mesh(config, {"r0": config})
-    plane = mesh.run(_plane(mesh))
-    assert mesh.run(plane.open()) == {}
+    plane = mesh.open_plane()
     yield mesh, plane
     mesh.run(plane.close())
     mesh.stop()
-
-
-async def _plane(mesh: Mesh) -> WeightSyncPlane:
-    return WeightSyncPlane(mesh.actor_client, mesh.addresses, mesh.config)
 
 
 @pytest.mark.numerics
