@@ -136,7 +136,7 @@ def test_openai_sdk_streamed_and_plain_record_the_same_ids_and_assemble_the_same
 
 
 def test_langchain_bind_tools_streamed_and_plain_record_the_same_ids_as_the_openai_sdk(mesh, calling_seed):
-    langchain_openai = pytest.importorskip("langchain_openai")
+    import langchain_openai  # the dev extra's: missing, the test fails rather than skips
 
     def agent(stream: bool):
         return lambda key: langchain_agent(langchain_openai.ChatOpenAI(

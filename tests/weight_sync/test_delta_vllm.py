@@ -8,13 +8,14 @@ from __future__ import annotations
 import pytest
 
 from rlfabric.coordinator.weight_sync import WeightSyncPlane
+from tests.rollout.conftest import require_vllm
 
 from .helpers import VLLM_REPLICA, Mesh, mesh_config
 from .test_sync_services import _samples, rollout_version
 
 pytestmark = pytest.mark.slow
 
-pytest.importorskip("vllm")
+require_vllm()  # under make test a missing vLLM fails, not skips
 
 DELTA = ("weight_sync.delta=true", "rollout.dtype=bfloat16", "actor.lr=1e-6")
 

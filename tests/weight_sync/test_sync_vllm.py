@@ -11,13 +11,14 @@ from rlfabric.core.errors import InvalidArgument
 from rlfabric.weight_sync import sender as sender_module
 from rlfabric.weight_sync.buckets import crc_buffer
 from tests.numerics import ENGINE_LOGPROB_GAP
+from tests.rollout.conftest import require_vllm
 
 from .helpers import VLLM_REPLICA, Mesh, mesh_config
 from .test_sync_services import _samples, receive_all, rollout_version
 
 pytestmark = pytest.mark.slow
 
-pytest.importorskip("vllm")
+require_vllm()  # under make test a missing vLLM fails, not skips
 
 
 @pytest.fixture(scope="module")
