@@ -9,13 +9,14 @@ import pytest
 
 from rlfabric.coordinator.weight_sync import WeightSyncPlane
 from tests.numerics import ENGINE_LOGPROB_GAP
+from tests.rollout.conftest import require_vllm
 
 from .helpers import VLLM_REPLICA, Mesh, mesh_config
 from .test_sync_services import rollout_version
 
 pytestmark = pytest.mark.slow
 
-pytest.importorskip("vllm")
+require_vllm()  # under make test a missing vLLM fails, not skips
 
 
 @pytest.fixture(scope="module")
