@@ -10,7 +10,8 @@ rlfabric's reward service scores ("#### 7" against the row's ground truth, which
     rlfabric train examples/agents/lookup.yaml agent.runner=command 'agent.command=[python,examples/agents/lookup_agent.py]'
 
 AsyncOpenAI() reads OPENAI_BASE_URL and OPENAI_API_KEY, which rlfabric sets per episode (the key is the
-episode's: the gateway records every call of it as the token ids the model consumed and sampled).
+episode's: the gateway records every call of it as the token ids the model consumed and sampled). Inline, the
+agent gets them in `llm`, with one HTTP connection pool for all episodes (`llm.http_client`).
 """
 
 from __future__ import annotations
@@ -51,7 +52,9 @@ async def run(task: dict, llm=None) -> dict:
     table = lookup_table(task)
     messages = list(task["messages"])
     tool_calls = 0
-    async with AsyncOpenAI(base_url=llm.base_url, api_key=llm.api_key) if llm else AsyncOpenAI() as client:
+    # The inline runner's llm.http_client is one connection pool for all episodes (None elsewhere: the SDK's own).
+    async with AsyncOpenAI(base_url=llm.base_url, api_key=llm.api_key, http_client=llm.http_client) if llm \
+            else AsyncOpenAI() as client:
         for _ in range(MAX_TURNS):
             reply = await client.chat.completions.create(model=model, messages=messages, tools=TOOLS)
             message = reply.choices[0].message

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from rlfabric.agents.outcome import AgentOutcome
@@ -10,11 +10,14 @@ from rlfabric.agents.outcome import AgentOutcome
 
 @dataclass(frozen=True)
 class LLM:
-    """The model an episode's agent calls: an OpenAI-compatible base URL, the episode's key, the model name."""
+    """The model an episode's agent calls: an OpenAI-compatible base URL, the episode's key, the model name;
+    for an inline agent also `http_client`, one connection pool for all its episodes (see InlineRunner), which
+    `AsyncOpenAI(..., http_client=llm.http_client)` takes; None elsewhere, which the SDK reads as its own."""
 
     base_url: str
     api_key: str
     model: str
+    http_client: Any = field(default=None, compare=False, repr=False)
 
     def env(self) -> dict[str, str]:
         """The variables a plain `AsyncOpenAI()` reads (and OPENAI_MODEL, the name to ask for)."""
@@ -24,3 +27,6 @@ class LLM:
 class AgentRunner(Protocol):
     async def run(self, task: dict[str, Any], llm: LLM) -> AgentOutcome:
         """One episode of the agent on `task`."""
+
+    async def close(self) -> None:
+        """Frees what the runner holds across episodes (at the run's end)."""

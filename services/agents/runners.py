@@ -16,6 +16,7 @@ import json
 import os
 import sys
 import urllib.parse
+from dataclasses import replace
 from typing import Any
 
 from rlfabric.agents.entrypoint import check_entrypoint, load_entrypoint
@@ -28,19 +29,49 @@ STDERR_KEPT = 600  # characters of a failed process's stderr its failure message
 
 
 class InlineRunner:
-    """Awaits the entrypoint in this event loop (loaded once, at the run's start)."""
+    """Awaits the entrypoint in this event loop (loaded once, at the run's start). Its episodes share one
+    connection pool, handed to the agent as llm.http_client: an AsyncOpenAI made per episode builds a pool of
+    its own, and loading the CA bundle for it took 20-40 ms of CPU here, more than the episode's calls to a
+    small model (half the coordinator's CPU in the lookup agent's run)."""
 
     def __init__(self, entrypoint: str):
         self.function = load_entrypoint(entrypoint)
+        self.http_client = None  # made on the loop that runs the episodes
 
     async def run(self, task: dict[str, Any], llm: LLM) -> AgentOutcome:
+        if self.http_client is None:
+            self.http_client = shared_http_client()
         try:
-            value = await self.function(task, llm)
+            value = await self.function(task, replace(llm, http_client=self.http_client))
         except asyncio.CancelledError:
             raise
         except Exception as error:
             raise AgentFailed(RAISED, f"{type(error).__name__}: {error}") from error
         return parse_outcome(value)
+
+    async def close(self) -> None:
+        if self.http_client is not None:
+            await self.http_client.close_pool()
+            self.http_client = None
+
+
+def shared_http_client():
+    """The openai SDK's own HTTP client class (the only one AsyncOpenAI takes), left open by an episode's
+    `async with AsyncOpenAI(...)`, which closes its client's pool on the way out; InlineRunner.close() ends it.
+    None without the openai package (an agent that does not use it)."""
+    try:
+        from openai import DefaultAsyncHttpxClient
+    except ImportError:
+        return None
+
+    class EpisodesPool(DefaultAsyncHttpxClient):
+        async def aclose(self) -> None:
+            pass  # an episode's client closing: the pool outlives it
+
+        async def close_pool(self) -> None:
+            await super().aclose()
+
+    return EpisodesPool()
 
 
 class ProcessRunner:
@@ -53,6 +84,9 @@ class ProcessRunner:
         self.working_dir = working_dir or None
         self.network_isolation = network_isolation
         self.require = ["--require"] if require_network_isolation else []
+
+    async def close(self) -> None:
+        pass  # a process per episode: nothing outlives one
 
     def command_line(self, llm: LLM) -> list[str]:
         """argv, run through rlfabric.agents.jail (a network that reaches the gateway only) if asked."""

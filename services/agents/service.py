@@ -59,11 +59,18 @@ class ServiceRunner:
     def __init__(self, address: str, timeout_s: float = 0.0):
         self.address = address
         self.timeout_s = timeout_s
+        self._channel: grpc.aio.Channel | None = None
         self._stub: agent_pb2_grpc.AgentServiceStub | None = None
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel, self._stub = None, None
 
     async def run(self, task: dict[str, Any], llm: LLM) -> AgentOutcome:
         if self._stub is None:  # made on the loop that runs the episodes
-            self._stub = agent_pb2_grpc.AgentServiceStub(grpc.aio.insecure_channel(self.address))
+            self._channel = grpc.aio.insecure_channel(self.address)
+            self._stub = agent_pb2_grpc.AgentServiceStub(self._channel)
         request = agent_pb2.AgentServiceRunEpisodeRequest(task_json=json.dumps(task), base_url=llm.base_url,
                                                           api_key=llm.api_key, model=llm.model,
                                                           timeout_s=self.timeout_s)

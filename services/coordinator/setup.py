@@ -191,6 +191,8 @@ async def open_run(config: RunConfig, hooks: RunHooks, connect: Connect = connec
         yield PPODriver(config, peers, tokenizer, run_dir, train, val, weight_sync, hooks, start_phases=phases,
                         actor_mini_batch_rows=actor_mini_batch_rows, gateway=gateway, agents=agents)
     finally:
+        if agents is not None:
+            await agents.runner.close()
         if gateway is not None:
             await gateway.close()
         await weight_sync.close()

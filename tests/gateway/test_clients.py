@@ -148,3 +148,36 @@ def test_langchain_bind_tools_streamed_and_plain_record_the_same_ids_as_the_open
     sdk_replies, sdk_calls = recorded(mesh, calling_seed, lambda key: openai_agent(
         OpenAI(base_url=mesh.gateway.base_url, api_key=key, max_retries=0), stream=False))
     assert runs[False] == (sdk_replies, sdk_calls)  # the same calls whichever client made them
+
+
+def test_inline_episodes_share_one_connection_pool_that_outlives_each_episodes_client(mesh, tmp_path):
+    """The inline runner hands every episode one pool (llm.http_client): an agent's `async with AsyncOpenAI(...)`
+    closes its client at the episode's end, and the next episode's calls still go through; the runner's close()
+    ends the pool. Without it each episode built a pool and loaded the CA bundle (rlfabric.agents.runners)."""
+    from rlfabric.agents.llm import LLM
+    from rlfabric.agents.runners import InlineRunner
+
+    (tmp_path / "agent.py").write_text(
+        "from openai import AsyncOpenAI\n"
+        "async def run(task, llm):\n"
+        "    async with AsyncOpenAI(base_url=llm.base_url, api_key=llm.api_key, http_client=llm.http_client,\n"
+        "                           max_retries=0) as client:\n"
+        "        reply = await client.chat.completions.create(model=llm.model, max_tokens=4,\n"
+        "                                                     messages=[{'role': 'user', 'content': 'hi'}])\n"
+        "    return {'answer': reply.choices[0].message.content or '', 'metrics': {'pool': id(llm.http_client)}}\n")
+    runner = InlineRunner(f"{tmp_path}/agent.py:run")
+    gateway = mesh.gateway
+
+    async def episodes():  # on the mesh's loop, as the gateway's state is
+        outcomes = []
+        for seed in range(3):
+            episode = gateway.episodes.open(seed)
+            outcomes.append(await runner.run({}, LLM(gateway.base_url, episode.key, "policy")))
+            assert len(gateway.episodes.close(episode.key).calls) == 1
+        pool = runner.http_client
+        await runner.close()
+        return outcomes, pool
+
+    outcomes, pool = mesh.run(episodes())
+    assert len({outcome.metrics["pool"] for outcome in outcomes}) == 1  # one pool for the three episodes
+    assert pool.is_closed and runner.http_client is None
