@@ -181,3 +181,43 @@ def test_inline_episodes_share_one_connection_pool_that_outlives_each_episodes_c
     outcomes, pool = mesh.run(episodes())
     assert len({outcome.metrics["pool"] for outcome in outcomes}) == 1  # one pool for the three episodes
     assert pool.is_closed and runner.http_client is None
+
+
+def test_the_node_agent_records_what_the_python_agent_records_on_one_seed(mesh):
+    """examples/agents/node/lookup_agent.mjs (the openai npm package) under the command runner, and
+    examples/agents/lookup_agent.py inline, on an episode seed whose run calls the tool: the same recorded calls
+    (parents, prompt ids, sampled ids, log-probs) and the same outcome."""
+    from pathlib import Path
+
+    from rlfabric.agents.llm import LLM
+    from rlfabric.agents.runners import InlineRunner, ProcessRunner
+    from tests.agents.node import AGENT, NO_NODE, NODE, install_node_agent
+
+    assert NODE is not None, NO_NODE
+    install_node_agent()
+    python = InlineRunner(f"{Path(__file__).parents[2] / 'examples' / 'agents' / 'lookup_agent.py'}:run")
+    node = ProcessRunner([NODE, str(AGENT)])
+    task = {"messages": [{"role": "user", "content": QUESTION.format(key="q")}],
+            "extra_info": {"tools_kwargs": {"lookup": {"create_kwargs": {"table": TABLE}}}}}
+    gateway = mesh.gateway
+
+    async def episode(runner, seed: int):
+        opened = gateway.episodes.open(seed)
+        try:
+            outcome = await runner.run(task, LLM(gateway.base_url, opened.key, "policy"))
+        finally:
+            record = gateway.episodes.close(opened.key)
+        return outcome, [(c.parent, c.prompt_ids, c.token_ids, c.logprobs) for c in record.calls]
+
+    async def scenario():  # on the mesh's loop, as the gateway's state is
+        runs = await asyncio.gather(*(episode(python, seed) for seed in range(SEEDS)))
+        seed = next((seed for seed, (outcome, _) in enumerate(runs) if outcome.metrics["tool_calls"] >= 1), None)
+        assert seed is not None, f"none of {SEEDS} seeds' episodes called the tool"
+        # Each alone on the engine: a batch of another composition computes the same ids' log-probs in another order.
+        alone = await episode(python, seed)
+        await python.close()
+        return alone, await episode(node, seed)
+
+    (python_outcome, python_calls), (node_outcome, node_calls) = mesh.run(scenario(), timeout=300)
+    assert [parent for parent, *_ in python_calls][:2] == [None, 0]  # the tool's reply extended the first call
+    assert node_calls == python_calls and node_outcome == python_outcome
