@@ -8,10 +8,13 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 
+from rlfabric.coordinator.overrides import check_roles
 from rlfabric.core.config import ConfigError, load_config
+from rlfabric.core.errors import FailedPrecondition, InvalidArgument
 from rlfabric.launch.inprocess import InProcessMesh
 from rlfabric.launch.local import check_model
 from rlfabric.quickstart.cached import cached_quickstart_model
@@ -21,6 +24,7 @@ from tests.coordinator.meshes import MESHES, fast_config, in_process, run_to_end
 pytestmark = pytest.mark.slow
 
 QUIET = ["trainer.progress_bar=false", "trainer.plot=false", "trainer.loggers=[jsonl]"]
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "distill_quickstart.yaml"
 TEACHER_STEPS = 8  # the quickstart's GRPO passes 0.95 by step ~5
 DISTILL_STEPS = 15  # the target's budget
 
@@ -37,16 +41,17 @@ def teacher(tmp_path_factory):
 
 
 def distill_config(teacher_path, *overrides: str):
-    return load_config(None, [f"model.path={cached_quickstart_model()}", "algorithm.distill.enable=true",
-                              f"teacher.model_path={teacher_path}", "teacher.log_prob_micro_batch_size_per_gpu=512",
-                              *QUIET, *overrides])
+    """examples/distill_quickstart.yaml with the cached quickstart model as the student and `teacher_path`."""
+    return load_config(EXAMPLE, [f"model.path={cached_quickstart_model()}", f"teacher.model_path={teacher_path}",
+                                 *QUIET, *overrides])
 
 
 def test_the_student_learns_the_task_from_the_teacher_alone(teacher, tmp_path):
     teacher_path, teacher_scores = teacher
     print("teacher's GRPO scores per step:", json.dumps([round(s, 3) for s in teacher_scores]))
     assert teacher_scores[-1] > 0.95, teacher_scores  # the teacher the target asks for
-    config = distill_config(teacher_path, f"trainer.total_steps={DISTILL_STEPS}")
+    config = distill_config(teacher_path)
+    assert config.trainer.total_steps == DISTILL_STEPS and not config.algorithm.distill.use_task_reward
     metrics, status = run_to_end(in_process, config, tmp_path / "run")
     assert status.state == coordinator_pb2.RUN_STATE_COMPLETED, status.error
     steps = [metrics[step] for step in sorted(metrics)]
@@ -82,21 +87,53 @@ def test_the_teacher_scores_each_step_beside_the_task_reward(mesh, tiny_model, t
     assert metrics[2]["timing_s/teacher_log_prob"] > 0
 
 
+def swap_two_token_ids(model_dir: Path) -> None:
+    """The model's tokenizer.json with two tokens' ids swapped: the same vocabulary, other ids."""
+    vocab_file = model_dir / "tokenizer.json"
+    tokenizer = json.loads(vocab_file.read_text())
+    vocab = tokenizer["model"]["vocab"]
+    first, second = sorted(vocab, key=vocab.get)[10:12]
+    vocab[first], vocab[second] = vocab[second], vocab[first]
+    vocab_file.write_text(json.dumps(tokenizer))
+
+
+REFUSED = "teacher.model_path .*: its tokenizer is not model.path's"
+
+
 def test_a_teacher_of_another_tokenizer_is_refused_before_the_run_naming_the_key(tmp_path):
     other = tmp_path / "other-tokenizer"
     shutil.copytree(cached_quickstart_model(), other)
-    vocab_file = other / "tokenizer.json"
-    tokenizer = json.loads(vocab_file.read_text())
-    vocab = tokenizer["model"]["vocab"]
-    first, second = sorted(vocab, key=vocab.get)[10:12]  # two tokens swap ids: the same vocabulary, other ids
-    vocab[first], vocab[second] = vocab[second], vocab[first]
-    vocab_file.write_text(json.dumps(tokenizer))
+    swap_two_token_ids(other)
     config = distill_config(other, "trainer.total_steps=2")
 
-    refused = "teacher.model_path .*: its tokenizer is not model.path's"
-    with pytest.raises(ConfigError, match=refused):
+    with pytest.raises(ConfigError, match=REFUSED):
         check_model(config)  # the launchers' check (rlfabric up, train, check), before any service starts
     mesh = InProcessMesh(config, tmp_path / "run")
-    with pytest.raises(ConfigError, match=refused):
+    with pytest.raises(ConfigError, match=REFUSED):
         asyncio.run(mesh.__aenter__())  # rlfabric train --in-process
     assert mesh.engines == {}  # refused before any service started
+
+
+def test_start_run_checks_the_teacher_of_a_mesh_started_without_the_launchers_check(tiny_model, tmp_path):
+    """A mesh whose services were started some other way (the Helm chart, `rlfabric serve` by hand): the
+    coordinator's run setup compares the tokenizers too, and StartRun is INVALID_ARGUMENT naming the key."""
+    teacher_dir = tmp_path / "teacher"
+    shutil.copytree(tiny_model, teacher_dir)
+    config = fast_config(tiny_model, "algorithm.distill.enable=true", f"teacher.model_path={teacher_dir}")
+
+    async def start_run():
+        async with InProcessMesh(config, tmp_path / "run") as mesh:
+            swap_two_token_ids(teacher_dir)  # after the launcher's check, as if another tokenizer were served
+            await mesh.coordinator.start_run()
+
+    with pytest.raises(InvalidArgument, match=REFUSED):
+        asyncio.run(start_run())
+
+
+def test_a_start_run_that_turns_distillation_on_needs_a_teacher(tiny_model):
+    with pytest.raises(ConfigError, match="algorithm.distill.enable needs teacher.model_path"):
+        load_config(None, [f"model.path={tiny_model}", "algorithm.distill.enable=true"])
+    config = load_config(None, [f"model.path={tiny_model}", "algorithm.distill.enable=true",
+                                f"teacher.model_path={tiny_model}"])
+    with pytest.raises(FailedPrecondition, match="algorithm.distill.enable=true needs a teacher service"):
+        check_roles(config)  # a mesh started without distillation runs no teacher (cluster.teacher is empty)

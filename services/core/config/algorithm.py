@@ -1,4 +1,4 @@
-"""algorithm: advantages, KL, rollout correction, dynamic sampling."""
+"""algorithm: advantages, KL, rollout correction, dynamic sampling, on-policy distillation."""
 
 from __future__ import annotations
 
@@ -72,7 +72,7 @@ class DistillConfig(Section):
 
 
 class AlgorithmConfig(Section):
-    """The RL algorithm: advantage estimator, KL in the reward, rollout correction and plugins."""
+    """The RL algorithm: advantage estimator, KL in the reward, rollout correction, distillation and plugins."""
 
     adv_estimator: str = "grpo"
     """Advantage estimator, VeRL's names: gae, grpo, rloo, reinforce_plus_plus, remax, grpo_passk,
