@@ -21,8 +21,6 @@ from rlfabric.quickstart.cached import cached_quickstart_model
 from rlfabric.v1 import coordinator_pb2
 from tests.coordinator.meshes import MESHES, fast_config, in_process, run_to_end
 
-pytestmark = pytest.mark.slow
-
 QUIET = ["trainer.progress_bar=false", "trainer.plot=false", "trainer.loggers=[jsonl]"]
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "distill_quickstart.yaml"
 TEACHER_STEPS = 8  # the quickstart's GRPO passes 0.95 by step ~5
@@ -46,6 +44,7 @@ def distill_config(teacher_path, *overrides: str):
                                  *QUIET, *overrides])
 
 
+@pytest.mark.slow  # two training runs (the teacher's GRPO, the student's distillation): ~40 s
 def test_the_student_learns_the_task_from_the_teacher_alone(teacher, tmp_path):
     teacher_path, teacher_scores = teacher
     print("teacher's GRPO scores per step:", json.dumps([round(s, 3) for s in teacher_scores]))
