@@ -8,7 +8,8 @@ Per-token tensors are [batch, response_len]; `mask` is the response mask (1 = re
 
 Modules: stats (masked statistics), advantages (GAE, GRPO, RLOO, REINFORCE++, ReMax and VeRL's outcome
 variants), losses (aggregation, PPO's policy losses, the value loss), reinforce_losses and surrogate_losses
-(VeRL's other policy losses), kl (KL estimators, controllers, KL in the reward), logits
+(VeRL's other policy losses), kl (KL estimators, controllers, KL in the reward), distill
+(on-policy distillation's per-token reverse-KL advantages), logits
 (log-probs and entropy from logits), dapo (dynamic sampling), rollout_correction
 (rollout/trainer mismatch: metrics, truncated IS, rejection), registry (by-name lookup), plugins
 (algorithm.plugin_modules; not imported here).
@@ -27,6 +28,7 @@ from .advantages import (
     compute_rloo_advantage,
 )
 from .dapo import filter_groups
+from .distill import distill_advantages
 from .kl import AdaptiveKLController, FixedKLController, kl_in_reward, kl_penalty
 from .logits import entropy_from_logits, log_probs_and_entropy, log_probs_from_logits
 from .losses import AGG_MODES, aggregate_loss, gspo_loss, policy_loss, ppo_clip_loss, value_loss
@@ -70,6 +72,7 @@ __all__ = [
     "compute_reinforce_pp_baseline_advantage",
     "compute_remax_advantage",
     "compute_rloo_advantage",
+    "distill_advantages",
     "dppo_kl_loss",
     "dppo_tv_loss",
     "dro_loss",

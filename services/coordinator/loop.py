@@ -7,8 +7,9 @@ is PPODriver's, driver.py):
                              (agent_episodes.py); the sampler makes them the step's batch (sampler.py);
                              a step where more than algorithm.max_failed_fraction of the samples
                              (episodes) failed fails the run here (sample_failures.py)
-    2. log-probs and values  reference, old policy and critic, concurrently
-    3. advantages            KL in the reward (optional), then the estimator (rlfabric.algorithms)
+    2. log-probs and values  reference, old policy, critic and teacher, concurrently
+    3. advantages            KL in the reward (optional), then the estimator (rlfabric.algorithms); with
+                             algorithm.distill the teacher's per-token reverse KL, alone or added
     4. updates               critic and actor, concurrently
     5. weight sync           actor -> every rollout replica
     6. reference reset       actor -> reference, every reference.ref_model_sync_steps steps when
@@ -123,7 +124,8 @@ class StepRunner:
         """Phases 2 to 6 of one PPO step on a generated and scored batch; its metrics (timings under `timer`)."""
         metrics: dict[str, float] = {}
         try:
-            # 2. Log-probs and values (timing_s/old_log_prob, timing_s/ref, timing_s/values).
+            # 2. Log-probs and values (timing_s/old_log_prob, timing_s/ref, timing_s/values,
+            #    timing_s/teacher_log_prob).
             self.on_phase("computing")
             await self._log_probs_and_values(batch, timer)
             # 3. Advantages (timing_s/adv).
@@ -157,7 +159,8 @@ class StepRunner:
     # -- the phases of a step ---------------------------------------------------------------------
 
     async def _log_probs_and_values(self, batch: RolloutBatch, timer: StepTimer) -> None:
-        """batch.old_log_probs, ref_log_probs and values: three services at once, each timed on its own.
+        """batch.old_log_probs, ref_log_probs, values and teacher_log_probs: the services at once, each timed on
+        its own.
         When the update is one optimizer step, the "old" policy is the one being updated: the actor takes
         its own log-probs in that step, and the separate forward pass is skipped (_old_log_prob_forward);
         with algorithm.old_log_prob_source=rollout they are the rollout's."""
@@ -169,6 +172,8 @@ class StepRunner:
             calls["ref"] = peers.reference.compute_log_probs(tensors, temperature)
         if peers.critic is not None:
             calls["values"] = peers.critic.compute_values(tensors)
+        if peers.teacher is not None:
+            calls["teacher_log_prob"] = peers.teacher.compute_log_probs(tensors, temperature)
         answers = await asyncio.gather(*(timer.timed(phase, call) for phase, call in calls.items()))
         results = dict(zip(calls, answers, strict=True))
         batch.old_log_probs = results["old_log_prob"]["log_probs"] if "old_log_prob" in results else None
@@ -180,6 +185,8 @@ class StepRunner:
             batch.old_log_probs = batch.rollout_log_probs
         batch.ref_log_probs = results["ref"]["log_probs"] if "ref" in results else None
         batch.values = results["values"]["values"] if "values" in results else None
+        teacher = results.get("teacher_log_prob")
+        batch.teacher_log_probs = teacher["log_probs"] if teacher is not None else None
 
     def _advantages(self, batch: RolloutBatch) -> dict[str, float]:
         """batch.token_rewards (KL-penalised if configured), advantages, returns and train_mask. A sample
@@ -209,6 +216,21 @@ class StepRunner:
                 baselines=batch.baselines, gamma=algorithm.gamma, lam=algorithm.lam,
                 norm_by_std=algorithm.norm_adv_by_std_in_grpo, **extra)
         batch.token_rewards, batch.train_mask = token_rewards, train_mask
+        if algorithm.distill.enable:
+            metrics.update(self._distill(batch))
+        return metrics
+
+    def _distill(self, batch: RolloutBatch) -> dict[str, float]:
+        """algorithm.distill: the teacher's per-token reverse-KL advantages, added to the estimator's
+        (use_task_reward) or in their place; the distill/* metrics."""
+        settings = self.config.algorithm.distill
+        advantages, metrics = algos.distill_advantages(batch.old_log_probs, batch.teacher_log_probs,
+                                                       batch.train_mask, settings.weight)
+        if settings.use_task_reward:
+            advantages = batch.advantages + advantages
+        else:
+            batch.returns = advantages
+        batch.advantages = advantages
         return metrics
 
     def _episode_advantages(self, batch: RolloutBatch, train_mask: torch.Tensor) -> torch.Tensor:
@@ -324,12 +346,13 @@ class StepRunner:
     def _old_log_prob_forward(self, batch: RolloutBatch) -> bool:
         """Whether the old log-probs take a separate actor forward pass (algorithm.old_log_prob_source).
         auto skips it when the actor's update is a single optimizer step (one mini-batch, one epoch) and
-        nothing reads them before it: no KL in the reward, no rollout correction."""
+        nothing reads them before it: no KL in the reward, no rollout correction, no distillation."""
         config, algorithm = self.config, self.config.algorithm
         if algorithm.old_log_prob_source != "auto":
             return algorithm.old_log_prob_source == "actor"
         one_step = config.actor.ppo_epochs == 1 and batch.num_rows <= self.actor_mini_batch_rows
-        return not one_step or algorithm.use_kl_in_reward or algorithm.rollout_correction.enabled()
+        return (not one_step or algorithm.use_kl_in_reward or algorithm.rollout_correction.enabled()
+                or algorithm.distill.enable)
 
 
 async def _initial_save_done(saving: Awaitable[None], timer: StepTimer) -> None:

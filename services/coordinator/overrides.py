@@ -93,7 +93,8 @@ def check_roles(config: RunConfig) -> None:
         raise FailedPrecondition(str(error)) from None
     kl_key = "actor.use_kl_loss" if config.actor.use_kl_loss else "algorithm.use_kl_in_reward"
     needed = {"critic": f"algorithm.adv_estimator={config.algorithm.adv_estimator}" if config.uses_critic() else "",
-              "reference": f"{kl_key}=true" if config.uses_reference() else ""}
+              "reference": f"{kl_key}=true" if config.uses_reference() else "",
+              "teacher": "algorithm.distill.enable=true" if config.uses_teacher() else ""}
     for role, key in needed.items():
         if key and not getattr(config.cluster, role):
             raise FailedPrecondition(f"{key} needs a {role} service, and this mesh runs none (cluster.{role} is "

@@ -22,7 +22,7 @@ from rlfabric.core.config import RunConfig
 from rlfabric.core.errors import DeadlineExceeded, FailedPrecondition, Unavailable
 from rlfabric.critic.client import CriticClient, CriticInterface
 from rlfabric.env.client import EnvClient
-from rlfabric.reference.client import ReferenceClient, ReferenceInterface
+from rlfabric.reference.client import ReferenceClient, ReferenceInterface, TeacherClient, TeacherInterface
 from rlfabric.reward.client import RewardInterface, ShardedRewardClient
 from rlfabric.reward.items import ItemResult, ScoreItem
 from rlfabric.rollout.router import RolloutRouter
@@ -69,6 +69,7 @@ class Peers:
     reward: RewardInterface
     reference: ReferenceInterface | None
     critic: CriticInterface | None
+    teacher: TeacherInterface | None = None  # algorithm.distill's teacher
     # The environment the rollout replicas call (rollout.multi_turn over gRPC), for the readiness wait
     # only: the coordinator itself never calls it. env_key is the config key that named its address.
     env: EnvClient | None = None
@@ -82,6 +83,7 @@ class Peers:
             actor=lambda address: ActorClient(address, options),
             reference=lambda address: ReferenceClient(address, options),
             critic=lambda address: CriticClient(address, options),
+            teacher=lambda address: TeacherClient(address, options),
             rollout=lambda addresses: RolloutRouter(addresses, options,
                                                     max_attempts=config.trainer.rollout_retries + 1),
             reward=lambda addresses: ShardedRewardClient.connect(addresses, options),
@@ -93,7 +95,7 @@ class Peers:
     def grpc_clients(self) -> list[ServiceClient]:
         """The gRPC clients behind the peers, one per service."""
         reward = self.reward.clients if isinstance(self.reward, ShardedRewardClient) else [self.reward]
-        clients = [self.actor, self.reference, self.critic, *reward, *(r.client for r in self.rollout.replicas),
+        clients = [self.actor, self.reference, self.critic, self.teacher, *reward, *(r.client for r in self.rollout.replicas),
                    self.env]
         return [client for client in clients if isinstance(client, ServiceClient)]
 
@@ -137,7 +139,7 @@ class Peers:
 
     async def close(self) -> None:
         closers = [self.actor.close(), self.rollout.close(), self.reward.close()]
-        closers += [c.close() for c in (self.reference, self.critic, self.env) if c is not None]
+        closers += [c.close() for c in (self.reference, self.critic, self.teacher, self.env) if c is not None]
         await asyncio.gather(*closers, return_exceptions=True)
 
 
@@ -149,6 +151,7 @@ class RoleClients:
     actor: Callable[[str], ActorInterface]
     reference: Callable[[str], ReferenceInterface]
     critic: Callable[[str], CriticInterface]
+    teacher: Callable[[str], TeacherInterface]
     rollout: Callable[[list[str]], RolloutRouter]
     reward: Callable[[list[str]], RewardInterface]
 
@@ -159,7 +162,8 @@ def build_peers(config: RunConfig, clients: RoleClients) -> Peers:
     base model as the reference."""
     cluster = config.cluster
     wanted = {"actor": True, "rollout": True, "reward": True,
-              "reference": config.uses_reference(), "critic": config.uses_critic()}
+              "reference": config.uses_reference(), "critic": config.uses_critic(),
+              "teacher": config.uses_teacher()}
     missing = [role for role, needed in wanted.items() if needed and not getattr(cluster, role)]
     if missing:
         raise FailedPrecondition(f"the run needs cluster.{', cluster.'.join(missing)} (service addresses) "
@@ -170,7 +174,8 @@ def build_peers(config: RunConfig, clients: RoleClients) -> Peers:
     else:
         reference = clients.reference(cluster.reference[0]) if wanted["reference"] else None
     return Peers(actor=actor, rollout=clients.rollout(list(cluster.rollout)), reward=clients.reward(list(cluster.reward)),
-                 reference=reference, critic=clients.critic(cluster.critic[0]) if wanted["critic"] else None)
+                 reference=reference, critic=clients.critic(cluster.critic[0]) if wanted["critic"] else None,
+                 teacher=clients.teacher(cluster.teacher[0]) if wanted["teacher"] else None)
 
 
 def environment_of(config: RunConfig, options: ChannelOptions) -> dict:

@@ -62,6 +62,7 @@ class RolloutBatch:
     # Log-probs and values phase:
     old_log_probs: torch.Tensor | None = None  # [B, T] None when the update takes its own (one optimizer step)
     ref_log_probs: torch.Tensor | None = None  # [B, T] when a KL term needs the reference
+    teacher_log_probs: torch.Tensor | None = None  # [B, T] algorithm.distill: the teacher's, of the sampled tokens
     values: torch.Tensor | None = None  # [B, T] the critic's (GAE)
     # Advantages phase (rollout correction after the advantages):
     rollout_is_weights: torch.Tensor | None = None  # [B, T] truncated IS weights of the policy loss

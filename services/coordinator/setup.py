@@ -32,7 +32,7 @@ from rlfabric.core.host import load_tokenizer
 from rlfabric.core.start_phases import StartPhases
 from rlfabric.data.dataset import DatasetError, RLHFDataset
 from rlfabric.data.prep import write_arithmetic, write_lookup, write_synthetic
-from rlfabric.trainer.models import check_policy_model
+from rlfabric.trainer.models import check_policy_model, check_teacher_tokenizer
 
 log = logging.getLogger("rlfabric.coordinator")
 
@@ -144,6 +144,14 @@ async def _started_gateway(config: RunConfig, tokenizer, peers: Peers, registry:
     return gateway
 
 
+def _check_teacher(config: RunConfig) -> None:
+    """algorithm.distill's teacher shares the policy's tokenizer; InvalidArgument naming teacher.model_path if not."""
+    try:
+        check_teacher_tokenizer(config)
+    except ValueError as error:
+        raise InvalidArgument(str(error)) from None
+
+
 def _agent_runner(config: RunConfig) -> AgentRunner:
     """agent.runner's runner; InvalidArgument naming the key when the agent cannot be loaded or found."""
     try:
@@ -172,6 +180,8 @@ async def open_run(config: RunConfig, hooks: RunHooks, connect: Connect = connec
     connecting = asyncio.ensure_future(phases.timed("connect", connect(config)))
     try:
         tokenizer = await phases.timed("tokenizer", (policy or PolicyTokenizer(config)).get())
+        if config.uses_teacher():
+            await phases.timed("teacher_tokenizer", asyncio.to_thread(_check_teacher, config))
         with phases.phase("data"):
             train, val = await asyncio.to_thread(load_datasets, config, run_dir, tokenizer)
     except BaseException:

@@ -10,6 +10,7 @@ row here, with its config section and its servicer module.
 | actor       | rlfabric.actor.servicer       | trainer     | world_size      |
 | reference   | rlfabric.reference.servicer   | trainer     | world_size      |
 | critic      | rlfabric.critic.servicer      | trainer     | world_size      |
+| teacher     | rlfabric.reference.teacher    | trainer     | world_size      |
 | rollout     | rlfabric.rollout.servicer     | rollout     | tensor_parallel |
 | reward      | rlfabric.reward.servicer      | service     | model           |
 | env         | rlfabric.env.servicer         | environment | none            |
@@ -83,6 +84,7 @@ ROLE_TABLE: dict[str, Role] = {role.name: role for role in (
     Role("actor", "rlfabric.actor.servicer", Kind.TRAINER, GpuRule.WORLD_SIZE),
     Role("reference", "rlfabric.reference.servicer", Kind.TRAINER, GpuRule.WORLD_SIZE),
     Role("critic", "rlfabric.critic.servicer", Kind.TRAINER, GpuRule.WORLD_SIZE),
+    Role("teacher", "rlfabric.reference.teacher", Kind.TRAINER, GpuRule.WORLD_SIZE),
     Role("rollout", "rlfabric.rollout.servicer", Kind.ROLLOUT, GpuRule.TENSOR_PARALLEL),
     Role("reward", "rlfabric.reward.servicer", Kind.SERVICE, GpuRule.MODEL),
     Role("env", "rlfabric.env.servicer", Kind.ENVIRONMENT, GpuRule.NONE),

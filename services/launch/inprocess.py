@@ -45,7 +45,7 @@ from rlfabric.core.roles import ROLE_TABLE, Kind
 from rlfabric.critic.client import LocalCriticClient
 from rlfabric.env.client import LocalEnvClient
 from rlfabric.launch.local import prepare_run_dir, service_names
-from rlfabric.reference.client import LocalReferenceClient
+from rlfabric.reference.client import LocalReferenceClient, LocalTeacherClient
 from rlfabric.reward.client import LocalRewardClient
 from rlfabric.rollout.agent_rollout import AgentRollouts
 from rlfabric.rollout.client import LocalRolloutClient
@@ -187,6 +187,7 @@ class InProcessMesh:
             actor=lambda address: LocalActorClient(engines[address]),
             reference=lambda address: LocalReferenceClient(engines[address]),
             critic=lambda address: LocalCriticClient(engines[address]),
+            teacher=lambda address: LocalTeacherClient(engines[address]),
             rollout=lambda addresses: RolloutRouter(addresses, max_attempts=config.trainer.rollout_retries + 1,
                                                     clients=[LocalRolloutClient(engines[a], self.agents[a])
                                                              for a in addresses]),

@@ -177,13 +177,14 @@ def check_model(config: RunConfig) -> None:
     from rlfabric.core.lora import check_lora_fits
     from rlfabric.core.moe import check_moe_settings
     from rlfabric.rollout.tensor_parallel import check_model_splits
-    from rlfabric.trainer.models import check_policy_model
+    from rlfabric.trainer.models import check_policy_model, check_teacher_tokenizer
     from rlfabric.trainer.tensor_parallel import check_splits as check_trainer_splits
 
     try:
         check_policy_model(config.model.path, config.model.trust_remote_code)
         if config.actor.lora.enabled:  # the adapters' targets and rank against the model's layers
             check_lora_fits(config.model.path, config.actor.lora, config.model.trust_remote_code)
+        check_teacher_tokenizer(config)  # algorithm.distill: the teacher's tokenizer is the policy's
     except ValueError as error:
         raise ConfigError(str(error)) from None
     check_model_splits(config)  # rollout.tensor_parallel_size against the model's heads

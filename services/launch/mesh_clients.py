@@ -20,7 +20,7 @@ from rlfabric.core.client import ChannelOptions, ServiceClient
 from rlfabric.core.config import ConfigError, load_config
 from rlfabric.critic.client import CriticClient
 from rlfabric.env.client import EnvClient
-from rlfabric.reference.client import ReferenceClient
+from rlfabric.reference.client import ReferenceClient, TeacherClient
 from rlfabric.reward.client import RewardClient
 from rlfabric.rollout.client import RolloutClient
 
@@ -33,6 +33,7 @@ class MeshClients:
     actor: ActorClient | None = None
     reference: ReferenceClient | None = None
     critic: CriticClient | None = None
+    teacher: TeacherClient | None = None
     rollout: list[RolloutClient] = field(default_factory=list)  # one per replica: rollout-0, rollout-1, ...
     reward: list[RewardClient] = field(default_factory=list)
     env: EnvClient | None = None  # with the environment link's own token (env.auth_token_file)
@@ -40,7 +41,7 @@ class MeshClients:
 
     def clients(self) -> list[ServiceClient]:
         """Every client, the coordinator first."""
-        singles = [self.actor, self.reference, self.critic, self.env]
+        singles = [self.actor, self.reference, self.critic, self.teacher, self.env]
         return [self.coordinator, *(c for c in singles if c is not None), *self.rollout, *self.reward]
 
     async def close(self) -> None:
@@ -84,6 +85,7 @@ def connect_to_run(run_dir: Path) -> MeshClients:
         actor=first(ActorClient),
         reference=first(ReferenceClient),
         critic=first(CriticClient),
+        teacher=first(TeacherClient),
         rollout=[RolloutClient(address, options) for address in addresses(RolloutClient)],
         reward=[RewardClient(address, options) for address in addresses(RewardClient)],
         env=first(EnvClient, ChannelOptions.for_env(config)) if addresses(EnvClient) else None,

@@ -76,6 +76,7 @@ def check_model_paths(config: RunConfig, report: CheckReport) -> str:
     else:
         check_model_directory(str(report.model_dir))
     others = [("critic.model_path", config.critic.model_path if config.uses_critic() else ""),
+              ("teacher.model_path", config.teacher.model_path if config.uses_teacher() else ""),
               ("reward.model_path", config.reward.model_path)]
     for key, path in others:
         if path:

@@ -1,5 +1,6 @@
 """Clients of the reference service: ReferenceInterface (what the coordinator calls), over gRPC
-(ReferenceClient), and in this process (LocalReferenceClient). The reference for free under LoRA, the actor's base model, is
+(ReferenceClient), and in this process (LocalReferenceClient); the teacher's (algorithm.distill), a reference of
+another model, the same three as TeacherInterface, TeacherClient and LocalTeacherClient. The reference for free under LoRA, the actor's base model, is
 rlfabric.coordinator.peers.ActorAsReference."""
 
 from __future__ import annotations
@@ -88,3 +89,18 @@ class LocalReferenceClient(LocalTrainerClient, ReferenceInterface):
 
     async def receive_weights(self, manifest: Manifest, timeout_s: float | None = None) -> WeightSwap:
         return await self.engine.weight_sync.receive(manifest)
+
+
+class TeacherInterface(ReferenceInterface):
+    """The teacher of on-policy distillation (algorithm.distill): a reference service holding teacher.model_path,
+    whose log-probs score the student's samples. It is never synced: its weight-sync calls are refused."""
+
+    role = "teacher"
+
+
+class TeacherClient(ReferenceClient, TeacherInterface):
+    """TeacherInterface over gRPC (the ReferenceService's wire)."""
+
+
+class LocalTeacherClient(LocalReferenceClient, TeacherInterface):
+    """TeacherInterface over a TrainerEngine("teacher") in this process."""

@@ -177,3 +177,40 @@ def check_policy_model(path: str, trust_remote_code: bool = False) -> None:
     if not tokenizer.chat_template:
         raise ValueError(f"model.path {path}: the tokenizer has no chat template, and prompts are chat messages "
                          "(VeRL's schema); add one (tokenizer_config.json chat_template or chat_template.jinja)")
+
+
+def check_teacher_tokenizer(config: RunConfig) -> None:
+    """With algorithm.distill: the teacher (teacher.model_path) scores the student's token ids, so its tokenizer
+    must be the policy's (model.path): the same vocabulary (token -> id) and the same special tokens. ValueError
+    naming teacher.model_path and the first difference otherwise."""
+    if not config.algorithm.distill.enable:
+        return
+    from transformers import AutoTokenizer
+
+    path, trust = config.teacher.model_path, config.model.trust_remote_code
+    check_model_directory(path, "teacher.model_path")
+    try:
+        teacher = AutoTokenizer.from_pretrained(path, trust_remote_code=trust)
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise ValueError(f"teacher.model_path {path}: the tokenizer does not load: {error}") from None
+    student = AutoTokenizer.from_pretrained(config.model.path, trust_remote_code=trust)
+    difference = _tokenizer_difference(student, teacher)
+    if difference:
+        raise ValueError(f"teacher.model_path {path}: its tokenizer is not model.path's ({difference}); algorithm.distill "
+                         "scores the student's token ids under the teacher, so the two models need one tokenizer")
+
+
+def _tokenizer_difference(student, teacher) -> str:
+    """The first way two tokenizers differ in the ids they give, in words; "" when they agree."""
+    student_vocab, teacher_vocab = student.get_vocab(), teacher.get_vocab()
+    if len(student_vocab) != len(teacher_vocab):
+        return f"{len(teacher_vocab)} tokens against the student's {len(student_vocab)}"
+    for token, token_id in student_vocab.items():
+        if teacher_vocab.get(token) != token_id:
+            return f"token {token!r} is id {teacher_vocab.get(token)} against the student's {token_id}"
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id"):
+        if getattr(student, name) != getattr(teacher, name):
+            return f"{name} {getattr(teacher, name)} against the student's {getattr(student, name)}"
+    if sorted(student.all_special_tokens) != sorted(teacher.all_special_tokens):
+        return f"special tokens {sorted(teacher.all_special_tokens)} against the student's {sorted(student.all_special_tokens)}"
+    return ""

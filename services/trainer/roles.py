@@ -9,6 +9,9 @@ loader read the fields and never the name.
 | actor     | policy | yes       | sends    | PolicyObjective   |
 | reference | policy | no        | receives | (none)            |
 | critic    | value  | yes       | neither  | ValueObjective    |
+| teacher   | policy | no        | neither  | (none)            |
+
+The teacher (on-policy distillation) is a reference of another model: teacher.model_path, never synced.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ class RoleSpec:
     sends_weights: bool  # the actor: its weights go to the rollout and the reference
     receives_weights: bool  # the reference: it serves the actor's weights after a sync
     takes_lora: bool  # actor.lora applies to this role's model
-    has_own_model_path: bool  # critic.model_path may name another model than model.path
+    has_own_model_path: bool  # critic.model_path (teacher.model_path) may name another model than model.path
 
     @property
     def trains_policy(self) -> bool:
@@ -34,11 +37,11 @@ class RoleSpec:
         return self.trainable and not self.value_head
 
     def section(self, config: RunConfig):
-        """The role's config section (config.actor, config.reference or config.critic)."""
+        """The role's config section (config.actor, config.reference, config.critic or config.teacher)."""
         return getattr(config, self.name)
 
     def model_path(self, config: RunConfig) -> str:
-        """The directory the role loads: model.path, or the critic's own critic.model_path when set."""
+        """The directory the role loads: model.path, or the role's own <role>.model_path when set."""
         if self.has_own_model_path and self.section(config).model_path:
             return self.section(config).model_path
         if not config.model.path:
@@ -63,12 +66,14 @@ ROLES = {
                           receives_weights=True, takes_lora=False, has_own_model_path=False),
     "critic": RoleSpec("critic", value_head=True, trainable=True, sends_weights=False, receives_weights=False,
                        takes_lora=False, has_own_model_path=True),
+    "teacher": RoleSpec("teacher", value_head=False, trainable=False, sends_weights=False, receives_weights=False,
+                        takes_lora=False, has_own_model_path=True),
 }
 TRAINER_ROLES = tuple(ROLES)
 
 
 def role_spec(role: str) -> RoleSpec:
-    """The spec of "actor", "reference" or "critic"; ValueError naming the three otherwise."""
+    """The spec of "actor", "reference", "critic" or "teacher"; ValueError naming them otherwise."""
     try:
         return ROLES[role]
     except KeyError:

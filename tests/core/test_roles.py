@@ -26,19 +26,19 @@ def test_every_row_names_a_servicer_module_and_its_config_sections(name):
 def test_the_trainer_rows_are_the_trainers_role_specs():
     from rlfabric.trainer.roles import ROLES as SPECS
 
-    assert TRAINER_ROLES == tuple(SPECS) == ("actor", "reference", "critic")
+    assert TRAINER_ROLES == tuple(SPECS) == ("actor", "reference", "critic", "teacher")
 
 
 def test_roles_in_use_follow_the_table_with_the_coordinator_last():
     every_role = load_config(None, ["algorithm.adv_estimator=gae", "actor.use_kl_loss=true", "reference.enable=true",
-                                    "env.enable=true"])
+                                    "env.enable=true", "algorithm.distill.enable=true", "teacher.model_path=teacher"])
     assert every_role.roles_in_use() == list(ROLES)
     assert load_config(None, []).roles_in_use() == ["actor", "rollout", "reward", "coordinator"]  # the quickstart
     assert ROLE_TABLE[ROLES[-1]].kind is Kind.COORDINATOR
 
 
 def test_an_unknown_role_is_refused_naming_the_roles():
-    with pytest.raises(ValueError, match="unknown role 'critc'; roles are actor, reference, critic, rollout"):
+    with pytest.raises(ValueError, match="unknown role 'critc'; roles are actor, reference, critic, teacher, rollout"):
         role_of("critc")
     with pytest.raises(ValueError, match="unknown role 'critc'"):
         build_service("critc", RunConfig())

@@ -38,9 +38,9 @@ FULLNAME = f"{RELEASE}-rlfabric"
 KUBE_VERSION = "1.30.0"
 MONITORING_API = "monitoring.coreos.com/v1"
 
-ROLES = ("actor", "reference", "critic", "rollout", "reward", "env", "coordinator")
+ROLES = ("actor", "reference", "critic", "teacher", "rollout", "reward", "env", "coordinator")
 MULTI_RANK = ("actor", "critic")
-CLUSTER_ROLES = ("actor", "reference", "critic", "rollout", "reward", "env")
+CLUSTER_ROLES = ("actor", "reference", "critic", "teacher", "rollout", "reward", "env")
 STANDARD_LABELS = (
     "app.kubernetes.io/name",
     "app.kubernetes.io/instance",
@@ -159,8 +159,9 @@ def deployed(values: dict[str, Any], role: str) -> bool:
         return bool(enabled)
     config = values.get("config") or {}
     deciding = {section: {key: config[section][key] for key in keys if key in config.get(section, {})}
-                for section, keys in (("algorithm", ("adv_estimator", "use_kl_in_reward")),
-                                      ("actor", ("use_kl_loss",)), ("reference", ("enable",)), ("env", ("enable",)))}
+                for section, keys in (("algorithm", ("adv_estimator", "use_kl_in_reward", "distill")),
+                                      ("actor", ("use_kl_loss",)), ("reference", ("enable",)), ("env", ("enable",)),
+                                      ("teacher", ("model_path",)))}
     return role in config_from_dict(deciding).roles_in_use()
 
 

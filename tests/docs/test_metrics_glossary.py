@@ -9,7 +9,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 NAMESPACES = ("actor", "critic", "timing_s", "perf", "rollout", "rollout_corr", "reward", "dynamic_sampling",
-              "response_length", "prompt_length", "weight_sync", "memory", "val-core", "agent")
+              "response_length", "prompt_length", "weight_sync", "memory", "val-core", "agent",
+              "distill")
 STATISTICS = ("mean", "max", "min")
 
 

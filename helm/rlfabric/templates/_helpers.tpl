@@ -32,7 +32,7 @@ stay within the 63-character limit.
 
 {{/* All roles, in start-up order. */}}
 {{- define "rlfabric.roleNames" -}}
-actor reference critic rollout reward env coordinator
+actor reference critic teacher rollout reward env coordinator
 {{- end }}
 
 {{/* Roles whose replicas are the ranks of one torch.distributed group (rank 0 serves gRPC). */}}
@@ -145,7 +145,8 @@ Images and ports
 "true" when the role is deployed, else "": roles.<role>.enabled true, or "auto" and the run config
 uses the role, as the launchers decide (rlfabric RunConfig.roles_in_use): a critic only for GAE, a
 reference only when reference.enable (default true), a KL term reads it and the actor has no LoRA
-adapters (with them, the actor's base model is the reference), an env only when env.enable. An env
+adapters (with them, the actor's base model is the reference), a teacher only when algorithm.distill.enable,
+an env only when env.enable. An env
 given as roles.env.external is never deployed. Args: dict ctx role.
 */}}
 {{- define "rlfabric.roleEnabled" -}}
@@ -160,6 +161,8 @@ given as roles.env.external is never deployed. Args: dict ctx role.
 {{- if eq (toString ($algorithm.adv_estimator | default "grpo")) "gae" }}true{{ end }}
 {{- else if eq .role "env" }}
 {{- if (get $config "env" | default dict).enable }}true{{ end }}
+{{- else if eq .role "teacher" }}
+{{- if ($algorithm.distill | default dict).enable }}true{{ end }}
 {{- else if eq .role "reference" }}
 {{- $on := or (not (hasKey $reference "enable")) $reference.enable }}
 {{- $lora := $actor.lora | default dict }}
@@ -244,7 +247,7 @@ Run config
 {{- $_ := set $cfg "tracing" $tracing }}
 {{- end }}
 {{- $cluster := dict }}
-{{- range $role := list "actor" "reference" "critic" "rollout" "reward" "env" }}
+{{- range $role := list "actor" "reference" "critic" "teacher" "rollout" "reward" "env" }}
 {{- $addrs := include "rlfabric.addresses" (dict "ctx" $ "role" $role "port" $.Values.ports.grpc) | fromYamlArray }}
 {{- $_ := set $cluster $role $addrs }}
 {{- end }}
@@ -627,7 +630,7 @@ the GPU UUIDs the services report. A forced nccl with the actor or the rollout o
 {{- $nodes := int ($pool.nodes | default 1) }}
 {{- $pods := 0 }}
 {{- $members := list }}
-{{- range $role := list "actor" "reference" "critic" "rollout" "reward" "env" }}
+{{- range $role := list "actor" "reference" "critic" "teacher" "rollout" "reward" "env" }}
 {{- $args := dict "ctx" $ "role" $role }}
 {{- if and (eq (include "rlfabric.resourcePool" $args) $name) (include "rlfabric.roleEnabled" $args) }}
 {{- $replicas := int (index $.Values.roles $role).replicas }}

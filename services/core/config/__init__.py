@@ -13,7 +13,7 @@ The built-in default (`rlfabric/quickstart/quickstart.yaml`) is the quickstart.
 
 from __future__ import annotations
 
-from rlfabric.core.config.actor import ActorConfig, CriticConfig, LoraConfig, ReferenceConfig
+from rlfabric.core.config.actor import ActorConfig, CriticConfig, LoraConfig, ReferenceConfig, TeacherConfig
 from rlfabric.core.config.agent import AgentConfig, GatewayConfig
 from rlfabric.core.config.algorithm import AlgorithmConfig, FilterGroupsConfig, RolloutCorrectionConfig
 from rlfabric.core.config.base import DEFAULT_CONFIG_NAME, LOSS_MODE_AGGREGATION, ConfigError, Section
@@ -75,6 +75,7 @@ __all__ = [
     "ActorConfig",
     "ReferenceConfig",
     "CriticConfig",
+    "TeacherConfig",
     "MultiTurnConfig",
     "RolloutConfig",
     "CustomSandboxConfig",

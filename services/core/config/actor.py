@@ -170,6 +170,19 @@ class ReferenceConfig(ModelRoleSection):
     (1 - alpha) * ref; 1 = the sent weights as they are."""
 
 
+class TeacherConfig(ModelRoleSection):
+    """The teacher of on-policy distillation (algorithm.distill): a frozen model that scores the student's
+    sampled tokens, served like the reference (log-probs only) from a model of its own, in its own pool."""
+
+    model_path: str = ""
+    """Teacher model directory (a Hugging Face model); its tokenizer must be the policy's (model.path): the
+    same vocabulary, ids and special tokens, checked before the run. Needed with algorithm.distill.enable."""
+    log_prob_micro_batch_size_per_gpu: int = Field(16, ge=1)
+    """Rows per forward on one rank in ComputeLogProbs."""
+    max_tokens_per_micro_batch: int = Field(0, ge=0)
+    """Token budget (rows x padded length) per micro-batch on one rank; 0 = fixed row counts."""
+
+
 class CriticConfig(ModelRoleSection):
     """The critic: the value model's optimizer, batch sizes and value loss (GAE only)."""
 

@@ -1,4 +1,4 @@
-"""algorithm: advantages, KL, rollout correction, dynamic sampling."""
+"""algorithm: advantages, KL, rollout correction, dynamic sampling, on-policy distillation."""
 
 from __future__ import annotations
 
@@ -56,8 +56,23 @@ class FilterGroupsConfig(Section):
     reaches it with fewer groups than its batch needs fails (FAILED_PRECONDITION), as in VeRL."""
 
 
+class DistillConfig(Section):
+    """On-policy distillation: the student (the actor) samples, the teacher (the `teacher` role, teacher.model_path)
+    scores every sampled token, and each token's reverse KL log pi_student - log pi_teacher is its training
+    signal, as a per-token advantage (docs/distillation.md)."""
+
+    enable: bool = False
+    """Run a teacher service and train on the per-token reverse KL to it: advantage_t = -weight * (log
+    pi_student(y_t) - log pi_teacher(y_t)) on the sampled tokens (no discount: each token's own)."""
+    weight: float = Field(1.0, gt=0)
+    """The reverse-KL term's coefficient in the advantages."""
+    use_task_reward: bool = False
+    """Add the task reward's advantages (adv_estimator on the reward service's scores) to the distillation
+    term; false = the teacher's signal alone (the scores are still computed and reported)."""
+
+
 class AlgorithmConfig(Section):
-    """The RL algorithm: advantage estimator, KL in the reward, rollout correction and plugins."""
+    """The RL algorithm: advantage estimator, KL in the reward, rollout correction, distillation and plugins."""
 
     adv_estimator: str = "grpo"
     """Advantage estimator, VeRL's names: gae, grpo, rloo, reinforce_plus_plus, remax, grpo_passk,
@@ -99,7 +114,7 @@ class AlgorithmConfig(Section):
     old_log_prob_source: Literal["auto", "actor", "rollout"] = "auto"
     """Where the PPO ratio's old log-probs come from. auto: a separate actor forward pass, skipped when the
     update is one optimizer step (one mini-batch, actor.ppo_epochs 1) and nothing reads them before it (KL
-    in the reward, rollout correction): the actor then takes them inside that step from the policy it is
+    in the reward, rollout correction, algorithm.distill): the actor then takes them inside that step from the policy it is
     updating; perf/old_log_prob_forward says which (1 = the forward pass ran). actor: always the forward
     pass (the rollout_corr/* metrics need it). rollout: the rollout engine's log-probs of the sampled tokens
     (no forward pass; VeRL's bypass mode): the ratio is then taken against the policy that sampled, so the
@@ -114,6 +129,8 @@ class AlgorithmConfig(Section):
     (rlfabric.algorithms.plugins). Only the mesh's own config may name them: a StartRun cannot add one."""
     filter_groups: FilterGroupsConfig = FilterGroupsConfig()
     """Dynamic sampling (DAPO): groups whose samples all scored alike are dropped and more prompts drawn."""
+    distill: DistillConfig = DistillConfig()
+    """On-policy distillation from a teacher model (the teacher section holds its model and resources)."""
 
     @model_validator(mode="after")
     def _gdpo_components(self) -> AlgorithmConfig:

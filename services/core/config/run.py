@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import model_validator
 
-from rlfabric.core.config.actor import ActorConfig, CriticConfig, ReferenceConfig
+from rlfabric.core.config.actor import ActorConfig, CriticConfig, ReferenceConfig, TeacherConfig
 from rlfabric.core.config.agent import AgentConfig
 from rlfabric.core.config.algorithm import AlgorithmConfig
 from rlfabric.core.config.base import Section
@@ -44,6 +44,7 @@ class RunConfig(Section):
     actor: ActorConfig = ActorConfig()
     reference: ReferenceConfig = ReferenceConfig()
     critic: CriticConfig = CriticConfig()
+    teacher: TeacherConfig = TeacherConfig()
     rollout: RolloutConfig = RolloutConfig()
     reward: RewardConfig = RewardConfig()
     env: EnvConfig = EnvConfig()
@@ -159,6 +160,13 @@ class RunConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _distill_has_a_teacher(self) -> RunConfig:
+        if self.algorithm.distill.enable and not self.teacher.model_path:
+            raise ValueError("algorithm.distill.enable needs teacher.model_path: the teacher model's directory (its "
+                             "tokenizer must be model.path's)")
+        return self
+
+    @model_validator(mode="after")
     def _sglang_takes_a_process_group(self) -> RunConfig:
         if self.rollout.engine == "sglang" and self.weight_sync.transport in ("grpc", "cuda_ipc"):
             raise ValueError(f"weight_sync.transport {self.weight_sync.transport} cannot reach an SGLang server, which "
@@ -211,7 +219,12 @@ class RunConfig(Section):
         (with LoRA it can: the base model is the actor with its adapters off)."""
         return self.needs_reference_log_probs() and not self.actor.lora.enabled
 
+    def uses_teacher(self) -> bool:
+        """On-policy distillation: a teacher service scores the student's samples."""
+        return self.algorithm.distill.enable
+
     def roles_in_use(self) -> list[str]:
         """The roles a run of this config calls, in start order: the launchers start only these."""
-        optional = {"reference": self.uses_reference(), "critic": self.uses_critic(), "env": self.env.enable}
+        optional = {"reference": self.uses_reference(), "critic": self.uses_critic(), "teacher": self.uses_teacher(),
+                    "env": self.env.enable}
         return [role for role in ROLES if optional.get(role, True)]

@@ -81,6 +81,8 @@ class ClusterConfig(Section):
     """Reference service address(es)."""
     critic: list[str] = []
     """Critic service address(es)."""
+    teacher: list[str] = []
+    """Teacher service address(es) (algorithm.distill)."""
     rollout: list[str] = []
     """Rollout replicas; the coordinator routes over all of them."""
     reward: list[str] = []
