@@ -41,7 +41,12 @@ from rlfabric.reward.items import STATUS_CRASHED, STATUS_ERROR, STATUS_TIMEOUT, 
 from rlfabric.reward.judge import JUDGE_FAILURE_REASONS, JudgeScorer
 from rlfabric.reward.model_batcher import ModelBatcher
 from rlfabric.reward.overlong import OverlongConfig
-from rlfabric.reward.registry import UnknownDataSourceError, load_scorer_modules, registered_data_sources
+from rlfabric.reward.registry import (
+    UnknownDataSourceError,
+    has_scorer,
+    load_scorer_modules,
+    registered_data_sources,
+)
 from rlfabric.reward.scoring import (
     ScorerThreads,
     ScoringConfig,
@@ -110,8 +115,8 @@ def unscored_sources(config: RewardConfig, sources: Iterable[str]) -> list[str]:
     them (scorers registered until now count), when reward.default_score_for_unknown is not set."""
     if config.default_score_for_unknown is not None:
         return []
-    router, known = ScorerRouter.from_config(config), set(registered_data_sources())
-    return sorted(source for source in set(sources) if router.route(source) == RULES and source not in known)
+    router = ScorerRouter.from_config(config)
+    return sorted(source for source in set(sources) if router.route(source) == RULES and not has_scorer(source))
 
 
 def unscored_sources_advice(config: RewardConfig, unscored: Sequence[str]) -> str:
