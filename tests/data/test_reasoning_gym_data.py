@@ -125,3 +125,22 @@ def test_bad_configs_name_the_key(tmp_path):
     )
     with pytest.raises(InvalidArgument, match="nope"):
         load_datasets(run, tmp_path, build_tokenizer())
+
+
+def test_rlfabric_check_names_a_dataset_the_library_lacks_before_anything_starts():
+    import yaml
+
+    from rlfabric.core.config import load_run_config
+    from rlfabric.core.config.loading import default_config_path
+    from rlfabric.launch.preflight import check_run
+
+    def problems(datasets):
+        tree = yaml.safe_load(default_config_path().read_text())
+        tree["data"].update(builtin_task="reasoning_gym", reasoning_gym={"datasets": datasets})
+        return check_run(load_run_config(tree), ("files",)).problems
+
+    assert problems({"chain_sum": {}}) == []
+    (problem,) = problems({"chain_sums": {}})
+    assert problem.startswith(
+        "data.reasoning_gym.datasets: chain_sums is not one of reasoning-gym's datasets"
+    )

@@ -60,7 +60,7 @@ class ReasoningGymConfig(Section):
     """Validation rows: the entries after the training ones (a question already in training is left out);
     0 = none."""
     system_prompt: str = "default"
-    """A name in reasoning_gym.utils.SYSTEM_PROMPTS (default asks for the answer in <answer> tags, which the
+    """A name in reasoning_gym.utils.SYSTEM_PROMPTS (default asks for the answer in `<answer>` tags, which the
     scorer reads), or the system message's text; empty = no system message."""
 
 
