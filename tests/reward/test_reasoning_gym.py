@@ -177,3 +177,23 @@ def test_the_caches_are_bounded_and_hand_out_copies():
     _, entry = cache.get(sources[-1])
     entry["answer"] = "changed"
     assert cache.get(sources[-1])[1]["answer"] != "changed"
+
+
+def test_an_unknown_dataset_is_refused_before_scoring_and_the_advice_names_the_extra():
+    from rlfabric.reward.engine import unscored_sources, unscored_sources_advice
+
+    config = RewardConfig()
+    sources = ["reasoning_gym/chain_sum", "reasoning_gym/no_such_set"]
+    assert unscored_sources(config, sources) == ["reasoning_gym/no_such_set"]
+    assert "pip install 'rlfabric[reasoning-gym]'" in unscored_sources_advice(
+        config, ["reasoning_gym/no_such_set"]
+    )
+
+
+def test_a_family_whose_library_is_missing_says_which_extra_installs_it(monkeypatch):
+    from rlfabric.reward import registry
+
+    monkeypatch.setitem(registry.SCORER_FAMILIES, "other_gym/", ("no_such_module_for_this_test", "other-gym"))
+    with pytest.raises(registry.UnknownDataSourceError, match=r"pip install 'rlfabric\[other-gym\]'"):
+        registry.get_scorer("other_gym/x")
+    assert not registry.has_scorer("other_gym/x")
