@@ -12,8 +12,11 @@ first steps score about TAGGED_SHARE; RL has to find out that the tags pay.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import random
+import shutil
+from importlib import metadata
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -27,6 +30,7 @@ import reasoning_gym  # noqa: E402
 
 from rlfabric.core.config import load_config  # noqa: E402
 from rlfabric.core.config.loading import default_config_path  # noqa: E402
+from rlfabric.core.model_cache import built_once  # noqa: E402
 from rlfabric.data.reasoning_gym import write_reasoning_gym  # noqa: E402
 from rlfabric.launch.inprocess import InProcessMesh  # noqa: E402
 from rlfabric.quickstart.tiny_model import make_tiny_model  # noqa: E402
@@ -35,6 +39,8 @@ from rlfabric.v1 import coordinator_pb2  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
+SERVICES = Path(__file__).resolve().parents[2] / "services"
+WEIGHT_SOURCES = ("quickstart/tiny_model.py", "quickstart/warm_start.py", "data/reasoning_gym.py")
 TAGGED_SHARE = 0.25  # of the warm start's targets: the rest are the bare answer
 ROWS = 32
 STEPS = 10
@@ -110,15 +116,30 @@ def warm_start(model_dir: Path, rows: list[dict], steps: int = 300, seed: int = 
     model.save_pretrained(model_dir)
 
 
-@pytest.fixture(scope="module")
-def knows_the_sums(tmp_path_factory) -> Path:
-    directory = tmp_path_factory.mktemp("chain_sum_model")
+def build_model(directory: Path) -> None:
     make_tiny_model(directory, initializer_range=QUICKSTART_INIT_RANGE, seed=0)
     rows_path = write_reasoning_gym(directory / "rows", load_config({"data": DATA}).data.reasoning_gym)[
         "train"
     ]
     warm_start(directory, pq.read_table(rows_path).to_pylist())
-    return directory
+    shutil.rmtree(directory / "rows")
+
+
+@pytest.fixture(scope="module")
+def knows_the_sums() -> Path:
+    """The warm-started model (about a minute of CPU), built once per machine in the model cache: its name carries
+    a digest of what decides its weights (this file, the tiny model, the warm start's loop, the rows' writer, and
+    the libraries' versions)."""
+    digest = hashlib.sha256()
+    for path in (Path(__file__), *(SERVICES / name for name in WEIGHT_SOURCES)):
+        digest.update(path.read_bytes())
+    for library in ("torch", "transformers", "reasoning_gym"):
+        digest.update(f"{library}=={metadata.version(library)}".encode())
+    return built_once(
+        f"chain-sum-tagged-{digest.hexdigest()[:16]}",
+        build_model,
+        about={"built_by": f"{__name__}.build_model", "tagged_share": TAGGED_SHARE},
+    )
 
 
 def test_grpo_raises_the_chain_sum_reward(knows_the_sums, tmp_path):
