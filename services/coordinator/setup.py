@@ -32,6 +32,7 @@ from rlfabric.core.host import load_tokenizer
 from rlfabric.core.start_phases import StartPhases
 from rlfabric.data.dataset import DatasetError, RLHFDataset
 from rlfabric.data.prep import write_arithmetic, write_lookup, write_synthetic
+from rlfabric.data.reasoning_gym import write_reasoning_gym
 from rlfabric.trainer.models import check_policy_model, check_teacher_tokenizer
 
 log = logging.getLogger("rlfabric.coordinator")
@@ -42,9 +43,16 @@ def load_datasets(config: RunConfig, run_dir: Path, tokenizer) -> tuple[RLHFData
     data = config.data
     train_files, val_files = list(data.train_files), list(data.val_files)
     if not train_files:
-        write = {"arithmetic": write_arithmetic, "lookup": write_lookup}.get(data.builtin_task, write_synthetic)
-        paths = write(run_dir / "data" / data.builtin_task)
-        train_files, val_files = [str(paths["train"])], val_files or [str(paths["val"])]
+        out = run_dir / "data" / data.builtin_task
+        if data.builtin_task == "reasoning_gym":
+            try:
+                paths = write_reasoning_gym(out, data.reasoning_gym)
+            except ConfigError as error:
+                raise InvalidArgument(str(error)) from None
+        else:
+            write = {"arithmetic": write_arithmetic, "lookup": write_lookup}.get(data.builtin_task, write_synthetic)
+            paths = write(out)
+        train_files, val_files = [str(paths["train"])], val_files or ([str(paths["val"])] if "val" in paths else [])
     try:
         kwargs = dict(tokenizer=tokenizer, max_prompt_length=data.max_prompt_length, truncation=data.truncation,
                       filter_overlong_prompts=data.filter_overlong_prompts)

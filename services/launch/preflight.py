@@ -94,6 +94,11 @@ def check_data_files(config: RunConfig, report: CheckReport) -> str:
             check_columns(path)
         except ValueError as error:
             raise ValueError(f"{key}: {error}") from None
+    if not config.data.train_files and config.data.builtin_task == "reasoning_gym":
+        from rlfabric.data.reasoning_gym import build_mix
+
+        build_mix(config.data.reasoning_gym)  # the library is there and takes every dataset's config
+        return f"data: reasoning-gym's {', '.join(config.data.reasoning_gym.datasets)}, written at the start"
     if not config.data.train_files:
         return f"data: the built-in task {config.data.builtin_task}, written at the start"
     return f"data: {len(files)} file(s) with the columns of VeRL's schema"

@@ -1,5 +1,6 @@
 """Reward scoring: rule-based scorers (GSM8K, MATH) as VeRL scores them, a registry keyed by
-data_source, user functions in a sandboxed worker pool, the DAPO overlong penalty, and
+data_source, reasoning-gym's own scorers (rlfabric.reward.reasoning_gym, imported on the first
+reasoning_gym/* lookup), user functions in a sandboxed worker pool, the DAPO overlong penalty, and
 (in rlfabric.reward.model_reward, which imports torch) reward models.
 
     from rlfabric.reward import ScoreItem, score_items

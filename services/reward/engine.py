@@ -41,7 +41,13 @@ from rlfabric.reward.items import STATUS_CRASHED, STATUS_ERROR, STATUS_TIMEOUT, 
 from rlfabric.reward.judge import JUDGE_FAILURE_REASONS, JudgeScorer
 from rlfabric.reward.model_batcher import ModelBatcher
 from rlfabric.reward.overlong import OverlongConfig
-from rlfabric.reward.registry import UnknownDataSourceError, load_scorer_modules, registered_data_sources
+from rlfabric.reward.registry import (
+    SCORER_FAMILIES,
+    UnknownDataSourceError,
+    has_scorer,
+    load_scorer_modules,
+    registered_data_sources,
+)
 from rlfabric.reward.scoring import (
     ScorerThreads,
     ScoringConfig,
@@ -110,8 +116,8 @@ def unscored_sources(config: RewardConfig, sources: Iterable[str]) -> list[str]:
     them (scorers registered until now count), when reward.default_score_for_unknown is not set."""
     if config.default_score_for_unknown is not None:
         return []
-    router, known = ScorerRouter.from_config(config), set(registered_data_sources())
-    return sorted(source for source in set(sources) if router.route(source) == RULES and source not in known)
+    router = ScorerRouter.from_config(config)
+    return sorted(source for source in set(sources) if router.route(source) == RULES and not has_scorer(source))
 
 
 def unscored_sources_advice(config: RewardConfig, unscored: Sequence[str]) -> str:
@@ -119,9 +125,11 @@ def unscored_sources_advice(config: RewardConfig, unscored: Sequence[str]) -> st
     other = [f"reward.{key}" for key, path in (("model_sources", config.model_path),
                                                ("custom_sources", config.custom_path),
                                                ("judge.data_sources", config.judge.addresses)) if path]
+    extras = [f"; {prefix}* scorers come with pip install 'rlfabric[{extra}]'"
+              for prefix, (_, extra) in SCORER_FAMILIES.items() if any(s.startswith(prefix) for s in unscored)]
     return (f"unknown data_source {', '.join(map(repr, unscored))}; registered: "
             f"{', '.join(registered_data_sources())} (or set reward.default_score_for_unknown"
-            + "".join(f", or list it in {key}" for key in other) + ")")
+            + "".join(f", or list it in {key}" for key in other) + ")" + "".join(extras))
 
 
 class RewardEngine:

@@ -7,6 +7,7 @@ compute_score_kwargs (e.g. ``method="flexible"`` for GSM8K); a scorer that takes
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from typing import Any
 
@@ -22,13 +23,18 @@ GSM8K_DATA_SOURCES = ("openai/gsm8k", "rlfabric/lookup")
 MATH_DATA_SOURCES = ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500")
 
 
+# Data sources whose scorers an optional extra's module registers when it is imported, on the first lookup of
+# one of them (its library costs seconds to import): prefix -> (module, the extra that installs its library).
+SCORER_FAMILIES = {"reasoning_gym/": ("rlfabric.reward.reasoning_gym", "reasoning-gym")}
+
+
 class UnknownDataSourceError(NotImplementedError):
     """No scorer is registered for a data_source (a NotImplementedError, as VeRL raises)."""
 
-    def __init__(self, data_source: str):
+    def __init__(self, data_source: str, reason: str = ""):
         super().__init__(
             f"Reward function is not implemented for data_source={data_source!r}; "
-            f"registered: {', '.join(registered_data_sources())}"
+            + (reason or f"registered: {', '.join(registered_data_sources())}")
         )
         self.data_source = data_source
 
@@ -58,11 +64,35 @@ def load_scorer_modules(modules: list[str]) -> None:
 
 
 def get_scorer(data_source: str) -> Scorer:
-    """The scorer registered for data_source; UnknownDataSourceError if there is none."""
+    """The scorer registered for data_source (a SCORER_FAMILIES module is imported for it first); an
+    UnknownDataSourceError if there is none."""
+    if data_source not in _SCORERS:
+        _load_family(data_source)
     try:
         return _SCORERS[data_source]
     except KeyError:
         raise UnknownDataSourceError(data_source) from None
+
+
+def has_scorer(data_source: str) -> bool:
+    """Whether get_scorer(data_source) finds a scorer."""
+    try:
+        get_scorer(data_source)
+    except UnknownDataSourceError:
+        return False
+    return True
+
+
+def _load_family(data_source: str) -> None:
+    """Imports the module that registers data_source's family, if it has one; UnknownDataSourceError naming the
+    extra when its library is not installed."""
+    for prefix, (module, extra) in SCORER_FAMILIES.items():
+        if data_source.startswith(prefix):
+            try:
+                importlib.import_module(module)
+            except ModuleNotFoundError as error:
+                raise UnknownDataSourceError(data_source, f"its scorer needs {error.name}: pip install "
+                                                          f"'rlfabric[{extra}]'") from None
 
 
 def registered_data_sources() -> list[str]:

@@ -68,3 +68,15 @@ def test_the_agent_example_validates_as_a_run():
     assert config.agent.runs_agents() and config.agent.runner == "subprocess"
     assert config.agent.entrypoint == "examples/agents/lookup_agent.py:run"
     assert not config.rollout.multi_turn.enable and not config.env.enable  # the agent runs its own tool
+
+
+def test_reasoning_gym_example_generates_chain_sum_rows_the_rules_score():
+    pytest.importorskip("reasoning_gym")
+    from rlfabric.core.config import load_run_config
+    from rlfabric.reward.engine import RULES, ScorerRouter, unscored_sources
+
+    config = load_run_config(EXAMPLES / "reasoning_gym_chain_sum.yaml")
+    assert config.data.builtin_task == "reasoning_gym" and not config.data.train_files
+    assert list(config.data.reasoning_gym.datasets) == ["chain_sum"]
+    assert ScorerRouter.from_config(config.reward).route("reasoning_gym/chain_sum") == RULES
+    assert unscored_sources(config.reward, ["reasoning_gym/chain_sum"]) == []
