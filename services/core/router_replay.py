@@ -1,0 +1,177 @@
+"""MoE routing replay (actor.router_replay, "R3"): the rollout engine records the experts each MoE layer chose
+for each token, and the actor's forward passes route every token to those experts instead of choosing again.
+
+Why: the rollout engine (bf16, its own kernels) and the trainer (float32, another summation order) compute
+slightly different router logits, and where two experts are nearly tied the top-k differs: the trainer then
+evaluates, and trains, a different network than the one that sampled. Replaying the routes removes that
+source of the rollout/trainer mismatch; the routing weights stay the trainer's (softmax of its own router
+logits at the replayed experts), so the router still gets a gradient.
+
+The routers are transformers 5's TopKRouter modules of the sparse MoE blocks (Qwen2/3-MoE, Mixtral,
+...): forward(hidden [N, H]) -> (router_logits [N, E], routing weights [N, K], expert ids [N, K]). Both
+sides hook them in module order (layer order), so the l-th router of the rollout's model is the l-th of the
+trainer's. Forward hooks, not patched classes: recording reads the ids; replay replaces the weights and ids
+of the router's output, and the experts module runs on those as it would on its own.
+
+Layout: routes [tokens, layers, top_k] of small unsigned ints (uint8 for at most 255 experts, else uint16),
+the largest value of the type (UNRECORDED) where a token's routes are unknown (padding, a response's last
+token); in the trainer's batch, int64 with -1 there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import nn
+
+from rlfabric.core.errors import InvalidArgument
+
+
+def routers(model: nn.Module) -> list[nn.Module]:
+    """The MoE routers of a transformers model, in layer order (empty for a dense model)."""
+    return [module for module in model.modules() if type(module).__name__.endswith("TopKRouter")]
+
+
+def route_dtype(num_experts: int) -> np.dtype:
+    """uint8 for at most 255 experts (255 = UNRECORDED), else uint16."""
+    return np.dtype(np.uint8) if num_experts < 255 else np.dtype("<u2")
+
+
+def unrecorded(dtype: np.dtype) -> int:
+    """The value that marks a token whose routes are not known."""
+    return int(np.iinfo(dtype).max)
+
+
+def encode_routes(routes: np.ndarray) -> tuple[bytes, int, int, int]:
+    """(ids, layers, top_k, id_bytes) of routes [tokens, layers, top_k] uint8/uint16, for the wire."""
+    if routes.ndim != 3 or routes.dtype not in (np.uint8, np.dtype("<u2")):
+        raise ValueError(f"routes must be [tokens, layers, top_k] uint8 or uint16, got {routes.shape} {routes.dtype}")
+    return routes.tobytes(), routes.shape[1], routes.shape[2], routes.dtype.itemsize
+
+
+def decode_routes(ids: bytes, layers: int, top_k: int, id_bytes: int) -> np.ndarray:
+    """routes [tokens, layers, top_k] from the wire's fields; InvalidArgument naming what does not fit."""
+    if id_bytes not in (1, 2):
+        raise InvalidArgument(f"routed_experts.id_bytes must be 1 or 2, got {id_bytes}")
+    if layers <= 0 or top_k <= 0:
+        raise InvalidArgument(f"routed_experts needs layers and top_k >= 1, got {layers} and {top_k}")
+    per_token = layers * top_k * id_bytes
+    if len(ids) % per_token:
+        raise InvalidArgument(f"routed_experts.ids has {len(ids)} bytes, not a multiple of layers x top_k x "
+                              f"id_bytes = {per_token}")
+    dtype = np.dtype(np.uint8) if id_bytes == 1 else np.dtype("<u2")
+    return np.frombuffer(ids, dtype=dtype).reshape(-1, layers, top_k)
+
+
+def to_batch_routes(routes: np.ndarray) -> torch.Tensor:
+    """int64 [tokens, layers, top_k], -1 where unrecorded (the trainer batch's routed_experts)."""
+    out = torch.from_numpy(routes.astype(np.int64))
+    out[out == unrecorded(routes.dtype)] = -1
+    return out
+
+
+class RouteRecorder:
+    """Forward hooks that keep each router's expert ids of the latest forward pass.
+
+        with RouteRecorder(model) as recorder:
+            model(...)
+            routes = recorder.take()   # [tokens of that pass, layers, top_k] int64, on the model's device
+    """
+
+    def __init__(self, model: nn.Module):
+        self.routers = routers(model)
+        if not self.routers:
+            raise ValueError(f"{type(model).__name__} has no MoE router (a TopKRouter module) to record")
+        self._ids: list[torch.Tensor | None] = [None] * len(self.routers)
+        self._hooks: list = []
+
+    def __enter__(self) -> RouteRecorder:
+        for layer, router in enumerate(self.routers):
+            self._hooks.append(router.register_forward_hook(self._keeper(layer)))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+    def _keeper(self, layer: int):
+        def keep(_router, _args, output):
+            self._ids[layer] = output[2]
+
+        return keep
+
+    def take(self) -> torch.Tensor:
+        """[tokens, layers, top_k] int64 of the latest pass (every router ran in it)."""
+        if any(ids is None for ids in self._ids):
+            raise RuntimeError("a router did not run in the recorded forward pass")
+        routes = torch.stack(self._ids, dim=1)  # type: ignore[arg-type]
+        self._ids = [None] * len(self.routers)
+        return routes
+
+
+@dataclass
+class Agreement:
+    """How many recorded (token, layer) routes the trainer would have chosen itself (the same set of experts)."""
+
+    matched: dict[int, torch.Tensor] = field(default_factory=dict)  # per layer, of its latest pass (0-dim)
+    recorded: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def totals(self) -> tuple[int, int]:
+        """(matched, recorded) over the layers (one host sync)."""
+        if not self.recorded:
+            return 0, 0
+        both = torch.stack([torch.stack(list(self.matched.values())), torch.stack(list(self.recorded.values()))])
+        matched, recorded = both.sum(1).tolist()
+        return int(matched), int(recorded)
+
+
+@contextlib.contextmanager
+def replay_routes(model: nn.Module, routes: torch.Tensor) -> Iterator[Agreement]:
+    """Every router of `model` uses `routes` [tokens, layers, top_k] int64 (-1 = choose itself) for the
+    forward passes inside, whose tokens are routes' tokens in order (a [B, S] batch flattened): the
+    expert ids replace its own, and the routing weights are its softmax at those ids, renormalised when the
+    router renormalises its own top-k (Qwen3-MoE's norm_topk_prob; Mixtral always). Keep the context open
+    over the backward pass too: gradient checkpointing runs the forward again there.
+    Yields the Agreement of the latest pass through each layer."""
+    layers = routers(model)
+    if routes.dim() != 3 or routes.shape[1] != len(layers):
+        raise InvalidArgument(f"routed_experts has shape {list(routes.shape)} but the model has {len(layers)} MoE "
+                              "layers: [tokens, layers, top_k] expected")
+    agreement = Agreement()
+    hooks = [router.register_forward_hook(_replayer(layer, router, routes, agreement))
+             for layer, router in enumerate(layers)]
+    try:
+        yield agreement
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def _replayer(layer: int, router: nn.Module, routes: torch.Tensor, agreement: Agreement):
+    top_k = router.top_k
+    if routes.shape[2] != top_k:
+        raise InvalidArgument(f"routed_experts has top_k {routes.shape[2]} but the model's routers choose {top_k}")
+    renormalise = getattr(router, "norm_topk_prob", True)
+
+    def replay(_router, _args, output):
+        logits, weights, own = output
+        given = routes[:, layer].to(own.device)  # [N, K]
+        if given.shape[0] != own.shape[0]:
+            raise InvalidArgument(f"routed_experts has {given.shape[0]} tokens but the forward pass runs "
+                                  f"{own.shape[0]}")
+        recorded = (given >= 0).all(-1, keepdim=True)  # [N, 1]
+        ids = torch.where(recorded, given, own)
+        same = (ids.sort(-1).values == own.sort(-1).values).all(-1) & recorded[:, 0]
+        agreement.matched[layer] = same.sum()  # no host sync here: Agreement.totals reads them once
+        agreement.recorded[layer] = recorded.sum()
+        probs = torch.softmax(logits.float(), dim=-1).gather(-1, ids)  # [N, K]
+        if renormalise:
+            probs = probs / probs.sum(-1, keepdim=True)
+        return logits, probs.to(weights.dtype), ids
+
+    return replay
