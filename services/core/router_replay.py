@@ -142,6 +142,10 @@ def replay_routes(model: nn.Module, routes: torch.Tensor) -> Iterator[Agreement]
     if routes.dim() != 3 or routes.shape[1] != len(layers):
         raise InvalidArgument(f"routed_experts has shape {list(routes.shape)} but the model has {len(layers)} MoE "
                               "layers: [tokens, layers, top_k] expected")
+    experts = layers[0].num_experts
+    if routes.numel() and int(routes.max()) >= experts:  # one host sync per micro-batch
+        raise InvalidArgument(f"routed_experts holds expert id {int(routes.max())}; the model's routers choose among "
+                              f"{experts} experts")
     agreement = Agreement()
     hooks = [router.register_forward_hook(_replayer(layer, router, routes, agreement))
              for layer, router in enumerate(layers)]
