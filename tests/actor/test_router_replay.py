@@ -154,6 +154,7 @@ def test_tensor_parallel_ranks_replay_the_routes_as_one_rank_does(moe_model, rol
 @pytest.mark.parametrize("override, message", [
     ("rollout.engine=vllm", "actor.router_replay: rollout.engine vllm does not record"),
     ("actor.use_remove_padding=true", "actor.router_replay: actor.use_remove_padding packs"),
+    ("rollout.multi_turn.enable=true", "actor.router_replay: rollout.multi_turn.enable builds samples"),
 ])
 def test_settings_replay_cannot_work_with_are_refused_naming_the_key(moe_model, override, message):
     config = rollout_config(moe_model, "actor.router_replay=true", override)
