@@ -8,7 +8,7 @@ trainer's experts run on, and the rollout/trainer log-prob gap drops. The model:
 layers, initializer_range 0.1 (wider than the tiny model's 0.02, so that the experts' outputs, and a flipped
 route's effect, are not lost in the residual stream). Figures measured on this machine (16 samples, 1,932
 recorded (token, layer) routes): 33 (1.7%) differ without replay; with replay the mean |rollout - trainer|
-log-prob goes from 0.0141 to 0.0061 and the k3 KL from 4.8e-4 to 3.1e-5, one rank and TP 2 alike. What is left
+log-prob goes from 0.0141 to 0.0061 and the k3 KL from 4.8e-4 to 3.1e-5, one rank, FSDP2 and TP 2 alike. What is left
 is bfloat16's rounding of everything else, so the bound is "strictly less", not a ratio."""
 
 from __future__ import annotations
@@ -137,12 +137,14 @@ def test_with_replay_the_trainer_routes_every_token_as_the_rollout_did_and_the_g
 
 
 @pytest.mark.numerics
-def test_tensor_parallel_ranks_replay_the_routes_as_one_rank_does(moe_model, rollout, one_rank):
-    """TP 2 splits the attention (the MoE blocks stay whole on each rank): with the routes replayed it computes
-    the one-rank log-probs up to float32 summation order, and replay closes the gap as it does on one rank."""
+@pytest.mark.parametrize("ranks", [{"world_size": 2}, {"world_size": 2, "tensor_parallel_size": 2}],
+                         ids=["fsdp2", "tp2"])
+def test_sharded_ranks_replay_the_routes_as_one_rank_does(moe_model, rollout, one_rank, ranks):
+    """FSDP2 over two ranks (each its half of the rows and their routes), and TP 2 (the attention split, the MoE
+    blocks whole on each rank, both ranks on the same rows): with the routes replayed each computes the one-rank
+    log-probs up to float32 summation order, and replay closes the gap as it does on one rank."""
     _, _, batch = rollout
-    actor = {**ACTOR, "world_size": 2, "tensor_parallel_size": 2}
-    with Served("actor", make_config(moe_model, n=N, actor=actor)) as served:
+    with Served("actor", make_config(moe_model, n=N, actor={**ACTOR, **ranks})) as served:
         figures = _figures(served, batch)
     real = batch.response_mask.bool()
     bound = engine_logprob_gap(2 ** np.ceil(np.log2(float(-one_rank["replayed"][real].min()))))
