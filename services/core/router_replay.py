@@ -77,7 +77,7 @@ def to_batch_routes(routes: np.ndarray) -> torch.Tensor:
 class RouteRecorder:
     """Forward hooks that keep each router's expert ids of the latest forward pass.
 
-        with RouteRecorder(model) as recorder:
+        with RouteRecorder(model) as recorder:   # or recorder.attach() ... recorder.detach()
             model(...)
             routes = recorder.take()   # [tokens of that pass, layers, top_k] int64, on the model's device
     """
@@ -89,15 +89,22 @@ class RouteRecorder:
         self._ids: list[torch.Tensor | None] = [None] * len(self.routers)
         self._hooks: list = []
 
-    def __enter__(self) -> RouteRecorder:
-        for layer, router in enumerate(self.routers):
-            self._hooks.append(router.register_forward_hook(self._keeper(layer)))
+    def attach(self) -> RouteRecorder:
+        """Hooks the routers (until detach)."""
+        if not self._hooks:
+            self._hooks = [router.register_forward_hook(self._keeper(layer)) for layer, router in enumerate(self.routers)]
         return self
 
-    def __exit__(self, *exc) -> None:
+    def detach(self) -> None:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+
+    def __enter__(self) -> RouteRecorder:
+        return self.attach()
+
+    def __exit__(self, *exc) -> None:
+        self.detach()
 
     def _keeper(self, layer: int):
         def keep(_router, _args, output):

@@ -18,7 +18,7 @@ and its fed tokens' routes.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -43,7 +43,9 @@ class DecodeBatch:
     seeds: torch.Tensor  # (B,) int64 row seeds (types.row_seed)
     filters: bool  # some sampled row uses top-k or top-p (known on the host, so sampling needs no sync)
     recorder: RouteRecorder | None = None
-    routes: torch.Tensor | None = None  # (B, W, layers, top_k) int16 expert ids, -1 on padding (with recorder)
+    routes: torch.Tensor | None = None  # (B, W', layers, top_k) int16 expert ids, -1 on padding (with recorder)
+    route_steps: list[torch.Tensor] = field(default_factory=list)  # [(B, layers, top_k)] of the fed tokens since
+    #   routes was last joined to them (W' + len(route_steps) = W): no copy of the whole history per step
 
     @classmethod
     def prefill(cls, net, prompts: list[list[int]], expand: list[int], params: Sequence[SamplingSpec],
@@ -106,12 +108,19 @@ class DecodeBatch:
                        past_key_values=self.cache, use_cache=True)
         self.logits, self.next_pos = out.logits[:, -1, :], self.next_pos + 1
         if self.recorder is not None:
-            self.routes = torch.cat([self.routes, self.recorder.take().to(torch.int16)[:, None]], dim=1)
+            self.route_steps.append(self.recorder.take().to(torch.int16))
+
+    def _all_routes(self) -> torch.Tensor:
+        """(B, W, layers, top_k): routes with the fed tokens' joined on."""
+        if self.route_steps:
+            self.routes = torch.cat([self.routes, torch.stack(self.route_steps, dim=1)], dim=1)
+            self.route_steps = []
+        return self.routes
 
     def row_routes(self, row: int, tokens: int) -> torch.Tensor:
         """(tokens, layers, top_k) int16 routes of the row's first `tokens` real tokens (prompt, then
         response), -1 for those never run through the model (its last sampled token)."""
-        real = self.routes[row][self.mask[row].bool()][:tokens]
+        real = self._all_routes()[row][self.mask[row].bool()][:tokens]
         return F.pad(real, (0, 0, 0, 0, 0, tokens - len(real)), value=-1)
 
     def select(self, keep: torch.Tensor) -> None:
@@ -120,7 +129,7 @@ class DecodeBatch:
         for name in ("logits", "mask", "next_pos", "temperature", "top_k", "top_p", "seeds"):
             setattr(self, name, getattr(self, name)[keep])
         if self.routes is not None:
-            self.routes = self.routes[keep]
+            self.routes = self._all_routes()[keep]
 
     def can_join(self) -> bool:
         """Whether other rows can join: every cache layer a plain growing one (not a sliding window, whose
@@ -139,7 +148,7 @@ class DecodeBatch:
                                F.pad(other.mask, (width - other.mask.shape[1], 0))])
         if self.routes is not None:
             self.routes = torch.cat([F.pad(routes, (0, 0, 0, 0, width - routes.shape[1], 0), value=-1)
-                                     for routes in (self.routes, other.routes)])
+                                     for routes in (self._all_routes(), other._all_routes())])
         for name in ("logits", "next_pos", "temperature", "top_k", "top_p", "seeds"):
             setattr(self, name, torch.cat([getattr(self, name), getattr(other, name)]))
         self.filters = self.filters or other.filters

@@ -133,7 +133,7 @@ class HFEngine(RolloutEngine):
         max_len = self.config.rollout.max_model_len or cfg.max_position_embeddings
         self.limits = EngineLimits(cfg.vocab_size, max_len, eos_ids)
         if self.config.actor.router_replay:
-            self._recorder = RouteRecorder(self.net).__enter__()  # hooked for the engine's life
+            self._recorder = RouteRecorder(self.net).attach()  # hooked for the engine's life
             self._route_dtype = route_dtype(expert_layout(cfg).num_experts)
         self._scheduler = asyncio.create_task(self._schedule(), name="hf-engine-scheduler")
 
@@ -161,7 +161,7 @@ class HFEngine(RolloutEngine):
                 await self._scheduler
         await self.leave_weight_sync()
         if self._recorder is not None:
-            self._recorder.__exit__(None, None, None)
+            self._recorder.detach()
         self.net = None
 
     # -- generation ----------------------------------------------------------------------------
