@@ -13,9 +13,8 @@ sides hook them in module order (layer order), so the l-th router of the rollout
 trainer's. Forward hooks, not patched classes: recording reads the ids; replay replaces the weights and ids
 of the router's output, and the experts module runs on those as it would on its own.
 
-Layout: routes [tokens, layers, top_k] of small unsigned ints (uint8 for at most 255 experts, else uint16),
-the largest value of the type (UNRECORDED) where a token's routes are unknown (padding, a response's last
-token); in the trainer's batch, int64 with -1 there.
+Layout: routes [tokens, layers, top_k] of small unsigned ints on a sample (rlfabric.rollout.routes, numpy only,
+for the wire), and in the trainer's batch int64 with -1 where a token has none (padding, a response's last token).
 """
 
 from __future__ import annotations
@@ -24,7 +23,6 @@ import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -34,44 +32,6 @@ from rlfabric.core.errors import InvalidArgument
 def routers(model: nn.Module) -> list[nn.Module]:
     """The MoE routers of a transformers model, in layer order (empty for a dense model)."""
     return [module for module in model.modules() if type(module).__name__.endswith("TopKRouter")]
-
-
-def route_dtype(num_experts: int) -> np.dtype:
-    """uint8 for at most 255 experts (255 = UNRECORDED), else uint16."""
-    return np.dtype(np.uint8) if num_experts < 255 else np.dtype("<u2")
-
-
-def unrecorded(dtype: np.dtype) -> int:
-    """The value that marks a token whose routes are not known."""
-    return int(np.iinfo(dtype).max)
-
-
-def encode_routes(routes: np.ndarray) -> tuple[bytes, int, int, int]:
-    """(ids, layers, top_k, id_bytes) of routes [tokens, layers, top_k] uint8/uint16, for the wire."""
-    if routes.ndim != 3 or routes.dtype not in (np.uint8, np.dtype("<u2")):
-        raise ValueError(f"routes must be [tokens, layers, top_k] uint8 or uint16, got {routes.shape} {routes.dtype}")
-    return routes.tobytes(), routes.shape[1], routes.shape[2], routes.dtype.itemsize
-
-
-def decode_routes(ids: bytes, layers: int, top_k: int, id_bytes: int) -> np.ndarray:
-    """routes [tokens, layers, top_k] from the wire's fields; InvalidArgument naming what does not fit."""
-    if id_bytes not in (1, 2):
-        raise InvalidArgument(f"routed_experts.id_bytes must be 1 or 2, got {id_bytes}")
-    if layers <= 0 or top_k <= 0:
-        raise InvalidArgument(f"routed_experts needs layers and top_k >= 1, got {layers} and {top_k}")
-    per_token = layers * top_k * id_bytes
-    if len(ids) % per_token:
-        raise InvalidArgument(f"routed_experts.ids has {len(ids)} bytes, not a multiple of layers x top_k x "
-                              f"id_bytes = {per_token}")
-    dtype = np.dtype(np.uint8) if id_bytes == 1 else np.dtype("<u2")
-    return np.frombuffer(ids, dtype=dtype).reshape(-1, layers, top_k)
-
-
-def to_batch_routes(routes: np.ndarray) -> torch.Tensor:
-    """int64 [tokens, layers, top_k], -1 where unrecorded (the trainer batch's routed_experts)."""
-    out = torch.from_numpy(routes.astype(np.int64))
-    out[out == unrecorded(routes.dtype)] = -1
-    return out
 
 
 class RouteRecorder:

@@ -55,10 +55,11 @@ from rlfabric.core.dtypes import rollout_dtype, torch_dtype
 from rlfabric.core.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument
 from rlfabric.core.host import load_tokenizer, trust_remote_code
 from rlfabric.core.moe import expert_layout
-from rlfabric.core.router_replay import RouteRecorder, route_dtype, unrecorded
+from rlfabric.core.router_replay import RouteRecorder
 from rlfabric.rollout.engine import Generation, RolloutEngine
 from rlfabric.rollout.hf_decode import DecodeBatch
 from rlfabric.rollout.hf_weights import copy_weights, discard_weights, restore_weights
+from rlfabric.rollout.routes import route_dtype, unrecorded
 from rlfabric.rollout.types import (
     EngineLimits,
     Finish,

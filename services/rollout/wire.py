@@ -8,7 +8,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from rlfabric.core.errors import InvalidArgument
-from rlfabric.core.router_replay import decode_routes, encode_routes
+from rlfabric.rollout.routes import decode_routes, encode_routes
 from rlfabric.rollout.types import (
     AgentPrompt,
     AgentTask,

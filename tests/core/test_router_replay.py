@@ -1,4 +1,4 @@
-"""MoE routing replay's pieces (rlfabric.core.router_replay): the compact route encoding round-trips through a
+"""MoE routing replay's pieces (rlfabric.core.router_replay, rlfabric.rollout.routes): the compact route encoding round-trips through a
 sample on the wire, replaying a model's own routes changes nothing, replayed routes are the ones the experts
 run on with the router's own weights at them, the coordinator lays routes out at the batch's real tokens,
 and malformed routes are refused naming what is wrong."""
@@ -11,16 +11,10 @@ import torch
 
 from rlfabric.coordinator.rollout_batch import build_rollout_batch
 from rlfabric.core.errors import InvalidArgument
-from rlfabric.core.router_replay import (
-    RouteRecorder,
-    decode_routes,
-    encode_routes,
-    replay_routes,
-    route_dtype,
-    routers,
-)
+from rlfabric.core.router_replay import RouteRecorder, replay_routes, routers
 from rlfabric.data.dataset import PromptRow
 from rlfabric.rollout import wire
+from rlfabric.rollout.routes import decode_routes, encode_routes, route_dtype
 from rlfabric.rollout.types import Finish, FinishedSample
 from rlfabric.trainer.batch import ROUTES, validate_batch
 
