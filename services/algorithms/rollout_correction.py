@@ -46,6 +46,7 @@ def mismatch_metrics(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tenso
     rollout_corr/log_ppl_diff     mean over sequences of log_ppl(rollout) - log_ppl(old)
     rollout_corr/log_ppl_abs_diff the same with absolute values
     rollout_corr/chi2_token       mean(r^2) - 1
+    rollout_corr/log_prob_abs_diff  mean |old - rollout|: the per-token log-prob gap (MoE routing replay's measure)
     rollout_corr/rollout_is_{mean,min,max}  the token ratio r before any truncation
     """
     fn = "mismatch_metrics"
@@ -65,6 +66,7 @@ def mismatch_metrics(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tenso
         "rollout_corr/log_ppl_diff": seq_log_ppl_diff.mean().item(),
         "rollout_corr/log_ppl_abs_diff": seq_log_ppl_diff.abs().mean().item(),
         "rollout_corr/chi2_token": (masked_mean(ratio**2, mask) - 1).item(),
+        "rollout_corr/log_prob_abs_diff": masked_mean(log_ratio.abs(), mask).item(),
         "rollout_corr/rollout_is_mean": masked_mean(ratio, mask).item(),
         "rollout_corr/rollout_is_min": ratio[real].min().item(),
         "rollout_corr/rollout_is_max": ratio[real].max().item(),

@@ -167,7 +167,8 @@ class StepRunner:
         peers, temperature, tensors = self.peers, self.config.rollout.temperature or 1.0, batch.tensors
         calls = {}
         if self._old_log_prob_forward(batch):
-            calls["old_log_prob"] = peers.actor.compute_log_probs(tensors, temperature, compute_entropy=False)
+            calls["old_log_prob"] = peers.actor.compute_log_probs(self._actor_tensors(batch, tensors), temperature,
+                                                                  compute_entropy=False)
         if peers.reference is not None:
             calls["ref"] = peers.reference.compute_log_probs(tensors, temperature)
         if peers.critic is not None:
@@ -260,6 +261,12 @@ class StepRunner:
         batch.rollout_is_weights, batch.train_mask = correction.weights, correction.mask
         return {**correction.metrics, "perf/old_log_prob_forward": forward}
 
+    def _actor_tensors(self, batch: RolloutBatch, tensors: dict) -> dict:
+        """The actor's batch: with actor.router_replay, the rollout's routes too."""
+        if self.config.actor.router_replay and batch.routed_experts is not None:
+            return {**tensors, "routed_experts": batch.routed_experts}
+        return tensors
+
     async def _updates(self, step: int, batch: RolloutBatch) -> dict[str, float]:
         """The actor's policy update and the critic's value update, at once; their metrics."""
         tensors = {**batch.tensors, "response_mask": batch.train_mask}
@@ -270,6 +277,7 @@ class StepRunner:
             policy_batch["ref_log_probs"] = batch.ref_log_probs
         if batch.rollout_is_weights is not None:
             policy_batch["rollout_is_weights"] = batch.rollout_is_weights
+        policy_batch = self._actor_tensors(batch, policy_batch)
         # Agent episodes: as many rows as segments, padded (mask 0) to whole mini-batches for the actor.
         updates = [self.peers.actor.update_policy(padded_rows(policy_batch, self.actor_mini_batch_rows),
                                                   global_step=step)]

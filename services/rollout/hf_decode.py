@@ -9,16 +9,21 @@ while a batch runs starts within k steps instead of waiting for the batch to end
 
 Rows are left-padded: a row's mask is 0 over its padding, and its position ids count its real tokens only,
 so a row's logits do not depend on how much padding the others give it.
+
+With a RouteRecorder (MoE routing replay), `routes` keeps the experts each MoE layer chose for every token
+that went through the model, aligned with `mask` (-1 on padding): a row's real columns are its prompt's
+and its fed tokens' routes.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
+from rlfabric.core.router_replay import RouteRecorder
 from rlfabric.rollout.sampling import counter_uniforms, sample_tokens
 from rlfabric.rollout.types import SamplingSpec
 
@@ -37,10 +42,14 @@ class DecodeBatch:
     top_p: torch.Tensor  # (B,)
     seeds: torch.Tensor  # (B,) int64 row seeds (types.row_seed)
     filters: bool  # some sampled row uses top-k or top-p (known on the host, so sampling needs no sync)
+    recorder: RouteRecorder | None = None
+    routes: torch.Tensor | None = None  # (B, W', layers, top_k) int16 expert ids, -1 on padding (with recorder)
+    route_steps: list[torch.Tensor] = field(default_factory=list)  # [(B, layers, top_k)] of the fed tokens since
+    #   routes was last joined to them (W' + len(route_steps) = W): no copy of the whole history per step
 
     @classmethod
     def prefill(cls, net, prompts: list[list[int]], expand: list[int], params: Sequence[SamplingSpec],
-                seeds: Sequence[int], pad: int) -> DecodeBatch:
+                seeds: Sequence[int], pad: int, recorder: RouteRecorder | None = None) -> DecodeBatch:
         """Runs each of `prompts` once (left-padded) and repeats its cache for its rows: row i is prompt
         expand[i], sampled with params[i] and seeds[i]."""
         from transformers import DynamicCache
@@ -55,6 +64,10 @@ class DecodeBatch:
                   use_cache=True, logits_to_keep=1)
         rows = torch.tensor(expand, device=device)  # (B,)
         cache.batch_select_indices(rows)
+        routes = None
+        if recorder is not None:
+            routes = recorder.take().to(torch.int16).unflatten(0, mask.shape)  # (U, W, layers, top_k)
+            routes = routes.masked_fill(~mask.bool()[:, :, None, None], -1)[rows]
         return cls(
             net=net, cache=cache, logits=out.logits[:, -1, :][rows], mask=mask[rows], next_pos=positions[rows, -1] + 1,
             temperature=torch.tensor([p.temperature for p in params], device=device),
@@ -62,6 +75,7 @@ class DecodeBatch:
             top_p=torch.tensor([p.top_p for p in params], device=device),
             seeds=torch.tensor(list(seeds), dtype=torch.int64, device=device),
             filters=any(p.temperature > 0 and (p.top_k > 0 or p.top_p < 1) for p in params),
+            recorder=recorder, routes=routes,
         )
 
     def __len__(self) -> int:
@@ -93,12 +107,29 @@ class DecodeBatch:
         out = self.net(input_ids=tokens[:, None], attention_mask=self.mask, position_ids=self.next_pos[:, None],
                        past_key_values=self.cache, use_cache=True)
         self.logits, self.next_pos = out.logits[:, -1, :], self.next_pos + 1
+        if self.recorder is not None:
+            self.route_steps.append(self.recorder.take().to(torch.int16))
+
+    def _all_routes(self) -> torch.Tensor:
+        """(B, W, layers, top_k): routes with the fed tokens' joined on."""
+        if self.route_steps:
+            self.routes = torch.cat([self.routes, torch.stack(self.route_steps, dim=1)], dim=1)
+            self.route_steps = []
+        return self.routes
+
+    def row_routes(self, row: int, tokens: int) -> torch.Tensor:
+        """(tokens, layers, top_k) int16 routes of the row's first `tokens` real tokens (prompt, then
+        response), -1 for those never run through the model (its last sampled token)."""
+        real = self._all_routes()[row][self.mask[row].bool()][:tokens]
+        return F.pad(real, (0, 0, 0, 0, 0, tokens - len(real)), value=-1)
 
     def select(self, keep: torch.Tensor) -> None:
         """Keeps the rows `keep` (indices on the device, in that order)."""
         self.cache.batch_select_indices(keep)
         for name in ("logits", "mask", "next_pos", "temperature", "top_k", "top_p", "seeds"):
             setattr(self, name, getattr(self, name)[keep])
+        if self.routes is not None:
+            self.routes = self._all_routes()[keep]
 
     def can_join(self) -> bool:
         """Whether other rows can join: every cache layer a plain growing one (not a sliding window, whose
@@ -115,6 +146,9 @@ class DecodeBatch:
             mine.values = torch.cat([_left_pad(mine.values, width), _left_pad(theirs.values, width)])
         self.mask = torch.cat([F.pad(self.mask, (width - self.mask.shape[1], 0)),
                                F.pad(other.mask, (width - other.mask.shape[1], 0))])
+        if self.routes is not None:
+            self.routes = torch.cat([F.pad(routes, (0, 0, 0, 0, width - routes.shape[1], 0), value=-1)
+                                     for routes in (self._all_routes(), other._all_routes())])
         for name in ("logits", "next_pos", "temperature", "top_k", "top_p", "seeds"):
             setattr(self, name, torch.cat([getattr(self, name), getattr(other, name)]))
         self.filters = self.filters or other.filters

@@ -27,6 +27,10 @@ log-probs; their random numbers go on from their position), the weights change, 
 prefills prompt + generated prefix under the new weights and decodes on. Each row records the version of each span of its tokens
 (FinishedSample.version_spans). Without it, a swap waits for the running batch to finish.
 
+MoE routing replay (actor.router_replay): hooks on the model's routers record the experts each MoE layer chose
+for every token the batch runs (hf_decode.DecodeBatch.routes), and each finished sample carries its prompt's
+and response's (FinishedSample.routed_experts; rlfabric.core.router_replay).
+
 LoRA (weight_sync.lora resolved to adapter): the model is wrapped once at start with the actor's
 adapter settings (peft, lora_B zero: it serves the base model until the first sync), and each sync
 copies a new adapter version into it (swap_adapter). Full weights still load into its base layers.
@@ -50,9 +54,12 @@ from rlfabric.core.config import RunConfig
 from rlfabric.core.dtypes import rollout_dtype, torch_dtype
 from rlfabric.core.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument
 from rlfabric.core.host import load_tokenizer, trust_remote_code
+from rlfabric.core.moe import expert_layout
+from rlfabric.core.router_replay import RouteRecorder
 from rlfabric.rollout.engine import Generation, RolloutEngine
 from rlfabric.rollout.hf_decode import DecodeBatch
 from rlfabric.rollout.hf_weights import copy_weights, discard_weights, restore_weights
+from rlfabric.rollout.routes import route_dtype, unrecorded
 from rlfabric.rollout.types import (
     EngineLimits,
     Finish,
@@ -113,6 +120,7 @@ class HFEngine(RolloutEngine):
         self._scheduler: asyncio.Task | None = None
         self._discarded_shapes: dict[torch.nn.Parameter, torch.Size] = {}  # asleep at level 2: their real shapes
         self.steps_per_sync = GPU_STEPS_PER_SYNC if self.device.type == "cuda" else 1
+        self._recorder: RouteRecorder | None = None  # actor.router_replay: the routers' hooks
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -125,6 +133,9 @@ class HFEngine(RolloutEngine):
         eos_ids = tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
         max_len = self.config.rollout.max_model_len or cfg.max_position_embeddings
         self.limits = EngineLimits(cfg.vocab_size, max_len, eos_ids)
+        if self.config.actor.router_replay:
+            self._recorder = RouteRecorder(self.net).attach()  # hooked for the engine's life
+            self._route_dtype = route_dtype(expert_layout(cfg).num_experts)
         self._scheduler = asyncio.create_task(self._schedule(), name="hf-engine-scheduler")
 
     def _load(self):
@@ -150,6 +161,8 @@ class HFEngine(RolloutEngine):
             with contextlib.suppress(asyncio.CancelledError):
                 await self._scheduler
         await self.leave_weight_sync()
+        if self._recorder is not None:
+            self._recorder.detach()
         self.net = None
 
     # -- generation ----------------------------------------------------------------------------
@@ -204,15 +217,21 @@ class HFEngine(RolloutEngine):
                 row.generation.put(self._finish(row, Finish.ABORT, self.weight_version))
         return len(dropped)
 
-    def _finish(self, row: _Row, reason: Finish, version: int) -> FinishedSample:
+    def _finish(self, row: _Row, reason: Finish, version: int, routes: torch.Tensor | None = None) -> FinishedSample:
+        """routes: (prompt + response tokens, layers, top_k) int16, -1 where not recorded (router replay)."""
         params = row.generation.params
         text = self.decode(row.token_ids)
         if params.stop:
             text, _ = truncate_at_stop(text, params.stop)
         logprobs = row.logprobs if params.logprobs else []
         first_version, spans = compact_versions(row.versions or [(version, 0)])
+        routed = None
+        if routes is not None:
+            routes = routes.to(torch.int32)  # int16 cannot hold uint16's UNRECORDED
+            routed = routes.masked_fill(routes < 0, unrecorded(self._route_dtype)).cpu().numpy().astype(
+                self._route_dtype)
         return FinishedSample(row.prompt_index, row.sample_index, row.token_ids, logprobs, reason, first_version,
-                              text, version_spans=spans)
+                              text, version_spans=spans, routed_experts=routed)
 
     @torch.inference_mode()
     def _run_batch(self, rows: list[_Row], version: int) -> list[_Row]:
@@ -225,7 +244,7 @@ class HFEngine(RolloutEngine):
             steps = min(self.steps_per_sync, min(r.budget() for r in rows))  # no row decodes past its limit
             must_stop = functools.partial(self._must_stop, {r.generation for r in rows})
             tokens, logprobs = batch.sample([len(r.token_ids) for r in rows], steps, must_stop)
-            alive = self._take_tokens(rows, tokens.tolist(), logprobs.tolist(), stop_ids, version)  # the host sync
+            alive = self._take_tokens(batch, rows, tokens.tolist(), logprobs.tolist(), stop_ids, version)  # host sync
             if self._preempt or not alive:
                 return [rows[i] for i in alive]
             last = tokens[:, -1]
@@ -253,7 +272,7 @@ class HFEngine(RolloutEngine):
                 prompts.append(r.prompt + r.token_ids)
         return DecodeBatch.prefill(self.net, prompts, [unique[r.prefill_key()] for r in rows],
                                    [r.generation.params for r in rows], [r.seed for r in rows],
-                                   self.tokenizer.pad_token_id or 0)
+                                   self.tokenizer.pad_token_id or 0, self._recorder)
 
     def _join(self, batch: DecodeBatch, rows: list[_Row], version: int,
               stop_ids: dict[Generation, set[int]]) -> list[_Row]:
@@ -274,7 +293,7 @@ class HFEngine(RolloutEngine):
         """The token ids that end each request's rows: EOS and its stop_token_ids."""
         return {r.generation: {*self.limits.eos_token_ids, *r.generation.params.stop_token_ids} for r in rows}
 
-    def _take_tokens(self, rows: list[_Row], tokens: list[list[int]], logprobs: list[list[float]],
+    def _take_tokens(self, batch: DecodeBatch, rows: list[_Row], tokens: list[list[int]], logprobs: list[list[float]],
                      stop_ids: dict[Generation, set[int]], version: int) -> list[int]:
         """Appends each row's new tokens up to its end and delivers the rows that ended (and those aborted),
         with one wake-up of the event loop; returns the indices of the rows going on."""
@@ -287,7 +306,8 @@ class HFEngine(RolloutEngine):
             if reason is None:
                 alive.append(i)
             else:
-                finished.append((row.generation, self._finish(row, reason, version)))
+                routes = None if batch.routes is None else batch.row_routes(i, len(row.prompt) + len(row.token_ids))
+                finished.append((row.generation, self._finish(row, reason, version, routes)))
         if finished:
             with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is waiting any more
                 finished[0][0].loop.call_soon_threadsafe(_put_each, finished)

@@ -14,9 +14,13 @@ import random
 from collections.abc import Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass, field
 from enum import Enum
+from typing import TYPE_CHECKING
 
 from rlfabric.core.errors import InvalidArgument
 from rlfabric.weight_sync.devices import DeviceReport
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 @dataclass(frozen=True)
@@ -142,6 +146,9 @@ class FinishedSample:
     agent_error: str = ""  # what failed, with env_failed
     env_reward: float = 0.0  # the sum of the environment's step rewards
     version_spans: list[tuple[int, int]] = field(default_factory=list)
+    routed_experts: np.ndarray | None = None
+    """(P + L, layers, top_k) uint8/uint16: with actor.router_replay, the experts each MoE layer chose for each
+    token of the prompt and the response (rlfabric.core.router_replay's layout)."""
 
     def model_token_mask(self) -> Sequence[int]:
         """(L,) 1 for each token the model sampled (every token of a single-turn sample)."""

@@ -60,7 +60,7 @@ from rlfabric.core.config import RunConfig
 from rlfabric.core.dtypes import rollout_dtype
 from rlfabric.core.errors import FailedPrecondition, InvalidArgument, Unavailable
 from rlfabric.core.host import load_tokenizer, trust_remote_code
-from rlfabric.core.moe import check_rollout_engine, in_memory_shapes
+from rlfabric.core.moe import check_rollout_engine, check_router_replay, in_memory_shapes
 from rlfabric.rollout.engine import Generation, RolloutEngine
 from rlfabric.rollout.tensor_parallel import check_model_splits, cpu_binding, numa_node_count
 from rlfabric.rollout.types import (
@@ -136,6 +136,7 @@ class VLLMEngine(RolloutEngine):
         if not self.model:
             raise ValueError("rollout: model.path is empty; point it at a local Hugging Face model directory")
         check_rollout_engine(self.config, on_gpu=torch.cuda.is_available())  # an MoE model vLLM CPU cannot update
+        check_router_replay(self.config)  # vLLM records no routes
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, math.ceil(r.kv_cache_space_gb))))
         dtype = rollout_dtype(self.config)
         if dtype == "auto":  # as model.dtype documents; vLLM's own "auto" would pick bfloat16 on CPU

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from rlfabric.core.errors import InvalidArgument
+from rlfabric.rollout.routes import decode_routes, encode_routes
 from rlfabric.rollout.types import (
     AgentPrompt,
     AgentTask,
@@ -115,7 +116,15 @@ def sample_to_proto(sample: FinishedSample) -> rollout_pb2.Sample:
             env_seconds=t.env_seconds, finish_reason=t.finish_reason) for t in sample.turns],
         agent_status=sample.agent_status, agent_error=sample.agent_error, env_reward=sample.env_reward,
         version_spans=[rollout_pb2.VersionSpan(version=v, first_token=i) for v, i in sample.version_spans],
+        routed_experts=_routes_to_proto(sample.routed_experts),
     )
+
+
+def _routes_to_proto(routes) -> rollout_pb2.RoutedExperts | None:
+    if routes is None:
+        return None
+    ids, layers, top_k, id_bytes = encode_routes(routes)
+    return rollout_pb2.RoutedExperts(ids=ids, layers=layers, top_k=top_k, id_bytes=id_bytes)
 
 
 def sample_from_proto(sample: rollout_pb2.Sample) -> FinishedSample:
@@ -131,7 +140,15 @@ def sample_from_proto(sample: rollout_pb2.Sample) -> FinishedSample:
                         t.finish_reason, t.weight_version, t.env_seconds) for t in sample.turns],
         agent_status=sample.agent_status, agent_error=sample.agent_error, env_reward=sample.env_reward,
         version_spans=[(span.version, span.first_token) for span in sample.version_spans],
+        routed_experts=_routes_from_proto(sample),
     )
+
+
+def _routes_from_proto(sample: rollout_pb2.Sample) -> np.ndarray | None:
+    if not sample.HasField("routed_experts"):
+        return None
+    message = sample.routed_experts
+    return decode_routes(message.ids, message.layers, message.top_k, message.id_bytes)
 
 
 def status_to_proto(status: EngineStatus) -> rollout_pb2.RolloutServiceGetStatusResponse:

@@ -8,6 +8,8 @@ tensors, and how one rank cuts its rows into micro-batches.
     response_mask  [B, T] int64    1 = real response token
     old_log_probs, advantages, ref_log_probs, values, returns: [B, T] float32, per response token
     rollout_is_weights [B, T] float32 >= 0   rollout correction's IS weights of the policy loss
+    routed_experts [B, S, layers, top_k] uint8 (255 = none) or int32/int64 (-1 = none)   MoE routing replay:
+                   the experts the rollout chose for each token (actor.router_replay; core.router_replay)
 
 Padding: a micro-batch drops the columns that are padding in all its rows (prompt padding on the left,
 response padding on the right) before the forward pass; the causal model gives the same numbers for
@@ -25,7 +27,9 @@ from rlfabric.core.errors import InvalidArgument
 SEQUENCE = ("input_ids", "attention_mask", "responses", "response_mask")
 POSITION_IDS = "position_ids"
 FLOATS = ("old_log_probs", "advantages", "ref_log_probs", "values", "returns", "rollout_is_weights")
-TENSOR_NAMES = (*SEQUENCE, POSITION_IDS, *FLOATS)
+ROUTES = "routed_experts"
+TENSOR_NAMES = (*SEQUENCE, POSITION_IDS, *FLOATS, ROUTES)
+_ROUTE_TYPES = (torch.uint8, torch.int32, torch.int64)
 _INTEGER = (torch.int64, torch.int32)
 _MASK = (torch.int64, torch.int32, torch.uint8, torch.bool)
 
@@ -81,6 +85,8 @@ def validate_batch(
     for name in (*SEQUENCE, *required_floats):
         if name not in tensors:
             raise InvalidArgument(f"batch is missing tensor {name!r}")
+    routes = tensors.get(ROUTES)
+    tensors = {name: value for name, value in tensors.items() if name != ROUTES}
     for name, value in tensors.items():
         if value.dim() != 2:
             raise InvalidArgument(f"{name} must be 2-D [batch, length], got shape {list(value.shape)}")
@@ -143,7 +149,25 @@ def validate_batch(
         raise InvalidArgument("rollout_is_weights must be >= 0: a negative weight would turn a token's gradient around")
     if POSITION_IDS not in out:
         out[POSITION_IDS] = position_ids_from_mask(out["attention_mask"])
+    if routes is not None:
+        out[ROUTES] = _checked_routes(routes, ids.shape)
     return SequenceBatch(out)
+
+
+def _checked_routes(routes: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """routed_experts as int64 [B, S, layers, top_k] with -1 where a token has none."""
+    if routes.dim() != 4 or routes.shape[:2] != shape:
+        raise InvalidArgument(f"{ROUTES} has shape {list(routes.shape)}; [batch, length, layers, top_k] with "
+                              f"[batch, length] = {list(shape)} (input_ids) expected")
+    if routes.dtype not in _ROUTE_TYPES:
+        kinds = ", ".join(str(d).removeprefix("torch.") for d in _ROUTE_TYPES)
+        raise InvalidArgument(f"{ROUTES} must be one of {kinds}, got {str(routes.dtype).removeprefix('torch.')}")
+    wide = routes.to(torch.int64, copy=True)
+    if routes.dtype == torch.uint8:
+        wide[wide == 255] = -1
+    if (wide < -1).any():
+        raise InvalidArgument(f"{ROUTES} holds a negative expert id other than -1 (none)")
+    return wide
 
 
 def _check_shape(tensors: dict[str, torch.Tensor], name: str, shape: torch.Size, like: str) -> None:

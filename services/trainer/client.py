@@ -13,7 +13,7 @@ import torch
 
 from rlfabric.core import codec
 from rlfabric.core.client import RoleInterface
-from rlfabric.trainer.batch import POSITION_IDS, SEQUENCE
+from rlfabric.trainer.batch import POSITION_IDS, ROUTES, SEQUENCE
 from rlfabric.v1 import common_pb2
 
 if TYPE_CHECKING:
@@ -22,10 +22,11 @@ if TYPE_CHECKING:
 Tensors = Mapping[str, torch.Tensor]
 
 # The (required, optional) tensors of each request's batch.
-FORWARD_BATCH = (SEQUENCE, (POSITION_IDS,))  # ComputeLogProbs, ComputeValues
+# + routed_experts (the actor's, with actor.router_replay)
+FORWARD_BATCH = (SEQUENCE, (POSITION_IDS, ROUTES))  # ComputeLogProbs, ComputeValues
 # + old_log_probs, unless the update is one optimizer step; + rollout_is_weights with rollout correction
 POLICY_UPDATE_BATCH = ((*SEQUENCE, "advantages"),
-                       (POSITION_IDS, "old_log_probs", "ref_log_probs", "rollout_is_weights"))
+                       (POSITION_IDS, "old_log_probs", "ref_log_probs", "rollout_is_weights", ROUTES))
 VALUE_UPDATE_BATCH = ((*SEQUENCE, "values", "returns"), (POSITION_IDS,))
 
 

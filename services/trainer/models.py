@@ -23,7 +23,7 @@ from torch import nn
 from rlfabric.core.config import RunConfig
 from rlfabric.core.dtypes import at_least_float32, torch_dtype
 from rlfabric.core.host import check_model_directory
-from rlfabric.core.moe import check_router_aux_loss
+from rlfabric.core.moe import check_router_aux_loss, check_router_replay
 from rlfabric.trainer.roles import role_spec
 
 
@@ -54,6 +54,7 @@ def load_model(role: str, config: RunConfig, device: torch.device) -> nn.Module:
     path = spec.model_path(config)
     if spec.trains_policy:
         check_router_aux_loss(config)  # a coefficient for a model without a router is a mistake
+        check_router_replay(config)
     if spec.value_head:
         hf_config = AutoConfig.from_pretrained(path, num_labels=1, trust_remote_code=config.model.trust_remote_code)
         hf_config.classifier_dropout = 0.0  # dropout on the value head would make the values noisy

@@ -17,7 +17,7 @@ from torch import nn
 from rlfabric import algorithms as algos
 from rlfabric.core.config import ActorConfig, CriticConfig
 from rlfabric.core.dtypes import at_least_float32
-from rlfabric.trainer.batch import SequenceBatch
+from rlfabric.trainer.batch import ROUTES, SequenceBatch
 
 
 @dataclass
@@ -160,7 +160,9 @@ def forward_log_probs(
         log_probs = unpacked(kept_log_probs)
         entropy = None if kept_entropy is None else unpacked(kept_entropy)
         return log_probs, entropy, output.aux_loss if router_aux_loss else None
-    shared = shared_prompts(batch) if share_prompts and keep_logits and not router_aux_loss else None
+    # Not with replayed routes either: they follow the batch's [B, S] tokens, one forward pass.
+    share_prompts = share_prompts and keep_logits and not router_aux_loss and ROUTES not in batch
+    shared = shared_prompts(batch) if share_prompts else None
     if shared is not None:
         logits = _logits_over_shared_prompts(model, batch, *shared)
         log_probs, entropy = algos.log_probs_and_entropy(logits, batch["responses"], temperature, with_entropy,

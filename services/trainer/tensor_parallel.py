@@ -10,6 +10,8 @@ The plan, for the Llama and Qwen2 families (the same module names; transformers'
   self_attn.q_proj / k_proj / v_proj, mlp.gate_proj / up_proj   ColwiseParallel (out-features split)
   self_attn.o_proj, mlp.down_proj                              RowwiseParallel (in-features split, all-reduce)
   lm_head (untied, vocabulary divisible by T)                  ColwiseParallel, logits gathered (Replicate)
+Mixture-of-experts families (Qwen3-MoE): the attention is split as above; each sparse MoE block (router and
+experts) stays whole on every TP rank, so every rank routes the same tokens to the same experts.
 The embeddings, norms, a tied head and the critic's value head stay whole on every TP rank. Heads, KV heads
 and the MLP width must divide by T: HF attention reshapes with -1 heads, so each rank runs its own heads, and
 DTensor does not replicate KV heads as vLLM does (scale.md section 2).
@@ -33,7 +35,8 @@ from rlfabric.core.config import ConfigError, RunConfig
 from rlfabric.core.dtypes import at_least_float32
 from rlfabric.trainer.roles import TRAINER_ROLES, role_spec
 
-FAMILIES = ("llama", "qwen2")  # model_types whose decoder layers the plan below fits (tested on both)
+MOE_FAMILIES = ("qwen3_moe",)  # attention split, MoE blocks whole
+FAMILIES = ("llama", "qwen2", *MOE_FAMILIES)  # model_types whose decoder layers the plan below fits (each tested)
 COLWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
 ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
 
@@ -56,7 +59,7 @@ def split_problem(model_config: dict, tp: int) -> str:
     if kv_heads % tp:
         return (f"the model's {kv_heads} KV heads do not divide by {tp} (DTensor tensor parallelism splits KV heads "
                 "and never replicates them)")
-    if intermediate % tp:
+    if intermediate % tp and model_type not in MOE_FAMILIES:
         return f"the model's intermediate_size {intermediate} does not divide by {tp}"
     return ""
 
@@ -101,7 +104,9 @@ def parallelize(model: nn.Module, tp_mesh) -> None:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     tp = tp_mesh.size()
-    layer_plan = {**{name: ColwiseParallel() for name in COLWISE}, **{name: RowwiseParallel() for name in ROWWISE}}
+    split = [name for name in (*COLWISE, *ROWWISE)
+             if model.config.model_type not in MOE_FAMILIES or name.startswith("self_attn.")]
+    layer_plan = {name: ColwiseParallel() if name in COLWISE else RowwiseParallel() for name in split}
     layer_classes = set(getattr(model, "_no_split_modules", None) or ())
     layers = [module for module in model.modules() if type(module).__name__ in layer_classes]
     if not layers:

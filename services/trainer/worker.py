@@ -9,6 +9,7 @@ Rank 0's RankWorker lives in the service process; the others in the processes di
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 
@@ -26,8 +27,11 @@ from rlfabric.algorithms.plugins import load_plugin_modules
 from rlfabric.core import lora
 from rlfabric.core.config import RunConfig
 from rlfabric.core.dtypes import torch_dtype
+from rlfabric.core.errors import InvalidArgument
+from rlfabric.core.router_replay import replay_routes
 from rlfabric.trainer import models, tensor_parallel
 from rlfabric.trainer.batch import (
+    ROUTES,
     SequenceBatch,
     equalize_micro_batches,
     pad_columns,
@@ -172,6 +176,15 @@ class RankWorker:
         micro = trim_padding(batch.select(rows)) if len(rows) else padding_batch(float_names)
         return micro.to(self.device)
 
+    def _replay(self, micro: SequenceBatch):
+        """MoE routing replay over the micro-batch's forward (and backward) when it brings the rollout's routes
+        (the actor's; actor.router_replay): a context that yields its Agreement, else None."""
+        if ROUTES not in micro or not self.spec.trains_policy:
+            return contextlib.nullcontext()
+        if self.section.use_remove_padding:
+            raise InvalidArgument(f"{ROUTES} cannot be replayed with {self.role}.use_remove_padding (packed rows)")
+        return replay_routes(self.model, micro[ROUTES].flatten(0, 1))
+
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -216,7 +229,7 @@ class RankWorker:
         try:
             for index in self._plan(shard, max_rows):
                 micro = self._micro(shard, index)
-                with models.autocast(self.device, self.dtype, self.sharded):
+                with models.autocast(self.device, self.dtype, self.sharded), self._replay(micro):
                     if self.spec.value_head:
                         results = {"values": forward_values(self.model, micro, packed=packed)}
                     else:
@@ -248,6 +261,8 @@ class RankWorker:
         totals: dict[str, float] = {}
         grad_norms: list[float] = []
         timings = {"fwd_bwd_s": 0.0, "optimizer_s": 0.0}
+        if ROUTES in shard:  # the same names on every rank, for the all-reduce
+            totals.update(router_matched=0.0, router_recorded=0.0)
         self.onload()
         try:
             for _epoch in range(section.ppo_epochs):
@@ -263,7 +278,11 @@ class RankWorker:
         names = sorted(totals)
         summed = self._all_reduce([totals[name] for name in names])
         steps = len(grad_norms)
-        metrics = {f"{self.role}/{name}": value / steps for name, value in zip(names, summed, strict=True)}
+        sums = dict(zip(names, summed, strict=True))
+        routes = sums.pop("router_matched", None), sums.pop("router_recorded", None)  # counts, not means
+        metrics = {f"{self.role}/{name}": value / steps for name, value in sums.items()}
+        if routes[1]:  # the fraction of recorded (token, layer) routes the trainer would have chosen itself
+            metrics[f"{self.role}/router_agreement"] = routes[0] / routes[1]
         metrics[f"{self.role}/grad_norm"] = sum(grad_norms) / steps
         metrics[f"{self.role}/lr"] = lr
         metrics.update({f"{self.role}/{name}": seconds for name, seconds in timings.items()})  # rank 0's
@@ -277,12 +296,15 @@ class RankWorker:
         for index in self._plan(mini, self.section.ppo_micro_batch_size_per_gpu):
             micro = self._micro(mini, index, self.objective.float_names)
             started = time.perf_counter()
-            with models.autocast(self.device, self.dtype, self.sharded):
-                loss, stats = self.objective.loss(self.model, micro, counts)
-            # FSDP2 averages gradients over the data-parallel ranks; each rank's loss is already its share
-            # of the mini-batch total, so scale back up to get the sum.
-            (loss * self.data_parallel_size).backward()
-            self._sync()
+            with self._replay(micro) as agreement:  # open over the backward: checkpointing runs forwards there
+                with models.autocast(self.device, self.dtype, self.sharded):
+                    loss, stats = self.objective.loss(self.model, micro, counts)
+                # FSDP2 averages gradients over the data-parallel ranks; each rank's loss is already its share
+                # of the mini-batch total, so scale back up to get the sum.
+                (loss * self.data_parallel_size).backward()
+                self._sync()
+            if agreement is not None:
+                stats = {**stats, **dict(zip(("router_matched", "router_recorded"), agreement.totals(), strict=True))}
             timings["fwd_bwd_s"] += time.perf_counter() - started
             for name, value in stats.items():
                 totals[name] = totals.get(name, 0.0) + float(value)

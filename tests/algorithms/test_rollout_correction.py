@@ -36,6 +36,7 @@ def test_metrics_compare_the_real_tokens_only():
     assert metrics["rollout_corr/log_ppl_diff"] == pytest.approx((row0 + row1) / 2, abs=1e-6)
     assert metrics["rollout_corr/log_ppl_abs_diff"] == pytest.approx((abs(row0) + abs(row1)) / 2, abs=1e-6)
     assert metrics["rollout_corr/chi2_token"] == pytest.approx(13.76 / 5 - 1, abs=1e-5)
+    assert metrics["rollout_corr/log_prob_abs_diff"] == pytest.approx(sum(map(abs, logs)) / 5, abs=1e-6)
     assert metrics["rollout_corr/rollout_is_mean"] == pytest.approx(6.8 / 5, abs=1e-6)
     assert metrics["rollout_corr/rollout_is_min"] == pytest.approx(0.4, abs=1e-6)
     assert metrics["rollout_corr/rollout_is_max"] == pytest.approx(3.0, abs=1e-5)  # not the padding's 7
@@ -44,6 +45,7 @@ def test_metrics_compare_the_real_tokens_only():
 def test_identical_log_probs_show_no_mismatch():
     metrics = algos.mismatch_metrics(ROLLOUT, ROLLOUT, MASK)
     assert metrics["rollout_corr/kl"] == metrics["rollout_corr/k3_kl"] == metrics["rollout_corr/chi2_token"] == 0
+    assert metrics["rollout_corr/log_prob_abs_diff"] == 0
     assert metrics["rollout_corr/rollout_is_min"] == metrics["rollout_corr/rollout_is_max"] == 1
 
 

@@ -39,7 +39,8 @@ class ModelRoleSection(Section):
     world_size: int = Field(1, ge=1)
     """Ranks (FSDP2 data-parallel x tensor_parallel_size); rank 0 serves gRPC."""
     tensor_parallel_size: int = Field(1, ge=1)
-    """Tensor-parallel ranks per model copy (torch DTensor; Llama and Qwen2 families): world_size ranks form a
+    """Tensor-parallel ranks per model copy (torch DTensor; Llama and Qwen2 families, and Qwen3-MoE with its
+    attention split and its MoE blocks whole on each rank): world_size ranks form a
     (world_size / T) x T mesh, FSDP2 across, each decoder layer's projections split T ways within (and an
     untied LM head; the critic's value head stays whole). T must divide world_size and the model's attention
     heads, KV heads and intermediate size. 1 = data parallel."""
@@ -127,6 +128,13 @@ class ActorConfig(ModelRoleSection):
     transformers computes it over the non-padding tokens) added to the policy loss; reported as
     actor/router_aux_loss. 0 = off: the RL loss alone. The models' own configs give e.g. 0.001 (Qwen3-MoE's
     router_aux_loss_coef). A model without a router refuses a non-zero value."""
+    router_replay: bool = False
+    """Mixture-of-experts models only: MoE routing replay (R3). The rollout engine records the experts each MoE
+    layer chose for every token, and the actor's forward passes (old log-probs and updates) route each token
+    to those instead of choosing again, so the trainer evaluates the network that sampled; the routing
+    weights stay the trainer's. Reports actor/router_agreement: the fraction of recorded routes the trainer
+    would have chosen itself. rollout.engine hf only (why not vLLM here: docs/moe.md); not
+    with use_remove_padding."""
     lora: LoraConfig = LoraConfig()
     """LoRA: train low-rank adapters only. The reference's log-probs then come from the actor with its
     adapters off (no reference service runs), and checkpoints hold the adapters and their optimizer."""
