@@ -116,6 +116,11 @@ class SimEngine(RolloutEngine):
             registry, "rlfabric_sim_injected_failures_total", "Requests the simulated engine failed on purpose "
             "(sim.rollout.failure_rate).")
 
+    @property
+    def rows_in_flight(self) -> int:
+        """Samples started and not finished: queued or in the batch."""
+        return len(self._queue) + len(self._running)
+
     # -- the scheduler -------------------------------------------------------------------------
 
     def _start_request(self, generation: Generation) -> None:
