@@ -57,21 +57,29 @@ class FaultPlan:
     replicas: int = 256
     prompts_per_replica: int = 4
     n: int = 8  # samples per prompt
-    max_tokens: int = 256
+    max_tokens: int = 1024  # responses of ~512 tokens (lognormal, mean half of it)
     chunk_prompts: int = 2  # prompts per request
     kill_fraction: float = 0.1
     straggler_fraction: float = 0.05
     straggler_slowdown: float = 10.0
     drop_s: float = 30.0  # simulated seconds the dropped replica's link moves nothing
-    time_scale: float = 0.01
+    time_scale: float = 0.05
     fault_at: float = 0.25  # the faults strike when this fraction of the samples has arrived
     seed: int = 0
 
     def config(self) -> RunConfig:
-        return load_config(None, [
-            "rollout.engine=sim", f"rollout.replicas={self.replicas}", f"sim.time_scale={self.time_scale}",
-            f"sim.seed={self.seed}", f"sim.rollout.straggler_fraction={self.straggler_fraction}",
-            f"sim.rollout.straggler_slowdown={self.straggler_slowdown}", "sim.rollout.decode_text=false"])
+        return load_config(
+            None,
+            [
+                "rollout.engine=sim",
+                f"rollout.replicas={self.replicas}",
+                f"sim.time_scale={self.time_scale}",
+                f"sim.seed={self.seed}",
+                f"sim.rollout.straggler_fraction={self.straggler_fraction}",
+                f"sim.rollout.straggler_slowdown={self.straggler_slowdown}",
+                "sim.rollout.decode_text=false",
+            ],
+        )
 
 
 class Relay:
@@ -135,8 +143,10 @@ class SimFleet:
         self.servers: list[RlfabricServer] = []
 
     async def start(self) -> None:
-        self.servers = [RlfabricServer(build_service(self.config, replica=i), self.options)
-                        for i in range(self.config.rollout.replicas)]
+        self.servers = [
+            RlfabricServer(build_service(self.config, replica=i), self.options)
+            for i in range(self.config.rollout.replicas)
+        ]
         await asyncio.gather(*(server.start() for server in self.servers))
 
     @property
@@ -153,8 +163,9 @@ class SimFleet:
     async def restart(self, replica: int) -> None:
         """A fresh engine and server for the replica, on its old port."""
         port = self.servers[replica].port
-        server = RlfabricServer(build_service(self.config, replica=replica),
-                                dataclasses.replace(self.options, port=port))
+        server = RlfabricServer(
+            build_service(self.config, replica=replica), dataclasses.replace(self.options, port=port)
+        )
         await server.start()
         self.servers[replica] = server
 
@@ -168,7 +179,9 @@ def pick_faults(plan: FaultPlan, config: RunConfig) -> tuple[list[int], int]:
     healthy = [i for i in range(plan.replicas) if i not in slow]
     kills = round(plan.kill_fraction * plan.replicas)
     if kills + 1 > len(healthy):
-        raise ValueError(f"{plan.replicas} replicas cannot lose {kills} and cut off one besides {len(slow)} stragglers")
+        raise ValueError(
+            f"{plan.replicas} replicas cannot lose {kills} and cut off one besides {len(slow)} stragglers"
+        )
     stride = len(healthy) / (kills + 1)
     chosen = [healthy[int(k * stride)] for k in range(kills + 1)]
     return chosen[1:], chosen[0]
@@ -201,7 +214,8 @@ async def faulty_step(plan: FaultPlan) -> dict:
             delivered=len(seen),
             requests=sum(router.replicas[i].outstanding for i in killed),
             engine_rows=sum(fleet.rows_in_flight(i) for i in killed),
-            cut_off_requests=router.replicas[cut_off].outstanding)
+            cut_off_requests=router.replicas[cut_off].outstanding,
+        )
         kills.extend(asyncio.create_task(fleet.kill(i)) for i in killed)
         relay.drop()
 
@@ -214,8 +228,9 @@ async def faulty_step(plan: FaultPlan) -> dict:
         asyncio.get_running_loop().call_later(plan.drop_s * plan.time_scale, restore)
 
     began = time.monotonic()
-    async for sample in router.generate_stream(prompts, SamplingSpec(n=plan.n, max_tokens=plan.max_tokens),
-                                               chunk_prompts=plan.chunk_prompts):
+    async for sample in router.generate_stream(
+        prompts, SamplingSpec(n=plan.n, max_tokens=plan.max_tokens), chunk_prompts=plan.chunk_prompts
+    ):
         seen[(sample.prompt_index, sample.sample_index)] += 1
         if not at_fault and len(seen) >= plan.fault_at * expected:
             strike()
@@ -239,18 +254,30 @@ async def faulty_step(plan: FaultPlan) -> dict:
 
     delivered_unique = len(seen)
     return {
-        "replicas": plan.replicas, "killed": len(killed), "stragglers": len(stragglers(config)),
-        "cut_off": 1, "drop_simulated_s": plan.drop_s, "drop_real_s": at_fault.get("drop_real_s"),
-        "time_scale": plan.time_scale, "samples_requested": expected,
-        "samples_delivered": sum(seen.values()), "samples_delivered_unique": delivered_unique,
-        "samples_lost": expected - delivered_unique, "samples_duplicated": sum(seen.values()) - delivered_unique,
+        "replicas": plan.replicas,
+        "killed": len(killed),
+        "stragglers": len(stragglers(config)),
+        "cut_off": 1,
+        "drop_simulated_s": plan.drop_s,
+        "drop_real_s": at_fault.get("drop_real_s"),
+        "time_scale": plan.time_scale,
+        "samples_requested": expected,
+        "samples_delivered": sum(seen.values()),
+        "samples_delivered_unique": delivered_unique,
+        "samples_lost": expected - delivered_unique,
+        "samples_duplicated": sum(seen.values()) - delivered_unique,
         "delivered_at_fault": at_fault["delivered"],
-        "killed_requests_in_flight": at_fault["requests"], "killed_engine_rows_in_flight": at_fault["engine_rows"],
+        "fault_real_s": at_fault["time"] - began,
+        "killed_requests_in_flight": at_fault["requests"],
+        "killed_engine_rows_in_flight": at_fault["engine_rows"],
         "cut_off_requests_in_flight": at_fault["cut_off_requests"],
-        "router": stats.as_metrics(), "killed_errors": dict(errors),
+        "router": stats.as_metrics(),
+        "killed_errors": dict(errors),
         "relay_bytes_while_dropped": relay.moved_while_dropped,
-        "step_real_s": step_s, "step_simulated_s": step_s / plan.time_scale,
-        "readmitted_real_s": readmitted_s, "healthy_after_restart": healthy_after,
+        "step_real_s": step_s,
+        "step_simulated_s": step_s / plan.time_scale,
+        "readmitted_real_s": readmitted_s,
+        "healthy_after_restart": healthy_after,
     }
 
 
@@ -264,12 +291,22 @@ def main() -> None:
     parser.add_argument("--time-scale", type=float, default=defaults.time_scale)
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
-    plan = FaultPlan(replicas=args.replicas, prompts_per_replica=args.prompts_per_replica, n=args.n,
-                     max_tokens=args.max_tokens, time_scale=args.time_scale)
+    plan = FaultPlan(
+        replicas=args.replicas,
+        prompts_per_replica=args.prompts_per_replica,
+        n=args.n,
+        max_tokens=args.max_tokens,
+        time_scale=args.time_scale,
+    )
     cpu = time.process_time()
     result = asyncio.run(faulty_step(plan))
-    result.update(process_cpu_s=time.process_time() - cpu, load_average=os.getloadavg()[0],
-                  cpus=os.cpu_count(), host=platform.node(), plan=dataclasses.asdict(plan))
+    result.update(
+        process_cpu_s=time.process_time() - cpu,
+        load_average=os.getloadavg()[0],
+        cpus=os.cpu_count(),
+        host=platform.node(),
+        plan=dataclasses.asdict(plan),
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     log(json.dumps({k: v for k, v in result.items() if k != "plan"}))
