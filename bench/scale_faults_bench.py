@@ -19,8 +19,9 @@ timeout) is not scaled, so a drop shorter than it (as a real 30 s drop is) stall
 with no failover.
 
 Per step it records the samples requested and delivered, those delivered twice (by (prompt, sample)), those lost,
-the requests failed over, the samples the killed replicas had in flight when killed (as the router counts them:
-sent, not delivered; and as their engines counted them: queued or generating) and the rework (samples sent again).
+the requests failed over, the samples the killed replicas had in flight (as the router counts them when their
+calls fail: sent, not delivered; as their engines counted them at the strike and when they stopped: queued or
+generating) and the rework (samples sent again).
 """
 
 from __future__ import annotations
@@ -156,9 +157,11 @@ class SimFleet:
     def rows_in_flight(self, replica: int) -> int:
         return self.servers[replica].service.engine.rows_in_flight
 
-    async def kill(self, replica: int) -> None:
-        """Stops the replica's server with no grace: its streams end mid-flight, its port refuses connections."""
+    async def kill(self, replica: int) -> int:
+        """Stops the replica's server with no grace: its streams end mid-flight, its port refuses connections. The
+        samples its engine had not finished when it stopped (after the server: none of them was delivered)."""
         await self.servers[replica].stop(grace=0)
+        return self.servers[replica].service.engine.unfinished_at_stop
 
     async def restart(self, replica: int) -> None:
         """A fresh engine and server for the replica, on its old port."""
@@ -235,9 +238,10 @@ async def faulty_step(plan: FaultPlan) -> dict:
         if not at_fault and len(seen) >= plan.fault_at * expected:
             strike()
     step_s = time.monotonic() - began
-    await asyncio.gather(*kills)
+    unfinished_at_stop = sum(await asyncio.gather(*kills))
     await restored.wait()
     errors = Counter(router.replicas[i].last_error.split(":")[0] for i in killed)
+    out_after_step = sorted(i for i, replica in enumerate(router.replicas) if not replica.healthy)
 
     restarted = time.monotonic()
     await asyncio.gather(*(fleet.restart(i) for i in killed))
@@ -270,9 +274,11 @@ async def faulty_step(plan: FaultPlan) -> dict:
         "fault_real_s": at_fault["time"] - began,
         "killed_requests_in_flight": at_fault["requests"],
         "killed_engine_rows_in_flight": at_fault["engine_rows"],
+        "killed_engine_rows_unfinished_at_stop": unfinished_at_stop,
         "cut_off_requests_in_flight": at_fault["cut_off_requests"],
         "router": stats.as_metrics(),
         "killed_errors": dict(errors),
+        "out_after_step_are_the_killed": out_after_step == sorted(killed),
         "relay_bytes_while_dropped": relay.moved_while_dropped,
         "step_real_s": step_s,
         "step_simulated_s": step_s / plan.time_scale,

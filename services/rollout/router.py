@@ -77,8 +77,17 @@ class RouterStats:
     failed_inflight_samples: int = 0  # samples a replica had been sent and not delivered when it failed
     rework_samples: int = 0  # samples sent again to another replica because theirs failed
 
+    def since(self, earlier: RouterStats) -> RouterStats:
+        """The counts between `earlier` (a copy of these stats) and now."""
+        return RouterStats(**{name: value - getattr(earlier, name) for name, value in vars(self).items()})
+
     def as_metrics(self) -> dict[str, float]:
-        return {f"rollout/router/{name}": float(value) for name, value in vars(self).items()}
+        return {"rollout/router/requested_samples": float(self.requested_samples),
+                "rollout/router/delivered_samples": float(self.delivered_samples),
+                "rollout/router/duplicate_samples": float(self.duplicate_samples),
+                "rollout/router/failovers": float(self.failovers),
+                "rollout/router/failed_inflight_samples": float(self.failed_inflight_samples),
+                "rollout/router/rework_samples": float(self.rework_samples)}
 
 
 @dataclass

@@ -46,18 +46,20 @@ def test_the_step_delivers_every_sample_once(step):
 
 def test_rework_is_the_killed_replicas_in_flight_samples(step):
     router = step["router"]
-    # Each request in flight on a killed replica failed over once, and nothing else did (not the cut-off one).
-    assert router["rollout/router/failovers"] == step["killed_requests_in_flight"]
+    # Each request in flight on a killed replica failed over; a part sent again may land on another killed replica
+    # the router has not seen fail yet and fail over twice. No other replica was taken out (not the cut-off one).
+    assert router["rollout/router/failovers"] >= step["killed_requests_in_flight"]
+    assert step["out_after_step_are_the_killed"]
     assert set(step["killed_errors"]) <= {"UNAVAILABLE", "CANCELLED"}
     rework = router["rollout/router/rework_samples"]
     assert rework == router["rollout/router/failed_inflight_samples"]  # sent to them, not delivered by them
-    # At least what their engines were still generating; at most what their requests asked of them.
+    # At least what their engines had not finished when they stopped; at most what the failed requests asked for.
     assert (
-        step["killed_engine_rows_in_flight"]
+        step["killed_engine_rows_unfinished_at_stop"]
         <= rework
-        <= step["killed_requests_in_flight"] * PLAN.chunk_prompts * PLAN.n
+        <= router["rollout/router/failovers"] * PLAN.chunk_prompts * PLAN.n
     )
-    assert rework > 0
+    assert step["killed_engine_rows_unfinished_at_stop"] > 0  # killed mid-generation, not between requests
 
 
 def test_a_thirty_second_drop_stalls_the_replica_and_ends_without_failover(step):
