@@ -17,6 +17,7 @@ from rlfabric.rollout.router import RolloutRouter
 from rlfabric.rollout.sim_engine import SimEngine
 from rlfabric.rollout.types import SamplingSpec
 
+pytestmark = pytest.mark.slow  # 48 servers and a ~12 s step
 PLAN = FaultPlan(replicas=48, prompts_per_replica=4, n=8, max_tokens=1024, time_scale=0.05)
 
 
