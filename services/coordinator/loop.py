@@ -34,6 +34,7 @@ settings; the actor processes need no config change to turn it on.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -61,6 +62,7 @@ from rlfabric.core import tracing
 from rlfabric.core.config import RunConfig
 from rlfabric.core.errors import FailedPrecondition
 from rlfabric.gateway.segments import episode_advantages
+from rlfabric.rollout.router import RouterStats
 
 log = logging.getLogger("rlfabric.coordinator")
 
@@ -88,6 +90,7 @@ class StepRunner:
         self.actor_mini_batch_rows = actor_mini_batch_rows or config.actor.ppo_mini_batch_size * config.rollout.n
         self.last_trace_id = ""  # the last trained step's trace (tracing on), for the metrics' exemplars
         self._last_step_end: float | None = None  # perf_counter() at the end of the previous step
+        self._router_stats = RouterStats()  # the router's counts as of the previous step's metrics
 
     async def train_step(self, step: int, stream: RolloutStream,
                          initial_save: Awaitable[None] | None = None) -> dict[str, float]:
@@ -99,7 +102,16 @@ class StepRunner:
             await _initial_save_done(initial_save, timer)
         metrics = await self.train_on(step, batch, timer)
         metrics.update(rollout_metrics)
+        metrics.update(self._router_metrics())
         return metrics
+
+    def _router_metrics(self) -> dict[str, float]:
+        """rollout/router/*: the router's counts since the previous step's (none without a rollout)."""
+        if self.peers.rollout is None:
+            return {}
+        stats = dataclasses.replace(self.peers.rollout.stats)
+        since, self._router_stats = stats.since(self._router_stats), stats
+        return since.as_metrics()
 
     async def generated(self, step: int, stream: RolloutStream, timer: StepTimer,
                         ) -> tuple[RolloutBatch, dict[str, float]]:

@@ -14,6 +14,8 @@
 - Routing keys: a request with a routing_key (an agent episode's, rlfabric.gateway) goes to the replica its
   key's first request went to, while that replica is healthy, so the episode's growing prompt stays in one
   prefix cache; release(key) forgets it.
+- Counting: `stats` (RouterStats) has the samples asked for and delivered, those a failed replica had in flight
+  and those sent again because of it, and any delivered twice (dropped: each sample reaches the caller once).
 - Probing: a background task (start()) health-checks replicas that are out and puts them back
   when they report readiness SERVING; with no healthy replica left, the router probes once before
   giving up with UNAVAILABLE.
@@ -65,12 +67,40 @@ class Replica:
 
 
 @dataclass
+class RouterStats:
+    """Sample counts since the router was made (as metrics: rollout/router/<name>)."""
+
+    requested_samples: int = 0  # samples asked of generate_stream
+    delivered_samples: int = 0  # samples handed to the caller (each (prompt, sample) once)
+    duplicate_samples: int = 0  # samples that arrived for a (prompt, sample) already delivered, dropped
+    failovers: int = 0  # requests a replica failed with a failover code
+    failed_inflight_samples: int = 0  # samples a replica had been sent and not delivered when it failed
+    rework_samples: int = 0  # samples sent again to another replica because theirs failed
+
+    def since(self, earlier: RouterStats) -> RouterStats:
+        """The counts between `earlier` (a copy of these stats) and now."""
+        return RouterStats(**{name: value - getattr(earlier, name) for name, value in vars(self).items()})
+
+    def as_metrics(self) -> dict[str, float]:
+        return {"rollout/router/requested_samples": float(self.requested_samples),
+                "rollout/router/delivered_samples": float(self.delivered_samples),
+                "rollout/router/duplicate_samples": float(self.duplicate_samples),
+                "rollout/router/failovers": float(self.failovers),
+                "rollout/router/failed_inflight_samples": float(self.failed_inflight_samples),
+                "rollout/router/rework_samples": float(self.rework_samples)}
+
+
+@dataclass
 class _Part:
     """A piece of a request: which original prompts, and which of their sample indices are wanted."""
 
     prompt_indices: list[int]
     sample_indices: list[int]  # the same for every prompt of the part
     attempts: int = 0
+
+    @property
+    def size(self) -> int:
+        return len(self.prompt_indices) * len(self.sample_indices)
 
 
 @dataclass
@@ -97,6 +127,7 @@ class RolloutRouter:
         self._round_robin = itertools.count()
         self._prober: asyncio.Task | None = None
         self._sticky: dict[str, Replica] = {}  # routing key -> the replica its requests go to
+        self.stats = RouterStats()
 
     # -- replica choice ------------------------------------------------------------------------
 
@@ -226,6 +257,7 @@ class RolloutRouter:
                  for i in range(0, len(prompts), size)] or [_Part([], list(range(params.n)))]
         out: asyncio.Queue = asyncio.Queue()
         progress = _Progress()
+        self.stats.requested_samples += sum(part.size for part in parts)
         tasks = {asyncio.create_task(self._run_part(part, prompts, params, timeout_s, progress, out,
                                                       routing_key)) for part in parts}
         running = len(tasks)
@@ -253,20 +285,30 @@ class RolloutRouter:
                 sub_prompts = [prompts[i] for i in part.prompt_indices]
                 sub_params = replace(params, n=len(part.sample_indices))
                 replica.outstanding += 1
+                arrived = 0
                 try:
                     async for sample in replica.client.generate_stream(sub_prompts, sub_params, timeout_s):
                         key = (part.prompt_indices[sample.prompt_index], part.sample_indices[sample.sample_index])
+                        arrived += 1
+                        if key in progress.received:
+                            self.stats.duplicate_samples += 1
+                            continue
                         sample.prompt_index, sample.sample_index = key
                         progress.received.add(key)
+                        self.stats.delivered_samples += 1
                         out.put_nowait(sample)
                 except RlfabricError as error:  # it names the replica
                     if error.code not in FAILOVER_CODES:
                         raise
                     self._take_out(replica, error)
+                    self.stats.failovers += 1
+                    self.stats.failed_inflight_samples += part.size - arrived
                     if part.attempts + 1 >= self.max_attempts:
                         raise Unavailable(f"generation failed on {part.attempts + 1} replicas; last: "
                                           f"{replica.last_error}") from None
-                    pending.extend(self._missing(part, progress))
+                    missing = self._missing(part, progress)
+                    self.stats.rework_samples += sum(p.size for p in missing)
+                    pending.extend(missing)
                 finally:
                     replica.outstanding -= 1
             out.put_nowait(None)

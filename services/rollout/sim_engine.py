@@ -80,6 +80,7 @@ class SimEngine(RolloutEngine):
         self.sync_cost = SyncCost.of(config)
         self.rng = np.random.default_rng([config.sim.seed, replica])
         self.injected_failures = 0
+        self.unfinished_at_stop = 0  # rows queued or generating when stop() came (after its server's, undelivered)
         self._failures_metric = None
         self._queue: deque[_Row] = deque()
         self._running: list[tuple[float, int, _Row]] = []  # heap of (clock at which it ends, tie-break, row)
@@ -106,6 +107,7 @@ class SimEngine(RolloutEngine):
         self._idle.set()
 
     async def stop(self) -> None:
+        self.unfinished_at_stop = self.rows_in_flight
         await self.pause(abort=True)
         if self._timer is not None:
             self._timer.cancel()
@@ -115,6 +117,11 @@ class SimEngine(RolloutEngine):
         self._failures_metric = service_counter(
             registry, "rlfabric_sim_injected_failures_total", "Requests the simulated engine failed on purpose "
             "(sim.rollout.failure_rate).")
+
+    @property
+    def rows_in_flight(self) -> int:
+        """Samples started and not finished: queued or in the batch."""
+        return len(self._queue) + len(self._running)
 
     # -- the scheduler -------------------------------------------------------------------------
 

@@ -16,6 +16,7 @@ import pytest
 from rlfabric.coordinator.driver import NoHooks
 from rlfabric.coordinator.sampler import WeightVersions
 from rlfabric.reward.items import ItemResult
+from rlfabric.rollout.router import RouterStats
 from rlfabric.rollout.types import Finish, FinishedSample
 from rlfabric.v1 import coordinator_pb2
 from tests.coordinator.meshes import fast_config, in_process
@@ -143,6 +144,7 @@ class Rollout:
     def __init__(self, stuck: int):
         self.stuck, self.requests = stuck, []
         self.versions = WeightVersions()  # the run's, once it is built
+        self.stats = RouterStats()  # the loop reads its counts each step
 
     def healthy(self):
         return [self]

@@ -22,6 +22,7 @@ from rlfabric.core.errors import FailedPrecondition, InvalidArgument
 from rlfabric.data.dataset import PromptRow
 from rlfabric.reward.items import ItemResult
 from rlfabric.reward.items import failed as failed_result
+from rlfabric.rollout.router import RouterStats
 from rlfabric.rollout.types import Finish, FinishedSample
 
 N = 2  # samples per prompt
@@ -135,6 +136,7 @@ class Rollout:
 
     def __init__(self):
         self.requests: list[asyncio.Task] = []
+        self.stats = RouterStats()  # the loop reads its counts each step
 
     def healthy(self):
         return [self]

@@ -48,5 +48,10 @@ def test_a_run_on_eight_sim_replicas_completes_as_usual(tiny_model, tmp_path, me
         assert m["timing_s/update"] >= m["sim/actor/tokens"] * update_s * 0.99
         assert m["timing_s/update_weights"] >= (sync.gather_s + sync.wire_s) * 0.99
         assert 0 < m["response_length/mean"] <= 64
+        # The router's counts since the last step: injected failures are reworked, nothing arrives twice.
+        assert m["rollout/router/rework_samples"] == m["rollout/router/failed_inflight_samples"]
+        assert m["rollout/router/duplicate_samples"] == 0
+        if mode == "sync":  # only this step's samples were generating
+            assert m["rollout/router/requested_samples"] == m["rollout/router/delivered_samples"] == 16 * 4
     checkpoint = json.loads((tmp_path / "run" / "checkpoints" / f"global_step_{STEPS}" / "actor" / "meta.json").read_text())
     assert checkpoint["simulated"] and checkpoint["updates"] == STEPS
