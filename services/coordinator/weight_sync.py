@@ -53,6 +53,7 @@ from rlfabric.core.errors import FailedPrecondition, InvalidArgument
 from rlfabric.reference.client import ReferenceClient, ReferenceInterface
 from rlfabric.rollout.client import RolloutClient
 from rlfabric.rollout.router import RolloutRouter
+from rlfabric.weight_sync.chain import HOP_SLACK_S
 from rlfabric.weight_sync.devices import DeviceReport, TransportChoice, choose_transport
 from rlfabric.weight_sync.grpc_stream import PushResult
 from rlfabric.weight_sync.manifest import Manifest, SyncGroup
@@ -87,6 +88,8 @@ class SyncReport:
     full_bytes: int = 0  # per receiver: what the full weights take (num_bytes when the sync sent them)
     delta: bool = False  # the sync sent the change against the replicas' base (weight_sync.delta)
     fallback_full: int = 0  # receivers that got the full weights where a delta was due (another base, or rejected)
+    egress_bytes: int = 0  # grpc: what the actor itself sent (relay chain: about one copy, whatever the replicas)
+    hop_seconds: dict[str, float] = field(default_factory=dict)  # grpc: each receiver's receive (wire) seconds
 
     @property
     def ok(self) -> bool:
@@ -120,6 +123,12 @@ class SyncReport:
         return {"weight_sync/delta_bytes": float(self.num_bytes), "weight_sync/full_bytes": float(full),
                 "weight_sync/delta_ratio": self.num_bytes / full if full else 1.0,
                 "weight_sync/delta_fallback_full": float(self.fallback_full)}
+
+    def egress_metrics(self) -> dict[str, float]:
+        """grpc: weight_sync/actor_egress_bytes (what the actor sent to all receivers together) and
+        timing_s/update_weights/relay_hop_max (the slowest receiver's receive: with relay chain, the last hop's)."""
+        return {"weight_sync/actor_egress_bytes": float(self.egress_bytes),
+                "timing_s/update_weights/relay_hop_max": max(self.hop_seconds.values(), default=0.0)}
 
 
 @dataclass
@@ -341,7 +350,8 @@ class WeightSyncPlane(WeightSync):
             return failed
         group = await self.actor.open_weight_sync_group(
             self.transport, len(live), self.config.weight_sync.bucket_mb << 20, target_dtype(self.config),
-            self.timeout_s, tuple(m.address for m in live), delta=self._sends_deltas(live))
+            self.timeout_s, tuple(m.address for m in live), delta=self._sends_deltas(live),
+            relay=self.config.weight_sync.relay if self.transport == "grpc" else "")
         ranks = {m.name: rank for rank, m in enumerate(live, start=1)}
         joins = await asyncio.gather(*(m.client.join_weight_sync_group(group, ranks[m.name], self.timeout_s + SLACK_S)
                                        for m in live), return_exceptions=True)
@@ -430,7 +440,9 @@ class WeightSyncPlane(WeightSync):
             self._stale = True  # e.g. the actor restarted and lost the group: rebuild next time
             raise
         report.num_bytes, report.full_bytes, report.delta = manifest.num_bytes, manifest.full_bytes, bool(manifest.delta)
+        egress = report.egress_bytes
         outcomes = await self._transfer(manifest, report)
+        report.egress_bytes += egress  # a delta rejected: the full weights went after it
         if manifest.keep_base:
             self._sent = version
         return outcomes
@@ -442,11 +454,14 @@ class WeightSyncPlane(WeightSync):
         members = [self._members[name] for name in self.ranks]
         if group.transport == "grpc":
             try:
-                result = await self.actor.broadcast_weights(group.group_id, manifest.version, deadline)
+                relaying = HOP_SLACK_S * len(members) if self.config.weight_sync.relay != "none" else 0.0
+                result = await self.actor.broadcast_weights(group.group_id, manifest.version, deadline + relaying)
             except Exception as error:
                 return {m.name: error for m in members}
             report.broadcast_seconds, report.phases = result.seconds, result.phases
+            report.egress_bytes = result.egress_bytes
             pushes = {p.address: p for p in result.pushes}
+            report.hop_seconds = {m.name: pushes[m.address].phases.wire for m in members}
             return {m.name: _push_outcome(pushes[m.address]) for m in members}
         broadcast, *receives = await asyncio.gather(
             self.actor.broadcast_weights(group.group_id, manifest.version, deadline),

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 
 from prometheus_client import CollectorRegistry
 
+from rlfabric.core.client import ChannelOptions
 from rlfabric.core.config import RunConfig
 from rlfabric.core.metrics import service_counter, service_gauge, service_histogram
 from rlfabric.core.server import ServiceBinding, ServiceDefinition
@@ -92,7 +93,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         self.engine = engine
         self.agents = agents
         self.metrics = metrics
-        self._pushes = PushReceiver()  # PushWeights: one push at a time, over one or more streams
+        # PushWeights: one push at a time, over one or more streams; relayed to the next replica over these options
+        self._pushes = PushReceiver(ChannelOptions.from_config(engine.config))
 
     async def Generate(self, request, context):
         samples = [s async for s in self._generate(request.prompts, request.sampling_params)]
@@ -144,8 +146,10 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         swap = outcome.swap
         if outcome.applied_here:  # once per push, however many streams carried it
             self.metrics.weight_swap(swap, time.monotonic() - started, outcome.manifest.num_bytes)
+        relayed = [rollout_pb2.RelayedPush(address=r.address, version=r.version, paused_seconds=r.paused_seconds,
+                                           error=r.error, phases=r.phases.to_proto()) for r in outcome.relayed]
         return rollout_pb2.RolloutServicePushWeightsResponse(version=swap.version, paused_seconds=swap.paused_seconds,
-                                                             phases=swap.phases.to_proto())
+                                                             phases=swap.phases.to_proto(), relayed=relayed)
 
     async def _generate(self, prompts, params: rollout_pb2.SamplingParams) -> AsyncIterator[FinishedSample]:
         """The engine's samples, counted as they pass."""

@@ -50,6 +50,7 @@ from rlfabric.core.codec import varint
 from rlfabric.core.errors import DeadlineExceeded, InvalidArgument, RlfabricError, Unavailable
 from rlfabric.core.interceptors import bearer_metadata
 from rlfabric.v1 import rollout_pb2
+from rlfabric.weight_sync.chain import ChainForward, chain_of, relay_metadata
 from rlfabric.weight_sync.delta import DeltaBase
 from rlfabric.weight_sync.manifest import Manifest, WeightLimits
 from rlfabric.weight_sync.phases import PhaseClock, SyncPhases
@@ -80,6 +81,8 @@ class PushResult:
     paused_seconds: float = 0.0
     error: str = ""
     phases: SyncPhases = field(default_factory=SyncPhases)  # the receiver's: wire, checksum, apply
+    sent_bytes: int = 0  # bytes of messages this push sent (the caller's egress to this receiver)
+    relayed: tuple[PushResult, ...] = ()  # relay: how the push went on each replica after this one (chain order)
 
 
 # -- the wire format of a chunk -----------------------------------------------------------------------
@@ -255,10 +258,12 @@ def _first_cause(errors: list[BaseException]) -> BaseException:
 
 
 async def push_weights(address: str, chunks: PushPayload | list[bytes], timeout_s: float,
-                       options: ChannelOptions | None = None, streams: int = STREAMS_PER_RECEIVER) -> PushResult:
+                       options: ChannelOptions | None = None, streams: int = STREAMS_PER_RECEIVER,
+                       relay: tuple[tuple[str, ...], float] = ((), 0.0)) -> PushResult:
     """Streams a push (a PushPayload, or serialized PushWeights messages, the manifest first) to one
     RolloutService over `streams` connections; never raises for a failed push: failures come back in
-    PushResult.error."""
+    PushResult.error. `relay`: the replicas the receiver forwards the push to, in order, and the hop timeout
+    (rlfabric.weight_sync.chain); their outcomes come back in PushResult.relayed."""
     _keep_message_memory()  # gRPC copies every message it sends into a new block too
     options = options or ChannelOptions()
     streams = max(1, min(streams, MAX_STREAMS, len(chunks) - 1))
@@ -266,7 +271,9 @@ async def push_weights(address: str, chunks: PushPayload | list[bytes], timeout_
         lanes = [chunks.stream(lane, streams) for lane in range(streams)]
     else:
         lanes = [iter([chunks[0], *chunks[1 + lane :: streams]]) for lane in range(streams)]
-    metadata = (*bearer_metadata(options.auth_token), (STREAMS_METADATA, str(streams)))
+    sent = [0]
+    lanes = [_counted(lane, sent) for lane in lanes]
+    metadata = (*bearer_metadata(options.auth_token), (STREAMS_METADATA, str(streams)), *relay_metadata(*relay))
     channels = [_push_channel(address, options) for _ in range(streams)]
     try:
         calls = [channel.stream_unary(PUSH_METHOD, request_serializer=None,  # already bytes
@@ -279,12 +286,20 @@ async def push_weights(address: str, chunks: PushPayload | list[bytes], timeout_
             cause = _first_cause(errors)
             if not isinstance(cause, grpc.RpcError | RlfabricError | OSError):
                 raise cause
-            return PushResult(address, error=_describe(cause))
+            return PushResult(address, error=_describe(cause), sent_bytes=sent[0])
+        relayed = tuple(PushResult(r.address, r.version, r.paused_seconds, r.error, SyncPhases.from_proto(r.phases))
+                        for r in outcomes[0].relayed)
         return PushResult(address, outcomes[0].version, outcomes[0].paused_seconds, "",
-                          SyncPhases.from_proto(outcomes[0].phases))
+                          SyncPhases.from_proto(outcomes[0].phases), sent[0], relayed)
     finally:
         for channel in channels:
             await channel.close()
+
+
+def _counted(messages: Iterator[bytes], sent: list[int]) -> Iterator[bytes]:
+    for message in messages:
+        sent[0] += len(message)
+        yield message
 
 
 # -- the receiving side ---------------------------------------------------------------------------------
@@ -297,6 +312,7 @@ class PushOutcome:
     manifest: Manifest
     swap: WeightSwap
     applied_here: bool
+    relayed: tuple[PushResult, ...] = ()  # relay: the outcome on each replica downstream (chain order)
 
 
 class _Push:
@@ -309,6 +325,7 @@ class _Push:
         self.applying = False
         self.done: asyncio.Future = asyncio.get_running_loop().create_future()
         self.done.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: no "never retrieved" log
+        self.forward: ChainForward | None = None  # relay: the push on its way to the next replica
 
     def accepts(self, manifest: Manifest, streams: int) -> bool:
         return (not self.done.done() and self.joined < self.streams and streams == self.streams
@@ -317,6 +334,8 @@ class _Push:
     def fail(self, error: BaseException) -> None:
         if not self.done.done():
             self.done.set_exception(error)
+        if self.forward is not None:  # downstream gets nothing more; its upstream routes around this replica
+            self.forward.cancel()
 
     def raise_if_failed(self) -> None:
         if self.done.done() and not self.done.cancelled() and self.done.exception() is not None:
@@ -345,7 +364,9 @@ class PushReceiver:
     """The receiving end of PushWeights: assembles every push from its streams, one push at a time
     (they share the bucket buffers, which the next push of the same sizes reuses)."""
 
-    def __init__(self):
+    def __init__(self, options: ChannelOptions | None = None):
+        """`options`: how this replica reaches the next one when it relays a push (TLS, auth)."""
+        self.options = options or ChannelOptions()
         self._push: _Push | None = None
         self._changed: asyncio.Condition | None = None
         self._buffers: list[torch.Tensor] = []
@@ -360,6 +381,7 @@ class PushReceiver:
         _keep_message_memory()
         wait_s = _wait_s(context)
         streams = _streams_of(context)
+        chain, hop_timeout_s = chain_of(context)
         first = await anext(aiter(requests), None)
         try:
             message = rollout_pb2.RolloutServicePushWeightsRequest.FromString(first) if first is not None else None
@@ -371,13 +393,19 @@ class PushReceiver:
         manifest = Manifest.from_proto(message.manifest)
         if limits is not None:
             limits.check(manifest)  # before a single byte is allocated for it
-        push = await self._join(manifest, streams, wait_s - (time.monotonic() - started))
+        relay = (chain, hop_timeout_s, started + wait_s, first)
+        push, lane = await self._join(manifest, streams, wait_s - (time.monotonic() - started), relay)
         try:
             try:  # this stream's chunks; any failure here fails the whole push
                 async for raw in requests:
                     push.raise_if_failed()
-                    push.assembler.add(*decode_chunk(raw))
+                    bucket_index, offset, data = decode_chunk(raw)
+                    push.assembler.add(bucket_index, offset, data)
+                    if push.forward is not None:
+                        push.forward.add(lane, bucket_index, offset, len(data))
                 push.raise_if_failed()
+                if push.forward is not None:
+                    push.forward.close(lane)
                 push.ended += 1
                 if push.ended == push.streams and not push.assembler.complete:
                     push.assembler.finish()  # raises, naming the incomplete buckets
@@ -405,16 +433,21 @@ class PushReceiver:
                     raise
                 if not push.done.done():
                     push.done.set_result(swap)
-                return PushOutcome(manifest, swap, True)
+                return PushOutcome(manifest, swap, True, await self._relayed(push))
             remaining = wait_s - (time.monotonic() - started)
             try:
                 swap = await asyncio.wait_for(asyncio.shield(push.done), max(0.0, remaining))
             except TimeoutError:
                 raise DeadlineExceeded(f"PushWeights: the other stream(s) of version {manifest.version} did not "
                                        "finish within the deadline") from None
-            return PushOutcome(manifest, swap, False)
+            return PushOutcome(manifest, swap, False, await self._relayed(push))
         finally:
             await self._leave(push)
+
+    @staticmethod
+    async def _relayed(push: _Push) -> tuple[PushResult, ...]:
+        """Relay: how the push went downstream, once the forward ended (bounded by this replica's deadline)."""
+        return await push.forward.outcomes() if push.forward is not None else ()
 
     async def _weights(self, assembler: BucketAssembler, manifest: Manifest) -> Weights:
         """The push's weights: its buckets, or (a delta) the base rebuilt from them, off the event loop."""
@@ -429,9 +462,10 @@ class PushReceiver:
             self._changed = asyncio.Condition()
         return self._changed
 
-    async def _join(self, manifest: Manifest, streams: int, wait_s: float) -> _Push:
+    async def _join(self, manifest: Manifest, streams: int, wait_s: float, relay: tuple) -> tuple[_Push, int]:
         """Joins the push in progress when this stream is one of its streams, else waits for it to end
-        (bounded by the stream's deadline) and starts a new one."""
+        (bounded by the stream's deadline) and starts a new one, which forwards itself along `relay`'s chain
+        (chain, hop timeout, deadline, the raw manifest message); the push and this stream's lane (join order)."""
         changed = self._condition()
         async with changed:
             try:
@@ -450,10 +484,14 @@ class PushReceiver:
                 assembler = BucketAssembler(manifest, reuse, PhaseClock())
                 self._buffers = [] if keeps else assembler.buffers
                 self._push = _Push(manifest, streams, assembler)
+                chain, hop_timeout_s, deadline, manifest_message = relay
+                if chain:
+                    self._push.forward = ChainForward(chain, streams, manifest_message, assembler.buffers,
+                                                      hop_timeout_s, deadline, self.options)
             push = self._push
             push.joined += 1
             push.attached += 1
-            return push
+            return push, push.joined - 1
 
     async def _leave(self, push: _Push) -> None:
         changed = self._condition()
@@ -462,6 +500,8 @@ class PushReceiver:
             if push.attached == 0:
                 if not push.done.done():
                     push.fail(InvalidArgument("PushWeights: every stream of the push ended before it was complete"))
+                if push.forward is not None and not push.forward.done:
+                    push.forward.cancel()
                 if self._push is push:
                     self._push = None
                 changed.notify_all()
