@@ -294,7 +294,7 @@ class StepRunner:
                 "weight_sync/paused_s": max(report.paused_seconds.values(), default=0.0),
                 "weight_sync/replicas": float(len(synced)), "rollout/weight_version": float(version),
                 **report.phase_metrics(), **(report.delta_metrics() if self.config.weight_sync.delta else {}),
-                **(report.egress_metrics() if self.config.weight_sync.transport == "grpc" else {})}
+                **({"weight_sync/actor_egress_bytes": float(report.egress_bytes)} if report.hop_seconds else {})}
 
     # -- phase 1's batch ---------------------------------------------------------------------------
 

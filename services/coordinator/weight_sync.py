@@ -53,9 +53,8 @@ from rlfabric.core.errors import FailedPrecondition, InvalidArgument
 from rlfabric.reference.client import ReferenceClient, ReferenceInterface
 from rlfabric.rollout.client import RolloutClient
 from rlfabric.rollout.router import RolloutRouter
-from rlfabric.weight_sync.chain import HOP_SLACK_S
 from rlfabric.weight_sync.devices import DeviceReport, TransportChoice, choose_transport
-from rlfabric.weight_sync.grpc_stream import PushResult
+from rlfabric.weight_sync.grpc_stream import HOP_SLACK_S, PushResult
 from rlfabric.weight_sync.manifest import Manifest, SyncGroup
 from rlfabric.weight_sync.phases import SyncPhases
 from rlfabric.weight_sync.receiver import SLACK_S, WeightSwap
@@ -88,7 +87,7 @@ class SyncReport:
     full_bytes: int = 0  # per receiver: what the full weights take (num_bytes when the sync sent them)
     delta: bool = False  # the sync sent the change against the replicas' base (weight_sync.delta)
     fallback_full: int = 0  # receivers that got the full weights where a delta was due (another base, or rejected)
-    egress_bytes: int = 0  # grpc: what the actor itself sent (relay chain: about one copy, whatever the replicas)
+    egress_bytes: int = 0  # grpc: what the actor sent (relay chain: about one copy, whatever the replicas)
     hop_seconds: dict[str, float] = field(default_factory=dict)  # grpc: each receiver's receive (wire) seconds
 
     @property
@@ -109,11 +108,12 @@ class SyncReport:
 
     def phase_metrics(self) -> dict[str, float]:
         """timing_s/update_weights/<phase>: the actor's gather, pack, checksum and wire; receive_wire,
-        receive_checksum and apply: the slowest receiver's."""
+        receive_checksum, apply and (grpc) relay_hop_max, the receive wire time: the slowest receiver's."""
         prefix = "timing_s/update_weights/"
         metrics = {f"{prefix}{phase}": getattr(self.phases, phase) for phase in ("gather", "pack", "checksum", "wire")}
         metrics.update({f"{prefix}receive_{phase}": getattr(self.receiver_phases, phase) for phase in ("wire", "checksum")})
         metrics[f"{prefix}apply"] = self.receiver_phases.apply
+        metrics.update({f"{prefix}relay_hop_max": max(self.hop_seconds.values())} if self.hop_seconds else {})
         return metrics
 
     def delta_metrics(self) -> dict[str, float]:
@@ -123,12 +123,6 @@ class SyncReport:
         return {"weight_sync/delta_bytes": float(self.num_bytes), "weight_sync/full_bytes": float(full),
                 "weight_sync/delta_ratio": self.num_bytes / full if full else 1.0,
                 "weight_sync/delta_fallback_full": float(self.fallback_full)}
-
-    def egress_metrics(self) -> dict[str, float]:
-        """grpc: weight_sync/actor_egress_bytes (what the actor sent to all receivers together) and
-        timing_s/update_weights/relay_hop_max (the slowest receiver's receive: with relay chain, the last hop's)."""
-        return {"weight_sync/actor_egress_bytes": float(self.egress_bytes),
-                "timing_s/update_weights/relay_hop_max": max(self.hop_seconds.values(), default=0.0)}
 
 
 @dataclass
@@ -440,9 +434,7 @@ class WeightSyncPlane(WeightSync):
             self._stale = True  # e.g. the actor restarted and lost the group: rebuild next time
             raise
         report.num_bytes, report.full_bytes, report.delta = manifest.num_bytes, manifest.full_bytes, bool(manifest.delta)
-        egress = report.egress_bytes
         outcomes = await self._transfer(manifest, report)
-        report.egress_bytes += egress  # a delta rejected: the full weights went after it
         if manifest.keep_base:
             self._sent = version
         return outcomes
@@ -454,12 +446,12 @@ class WeightSyncPlane(WeightSync):
         members = [self._members[name] for name in self.ranks]
         if group.transport == "grpc":
             try:
-                relaying = HOP_SLACK_S * len(members) if self.config.weight_sync.relay != "none" else 0.0
-                result = await self.actor.broadcast_weights(group.group_id, manifest.version, deadline + relaying)
+                deadline += HOP_SLACK_S * len(members) if self.config.weight_sync.relay != "none" else 0.0
+                result = await self.actor.broadcast_weights(group.group_id, manifest.version, deadline)
             except Exception as error:
                 return {m.name: error for m in members}
             report.broadcast_seconds, report.phases = result.seconds, result.phases
-            report.egress_bytes = result.egress_bytes
+            report.egress_bytes += result.egress_bytes  # a rejected delta, then the full weights: both count
             pushes = {p.address: p for p in result.pushes}
             report.hop_seconds = {m.name: pushes[m.address].phases.wire for m in members}
             return {m.name: _push_outcome(pushes[m.address]) for m in members}

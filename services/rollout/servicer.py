@@ -26,6 +26,7 @@ from rlfabric.rollout.agent_rollout import AgentRollouts
 from rlfabric.rollout.engine import RolloutEngine
 from rlfabric.rollout.types import FinishedSample
 from rlfabric.v1 import rollout_pb2, rollout_pb2_grpc
+from rlfabric.weight_sync.chain import ChainForward
 from rlfabric.weight_sync.grpc_stream import PushReceiver, add_rollout_service
 from rlfabric.weight_sync.manifest import Manifest, SyncGroup
 from rlfabric.weight_sync.receiver import WeightSwap
@@ -94,7 +95,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         self.agents = agents
         self.metrics = metrics
         # PushWeights: one push at a time, over one or more streams; relayed to the next replica over these options
-        self._pushes = PushReceiver(ChannelOptions.from_config(engine.config))
+        self._pushes = PushReceiver(ChannelOptions.from_config(engine.config), ChainForward)
 
     async def Generate(self, request, context):
         samples = [s async for s in self._generate(request.prompts, request.sampling_params)]

@@ -24,7 +24,6 @@ by its upstream, never waited out by everyone.
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -33,44 +32,44 @@ import grpc
 import torch
 
 from rlfabric.core.client import ChannelOptions
-from rlfabric.core.errors import InvalidArgument
 from rlfabric.core.interceptors import bearer_metadata
 from rlfabric.v1 import rollout_pb2
+from rlfabric.weight_sync.chunks import encode_chunk
+from rlfabric.weight_sync.grpc_stream import (
+    HOP_SLACK_S,
+    PUSH_METHOD,
+    STREAMS_METADATA,
+    PushPayload,
+    PushResult,
+    _describe,
+    _first_cause,
+    _push_channel,
+    push_weights,
+    relay_metadata,
+)
 from rlfabric.weight_sync.phases import SyncPhases
 
-CHAIN_METADATA = "rlfabric-relay-chain"
-HOP_TIMEOUT_METADATA = "rlfabric-relay-hop-timeout"
-MAX_CHAIN = 1024  # replicas after the receiver; a chain that long is already 1,024 hops of latency
-HOP_SLACK_S = 2.0  # a replica answers its upstream this long before its own deadline
 RELAYS = ("none", "chain")
 
 
-def relay_metadata(chain: tuple[str, ...], hop_timeout_s: float) -> tuple[tuple[str, str], ...]:
-    """The request metadata of a push whose receiver forwards it along `chain` (none for an empty chain)."""
-    if not chain:
-        return ()
-    return ((CHAIN_METADATA, ",".join(chain)), (HOP_TIMEOUT_METADATA, f"{hop_timeout_s:g}"))
-
-
-def chain_of(context) -> tuple[tuple[str, ...], float]:
-    """The chain after this receiver and the hop timeout, from a push's metadata; ((), 0) when it relays nothing.
-    InvalidArgument for a malformed chain."""
-    values = dict(context.invocation_metadata() or ())
-    raw = values.get(CHAIN_METADATA, "")
-    if not raw:
-        return (), 0.0
-    chain = tuple(raw.split(","))
-    if len(chain) > MAX_CHAIN or not all(chain):
-        raise InvalidArgument(f"PushWeights metadata {CHAIN_METADATA}: 1..{MAX_CHAIN} comma-separated addresses, "
-                              f"none empty (got {len(chain)})")
-    try:
-        hop_timeout_s = float(values.get(HOP_TIMEOUT_METADATA, ""))
-    except ValueError:
-        hop_timeout_s = math.nan
-    if not (math.isfinite(hop_timeout_s) and hop_timeout_s > 0):
-        raise InvalidArgument(f"PushWeights metadata {HOP_TIMEOUT_METADATA} must be a number of seconds > 0 with "
-                              f"{CHAIN_METADATA}")
-    return chain, hop_timeout_s
+async def push_chain(addresses: tuple[str, ...], payload: PushPayload, timeout_s: float, hop_timeout_s: float,
+                     options: ChannelOptions) -> tuple[PushResult, ...]:
+    """The actor's side: one push to the first address, which forwards it along the others; a first receiver that
+    fails is routed around like any other (the next one gets the push from the actor). One result per address, in
+    address order; sent_bytes is the actor's egress to the ones it pushed to."""
+    results: dict[str, PushResult] = {}
+    chain = addresses
+    while chain:
+        target, chain = chain[0], chain[1:]
+        # every hop answers HOP_SLACK_S before its own deadline
+        push = await push_weights(target, payload, timeout_s + HOP_SLACK_S * len(chain), options,
+                                  relay=(chain, hop_timeout_s))
+        results[target] = push
+        if not push.error:
+            results.update((relayed.address, relayed) for relayed in push.relayed)
+            break
+    return tuple(results.get(address, PushResult(address, error="UNKNOWN: the relay reported nothing for it"))
+                 for address in addresses)
 
 
 @dataclass
@@ -84,7 +83,8 @@ class _Lane:
 
 
 class ChainForward:
-    """One push's forward down the chain; every target tried in turn until one takes the whole push."""
+    """One push's forward down the chain; every target tried in turn until one takes the whole push. What a
+    relaying replica gives its PushReceiver (grpc_stream.Forwarder)."""
 
     def __init__(self, chain: tuple[str, ...], streams: int, manifest_message: bytes, buffers: list[torch.Tensor],
                  hop_timeout_s: float, deadline: float, options: ChannelOptions):
@@ -115,8 +115,6 @@ class ChainForward:
 
     async def outcomes(self) -> tuple:
         """How the push went on each replica downstream (PushResults in chain order), once the forward ends."""
-        from rlfabric.weight_sync.grpc_stream import PushResult
-
         try:
             return await asyncio.wait_for(asyncio.shield(self._task), max(0.0, self.deadline - time.monotonic()))
         except TimeoutError:
@@ -137,15 +135,6 @@ class ChainForward:
 
     async def _attempt(self, target: str, rest: tuple[str, ...]):
         """The whole push, from its first chunk, to `target` with `rest` after it: (its PushResult, the relayed)."""
-        from rlfabric.weight_sync.grpc_stream import (
-            PUSH_METHOD,
-            STREAMS_METADATA,
-            PushResult,
-            _describe,
-            _first_cause,
-            _push_channel,
-        )
-
         remaining = self.deadline - HOP_SLACK_S - time.monotonic()
         if remaining <= 0:
             return PushResult(target, error="DEADLINE_EXCEEDED: no time left to relay the push to it"), ()
@@ -183,8 +172,6 @@ class ChainForward:
 
     async def _messages(self, lane: _Lane) -> AsyncIterator[bytes]:
         """Lane `lane` of the push from its start: the manifest, then each chunk as the upstream brings it."""
-        from rlfabric.weight_sync.grpc_stream import encode_chunk
-
         sent = 0
         message = self._manifest_message
         while True:

@@ -14,9 +14,9 @@ carries the manifest, every later one a chunk (bucket_index, offset, data). What
   chunks' CRC-32s as they land. The streams of a push share one outcome: the receiver swaps the
   weights in once, when every bucket is complete and checked, and every stream answers with it.
 - Chunks as raw bytes. The receiver's PushWeights handler takes the serialized messages (no
-  request deserializer): the first is parsed with protobuf, the chunks by decode_chunk, a reader of
-  protobuf's wire format for this one message that returns `data` as a view into the received
-  bytes, so a chunk is copied once, into its bucket. encode_chunk writes what protobuf writes.
+  request deserializer): the first is parsed with protobuf, the chunks by decode_chunk (chunks), a
+  reader of protobuf's wire format for this one message that returns `data` as a view into the
+  received bytes, so a chunk is copied once, into its bucket. encode_chunk writes what protobuf writes.
 - Chunks encoded on demand (PushPayload): each once for all receivers, while their streams ask for
   it, and dropped when the last one took it; the packed buffers are the only copy of the weights.
 - The manifest is checked against the receiver's own weights (WeightLimits) before any bucket is
@@ -38,6 +38,7 @@ import platform
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import grpc
 import torch
@@ -46,11 +47,16 @@ from grpc import aio
 
 from rlfabric.core import tracing
 from rlfabric.core.client import ChannelOptions, channel_credentials
-from rlfabric.core.codec import varint
-from rlfabric.core.errors import DeadlineExceeded, InvalidArgument, RlfabricError, Unavailable
+from rlfabric.core.errors import (
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    RlfabricError,
+    Unavailable,
+)
 from rlfabric.core.interceptors import bearer_metadata
 from rlfabric.v1 import rollout_pb2
-from rlfabric.weight_sync.chain import ChainForward, chain_of, relay_metadata
+from rlfabric.weight_sync.chunks import decode_chunk, encode_chunk
 from rlfabric.weight_sync.delta import DeltaBase
 from rlfabric.weight_sync.manifest import Manifest, WeightLimits
 from rlfabric.weight_sync.phases import PhaseClock, SyncPhases
@@ -66,10 +72,39 @@ SERVICE = "rlfabric.v1.RolloutService"
 PUSH_METHOD = f"/{SERVICE}/PushWeights"
 DEFAULT_WAIT_S = 120.0  # how long a stream waits for the rest of its push when the client set no deadline
 
-# RolloutServicePushWeightsRequest field numbers and wire types (rollout.proto).
-_MANIFEST, _BUCKET_INDEX, _OFFSET, _DATA = 1, 2, 3, 4
-_VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
-INVALID_CHUNK = "PushWeights chunk is not a valid RolloutServicePushWeightsRequest"
+# Relay (rlfabric.weight_sync.chain): the replicas after the receiver, and how long a forward may stall.
+CHAIN_METADATA = "rlfabric-relay-chain"
+HOP_TIMEOUT_METADATA = "rlfabric-relay-hop-timeout"
+MAX_CHAIN = 1024  # replicas after the receiver; a chain that long is already 1,024 hops of latency
+HOP_SLACK_S = 2.0  # a replica answers its upstream this long before its own deadline
+
+
+def relay_metadata(chain: tuple[str, ...], hop_timeout_s: float) -> tuple[tuple[str, str], ...]:
+    """The request metadata of a push whose receiver forwards it along `chain` (none for an empty chain)."""
+    if not chain:
+        return ()
+    return ((CHAIN_METADATA, ",".join(chain)), (HOP_TIMEOUT_METADATA, f"{hop_timeout_s:g}"))
+
+
+def chain_of(context) -> tuple[tuple[str, ...], float]:
+    """The chain after this receiver and the hop timeout, from a push's metadata; ((), 0) when it relays nothing.
+    InvalidArgument for a malformed chain."""
+    values = dict(context.invocation_metadata() or ())
+    raw = values.get(CHAIN_METADATA, "")
+    if not raw:
+        return (), 0.0
+    chain = tuple(raw.split(","))
+    if len(chain) > MAX_CHAIN or not all(chain):
+        raise InvalidArgument(f"PushWeights metadata {CHAIN_METADATA}: 1..{MAX_CHAIN} comma-separated addresses, "
+                              f"none empty (got {len(chain)})")
+    try:
+        hop_timeout_s = float(values.get(HOP_TIMEOUT_METADATA, ""))
+    except ValueError:
+        hop_timeout_s = math.nan
+    if not (math.isfinite(hop_timeout_s) and hop_timeout_s > 0):
+        raise InvalidArgument(f"PushWeights metadata {HOP_TIMEOUT_METADATA} must be a number of seconds > 0 with "
+                              f"{CHAIN_METADATA}")
+    return chain, hop_timeout_s
 
 
 @dataclass(frozen=True)
@@ -83,78 +118,6 @@ class PushResult:
     phases: SyncPhases = field(default_factory=SyncPhases)  # the receiver's: wire, checksum, apply
     sent_bytes: int = 0  # bytes of messages this push sent (the caller's egress to this receiver)
     relayed: tuple[PushResult, ...] = ()  # relay: how the push went on each replica after this one (chain order)
-
-
-# -- the wire format of a chunk -----------------------------------------------------------------------
-
-def encode_chunk(bucket_index: int, offset: int, data) -> bytes:
-    """RolloutServicePushWeightsRequest(bucket_index, offset, data).SerializeToString(), byte for byte, with one
-    copy of `data` (any buffer: bytes, memoryview, a numpy slice)."""
-    view = memoryview(data).cast("B")
-    header = bytearray()
-    if bucket_index:
-        header += varint(_BUCKET_INDEX << 3 | _VARINT) + varint(bucket_index)
-    if offset:
-        header += varint(_OFFSET << 3 | _VARINT) + varint(offset)
-    if len(view):
-        header += varint(_DATA << 3 | _LEN) + varint(len(view))
-    return b"".join((header, view))
-
-
-def _read_varint(raw: bytes, position: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        if position >= len(raw) or shift > 63:
-            raise InvalidArgument(f"{INVALID_CHUNK}: truncated or overlong varint")
-        byte = raw[position]
-        position += 1
-        value |= (byte & 0x7F) << shift
-        if not byte & 0x80:
-            return value, position
-        shift += 7
-
-
-def _signed(value: int, bits: int) -> int:
-    """A varint as protobuf reads an int32 / int64 field (two's complement, truncated)."""
-    value &= (1 << bits) - 1
-    return value - (1 << bits) if value >> (bits - 1) else value
-
-
-def decode_chunk(raw: bytes) -> tuple[int, int, memoryview]:
-    """(bucket_index, offset, data) of a serialized RolloutServicePushWeightsRequest chunk, as protobuf would read
-    it (fields in any order, the last of a repeated scalar wins, unknown fields skipped); data is a
-    view into `raw`. InvalidArgument for malformed bytes, or a chunk that carries a manifest."""
-    bucket_index = offset = 0
-    data = memoryview(b"")
-    position, end = 0, len(raw)
-    while position < end:
-        key, position = _read_varint(raw, position)
-        field, wire = key >> 3, key & 7
-        if field == 0:
-            raise InvalidArgument(f"{INVALID_CHUNK}: field number 0")
-        if wire == _VARINT:
-            value, position = _read_varint(raw, position)
-            if field == _BUCKET_INDEX:
-                bucket_index = _signed(value, 32)
-            elif field == _OFFSET:
-                offset = _signed(value, 64)
-        elif wire == _LEN:
-            length, position = _read_varint(raw, position)
-            if position + length > end:
-                raise InvalidArgument(f"{INVALID_CHUNK}: field {field} runs "
-                                      f"{position + length - end} bytes past the message")
-            if field == _MANIFEST:
-                raise InvalidArgument("PushWeights: only the first message of a stream may carry the manifest")
-            if field == _DATA:
-                data = memoryview(raw)[position : position + length]
-            position += length
-        elif wire in (_I64, _I32):
-            position += 8 if wire == _I64 else 4
-        else:
-            raise InvalidArgument(f"{INVALID_CHUNK}: wire type {wire}")
-    if position != end:
-        raise InvalidArgument(f"{INVALID_CHUNK}: truncated field")
-    return bucket_index, offset, data
 
 
 class PushPayload:
@@ -325,7 +288,7 @@ class _Push:
         self.applying = False
         self.done: asyncio.Future = asyncio.get_running_loop().create_future()
         self.done.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: no "never retrieved" log
-        self.forward: ChainForward | None = None  # relay: the push on its way to the next replica
+        self.forward: Forwarder | None = None  # relay: the push on its way to the next replica
 
     def accepts(self, manifest: Manifest, streams: int) -> bool:
         return (not self.done.done() and self.joined < self.streams and streams == self.streams
@@ -360,13 +323,25 @@ def _wait_s(context) -> float:
     return DEFAULT_WAIT_S if remaining is None or not math.isfinite(remaining) else max(0.0, remaining)
 
 
+class Forwarder(Protocol):
+    """A push on its way to the next replica (rlfabric.weight_sync.chain.ChainForward)."""
+
+    done: bool
+
+    def add(self, lane: int, bucket_index: int, offset: int, length: int) -> None: ...
+    def close(self, lane: int) -> None: ...
+    def cancel(self) -> None: ...
+    async def outcomes(self) -> tuple[PushResult, ...]: ...
+
+
 class PushReceiver:
     """The receiving end of PushWeights: assembles every push from its streams, one push at a time
     (they share the bucket buffers, which the next push of the same sizes reuses)."""
 
-    def __init__(self, options: ChannelOptions | None = None):
-        """`options`: how this replica reaches the next one when it relays a push (TLS, auth)."""
-        self.options = options or ChannelOptions()
+    def __init__(self, options: ChannelOptions | None = None, forwarder: Callable[..., Forwarder] | None = None):
+        """`forwarder` (ChainForward's signature): how a push that names a relay chain is forwarded, over
+        `options` (TLS, auth); None = this receiver refuses to relay."""
+        self.options, self.forwarder = options or ChannelOptions(), forwarder
         self._push: _Push | None = None
         self._changed: asyncio.Condition | None = None
         self._buffers: list[torch.Tensor] = []
@@ -382,6 +357,9 @@ class PushReceiver:
         wait_s = _wait_s(context)
         streams = _streams_of(context)
         chain, hop_timeout_s = chain_of(context)
+        if chain and self.forwarder is None:
+            raise FailedPrecondition("PushWeights: this receiver does not relay pushes (metadata "
+                                     f"{CHAIN_METADATA})")
         first = await anext(aiter(requests), None)
         try:
             message = rollout_pb2.RolloutServicePushWeightsRequest.FromString(first) if first is not None else None
@@ -486,8 +464,8 @@ class PushReceiver:
                 self._push = _Push(manifest, streams, assembler)
                 chain, hop_timeout_s, deadline, manifest_message = relay
                 if chain:
-                    self._push.forward = ChainForward(chain, streams, manifest_message, assembler.buffers,
-                                                      hop_timeout_s, deadline, self.options)
+                    self._push.forward = self.forwarder(chain, streams, manifest_message, assembler.buffers,
+                                                        hop_timeout_s, deadline, self.options)
             push = self._push
             push.joined += 1
             push.attached += 1

@@ -56,7 +56,7 @@ from rlfabric.core.errors import (
     ResourceExhausted,
 )
 from rlfabric.weight_sync.buckets import crc_buffer, dedupe_shared, pack, plan_buckets
-from rlfabric.weight_sync.chain import HOP_SLACK_S, RELAYS
+from rlfabric.weight_sync.chain import RELAYS, push_chain
 from rlfabric.weight_sync.delta import DeltaSender
 from rlfabric.weight_sync.grpc_stream import PushPayload, PushResult, push_weights
 from rlfabric.weight_sync.manifest import MAX_WORLD_SIZE, AdapterSpec, Manifest, SyncGroup
@@ -364,32 +364,13 @@ class WeightSender:
                 raise
         try:
             if entry.relay == "chain":
-                return await self._push_chain(entry, manifest, buffers, deadline)
+                return await push_chain(entry.addresses, PushPayload(manifest, buffers), deadline,
+                                        entry.group.timeout_s, self.options)
             payload = PushPayload(manifest, buffers, receivers=len(entry.addresses))
             return tuple(await asyncio.gather(*(push_weights(a, payload, deadline, self.options)
                                                 for a in entry.addresses)))
         finally:
             lock.release()
-
-    async def _push_chain(self, entry: _Group, manifest: Manifest, buffers: list[torch.Tensor],
-                          deadline: float) -> tuple[PushResult, ...]:
-        """relay chain: one push to the first receiver, which forwards it along the others; a first receiver that
-        fails is routed around like any other (the next one gets the push from the actor). One result per
-        address, in address order; the pushes carry the actor's bytes (sent_bytes) on the ones it pushed to."""
-        results: dict[str, PushResult] = {}
-        chain = entry.addresses
-        while chain:
-            target, chain = chain[0], chain[1:]
-            # each hop answers HOP_SLACK_S before its own deadline
-            push = await push_weights(target, PushPayload(manifest, buffers), deadline + HOP_SLACK_S * len(chain),
-                                      self.options,
-                                      relay=(chain, entry.group.timeout_s))
-            results[target] = push
-            if not push.error:
-                results.update((relayed.address, relayed) for relayed in push.relayed)
-                break
-        return tuple(results.get(address, PushResult(address, error="UNKNOWN: the relay reported nothing for it"))
-                     for address in entry.addresses)
 
     async def _send_pipelined(self, entry: _Group, prepared: _Prepared, pack_executor: Executor | None,
                               before_pack: Callable[[], None] | None) -> SyncPhases:
