@@ -156,6 +156,8 @@ def main(argv: list[str] | None = None) -> None:
     result = {"transport": "grpc, loopback, hf replicas (bfloat16), each service a process",
               "targets_smollm2": TARGETS, "rounds": args.rounds, "cpus": os.cpu_count(),
               "machine": platform.machine(), "models": {}}
+    if args.model and RESULTS.exists():  # the models not measured now keep their last figures
+        result["models"] = json.loads(RESULTS.read_text()).get("models", {})
     for name in args.model or list(REPLICAS):
         counts = tuple(sorted(args.replicas)) if args.replicas else REPLICAS[name]
         log(f"{name}: N = {', '.join(map(str, counts))}")

@@ -11,8 +11,8 @@ per hop.
 
 The request metadata says what follows the receiver: `rlfabric-relay-chain`, the addresses after it in order, and
 `rlfabric-relay-hop-timeout`, how long a forward may stall (the group's timeout_s). A replica forwards lane i of
-its push (the i-th stream that joined it) on lane i of its own push to the next replica, re-encoding each chunk
-from its bucket buffer (the bytes it checked, not a second copy of them).
+its push (the i-th stream that joined it) on lane i of its own push to the next replica: each chunk's message as
+it came (no copy), once it is in the bucket buffer; a resend encodes the chunks again from the buffer.
 
 Routing around a dead replica: a forward that fails (the connection drops, the replica refuses the push, or it
 takes nothing for hop_timeout_s) is given up, and the replica after it gets the whole push again from the start
@@ -77,6 +77,7 @@ class _Lane:
     """What one upstream stream brought so far: (bucket_index, offset, length) of each chunk, in order."""
 
     chunks: list[tuple[int, int, int]] = field(default_factory=list)
+    raw: list[bytes | None] = field(default_factory=list)  # each chunk's message until it was forwarded once
     closed: bool = False
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     blocked_since: float | None = None  # the forward handed a message on and waits for downstream to take it
@@ -97,8 +98,11 @@ class ChainForward:
         self._task = asyncio.ensure_future(self._run())
         self._task.add_done_callback(lambda task: task.cancelled() or task.exception())
 
-    def add(self, lane: int, bucket_index: int, offset: int, length: int) -> None:
+    def add(self, lane: int, bucket_index: int, offset: int, length: int, raw: bytes | None = None) -> None:
+        """A chunk is in its bucket buffer; `raw`: the message that carried it, forwarded as it is (no copy) by
+        the first attempt; a resend encodes the chunk again from the buffer."""
         self._lanes[lane].chunks.append((bucket_index, offset, length))
+        self._lanes[lane].raw.append(raw)
         self._lanes[lane].changed.set()
 
     def close(self, lane: int) -> None:
@@ -184,5 +188,7 @@ class ChainForward:
             if sent == len(lane.chunks):
                 return
             bucket_index, offset, length = lane.chunks[sent]
+            message, lane.raw[sent] = lane.raw[sent], None
+            if message is None:
+                message = encode_chunk(bucket_index, offset, self._views[bucket_index][offset : offset + length])
             sent += 1
-            message = encode_chunk(bucket_index, offset, self._views[bucket_index][offset : offset + length])

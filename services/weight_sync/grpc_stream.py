@@ -328,7 +328,7 @@ class Forwarder(Protocol):
 
     done: bool
 
-    def add(self, lane: int, bucket_index: int, offset: int, length: int) -> None: ...
+    def add(self, lane: int, bucket_index: int, offset: int, length: int, raw: bytes | None = None) -> None: ...
     def close(self, lane: int) -> None: ...
     def cancel(self) -> None: ...
     async def outcomes(self) -> tuple[PushResult, ...]: ...
@@ -380,7 +380,7 @@ class PushReceiver:
                     bucket_index, offset, data = decode_chunk(raw)
                     push.assembler.add(bucket_index, offset, data)
                     if push.forward is not None:
-                        push.forward.add(lane, bucket_index, offset, len(data))
+                        push.forward.add(lane, bucket_index, offset, len(data), raw)
                 push.raise_if_failed()
                 if push.forward is not None:
                     push.forward.close(lane)

@@ -105,3 +105,19 @@ def _stall_after_first_chunk(mesh: Mesh, replica: str) -> threading.Event:
 
     pushes.receive = stalling
     return reached
+
+
+@pytest.mark.parametrize(("chain", "hop_timeout_s", "match"), [
+    (("127.0.0.1:1", ""), 5.0, "comma-separated addresses, none empty"),
+    (("127.0.0.1:1",), 0.0, "must be a number of seconds > 0"),
+])
+def test_a_malformed_relay_chain_is_refused_before_anything_is_received(mesh, chain, hop_timeout_s, match):
+    from rlfabric.weight_sync.buckets import pack
+    from rlfabric.weight_sync.grpc_stream import push_weights, serialize_chunks
+
+    mesh, _ = mesh
+    weights = mesh.rollouts["r2"].server.service.engine._base_weights()
+    manifest, buffers = pack(weights, 1 << 20, 99, "ws-not-a-group")
+    result = mesh.run(push_weights(mesh.addresses["r2"], serialize_chunks(manifest, buffers), 10,
+                                   relay=(chain, hop_timeout_s)))
+    assert result.error.startswith("INVALID_ARGUMENT") and match in result.error, result.error
