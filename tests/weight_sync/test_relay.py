@@ -121,3 +121,18 @@ def test_a_malformed_relay_chain_is_refused_before_anything_is_received(mesh, ch
     result = mesh.run(push_weights(mesh.addresses["r2"], serialize_chunks(manifest, buffers), 10,
                                    relay=(chain, hop_timeout_s)))
     assert result.error.startswith("INVALID_ARGUMENT") and match in result.error, result.error
+
+
+def test_relay_runs_over_the_grpc_transport_only():
+    import torch
+
+    from rlfabric.core.errors import InvalidArgument
+    from rlfabric.weight_sync.sender import WeightSender
+
+    with pytest.raises(ValueError, match="relay chain runs over weight_sync.transport grpc"):
+        load_config(None, ["weight_sync.transport=gloo", "weight_sync.relay=chain"])
+    sender = WeightSender("127.0.0.1", torch.device("cpu"))
+    with pytest.raises(InvalidArgument, match="runs over the grpc transport, not gloo"):
+        sender.open("gloo", 2, relay="chain")
+    with pytest.raises(InvalidArgument, match="unknown weight-sync relay 'tree'"):
+        sender.open("grpc", 1, addresses=("127.0.0.1:1",), relay="tree")
