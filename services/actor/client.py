@@ -68,9 +68,11 @@ class ActorInterface(TrainableInterface):
     @abstractmethod
     async def open_weight_sync_group(self, transport: str, num_receivers: int, bucket_bytes: int = 0,
                                      target_dtype: torch.dtype | None = None, timeout_s: float = 0.0,
-                                     grpc_receiver_addresses: tuple[str, ...] = (), delta: bool = False) -> SyncGroup:
+                                     grpc_receiver_addresses: tuple[str, ...] = (), delta: bool = False,
+                                     relay: str = "") -> SyncGroup:
         """A new weight-sync group with the actor as rank 0 (transport "auto"/"" lets the actor choose); `delta`:
-        it keeps what it last sent, to send only the change (weight_sync.delta)."""
+        it keeps what it last sent, to send only the change (weight_sync.delta); `relay` (grpc): "chain" = the
+        receivers forward the push along grpc_receiver_addresses (weight_sync.relay)."""
 
     @abstractmethod
     async def prepare_weight_sync(self, group_id: str, version: int, timeout_s: float | None = None,
@@ -125,11 +127,12 @@ class ActorClient(ServiceClient, ActorInterface):
 
     async def open_weight_sync_group(self, transport: str, num_receivers: int, bucket_bytes: int = 0,
                                      target_dtype: torch.dtype | None = None, timeout_s: float = 0.0,
-                                     grpc_receiver_addresses: tuple[str, ...] = (), delta: bool = False) -> SyncGroup:
+                                     grpc_receiver_addresses: tuple[str, ...] = (), delta: bool = False,
+                                     relay: str = "") -> SyncGroup:
         request = actor_pb2.ActorServiceOpenWeightSyncGroupRequest(
             transport=transport_to_proto(transport), num_receivers=num_receivers, bucket_bytes=bucket_bytes,
             target_dtype=codec.wire_dtype(target_dtype) if target_dtype is not None else 0, timeout_s=timeout_s,
-            grpc_receiver_addresses=list(grpc_receiver_addresses), delta=delta)
+            grpc_receiver_addresses=list(grpc_receiver_addresses), delta=delta, relay=relay)
         return SyncGroup.from_proto((await self.call("OpenWeightSyncGroup", request)).group)
 
     async def prepare_weight_sync(self, group_id: str, version: int, timeout_s: float | None = None,
@@ -143,7 +146,8 @@ class ActorClient(ServiceClient, ActorInterface):
         response = await self.call("BroadcastWeights", request, timeout_s)
         pushes = tuple(PushResult(p.address, p.version, p.paused_seconds, p.error, SyncPhases.from_proto(p.phases))
                        for p in response.pushes)
-        return BroadcastResult(response.num_bytes, response.seconds, pushes, SyncPhases.from_proto(response.phases))
+        return BroadcastResult(response.num_bytes, response.seconds, pushes, SyncPhases.from_proto(response.phases),
+                               response.egress_bytes)
 
     async def close_weight_sync_group(self, group_id: str, timeout_s: float | None = None) -> None:
         request = actor_pb2.ActorServiceCloseWeightSyncGroupRequest(group_id=group_id)
@@ -172,10 +176,11 @@ class LocalActorClient(LocalTrainerClient, ActorInterface):
 
     async def open_weight_sync_group(self, transport: str, num_receivers: int, bucket_bytes: int = 0,
                                      target_dtype: torch.dtype | None = None, timeout_s: float = 0.0,
-                                     grpc_receiver_addresses: tuple[str, ...] = (), delta: bool = False) -> SyncGroup:
+                                     grpc_receiver_addresses: tuple[str, ...] = (), delta: bool = False,
+                                     relay: str = "") -> SyncGroup:
         return await self.engine.weight_sync.open("" if transport == "auto" else transport, num_receivers,
                                                   bucket_bytes, target_dtype, timeout_s, grpc_receiver_addresses,
-                                                  delta)
+                                                  delta, relay=relay)
 
     async def prepare_weight_sync(self, group_id: str, version: int, timeout_s: float | None = None,
                                   delta_base_version: int | None = None) -> Manifest:

@@ -50,7 +50,7 @@ class ActorServicer(actor_pb2_grpc.ActorServiceServicer):
         dtype = codec.torch_dtype(request.target_dtype) if request.target_dtype else None
         group = await self.engine.weight_sync.open(
             transport_from_proto(request.transport), request.num_receivers, request.bucket_bytes, dtype,
-            request.timeout_s, tuple(request.grpc_receiver_addresses), request.delta)
+            request.timeout_s, tuple(request.grpc_receiver_addresses), request.delta, relay=request.relay)
         return actor_pb2.ActorServiceOpenWeightSyncGroupResponse(group=group.to_proto())
 
     async def PrepareWeightSync(self, request, context):
@@ -63,7 +63,8 @@ class ActorServicer(actor_pb2_grpc.ActorServiceServicer):
         pushes = [actor_pb2.WeightPushResult(address=p.address, version=p.version, paused_seconds=p.paused_seconds,
                                              error=p.error, phases=p.phases.to_proto()) for p in result.pushes]
         return actor_pb2.ActorServiceBroadcastWeightsResponse(num_bytes=result.num_bytes, seconds=result.seconds,
-                                                              pushes=pushes, phases=result.phases.to_proto())
+                                                              pushes=pushes, phases=result.phases.to_proto(),
+                                                              egress_bytes=result.egress_bytes)
 
     async def CloseWeightSyncGroup(self, request, context):
         await self.engine.weight_sync.close(request.group_id)

@@ -335,7 +335,8 @@ class StepRunner:
         return {"weight_sync/seconds": report.seconds, "weight_sync/gbytes": report.num_bytes / 1e9,
                 "weight_sync/paused_s": max(report.paused_seconds.values(), default=0.0),
                 "weight_sync/replicas": float(len(synced)), "rollout/weight_version": float(version),
-                **report.phase_metrics(), **(report.delta_metrics() if self.config.weight_sync.delta else {})}
+                **report.phase_metrics(), **(report.delta_metrics() if self.config.weight_sync.delta else {}),
+                **({"weight_sync/actor_egress_bytes": float(report.egress_bytes)} if report.hop_seconds else {})}
 
     # -- phase 1's batch ---------------------------------------------------------------------------
 

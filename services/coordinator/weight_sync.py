@@ -54,7 +54,7 @@ from rlfabric.reference.client import ReferenceClient, ReferenceInterface
 from rlfabric.rollout.client import RolloutClient
 from rlfabric.rollout.router import RolloutRouter
 from rlfabric.weight_sync.devices import DeviceReport, TransportChoice, choose_transport
-from rlfabric.weight_sync.grpc_stream import PushResult
+from rlfabric.weight_sync.grpc_stream import HOP_SLACK_S, PushResult
 from rlfabric.weight_sync.manifest import Manifest, SyncGroup
 from rlfabric.weight_sync.phases import SyncPhases
 from rlfabric.weight_sync.receiver import SLACK_S, WeightSwap
@@ -87,6 +87,8 @@ class SyncReport:
     full_bytes: int = 0  # per receiver: what the full weights take (num_bytes when the sync sent them)
     delta: bool = False  # the sync sent the change against the replicas' base (weight_sync.delta)
     fallback_full: int = 0  # receivers that got the full weights where a delta was due (another base, or rejected)
+    egress_bytes: int = 0  # grpc: what the actor sent (relay chain: about one copy, whatever the replicas)
+    hop_seconds: dict[str, float] = field(default_factory=dict)  # grpc: each receiver's receive (wire) seconds
 
     @property
     def ok(self) -> bool:
@@ -106,11 +108,12 @@ class SyncReport:
 
     def phase_metrics(self) -> dict[str, float]:
         """timing_s/update_weights/<phase>: the actor's gather, pack, checksum and wire; receive_wire,
-        receive_checksum and apply: the slowest receiver's."""
+        receive_checksum, apply and (grpc) relay_hop_max, the receive wire time: the slowest receiver's."""
         prefix = "timing_s/update_weights/"
         metrics = {f"{prefix}{phase}": getattr(self.phases, phase) for phase in ("gather", "pack", "checksum", "wire")}
         metrics.update({f"{prefix}receive_{phase}": getattr(self.receiver_phases, phase) for phase in ("wire", "checksum")})
         metrics[f"{prefix}apply"] = self.receiver_phases.apply
+        metrics.update({f"{prefix}relay_hop_max": max(self.hop_seconds.values())} if self.hop_seconds else {})
         return metrics
 
     def delta_metrics(self) -> dict[str, float]:
@@ -341,7 +344,8 @@ class WeightSyncPlane(WeightSync):
             return failed
         group = await self.actor.open_weight_sync_group(
             self.transport, len(live), self.config.weight_sync.bucket_mb << 20, target_dtype(self.config),
-            self.timeout_s, tuple(m.address for m in live), delta=self._sends_deltas(live))
+            self.timeout_s, tuple(m.address for m in live), delta=self._sends_deltas(live),
+            relay=self.config.weight_sync.relay if self.transport == "grpc" else "")
         ranks = {m.name: rank for rank, m in enumerate(live, start=1)}
         joins = await asyncio.gather(*(m.client.join_weight_sync_group(group, ranks[m.name], self.timeout_s + SLACK_S)
                                        for m in live), return_exceptions=True)
@@ -442,11 +446,14 @@ class WeightSyncPlane(WeightSync):
         members = [self._members[name] for name in self.ranks]
         if group.transport == "grpc":
             try:
+                deadline += HOP_SLACK_S * len(members) if self.config.weight_sync.relay != "none" else 0.0
                 result = await self.actor.broadcast_weights(group.group_id, manifest.version, deadline)
             except Exception as error:
                 return {m.name: error for m in members}
             report.broadcast_seconds, report.phases = result.seconds, result.phases
+            report.egress_bytes += result.egress_bytes  # a rejected delta, then the full weights: both count
             pushes = {p.address: p for p in result.pushes}
+            report.hop_seconds = {m.name: pushes[m.address].phases.wire for m in members}
             return {m.name: _push_outcome(pushes[m.address]) for m in members}
         broadcast, *receives = await asyncio.gather(
             self.actor.broadcast_weights(group.group_id, manifest.version, deadline),

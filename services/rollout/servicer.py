@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 
 from prometheus_client import CollectorRegistry
 
+from rlfabric.core.client import ChannelOptions
 from rlfabric.core.config import RunConfig
 from rlfabric.core.metrics import service_counter, service_gauge, service_histogram
 from rlfabric.core.server import ServiceBinding, ServiceDefinition
@@ -25,6 +26,7 @@ from rlfabric.rollout.agent_rollout import AgentRollouts
 from rlfabric.rollout.engine import RolloutEngine
 from rlfabric.rollout.types import FinishedSample
 from rlfabric.v1 import rollout_pb2, rollout_pb2_grpc
+from rlfabric.weight_sync.chain import ChainForward
 from rlfabric.weight_sync.grpc_stream import PushReceiver, add_rollout_service
 from rlfabric.weight_sync.manifest import Manifest, SyncGroup
 from rlfabric.weight_sync.receiver import WeightSwap
@@ -92,7 +94,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         self.engine = engine
         self.agents = agents
         self.metrics = metrics
-        self._pushes = PushReceiver()  # PushWeights: one push at a time, over one or more streams
+        # PushWeights: one push at a time, over one or more streams; relayed to the next replica over these options
+        self._pushes = PushReceiver(ChannelOptions.from_config(engine.config), ChainForward)
 
     async def Generate(self, request, context):
         samples = [s async for s in self._generate(request.prompts, request.sampling_params)]
@@ -144,8 +147,10 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         swap = outcome.swap
         if outcome.applied_here:  # once per push, however many streams carried it
             self.metrics.weight_swap(swap, time.monotonic() - started, outcome.manifest.num_bytes)
+        relayed = [rollout_pb2.RelayedPush(address=r.address, version=r.version, paused_seconds=r.paused_seconds,
+                                           error=r.error, phases=r.phases.to_proto()) for r in outcome.relayed]
         return rollout_pb2.RolloutServicePushWeightsResponse(version=swap.version, paused_seconds=swap.paused_seconds,
-                                                             phases=swap.phases.to_proto())
+                                                             phases=swap.phases.to_proto(), relayed=relayed)
 
     async def _generate(self, prompts, params: rollout_pb2.SamplingParams) -> AsyncIterator[FinishedSample]:
         """The engine's samples, counted as they pass."""

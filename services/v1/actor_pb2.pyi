@@ -79,7 +79,7 @@ class ActorServiceExportHFResponse(_message.Message):
     def __init__(self, num_bytes: _Optional[int] = ...) -> None: ...
 
 class ActorServiceOpenWeightSyncGroupRequest(_message.Message):
-    __slots__ = ("transport", "num_receivers", "bucket_bytes", "target_dtype", "timeout_s", "grpc_receiver_addresses", "delta")
+    __slots__ = ("transport", "num_receivers", "bucket_bytes", "target_dtype", "timeout_s", "grpc_receiver_addresses", "delta", "relay")
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     NUM_RECEIVERS_FIELD_NUMBER: _ClassVar[int]
     BUCKET_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -87,6 +87,7 @@ class ActorServiceOpenWeightSyncGroupRequest(_message.Message):
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     GRPC_RECEIVER_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     DELTA_FIELD_NUMBER: _ClassVar[int]
+    RELAY_FIELD_NUMBER: _ClassVar[int]
     transport: _weight_sync_pb2.WeightTransport
     num_receivers: int
     bucket_bytes: int
@@ -94,7 +95,8 @@ class ActorServiceOpenWeightSyncGroupRequest(_message.Message):
     timeout_s: float
     grpc_receiver_addresses: _containers.RepeatedScalarFieldContainer[str]
     delta: bool
-    def __init__(self, transport: _Optional[_Union[_weight_sync_pb2.WeightTransport, str]] = ..., num_receivers: _Optional[int] = ..., bucket_bytes: _Optional[int] = ..., target_dtype: _Optional[_Union[_tensor_pb2.DataType, str]] = ..., timeout_s: _Optional[float] = ..., grpc_receiver_addresses: _Optional[_Iterable[str]] = ..., delta: _Optional[bool] = ...) -> None: ...
+    relay: str
+    def __init__(self, transport: _Optional[_Union[_weight_sync_pb2.WeightTransport, str]] = ..., num_receivers: _Optional[int] = ..., bucket_bytes: _Optional[int] = ..., target_dtype: _Optional[_Union[_tensor_pb2.DataType, str]] = ..., timeout_s: _Optional[float] = ..., grpc_receiver_addresses: _Optional[_Iterable[str]] = ..., delta: _Optional[bool] = ..., relay: _Optional[str] = ...) -> None: ...
 
 class ActorServiceOpenWeightSyncGroupResponse(_message.Message):
     __slots__ = ("group",)
@@ -127,16 +129,18 @@ class ActorServiceBroadcastWeightsRequest(_message.Message):
     def __init__(self, group_id: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
 
 class ActorServiceBroadcastWeightsResponse(_message.Message):
-    __slots__ = ("num_bytes", "seconds", "pushes", "phases")
+    __slots__ = ("num_bytes", "seconds", "pushes", "phases", "egress_bytes")
     NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     PUSHES_FIELD_NUMBER: _ClassVar[int]
     PHASES_FIELD_NUMBER: _ClassVar[int]
+    EGRESS_BYTES_FIELD_NUMBER: _ClassVar[int]
     num_bytes: int
     seconds: float
     pushes: _containers.RepeatedCompositeFieldContainer[WeightPushResult]
     phases: _weight_sync_pb2.WeightSyncPhases
-    def __init__(self, num_bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., pushes: _Optional[_Iterable[_Union[WeightPushResult, _Mapping]]] = ..., phases: _Optional[_Union[_weight_sync_pb2.WeightSyncPhases, _Mapping]] = ...) -> None: ...
+    egress_bytes: int
+    def __init__(self, num_bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., pushes: _Optional[_Iterable[_Union[WeightPushResult, _Mapping]]] = ..., phases: _Optional[_Union[_weight_sync_pb2.WeightSyncPhases, _Mapping]] = ..., egress_bytes: _Optional[int] = ...) -> None: ...
 
 class WeightPushResult(_message.Message):
     __slots__ = ("address", "version", "paused_seconds", "error", "phases")

@@ -289,11 +289,27 @@ class RolloutServicePushWeightsRequest(_message.Message):
     def __init__(self, manifest: _Optional[_Union[_weight_sync_pb2.WeightManifest, _Mapping]] = ..., bucket_index: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class RolloutServicePushWeightsResponse(_message.Message):
-    __slots__ = ("version", "paused_seconds", "phases")
+    __slots__ = ("version", "paused_seconds", "phases", "relayed")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PAUSED_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PHASES_FIELD_NUMBER: _ClassVar[int]
+    RELAYED_FIELD_NUMBER: _ClassVar[int]
     version: int
     paused_seconds: float
     phases: _weight_sync_pb2.WeightSyncPhases
-    def __init__(self, version: _Optional[int] = ..., paused_seconds: _Optional[float] = ..., phases: _Optional[_Union[_weight_sync_pb2.WeightSyncPhases, _Mapping]] = ...) -> None: ...
+    relayed: _containers.RepeatedCompositeFieldContainer[RelayedPush]
+    def __init__(self, version: _Optional[int] = ..., paused_seconds: _Optional[float] = ..., phases: _Optional[_Union[_weight_sync_pb2.WeightSyncPhases, _Mapping]] = ..., relayed: _Optional[_Iterable[_Union[RelayedPush, _Mapping]]] = ...) -> None: ...
+
+class RelayedPush(_message.Message):
+    __slots__ = ("address", "version", "paused_seconds", "error", "phases")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    PAUSED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    PHASES_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    version: int
+    paused_seconds: float
+    error: str
+    phases: _weight_sync_pb2.WeightSyncPhases
+    def __init__(self, address: _Optional[str] = ..., version: _Optional[int] = ..., paused_seconds: _Optional[float] = ..., error: _Optional[str] = ..., phases: _Optional[_Union[_weight_sync_pb2.WeightSyncPhases, _Mapping]] = ...) -> None: ...

@@ -34,6 +34,11 @@ encoding and the CRC-32 of the result, rlfabric.weight_sync.delta); a receiver r
 base, checks every tensor, and switches to them as after a full sync. A receiver that cannot (another base, a
 tensor that does not check out) rejects the delta and gets the full weights.
 
+With weight_sync.relay chain (grpc), step 3 pushes to the first replica alone, which forwards each chunk to the
+next as it lands, and so on (chain): the actor sends one copy whatever the number of replicas. Every replica
+checks the actor's CRC-32s as after a direct push; one that fails is routed around. A delta relayed down a chain
+is the one every replica holds the base of (the plane sends deltas only then), else the full weights go to all.
+
 Modules (the package exports nothing: import a name from the module that defines it; importing the package
 loads no torch, so what needs only devices or phases, such as the launcher's placement, does not either):
 
@@ -43,6 +48,8 @@ loads no torch, so what needs only devices or phases, such as the launcher's pla
     sender       WeightSender (actor side); pipeline: bucket k+1 packed while bucket k is on the wire
     delta        delta sync: DeltaSender (the actor's base), DeltaBase (a receiver's), the encodings
     gloo, nccl, torch_group, cuda_ipc    the collective transports; grpc_stream: PushWeights, both ends
+    chunks       the wire format of a PushWeights chunk
+    chain        between replicas (weight_sync.relay chain, grpc): each forwards the push to the next
     relay        into a tensor-parallel replica: its TP rank 0 forwards each bucket to its peers
     devices      what each service reports of its devices, and the transport chosen from it
     phases       how long each phase of a sync took (SyncPhases, PhaseClock)

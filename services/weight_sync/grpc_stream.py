@@ -14,9 +14,9 @@ carries the manifest, every later one a chunk (bucket_index, offset, data). What
   chunks' CRC-32s as they land. The streams of a push share one outcome: the receiver swaps the
   weights in once, when every bucket is complete and checked, and every stream answers with it.
 - Chunks as raw bytes. The receiver's PushWeights handler takes the serialized messages (no
-  request deserializer): the first is parsed with protobuf, the chunks by decode_chunk, a reader of
-  protobuf's wire format for this one message that returns `data` as a view into the received
-  bytes, so a chunk is copied once, into its bucket. encode_chunk writes what protobuf writes.
+  request deserializer): the first is parsed with protobuf, the chunks by decode_chunk (chunks), a
+  reader of protobuf's wire format for this one message that returns `data` as a view into the
+  received bytes, so a chunk is copied once, into its bucket. encode_chunk writes what protobuf writes.
 - Chunks encoded on demand (PushPayload): each once for all receivers, while their streams ask for
   it, and dropped when the last one took it; the packed buffers are the only copy of the weights.
 - The manifest is checked against the receiver's own weights (WeightLimits) before any bucket is
@@ -38,6 +38,7 @@ import platform
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import grpc
 import torch
@@ -46,10 +47,16 @@ from grpc import aio
 
 from rlfabric.core import tracing
 from rlfabric.core.client import ChannelOptions, channel_credentials
-from rlfabric.core.codec import varint
-from rlfabric.core.errors import DeadlineExceeded, InvalidArgument, RlfabricError, Unavailable
+from rlfabric.core.errors import (
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    RlfabricError,
+    Unavailable,
+)
 from rlfabric.core.interceptors import bearer_metadata
 from rlfabric.v1 import rollout_pb2
+from rlfabric.weight_sync.chunks import decode_chunk, encode_chunk
 from rlfabric.weight_sync.delta import DeltaBase
 from rlfabric.weight_sync.manifest import Manifest, WeightLimits
 from rlfabric.weight_sync.phases import PhaseClock, SyncPhases
@@ -65,10 +72,39 @@ SERVICE = "rlfabric.v1.RolloutService"
 PUSH_METHOD = f"/{SERVICE}/PushWeights"
 DEFAULT_WAIT_S = 120.0  # how long a stream waits for the rest of its push when the client set no deadline
 
-# RolloutServicePushWeightsRequest field numbers and wire types (rollout.proto).
-_MANIFEST, _BUCKET_INDEX, _OFFSET, _DATA = 1, 2, 3, 4
-_VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
-INVALID_CHUNK = "PushWeights chunk is not a valid RolloutServicePushWeightsRequest"
+# Relay (rlfabric.weight_sync.chain): the replicas after the receiver, and how long a forward may stall.
+CHAIN_METADATA = "rlfabric-relay-chain"
+HOP_TIMEOUT_METADATA = "rlfabric-relay-hop-timeout"
+MAX_CHAIN = 1024  # replicas after the receiver; a chain that long is already 1,024 hops of latency
+HOP_SLACK_S = 2.0  # a replica answers its upstream this long before its own deadline
+
+
+def relay_metadata(chain: tuple[str, ...], hop_timeout_s: float) -> tuple[tuple[str, str], ...]:
+    """The request metadata of a push whose receiver forwards it along `chain` (none for an empty chain)."""
+    if not chain:
+        return ()
+    return ((CHAIN_METADATA, ",".join(chain)), (HOP_TIMEOUT_METADATA, f"{hop_timeout_s:g}"))
+
+
+def chain_of(context) -> tuple[tuple[str, ...], float]:
+    """The chain after this receiver and the hop timeout, from a push's metadata; ((), 0) when it relays nothing.
+    InvalidArgument for a malformed chain."""
+    values = dict(context.invocation_metadata() or ())
+    raw = values.get(CHAIN_METADATA, "")
+    if not raw:
+        return (), 0.0
+    chain = tuple(raw.split(","))
+    if len(chain) > MAX_CHAIN or not all(chain):
+        raise InvalidArgument(f"PushWeights metadata {CHAIN_METADATA}: 1..{MAX_CHAIN} comma-separated addresses, "
+                              f"none empty (got {len(chain)})")
+    try:
+        hop_timeout_s = float(values.get(HOP_TIMEOUT_METADATA, ""))
+    except ValueError:
+        hop_timeout_s = math.nan
+    if not (math.isfinite(hop_timeout_s) and hop_timeout_s > 0):
+        raise InvalidArgument(f"PushWeights metadata {HOP_TIMEOUT_METADATA} must be a number of seconds > 0 with "
+                              f"{CHAIN_METADATA}")
+    return chain, hop_timeout_s
 
 
 @dataclass(frozen=True)
@@ -80,78 +116,8 @@ class PushResult:
     paused_seconds: float = 0.0
     error: str = ""
     phases: SyncPhases = field(default_factory=SyncPhases)  # the receiver's: wire, checksum, apply
-
-
-# -- the wire format of a chunk -----------------------------------------------------------------------
-
-def encode_chunk(bucket_index: int, offset: int, data) -> bytes:
-    """RolloutServicePushWeightsRequest(bucket_index, offset, data).SerializeToString(), byte for byte, with one
-    copy of `data` (any buffer: bytes, memoryview, a numpy slice)."""
-    view = memoryview(data).cast("B")
-    header = bytearray()
-    if bucket_index:
-        header += varint(_BUCKET_INDEX << 3 | _VARINT) + varint(bucket_index)
-    if offset:
-        header += varint(_OFFSET << 3 | _VARINT) + varint(offset)
-    if len(view):
-        header += varint(_DATA << 3 | _LEN) + varint(len(view))
-    return b"".join((header, view))
-
-
-def _read_varint(raw: bytes, position: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        if position >= len(raw) or shift > 63:
-            raise InvalidArgument(f"{INVALID_CHUNK}: truncated or overlong varint")
-        byte = raw[position]
-        position += 1
-        value |= (byte & 0x7F) << shift
-        if not byte & 0x80:
-            return value, position
-        shift += 7
-
-
-def _signed(value: int, bits: int) -> int:
-    """A varint as protobuf reads an int32 / int64 field (two's complement, truncated)."""
-    value &= (1 << bits) - 1
-    return value - (1 << bits) if value >> (bits - 1) else value
-
-
-def decode_chunk(raw: bytes) -> tuple[int, int, memoryview]:
-    """(bucket_index, offset, data) of a serialized RolloutServicePushWeightsRequest chunk, as protobuf would read
-    it (fields in any order, the last of a repeated scalar wins, unknown fields skipped); data is a
-    view into `raw`. InvalidArgument for malformed bytes, or a chunk that carries a manifest."""
-    bucket_index = offset = 0
-    data = memoryview(b"")
-    position, end = 0, len(raw)
-    while position < end:
-        key, position = _read_varint(raw, position)
-        field, wire = key >> 3, key & 7
-        if field == 0:
-            raise InvalidArgument(f"{INVALID_CHUNK}: field number 0")
-        if wire == _VARINT:
-            value, position = _read_varint(raw, position)
-            if field == _BUCKET_INDEX:
-                bucket_index = _signed(value, 32)
-            elif field == _OFFSET:
-                offset = _signed(value, 64)
-        elif wire == _LEN:
-            length, position = _read_varint(raw, position)
-            if position + length > end:
-                raise InvalidArgument(f"{INVALID_CHUNK}: field {field} runs "
-                                      f"{position + length - end} bytes past the message")
-            if field == _MANIFEST:
-                raise InvalidArgument("PushWeights: only the first message of a stream may carry the manifest")
-            if field == _DATA:
-                data = memoryview(raw)[position : position + length]
-            position += length
-        elif wire in (_I64, _I32):
-            position += 8 if wire == _I64 else 4
-        else:
-            raise InvalidArgument(f"{INVALID_CHUNK}: wire type {wire}")
-    if position != end:
-        raise InvalidArgument(f"{INVALID_CHUNK}: truncated field")
-    return bucket_index, offset, data
+    sent_bytes: int = 0  # bytes of messages this push sent (the caller's egress to this receiver)
+    relayed: tuple[PushResult, ...] = ()  # relay: how the push went on each replica after this one (chain order)
 
 
 class PushPayload:
@@ -255,10 +221,12 @@ def _first_cause(errors: list[BaseException]) -> BaseException:
 
 
 async def push_weights(address: str, chunks: PushPayload | list[bytes], timeout_s: float,
-                       options: ChannelOptions | None = None, streams: int = STREAMS_PER_RECEIVER) -> PushResult:
+                       options: ChannelOptions | None = None, streams: int = STREAMS_PER_RECEIVER,
+                       relay: tuple[tuple[str, ...], float] = ((), 0.0)) -> PushResult:
     """Streams a push (a PushPayload, or serialized PushWeights messages, the manifest first) to one
     RolloutService over `streams` connections; never raises for a failed push: failures come back in
-    PushResult.error."""
+    PushResult.error. `relay`: the replicas the receiver forwards the push to, in order, and the hop timeout
+    (rlfabric.weight_sync.chain); their outcomes come back in PushResult.relayed."""
     _keep_message_memory()  # gRPC copies every message it sends into a new block too
     options = options or ChannelOptions()
     streams = max(1, min(streams, MAX_STREAMS, len(chunks) - 1))
@@ -266,7 +234,9 @@ async def push_weights(address: str, chunks: PushPayload | list[bytes], timeout_
         lanes = [chunks.stream(lane, streams) for lane in range(streams)]
     else:
         lanes = [iter([chunks[0], *chunks[1 + lane :: streams]]) for lane in range(streams)]
-    metadata = (*bearer_metadata(options.auth_token), (STREAMS_METADATA, str(streams)))
+    sent = [0]
+    lanes = [_counted(lane, sent) for lane in lanes]
+    metadata = (*bearer_metadata(options.auth_token), (STREAMS_METADATA, str(streams)), *relay_metadata(*relay))
     channels = [_push_channel(address, options) for _ in range(streams)]
     try:
         calls = [channel.stream_unary(PUSH_METHOD, request_serializer=None,  # already bytes
@@ -279,12 +249,20 @@ async def push_weights(address: str, chunks: PushPayload | list[bytes], timeout_
             cause = _first_cause(errors)
             if not isinstance(cause, grpc.RpcError | RlfabricError | OSError):
                 raise cause
-            return PushResult(address, error=_describe(cause))
+            return PushResult(address, error=_describe(cause), sent_bytes=sent[0])
+        relayed = tuple(PushResult(r.address, r.version, r.paused_seconds, r.error, SyncPhases.from_proto(r.phases))
+                        for r in outcomes[0].relayed)
         return PushResult(address, outcomes[0].version, outcomes[0].paused_seconds, "",
-                          SyncPhases.from_proto(outcomes[0].phases))
+                          SyncPhases.from_proto(outcomes[0].phases), sent[0], relayed)
     finally:
         for channel in channels:
             await channel.close()
+
+
+def _counted(messages: Iterator[bytes], sent: list[int]) -> Iterator[bytes]:
+    for message in messages:
+        sent[0] += len(message)
+        yield message
 
 
 # -- the receiving side ---------------------------------------------------------------------------------
@@ -297,6 +275,7 @@ class PushOutcome:
     manifest: Manifest
     swap: WeightSwap
     applied_here: bool
+    relayed: tuple[PushResult, ...] = ()  # relay: the outcome on each replica downstream (chain order)
 
 
 class _Push:
@@ -309,6 +288,7 @@ class _Push:
         self.applying = False
         self.done: asyncio.Future = asyncio.get_running_loop().create_future()
         self.done.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: no "never retrieved" log
+        self.forward: Forwarder | None = None  # relay: the push on its way to the next replica
 
     def accepts(self, manifest: Manifest, streams: int) -> bool:
         return (not self.done.done() and self.joined < self.streams and streams == self.streams
@@ -317,6 +297,8 @@ class _Push:
     def fail(self, error: BaseException) -> None:
         if not self.done.done():
             self.done.set_exception(error)
+        if self.forward is not None:  # downstream gets nothing more; its upstream routes around this replica
+            self.forward.cancel()
 
     def raise_if_failed(self) -> None:
         if self.done.done() and not self.done.cancelled() and self.done.exception() is not None:
@@ -341,11 +323,25 @@ def _wait_s(context) -> float:
     return DEFAULT_WAIT_S if remaining is None or not math.isfinite(remaining) else max(0.0, remaining)
 
 
+class Forwarder(Protocol):
+    """A push on its way to the next replica (rlfabric.weight_sync.chain.ChainForward)."""
+
+    done: bool
+
+    def add(self, lane: int, bucket_index: int, offset: int, length: int, raw: bytes | None = None) -> None: ...
+    def close(self, lane: int) -> None: ...
+    def cancel(self) -> None: ...
+    async def outcomes(self) -> tuple[PushResult, ...]: ...
+
+
 class PushReceiver:
     """The receiving end of PushWeights: assembles every push from its streams, one push at a time
     (they share the bucket buffers, which the next push of the same sizes reuses)."""
 
-    def __init__(self):
+    def __init__(self, options: ChannelOptions | None = None, forwarder: Callable[..., Forwarder] | None = None):
+        """`forwarder` (ChainForward's signature): how a push that names a relay chain is forwarded, over
+        `options` (TLS, auth); None = this receiver refuses to relay."""
+        self.options, self.forwarder = options or ChannelOptions(), forwarder
         self._push: _Push | None = None
         self._changed: asyncio.Condition | None = None
         self._buffers: list[torch.Tensor] = []
@@ -360,6 +356,10 @@ class PushReceiver:
         _keep_message_memory()
         wait_s = _wait_s(context)
         streams = _streams_of(context)
+        chain, hop_timeout_s = chain_of(context)
+        if chain and self.forwarder is None:
+            raise FailedPrecondition("PushWeights: this receiver does not relay pushes (metadata "
+                                     f"{CHAIN_METADATA})")
         first = await anext(aiter(requests), None)
         try:
             message = rollout_pb2.RolloutServicePushWeightsRequest.FromString(first) if first is not None else None
@@ -371,13 +371,19 @@ class PushReceiver:
         manifest = Manifest.from_proto(message.manifest)
         if limits is not None:
             limits.check(manifest)  # before a single byte is allocated for it
-        push = await self._join(manifest, streams, wait_s - (time.monotonic() - started))
+        relay = (chain, hop_timeout_s, started + wait_s, first)
+        push, lane = await self._join(manifest, streams, wait_s - (time.monotonic() - started), relay)
         try:
             try:  # this stream's chunks; any failure here fails the whole push
                 async for raw in requests:
                     push.raise_if_failed()
-                    push.assembler.add(*decode_chunk(raw))
+                    bucket_index, offset, data = decode_chunk(raw)
+                    push.assembler.add(bucket_index, offset, data)
+                    if push.forward is not None:
+                        push.forward.add(lane, bucket_index, offset, len(data), raw)
                 push.raise_if_failed()
+                if push.forward is not None:
+                    push.forward.close(lane)
                 push.ended += 1
                 if push.ended == push.streams and not push.assembler.complete:
                     push.assembler.finish()  # raises, naming the incomplete buckets
@@ -405,16 +411,21 @@ class PushReceiver:
                     raise
                 if not push.done.done():
                     push.done.set_result(swap)
-                return PushOutcome(manifest, swap, True)
+                return PushOutcome(manifest, swap, True, await self._relayed(push))
             remaining = wait_s - (time.monotonic() - started)
             try:
                 swap = await asyncio.wait_for(asyncio.shield(push.done), max(0.0, remaining))
             except TimeoutError:
                 raise DeadlineExceeded(f"PushWeights: the other stream(s) of version {manifest.version} did not "
                                        "finish within the deadline") from None
-            return PushOutcome(manifest, swap, False)
+            return PushOutcome(manifest, swap, False, await self._relayed(push))
         finally:
             await self._leave(push)
+
+    @staticmethod
+    async def _relayed(push: _Push) -> tuple[PushResult, ...]:
+        """Relay: how the push went downstream, once the forward ended (bounded by this replica's deadline)."""
+        return await push.forward.outcomes() if push.forward is not None else ()
 
     async def _weights(self, assembler: BucketAssembler, manifest: Manifest) -> Weights:
         """The push's weights: its buckets, or (a delta) the base rebuilt from them, off the event loop."""
@@ -429,9 +440,10 @@ class PushReceiver:
             self._changed = asyncio.Condition()
         return self._changed
 
-    async def _join(self, manifest: Manifest, streams: int, wait_s: float) -> _Push:
+    async def _join(self, manifest: Manifest, streams: int, wait_s: float, relay: tuple) -> tuple[_Push, int]:
         """Joins the push in progress when this stream is one of its streams, else waits for it to end
-        (bounded by the stream's deadline) and starts a new one."""
+        (bounded by the stream's deadline) and starts a new one, which forwards itself along `relay`'s chain
+        (chain, hop timeout, deadline, the raw manifest message); the push and this stream's lane (join order)."""
         changed = self._condition()
         async with changed:
             try:
@@ -450,10 +462,14 @@ class PushReceiver:
                 assembler = BucketAssembler(manifest, reuse, PhaseClock())
                 self._buffers = [] if keeps else assembler.buffers
                 self._push = _Push(manifest, streams, assembler)
+                chain, hop_timeout_s, deadline, manifest_message = relay
+                if chain:
+                    self._push.forward = self.forwarder(chain, streams, manifest_message, assembler.buffers,
+                                                        hop_timeout_s, deadline, self.options)
             push = self._push
             push.joined += 1
             push.attached += 1
-            return push
+            return push, push.joined - 1
 
     async def _leave(self, push: _Push) -> None:
         changed = self._condition()
@@ -462,6 +478,8 @@ class PushReceiver:
             if push.attached == 0:
                 if not push.done.done():
                     push.fail(InvalidArgument("PushWeights: every stream of the push ended before it was complete"))
+                if push.forward is not None and not push.forward.done:
+                    push.forward.cancel()
                 if self._push is push:
                     self._push = None
                 changed.notify_all()

@@ -56,6 +56,7 @@ from rlfabric.core.errors import (
     ResourceExhausted,
 )
 from rlfabric.weight_sync.buckets import crc_buffer, dedupe_shared, pack, plan_buckets
+from rlfabric.weight_sync.chain import RELAYS, push_chain
 from rlfabric.weight_sync.delta import DeltaSender
 from rlfabric.weight_sync.grpc_stream import PushPayload, PushResult, push_weights
 from rlfabric.weight_sync.manifest import MAX_WORLD_SIZE, AdapterSpec, Manifest, SyncGroup
@@ -75,6 +76,7 @@ class BroadcastResult:
     # and switch included
     pushes: tuple[PushResult, ...] = ()  # grpc transport: one per receiver
     phases: SyncPhases = field(default_factory=SyncPhases)  # the actor's: gather, pack, checksum, wire
+    egress_bytes: int = 0  # grpc: bytes the actor itself sent, to all receivers together
 
 
 @dataclass
@@ -94,6 +96,7 @@ class _Group:
     bucket_bytes: int
     dtype: torch.dtype | None
     addresses: tuple[str, ...] = ()  # grpc
+    relay: str = "none"  # grpc: "chain" = push to the first address, which forwards along the rest
     connecting: Future | None = None  # rank 0's transport, once every receiver joined
     store: object = None  # gloo, cuda_ipc: the TCPStore must outlive the process group
     prepared: _Prepared | None = None
@@ -134,11 +137,12 @@ class WeightSender:
 
     def open(self, transport: str = "", num_receivers: int = 1, bucket_bytes: int = 0,
              dtype: torch.dtype | None = None, timeout_s: float = 0.0, addresses: tuple[str, ...] = (),
-             torch_group: bool = False, delta: bool = False) -> SyncGroup:
+             torch_group: bool = False, delta: bool = False, relay: str = "") -> SyncGroup:
         """A new group with this actor as rank 0; receivers join with ranks 1..num_receivers. `torch_group`
         (gloo, nccl): a torch.distributed group an SGLang server can join (rlfabric.weight_sync.torch_group),
         whose buckets are packed densely, as SGLang's flattened buckets are. `delta` (gloo, nccl, grpc): the
-        group keeps what it last sent, and prepare() sends the change against it where the receivers hold it."""
+        group keeps what it last sent, and prepare() sends the change against it where the receivers hold it.
+        `relay` (grpc): "chain" = the receivers forward the push along `addresses` (rlfabric.weight_sync.chain)."""
         transport = transport or self.default_transport()
         timeout_s = timeout_s or self.timeout_s
         if not 1 <= num_receivers < MAX_WORLD_SIZE:
@@ -154,6 +158,11 @@ class WeightSender:
                                   f"for num_receivers {num_receivers}")
         if transport not in ("gloo", "nccl", "grpc", "cuda_ipc"):
             raise InvalidArgument(f"unknown weight-sync transport {transport!r}")
+        relay = relay or "none"
+        if relay not in RELAYS:
+            raise InvalidArgument(f"unknown weight-sync relay {relay!r} (one of {', '.join(RELAYS)})")
+        if relay != "none" and transport != "grpc":
+            raise InvalidArgument(f"weight-sync relay {relay} runs over the grpc transport, not {transport}")
         if torch_group and transport in ("grpc", "cuda_ipc"):
             raise InvalidArgument(f"the {transport} transport cannot be a torch group (SGLang joins gloo or nccl "
                                   "groups)")
@@ -168,7 +177,7 @@ class WeightSender:
         group_id = f"ws-{uuid.uuid4().hex[:12]}"
         world_size = num_receivers + 1
         entry = _Group(SyncGroup(group_id, transport, world_size, timeout_s), bucket_bytes or self.bucket_bytes,
-                       dtype, tuple(addresses), delta=DeltaSender() if delta else None)
+                       dtype, tuple(addresses), relay, delta=DeltaSender() if delta else None)
         if torch_group:
             from rlfabric.weight_sync.gloo import GlooTransport
             from rlfabric.weight_sync.torch_group import TorchGroupTransport, host_store
@@ -208,7 +217,7 @@ class WeightSender:
         self._groups[group_id] = entry
         log.info("weight-sync group opened", extra={"fields": {
             "group_id": group_id, "transport": transport, "world_size": world_size, "timeout_s": timeout_s,
-            "torch_group": torch_group, "delta": delta}})
+            "torch_group": torch_group, "delta": delta, "relay": relay}})
         return entry.group
 
     def _sharing(self):
@@ -320,7 +329,8 @@ class WeightSender:
                     if prepared.sent is not None and entry.delta is not None:  # delta groups: the receivers' now
                         entry.delta.sent(*prepared.sent)
                 seconds = time.perf_counter() - started
-                return BroadcastResult(manifest.num_bytes, seconds, pushes, prepared.phases + SyncPhases(wire=seconds))
+                return BroadcastResult(manifest.num_bytes, seconds, pushes, prepared.phases + SyncPhases(wire=seconds),
+                                       sum(push.sent_bytes for push in pushes))
             try:
                 if entry.pipelined:
                     phases = await self._send_pipelined(entry, prepared, pack_executor, before_pack)
@@ -353,6 +363,9 @@ class WeightSender:
                 acquiring.add_done_callback(lambda _: lock.release())
                 raise
         try:
+            if entry.relay == "chain":
+                return await push_chain(entry.addresses, PushPayload(manifest, buffers), deadline,
+                                        entry.group.timeout_s, self.options)
             payload = PushPayload(manifest, buffers, receivers=len(entry.addresses))
             return tuple(await asyncio.gather(*(push_weights(a, payload, deadline, self.options)
                                                 for a in entry.addresses)))

@@ -46,11 +46,24 @@ class WeightSyncConfig(Section):
     does not check out, gets the full weights (weight_sync/delta_fallback_full). The first sync, and the first
     after the group is rebuilt, are full. It saves bytes, and time where the link is slower than the actor's
     encoding (docs: training, delta weight sync)."""
+    relay: Literal["none", "chain"] = "none"
+    """With transport grpc: chain = the actor pushes each sync to the first rollout replica alone and every replica
+    forwards each chunk to the next as soon as it has it, so the actor sends one copy of the model whatever the
+    number of replicas and a sync takes about one wire time plus a chunk per hop (weight_sync/actor_egress_bytes).
+    A replica that fails mid-relay is routed around (the next one gets the whole push again) and gets a full sync
+    when it answers again; none = the actor pushes to every replica itself."""
     lora: Literal["auto", "adapter", "merged"] = "auto"
     """With actor.lora: adapter = each sync sends the LoRA adapters alone (rank x (in + out) per adapted layer) and
     the rollout engine applies them on its base model (hf: peft; vllm: its LoRA API); merged = each sync sends the
     full merged weights under the base model's names (any engine); auto = adapter when rollout.engine can load
     adapters (hf, vllm), else merged (sglang)."""
+
+    @field_validator("relay")
+    @classmethod
+    def _relay_over_grpc(cls, value: str, info: ValidationInfo) -> str:
+        if value != "none" and info.data.get("transport") != "grpc":
+            raise ValueError(f"relay {value} runs over weight_sync.transport grpc, not {info.data.get('transport')}")
+        return value
 
     @field_validator("max_timeout_s")
     @classmethod
