@@ -40,6 +40,14 @@ def _reward(r: dict) -> str:
             f"{r['library_items_per_s']['256']:,}/s)")
 
 
+def _judge(r: dict) -> str:
+    def one(model: dict) -> str:
+        batched, unbatched = model["modes"]["batched"], model["modes"]["unbatched"]
+        return (f"{model['judge_model']}, {len(batched['scores'])} items: {batched['items_per_s']:.2f} vs "
+                f"{unbatched['items_per_s']:.2f} items/s ({model['batched_vs_unbatched']:.2f}x)")
+    return "; ".join(one(model) for model in r["models"].values()) + f" (target {r['target_batched_vs_unbatched']:g}x)"
+
+
 def _actor(r: dict) -> str:
     big = next(x for x in r["results"] if x["model"] != "tiny")
     tiny = next(x for x in r["results"] if x["model"] == "tiny" and x["world_size"] == 1)
@@ -124,6 +132,8 @@ ROWS: tuple[tuple[str, str, Callable[[dict], str]], ...] = (
      _time_to_first_step),
     ("tensor codec, encode + decode, float32", "codec.json", _codec),
     ("reward service, GSM8K items", "reward.json", _reward),
+    ("generative judge (reward.judge), items/s batched (batch_size 16, max_concurrency 2) vs unbatched (1, 1)",
+     "judge.json", _judge),
     ("actor training", "actor.json", _actor),
     ("rollout service overhead", "rollout.json", _rollout),
     ("weight sync against raw loopback TCP", "weight_sync.json", _weight_sync),

@@ -116,6 +116,12 @@ FIGURES: dict[str, Figure] = {
     "weight_sync_delta.time_ratio": Figure(
         "weight_sync_delta.json", lambda r: r["learning_rates"]["1e-06"]["time_ratio"], "{:.2f}",
         "the same over the gRPC stream on loopback: the median delta sync's time over the median full sync's"),
+    "judge.smollm2.batched_vs_unbatched": Figure(
+        "judge.json", lambda r: r["models"]["smollm2"]["batched_vs_unbatched"], "{:.2f}x",
+        "SmolLM2-135M as the judge: judged items/s batched (batch_size 16, max_concurrency 2) over unbatched"),
+    "judge.tiny.batched_vs_unbatched": Figure(
+        "judge.json", lambda r: r["models"]["tiny"]["batched_vs_unbatched"], "{:.2f}x",
+        "the same with the quickstart's tiny model as the judge"),
     "gpu.quickstart.reward_first": _gpu_quickstart("reward_first", "{:.3f}", "reward at step 1"),
     "gpu.quickstart.reward_last": _gpu_quickstart("reward_last", "{:.3f}", "reward at its last step"),
     "gpu.quickstart.step_s": _gpu_quickstart("step_s", "{:.2f} s", "median step"),
@@ -148,6 +154,8 @@ TOPICS = (
         "trl.quickstart.time_to_reward_ratio", "update_memory.checkpointing.ratio_vs_trl",
         "update_memory.no_checkpointing.ratio_vs_trl")),
     Topic(r"\badapter\b", r"(?<![\d.])(\d+(?:\.\d+)? ?x) (?:fewer|the bytes)", ("lora.smollm2.bytes_ratio",)),
+    Topic(r"\bjudge\b", r"(?<![\d.])(\d+\.\d+x)\b",
+          ("judge.smollm2.batched_vs_unbatched", "judge.tiny.batched_vs_unbatched")),
     Topic(r"\bthreads?\b", r"(?<![\d.])(\d+\.\d+x)\b", ("threads.step_speedup", "threads.update_speedup")),
     Topic(r"\bH200\b|\bone GPU\b", r"(?<![\d.])(0\.\d{3})(?!\d| s\b)",
           ("gpu.quickstart.reward_first", "gpu.quickstart.reward_last")),
