@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from functools import partial
 
 from prometheus_client import CollectorRegistry
 
@@ -95,7 +96,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         self.agents = agents
         self.metrics = metrics
         # PushWeights: one push at a time, over one or more streams; relayed to the next replica over these options
-        self._pushes = PushReceiver(ChannelOptions.from_config(engine.config), ChainForward)
+        self._pushes = PushReceiver(partial(ChannelOptions.from_config, engine.config), ChainForward)
 
     async def Generate(self, request, context):
         samples = [s async for s in self._generate(request.prompts, request.sampling_params)]

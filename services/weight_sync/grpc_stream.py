@@ -338,14 +338,23 @@ class PushReceiver:
     """The receiving end of PushWeights: assembles every push from its streams, one push at a time
     (they share the bucket buffers, which the next push of the same sizes reuses)."""
 
-    def __init__(self, options: ChannelOptions | None = None, forwarder: Callable[..., Forwarder] | None = None):
-        """`forwarder` (ChainForward's signature): how a push that names a relay chain is forwarded, over
-        `options` (TLS, auth); None = this receiver refuses to relay."""
-        self.options, self.forwarder = options or ChannelOptions(), forwarder
+    def __init__(self, options: Callable[[], ChannelOptions] = ChannelOptions,
+                 forwarder: Callable[..., Forwarder] | None = None):
+        """`forwarder` (ChainForward's signature): how a push that names a relay chain is forwarded, over the
+        channel options `options()` makes (TLS, auth), called at the first relayed push: a replica that never
+        relays never reads the mesh's credentials (a pod may mount none); None = this receiver refuses to relay."""
+        self._make_options, self.forwarder = options, forwarder
+        self._options: ChannelOptions | None = None
         self._push: _Push | None = None
         self._changed: asyncio.Condition | None = None
         self._buffers: list[torch.Tensor] = []
         self.base = DeltaBase()  # what the last keep_base push brought, for the next delta (weight_sync.delta)
+
+    @property
+    def options(self) -> ChannelOptions:
+        if self._options is None:
+            self._options = self._make_options()
+        return self._options
 
     async def receive(self, requests: AsyncIterator[bytes], context, limits: WeightLimits | None,
                       apply: Callable[[Weights, Manifest], Awaitable[WeightSwap]]) -> PushOutcome:
