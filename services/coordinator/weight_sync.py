@@ -54,9 +54,9 @@ from rlfabric.reference.client import ReferenceClient, ReferenceInterface
 from rlfabric.rollout.client import RolloutClient
 from rlfabric.rollout.router import RolloutRouter
 from rlfabric.weight_sync.devices import DeviceReport, TransportChoice, choose_transport
-from rlfabric.weight_sync.grpc_stream import HOP_SLACK_S, PushResult
 from rlfabric.weight_sync.manifest import Manifest, SyncGroup
 from rlfabric.weight_sync.phases import SyncPhases
+from rlfabric.weight_sync.push_metadata import HOP_SLACK_S
 from rlfabric.weight_sync.receiver import SLACK_S, WeightSwap
 
 log = logging.getLogger("rlfabric.coordinator.weight_sync")
@@ -454,7 +454,7 @@ class WeightSyncPlane(WeightSync):
             report.egress_bytes += result.egress_bytes  # a rejected delta, then the full weights: both count
             pushes = {p.address: p for p in result.pushes}
             report.hop_seconds = {m.name: pushes[m.address].phases.wire for m in members}
-            return {m.name: _push_outcome(pushes[m.address]) for m in members}
+            return {m.name: pushes[m.address].swap_or_error() for m in members}
         broadcast, *receives = await asyncio.gather(
             self.actor.broadcast_weights(group.group_id, manifest.version, deadline),
             *(m.client.receive_weights(manifest, deadline) for m in members), return_exceptions=True)
@@ -494,7 +494,3 @@ def _rejected(outcome: WeightSwap | BaseException) -> bool:
     step with its group; a full sync reaches it."""
     return isinstance(outcome, InvalidArgument) or (isinstance(outcome, RuntimeError) and str(outcome).startswith(
         "INVALID_ARGUMENT"))
-
-
-def _push_outcome(push: PushResult) -> WeightSwap | BaseException:
-    return RuntimeError(push.error) if push.error else WeightSwap(push.version, push.paused_seconds, push.phases)

@@ -36,18 +36,16 @@ from rlfabric.core.interceptors import bearer_metadata
 from rlfabric.v1 import rollout_pb2
 from rlfabric.weight_sync.chunks import encode_chunk
 from rlfabric.weight_sync.grpc_stream import (
-    HOP_SLACK_S,
     PUSH_METHOD,
-    STREAMS_METADATA,
     PushPayload,
     PushResult,
     _describe,
     _first_cause,
     _push_channel,
     push_weights,
-    relay_metadata,
 )
 from rlfabric.weight_sync.phases import SyncPhases
+from rlfabric.weight_sync.push_metadata import HOP_SLACK_S, STREAMS_METADATA, relay_metadata
 
 RELAYS = ("none", "chain")
 

@@ -33,7 +33,6 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import dataclasses
-import math
 import platform
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -60,52 +59,23 @@ from rlfabric.weight_sync.chunks import decode_chunk, encode_chunk
 from rlfabric.weight_sync.delta import DeltaBase
 from rlfabric.weight_sync.manifest import Manifest, WeightLimits
 from rlfabric.weight_sync.phases import PhaseClock, SyncPhases
+from rlfabric.weight_sync.push_metadata import (
+    CHAIN_METADATA,
+    MAX_STREAMS,
+    STREAMS_METADATA,
+    chain_of,
+    relay_metadata,
+    stream_wait_s,
+    streams_of,
+)
 from rlfabric.weight_sync.receiver import BucketAssembler, Weights, WeightSwap
 
 # 4 MiB chunks: large enough that per-message costs vanish, small enough that a message is a
 # reused heap block on both sides (16 MiB and larger ones are fresh mappings, page-faulted per message).
 CHUNK_BYTES = 4 << 20
 STREAMS_PER_RECEIVER = 4
-MAX_STREAMS = 16
-STREAMS_METADATA = "rlfabric-push-streams"
 SERVICE = "rlfabric.v1.RolloutService"
 PUSH_METHOD = f"/{SERVICE}/PushWeights"
-DEFAULT_WAIT_S = 120.0  # how long a stream waits for the rest of its push when the client set no deadline
-
-# Relay (rlfabric.weight_sync.chain): the replicas after the receiver, and how long a forward may stall.
-CHAIN_METADATA = "rlfabric-relay-chain"
-HOP_TIMEOUT_METADATA = "rlfabric-relay-hop-timeout"
-MAX_CHAIN = 1024  # replicas after the receiver; a chain that long is already 1,024 hops of latency
-HOP_SLACK_S = 2.0  # a replica answers its upstream this long before its own deadline
-
-
-def relay_metadata(chain: tuple[str, ...], hop_timeout_s: float) -> tuple[tuple[str, str], ...]:
-    """The request metadata of a push whose receiver forwards it along `chain` (none for an empty chain)."""
-    if not chain:
-        return ()
-    return ((CHAIN_METADATA, ",".join(chain)), (HOP_TIMEOUT_METADATA, f"{hop_timeout_s:g}"))
-
-
-def chain_of(context) -> tuple[tuple[str, ...], float]:
-    """The chain after this receiver and the hop timeout, from a push's metadata; ((), 0) when it relays nothing.
-    InvalidArgument for a malformed chain."""
-    values = dict(context.invocation_metadata() or ())
-    raw = values.get(CHAIN_METADATA, "")
-    if not raw:
-        return (), 0.0
-    chain = tuple(raw.split(","))
-    if len(chain) > MAX_CHAIN or not all(chain):
-        raise InvalidArgument(f"PushWeights metadata {CHAIN_METADATA}: 1..{MAX_CHAIN} comma-separated addresses, "
-                              f"none empty (got {len(chain)})")
-    try:
-        hop_timeout_s = float(values.get(HOP_TIMEOUT_METADATA, ""))
-    except ValueError:
-        hop_timeout_s = math.nan
-    if not (math.isfinite(hop_timeout_s) and hop_timeout_s > 0):
-        raise InvalidArgument(f"PushWeights metadata {HOP_TIMEOUT_METADATA} must be a number of seconds > 0 with "
-                              f"{CHAIN_METADATA}")
-    return chain, hop_timeout_s
-
 
 @dataclass(frozen=True)
 class PushResult:
@@ -118,6 +88,10 @@ class PushResult:
     phases: SyncPhases = field(default_factory=SyncPhases)  # the receiver's: wire, checksum, apply
     sent_bytes: int = 0  # bytes of messages this push sent (the caller's egress to this receiver)
     relayed: tuple[PushResult, ...] = ()  # relay: how the push went on each replica after this one (chain order)
+
+    def swap_or_error(self) -> WeightSwap | BaseException:
+        """The receiver's WeightSwap, or its error as a RuntimeError."""
+        return RuntimeError(self.error) if self.error else WeightSwap(self.version, self.paused_seconds, self.phases)
 
 
 class PushPayload:
@@ -305,24 +279,6 @@ class _Push:
             raise self.done.exception()
 
 
-def _streams_of(context) -> int:
-    for key, value in context.invocation_metadata() or ():
-        if key == STREAMS_METADATA:
-            try:
-                streams = int(value)
-            except ValueError:
-                streams = 0
-            if not 1 <= streams <= MAX_STREAMS:
-                raise InvalidArgument(f"PushWeights metadata {STREAMS_METADATA}={value!r}: must be 1..{MAX_STREAMS}")
-            return streams
-    return 1
-
-
-def _wait_s(context) -> float:
-    remaining = context.time_remaining()
-    return DEFAULT_WAIT_S if remaining is None or not math.isfinite(remaining) else max(0.0, remaining)
-
-
 class Forwarder(Protocol):
     """A push on its way to the next replica (rlfabric.weight_sync.chain.ChainForward)."""
 
@@ -363,8 +319,8 @@ class PushReceiver:
         checksum, ResourceExhausted for a manifest beyond this receiver's weights."""
         started = time.monotonic()
         _keep_message_memory()
-        wait_s = _wait_s(context)
-        streams = _streams_of(context)
+        wait_s = stream_wait_s(context)
+        streams = streams_of(context)
         chain, hop_timeout_s = chain_of(context)
         if chain and self.forwarder is None:
             raise FailedPrecondition("PushWeights: this receiver does not relay pushes (metadata "

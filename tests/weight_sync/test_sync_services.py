@@ -21,12 +21,8 @@ from rlfabric.rollout.client import RolloutClient
 from rlfabric.v1 import rollout_pb2, rollout_pb2_grpc
 from rlfabric.weight_sync import sender as sender_module
 from rlfabric.weight_sync.buckets import crc_buffer, pack
-from rlfabric.weight_sync.grpc_stream import (
-    PUSH_METHOD,
-    STREAMS_METADATA,
-    push_weights,
-    serialize_chunks,
-)
+from rlfabric.weight_sync.grpc_stream import PUSH_METHOD, push_weights, serialize_chunks
+from rlfabric.weight_sync.push_metadata import STREAMS_METADATA
 from tests.numerics import ENGINE_LOGPROB_GAP
 from tests.rollout.helpers import generate, original_weights
 from tests.trainer.helpers import make_batch
