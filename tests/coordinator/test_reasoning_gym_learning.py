@@ -11,7 +11,6 @@ first steps score about TAGGED_SHARE; RL has to find out that the tags pay.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 import random
@@ -32,10 +31,10 @@ from rlfabric.core.config import load_config  # noqa: E402
 from rlfabric.core.config.loading import default_config_path  # noqa: E402
 from rlfabric.core.model_cache import built_once  # noqa: E402
 from rlfabric.data.reasoning_gym import write_reasoning_gym  # noqa: E402
-from rlfabric.launch.inprocess import InProcessMesh  # noqa: E402
 from rlfabric.quickstart.tiny_model import make_tiny_model  # noqa: E402
 from rlfabric.quickstart.warm_start import QUICKSTART_INIT_RANGE, fine_tune  # noqa: E402
 from rlfabric.v1 import coordinator_pb2  # noqa: E402
+from tests.coordinator.meshes import in_process, run_to_end  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -159,17 +158,9 @@ def test_grpo_raises_the_chain_sum_reward(knows_the_sums, tmp_path):
         ],
     )
 
-    async def train():
-        async with InProcessMesh(config, tmp_path / "run") as mesh:
-            await mesh.coordinator.start_run()
-            async for _ in mesh.coordinator.stream_metrics(from_step=1):
-                pass
-            return await mesh.coordinator.run_status()
-
-    status = asyncio.run(train())
+    metrics, status = run_to_end(in_process, config, tmp_path / "run")
     assert status.state == coordinator_pb2.RUN_STATE_COMPLETED, status.error
-    steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    scores = [step["critic/score/mean"] for step in steps if "critic/score/mean" in step]
+    scores = [metrics[step]["critic/score/mean"] for step in sorted(metrics)]
     print("critic/score/mean by step:", [round(score, 3) for score in scores])
     assert len(scores) == STEPS
     assert scores[0] <= TAGGED_SHARE + 0.15  # a tagged share of right answers at most, plus sampling noise
