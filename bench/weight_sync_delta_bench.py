@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
@@ -32,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -118,6 +120,22 @@ async def measure(actor_address: str, rollouts: list[str], config, rounds: int) 
     return rows
 
 
+@contextlib.contextmanager
+def actor_and_replicas(config_path: Path, workdir: Path, replicas: int) -> Iterator[tuple[str, list[str]]]:
+    """An actor and `replicas` rollout services on `config_path`, each in a process of its own: (the actor's
+    address, the replicas' addresses); every process stopped on the way out."""
+    processes = []
+    try:
+        for role, name in [("actor", "actor"), *(("rollout", f"rollout-{i}") for i in range(replicas))]:
+            processes.append(serve(role, config_path, workdir, name))
+        yield processes[0][1], [address for _, address in processes[1:]]
+    finally:
+        for process, _ in processes:
+            process.terminate()
+        for process, _ in processes:
+            process.wait(60)
+
+
 def run_lr(model: Path, lr: float, rounds: int, replicas: int = 1) -> list[dict]:
     """Fresh services at `lr` (the actor's optimizer is built at start-up), `replicas` rollout replicas; the rows
     of measure()."""
@@ -129,17 +147,10 @@ def run_lr(model: Path, lr: float, rounds: int, replicas: int = 1) -> list[dict]
                                 "rollout.n=1", "actor.ppo_mini_batch_size=4", "actor.ppo_micro_batch_size_per_gpu=4"])
     config_path = workdir / "run.yaml"
     dump_config(config, config_path)
-    processes = []
     try:
-        for role, name in [("actor", "actor"), *(("rollout", f"rollout-{i}") for i in range(replicas))]:
-            process, address = serve(role, config_path, workdir, name)
-            processes.append((process, address))
-        return asyncio.run(measure(processes[0][1], [address for _, address in processes[1:]], config, rounds))
+        with actor_and_replicas(config_path, workdir, replicas) as (actor, rollouts):
+            return asyncio.run(measure(actor, rollouts, config, rounds))
     finally:
-        for process, _ in processes:
-            process.terminate()
-        for process, _ in processes:
-            process.wait(60)
         shutil.rmtree(workdir, ignore_errors=True)
 
 

@@ -25,7 +25,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from bench.weight_sync_delta_bench import serve
+from bench.weight_sync_delta_bench import actor_and_replicas
 
 RESULTS = Path(__file__).parent / "results" / "weight_sync_relay.json"
 PLOT = RESULTS.with_suffix(".png")
@@ -99,22 +99,15 @@ def run_model(name: str, counts: tuple[int, ...], rounds: int) -> dict:
     from rlfabric.core.config import dump_config, load_config
 
     workdir = Path(tempfile.mkdtemp(prefix="rlfabric-ws-relay-"))
-    processes = []
     try:
         model = model_path(name, workdir)
         config = load_config(None, [f"model.path={model}", "weight_sync.timeout_s=300", "rollout.dtype=bfloat16",
                                     "rollout.n=1", "rollout.max_num_seqs=4"])
         config_path = workdir / "run.yaml"
         dump_config(config, config_path)
-        for role, process_name in [("actor", "actor"), *(("rollout", f"rollout-{i}") for i in range(max(counts)))]:
-            processes.append(serve(role, config_path, workdir, process_name))
-        results = asyncio.run(measure(processes[0][1], [address for _, address in processes[1:]], model, counts,
-                                      rounds))
+        with actor_and_replicas(config_path, workdir, max(counts)) as (actor, rollouts):
+            results = asyncio.run(measure(actor, rollouts, model, counts, rounds))
     finally:
-        for process, _ in processes:
-            process.terminate()
-        for process, _ in processes:
-            process.wait(60)
         shutil.rmtree(workdir, ignore_errors=True)
     one = results[str(counts[0])]["none"]["median_s"]
     return {"replicas": results, "model_bytes": results[str(counts[0])]["none"]["rows"][0]["bytes"],
