@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
+from bench import weight_sync_model
 from bench.benchmark_table import (
     async_table,
     lora_step_table,
@@ -162,7 +163,8 @@ TOPICS = (
     # Async against sync: docs/generated/async.md and the summary hold every ratio.
     # Delta weight sync: the figures at lr 1e-6, and docs/generated/weight-sync-delta.md's other rates.
     Topic(r"\bdelta\b", r"(?<![\d.])(\d\.\d{2,3})(?![\d.]| s\b)",
-          ("weight_sync_delta.bytes_ratio", "weight_sync_delta.time_ratio"), ("weight-sync-delta.md",)),
+          ("weight_sync_delta.bytes_ratio", "weight_sync_delta.time_ratio"),
+          ("weight-sync-delta.md", "weight-sync-model.md")),
     Topic(r"\basync\b|\bk = \d\b", r"(?<![\d.])(\d+\.\d+x)\b", in_tables=("async.md", "benchmarks.md")),
 )
 
@@ -223,6 +225,7 @@ def generated_files() -> dict[Path, str]:
         GENERATED / "lora-steps.md": lora_step_table(),
         GENERATED / "peer-trl.md": peer_trl_table(),
         GENERATED / "weight-sync-delta.md": weight_sync_delta_table(),
+        GENERATED / "weight-sync-model.md": weight_sync_model.table(),
         GENERATED / "scale.md": scale_table(),
         GENERATED / "figures.md": figures_table(),
         README: readme[:begin] + "\n" + readme_block() + readme[end:],
