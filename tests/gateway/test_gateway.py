@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import json
 import threading
+import tracemalloc
 
 import httpx
 import numpy as np
@@ -407,4 +409,69 @@ def test_256_concurrent_episodes_each_record_only_their_own_calls(mesh):
         record = mesh.call(gateway.episodes.close, episode.key)
         assert len(record.calls) == 2 and len(record.segments) == 1
         assert f"episode {index}<" in mesh.tokenizer.decode(record.segments[0].prompt_ids)
+    assert mesh.call(len, gateway.episodes) == 0
+
+
+def _gateway_traced_bytes() -> int:
+    """Bytes that code of the gateway and the router allocated and still hold (tracemalloc): a leak per episode
+    shows there to the byte, where the process's RSS moves with torch's and glibc's pools in this process."""
+    snapshot = tracemalloc.take_snapshot().filter_traces([
+        tracemalloc.Filter(True, "*/gateway/*"), tracemalloc.Filter(True, "*/rollout/router.py")])
+    return sum(stat.size for stat in snapshot.statistics("filename"))
+
+
+@pytest.mark.slow  # ~60-100 s here: 1,000 one-token calls, traced
+def test_a_thousand_episodes_leave_the_gateways_memory_flat(mesh):
+    """A closed episode leaves nothing behind but its key, and at most closed_episodes_remembered keys are kept:
+    past that many, the gateway's memory stays flat however many episodes go through. Agents come 64 at a time,
+    and the call latencies are taken once per batch, as a run's step takes them."""
+    remembered, batch = 100, 64
+    gateway = mesh.gateway_with(f"agent.gateway.closed_episodes_remembered={remembered}")
+
+    async def one(http: httpx.AsyncClient, key: str, index: int) -> None:
+        reply = await http.post(f"{gateway.base_url}/chat/completions", headers={"Authorization": f"Bearer {key}"},
+                                json={"model": "m", "max_tokens": 1,
+                                      "messages": [{"role": "user", "content": f"episode {index}"}]})
+        assert reply.status_code == 200, reply.text
+
+    def episodes(count: int, close: bool = True) -> list:
+        """`count` one-call episodes, `batch` at a time; the open ones, unless closed."""
+        still_open = []
+
+        async def calls(opened) -> None:
+            async with httpx.AsyncClient(limits=httpx.Limits(max_connections=batch), timeout=120) as http:
+                await asyncio.gather(*(one(http, e.key, i) for i, e in enumerate(opened)))
+
+        for start in range(0, count, batch):
+            opened = [mesh.call(gateway.episodes.open) for _ in range(min(batch, count - start))]
+            asyncio.run(calls(opened))
+            for episode in opened if close else ():
+                assert len(mesh.call(gateway.episodes.close, episode.key).calls) == 1
+            still_open += [] if close else opened
+            mesh.call(gateway.calls.take_metrics)
+            mesh.log.clear()  # the test's own log of engine requests
+        return still_open
+
+    measured = 1000 - 2 * remembered - 8
+    tracemalloc.start()  # before the first episode: what it keeps is traced from its allocation on
+    try:
+        episodes(2 * remembered)  # past the remembered keys; the latency histogram's series made, pools warm
+        gc.collect()
+        before = _gateway_traced_bytes()
+        held = episodes(8, close=False)  # what an episode holds while open: the footprint a leak would keep
+        gc.collect()
+        per_episode = (_gateway_traced_bytes() - before) / len(held)
+        for episode in held:
+            mesh.call(gateway.episodes.close, episode.key)
+        gc.collect()
+        start = _gateway_traced_bytes()
+        episodes(measured)
+        gc.collect()
+        grown = _gateway_traced_bytes() - start
+    finally:
+        tracemalloc.stop()
+    print(f"an open episode holds {per_episode:.0f} B; after {measured} more episodes the gateway holds {grown:+d} B")
+    assert per_episode > 0
+    # Flat: not even one episode in fifty leaves its footprint behind.
+    assert grown < measured / 50 * per_episode, (grown, per_episode)
     assert mesh.call(len, gateway.episodes) == 0
