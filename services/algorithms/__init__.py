@@ -32,11 +32,17 @@ from .bypass import bypass_mode_loss
 from .dapo import filter_groups
 from .distill import distill_advantages
 from .kl import AdaptiveKLController, FixedKLController, kl_in_reward, kl_penalty
-from .logits import entropy_from_logits, log_probs_and_entropy, log_probs_from_logits
+from .logits import (
+    entropy_from_logits,
+    log_probs_and_entropy,
+    log_probs_from_logits,
+    sum_pi_squared_from_logits,
+)
 from .losses import AGG_MODES, aggregate_loss, gspo_loss, policy_loss, ppo_clip_loss, value_loss
 from .registry import (
     ADVANTAGE_ESTIMATOR_KWARGS,
     ESTIMATOR_INPUTS,
+    POLICY_LOSS_SECTIONS,
     advantage_estimator_inputs,
     advantage_estimator_names,
     advantage_estimator_params,
@@ -61,6 +67,7 @@ __all__ = [
     "ADVANTAGE_ESTIMATOR_KWARGS",
     "AGG_MODES",
     "ESTIMATOR_INPUTS",
+    "POLICY_LOSS_SECTIONS",
     "AdaptiveKLController",
     "FixedKLController",
     "advantage_estimator_inputs",
@@ -112,5 +119,6 @@ __all__ = [
     "mismatch_metrics",
     "rollout_correction",
     "sapo_loss",
+    "sum_pi_squared_from_logits",
     "value_loss",
 ]

@@ -122,7 +122,7 @@ def compute_tir_optimal_token_baseline_advantage(
         return advantages, returns
 
 
-def _need(name: str, inputs: dict[str, torch.Tensor | None]) -> None:
+def _check_inputs(name: str, inputs: dict[str, torch.Tensor | None]) -> None:
     missing = [key for key in ("group_ids", "old_log_probs", "sum_pi_squared") if inputs[key] is None]
     if missing:
         raise ValueError(f"{name} needs {', '.join(missing)} (the actor's log-prob pass gives old_log_probs and "
@@ -131,14 +131,14 @@ def _need(name: str, inputs: dict[str, torch.Tensor | None]) -> None:
 
 def _otb(*, token_rewards, mask, values=None, group_ids=None, baselines=None, gamma=1.0, lam=1.0,
          norm_by_std=True, old_log_probs=None, sum_pi_squared=None, rollout_is_weights=None):
-    _need("optimal_token_baseline", locals())
+    _check_inputs("optimal_token_baseline", locals())
     return compute_optimal_token_baseline_advantage(token_rewards, mask, group_ids, old_log_probs, sum_pi_squared,
                                                     rollout_is_weights)
 
 
 def _tir_otb(*, token_rewards, mask, values=None, group_ids=None, baselines=None, gamma=1.0, lam=1.0,
              norm_by_std=True, old_log_probs=None, sum_pi_squared=None, rollout_is_weights=None):
-    _need("tir_optimal_token_baseline", locals())
+    _check_inputs("tir_optimal_token_baseline", locals())
     return compute_tir_optimal_token_baseline_advantage(token_rewards, mask, group_ids, old_log_probs,
                                                         sum_pi_squared, rollout_is_weights)
 

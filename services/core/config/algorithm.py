@@ -28,6 +28,10 @@ class RolloutCorrectionConfig(Section):
     """Upper bound of the ratio a token or sequence keeps under rollout_rs."""
     rollout_rs_threshold_lower: float | None = Field(None, ge=0)
     """Lower bound of the ratio under rollout_rs; null = 1 / rollout_rs_threshold."""
+    loss_type: Literal["ppo_clip", "reinforce"] = "ppo_clip"
+    """actor.loss_mode bypass_mode only (VeRL's bypass mode), where r = pi / pi_rollout is taken against the
+    policy being updated and the settings above apply inside the loss: ppo_clip = the PPO clip on r (no IS
+    weights), reinforce = -sg(w) A log pi with w the truncated IS weights of r (1 with rollout_is null)."""
 
     @model_validator(mode="after")
     def _bounds_in_order(self) -> RolloutCorrectionConfig:
