@@ -80,7 +80,9 @@ class AlgorithmConfig(Section):
 
     adv_estimator: str = "grpo"
     """Advantage estimator, VeRL's names: gae, grpo, rloo, reinforce_plus_plus, remax, grpo_passk,
-    reinforce_plus_plus_baseline, opo, gpg, gdpo, grpo_vectorized, rloo_vectorized, or one you registered."""
+    reinforce_plus_plus_baseline, opo, gpg, gdpo, grpo_vectorized, rloo_vectorized, optimal_token_baseline,
+    tir_optimal_token_baseline (these two ask the actor's log-prob pass for sum_pi_squared), or one you
+    registered."""
     gamma: float = 1.0
     """Discount factor."""
     lam: float = 1.0
