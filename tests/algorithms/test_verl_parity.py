@@ -10,6 +10,7 @@ statistics cost no more than float32 rounding.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import subprocess
@@ -395,3 +396,20 @@ def test_the_cases_reach_the_branches_they_test(verl_outputs):
         {key: float(verl_outputs[f"policy_loss/{key}"]) for key in REACHED}
     passk = verl_outputs["estimator/grpo_passk::advantages"][:, 0]
     assert np.count_nonzero(passk) >= 3  # a best response learns in most groups (not in the tied one)
+    out = {key.removeprefix("estimator/"): value for key, value in verl_outputs.items()}
+    otb = "optimal_token_baseline"
+    assert np.abs(out[f"{otb}/is_weights::advantages"] - out[f"{otb}::advantages"]).max() > 0.01  # weights count
+    assert np.abs(out[f"tir_{otb}/holes::advantages"] - out[f"{otb}/holes::advantages"]).max() > 0.01  # realigned
+    lengths, index = INPUTS["outcome/mask"].sum(-1), INPUTS["outcome/index"]
+    unique_longest = [int((lengths[index == g] == lengths[index == g].max()).sum()) == 1
+                      for g in index.unique() if (index == g).sum() > 1]
+    assert sum(unique_longest) >= 2  # handle_zero_tail acts in some groups
+
+    def bypass(settings: BypassSettings, new: str, agg: str) -> float:  # matches VeRL's, by the cases above
+        return float(algos.policy_loss(INPUTS["loss/old"], INPUTS[new], INPUTS["loss/adv"], INPUTS["loss/mask"],
+                                       agg=agg, mode="bypass_mode", rollout_correction_settings=settings)[0])
+
+    for settings, new, agg in ((BypassSettings("reinforce", "token", 1.5), "loss/new", "seq-mean-token-mean"),
+                               (BypassSettings(rollout_rs="token"), "loss/far", "token-mean")):
+        off = dataclasses.replace(settings, rollout_is=None, rollout_rs=None)
+        assert abs(bypass(settings, new, agg) - bypass(off, new, agg)) > 1e-3  # the IS weights, the rejection act
