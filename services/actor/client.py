@@ -47,9 +47,11 @@ class ActorInterface(TrainableInterface):
 
     @abstractmethod
     async def compute_log_probs(self, batch: Tensors, temperature: float = 1.0, compute_entropy: bool = False,
-                                timeout_s: float | None = None, base_model: bool = False) -> dict[str, torch.Tensor]:
-        """{"log_probs": [B, T]} (+ "entropy" [B, T]), float32, 0 on response padding. base_model: with LoRA,
-        the base model's (the adapters off), which is the reference policy."""
+                                timeout_s: float | None = None, base_model: bool = False,
+                                compute_sum_pi_squared: bool = False) -> dict[str, torch.Tensor]:
+        """{"log_probs": [B, T]} (+ "entropy" [B, T], + "sum_pi_squared" [B, T]: sum_v pi(v)^2), float32, 0 on
+        response padding. base_model: with LoRA, the base model's (the adapters off), which is the reference
+        policy."""
 
     @abstractmethod
     async def update_policy(self, batch: Tensors, global_step: int = 0,
@@ -95,9 +97,10 @@ class ActorClient(ServiceClient, ActorInterface):
     stub_class = actor_pb2_grpc.ActorServiceStub
 
     async def compute_log_probs(self, batch: Tensors, temperature: float = 1.0, compute_entropy: bool = False,
-                                timeout_s: float | None = None, base_model: bool = False) -> dict[str, torch.Tensor]:
+                                timeout_s: float | None = None, base_model: bool = False,
+                                compute_sum_pi_squared: bool = False) -> dict[str, torch.Tensor]:
         request = actor_pb2.ActorServiceComputeLogProbsRequest(
-            input=log_probs_input(temperature, compute_entropy, base_model))
+            input=log_probs_input(temperature, compute_entropy, base_model, compute_sum_pi_squared))
         payload = codec.serialized_with_batch(request, ("input", "batch"), batch)
         response = await self.call_serialized(SERVICE, "ComputeLogProbs", payload,
                                               actor_pb2.ActorServiceComputeLogProbsResponse, timeout_s)
@@ -158,8 +161,9 @@ class LocalActorClient(LocalTrainerClient, ActorInterface):
     """ActorInterface over a TrainerEngine("actor") in this process (started and stopped by its owner)."""
 
     async def compute_log_probs(self, batch: Tensors, temperature: float = 1.0, compute_entropy: bool = False,
-                                timeout_s: float | None = None, base_model: bool = False) -> dict[str, torch.Tensor]:
-        return await self._forward(batch, temperature, compute_entropy, base_model)
+                                timeout_s: float | None = None, base_model: bool = False,
+                                compute_sum_pi_squared: bool = False) -> dict[str, torch.Tensor]:
+        return await self._forward(batch, temperature, compute_entropy, base_model, compute_sum_pi_squared)
 
     async def update_policy(self, batch: Tensors, global_step: int = 0,
                             timeout_s: float | None = None) -> dict[str, float]:

@@ -24,7 +24,8 @@ class ActorServicer(actor_pb2_grpc.ActorServiceServicer):
 
     async def ComputeLogProbs(self, request, context):
         tensors, temperature, entropy = decode_log_probs_input(request.input)
-        outputs = await self.engine.compute(tensors, temperature, entropy, base_model=request.input.base_model)
+        outputs = await self.engine.compute(tensors, temperature, entropy, base_model=request.input.base_model,
+                                            with_sum_pi_squared=request.input.compute_sum_pi_squared)
         response = actor_pb2.ActorServiceComputeLogProbsResponse()
         codec.encode_batch(outputs, out=response.outputs)
         return response

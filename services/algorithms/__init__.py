@@ -11,7 +11,8 @@ variants), losses (aggregation, PPO's policy losses, the value loss), reinforce_
 (VeRL's other policy losses), kl (KL estimators, controllers, KL in the reward), distill
 (on-policy distillation's per-token reverse-KL advantages), logits
 (log-probs and entropy from logits), dapo (dynamic sampling), rollout_correction
-(rollout/trainer mismatch: metrics, truncated IS, rejection), registry (by-name lookup), plugins
+(rollout/trainer mismatch: metrics, truncated IS, rejection), token_baseline (the Optimal Token
+Baseline estimators), bypass (the bypass_mode loss), registry (by-name lookup), plugins
 (algorithm.plugin_modules; not imported here).
 """
 
@@ -27,14 +28,21 @@ from .advantages import (
     compute_remax_advantage,
     compute_rloo_advantage,
 )
+from .bypass import bypass_mode_loss
 from .dapo import filter_groups
 from .distill import distill_advantages
 from .kl import AdaptiveKLController, FixedKLController, kl_in_reward, kl_penalty
-from .logits import entropy_from_logits, log_probs_and_entropy, log_probs_from_logits
+from .logits import (
+    entropy_from_logits,
+    log_probs_and_entropy,
+    log_probs_from_logits,
+    sum_pi_squared_from_logits,
+)
 from .losses import AGG_MODES, aggregate_loss, gspo_loss, policy_loss, ppo_clip_loss, value_loss
 from .registry import (
     ADVANTAGE_ESTIMATOR_KWARGS,
     ESTIMATOR_INPUTS,
+    POLICY_LOSS_SECTIONS,
     advantage_estimator_inputs,
     advantage_estimator_names,
     advantage_estimator_params,
@@ -49,17 +57,24 @@ from .reinforce_losses import cispo_loss, dppo_kl_loss, dppo_tv_loss, dro_loss, 
 from .rollout_correction import RolloutCorrection, mismatch_metrics, rollout_correction
 from .stats import masked_mean, masked_var, masked_whiten
 from .surrogate_losses import clip_cov_loss, geo_mean_loss, kl_cov_loss, sapo_loss
+from .token_baseline import (
+    compute_optimal_token_baseline_advantage,
+    compute_tir_optimal_token_baseline_advantage,
+    path_variance,
+)
 
 __all__ = [
     "ADVANTAGE_ESTIMATOR_KWARGS",
     "AGG_MODES",
     "ESTIMATOR_INPUTS",
+    "POLICY_LOSS_SECTIONS",
     "AdaptiveKLController",
     "FixedKLController",
     "advantage_estimator_inputs",
     "advantage_estimator_names",
     "advantage_estimator_params",
     "aggregate_loss",
+    "bypass_mode_loss",
     "cispo_loss",
     "clip_cov_loss",
     "compute_gae",
@@ -68,10 +83,12 @@ __all__ = [
     "compute_grpo_advantage",
     "compute_grpo_passk_advantage",
     "compute_opo_advantage",
+    "compute_optimal_token_baseline_advantage",
     "compute_reinforce_pp_advantage",
     "compute_reinforce_pp_baseline_advantage",
     "compute_remax_advantage",
     "compute_rloo_advantage",
+    "compute_tir_optimal_token_baseline_advantage",
     "distill_advantages",
     "dppo_kl_loss",
     "dppo_tv_loss",
@@ -91,6 +108,7 @@ __all__ = [
     "masked_mean",
     "masked_var",
     "masked_whiten",
+    "path_variance",
     "policy_loss",
     "policy_loss_names",
     "policy_loss_params",
@@ -101,5 +119,6 @@ __all__ = [
     "mismatch_metrics",
     "rollout_correction",
     "sapo_loss",
+    "sum_pi_squared_from_logits",
     "value_loss",
 ]

@@ -14,6 +14,7 @@ Math (z = logits / T, p = softmax(z), lse = logsumexp(z)):
     log_prob = z[label] - lse
     entropy  = -sum(p * log p)                      (= lse - sum(p * z), VeRL's form; this one does not
                                                      cancel two large terms in float32)
+    sum_pi_squared = sum(p^2)                       (the optimal token baselines' input; no gradient)
     d log_prob / dz = onehot(label) - p
     d entropy  / dz = -p * (log p + entropy)
 and d/dlogits = d/dz / T.
@@ -131,6 +132,24 @@ def log_probs_and_entropy(
         raise ValueError(f"{fn}: labels must be integer token ids, chunk_size >= 1 and temperature > 0")
     block_rows = _block_rows(logits.shape[-1], chunk_size)
     return _LogProbsAndEntropy.apply(logits, labels.long(), start, float(temperature), with_entropy, block_rows)
+
+
+@torch.no_grad()
+def sum_pi_squared_from_logits(logits: torch.Tensor, positions: int, temperature: float = 1.0, start: int | None = None,
+                               chunk_size: int | None = None) -> torch.Tensor:
+    """sum over the vocabulary of softmax(logits / T)^2 at positions start .. start+positions-1: logits
+    [B, L, vocab] -> [B, positions] (>= float32), one block at a time, without a gradient. start defaults to
+    L - positions, as log_probs_and_entropy's."""
+    start = logits.shape[1] - positions if start is None else start
+    if logits.dim() != 3 or start < 0 or start + positions > logits.shape[1] or not temperature > 0:
+        raise ValueError(f"sum_pi_squared_from_logits: need logits [B, L, vocab] holding positions {start}.."
+                         f"{start + positions - 1} and temperature > 0, got {tuple(logits.shape)}, T={temperature}")
+    rows = logits.shape[0]
+    window = logits[:, start : start + positions]  # [B, T, V], a view
+    out = torch.empty(rows, positions, dtype=torch.promote_types(logits.dtype, torch.float32), device=logits.device)
+    for r, t in _blocks(rows, positions, _block_rows(logits.shape[-1], chunk_size)):
+        out[r, t] = torch.softmax(_scaled(window[r, t], temperature), dim=-1).square_().sum(dim=-1)
+    return out
 
 
 def _as_rows(logits: torch.Tensor) -> torch.Tensor:

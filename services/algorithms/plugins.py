@@ -38,6 +38,7 @@ def check_algorithm_names(config: RunConfig) -> None:
 
     from rlfabric.algorithms.kl import kl_penalty
     from rlfabric.algorithms.registry import (
+        POLICY_LOSS_SECTIONS,
         advantage_estimator_names,
         advantage_estimator_params,
         policy_loss_names,
@@ -54,7 +55,8 @@ def check_algorithm_names(config: RunConfig) -> None:
             ("algorithm.adv_estimator", config.algorithm.adv_estimator,
              advantage_estimator_params(config.algorithm.adv_estimator), config.algorithm),
             ("actor.loss_mode", config.actor.loss_mode, policy_loss_params(config.actor.loss_mode), config.actor)):
-        unknown = [param for param in params if param not in type(section).model_fields]
+        unknown = [param for param in params if param not in type(section).model_fields
+                   and not (section is config.actor and param in POLICY_LOSS_SECTIONS)]
         if unknown:
             raise ConfigError(f"{key} {name!r} was registered with params {unknown} that are no "
                               f"{key.split('.')[0]} keys")
@@ -64,3 +66,17 @@ def check_algorithm_names(config: RunConfig) -> None:
             kl_penalty(torch.zeros(1), torch.zeros(1), kind)  # ValueError naming the kinds for an unknown one
         except ValueError as error:
             raise ConfigError(f"{key}: {error}") from None
+
+
+def policy_loss_sections(config: RunConfig) -> dict:
+    """The config sections of POLICY_LOSS_SECTIONS by name, which a policy loss may take whole (bypass_mode's
+    algorithm.rollout_correction)."""
+    from rlfabric.algorithms.registry import POLICY_LOSS_SECTIONS
+
+    sections = {}
+    for name, path in POLICY_LOSS_SECTIONS.items():
+        section = config
+        for key in path.split("."):
+            section = getattr(section, key)
+        sections[name] = section
+    return sections

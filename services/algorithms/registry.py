@@ -23,12 +23,14 @@ by before aggregation (algorithm.rollout_correction.rollout_is). Inputs arrive a
 stats is a dict of 0-dim tensors, reported by the actor as actor/<name>.
 
 A loss that needs settings of its own names them at registration (`params`): actor config keys that the
-actor passes it as extra keyword arguments (e.g. clip_cov's actor.clip_cov_ratio). An estimator may name
+actor passes it as extra keyword arguments (e.g. clip_cov's actor.clip_cov_ratio), or a name of
+POLICY_LOSS_SECTIONS (bypass_mode's algorithm.rollout_correction, passed whole). An estimator may name
 algorithm config keys the same way, and `inputs`: per-sample data beyond the call form, from
-ESTIMATOR_INPUTS, which the coordinator then gathers and passes (e.g. gdpo's reward_components).
+ESTIMATOR_INPUTS, which the coordinator then gathers and passes (e.g. gdpo's reward_components; the
+optimal token baselines' sum_pi_squared, for which it asks the actor's log-prob pass).
 
 Built-ins, under VeRL's names: the estimators of BUILTIN_ADVANTAGE_ESTIMATORS (advantages.py) and the
-policy losses of BUILTIN_POLICY_LOSSES (losses.py, reinforce_losses.py, surrogate_losses.py). Each module
+policy losses of BUILTIN_POLICY_LOSSES (losses.py, reinforce_losses.py, surrogate_losses.py, bypass.py). Each module
 registers its own at import; no registration may replace a built-in (overwrite=True replaces only your
 own). A run's config imports its own registrations from algorithm.plugin_modules
 (rlfabric.algorithms.plugins).
@@ -44,17 +46,25 @@ ADVANTAGE_ESTIMATOR_KWARGS = (
 
 BUILTIN_ADVANTAGE_ESTIMATORS = (
     "gae", "grpo", "rloo", "reinforce_plus_plus", "remax", "grpo_vectorized", "rloo_vectorized", "grpo_passk",
-    "reinforce_plus_plus_baseline", "opo", "gpg", "gdpo",
+    "reinforce_plus_plus_baseline", "opo", "gpg", "gdpo", "optimal_token_baseline", "tir_optimal_token_baseline",
 )
 BUILTIN_POLICY_LOSSES = (
     "vanilla", "gspo", "gpg", "cispo", "dppo_tv", "dppo_kl", "dro", "sapo", "geo_mean", "clip_cov", "kl_cov",
+    "bypass_mode",
 )
 
 # What an estimator may ask for beyond the call form (register_advantage_estimator's inputs).
 ESTIMATOR_INPUTS = {
     "reward_components": "[batch, K] float: the scorer outputs algorithm.gdpo_reward_keys names, a column each "
                          "(0 for a sample whose scoring failed)",
+    "old_log_probs": "[batch, response_len] the actor's log-probs of the sampled tokens (its old-log-prob pass)",
+    "sum_pi_squared": "[batch, response_len] sum over the vocabulary of the actor's pi(v)^2 at each response "
+                      "token (asked of the same pass)",
+    "rollout_is_weights": "[batch, response_len] algorithm.rollout_correction's IS weights, or None when it is off",
 }
+
+# What a policy loss may name in its params beyond actor keys: config sections the actor passes whole.
+POLICY_LOSS_SECTIONS = {"rollout_correction_settings": "algorithm.rollout_correction"}
 
 _ADVANTAGE_ESTIMATORS: dict[str, Callable] = {}
 _ADVANTAGE_ESTIMATOR_EXTRAS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {}  # name -> (params, inputs)

@@ -109,8 +109,8 @@ def rollout_correction(
                          f"[{lower}, {rollout_rs_threshold}]")
     metrics = mismatch_metrics(old_log_probs, rollout_log_probs, mask)
     real = mask.bool()
-    mask_f = mask.to(torch.float32)
     log_ratio = _token_log_ratio(old_log_probs, rollout_log_probs, mask)  # [B, T]
+    mask_f = mask.to(log_ratio.dtype)
     seq_log_ratio = (log_ratio.sum(-1)).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)  # [B] log prod_t r_t
     has_tokens = real.any(-1)  # [B]
     if "sequence" in (rollout_is, rollout_rs) and has_tokens.any():
@@ -127,14 +127,14 @@ def rollout_correction(
         ratio = level_ratio(rollout_is)
         weights = ratio.clamp(max=rollout_is_threshold) * mask_f  # [B, T]
         metrics["rollout_corr/rollout_is_ratio_fraction_high"] = masked_mean(
-            (ratio > rollout_is_threshold).float(), mask_f).item()
+            (ratio > rollout_is_threshold).to(mask_f.dtype), mask_f).item()
         metrics["rollout_corr/rollout_is_weights_mean"] = masked_mean(weights, mask_f).item()
     kept = mask
     if rollout_rs is not None:
         ratio = level_ratio(rollout_rs)
         rejected = real & ((ratio < lower) | (ratio > rollout_rs_threshold))  # [B, T]
         kept = mask.masked_fill(rejected, 0)
-        metrics["rollout_corr/rollout_rs_masked_fraction"] = masked_mean(rejected.float(), mask_f).item()
+        metrics["rollout_corr/rollout_rs_masked_fraction"] = masked_mean(rejected.to(mask_f.dtype), mask_f).item()
         sequences = max(int(has_tokens.sum()), 1)
         metrics["rollout_corr/rollout_rs_seq_masked_fraction"] = float(rejected.any(-1).sum()) / sequences
     return RolloutCorrection(weights=weights, mask=kept, metrics=metrics)
@@ -142,6 +142,7 @@ def rollout_correction(
 
 def _token_log_ratio(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor,
                      mask: torch.Tensor) -> torch.Tensor:
-    """log r_t = old - rollout, bounded to +-20, 0 on padding: [B, T] float32."""
-    log_ratio = (old_log_probs.float() - rollout_log_probs.float()).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    """log r_t = old - rollout, bounded to +-20, 0 on padding: [B, T] float32 (float64 for float64 inputs)."""
+    dtype = torch.promote_types(torch.promote_types(old_log_probs.dtype, rollout_log_probs.dtype), torch.float32)
+    log_ratio = (old_log_probs.to(dtype) - rollout_log_probs.to(dtype)).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
     return torch.where(mask.bool(), log_ratio, 0.0)

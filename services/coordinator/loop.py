@@ -140,10 +140,9 @@ class StepRunner:
             #    timing_s/teacher_log_prob).
             self.on_phase("computing")
             await self._log_probs_and_values(batch, timer)
-            # 3. Advantages (timing_s/adv).
+            # 3. Rollout correction and advantages (timing_s/adv).
             with timer("adv"):
                 metrics.update(self._advantages(batch))
-                metrics.update(self._rollout_correction(batch))
             # 4. Critic and actor updates (timing_s/update).
             self.on_phase("updating")
             with timer("update"):
@@ -179,8 +178,9 @@ class StepRunner:
         peers, temperature, tensors = self.peers, self.config.rollout.temperature or 1.0, batch.tensors
         calls = {}
         if self._old_log_prob_forward(batch):
-            calls["old_log_prob"] = peers.actor.compute_log_probs(self._actor_tensors(batch, tensors), temperature,
-                                                                  compute_entropy=False)
+            calls["old_log_prob"] = peers.actor.compute_log_probs(
+                self._actor_tensors(batch, tensors), temperature, compute_entropy=False,
+                compute_sum_pi_squared=self._estimator_needs("sum_pi_squared"))
         if peers.reference is not None:
             calls["ref"] = peers.reference.compute_log_probs(tensors, temperature)
         if peers.critic is not None:
@@ -190,6 +190,7 @@ class StepRunner:
         answers = await asyncio.gather(*(timer.timed(phase, call) for phase, call in calls.items()))
         results = dict(zip(calls, answers, strict=True))
         batch.old_log_probs = results["old_log_prob"]["log_probs"] if "old_log_prob" in results else None
+        batch.sum_pi_squared = results["old_log_prob"].get("sum_pi_squared") if "old_log_prob" in results else None
         if self.config.algorithm.old_log_prob_source == "rollout":
             if batch.rollout_log_probs is None:
                 raise FailedPrecondition("algorithm.old_log_prob_source=rollout needs the rollout's log-probs, and a "
@@ -202,7 +203,8 @@ class StepRunner:
         batch.teacher_log_probs = teacher["log_probs"] if teacher is not None else None
 
     def _advantages(self, batch: RolloutBatch) -> dict[str, float]:
-        """batch.token_rewards (KL-penalised if configured), advantages, returns and train_mask. A sample
+        """batch.token_rewards (KL-penalised if configured), the rollout correction (_rollout_correction),
+        advantages, returns and train_mask. A sample
         whose scoring failed trains on nothing unless algorithm.score_failure=zero: mask 0 for it, and no
         group baseline counts it."""
         algorithm, metrics = self.config.algorithm, {}
@@ -216,6 +218,10 @@ class StepRunner:
         train_mask, group_ids = mask, batch.group_ids
         if algorithm.score_failure == "mask":
             train_mask, group_ids = leave_out(batch.score_failed, mask, group_ids)
+        # Rollout correction before the estimator, which may weigh by its IS weights (the optimal token
+        # baselines); its rejections leave the trained tokens after the advantages are taken.
+        batch.train_mask = train_mask
+        metrics.update(self._rollout_correction(batch))
         if batch.episode_ids is not None:  # agent episodes: one advantage per episode, shared by its segments
             batch.advantages = self._episode_advantages(batch, train_mask)
             batch.returns = batch.advantages
@@ -228,17 +234,17 @@ class StepRunner:
                 token_rewards=token_rewards, mask=train_mask, values=batch.values, group_ids=group_ids,
                 baselines=batch.baselines, gamma=algorithm.gamma, lam=algorithm.lam,
                 norm_by_std=algorithm.norm_adv_by_std_in_grpo, **extra)
-        batch.token_rewards, batch.train_mask = token_rewards, train_mask
+        batch.token_rewards = token_rewards
         if algorithm.distill.enable:
-            metrics.update(self._distill(batch))
+            metrics.update(self._distill(batch, train_mask))
         return metrics
 
-    def _distill(self, batch: RolloutBatch) -> dict[str, float]:
+    def _distill(self, batch: RolloutBatch, train_mask: torch.Tensor) -> dict[str, float]:
         """algorithm.distill: the teacher's per-token reverse-KL advantages, added to the estimator's
         (use_task_reward) or in their place; the distill/* metrics."""
         settings = self.config.algorithm.distill
         advantages, metrics = algos.distill_advantages(batch.old_log_probs, batch.teacher_log_probs,
-                                                       batch.train_mask, settings.weight)
+                                                       train_mask, settings.weight)
         if settings.use_task_reward:
             advantages = batch.advantages + advantages
         else:
@@ -373,7 +379,12 @@ class StepRunner:
             return algorithm.old_log_prob_source == "actor"
         one_step = config.actor.ppo_epochs == 1 and batch.num_rows <= self.actor_mini_batch_rows
         return (not one_step or algorithm.use_kl_in_reward or algorithm.rollout_correction.enabled()
-                or algorithm.distill.enable)
+                or algorithm.distill.enable or self._estimator_needs("old_log_probs"))
+
+    def _estimator_needs(self, key: str) -> bool:
+        """Whether algorithm.adv_estimator takes `key` of ESTIMATOR_INPUTS (the optimal token baselines:
+        old_log_probs and sum_pi_squared)."""
+        return key in algos.advantage_estimator_inputs(self.config.algorithm.adv_estimator)
 
 
 async def _initial_save_done(saving: Awaitable[None], timer: StepTimer) -> None:

@@ -65,10 +65,11 @@ class RolloutBatch:
     routed_experts: torch.Tensor | None = None  # [B, P+T, layers, top_k] the rollout's routes (router replay)
     # Log-probs and values phase:
     old_log_probs: torch.Tensor | None = None  # [B, T] None when the update takes its own (one optimizer step)
+    sum_pi_squared: torch.Tensor | None = None  # [B, T] the actor's sum_v pi(v)^2 (optimal token baselines only)
     ref_log_probs: torch.Tensor | None = None  # [B, T] when a KL term needs the reference
     teacher_log_probs: torch.Tensor | None = None  # [B, T] algorithm.distill: the teacher's, of the sampled tokens
     values: torch.Tensor | None = None  # [B, T] the critic's (GAE)
-    # Advantages phase (rollout correction after the advantages):
+    # Advantages phase (rollout correction first):
     rollout_is_weights: torch.Tensor | None = None  # [B, T] truncated IS weights of the policy loss
     token_rewards: torch.Tensor | None = None  # [B, T] score on the last token, KL-penalised if configured
     advantages: torch.Tensor | None = None  # [B, T]

@@ -19,7 +19,8 @@ class ReferenceServicer(reference_pb2_grpc.ReferenceServiceServicer):
 
     async def ComputeLogProbs(self, request, context):
         tensors, temperature, entropy = decode_log_probs_input(request.input)
-        outputs = await self.engine.compute(tensors, temperature, entropy, base_model=request.input.base_model)
+        outputs = await self.engine.compute(tensors, temperature, entropy, base_model=request.input.base_model,
+                                            with_sum_pi_squared=request.input.compute_sum_pi_squared)
         response = reference_pb2.ReferenceServiceComputeLogProbsResponse()
         codec.encode_batch(outputs, out=response.outputs)
         return response

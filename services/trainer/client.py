@@ -47,9 +47,11 @@ class TrainableInterface(RoleInterface):
         """The optimizer step restored."""
 
 
-def log_probs_input(temperature: float, compute_entropy: bool, base_model: bool = False) -> common_pb2.LogProbsInput:
+def log_probs_input(temperature: float, compute_entropy: bool, base_model: bool = False,
+                    compute_sum_pi_squared: bool = False) -> common_pb2.LogProbsInput:
     """A request's LogProbsInput but its batch (codec.serialized_with_batch writes that, at ("input", "batch"))."""
-    return common_pb2.LogProbsInput(temperature=temperature, compute_entropy=compute_entropy, base_model=base_model)
+    return common_pb2.LogProbsInput(temperature=temperature, compute_entropy=compute_entropy, base_model=base_model,
+                                    compute_sum_pi_squared=compute_sum_pi_squared)
 
 
 def decoded_tensors(batch) -> dict[str, torch.Tensor]:
@@ -63,10 +65,10 @@ class LocalTrainerClient:
         self.engine = engine
 
     async def _forward(self, batch: Tensors, temperature: float = 1.0, compute_entropy: bool = False,
-                       base_model: bool = False) -> dict[str, torch.Tensor]:
+                       base_model: bool = False, compute_sum_pi_squared: bool = False) -> dict[str, torch.Tensor]:
         codec.check_batch(batch, *FORWARD_BATCH)
         return await self.engine.compute(dict(batch), wire_temperature(temperature), compute_entropy,
-                                         base_model=base_model)
+                                         base_model=base_model, with_sum_pi_squared=compute_sum_pi_squared)
 
     async def _update(self, batch: Tensors, schema, global_step: int) -> dict[str, float]:
         codec.check_batch(batch, *schema)

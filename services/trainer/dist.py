@@ -42,7 +42,7 @@ from rlfabric.weight_sync.gloo import master_store
 MAX_DIMS = 4
 HEADER_LEN = 8
 # Every tensor name that crosses the group, by index: the batch layout, then results and RNG states.
-WIRE_NAMES = (*TENSOR_NAMES, "log_probs", "entropy", "values", "cpu_rng", "cuda_rng")
+WIRE_NAMES = (*TENSOR_NAMES, "log_probs", "entropy", "sum_pi_squared", "values", "cpu_rng", "cuda_rng")
 SPEC_LEN = 3 + MAX_DIMS  # name index, dtype, ndim, dims
 MANIFEST_LEN = 1 + len(WIRE_NAMES) * SPEC_LEN
 COLLECTIVE_TIMEOUT = timedelta(minutes=30)
@@ -134,7 +134,8 @@ def run_command(worker, channel: Channel, command: Command, params: list[float],
     """What every rank does for one command; returns rank 0's result (None elsewhere)."""
     rank, world_size = worker.rank, worker.world_size
     if command == Command.COMPUTE:
-        outputs = worker.compute(shard, temperature=params[0], with_entropy=bool(params[1]), base_model=bool(params[2]))
+        outputs = worker.compute(shard, temperature=params[0], with_entropy=bool(params[1]), base_model=bool(params[2]),
+                                 with_sum_pi_squared=bool(params[3]))
         if rank != 0:  # one rank per tensor-parallel group reports: its peers computed the same rows
             if rank in worker.result_ranks:
                 channel.send_tensors(outputs, dst=0)

@@ -138,20 +138,22 @@ class TrainerEngine:
     # -- requests ---------------------------------------------------------------------------------
 
     async def compute(self, tensors: dict[str, torch.Tensor], temperature: float = 1.0,
-                      with_entropy: bool = False, base_model: bool = False) -> dict[str, torch.Tensor]:
-        """log_probs [+ entropy] (actor, reference) or values (critic), each [B, T] float32.
+                      with_entropy: bool = False, base_model: bool = False,
+                      with_sum_pi_squared: bool = False) -> dict[str, torch.Tensor]:
+        """log_probs [+ entropy] [+ sum_pi_squared] (actor, reference) or values (critic), each [B, T] float32.
         base_model: the actor's base model with its LoRA adapters off (the reference policy)."""
         if not (math.isfinite(temperature) and temperature > 0):
             raise InvalidArgument(f"temperature must be a positive number, got {temperature}")
         if base_model and (self.worker is None or self.worker.lora is None):
             raise FailedPrecondition(f"{self.role}: base-model log-probs need LoRA adapters (actor.lora.rank > 0); "
                                      "this service trains every weight")
-        return await self._run(self._compute, tensors, temperature, with_entropy, base_model)
+        return await self._run(self._compute, tensors, temperature, with_entropy, base_model, with_sum_pi_squared)
 
-    def _compute(self, tensors, temperature, with_entropy, base_model):
+    def _compute(self, tensors, temperature, with_entropy, base_model, with_sum_pi_squared):
         batch = validate_batch(tensors, self.worker.vocab_size, max_length=self.worker.max_length)
         shards = self._rank_shards(batch, shard_rows(batch.num_rows, self.data_parallel_size))
-        return self._command(Command.COMPUTE, [temperature, float(with_entropy), float(base_model)], shards)
+        return self._command(Command.COMPUTE, [temperature, float(with_entropy), float(base_model),
+                                               float(with_sum_pi_squared)], shards)
 
     async def update(self, tensors: dict[str, torch.Tensor], global_step: int = 0) -> dict[str, float]:
         """One UpdatePolicy / UpdateValues: VeRL-named metrics."""

@@ -118,11 +118,13 @@ def _logits_over_shared_prompts(model: nn.Module, batch: SequenceBatch, first_ro
 def forward_log_probs(
     model: nn.Module, batch: SequenceBatch, temperature: float, with_entropy: bool, keep_logits: bool,
     router_aux_loss: bool = False, packed: bool = False, share_prompts: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    with_sum_pi_squared: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """log p(response token) [B, T] and, optionally, the entropy of each predicting distribution [B, T],
     both under softmax(logits / temperature), as the rollout's sampler draws; with router_aux_loss (a
     mixture-of-experts model), also its routers' load-balancing loss over the batch's non-padding tokens
-    (transformers' aux_loss), else None.
+    (transformers' aux_loss), else None; with with_sum_pi_squared, sum_v p(v)^2 of each predicting
+    distribution [B, T] (no gradient; the optimal token baselines'), else None.
 
     Position t of the sequence predicts token t + 1, so the response's T tokens are predicted from
     positions S-T-1 .. S-2 (with logits_to_keep, the first T of the T+1 kept). The logits stay in the
@@ -153,13 +155,13 @@ def forward_log_probs(
             hook.remove()
         kept_log_probs, kept_entropy = algos.log_probs_and_entropy(
             output.logits, batch["responses"][real].unsqueeze(0), temperature, with_entropy, start=0)
+        kept_squares = _sum_pi_squared(output.logits, kept.numel(), temperature, 0, with_sum_pi_squared)
 
-        def unpacked(kept_values: torch.Tensor) -> torch.Tensor:  # [1, N] -> [B, T], 0 at padding
-            return kept_values.new_zeros(real.shape).masked_scatter(real, kept_values[0])
+        def unpacked(kept_values: torch.Tensor | None) -> torch.Tensor | None:  # [1, N] -> [B, T], 0 at padding
+            return None if kept_values is None else kept_values.new_zeros(real.shape).masked_scatter(real, kept_values[0])
 
-        log_probs = unpacked(kept_log_probs)
-        entropy = None if kept_entropy is None else unpacked(kept_entropy)
-        return log_probs, entropy, output.aux_loss if router_aux_loss else None
+        return (unpacked(kept_log_probs), unpacked(kept_entropy), output.aux_loss if router_aux_loss else None,
+                unpacked(kept_squares))
     # Not with replayed routes either: they follow the batch's [B, S] tokens, one forward pass.
     share_prompts = share_prompts and keep_logits and not router_aux_loss and ROUTES not in batch
     shared = shared_prompts(batch) if share_prompts else None
@@ -167,7 +169,7 @@ def forward_log_probs(
         logits = _logits_over_shared_prompts(model, batch, *shared)
         log_probs, entropy = algos.log_probs_and_entropy(logits, batch["responses"], temperature, with_entropy,
                                                          start=0)
-        return log_probs, entropy, None
+        return log_probs, entropy, None, _sum_pi_squared(logits, response_len, temperature, 0, with_sum_pi_squared)
     if keep_logits:
         extra["logits_to_keep"] = response_len + 1
     output = model(**_model_inputs(batch), **extra)
@@ -175,7 +177,13 @@ def forward_log_probs(
     start = logits.shape[1] - response_len - 1
     log_probs, entropy = algos.log_probs_and_entropy(logits, batch["responses"], temperature, with_entropy,
                                                      start=start)
-    return log_probs, entropy, output.aux_loss if router_aux_loss else None
+    return (log_probs, entropy, output.aux_loss if router_aux_loss else None,
+            _sum_pi_squared(logits, response_len, temperature, start, with_sum_pi_squared))
+
+
+def _sum_pi_squared(logits: torch.Tensor, positions: int, temperature: float, start: int,
+                    wanted: bool) -> torch.Tensor | None:
+    return algos.sum_pi_squared_from_logits(logits, positions, temperature, start) if wanted else None
 
 
 def forward_values(model: nn.Module, batch: SequenceBatch, packed: bool = False) -> torch.Tensor:
@@ -199,8 +207,10 @@ class PolicyObjective:
 
     float_names = ("old_log_probs", "advantages", "ref_log_probs", "rollout_is_weights")
 
-    def __init__(self, config: ActorConfig, temperature: float, keep_logits: bool, share_prompts: bool = False):
+    def __init__(self, config: ActorConfig, temperature: float, keep_logits: bool, share_prompts: bool = False,
+                 sections: dict | None = None):
         self.config = config
+        self.sections = sections or {}  # algos.POLICY_LOSS_SECTIONS by name (bypass_mode's rollout correction)
         self.temperature = temperature
         self.keep_logits = keep_logits
         self.share_prompts = share_prompts
@@ -218,7 +228,7 @@ class PolicyObjective:
         # The entropy comes from the same pass over the logits as the log-probs (the actor/entropy metric
         # reads it); it sends a gradient only with an entropy bonus.
         router_coef = cfg.router_aux_loss_coef
-        log_probs, entropy, router_loss = forward_log_probs(model, batch, self.temperature, True, self.keep_logits,
+        log_probs, entropy, router_loss, _ = forward_log_probs(model, batch, self.temperature, True, self.keep_logits,
                                                             router_aux_loss=router_coef > 0, packed=cfg.use_remove_padding,
                                                             share_prompts=self.share_prompts)
         if not want_entropy_grad:
@@ -227,7 +237,8 @@ class PolicyObjective:
         # Without old_log_probs the update is one optimizer step on the policy that sampled the batch
         # (TrainerEngine checks), so the old policy is the current one: its log-probs, detached.
         old_log_probs = batch["old_log_probs"] if "old_log_probs" in batch else log_probs.detach()
-        loss_params = {key: getattr(cfg, key) for key in algos.policy_loss_params(cfg.loss_mode)}  # e.g. clip_cov's
+        loss_params = {key: self.sections[key] if key in algos.POLICY_LOSS_SECTIONS else getattr(cfg, key)
+                       for key in algos.policy_loss_params(cfg.loss_mode)}  # e.g. clip_cov's
         pg_loss, pg_stats = algos.policy_loss(
             old_log_probs, log_probs, batch["advantages"], mask,
             clip_low=cfg.clip_ratio_low, clip_high=cfg.clip_ratio_high, clip_ratio_c=cfg.clip_ratio_c,

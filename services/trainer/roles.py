@@ -48,9 +48,11 @@ class RoleSpec:
             raise ValueError(f"{self.name}: model.path is empty; point it at a local Hugging Face model directory")
         return config.model.path
 
-    def outputs(self, with_entropy: bool) -> list[str]:
+    def outputs(self, with_entropy: bool, with_sum_pi_squared: bool = False) -> list[str]:
         """The per-token tensors a forward pass returns."""
-        return ["values"] if self.value_head else ["log_probs"] + (["entropy"] if with_entropy else [])
+        if self.value_head:
+            return ["values"]
+        return ["log_probs"] + (["entropy"] if with_entropy else []) + (["sum_pi_squared"] if with_sum_pi_squared else [])
 
     def forward_micro_rows(self, config: RunConfig) -> int:
         """Rows per micro-batch of a forward pass (VeRL's names differ for the value model)."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -87,8 +88,10 @@ class SimTrainerEngine:
     # -- requests ---------------------------------------------------------------------------------
 
     async def compute(self, tensors: dict[str, torch.Tensor], temperature: float = 1.0,
-                      with_entropy: bool = False, base_model: bool = False) -> dict[str, torch.Tensor]:
-        """Placeholder log_probs [+ entropy] or values, each [B, T] float32, after a forward's modelled time."""
+                      with_entropy: bool = False, base_model: bool = False,
+                      with_sum_pi_squared: bool = False) -> dict[str, torch.Tensor]:
+        """Placeholder log_probs [+ entropy] [+ sum_pi_squared: that of a uniform distribution over 1 / p tokens,
+        p = exp(log_probs)] or values, each [B, T] float32, after a forward's modelled time."""
         if not temperature > 0:
             raise InvalidArgument(f"temperature must be a positive number, got {temperature}")
         batch = self._validate(tensors)
@@ -99,6 +102,8 @@ class SimTrainerEngine:
         outputs = {"log_probs": torch.full(shape, LOG_PROB)}
         if with_entropy:
             outputs["entropy"] = torch.full(shape, -LOG_PROB)
+        if with_sum_pi_squared:
+            outputs["sum_pi_squared"] = torch.full(shape, math.exp(LOG_PROB))
         return outputs
 
     async def update(self, tensors: dict[str, torch.Tensor], global_step: int = 0) -> dict[str, float]:

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from rlfabric.algorithms.plugins import load_plugin_modules
+from rlfabric.algorithms.plugins import load_plugin_modules, policy_loss_sections
 from rlfabric.core import lora
 from rlfabric.core.config import RunConfig
 from rlfabric.core.dtypes import torch_dtype
@@ -134,7 +134,8 @@ class RankWorker:
             temperature = config.rollout.temperature or 1.0
             self.objective = PolicyObjective(
                 self.section, temperature, self.keep_logits,
-                share_prompts=self.share_prompts and not models.uses_gradient_checkpointing(config, device))
+                share_prompts=self.share_prompts and not models.uses_gradient_checkpointing(config, device),
+                sections=policy_loss_sections(config))
         elif self.trainable:
             self.objective = ValueObjective(self.section)
         if self.trainable:
@@ -213,14 +214,14 @@ class RankWorker:
 
     @torch.no_grad()
     def compute(self, shard: SequenceBatch, temperature: float = 1.0, with_entropy: bool = False,
-                base_model: bool = False) -> dict:
-        """log_probs (+ entropy) for the actor and reference, values for the critic: [rows, T], 0 on padding.
-        base_model: with LoRA, the base model's (the adapters off): the reference policy's."""
+                base_model: bool = False, with_sum_pi_squared: bool = False) -> dict:
+        """log_probs (+ entropy, + sum_pi_squared) for the actor and reference, values for the critic: [rows, T],
+        0 on padding. base_model: with LoRA, the base model's (the adapters off): the reference policy's."""
         if base_model:
             with self.model.disable_adapter():
-                return self.compute(shard, temperature, with_entropy)
+                return self.compute(shard, temperature, with_entropy, with_sum_pi_squared=with_sum_pi_squared)
         rows, response_len = shard.num_rows, shard.response_len
-        names = self.spec.outputs(with_entropy)
+        names = self.spec.outputs(with_entropy, with_sum_pi_squared)
         outputs = {name: torch.zeros(rows, response_len) for name in names}
         max_rows = self.spec.forward_micro_rows(self.config)
         packed = self.section.use_remove_padding
@@ -233,10 +234,10 @@ class RankWorker:
                     if self.spec.value_head:
                         results = {"values": forward_values(self.model, micro, packed=packed)}
                     else:
-                        log_probs, entropy, _ = forward_log_probs(self.model, micro, temperature, with_entropy,
-                                                                  self.keep_logits, packed=packed,
-                                                                  share_prompts=self.share_prompts)
-                        results = {"log_probs": log_probs, "entropy": entropy}
+                        log_probs, entropy, _, squares = forward_log_probs(
+                            self.model, micro, temperature, with_entropy, self.keep_logits, packed=packed,
+                            share_prompts=self.share_prompts, with_sum_pi_squared=with_sum_pi_squared)
+                        results = {"log_probs": log_probs, "entropy": entropy, "sum_pi_squared": squares}
                 if len(index):
                     real = micro["response_mask"].bool()
                     for name in names:  # where(), not *: a NaN on padding must not survive

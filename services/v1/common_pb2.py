@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from rlfabric.v1 import tensor_pb2 as rlfabric_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18rlfabric/v1/common.proto\x12\x0brlfabric.v1\x1a\x18rlfabric/v1/tensor.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"t\n\rLogProbsInput\x12!\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x12.rlfabric.v1.Batch\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\x17\n\x0f\x63ompute_entropy\x18\x03 \x01(\x08\x12\x12\n\nbase_model\x18\x04 \x01(\x08\"\"\n\x12\x43heckpointLocation\x12\x0c\n\x04path\x18\x01 \x01(\tb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18rlfabric/v1/common.proto\x12\x0brlfabric.v1\x1a\x18rlfabric/v1/tensor.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x94\x01\n\rLogProbsInput\x12!\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x12.rlfabric.v1.Batch\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\x17\n\x0f\x63ompute_entropy\x18\x03 \x01(\x08\x12\x12\n\nbase_model\x18\x04 \x01(\x08\x12\x1e\n\x16\x63ompute_sum_pi_squared\x18\x05 \x01(\x08\"\"\n\x12\x43heckpointLocation\x12\x0c\n\x04path\x18\x01 \x01(\tb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,8 +34,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_CHATMESSAGE']._serialized_start=67
   _globals['_CHATMESSAGE']._serialized_end=111
-  _globals['_LOGPROBSINPUT']._serialized_start=113
-  _globals['_LOGPROBSINPUT']._serialized_end=229
-  _globals['_CHECKPOINTLOCATION']._serialized_start=231
-  _globals['_CHECKPOINTLOCATION']._serialized_end=265
+  _globals['_LOGPROBSINPUT']._serialized_start=114
+  _globals['_LOGPROBSINPUT']._serialized_end=262
+  _globals['_CHECKPOINTLOCATION']._serialized_start=264
+  _globals['_CHECKPOINTLOCATION']._serialized_end=298
 # @@protoc_insertion_point(module_scope)

@@ -15,16 +15,18 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class LogProbsInput(_message.Message):
-    __slots__ = ("batch", "temperature", "compute_entropy", "base_model")
+    __slots__ = ("batch", "temperature", "compute_entropy", "base_model", "compute_sum_pi_squared")
     BATCH_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_ENTROPY_FIELD_NUMBER: _ClassVar[int]
     BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_SUM_PI_SQUARED_FIELD_NUMBER: _ClassVar[int]
     batch: _tensor_pb2.Batch
     temperature: float
     compute_entropy: bool
     base_model: bool
-    def __init__(self, batch: _Optional[_Union[_tensor_pb2.Batch, _Mapping]] = ..., temperature: _Optional[float] = ..., compute_entropy: _Optional[bool] = ..., base_model: _Optional[bool] = ...) -> None: ...
+    compute_sum_pi_squared: bool
+    def __init__(self, batch: _Optional[_Union[_tensor_pb2.Batch, _Mapping]] = ..., temperature: _Optional[float] = ..., compute_entropy: _Optional[bool] = ..., base_model: _Optional[bool] = ..., compute_sum_pi_squared: _Optional[bool] = ...) -> None: ...
 
 class CheckpointLocation(_message.Message):
     __slots__ = ("path",)

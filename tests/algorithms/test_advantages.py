@@ -244,7 +244,7 @@ def test_registry_builtins_match_direct_calls():
 def test_registry_unknown_and_missing_arguments():
     with pytest.raises(ValueError, match="unknown advantage estimator 'ppo2'; known: gae, gdpo, gpg, grpo, grpo_passk"):
         algos.get_advantage_estimator("ppo2")
-    with pytest.raises(ValueError, match="unknown policy loss mode 'clip'; known: cispo, clip_cov, dppo_kl"):
+    with pytest.raises(ValueError, match="unknown policy loss mode 'clip'; known: bypass_mode, cispo, clip_cov, dppo_kl"):
         algos.get_policy_loss("clip")
     with pytest.raises(ValueError, match="advantage estimator 'gae' needs values"):
         algos.get_advantage_estimator("gae")(token_rewards=torch.zeros(2, 2), mask=torch.ones(2, 2))

@@ -104,3 +104,16 @@ def test_bad_input_names_the_problem():
         algos.log_probs_and_entropy(torch.zeros(5, 7), torch.zeros(2, 4, dtype=torch.long))
     with pytest.raises(ValueError, match="temperature > 0"):
         algos.log_probs_and_entropy(torch.zeros(2, 5, 7), torch.zeros(2, 4, dtype=torch.long), temperature=0.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("chunk_size", [None, 2])
+def test_sum_pi_squared_equals_the_naive_softmax(dtype, chunk_size):
+    logits = (3 * torch.randn(3, 7, 11, generator=torch.Generator().manual_seed(5))).to(dtype)
+    squares = algos.sum_pi_squared_from_logits(logits, 4, temperature=0.6, start=2, chunk_size=chunk_size)
+    p = torch.softmax(logits[:, 2:6].to(torch.promote_types(dtype, torch.float32)) / 0.6, dim=-1)
+    torch.testing.assert_close(squares, p.square().sum(-1), rtol=0, atol=1e-6)
+    naive_log_probs = naive(logits, logits[:, 2:6].argmax(-1), 0.6, 2)[0]
+    assert (squares >= naive_log_probs.exp() ** 2 - 1e-6).all() and (squares <= 1 + 1e-6).all()
+    with pytest.raises(ValueError, match=r"positions 5\.\.8"):
+        algos.sum_pi_squared_from_logits(logits, 4, start=5)

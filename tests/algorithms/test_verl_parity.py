@@ -10,6 +10,7 @@ statistics cost no more than float32 rounding.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import subprocess
@@ -91,10 +92,27 @@ def _loss_inputs(gen: torch.Generator) -> dict[str, torch.Tensor]:
     }
 
 
+def _token_baseline_inputs(gen: torch.Generator, outcome: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The optimal token baselines' per-token inputs on the outcome batch: the sampled token's log-prob, a
+    consistent sum over the vocabulary of pi^2 (pi_t^2 plus part of the (1 - pi_t)^2 the rest can give), IS
+    weights, and a mask with holes (tool output inside multi-turn responses; one response left with none)."""
+    mask = outcome["outcome/mask"]
+    probs = 0.02 + 0.96 * torch.rand(mask.shape, generator=gen, dtype=F64)
+    holes = mask * (torch.rand(mask.shape, generator=gen, dtype=F64) > 0.3)
+    holes[:, 0] = mask[:, 0]  # the first token of each response is the model's
+    holes[5] = 0  # a response of group 1 with no trained token
+    return {"otb/old_log_probs": probs.log(),
+            "otb/sum_pi_squared": probs**2 + (1 - probs) ** 2 * torch.rand(mask.shape, generator=gen, dtype=F64),
+            "otb/is_weights": (0.5 + 1.5 * torch.rand(mask.shape, generator=gen, dtype=F64)) * mask,
+            "otb/mask_holes": holes}
+
+
 def _inputs() -> dict[str, torch.Tensor]:
     """Each family from a generator of its own, so that adding inputs to one leaves the others as they were."""
-    return {**_outcome_inputs(torch.Generator().manual_seed(48)), **_dense_inputs(torch.Generator().manual_seed(49)),
-            **_loss_inputs(torch.Generator().manual_seed(50))}
+    outcome = _outcome_inputs(torch.Generator().manual_seed(48))
+    return {**outcome, **_dense_inputs(torch.Generator().manual_seed(49)),
+            **_loss_inputs(torch.Generator().manual_seed(50)),
+            **_token_baseline_inputs(torch.Generator().manual_seed(51), outcome)}
 
 
 INPUTS = _inputs()
@@ -153,6 +171,62 @@ def _gdpo_case(suffix: str, weights: list[float] | None, norm_by_std: bool = Tru
         return {"advantages": advantages, "returns": returns}
 
     return Case(f"estimator/gdpo{suffix}", verl, ours)
+
+
+def _token_baseline_case(name: str, suffix: str = "", mask: str = "outcome/mask", is_weights: bool = False) -> Case:
+    """An optimal token baseline on the outcome batch, with the actor's log-probs and sum of pi^2."""
+    tensors = {"token_level_rewards": "outcome/rewards", "response_mask": mask,
+               "old_log_probs": "otb/old_log_probs", "sum_pi_squared": "otb/sum_pi_squared"}
+    if is_weights:
+        tensors["rollout_is_weights"] = "otb/is_weights"
+    verl = {"kind": "estimator", "name": name, "tensors": tensors, "index": "outcome/index", "algo": {}}
+
+    def ours() -> dict[str, torch.Tensor]:
+        advantages, returns = algos.get_advantage_estimator(name)(
+            token_rewards=INPUTS["outcome/rewards"], mask=INPUTS[mask], group_ids=INPUTS["outcome/index"],
+            old_log_probs=INPUTS["otb/old_log_probs"], sum_pi_squared=INPUTS["otb/sum_pi_squared"],
+            rollout_is_weights=INPUTS["otb/is_weights"] if is_weights else None)
+        return {"advantages": advantages, "returns": returns}
+
+    return Case(f"estimator/{name}{suffix}", verl, ours)
+
+
+@dataclass
+class BypassSettings:
+    """algorithm.rollout_correction's keys that bypass_mode reads."""
+
+    loss_type: str = "ppo_clip"
+    rollout_is: str | None = None
+    rollout_is_threshold: float = 2.0
+    rollout_rs: str | None = None
+    rollout_rs_threshold: float = 2.0
+    rollout_rs_threshold_lower: float | None = None
+
+
+# rlfabric's rejection levels as VeRL names them: the token's, or the sequence's summed, log-ratio within
+# [log lower, log upper] (the same set of kept tokens for bounds symmetric in log space, as 1/C and C are).
+VERL_RS = {"token": "token_k1", "sequence": "seq_sum_k1"}
+
+
+def _bypass_case(suffix: str, settings: BypassSettings, agg: str = "token-mean", new: str = "loss/new") -> Case:
+    """bypass_mode: old_log_prob is the rollout's; VeRL's rollout_corr/* diagnostics are left out (rlfabric's
+    loss reports none: the coordinator's rollout_corr/* metrics are its)."""
+    verl_settings = {"loss_type": settings.loss_type, "rollout_is": settings.rollout_is,
+                     "rollout_is_threshold": settings.rollout_is_threshold, "bypass_mode": True,
+                     "rollout_rs": VERL_RS.get(settings.rollout_rs),
+                     "rollout_rs_threshold": settings.rollout_rs_threshold if settings.rollout_rs else None}
+    case = _loss_case("bypass_mode", suffix, agg=agg, new=new, params={"rollout_correction": verl_settings})
+    case.verl["drop_stats"] = ["rollout_corr/"]
+
+    def ours() -> dict[str, torch.Tensor]:
+        log_probs = INPUTS[new].clone().requires_grad_(True)
+        loss, stats = algos.policy_loss(INPUTS["loss/old"], log_probs, INPUTS["loss/adv"], INPUTS["loss/mask"],
+                                        clip_low=0.2, clip_high=0.28, clip_ratio_c=3.0, agg=agg, mode="bypass_mode",
+                                        rollout_correction_settings=settings)
+        loss.backward()
+        return {"loss": loss.detach(), "grad": log_probs.grad, **{f"stat/{k}": v for k, v in stats.items()}}
+
+    return Case(case.id, case.verl, ours)
 
 
 def _loss_case(mode: str, suffix: str = "", agg: str = "token-mean", mask: str = "loss/mask", adv: str = "loss/adv",
@@ -230,6 +304,12 @@ CASES = [
     _gdpo_case("", None),
     _gdpo_case("/weights", [0.25, 1.5]),
     _gdpo_case("/no_std", [0.25, 1.5], norm_by_std=False),
+    _token_baseline_case("optimal_token_baseline"),
+    _token_baseline_case("optimal_token_baseline", "/is_weights", is_weights=True),
+    _token_baseline_case("optimal_token_baseline", "/holes", mask="otb/mask_holes"),
+    _token_baseline_case("tir_optimal_token_baseline"),
+    _token_baseline_case("tir_optimal_token_baseline", "/holes", mask="otb/mask_holes"),
+    _token_baseline_case("tir_optimal_token_baseline", "/holes_is_weights", mask="otb/mask_holes", is_weights=True),
     # Policy losses: PPO's under every aggregation, then VeRL's others.
     *[_loss_case("vanilla", f"/{agg}", agg=agg, mask="loss/mask_empty") for agg in algos.AGG_MODES],
     _loss_case("vanilla", "/is_weights", is_weights=True),
@@ -251,6 +331,14 @@ CASES = [
     _loss_case("clip_cov", "/many", params={"clip_cov_ratio": 0.2, "clip_cov_lb": 0.2, "clip_cov_ub": 5.0}, seed=7),
     _loss_case("kl_cov", params={"kl_cov_ratio": 0.0002, "ppo_kl_coef": 0.1}),
     _loss_case("kl_cov", "/many", params={"kl_cov_ratio": 0.1, "ppo_kl_coef": 1.0}, mask="loss/mask_empty"),
+    _bypass_case("", BypassSettings()),
+    _bypass_case("/far_token_rs", BypassSettings(rollout_rs="token", rollout_rs_threshold=2.0), new="loss/far"),
+    _bypass_case("/reinforce", BypassSettings(loss_type="reinforce")),
+    _bypass_case("/reinforce_token_is", BypassSettings(loss_type="reinforce", rollout_is="token",
+                                                        rollout_is_threshold=1.5), agg="seq-mean-token-mean"),
+    _bypass_case("/reinforce_seq_is_rs", BypassSettings(loss_type="reinforce", rollout_is="sequence",
+                                                         rollout_rs="sequence", rollout_rs_threshold=3.0),
+                 new="loss/far"),
     # The value loss and the KL penalties.
     *[_value_case(agg) for agg in algos.AGG_MODES],
     *[_kl_case(kind) for kind in ("kl", "abs", "mse", "low_var_kl", "k3+", "low_var_kl+")],
@@ -308,3 +396,20 @@ def test_the_cases_reach_the_branches_they_test(verl_outputs):
         {key: float(verl_outputs[f"policy_loss/{key}"]) for key in REACHED}
     passk = verl_outputs["estimator/grpo_passk::advantages"][:, 0]
     assert np.count_nonzero(passk) >= 3  # a best response learns in most groups (not in the tied one)
+    out = {key.removeprefix("estimator/"): value for key, value in verl_outputs.items()}
+    otb = "optimal_token_baseline"
+    assert np.abs(out[f"{otb}/is_weights::advantages"] - out[f"{otb}::advantages"]).max() > 0.01  # weights count
+    assert np.abs(out[f"tir_{otb}/holes::advantages"] - out[f"{otb}/holes::advantages"]).max() > 0.01  # realigned
+    lengths, index = INPUTS["outcome/mask"].sum(-1), INPUTS["outcome/index"]
+    unique_longest = [int((lengths[index == g] == lengths[index == g].max()).sum()) == 1
+                      for g in index.unique() if (index == g).sum() > 1]
+    assert sum(unique_longest) >= 2  # handle_zero_tail acts in some groups
+
+    def bypass(settings: BypassSettings, new: str, agg: str) -> float:  # matches VeRL's, by the cases above
+        return float(algos.policy_loss(INPUTS["loss/old"], INPUTS[new], INPUTS["loss/adv"], INPUTS["loss/mask"],
+                                       agg=agg, mode="bypass_mode", rollout_correction_settings=settings)[0])
+
+    for settings, new, agg in ((BypassSettings("reinforce", "token", 1.5), "loss/new", "seq-mean-token-mean"),
+                               (BypassSettings(rollout_rs="token"), "loss/far", "token-mean")):
+        off = dataclasses.replace(settings, rollout_is=None, rollout_rs=None)
+        assert abs(bypass(settings, new, agg) - bypass(off, new, agg)) > 1e-3  # the IS weights, the rejection act

@@ -9,7 +9,8 @@ No pickle: plain arrays in, plain arrays out. Imports nothing of rlfabric's.
 A case: {"id", "kind": estimator | policy_loss | value_loss | kl_penalty, "name": VeRL's registered name,
 "tensors": {VeRL's argument: input key}, "scalars": {argument: value}, "index": input key of the group ids
 (estimators), "non_tensor_batch" and "batch": {name: input key} (gdpo), "algo": AlgoConfig fields, "actor": FSDPActorConfig fields, "policy_loss": PolicyLossConfig
-fields, "agg": loss_agg_mode, "seed": torch's seed before the call}.
+fields (its "rollout_correction": RolloutCorrectionConfig fields, bypass_mode), "agg": loss_agg_mode, "seed":
+torch's seed before the call, "drop_stats": prefixes of metric names left out}.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from verl.trainer.config import AlgoConfig
+from verl.trainer.config.algorithm import RolloutCorrectionConfig
 from verl.trainer.ppo import core_algos
 from verl.workers.config import FSDPActorConfig, PolicyLossConfig
 
@@ -45,14 +47,19 @@ def estimator(case: dict, inputs: dict[str, np.ndarray]) -> dict[str, torch.Tens
 def policy_loss(case: dict, inputs: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
     tensors = _tensors(case, inputs)
     log_prob = tensors.pop("log_prob").clone().requires_grad_(True)
+    loss_settings = dict(case.get("policy_loss", {}))
+    if "rollout_correction" in loss_settings:  # bypass_mode's settings
+        loss_settings["rollout_correction"] = RolloutCorrectionConfig(**loss_settings["rollout_correction"])
     config = FSDPActorConfig(rollout_n=1, ppo_micro_batch_size_per_gpu=1, global_batch_info={},
-                             policy_loss=PolicyLossConfig(loss_mode=case["name"], **case.get("policy_loss", {})),
+                             policy_loss=PolicyLossConfig(loss_mode=case["name"], **loss_settings),
                              **case.get("actor", {}))
     torch.manual_seed(case.get("seed", 0))
     loss, metrics = core_algos.get_policy_loss_fn(case["name"])(
         log_prob=log_prob, loss_agg_mode=case["agg"], config=config, **tensors)
     loss.backward()
-    stats = {f"stat/{name.removeprefix('actor/')}": torch.tensor(float(value)) for name, value in metrics.items()}
+    dropped = tuple(case.get("drop_stats", ()))
+    stats = {f"stat/{name.removeprefix('actor/')}": torch.tensor(float(value)) for name, value in metrics.items()
+             if not name.startswith(dropped)}
     return {"loss": loss.detach(), "grad": log_prob.grad, **stats}
 
 

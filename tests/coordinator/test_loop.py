@@ -44,7 +44,7 @@ class ModelService:
         await asyncio.sleep(self.slow_s)  # the service's own latency, not synchronisation
         return {key: torch.zeros(tensors["responses"].shape)}
 
-    async def compute_log_probs(self, tensors, temperature, compute_entropy=True):
+    async def compute_log_probs(self, tensors, temperature, compute_entropy=True, compute_sum_pi_squared=False):
         return await self._answer(tensors, "log_probs")
 
     async def compute_values(self, tensors):

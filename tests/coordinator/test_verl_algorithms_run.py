@@ -2,7 +2,8 @@
 real training step on the in-process mesh: one mesh whose actor trains with loss_mode clip_cov and whose
 reward function returns two components beside its score, one StartRun (one step) per estimator. The
 advantages the actor receives are the named estimator's on the step's scores, groups and (gdpo) reward
-components, read back from the rollout dump, and clip_cov cuts the share of tokens actor.clip_cov_ratio says,
+components, read back from the rollout dump (the optimal token baselines: and on the old log-probs and sum of
+squared probabilities the actor's log-prob pass gave), and clip_cov cuts the share of tokens actor.clip_cov_ratio says,
 so a name or a setting that does not reach its function fails here."""
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from tests.coordinator.meshes import fast_config, in_process
 pytestmark = pytest.mark.slow
 
 ESTIMATORS = ("grpo_passk", "reinforce_plus_plus_baseline", "opo", "gpg", "grpo_vectorized", "rloo_vectorized",
-              "gdpo")
+              "gdpo", "optimal_token_baseline", "tir_optimal_token_baseline")
+OTB = ("optimal_token_baseline", "tir_optimal_token_baseline")
 GDPO = ["algorithm.gdpo_reward_keys=[exact,early]", "algorithm.gdpo_reward_weights=[1.0,0.5]"]
 CUT_RATIO = 0.5
 # The quickstart's task scored exactly, and two components: that score, and one apart from it (the answer
@@ -40,11 +42,19 @@ def components(row: dict) -> list[float]:
 
 
 class RecordingActor:
-    """The run's actor client, keeping each UpdatePolicy batch; everything else passes through."""
+    """The run's actor client, keeping each UpdatePolicy batch and each ComputeLogProbs answer with
+    sum_pi_squared; everything else passes through."""
 
     def __init__(self, actor):
         self.actor = actor
         self.batches: list[dict[str, torch.Tensor]] = []
+        self.squares: list[torch.Tensor] = []
+
+    async def compute_log_probs(self, *args, **kwargs):
+        outputs = await self.actor.compute_log_probs(*args, **kwargs)
+        if "sum_pi_squared" in outputs:
+            self.squares.append(outputs["sum_pi_squared"])
+        return outputs
 
     def __getattr__(self, name):
         return getattr(self.actor, name)
@@ -80,6 +90,7 @@ def test_each_estimator_and_clip_cov_train_by_their_config_names(tiny_model, tmp
     results = asyncio.run(scenario())
     batches = [batch for actor in actors for batch in actor.batches]
     assert len(batches) == len(ESTIMATORS)  # one update a run
+    squares = dict(zip(OTB, [square for actor in actors for square in actor.squares], strict=True))  # asked by OTB only
     for name, batch in zip(ESTIMATORS, batches, strict=True):
         metrics, status = results[name]
         assert status.state == coordinator_pb2.RUN_STATE_COMPLETED, (name, status.error)
@@ -90,10 +101,16 @@ def test_each_estimator_and_clip_cov_train_by_their_config_names(tiny_model, tmp
         scores = torch.tensor([row["score"] for row in rows], dtype=torch.float32)
         uids = [row["uid"] for row in rows]
         group_ids = torch.tensor([uids.index(uid) for uid in uids])
-        gdpo = {"reward_components": torch.tensor([components(row) for row in rows]), "gdpo_reward_weights": [1.0, 0.5]}
+        extra = {"gdpo": {"reward_components": torch.tensor([components(row) for row in rows]),
+                          "gdpo_reward_weights": [1.0, 0.5]}}
+        if name in OTB:
+            pi = batch["old_log_probs"].exp()
+            assert ((squares[name] >= pi**2 - 1e-6) & (squares[name] <= 1 + 1e-6)).all(), name  # a sum of pi(v)^2
+            assert squares[name][mask.bool()].min() < 0.99, name  # not all one-hot: a baseline weighs something
+            extra[name] = {"old_log_probs": batch["old_log_probs"], "sum_pi_squared": squares[name]}
         expected, _ = algos.get_advantage_estimator(name)(
             token_rewards=token_level_scores(scores, mask), mask=mask, group_ids=group_ids, norm_by_std=True,
-            **(gdpo if name == "gdpo" else {}))
+            **extra.get(name, {}))
         torch.testing.assert_close(batch["advantages"], expected, msg=name)
         if name == "gdpo":  # not what the score alone gives: the components arrived
             score_only, _ = algos.compute_gdpo_advantage(token_level_scores(scores, mask), mask, group_ids)

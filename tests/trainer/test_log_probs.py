@@ -32,6 +32,20 @@ def test_log_probs_equal_a_direct_transformers_forward(actor, hf_model, temperat
     assert (out["entropy"][batch["response_mask"] == 1] > 0).all()
 
 
+def test_sum_pi_squared_equals_a_direct_transformers_forward(actor, hf_model):
+    """The optimal token baselines' input: sum_v pi(v)^2 of each predicting distribution, asked of the same pass."""
+    batch = make_batch(rows=8, prompt_len=7, response_len=5, seed=4)
+    out = actor.run(actor.client.compute_log_probs(batch, temperature=0.7, compute_sum_pi_squared=True))
+    mask = batch["attention_mask"]
+    with torch.no_grad():
+        logits = hf_model(input_ids=batch["input_ids"], attention_mask=mask,
+                          position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits[:, -6:-1]
+    expected = torch.softmax(logits.double() / 0.7, dim=-1).square().sum(-1) * batch["response_mask"]
+    assert_same_float32(out["sum_pi_squared"], expected)
+    assert_same_float32(out["log_probs"], hf_log_probs(hf_model, batch, 0.7))
+    assert "sum_pi_squared" not in actor.run(actor.client.compute_log_probs(batch, temperature=0.7))
+
+
 def test_token_budget_micro_batching_gives_the_same_log_probs(tiny_model, hf_model):
     batch = make_batch(rows=9, prompt_len=9, response_len=6, seed=3)
     config = make_config(tiny_model, actor={"max_tokens_per_micro_batch": 30}, model=FLOAT64)

@@ -54,9 +54,10 @@ def test_packed_rows_hold_the_real_tokens_with_positions_restarting_per_sequence
 def test_packed_log_probs_entropy_loss_and_gradient_equal_the_padded_path(policy, keep_logits):
     batch = _batch(policy)
     real = batch["response_mask"].bool()
-    padded = forward_log_probs(policy, batch, 0.7, True, keep_logits)
-    packed = forward_log_probs(policy, batch, 0.7, True, keep_logits, packed=True)
-    for a, b, name in zip(padded[:2], packed[:2], ("log-probs", "entropy"), strict=True):
+    padded = forward_log_probs(policy, batch, 0.7, True, keep_logits, with_sum_pi_squared=True)
+    packed = forward_log_probs(policy, batch, 0.7, True, keep_logits, packed=True, with_sum_pi_squared=True)
+    for a, b, name in zip((*padded[:2], padded[3]), (*packed[:2], packed[3]), ("log-probs", "entropy",
+                                                                              "sum_pi_squared"), strict=True):
         assert_same_float32(b[real], a[real], name)
     config = make_config(policy.name_or_path, actor={"use_remove_padding": False})
     counts = MiniBatchCounts(tokens=float(real.sum()), sequences=float(batch.num_rows), response_len=batch.response_len)

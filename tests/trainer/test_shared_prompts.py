@@ -57,9 +57,11 @@ def test_rows_of_one_prompt_are_found_and_rows_of_their_own_are_not(policy):
 def test_shared_prompt_log_probs_entropy_loss_and_gradient_equal_the_whole_rows(policy, response_len):
     batch = _validated(policy, grouped_batch(response_len=response_len))
     real = batch["response_mask"].bool()
-    whole = forward_log_probs(policy, batch, 0.7, True, keep_logits=True)
-    shared = forward_log_probs(policy, batch, 0.7, True, keep_logits=True, share_prompts=True)
-    for a, b, name in zip(whole[:2], shared[:2], ("log-probs", "entropy"), strict=True):
+    whole = forward_log_probs(policy, batch, 0.7, True, keep_logits=True, with_sum_pi_squared=True)
+    shared = forward_log_probs(policy, batch, 0.7, True, keep_logits=True, share_prompts=True,
+                               with_sum_pi_squared=True)
+    for a, b, name in zip((*whole[:2], whole[3]), (*shared[:2], shared[3]), ("log-probs", "entropy",
+                                                                            "sum_pi_squared"), strict=True):
         assert_same_float32(b[real], a[real], name)
     config = make_config(policy.name_or_path, actor={"entropy_coeff": 0.01})
     counts = MiniBatchCounts(tokens=float(real.sum()), sequences=float(real.any(1).sum()), response_len=response_len)

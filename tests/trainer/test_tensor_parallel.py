@@ -43,12 +43,14 @@ def tiny_llama(tmp_path_factory):
 
 
 def _train(served, batch):
-    """Log-probs, then two updates (the second off-policy); returns the log-probs and the metrics."""
-    old = served.run(served.client.compute_log_probs(batch, temperature=0.8))["log_probs"]
+    """Log-probs (and sum_pi_squared, from the gathered logits), then two updates (the second off-policy);
+    returns the log-probs and sum_pi_squared, and the metrics."""
+    outputs = served.run(served.client.compute_log_probs(batch, temperature=0.8, compute_sum_pi_squared=True))
+    old = outputs["log_probs"]
     advantages = torch.linspace(-1.0, 1.0, batch["responses"].numel()).reshape(batch["responses"].shape)
     metrics = [served.run(served.client.update_policy({**batch, "old_log_probs": old, "advantages": advantages},
                                                       global_step=step)) for step in range(2)]
-    return old, metrics
+    return (old, outputs["sum_pi_squared"]), metrics
 
 
 def _gather_on_rank_0(served, monkeypatch):
@@ -93,12 +95,12 @@ def test_tensor_parallel_actor_trains_like_one_rank(tiny_llama, tmp_path, monkey
     config = {"n": 2, "rollout": {"temperature": 0.8}, "model": FLOAT64}
     with Served("actor", make_config(tiny_llama, actor=TRAIN, **config)) as one:
         one.run(one.client.save_checkpoint(tmp_path / "one-start"))
-        old_1, metrics_1 = _train(one, batch)
+        (old_1, squares_1), metrics_1 = _train(one, batch)
         weights_1 = one.run(one.service.engine.gather_weights())
     tp = {**TRAIN, "world_size": 4, "tensor_parallel_size": 2}
     with Served("actor", make_config(tiny_llama, actor=tp, **config)) as four:
         assert four.run(four.client.get_status()).world_size == 4
-        old_4, metrics_4 = _train(four, batch)
+        (old_4, squares_4), metrics_4 = _train(four, batch)
         weights_4, collectives, received = _gather_on_rank_0(four, monkeypatch)
         four.run(four.client.export_hf(tmp_path / "export"))
         four.run(four.client.save_checkpoint(tmp_path / "tp-trained"))
@@ -112,6 +114,7 @@ def test_tensor_parallel_actor_trains_like_one_rank(tiny_llama, tmp_path, monkey
         assert_same_float32(resumed.run(resumed.client.compute_log_probs(batch))["log_probs"], trained_4)
 
     assert_same_float32(old_4, old_1)
+    assert_same_float32(squares_4, squares_1, "sum_pi_squared")
     assert_same_float32(reloaded_4, old_1)
     for m1, m4 in zip(metrics_1, metrics_4, strict=True):
         for name in ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy", "actor/grad_norm"):

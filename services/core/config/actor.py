@@ -82,8 +82,9 @@ class ActorConfig(ModelRoleSection):
     """Passes over the batch per UpdatePolicy."""
     loss_mode: str = "vanilla"
     """Policy loss from rlfabric.algorithms, VeRL's names (VeRL: actor.policy_loss.loss_mode): vanilla (PPO
-    clip + dual clip), gspo, gpg, cispo, dppo_tv, dppo_kl, dro, sapo, geo_mean (GMPO), clip_cov, kl_cov, or
-    one you registered."""
+    clip + dual clip), gspo, gpg, cispo, dppo_tv, dppo_kl, dro, sapo, geo_mean (GMPO), clip_cov, kl_cov,
+    bypass_mode (VeRL's bypass mode: needs algorithm.old_log_prob_source rollout, and takes
+    algorithm.rollout_correction inside the loss), or one you registered."""
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
     """How per-token losses reduce to one number (token-mean, seq-mean-token-sum, ...); when not set, the
     loss mode's own: seq-mean-token-mean for gspo (as in the GSPO paper) and sapo, token-mean otherwise. sapo

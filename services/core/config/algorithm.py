@@ -28,6 +28,10 @@ class RolloutCorrectionConfig(Section):
     """Upper bound of the ratio a token or sequence keeps under rollout_rs."""
     rollout_rs_threshold_lower: float | None = Field(None, ge=0)
     """Lower bound of the ratio under rollout_rs; null = 1 / rollout_rs_threshold."""
+    loss_type: Literal["ppo_clip", "reinforce"] = "ppo_clip"
+    """actor.loss_mode bypass_mode only (VeRL's bypass mode), where r = pi / pi_rollout is taken against the
+    policy being updated and the settings above apply inside the loss: ppo_clip = the PPO clip on r (no IS
+    weights), reinforce = -sg(w) A log pi with w the truncated IS weights of r (1 with rollout_is null)."""
 
     @model_validator(mode="after")
     def _bounds_in_order(self) -> RolloutCorrectionConfig:
@@ -76,7 +80,9 @@ class AlgorithmConfig(Section):
 
     adv_estimator: str = "grpo"
     """Advantage estimator, VeRL's names: gae, grpo, rloo, reinforce_plus_plus, remax, grpo_passk,
-    reinforce_plus_plus_baseline, opo, gpg, gdpo, grpo_vectorized, rloo_vectorized, or one you registered."""
+    reinforce_plus_plus_baseline, opo, gpg, gdpo, grpo_vectorized, rloo_vectorized, optimal_token_baseline,
+    tir_optimal_token_baseline (these two ask the actor's log-prob pass for sum_pi_squared), or one you
+    registered."""
     gamma: float = 1.0
     """Discount factor."""
     lam: float = 1.0

@@ -19,7 +19,8 @@ from rlfabric.core.config.unknown_keys import describe_unknown_key
 
 # The built-in estimators whose baseline is the other samples of the prompt (rlfabric.algorithms.advantages).
 GROUP_ESTIMATORS = ("grpo", "grpo_vectorized", "grpo_passk", "rloo", "rloo_vectorized",
-                    "reinforce_plus_plus_baseline", "opo", "gpg", "gdpo")
+                    "reinforce_plus_plus_baseline", "opo", "gpg", "gdpo", "optimal_token_baseline",
+                    "tir_optimal_token_baseline")
 
 
 def default_config_path() -> Path:
@@ -147,11 +148,7 @@ def check_run_rules(config: RunConfig) -> None:
         if config.data.train_batch_size < mini:
             raise ConfigError(f"data.train_batch_size {config.data.train_batch_size} < {role}.ppo_mini_batch_size "
                               f"{mini}: a step must hold at least one mini-batch")
-    algorithm = config.algorithm
-    if algorithm.old_log_prob_source == "rollout" and algorithm.rollout_correction.enabled():
-        raise ConfigError("algorithm.old_log_prob_source=rollout takes the old log-probs from the rollout, so there "
-                          "is no mismatch left to correct: set algorithm.rollout_correction.rollout_is and "
-                          "rollout_rs to null, or old_log_prob_source to auto")
+    _check_old_log_prob_rules(config)
     if config.trainer.colocated and config.trainer.mode == "async":
         raise ConfigError("trainer.colocated=true needs trainer.mode=sync: a colocated rollout sleeps while the "
                           "actor trains, so it cannot generate the next batch meanwhile")
@@ -165,6 +162,26 @@ def check_run_rules(config: RunConfig) -> None:
     if multi_turn.enable and not (multi_turn.env_address or config.cluster.env or config.env.enable):
         raise ConfigError("rollout.multi_turn.enable needs an environment service: set env.enable true (the launchers "
                           "start one), or rollout.multi_turn.env_address / cluster.env to a running one")
+
+
+def _check_old_log_prob_rules(config: RunConfig) -> None:
+    """Where the old log-probs come from, against what reads them: rollout correction, the bypass_mode loss
+    and the optimal token baselines."""
+    algorithm, bypass = config.algorithm, config.actor.loss_mode == "bypass_mode"
+    if bypass and algorithm.old_log_prob_source != "rollout":
+        raise ConfigError("actor.loss_mode=bypass_mode takes the rollout's log-probs as the old ones (VeRL's "
+                          "rollout_correction.bypass_mode): set algorithm.old_log_prob_source to rollout")
+    if not bypass and algorithm.rollout_correction.loss_type != "ppo_clip":
+        raise ConfigError("algorithm.rollout_correction.loss_type applies to actor.loss_mode=bypass_mode only")
+    if algorithm.old_log_prob_source == "rollout" and algorithm.rollout_correction.enabled() and not bypass:
+        raise ConfigError("algorithm.old_log_prob_source=rollout takes the old log-probs from the rollout, so there "
+                          "is no mismatch left to correct: set algorithm.rollout_correction.rollout_is and "
+                          "rollout_rs to null, old_log_prob_source to auto, or actor.loss_mode to bypass_mode "
+                          "(which corrects against the policy being updated)")
+    if algorithm.adv_estimator in ("optimal_token_baseline", "tir_optimal_token_baseline") and \
+            algorithm.old_log_prob_source == "rollout":
+        raise ConfigError(f"algorithm.adv_estimator={algorithm.adv_estimator} needs the actor's log-prob pass (its "
+                          "old_log_probs and sum_pi_squared): set algorithm.old_log_prob_source to auto or actor")
 
 
 def read_named_file(key: str, path: str | Path) -> bytes:
