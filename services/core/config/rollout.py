@@ -105,3 +105,10 @@ class RolloutConfig(Section):
     """At a weight switch, samples in flight stop, take the new weights and go on from what they generated
     (hf, vllm; each sample's version_spans say which version made which tokens); false = they finish on the
     old weights first, and the switch waits for them."""
+    discovery: str = ""
+    """A host:port whose DNS A records are the rollout replicas (the chart's headless Service, e.g.
+    rlfabric-rollout-headless.ns.svc:50051): the coordinator resolves it every discovery_interval_s and, at the next
+    weight sync, takes in the replicas that appeared and lets go of those that left. "" = off (replicas still join
+    and leave through CoordinatorService.RegisterRolloutReplica / DeregisterRolloutReplica)."""
+    discovery_interval_s: float = Field(10.0, gt=0)
+    """How often rollout.discovery is resolved."""
