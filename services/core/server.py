@@ -21,12 +21,13 @@ Lifecycle:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
 import os
 import signal
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -76,6 +77,8 @@ class ServiceDefinition:
     bindings: list[ServiceBinding]
     engine: Engine
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+    on_ready: Callable[[int], Awaitable[None]] | None = None  # once ready, with the bound gRPC port
+    on_drain: Callable[[], Awaitable[None]] | None = None  # when it starts draining (refusing new RPCs)
 
 
 @dataclass
@@ -281,6 +284,8 @@ class RlfabricServer:
             self._state = "ready"
             await self._set_health(liveness=True, readiness=True)
             log.info("ready", extra={"fields": {"role": self.service.role}})
+            if self.service.on_ready is not None:
+                await self.service.on_ready(self.port)
 
     async def _set_health(self, liveness: bool, readiness: bool) -> None:
         status = health_pb2.HealthCheckResponse
@@ -300,6 +305,9 @@ class RlfabricServer:
         grace = self.options.grace_period_s if grace is None else grace
         log.info("draining", extra={"fields": {"role": self.service.role, "grace_s": grace}})
         await self.health.enter_graceful_shutdown()
+        if self.service.on_drain is not None:  # e.g. a rollout replica deregisters, so no new work is sent to it
+            with contextlib.suppress(Exception):
+                await self.service.on_drain()
         if self._server is not None:
             await self._server.stop(grace)
         if self._health_server is not None:

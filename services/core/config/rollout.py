@@ -112,3 +112,10 @@ class RolloutConfig(Section):
     and leave through CoordinatorService.RegisterRolloutReplica / DeregisterRolloutReplica)."""
     discovery_interval_s: float = Field(10.0, gt=0)
     """How often rollout.discovery is resolved."""
+    register_with: str = ""
+    """The coordinator's host:port: once this replica serves it registers there (CoordinatorService.
+    RegisterRolloutReplica) and the run takes it in at its next weight sync; on SIGTERM it deregisters before it
+    drains. "" = off (the replica serves the runs whose cluster.rollout or rollout.discovery names it)."""
+    advertise_address: str = ""
+    """The host:port the coordinator reaches this replica at, for register_with; "" = $POD_IP (Kubernetes), else
+    server.host unless it is a wildcard, else this host's address, with the port the server bound."""
