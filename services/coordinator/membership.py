@@ -28,7 +28,7 @@ import socket
 
 from rlfabric.coordinator.weight_sync import WeightSync
 from rlfabric.core.config import RunConfig
-from rlfabric.core.errors import InvalidArgument
+from rlfabric.core.errors import FailedPrecondition, InvalidArgument
 from rlfabric.rollout.router import RolloutRouter
 
 log = logging.getLogger("rlfabric.coordinator.membership")
@@ -147,22 +147,41 @@ class RolloutMembership:
                         if ips and not ips & self.discovered and a not in leavers and a not in self.registered]
         return joiners, leavers
 
+    def _take_in(self, address: str, router: RolloutRouter, weight_sync: WeightSync) -> bool:
+        """A joiner into the router (excluded) and the weight sync; False, forgotten, where the weight sync has a
+        fixed set of replicas (engines in this process)."""
+        router.add(address)
+        try:
+            weight_sync.add_receiver(address, address)
+        except FailedPrecondition as error:
+            router.remove(address)
+            self.registered.pop(address, None)
+            log.warning("rollout replica %s not taken in: %s", address, error)
+            return False
+        return True
+
+    def _let_go(self, address: str, router: RolloutRouter, weight_sync: WeightSync) -> bool:
+        """A leaver out of the weight sync and the router; False, kept, where the weight sync has a fixed set."""
+        names = {member: name for name, member in weight_sync.receivers.items()}
+        try:
+            if address in names:
+                weight_sync.remove_receiver(names[address])
+        except FailedPrecondition as error:
+            log.warning("rollout replica %s kept: %s", address, error)
+            return False
+        router.remove(address)
+        self._aliases.pop(address, None)
+        return True
+
     async def apply(self, router: RolloutRouter, weight_sync: WeightSync) -> dict[str, float]:
         """Joiners into the router (excluded until the coming sync reaches them) and the weight sync; leavers out of
         both. The last replica is never let go of (the run would have none). rollout/replicas, joined, left."""
         joiners, leavers = await self.changes(router.addresses)
-        if leavers and len(leavers) >= len(router.addresses) + len(joiners):
-            log.warning("keeping rollout replica %s: every replica is leaving and none joins", leavers[-1])
+        joiners = [address for address in joiners if self._take_in(address, router, weight_sync)]
+        if leavers and len(leavers) >= len(router.addresses):
+            log.warning("keeping rollout replica %s: every replica is leaving", leavers[-1])
             leavers = leavers[:-1]
-        names = {address: name for name, address in weight_sync.receivers.items()}
-        for address in joiners:
-            router.add(address)
-            weight_sync.add_receiver(address, address)
-        for address in leavers:
-            if address in names:
-                weight_sync.remove_receiver(names[address])
-            router.remove(address)
-            self._aliases.pop(address, None)
+        leavers = [address for address in leavers if self._let_go(address, router, weight_sync)]
         self.joined_total += len(joiners)
         self.left_total += len(leavers)
         if joiners or leavers:

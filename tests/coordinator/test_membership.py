@@ -15,6 +15,7 @@ from rlfabric.core.client import ChannelOptions
 from rlfabric.core.config import load_config
 from rlfabric.core.errors import InvalidArgument
 from rlfabric.core.server import ServerOptions
+from rlfabric.launch.inprocess import LocalWeightSync
 from rlfabric.rollout.router import RolloutRouter
 from rlfabric.serve import build_service
 from tests.conftest import ServerThread, closed_port
@@ -70,6 +71,25 @@ def test_the_last_replica_is_kept():
         membership.deregister(address)
     metrics, addresses, _, _ = apply(membership, [A, B])
     assert len(addresses) == 1 and metrics["rollout/left"] == 1
+
+
+def test_engines_in_this_process_are_a_fixed_set():
+    """The in-process mesh's weight sync cannot reach a replica of another process: nobody is taken in or let go."""
+    membership = RolloutMembership(config())
+    membership.register(C)
+    membership.deregister(A)
+
+    async def scenario():
+        router = RolloutRouter([A, B])
+        try:
+            return await membership.apply(router, LocalWeightSync(None, {A: None, B: None}, config(), serving=router)), \
+                router.addresses
+        finally:
+            await router.close()
+
+    metrics, addresses = asyncio.run(scenario())
+    assert addresses == [A, B] and metrics == {"rollout/replicas": 2.0, "rollout/joined": 0.0, "rollout/left": 0.0}
+    assert C not in membership.registered
 
 
 def test_discovery_takes_in_what_appears_and_lets_go_of_what_vanished():
