@@ -14,14 +14,13 @@ Lifecycle:
   server.max_receive_message_mb, anything else up to server.max_control_message_kb; gRPC's own
   limit is the largest method limit of the role, so a role without bulk methods (env, coordinator)
   refuses a big request before reading it.
-- stop(): health NOT_SERVING everywhere, new RPCs refused, in-flight RPCs get `grace_period_s`
-  to finish, then the engine stops. SIGTERM/SIGINT trigger it; `serve()` then returns, exit 0.
+- stop(): health NOT_SERVING everywhere, new RPCs refused, the service's on_drain (a rollout replica
+  deregisters), in-flight RPCs get `grace_period_s` to finish, then the engine stops. SIGTERM/SIGINT trigger it; `serve()` then returns, exit 0.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import json
 import logging
@@ -306,8 +305,10 @@ class RlfabricServer:
         log.info("draining", extra={"fields": {"role": self.service.role, "grace_s": grace}})
         await self.health.enter_graceful_shutdown()
         if self.service.on_drain is not None:  # e.g. a rollout replica deregisters, so no new work is sent to it
-            with contextlib.suppress(Exception):
+            try:
                 await self.service.on_drain()
+            except Exception as error:  # the drain goes on: in-flight RPCs still get their grace period
+                log.warning("on_drain failed: %s", error)
         if self._server is not None:
             await self._server.stop(grace)
         if self._health_server is not None:
