@@ -64,6 +64,15 @@ class CoordinatorInterface(RoleInterface):
             self, timeout_s: float | None = None) -> coordinator_pb2.CoordinatorServiceSaveCheckpointResponse:
         """A checkpoint at the next step boundary; returns its path and step once it is written."""
 
+    @abstractmethod
+    async def register_rollout_replica(self, address: str, timeout_s: float | None = None) -> None:
+        """The rollout replica at `address` ("host:port") joins: it gets the weights and requests from the
+        run's next weight sync on."""
+
+    @abstractmethod
+    async def deregister_rollout_replica(self, address: str, timeout_s: float | None = None) -> None:
+        """The rollout replica at `address` leaves: no new request or weights from the run's next weight sync on."""
+
 
 class CoordinatorClient(ServiceClient, CoordinatorInterface):
     """CoordinatorInterface over gRPC."""
@@ -98,6 +107,14 @@ class CoordinatorClient(ServiceClient, CoordinatorInterface):
     async def save_checkpoint(
             self, timeout_s: float | None = None) -> coordinator_pb2.CoordinatorServiceSaveCheckpointResponse:
         return await self.call("SaveCheckpoint", coordinator_pb2.CoordinatorServiceSaveCheckpointRequest(), timeout_s)
+
+    async def register_rollout_replica(self, address: str, timeout_s: float | None = None) -> None:
+        request = coordinator_pb2.CoordinatorServiceRegisterRolloutReplicaRequest(address=address)
+        await self.call("RegisterRolloutReplica", request, timeout_s)
+
+    async def deregister_rollout_replica(self, address: str, timeout_s: float | None = None) -> None:
+        request = coordinator_pb2.CoordinatorServiceDeregisterRolloutReplicaRequest(address=address)
+        await self.call("DeregisterRolloutReplica", request, timeout_s)
 
 
 class LocalCoordinatorClient(CoordinatorInterface):
@@ -134,6 +151,12 @@ class LocalCoordinatorClient(CoordinatorInterface):
             self, timeout_s: float | None = None) -> coordinator_pb2.CoordinatorServiceSaveCheckpointResponse:
         path, step = await self.controller.save_checkpoint()
         return coordinator_pb2.CoordinatorServiceSaveCheckpointResponse(path=str(path), step=step)
+
+    async def register_rollout_replica(self, address: str, timeout_s: float | None = None) -> None:
+        self.controller.register_rollout_replica(address)
+
+    async def deregister_rollout_replica(self, address: str, timeout_s: float | None = None) -> None:
+        self.controller.deregister_rollout_replica(address)
 
     async def close(self) -> None:
         """Nothing to release: the controller belongs to whoever made it."""

@@ -34,6 +34,7 @@ from rlfabric.coordinator.checkpoints import (
 )
 from rlfabric.coordinator.hybrid import wake_sleeping
 from rlfabric.coordinator.loop import StepRunner
+from rlfabric.coordinator.membership import RolloutMembership
 from rlfabric.coordinator.peers import Peers
 from rlfabric.coordinator.rollout_stream import RolloutStream
 from rlfabric.coordinator.sampler import Sampler
@@ -86,7 +87,8 @@ class PPODriver:
     def __init__(self, config: RunConfig, peers: Peers, tokenizer, run_dir: Path, train_data: RLHFDataset,
                  val_data: RLHFDataset | None, weight_sync: WeightSync, hooks: RunHooks | None = None,
                  start_phases: StartPhases | None = None, actor_mini_batch_rows: int | None = None,
-                 gateway: Gateway | None = None, agents: AgentEpisodes | None = None):
+                 gateway: Gateway | None = None, agents: AgentEpisodes | None = None,
+                 membership: RolloutMembership | None = None):
         self.config = config
         self.gateway = gateway  # agent.gateway: the OpenAI endpoint agent episodes call (None when off)
         self.agents = agents  # agent.entrypoint: the agent's episodes are the samples (None: the rollout's)
@@ -101,7 +103,8 @@ class PPODriver:
         self.versions = self.sampler.versions
         pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.steps = StepRunner(config, peers, self.sampler, weight_sync, pad_token_id, run_dir,
-                                on_phase=self.hooks.on_phase, actor_mini_batch_rows=actor_mini_batch_rows)
+                                on_phase=self.hooks.on_phase, actor_mini_batch_rows=actor_mini_batch_rows,
+                                membership=membership)
         self.step = 0  # steps completed
         self.start_cursor = DataCursor()  # where this run's data starts (a resume: the checkpoint's)
         # Where a resume continues: the first batch not trained yet (RolloutStream.untrained_cursor: in async

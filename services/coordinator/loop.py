@@ -44,6 +44,7 @@ import torch
 
 from rlfabric import algorithms as algos
 from rlfabric.coordinator.hybrid import HybridEngine
+from rlfabric.coordinator.membership import RolloutMembership
 from rlfabric.coordinator.multi_turn import agent_metrics
 from rlfabric.coordinator.peers import Peers
 from rlfabric.coordinator.rollout_batch import RolloutBatch, token_level_scores, write_rollouts
@@ -73,10 +74,11 @@ class StepRunner:
 
     def __init__(self, config: RunConfig, peers: Peers, sampler: Sampler, weight_sync: WeightSync,
                  pad_token_id: int, run_dir: Path, on_phase: Callable[[str], None] = lambda phase: None,
-                 actor_mini_batch_rows: int | None = None):
+                 actor_mini_batch_rows: int | None = None, membership: RolloutMembership | None = None):
         self.config = config
         self.peers = peers
         self.sampler = sampler
+        self.membership = membership  # rollout replicas that join and leave, taken in and let go at each sync
         self.versions = sampler.versions  # which weights the rollout serves; each sync moves them on
         self.weight_sync = weight_sync
         self.pad_token_id = pad_token_id
@@ -322,7 +324,9 @@ class StepRunner:
         """Actor -> every live rollout replica (phase 5, and the run's first sync). A replica that misses a
         sync leaves the router until a later sync reaches it (the weight sync does that,
         WeightSync.serve_synced; the plane takes restarted replicas back into the group), so no request is
-        ever served by stale weights."""
+        ever served by stale weights. Replicas that joined or left since the last sync are taken in (this sync
+        brings them to `version`) or let go of first (rlfabric.coordinator.membership)."""
+        changes = await self.membership.apply(self.peers.rollout, self.weight_sync) if self.membership else {}
         report = await self.weight_sync.sync(version)  # raises for the actor's failures only
         if report.failed and self.weight_sync.stale:
             # A dead member breaks the collective for every member (gloo, NCCL); the plane rebuilds the
@@ -342,7 +346,8 @@ class StepRunner:
                 "weight_sync/paused_s": max(report.paused_seconds.values(), default=0.0),
                 "weight_sync/replicas": float(len(synced)), "rollout/weight_version": float(version),
                 **report.phase_metrics(), **(report.delta_metrics() if self.config.weight_sync.delta else {}),
-                **({"weight_sync/actor_egress_bytes": float(report.egress_bytes)} if report.hop_seconds else {})}
+                **({"weight_sync/actor_egress_bytes": float(report.egress_bytes)} if report.hop_seconds else {}),
+                **changes}
 
     # -- phase 1's batch ---------------------------------------------------------------------------
 

@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry
 from rlfabric.algorithms.plugins import load_plugin_modules
 from rlfabric.coordinator.checkpoints import final_model_dir
 from rlfabric.coordinator.driver import PPODriver, RunStopped
+from rlfabric.coordinator.membership import RolloutMembership
 from rlfabric.coordinator.overrides import check_roles, config_for_run
 from rlfabric.coordinator.setup import Connect, PolicyTokenizer, connect_services, open_run
 from rlfabric.coordinator.trackers import check_tracker_packages
@@ -41,6 +42,7 @@ class RunController:
         self.base_config = config
         self.connect = connect
         self.policy = PolicyTokenizer(config)  # model.path is the mesh's: one check and tokenizer for every run
+        self.membership = RolloutMembership(config)  # replicas that join and leave: the mesh's, across runs
         self.registry = registry or CollectorRegistry()
         self.run_id = ""
         self.state = coordinator_pb2.RUN_STATE_UNSPECIFIED
@@ -62,11 +64,13 @@ class RunController:
     async def start(self) -> None:
         """Checks the policy model and loads its tokenizer (on a thread, as the other services load their
         models before they are ready), so that a StartRun finds them ready. A model that cannot be used
-        does not stop the coordinator: StartRun tries again and answers why."""
+        does not stop the coordinator: StartRun tries again and answers why. rollout.discovery starts here."""
+        await self.membership.start()
         await self.policy.preload()
 
     async def stop(self) -> None:
         """Server shutdown: stop the loop where it is (the last checkpoint stays the resume point)."""
+        await self.membership.close()
         if self._task is not None and not self._task.done():
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
@@ -103,7 +107,8 @@ class RunController:
         async with contextlib.AsyncExitStack() as stack:
             driver = await stack.enter_async_context(open_run(
                 config, self, self.connect, phases, self.policy,
-                actor_mini_batch_rows=base.actor.ppo_mini_batch_size * base.rollout.n, registry=self.registry))
+                actor_mini_batch_rows=base.actor.ppo_mini_batch_size * base.rollout.n, registry=self.registry,
+                membership=self.membership))
             start_step = await driver.prepare(run_dir_of(base) / "initial_weights")
             with phases.phase("trackers"):
                 tracker = RunTracker(run_dir, config, self.registry, total_steps=config.trainer.total_steps,
@@ -163,6 +168,14 @@ class RunController:
         await asyncio.wait({self._task})
         if self.state == coordinator_pb2.RUN_STATE_FAILED:
             raise FailedPrecondition(f"the run failed while stopping: {self.error}")
+
+    def register_rollout_replica(self, address: str) -> None:
+        """A rollout replica joins: the run (this one, or the next) takes it in at its next weight sync."""
+        self.membership.register(address)
+
+    def deregister_rollout_replica(self, address: str) -> None:
+        """A rollout replica leaves: the run lets go of it at its next weight sync."""
+        self.membership.deregister(address)
 
     async def save_checkpoint(self) -> tuple[Path, int]:
         """A checkpoint now (idle run) or at the next step boundary (running run)."""

@@ -48,6 +48,14 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         path, step = await self.controller.save_checkpoint()
         return coordinator_pb2.CoordinatorServiceSaveCheckpointResponse(path=str(path), step=step)
 
+    async def RegisterRolloutReplica(self, request, context):
+        self.controller.register_rollout_replica(request.address)
+        return coordinator_pb2.CoordinatorServiceRegisterRolloutReplicaResponse()
+
+    async def DeregisterRolloutReplica(self, request, context):
+        self.controller.deregister_rollout_replica(request.address)
+        return coordinator_pb2.CoordinatorServiceDeregisterRolloutReplicaResponse()
+
 
 def build_service(config: RunConfig) -> ServiceDefinition:
     """The coordinator role: a RunController behind CoordinatorService."""

@@ -24,6 +24,7 @@ from rlfabric.agents.llm import AgentRunner
 from rlfabric.agents.runners import runner_of
 from rlfabric.coordinator.agent_episodes import AgentEpisodes
 from rlfabric.coordinator.driver import PPODriver, RunHooks
+from rlfabric.coordinator.membership import RolloutMembership
 from rlfabric.coordinator.peers import Peers
 from rlfabric.coordinator.weight_sync import WeightSync, WeightSyncPlane
 from rlfabric.core.config import ConfigError, RunConfig, run_dir_of
@@ -172,14 +173,16 @@ def _agent_runner(config: RunConfig) -> AgentRunner:
 async def open_run(config: RunConfig, hooks: RunHooks, connect: Connect = connect_services,
                    phases: StartPhases | None = None, policy: PolicyTokenizer | None = None,
                    actor_mini_batch_rows: int | None = None,
-                   registry: CollectorRegistry | None = None) -> AsyncIterator[PPODriver]:
+                   registry: CollectorRegistry | None = None,
+                   membership: RolloutMembership | None = None) -> AsyncIterator[PPODriver]:
     """A PPODriver for one run, connected to its services by `connect` (default: over gRPC, to
     config.cluster's addresses); the connections close when the block ends. The tokenizer (`policy`'s,
     loaded at the coordinator's start) and the data (on a thread) are made ready while the connections are
     made (waits on the services); each is a phase of `phases`. With agent.gateway.enable (or an agent to run,
     agent.entrypoint / agent.command) the agent gateway starts here too, over the run's rollout router
     (driver.gateway), and stops when the block ends; an agent's episodes are then the run's samples. `registry`
-    (the coordinator's) gets the gateway's Prometheus metrics."""
+    (the coordinator's) gets the gateway's Prometheus metrics; `membership`: the rollout replicas that join and
+    leave during the run (the coordinator's)."""
     phases = phases or StartPhases("run", log)
     if not config.model.path:
         raise FailedPrecondition("model.path is empty: the coordinator needs the policy's tokenizer")
@@ -207,7 +210,8 @@ async def open_run(config: RunConfig, hooks: RunHooks, connect: Connect = connec
             agents = AgentEpisodes(config, gateway, _agent_runner(config), score=partial(
                 peers.score, retry_window_s=config.trainer.reward_retry_window_s))
         yield PPODriver(config, peers, tokenizer, run_dir, train, val, weight_sync, hooks, start_phases=phases,
-                        actor_mini_batch_rows=actor_mini_batch_rows, gateway=gateway, agents=agents)
+                        actor_mini_batch_rows=actor_mini_batch_rows, gateway=gateway, agents=agents,
+                        membership=membership)
     finally:
         if agents is not None:
             await agents.runner.close()

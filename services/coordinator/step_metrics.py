@@ -103,7 +103,7 @@ class StepTimer:
         self.trace.end(error)
 
     def metrics(self, batch: RolloutBatch | None, previous_step_end: float | None = None) -> dict[str, float]:
-        """timing_s/<phase>, timing_s/step, and throughput over the step's tokens.
+        """timing_s/<phase>, timing_s/step, throughput over the step's tokens, and the step's samples.
 
         timing_s/step is wall time between step ends: from the previous step's end (or this step's
         start, if later) to now. In async mode a batch's generation starts while the previous step
@@ -117,6 +117,7 @@ class StepTimer:
             metrics["perf/total_num_tokens"] = tokens
             metrics["perf/time_per_step"] = step_seconds
             metrics["perf/throughput"] = tokens / step_seconds if step_seconds > 0 else 0.0
+            metrics["rollout/samples"] = float(len(batch.samples))
             if self.trace.recording:
                 versions = batch.weight_versions()
                 self.trace.set(samples=len(batch.samples), tokens=int(tokens),

@@ -1,6 +1,5 @@
-"""The coordinator's side of weight sync: one group from the actor to every rollout replica, kept across steps
-and rebuilt when membership changes or a sync fails; and the reference resets (sync_ref_model), a group of their
-own opened for each.
+"""The coordinator's side of weight sync: one group from the actor to every rollout replica, kept across steps and
+rebuilt when membership changes or a sync fails; and the reference resets (sync_ref_model), a group of their own.
 
     plane = WeightSyncPlane(actor, {"rollout-0": "127.0.0.1:50061", "rollout-1": ...}, config)
     await plane.open()
@@ -8,21 +7,18 @@ own opened for each.
     if report.failed: ...                       # {name: reason}; the group is rebuilt next time
     await plane.close()
 
-One sync: 1. the actor packs its weights (PrepareWeightSync -> manifest); 2. BroadcastWeights on
-the actor and ReceiveWeights on every member run together (grpc: the actor streams to each
-replica itself); 3. each member switches to the new version on its own, so a failed member does
-not stop the others. Every RPC has a deadline: a dead peer gives an error, never a hang.
+One sync: 1. the actor packs its weights (PrepareWeightSync -> manifest); 2. BroadcastWeights on the actor and
+ReceiveWeights on every member run together (grpc: the actor streams to each replica itself); 3. each member
+switches to the new version on its own, so a failed member does not stop the others. Every RPC has a deadline.
 
-Which replicas serve: the rollout router owns the replicas (their clients and whether they serve). The plane
-reaches the router's replicas through the router's own clients, and after each sync it takes a replica that
-missed the version out of the router and puts back one that holds it again (WeightSync.serve_synced), so no
-request is ever served by stale weights and nobody else copies sync outcomes into the router.
+Which replicas serve: the rollout router owns the replicas. The plane reaches them through the router's clients,
+and after each sync takes a replica that missed the version out of the router and puts back one that holds it
+(WeightSync.serve_synced): no request is ever served by stale weights.
 
-Elastic membership: add_receiver / remove_receiver take effect at the next sync, which rebuilds the
-group first. Members that do not answer a health probe are left out of the group (reported in
-SyncReport.failed) and taken back in as soon as they answer again, e.g. after a restart; since the first sync
-of a group sends the full weights (with adapter-only syncs, the whole adapter), a (re)joined replica is
-current after its first sync.
+Elastic membership (rlfabric.coordinator.membership calls add_receiver / remove_receiver): a change takes effect at
+the next sync, which rebuilds the group first. Members that do not answer a probe are left out (SyncReport.failed)
+and taken back as soon as they answer; a group's first sync sends the full weights, so a (re)joined replica is
+current after it.
 
 Delta sync (weight_sync.delta, rlfabric.weight_sync.delta): the plane records the version each member of the
 group kept as its base (`held`) and the version the actor last sent. When every member holds the latter, the
@@ -179,6 +175,14 @@ class WeightSync(abc.ABC):
                     self.serving.exclude(address)
                 else:
                     self.serving.admit(address)
+
+    def add_receiver(self, name: str, address: str) -> None:
+        """A rollout replica that joined: the next sync reaches it. (Engines in this process are a fixed set.)"""
+        raise FailedPrecondition(f"{type(self).__name__}: rollout replicas join a mesh of services only")
+
+    def remove_receiver(self, name: str) -> None:
+        """A rollout replica that left: the next sync goes to the others."""
+        raise FailedPrecondition(f"{type(self).__name__}: rollout replicas leave a mesh of services only")
 
     @property
     @abc.abstractmethod

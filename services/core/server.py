@@ -14,8 +14,8 @@ Lifecycle:
   server.max_receive_message_mb, anything else up to server.max_control_message_kb; gRPC's own
   limit is the largest method limit of the role, so a role without bulk methods (env, coordinator)
   refuses a big request before reading it.
-- stop(): health NOT_SERVING everywhere, new RPCs refused, in-flight RPCs get `grace_period_s`
-  to finish, then the engine stops. SIGTERM/SIGINT trigger it; `serve()` then returns, exit 0.
+- stop(): health NOT_SERVING everywhere, new RPCs refused, the service's on_drain (a rollout replica
+  deregisters), in-flight RPCs get `grace_period_s` to finish, then the engine stops. SIGTERM/SIGINT trigger it; `serve()` then returns, exit 0.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import json
 import logging
 import os
 import signal
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -76,6 +76,8 @@ class ServiceDefinition:
     bindings: list[ServiceBinding]
     engine: Engine
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+    on_ready: Callable[[int], Awaitable[None]] | None = None  # once ready, with the bound gRPC port
+    on_drain: Callable[[], Awaitable[None]] | None = None  # when it starts draining (refusing new RPCs)
 
 
 @dataclass
@@ -281,6 +283,8 @@ class RlfabricServer:
             self._state = "ready"
             await self._set_health(liveness=True, readiness=True)
             log.info("ready", extra={"fields": {"role": self.service.role}})
+            if self.service.on_ready is not None:
+                await self.service.on_ready(self.port)
 
     async def _set_health(self, liveness: bool, readiness: bool) -> None:
         status = health_pb2.HealthCheckResponse
@@ -300,6 +304,11 @@ class RlfabricServer:
         grace = self.options.grace_period_s if grace is None else grace
         log.info("draining", extra={"fields": {"role": self.service.role, "grace_s": grace}})
         await self.health.enter_graceful_shutdown()
+        if self.service.on_drain is not None:  # e.g. a rollout replica deregisters, so no new work is sent to it
+            try:
+                await self.service.on_drain()
+            except Exception as error:  # the drain goes on: in-flight RPCs still get their grace period
+                log.warning("on_drain failed: %s", error)
         if self._server is not None:
             await self._server.stop(grace)
         if self._health_server is not None:

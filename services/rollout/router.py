@@ -127,6 +127,7 @@ class RolloutRouter:
         self._round_robin = itertools.count()
         self._prober: asyncio.Task | None = None
         self._sticky: dict[str, Replica] = {}  # routing key -> the replica its requests go to
+        self._retired: list[Replica] = []  # removed replicas, whose clients close with the router
         self.stats = RouterStats()
 
     # -- replica choice ------------------------------------------------------------------------
@@ -148,6 +149,23 @@ class RolloutRouter:
         if replica.excluded:
             replica.excluded, replica.healthy, replica.last_error = False, True, ""
             log.info("rollout replica admitted", extra={"fields": {"address": address}})
+
+    def add(self, address: str, client: RolloutInterface | None = None, excluded: bool = True) -> None:
+        """A replica that joined the fleet (rlfabric.coordinator.membership). `excluded` (the default): it takes
+        no request until admit(address), which the weight sync does once it holds the current weights."""
+        if address in self.addresses:
+            return
+        self.replicas.append(Replica(address, client or RolloutClient(address, self.options), excluded=excluded))
+        log.info("rollout replica added", extra={"fields": {"address": address, "excluded": excluded}})
+
+    def remove(self, address: str) -> None:
+        """A replica that left the fleet takes no new request. Requests in flight on it go on (a draining replica
+        finishes them; a dead one fails over); its client closes with the router."""
+        replica = self._replica(address)
+        self.replicas.remove(replica)
+        self._retired.append(replica)
+        self._sticky = {key: kept for key, kept in self._sticky.items() if kept is not replica}
+        log.info("rollout replica removed", extra={"fields": {"address": address}})
 
     @property
     def addresses(self) -> list[str]:
@@ -230,7 +248,7 @@ class RolloutRouter:
         if self._prober is not None:
             self._prober.cancel()
             self._prober = None
-        await asyncio.gather(*(r.client.close() for r in self.replicas))
+        await asyncio.gather(*(r.client.close() for r in [*self.replicas, *self._retired]))
 
     async def __aenter__(self):
         await self.start()

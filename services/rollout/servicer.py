@@ -25,6 +25,7 @@ from rlfabric.core.server import ServiceBinding, ServiceDefinition
 from rlfabric.rollout import wire
 from rlfabric.rollout.agent_rollout import AgentRollouts
 from rlfabric.rollout.engine import RolloutEngine
+from rlfabric.rollout.registration import Registration
 from rlfabric.rollout.types import FinishedSample
 from rlfabric.v1 import rollout_pb2, rollout_pb2_grpc
 from rlfabric.weight_sync.chain import ChainForward
@@ -190,11 +191,15 @@ def build_engine(config: RunConfig, replica: int = 0) -> RolloutEngine:
 def build_service(config: RunConfig, engine: RolloutEngine | None = None, replica: int = 0) -> ServiceDefinition:
     """The rollout role: RolloutService over the configured engine (replica number `replica` of the run), or
     the given one (which keeps the rollout limits of the config it was built with); its multi-turn requests
-    call the environments the config names."""
+    call the environments the config names. With rollout.register_with it registers with the coordinator once
+    ready and deregisters when it drains (rlfabric.rollout.registration)."""
     engine = engine or build_engine(config, replica)
     registry = CollectorRegistry()
     engine.register_metrics(registry)
     servicer = RolloutServicer(engine, AgentRollouts(engine, config), RolloutMetrics(registry, engine))
     binding = ServiceBinding(servicer, add_rollout_service,  # PushWeights takes raw bytes
                              "rlfabric.v1.RolloutService")
-    return ServiceDefinition(role="rollout", bindings=[binding], engine=engine, registry=registry)
+    registration = Registration.of(config)  # rollout.register_with: joins and leaves a running mesh by itself
+    return ServiceDefinition(role="rollout", bindings=[binding], engine=engine, registry=registry,
+                             on_ready=registration.ready if registration else None,
+                             on_drain=registration.drain if registration else None)

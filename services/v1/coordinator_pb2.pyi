@@ -129,3 +129,23 @@ class CoordinatorServiceSaveCheckpointResponse(_message.Message):
     path: str
     step: int
     def __init__(self, path: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
+
+class CoordinatorServiceRegisterRolloutReplicaRequest(_message.Message):
+    __slots__ = ("address",)
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    def __init__(self, address: _Optional[str] = ...) -> None: ...
+
+class CoordinatorServiceRegisterRolloutReplicaResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CoordinatorServiceDeregisterRolloutReplicaRequest(_message.Message):
+    __slots__ = ("address",)
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    def __init__(self, address: _Optional[str] = ...) -> None: ...
+
+class CoordinatorServiceDeregisterRolloutReplicaResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

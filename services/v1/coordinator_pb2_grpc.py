@@ -70,6 +70,16 @@ class CoordinatorServiceStub:
                 request_serializer=rlfabric_dot_v1_dot_coordinator__pb2.CoordinatorServiceSaveCheckpointRequest.SerializeToString,
                 response_deserializer=rlfabric_dot_v1_dot_coordinator__pb2.CoordinatorServiceSaveCheckpointResponse.FromString,
                 _registered_method=True)
+        self.RegisterRolloutReplica = channel.unary_unary(
+                '/rlfabric.v1.CoordinatorService/RegisterRolloutReplica',
+                request_serializer=rlfabric_dot_v1_dot_coordinator__pb2.CoordinatorServiceRegisterRolloutReplicaRequest.SerializeToString,
+                response_deserializer=rlfabric_dot_v1_dot_coordinator__pb2.CoordinatorServiceRegisterRolloutReplicaResponse.FromString,
+                _registered_method=True)
+        self.DeregisterRolloutReplica = channel.unary_unary(
+                '/rlfabric.v1.CoordinatorService/DeregisterRolloutReplica',
+                request_serializer=rlfabric_dot_v1_dot_coordinator__pb2.CoordinatorServiceDeregisterRolloutReplicaRequest.SerializeToString,
+                response_deserializer=rlfabric_dot_v1_dot_coordinator__pb2.CoordinatorServiceDeregisterRolloutReplicaResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServiceServicer:
@@ -126,6 +136,23 @@ class CoordinatorServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RegisterRolloutReplica(self, request, context):
+        """A rollout replica joins the mesh: at the run's next weight sync it gets the current weights and then takes
+        requests (the next run's too). INVALID_ARGUMENT when the address is not host:port.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeregisterRolloutReplica(self, request, context):
+        """A rollout replica leaves (it drains on SIGTERM): from the run's next weight sync it gets no new request and
+        no weights; what it has in flight it finishes, or the router sends to another replica. INVALID_ARGUMENT when
+        the address is not host:port.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -163,6 +190,16 @@ def add_CoordinatorServiceServicer_to_server(servicer, server):
                     servicer.SaveCheckpoint,
                     request_deserializer=rlfabric_dot_v1_dot_coordinator__pb2.CoordinatorServiceSaveCheckpointRequest.FromString,
                     response_serializer=rlfabric_dot_v1_dot_coordinator__pb2.CoordinatorServiceSaveCheckpointResponse.SerializeToString,
+            ),
+            'RegisterRolloutReplica': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterRolloutReplica,
+                    request_deserializer=rlfabric_dot_v1_dot_coordinator__pb2.CoordinatorServiceRegisterRolloutReplicaRequest.FromString,
+                    response_serializer=rlfabric_dot_v1_dot_coordinator__pb2.CoordinatorServiceRegisterRolloutReplicaResponse.SerializeToString,
+            ),
+            'DeregisterRolloutReplica': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeregisterRolloutReplica,
+                    request_deserializer=rlfabric_dot_v1_dot_coordinator__pb2.CoordinatorServiceDeregisterRolloutReplicaRequest.FromString,
+                    response_serializer=rlfabric_dot_v1_dot_coordinator__pb2.CoordinatorServiceDeregisterRolloutReplicaResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -355,6 +392,60 @@ class CoordinatorService:
             '/rlfabric.v1.CoordinatorService/SaveCheckpoint',
             rlfabric_dot_v1_dot_coordinator__pb2.CoordinatorServiceSaveCheckpointRequest.SerializeToString,
             rlfabric_dot_v1_dot_coordinator__pb2.CoordinatorServiceSaveCheckpointResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegisterRolloutReplica(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlfabric.v1.CoordinatorService/RegisterRolloutReplica',
+            rlfabric_dot_v1_dot_coordinator__pb2.CoordinatorServiceRegisterRolloutReplicaRequest.SerializeToString,
+            rlfabric_dot_v1_dot_coordinator__pb2.CoordinatorServiceRegisterRolloutReplicaResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeregisterRolloutReplica(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlfabric.v1.CoordinatorService/DeregisterRolloutReplica',
+            rlfabric_dot_v1_dot_coordinator__pb2.CoordinatorServiceDeregisterRolloutReplicaRequest.SerializeToString,
+            rlfabric_dot_v1_dot_coordinator__pb2.CoordinatorServiceDeregisterRolloutReplicaResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -22,7 +22,8 @@ from tests.deploy.test_helm import CHART, FULLNAME, parse_manifests, render_char
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 CONFIGS = [*sorted(p.name for p in EXAMPLES.glob("*.yaml")), "quickstart"]
-CHART_WRITTEN = {"cluster", "server", "storage", ("trainer", "run_dir"), ("env", "auth_token_file")}
+CHART_WRITTEN = {"cluster", "server", "storage", ("trainer", "run_dir"), ("env", "auth_token_file"),
+                 ("rollout", "discovery")}
 
 
 @pytest.fixture(scope="module")
@@ -124,6 +125,10 @@ def test_the_default_run_reads_what_the_stage_job_writes(chart):
     config = config_from_dict(yaml.safe_load(config_map["data"]["config.yaml"]))
     assert config.model.path == "/data/models/smollm2"
     assert config.data.train_files == ["/data/datasets/arithmetic/train.parquet"]
+    # `kubectl scale` of the rollout StatefulSet: the coordinator finds its pods through the headless Service
+    headless = f"{FULLNAME}-rollout-headless."
+    assert config.rollout.discovery.startswith(headless) and config.rollout.discovery.endswith(".svc:50051")
+    assert config.cluster.rollout and all(a.split(".", 1)[1] == config.rollout.discovery for a in config.cluster.rollout)
     stage = next(d for d in docs if d["kind"] == "Job" and d["metadata"]["name"] == f"{FULLNAME}-stage")
     (script,) = stage["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "rlfabric make-model smollm2 '/data/models/smollm2'" in script

@@ -122,6 +122,31 @@ def test_replica_stopped_mid_run_loses_and_repeats_no_sample(replicas):
     assert healthy == [False, True, True]
 
 
+def test_a_replica_that_leaves_finishes_what_it_has_and_gets_nothing_new(replicas):
+    """remove() (a leaver, rlfabric.coordinator.membership) while a request streams from it, then its drain (what
+    SIGTERM does, with a grace period): the request ends on it, whole, and the next one goes to the other replica."""
+    leaver, stayer = replicas(2)
+    slow_down(leaver, 0.02)
+
+    async def run(router):
+        params = SamplingSpec(n=2, max_tokens=40, temperature=1.0)
+        router.exclude(stayer.address)  # the first request goes to the leaver
+        first = asyncio.create_task(router.generate(PROMPTS[:2], params))
+        await wait_until_async(lambda: streams_served(leaver) == 1, 30, "the request on the leaver")
+        router.admit(stayer.address)
+        router.remove(leaver.address)
+        draining = asyncio.get_running_loop().run_in_executor(None, leaver.stop, 30.0)
+        second = await router.generate(PROMPTS[:2], params)
+        await draining
+        return await first, second, router.addresses, router.stats
+
+    first, second, addresses, stats = route([leaver.address, stayer.address], run, probe_interval_s=60)
+    assert sorted((s.prompt_index, s.sample_index) for s in first) == [(p, s) for p in range(2) for s in range(2)]
+    assert len(second) == 4 and addresses == [stayer.address]
+    assert streams_served(leaver) == 1 and streams_served(stayer) == 1
+    assert stats.failovers == 0 and stats.duplicate_samples == 0 and stats.delivered_samples == 8
+
+
 def test_probe_brings_a_restarted_replica_back(replicas):
     first, second = replicas(2)
     port = first.server.port

@@ -255,6 +255,14 @@ Run config
 {{- $_ := set $cluster "env" (list .) }}
 {{- end }}
 {{- $_ := set $cfg "cluster" $cluster }}
+{{- /* `kubectl scale statefulset <release>-rollout`: the coordinator finds the rollout pods through their headless
+Service (rollout.discovery) and takes them in, or lets them go, at the run's next weight sync. */}}
+{{- $rollout := get $cfg "rollout" | default dict }}
+{{- if and (include "rlfabric.roleEnabled" (dict "ctx" $ "role" "rollout")) (not (hasKey $rollout "discovery")) }}
+{{- $headless := include "rlfabric.headlessName" (dict "ctx" $ "role" "rollout") }}
+{{- $_ := set $rollout "discovery" (printf "%s.%s.svc:%d" $headless .Release.Namespace (int .Values.ports.grpc)) }}
+{{- $_ := set $cfg "rollout" $rollout }}
+{{- end }}
 {{- /*
 Helm keeps numbers as float64 and writes 1e-6 as "1e-06" and 1000000 as "1e+06",
 which YAML 1.1 loaders (PyYAML) read as strings: give such mantissas a ".0".

@@ -105,3 +105,17 @@ class RolloutConfig(Section):
     """At a weight switch, samples in flight stop, take the new weights and go on from what they generated
     (hf, vllm; each sample's version_spans say which version made which tokens); false = they finish on the
     old weights first, and the switch waits for them."""
+    discovery: str = ""
+    """A host:port whose DNS A records are the rollout replicas (the chart's headless Service, e.g.
+    rlfabric-rollout-headless.ns.svc:50051): the coordinator resolves it every discovery_interval_s and, at the next
+    weight sync, takes in the replicas that appeared and lets go of those that left. "" = off (replicas still join
+    and leave through CoordinatorService.RegisterRolloutReplica / DeregisterRolloutReplica)."""
+    discovery_interval_s: float = Field(10.0, gt=0)
+    """How often rollout.discovery is resolved."""
+    register_with: str = ""
+    """The coordinator's host:port: once this replica serves it registers there (CoordinatorService.
+    RegisterRolloutReplica) and the run takes it in at its next weight sync; on SIGTERM it deregisters before it
+    drains. "" = off (the replica serves the runs whose cluster.rollout or rollout.discovery names it)."""
+    advertise_address: str = ""
+    """The host:port the coordinator reaches this replica at, for register_with; "" = $POD_IP (Kubernetes), else
+    server.host unless it is a wildcard, else this host's address, with the port the server bound."""
