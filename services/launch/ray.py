@@ -237,7 +237,7 @@ class RayService:
 
 @dataclass
 class ServedReplica:
-    """One rollout replica of a process that serves several, as readiness and endpoints see it."""
+    """One rollout replica of a process that serves several, as the readiness wait sees it."""
 
     name: str
     grpc_address: str
