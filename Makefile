@@ -81,6 +81,7 @@ protos: setup
 ## link, anchor or snippet fails it).
 docs: setup
 	$(VENV)/bin/rlfabric config-reference --out docs/configuration
+	$(PY) -m bench.scale_model
 	$(PY) -m bench.figures
 	$(PY) -m rlfabric.tools.config_schema helm/rlfabric/values.schema.json
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-from bench import weight_sync_model
+from bench import scale_model, weight_sync_model
 from bench.benchmark_table import (
     async_table,
     lora_step_table,
@@ -126,6 +126,21 @@ FIGURES: dict[str, Figure] = {
     "gpu.quickstart.reward_first": _gpu_quickstart("reward_first", "{:.3f}", "reward at step 1"),
     "gpu.quickstart.reward_last": _gpu_quickstart("reward_last", "{:.3f}", "reward at its last step"),
     "gpu.quickstart.step_s": _gpu_quickstart("step_s", "{:.2f} s", "median step"),
+    "scale_model.cpu_per_sample": Figure(
+        "scale_model.json", lambda r: r["fits"]["cpu_s"]["b"] * 1e6, "{:.0f} µs",
+        "the coordinator's CPU per sample, fitted over the scale bench's points"),
+    "scale_model.cpu_per_replica": Figure(
+        "scale_model.json", lambda r: r["fits"]["cpu_s"]["c"] * 1e3, "{:.1f} ms",
+        "the coordinator's CPU per rollout replica and step, the same fit"),
+    "scale_model.gpus_1024.cpu_s": Figure(
+        "scale_model.json", lambda r: r["rows"][-1]["cpu_s"], "{:.0f} s",
+        "the coordinator's CPU per 60 s step at 1,024 GPUs, extrapolated"),
+    "scale_model.cpu_saturated_gpus": Figure(
+        "scale_model.json", lambda r: r["crossings_gpus"]["cpu_saturated"], "{:,.0f} GPUs",
+        "the cluster size at which the coordinator's CPU per step reaches the 60 s step"),
+    "scale_model.rss_4gib_gpus": Figure(
+        "scale_model.json", lambda r: r["crossings_gpus"]["rss_4gib"], "{:,.0f} GPUs",
+        "the cluster size at which the coordinator's peak RSS reaches 4 GiB"),
 }
 
 
@@ -165,6 +180,9 @@ TOPICS = (
     Topic(r"\bdelta\b", r"(?<![\d.])(\d\.\d{2,3})(?![\d.]| s\b)",
           ("weight_sync_delta.bytes_ratio", "weight_sync_delta.time_ratio"),
           ("weight-sync-delta.md", "weight-sync-model.md")),
+    # The paper model: cluster sizes quoted next to the coordinator are its crossings or its table's rows.
+    Topic(r"\bcoordinator\b", r"(?<![\d.,])(\d[\d,]* GPUs)\b",
+          ("scale_model.cpu_saturated_gpus", "scale_model.rss_4gib_gpus"), ("scale-model.md",)),
     Topic(r"\basync\b|\bk = \d\b", r"(?<![\d.])(\d+\.\d+x)\b", in_tables=("async.md", "benchmarks.md")),
 )
 
@@ -227,6 +245,7 @@ def generated_files() -> dict[Path, str]:
         GENERATED / "weight-sync-delta.md": weight_sync_delta_table(),
         GENERATED / "weight-sync-model.md": weight_sync_model.table(),
         GENERATED / "scale.md": scale_table(),
+        GENERATED / "scale-model.md": scale_model.table(_result("scale_model.json")),
         GENERATED / "figures.md": figures_table(),
         README: readme[:begin] + "\n" + readme_block() + readme[end:],
     }

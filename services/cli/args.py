@@ -58,6 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "ports count up from --port, --metrics-port); for rollout.engine sim at scale")
     serve.add_argument("--replica", type=int, default=0,
                        help="rollout: the number of the (first) replica served, of the run's rollout.replicas")
+    serve.add_argument("--replica-stride", type=int, default=1,
+                       help="rollout: with --replicas, serve replicas --replica, --replica + stride, ... (the replicas of "
+                            "one node of a resource pool, which the Ray launcher runs in one process for rollout.engine "
+                            "sim)")
     serve.add_argument("--check", action="store_true",
                        help="build the role's service from the config (importing all it loads) and exit 0: "
                             "the image holds what the role needs")

@@ -15,7 +15,10 @@ Ray only places and supervises them. Why a child process rather than the service
 
 Resource pools (resource_pools, <role>.pool) are placement groups, reserved before the services are placed;
 rlfabric.launch.ray_placement says which bundle each service goes into and what it asks Ray for. Each service
-reports its Ray node id (RUN_DIR/endpoints.json).
+reports its Ray node id and the GPU ids Ray assigned it (RUN_DIR/endpoints.json). With rollout.engine sim the
+replicas of one node of the rollout's pool run in one `rlfabric serve rollout --replicas` process (a Ray actor
+named rollout-host-<first replica>, holding what they would reserve together), so hundreds of simulated replicas
+cost a process per node, not one each.
 
 Addresses: on a one-node cluster services bind 127.0.0.1; on a multi-node cluster (or through Ray Client)
 each binds and advertises its node's IP. The coordinator is placed on the launcher's node, so RUN_DIR
@@ -35,7 +38,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import ray
@@ -71,6 +74,7 @@ from rlfabric.launch.ray_placement import (
     requested_gpus,
     reserve_pools,
     reserved_devices,
+    rollout_hosts,
 )
 from rlfabric.launch.scrape_targets import remove_shared_targets
 
@@ -96,15 +100,17 @@ class ServiceSupervisor:
     """One `rlfabric serve ROLE` process on this actor's node, holding the role's Ray resources."""
 
     def __init__(self, name: str, role: str, config_path: str, config_text: str, run_dir: str, run_id: str,
-                 host: str | None, cwd: str, token: str = "", env_token: str = ""):
+                 host: str | None, cwd: str, token: str = "", env_token: str = "", replicas: range | None = None):
+        """replicas: the rollout replicas this one process serves (rollout_hosts), None for one service."""
         self.name = name
+        self.replicas = replicas
         self.host = host or ray.util.get_node_ip_address()
         run_dir_here = Path(run_dir)
         self.workdir: Path | None = None
         if (run_dir_here / "logs").is_dir():
             # One machine or a shared filesystem: the local mesh's layout in RUN_DIR.
             self.log_path = run_dir_here / "logs" / f"{name}.log"
-            self.port_file = run_dir_here / "ports" / f"{name}.json"
+            self.port_file = run_dir_here / "ports" / (f"{role}-{{replica}}.json" if replicas else f"{name}.json")
             self.port_file.parent.mkdir(exist_ok=True)
         else:
             # Another node: a private directory; stop() hands the log back to the launcher.
@@ -112,14 +118,19 @@ class ServiceSupervisor:
             config_path = str(self.workdir / Path(config_path).name)
             Path(config_path).write_text(with_local_token(config_text, token, self.workdir, env_token, role))
             self.log_path = self.workdir / f"{name}.log"
-            self.port_file = self.workdir / "ports.json"
-        self.port_file.unlink(missing_ok=True)
+            self.port_file = self.workdir / ("ports-{replica}.json" if replicas else "ports.json")
+        for path in self._port_files():
+            path.unlink(missing_ok=True)
         env = dict(os.environ)
         if not ray.get_gpu_ids():
             env["CUDA_VISIBLE_DEVICES"] = ""  # Ray leaves it unset for 0 GPUs; a service uses what it reserved
+        command = serve_command(role, Path(config_path), self.host, self.port_file, run_id)
+        if replicas:
+            command += ["--replica", str(replicas.start), "--replicas", str(len(replicas)),
+                        "--replica-stride", str(replicas.step)]
         with open(self.log_path, "ab") as log_file:
             self.process = subprocess.Popen(
-                serve_command(role, Path(config_path), self.host, self.port_file, run_id),
+                command,
                 stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 env=env, cwd=cwd if Path(cwd).is_dir() else None, preexec_fn=die_with_parent,
             )
@@ -135,14 +146,25 @@ class ServiceSupervisor:
         """The placement group (resource pool) this actor runs in; None outside any."""
         return ray.get_runtime_context().get_placement_group_id()
 
+    def _port_files(self) -> list[Path]:
+        if not self.replicas:
+            return [self.port_file]
+        return [Path(str(self.port_file).replace("{replica}", str(replica))) for replica in self.replicas]
+
     def await_ports(self) -> dict:
         """{grpc, metrics, pid, host, log, node_id} once the service bound its ports, or {exit_code, log} if it
-        exited first. node_id: the Ray node this actor, and so its service process, runs on."""
-        ports = await_port_file(self.port_file, self.process, timeout_s=float("inf"))
-        if ports is None:
-            return {"exit_code": self.process.returncode, "log": str(self.log_path)}
-        return {**ports, "host": self.host, "log": str(self.log_path),
-                "node_id": ray.get_runtime_context().get_node_id()}
+        exited first. node_id: the Ray node this actor, and so its service process, runs on. Serving several
+        replicas, the first one's ports and {replicas: {replica number: its ports}}."""
+        served = {}
+        for replica, path in zip(self.replicas or [None], self._port_files(), strict=True):
+            ports = await_port_file(path, self.process, timeout_s=float("inf"))
+            if ports is None:
+                return {"exit_code": self.process.returncode, "log": str(self.log_path)}
+            served[replica] = ports
+        first = next(iter(served.values()))
+        replicas = {"replicas": {str(r): p for r, p in served.items()}} if self.replicas else {}
+        return {**first, **replicas, "host": self.host, "log": str(self.log_path),
+                "node_id": ray.get_runtime_context().get_node_id(), "gpu_ids": [str(g) for g in ray.get_gpu_ids()]}
 
     def wait(self) -> int:
         """Blocks until the service process exits; its exit code."""
@@ -178,6 +200,7 @@ class RayService:
     placed: ray.ObjectRef  # node_ip(): ready once the actor is placed
     ports: dict | None = None  # {grpc, metrics, pid, host, log}
     exited: ray.ObjectRef | None = None  # wait(): ready once the service process exits
+    replicas: list[str] = field(default_factory=list)  # the rollout replicas it serves, when several
     _exit_report: str | None = None
 
     @property
@@ -203,6 +226,28 @@ class RayService:
 
     def is_placed(self) -> bool:
         return bool(ray.wait([self.placed], timeout=0)[0])
+
+    def served(self) -> list[ServedReplica | RayService]:
+        """What answers gRPC: the service itself, or each of the replicas it serves."""
+        if not self.replicas:
+            return [self]
+        return [ServedReplica(name, f"{self.ports['host']}:{self.ports['replicas'][name.rpartition('-')[2]]['grpc']}",
+                              self) for name in self.replicas]
+
+
+@dataclass
+class ServedReplica:
+    """One rollout replica of a process that serves several, as the readiness wait sees it."""
+
+    name: str
+    grpc_address: str
+    process: RayService
+
+    def exit_report(self) -> str | None:
+        return self.process.exit_report()
+
+    def log_tail(self, lines: int = 20) -> str:
+        return self.process.log_tail(lines)
 
 
 def _first_line(error: BaseException) -> str:
@@ -243,8 +288,9 @@ class RayMesh(MeshContext):
         for env in [s for s in self.services if ROLE_TABLE[s.role].kind is Kind.ENVIRONMENT]:
             self._await_ports([env])
             write_worker_config(self.config, worker_config, [env.grpc_address])
-        for name, role in rollouts:
-            self._launch(name, role, worker_config)
+        for replicas in rollout_hosts(self.config, rollouts):
+            (name, role), *_ = replicas
+            self._launch(name, role, worker_config, replicas if len(replicas) > 1 else [])
         self._await_ports([s for s in self.services if s.ports is None])
         self._record_endpoints()
         # The coordinator reads the others' addresses from its config's cluster section.
@@ -252,7 +298,7 @@ class RayMesh(MeshContext):
         self._launch("coordinator", "coordinator", coordinator_config)
         self._await_ports(self.services[-1:])
         self._record_endpoints()
-        asyncio.run(await_readiness(self.config, self.services))
+        asyncio.run(await_readiness(self.config, [served for s in self.services for served in s.served()]))
         log.info("mesh ready", extra={"fields": {"run_dir": str(self.run_dir), "services": len(self.services),
                                                  "namespace": self.namespace}})
 
@@ -322,11 +368,22 @@ class RayMesh(MeshContext):
         alive = [node for node in ray.nodes() if node["Alive"]]
         return "127.0.0.1" if len(alive) == 1 else None
 
-    def _launch(self, name: str, role: str, config_path: Path) -> None:
+    def _launch(self, name: str, role: str, config_path: Path, replicas: list[tuple[str, str]] = ()) -> None:
+        """One service's Ray actor; with `replicas` (rollout_hosts), one process serving them all, named
+        rollout-host-<first>, which reserves what they would together."""
         resources = self.resources(name, role)
+        served = None
+        if replicas:
+            shares = [self.resources(replica, role) for replica, _ in replicas]
+            resources = {key: sum(share[key] for share in shares) for key in resources}
+            numbers = [int(replica.rpartition("-")[2]) for replica, _ in replicas]
+            served = range(numbers[0], numbers[-1] + 1, numbers[1] - numbers[0])
+            if list(served) != numbers:
+                raise ValueError(f"replicas {numbers} are not evenly spaced")  # pool_nodes deals them i mod nodes
+            name = f"{role}-host-{numbers[0]}"
         options = {"name": name, "namespace": self.namespace, **resources}
         if self.config.pool_of(role):
-            pool, node, _ = node_of(self.config, name, role)
+            pool, node, _ = node_of(self.config, replicas[0][0] if replicas else name, role)
             options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                 self.pools[pool], placement_group_bundle_index=node)
         if ROLE_TABLE[role].kind is Kind.COORDINATOR and not (self.address or "").startswith("ray://"):
@@ -334,8 +391,10 @@ class RayMesh(MeshContext):
                 ray.get_runtime_context().get_node_id(), soft=False)
         actor = ServiceSupervisor.options(**options).remote(
             name, role, str(config_path.resolve()), config_path.read_text(), str(self.run_dir.resolve()),
-            self.run_id, self._host, os.getcwd(), read_auth_token(self.config.server), read_env_token(self.config))
-        self.services.append(RayService(name, role, actor, resources, placed=actor.node_ip.remote()))
+            self.run_id, self._host, os.getcwd(), read_auth_token(self.config.server), read_env_token(self.config),
+            served)
+        self.services.append(RayService(name, role, actor, resources, placed=actor.node_ip.remote(),
+                                        replicas=[replica for replica, _ in replicas]))
 
     def _await_ports(self, services: list[RayService]) -> None:
         timeout = self.config.launcher.startup_timeout_s
@@ -384,9 +443,16 @@ class RayMesh(MeshContext):
     def _record_endpoints(self) -> None:
         endpoints: dict[str, list[dict]] = {}
         for service in self.services:
-            if service.ports is not None:
-                entry = {**endpoint(service.name, service.ports["host"], service.ports),
-                         "node_id": service.ports["node_id"]}
-                endpoints.setdefault(service.role, []).append(entry)
+            if service.ports is None:
+                continue
+            served = service.ports.get("replicas") or {"": service.ports}
+            for number, ports in served.items():
+                name = f"{service.role}-{number}" if number else service.name
+                endpoints.setdefault(service.role, []).append(
+                    {**endpoint(name, service.ports["host"], ports), "node_id": service.ports["node_id"],
+                     "gpu_ids": service.ports["gpu_ids"]})
+        for role, entries in endpoints.items():
+            if ROLE_TABLE[role].kind is Kind.ROLLOUT:  # in replica order, as the local launcher lists them
+                entries.sort(key=lambda entry: int(entry["name"].rpartition("-")[2]))
         self.endpoints = endpoints
         write_endpoints(self.run_dir, endpoints)

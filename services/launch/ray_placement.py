@@ -7,8 +7,11 @@ and reserving the groups (the Ray launcher's counterpart of rlfabric.launch.plac
 Resource pools (resource_pools, <role>.pool): one placement group per pool, a bundle per node of the pool
 (STRICT_SPREAD over distinct nodes when it has several). The pool's i-th service (start order: actor,
 reference, critic, rollout-0, rollout-1, ..., reward, env) goes into bundle i mod `nodes`; a bundle holds
-{CPU: the num_cpus of its services, GPU: the pool's gpus}. Services in one bundle share its GPUs: each asks
-for its share (1 / the bundle's services), so Ray gives them the same devices, as VeRL colocates roles.
+{CPU: the num_cpus of its services, GPU: the pool's gpus}. Different roles in one bundle share its GPUs: each asks
+for its share (1 / the bundle's services), so Ray gives them the same devices, as VeRL colocates roles. Replicas of
+one role alone in a bundle whose GPUs hold them all (8 rollout replicas of one GPU on a node of 8) each ask for
+their own, so Ray gives each different devices. With rollout.engine sim, the replicas of one bundle run in one
+process (rollout_hosts).
 A pool Ray cannot reserve (`nodes: 2` on a one-node cluster without an autoscaler) fails the start after
 launcher.startup_timeout_s, naming the key.
 """
@@ -32,7 +35,7 @@ log = logging.getLogger("rlfabric.launch.local")  # the launchers' one logger
 def default_num_gpus(config: RunConfig, role: str) -> float:
     """GPUs a role's service uses on a cluster that has GPUs (launcher.ray.<role>.num_gpus: null), by its
     GPU rule (rlfabric.core.roles)."""
-    rule, section = ROLE_TABLE[role].gpus, getattr(config, role)
+    rule, section = ROLE_TABLE[role].gpus, getattr(config, role, None)  # the coordinator has no section, nor GPUs
     if rule is GpuRule.WORLD_SIZE:
         return section.world_size
     if rule is GpuRule.TENSOR_PARALLEL:
@@ -110,13 +113,36 @@ def pool_gpu_share(config: RunConfig, name: str, role: str, num_gpus: float) -> 
         raise ConfigError(f"resource_pools.{pool}.gpus {per_node} per node: {name} needs {num_gpus:g} GPUs on one "
                           f"node (launcher.ray.{role}.num_gpus, else {role}.world_size): give the pool more GPUs "
                           "per node, not more nodes")
-    if len(members) == 1:
+    if len(members) == 1 or side_by_side(config, pool, members, num_gpus):
         return num_gpus
     if num_gpus > 1:
         raise ConfigError(f"{role}.pool {pool}: a service on {num_gpus:g} GPUs cannot share a node of a pool with "
                           "others on Ray (a Ray actor takes at most a fraction of one GPU when it shares): give it "
                           "a pool of its own, or the pool one node per service (resource_pools.<pool>.nodes)")
     return num_gpus / len(members)
+
+
+def side_by_side(config: RunConfig, pool: str, members: list[tuple[str, str]], num_gpus: float) -> bool:
+    """Whether the services of one node of a pool each get GPUs of their own: they are replicas of one role (the
+    rollout's), whose GPUs together fit the node's, as 8 replicas of one GPU fill a node of 8. Different roles on
+    one node share its GPUs instead: colocation is what a pool of several roles asks for."""
+    return len({role for _, role in members}) == 1 and num_gpus * len(members) <= config.resource_pools[pool].gpus_per_node
+
+
+def rollout_hosts(config: RunConfig, rollouts: list[tuple[str, str]]) -> list[list[tuple[str, str]]]:
+    """The processes that serve the rollout replicas, each the replicas it serves: one process a replica, but with
+    rollout.engine sim the replicas of one node of their pool in one (`rlfabric serve rollout --replicas`: a sim
+    replica is an asyncio timer, and hundreds of them fit in a process where hundreds of processes would not
+    fit in a machine's memory). Such a process reserves what its replicas would, together."""
+    pool = config.rollout.pool
+    if config.rollout.engine != "sim" or not pool:
+        return [[service] for service in rollouts]
+    hosts = []
+    for members in pool_nodes(config)[pool]:
+        replicas = [service for service in members if service in rollouts]
+        if replicas:
+            hosts.append(replicas)
+    return hosts
 
 
 def requested_gpus(config: RunConfig, role: str, cluster_has_gpus: bool) -> float:
@@ -140,7 +166,8 @@ def reserved_devices(config: RunConfig, cluster_has_gpus: bool) -> tuple[DeviceR
             return DeviceReport("cpu")
         if config.pool_of(role):
             pool, node, members = node_of(config, name, role)
-            if len(members) > 1:
+            alone = side_by_side(config, pool, members, requested_gpus(config, role, cluster_has_gpus))
+            if len(members) > 1 and not alone:
                 where = f"node {node} of resource pool {pool}" if config.resource_pools[pool].nodes > 1 else (
                     f"resource pool {pool}")
                 return DeviceReport("cuda:0", f"0 of {where}")

@@ -63,6 +63,7 @@ CASES: dict[str, dict[str, Any]] = {
     "cpu": yaml.safe_load((CHART / "ci" / "cpu-values.yaml").read_text()),
     "gpu-separate": yaml.safe_load((CHART / "ci" / "gpu-separate-values.yaml").read_text()),
     "colocated": yaml.safe_load((CHART / "ci" / "colocated-values.yaml").read_text()),
+    "scale-256": yaml.safe_load((CHART / "ci" / "scale-256-values.yaml").read_text()),
     "mtls": TLS_VALUES,
     # TLS from a cert-manager Certificate, critic, reference and env on (every name the certificate must cover).
     "cert-manager": {
