@@ -161,9 +161,13 @@ class SimFleet:
 
     async def kill(self, replica: int) -> int:
         """Stops the replica's server with no grace: its streams end mid-flight, its port refuses connections. The
-        samples its engine had not finished when it stopped (after the server: none of them was delivered)."""
+        samples its engine had not finished, none of them delivered: those of the streams the stop cancelled, and
+        those left when the engine stopped after the server (which of the two depends on when the loop ran the
+        cancellations)."""
+        engine = self.servers[replica].service.engine
+        abandoned = engine.abandoned_rows
         await self.servers[replica].stop(grace=0)
-        return self.servers[replica].service.engine.unfinished_at_stop
+        return engine.abandoned_rows - abandoned + engine.unfinished_at_stop
 
     async def restart(self, replica: int) -> None:
         """A fresh engine and server for the replica, on its old port."""

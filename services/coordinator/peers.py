@@ -85,7 +85,8 @@ class Peers:
             critic=lambda address: CriticClient(address, options),
             teacher=lambda address: TeacherClient(address, options),
             rollout=lambda addresses: RolloutRouter(addresses, options,
-                                                    max_attempts=config.trainer.rollout_retries + 1),
+                                                    max_attempts=config.trainer.rollout_retries + 1,
+                                                    hedge_after=config.trainer.rollout_hedge_after),
             reward=lambda addresses: ShardedRewardClient.connect(addresses, options),
         )
         peers = build_peers(config, clients)

@@ -189,6 +189,7 @@ class InProcessMesh:
             critic=lambda address: LocalCriticClient(engines[address]),
             teacher=lambda address: LocalTeacherClient(engines[address]),
             rollout=lambda addresses: RolloutRouter(addresses, max_attempts=config.trainer.rollout_retries + 1,
+                                                    hedge_after=config.trainer.rollout_hedge_after,
                                                     clients=[LocalRolloutClient(engines[a], self.agents[a])
                                                              for a in addresses]),
             reward=lambda addresses: LocalRewardClient(engines[addresses[0]]),

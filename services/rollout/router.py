@@ -11,6 +11,11 @@
   refused, server gone, stuck) is taken out and the work goes to another one. A request streams
   its samples, so samples that already finished are kept and only the missing ones are sent again
   (same sampling parameters; with a seed they are drawn again on the new replica).
+- Hedging (hedge_after > 0): once half of a request's parts have finished, a part still running after
+  hedge_after times their median duration is sent once more, its missing samples only, to another replica. The
+  first copy of each sample to arrive is delivered and the other dropped; the request ends when every sample has
+  arrived, cancelling what still runs. So one stalled or 10x slow replica holds a step for about hedge_after
+  times a part's usual time, not its own, and a stream stuck on a dead link needs no keepalive to end.
 - Routing keys: a request with a routing_key (an agent episode's, rlfabric.gateway) goes to the replica its
   key's first request went to, while that replica is healthy, so the episode's growing prompt stays in one
   prefix cache; release(key) forgets it.
@@ -26,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import statistics
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -76,6 +82,8 @@ class RouterStats:
     failovers: int = 0  # requests a replica failed with a failover code
     failed_inflight_samples: int = 0  # samples a replica had been sent and not delivered when it failed
     rework_samples: int = 0  # samples sent again to another replica because theirs failed
+    hedges: int = 0  # parts sent again because they ran past hedge_after times the median part
+    hedged_samples: int = 0  # samples those hedges asked for
 
     def since(self, earlier: RouterStats) -> RouterStats:
         """The counts between `earlier` (a copy of these stats) and now."""
@@ -87,7 +95,9 @@ class RouterStats:
                 "rollout/router/duplicate_samples": float(self.duplicate_samples),
                 "rollout/router/failovers": float(self.failovers),
                 "rollout/router/failed_inflight_samples": float(self.failed_inflight_samples),
-                "rollout/router/rework_samples": float(self.rework_samples)}
+                "rollout/router/rework_samples": float(self.rework_samples),
+                "rollout/router/hedges": float(self.hedges),
+                "rollout/router/hedged_samples": float(self.hedged_samples)}
 
 
 @dataclass
@@ -103,19 +113,33 @@ class _Part:
         return len(self.prompt_indices) * len(self.sample_indices)
 
 
+@dataclass(eq=False)
+class _Attempt:
+    """A part running on one replica."""
+
+    part: _Part
+    replica: Replica
+    started: float
+    hedged: bool = False
+
+
 @dataclass
 class _Progress:
-    """What one request has received so far."""
+    """What one request has received so far, and (for hedging) what runs and how long finished parts took."""
 
     received: set[tuple[int, int]] = field(default_factory=set)
+    running: set[_Attempt] = field(default_factory=set)
+    finished_s: list[float] = field(default_factory=list)
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 class RolloutRouter:
     def __init__(self, addresses: Sequence[str], options: ChannelOptions | None = None,
                  probe_interval_s: float = 2.0, max_attempts: int = 3,
-                 clients: Sequence[RolloutInterface] | None = None):
+                 clients: Sequence[RolloutInterface] | None = None, hedge_after: float = 0.0):
         """One replica per address, reached over gRPC, or through `clients` (one per address, e.g.
-        in-process LocalRolloutClients, the addresses then only naming them)."""
+        in-process LocalRolloutClients, the addresses then only naming them). hedge_after: see the module's
+        docstring; 0 = no hedging."""
         if not addresses:
             raise ValueError("RolloutRouter needs at least one rollout address")
         options = _NoRetryOptions(**{**vars(options or ChannelOptions()), "retry_max_attempts": 1})
@@ -124,6 +148,7 @@ class RolloutRouter:
         self.options = options
         self.probe_interval_s = probe_interval_s
         self.max_attempts = max_attempts
+        self.hedge_after = hedge_after
         self._round_robin = itertools.count()
         self._prober: asyncio.Task | None = None
         self._sticky: dict[str, Replica] = {}  # routing key -> the replica its requests go to
@@ -185,8 +210,9 @@ class RolloutRouter:
                 return replica
         raise KeyError(f"no rollout replica {address!r} in this router")
 
-    async def _pick(self, routing_key: str = "") -> Replica:
-        """The replica of routing_key while it is healthy, else the least busy healthy one (then the key's)."""
+    async def _pick(self, routing_key: str = "", avoid: Replica | None = None) -> Replica:
+        """The replica of routing_key while it is healthy, else the least busy healthy one (then the key's);
+        not `avoid` while another is healthy."""
         kept = self._sticky.get(routing_key) if routing_key else None
         if kept is not None and kept.healthy and not kept.excluded:
             return kept
@@ -197,10 +223,11 @@ class RolloutRouter:
         if not candidates:
             errors = "; ".join(f"{r.address}: {r.last_error}" for r in self.replicas)
             raise Unavailable(f"no healthy rollout replica ({errors})")
+        skip = avoid if len(candidates) > 1 else None
         # One pass over the replicas (a list.index per candidate made each pick O(replicas^2)).
         turn, count = next(self._round_robin), len(self.replicas)
         _, chosen = min(((r.outstanding, r.queue_depth, (index - turn) % count), r)
-                        for index, r in enumerate(self.replicas) if r.healthy and not r.excluded)
+                        for index, r in enumerate(self.replicas) if r.healthy and not r.excluded and r is not skip)
         if routing_key:
             self._sticky[routing_key] = chosen
         return chosen
@@ -275,35 +302,73 @@ class RolloutRouter:
                  for i in range(0, len(prompts), size)] or [_Part([], list(range(params.n)))]
         out: asyncio.Queue = asyncio.Queue()
         progress = _Progress()
-        self.stats.requested_samples += sum(part.size for part in parts)
+        total = sum(part.size for part in parts)
+        self.stats.requested_samples += total
         tasks = {asyncio.create_task(self._run_part(part, prompts, params, timeout_s, progress, out,
                                                       routing_key)) for part in parts}
-        running = len(tasks)
+        running, delivered = len(tasks), 0
+
+        def hedge(attempt: _Attempt) -> None:
+            nonlocal running
+            for part in self._missing(attempt.part, progress, attempts=attempt.part.attempts):
+                self.stats.hedges += 1
+                self.stats.hedged_samples += part.size
+                running += 1
+                tasks.add(asyncio.create_task(self._run_part(part, prompts, params, timeout_s, progress, out,
+                                                             routing_key, avoid=attempt.replica)))
+
+        if self.hedge_after > 0 and len(parts) > 1:
+            tasks.add(asyncio.create_task(self._hedge(progress, len(parts), hedge)))
         try:
-            while running:
+            while running and delivered < total:
                 item = await out.get()
                 if item is None:
                     running -= 1
                 elif isinstance(item, BaseException):
                     raise item
                 else:
+                    delivered += 1
                     yield item
         finally:
             for task in tasks:
                 task.cancel()
 
+    async def _hedge(self, progress: _Progress, parts: int, hedge) -> None:
+        """Hedges each attempt still running past hedge_after times the median finished part, once half of the
+        request's parts have finished: waits for the next part to finish or the next attempt to become due."""
+        while True:
+            progress.changed.clear()
+            wait_s = None
+            if len(progress.finished_s) * 2 >= parts:
+                allowed = self.hedge_after * statistics.median(progress.finished_s)
+                now = time.monotonic()
+                for attempt in [a for a in progress.running if not a.hedged]:
+                    due = attempt.started + allowed - now
+                    if due <= 0:
+                        attempt.hedged = True
+                        hedge(attempt)
+                    else:
+                        wait_s = due if wait_s is None else min(wait_s, due)
+            try:
+                await asyncio.wait_for(progress.changed.wait(), wait_s)
+            except TimeoutError:
+                pass
+
     async def _run_part(self, part: _Part, prompts, params: SamplingSpec, timeout_s, progress: _Progress,
-                        out: asyncio.Queue, routing_key: str = "") -> None:
-        """Runs one part to completion on some replica, re-sending what a failed replica left unfinished."""
+                        out: asyncio.Queue, routing_key: str = "", avoid: Replica | None = None) -> None:
+        """Runs one part to completion on some replica (not `avoid`, a hedge's slow one, while there is another),
+        re-sending what a failed replica left unfinished."""
         try:
             pending = [part]
             while pending:
                 part = pending.pop()
-                replica = await self._pick(routing_key)
+                replica = await self._pick(routing_key, avoid)
                 sub_prompts = [prompts[i] for i in part.prompt_indices]
                 sub_params = replace(params, n=len(part.sample_indices))
                 replica.outstanding += 1
                 arrived = 0
+                attempt = _Attempt(part, replica, time.monotonic())
+                progress.running.add(attempt)
                 try:
                     async for sample in replica.client.generate_stream(sub_prompts, sub_params, timeout_s):
                         key = (part.prompt_indices[sample.prompt_index], part.sample_indices[sample.sample_index])
@@ -315,6 +380,7 @@ class RolloutRouter:
                         progress.received.add(key)
                         self.stats.delivered_samples += 1
                         out.put_nowait(sample)
+                    progress.finished_s.append(time.monotonic() - attempt.started)
                 except RlfabricError as error:  # it names the replica
                     if error.code not in FAILOVER_CODES:
                         raise
@@ -329,6 +395,8 @@ class RolloutRouter:
                     pending.extend(missing)
                 finally:
                     replica.outstanding -= 1
+                    progress.running.discard(attempt)
+                    progress.changed.set()
             out.put_nowait(None)
         except asyncio.CancelledError:
             raise
@@ -336,14 +404,16 @@ class RolloutRouter:
             out.put_nowait(error)
 
     @staticmethod
-    def _missing(part: _Part, progress: _Progress) -> list[_Part]:
-        """The samples of `part` not received yet, grouped into parts by their missing sample indices."""
+    def _missing(part: _Part, progress: _Progress, attempts: int | None = None) -> list[_Part]:
+        """The samples of `part` not received yet, grouped into parts by their missing sample indices (each a
+        retry of `part`: one more attempt, unless `attempts` says how many)."""
         by_missing: dict[tuple[int, ...], list[int]] = {}
         for p in part.prompt_indices:
             missing = tuple(s for s in part.sample_indices if (p, s) not in progress.received)
             if missing:
                 by_missing.setdefault(missing, []).append(p)
-        return [_Part(ps, list(missing), part.attempts + 1) for missing, ps in by_missing.items()]
+        attempts = part.attempts + 1 if attempts is None else attempts
+        return [_Part(ps, list(missing), attempts) for missing, ps in by_missing.items()]
 
     # -- fleet ---------------------------------------------------------------------------------
 

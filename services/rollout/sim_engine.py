@@ -81,6 +81,7 @@ class SimEngine(RolloutEngine):
         self.rng = np.random.default_rng([config.sim.seed, replica])
         self.injected_failures = 0
         self.unfinished_at_stop = 0  # rows queued or generating when stop() came (after its server's, undelivered)
+        self.abandoned_rows = 0  # rows whose request ended before they finished (its stream cancelled)
         self._failures_metric = None
         self._queue: deque[_Row] = deque()
         self._running: list[tuple[float, int, _Row]] = []  # heap of (clock at which it ends, tie-break, row)
@@ -139,7 +140,9 @@ class SimEngine(RolloutEngine):
 
     def _end_request(self, generation: Generation) -> None:
         self._fail_after.pop(generation, None)
+        before = self.rows_in_flight
         self._remove(lambda row: row.generation is generation)
+        self.abandoned_rows += before - self.rows_in_flight
 
     def _remove(self, which) -> list[_Row]:
         """Takes the rows matching `which` out of the queue and the batch; returns those that were running."""

@@ -80,6 +80,11 @@ class TrainerConfig(Section):
     """Write RUN_DIR/curves.png (reward, KL, response length) at the end of the run."""
     rollout_retries: int = Field(2, ge=0)
     """Times a failed generation part is retried on another rollout replica before the step fails."""
+    rollout_hedge_after: float = Field(0.0, ge=0)
+    """Hedged generation: once half of a step's generation parts have finished, a part still running after this
+    many times their median duration is sent once more, its missing samples only, to another rollout replica;
+    the first copy of each sample wins (rollout/router/hedges). Cuts the wait on a stalled link, a hung or a
+    straggling replica to about this many parts' time. 0 = off; 2-4 at scale."""
     reward_retry_window_s: float = Field(120.0, ge=0)
     """How long scoring keeps retrying an unreachable (e.g. restarting) reward service, with backoff,
     before the step fails; a missed deadline (client.timeout_s) is retried once."""
