@@ -1,4 +1,4 @@
-"""A verifiers 0.4 task set as rows in VeRL's schema (data.builtin_task verifiers; docs/agents.md).
+"""A verifiers 0.4 task set as rows in VeRL's schema (data.builtin_task verifiers; docs/verifiers.md).
 
 verifiers pins openai < 3 and cannot sit beside rlfabric's dev install, so the task set is read by the
 interpreter of a venv of its own (data.verifiers.python) running verifiers_rows.py, which prints each task's

@@ -1,4 +1,4 @@
-"""verifiers 0.4 environments (docs/agents.md, "verifiers environments"): a task set becomes rows
+"""verifiers 0.4 environments (docs/verifiers.md): a task set becomes rows
 (data.builtin_task verifiers), each episode is a verifiers episode played through the gateway
 (examples/agents/verifiers/agent.py under the command runner, in a venv of its own: tests/agents/verifiers_venv.py),
 and its reward is verifiers' own, sum(trace.reward) over the episode's traces.

@@ -1,5 +1,5 @@
 """One rlfabric episode as one verifiers 0.4 episode (agent.runner command, run by the verifiers venv's python:
-see docs/agents.md, "verifiers environments").
+see docs/verifiers.md).
 
     agent:
       runner: command

@@ -66,7 +66,7 @@ class ReasoningGymConfig(Section):
 
 class VerifiersConfig(Section):
     """Rows from a verifiers 0.4 task set (data.builtin_task verifiers), played and scored by verifiers itself
-    through an agent (examples/agents/verifiers/agent.py; docs/agents.md). verifiers pins openai < 3, so it
+    through an agent (examples/agents/verifiers/agent.py; docs/verifiers.md). verifiers pins openai < 3, so it
     lives in a venv of its own, whose interpreter writes the rows."""
 
     python: str = ""
