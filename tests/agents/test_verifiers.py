@@ -25,9 +25,11 @@ from tests.coordinator.meshes import fast_config, in_process, run_to_end
 pytestmark = pytest.mark.slow
 
 TASKSET_DIR = Path(__file__).resolve().parents[2] / "examples" / "agents" / "verifiers"
+DIGITS_WEIGHT = 0.25  # rlfabric_sums.DIGITS_WEIGHT (the module imports verifiers, absent here)
 
 # verifiers' own scoring of a reply to task `index`, apart from any episode: the task set's Task scores an offline
-# Trace whose one assistant message is the reply (Task.score with no runtime), and trace.reward sums its rewards.
+# Trace whose one assistant message is the reply (Task.score with no runtime), and trace.reward sums its rewards
+# (score x weight). A reply of null stands for the task's own answer.
 SCORE = """
 import asyncio, json, sys
 import verifiers.v1 as vf
@@ -41,7 +43,8 @@ for line in sys.stdin:
     task = tasks[asked["index"]]
     trace = vf.Trace(task=vf.TraceTask(type=type(task).__name__, data=task.data, key=task.key, hash=task.hash),
                      agent=vf.AgentInfo(config=vf.AgentConfig()),
-                     nodes=[MessageNode(message=AssistantMessage(content=asked["reply"]), sampled=True)])
+                     nodes=[MessageNode(message=AssistantMessage(content=asked["reply"] or task.data.answer),
+                                        sampled=True)])
     asyncio.run(task.score(trace))
     print(json.dumps({"reward": trace.reward, "answer": task.data.answer}))
 """
@@ -85,12 +88,10 @@ def test_a_task_set_becomes_rows_without_its_answers(python, tmp_path):
             "index": row["extra_info"]["index"],
         }
         assert "answer" not in json.dumps(row)
-    # verifiers' scorer, given each task's own answer and a wrong one: the rows' tasks are the task set's
-    answers = verifiers_scores(python, [{"index": i, "reply": "x"} for i in range(12)], tmp_path)
-    right = verifiers_scores(
-        python, [{"index": i, "reply": a["answer"]} for i, a in enumerate(answers)], tmp_path
-    )
-    assert [a["reward"] for a in answers] == [0.0] * 12 and [r["reward"] for r in right] == [1.0] * 12
+    # verifiers' scorer on each task's own answer (right: 1 + all digits: DIGITS_WEIGHT) and on wrong replies
+    asked = [{"index": i, "reply": reply} for i in range(12) for reply in (None, "x", "x1")]
+    scores = [scored["reward"] for scored in verifiers_scores(python, asked, tmp_path)]
+    assert scores == [1 + DIGITS_WEIGHT, 0.0, DIGITS_WEIGHT / 2] * 12
 
 
 def test_an_unknown_task_set_is_a_config_error_naming_the_key(python, tmp_path):
@@ -130,3 +131,4 @@ def test_each_episode_runs_through_verifiers_and_scores_what_verifiers_scores(py
     scored = verifiers_scores(python, asked, tmp_path)
     print("replies", [(a["reply"], s["answer"], s["reward"]) for a, s in zip(asked, scored, strict=True)])
     assert [sample["score"] for sample in samples] == [s["reward"] for s in scored]
+    assert any(sample["score"] > 0 for sample in samples), "noise from the tiny model holds some digits"

@@ -1,6 +1,7 @@
-"""A small local verifiers 0.4 task set (no hub, no download): "What is 3 + 4?", scored by verifiers' own
-reward hook. Its module name is its taskset id (verifiers imports a taskset by id): put this directory on
-sys.path (data.verifiers.path) and name it `rlfabric_sums`.
+"""A small local verifiers 0.4 task set (no hub, no download): "3+4=", scored by verifiers' own reward hooks
+(the sum right: 1; the share of digits in the reply: up to DIGITS_WEIGHT more). Its module name is its taskset
+id (verifiers imports a taskset by id): put this directory on sys.path (data.verifiers.path) and name it
+`rlfabric_sums`.
 
 The module also exports its harness, which verifiers takes as the task set's default: verifiers' own chat
 program (the `null` harness's), run by this interpreter. The built-in harness installs that program's
@@ -19,6 +20,7 @@ from verifiers.v1.harnesses.null import NullHarness
 SIZE = 64
 SEED = 0
 SYSTEM_PROMPT = "Answer with the number only."
+DIGITS_WEIGHT = 0.25
 
 __all__ = ["SumsTaskset", "LocalChatHarness"]
 
@@ -33,6 +35,12 @@ class SumTask(vf.Task[SumData]):
     async def correct(self, task: SumData, trace: vf.Trace) -> float:
         """1.0 when the final reply, stripped, is the sum."""
         return 1.0 if trace.last_reply == task.answer else 0.0
+
+    @vf.reward(weight=DIGITS_WEIGHT)
+    async def digits(self, task: SumData, trace: vf.Trace) -> float:
+        """The share of the reply's characters that are digits: partial credit for answering with a number."""
+        reply = trace.last_reply
+        return sum(char.isdigit() for char in reply) / len(reply) if reply else 0.0
 
 
 class SumsTaskset(vf.Taskset[SumTask]):
