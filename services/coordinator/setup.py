@@ -34,6 +34,7 @@ from rlfabric.core.start_phases import StartPhases
 from rlfabric.data.dataset import DatasetError, RLHFDataset
 from rlfabric.data.prep import write_arithmetic, write_lookup, write_synthetic
 from rlfabric.data.reasoning_gym import write_reasoning_gym
+from rlfabric.data.verifiers import write_verifiers
 from rlfabric.trainer.models import check_policy_model, check_teacher_tokenizer
 
 log = logging.getLogger("rlfabric.coordinator")
@@ -45,9 +46,10 @@ def load_datasets(config: RunConfig, run_dir: Path, tokenizer) -> tuple[RLHFData
     train_files, val_files = list(data.train_files), list(data.val_files)
     if not train_files:
         out = run_dir / "data" / data.builtin_task
-        if data.builtin_task == "reasoning_gym":
+        if data.builtin_task in ("reasoning_gym", "verifiers"):
             try:
-                paths = write_reasoning_gym(out, data.reasoning_gym)
+                paths = write_reasoning_gym(out, data.reasoning_gym) if data.builtin_task == "reasoning_gym" \
+                    else write_verifiers(out, data.verifiers)
             except ConfigError as error:
                 raise InvalidArgument(str(error)) from None
         else:

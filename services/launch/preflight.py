@@ -99,6 +99,11 @@ def check_data_files(config: RunConfig, report: CheckReport) -> str:
 
         build_mix(config.data.reasoning_gym)  # the library is there and takes every dataset's config
         return f"data: reasoning-gym's {', '.join(config.data.reasoning_gym.datasets)}, written at the start"
+    if not config.data.train_files and config.data.builtin_task == "verifiers":
+        from rlfabric.data.verifiers import read_tasks
+
+        tasks = read_tasks(config.data.verifiers)  # the venv and the task set load
+        return f"data: {len(tasks)} tasks of verifiers task set {config.data.verifiers.taskset}, written at the start"
     if not config.data.train_files:
         return f"data: the built-in task {config.data.builtin_task}, written at the start"
     return f"data: {len(files)} file(s) with the columns of VeRL's schema"

@@ -64,16 +64,33 @@ class ReasoningGymConfig(Section):
     scorer reads), or the system message's text; empty = no system message."""
 
 
+class VerifiersConfig(Section):
+    """Rows from a verifiers 0.4 task set (data.builtin_task verifiers), played and scored by verifiers itself
+    through an agent (examples/agents/verifiers/agent.py; docs/verifiers.md). verifiers pins openai < 3, so it
+    lives in a venv of its own, whose interpreter writes the rows."""
+
+    python: str = ""
+    """The interpreter of a venv with verifiers 0.4 installed (it loads the task set)."""
+    taskset: str = ""
+    """The task set's id, as verifiers imports it: an installed taskset package or a module on data.verifiers.path."""
+    path: list[str] = []
+    """Directories put on that interpreter's sys.path first (a local task set's folder)."""
+    size: int = Field(0, ge=0)
+    """Training rows: the task set's tasks 0 .. size-1; 0 = all but the validation ones."""
+    val_size: int = Field(0, ge=0)
+    """Validation rows: the tasks after the training ones; 0 = none."""
+
+
 class DataConfig(Section):
     """The training and validation prompts (VeRL's parquet schema) and their batch and length limits."""
 
     train_files: list[str] = []
     """Parquet files in VeRL's schema; empty = generate data.builtin_task into RUN_DIR/data."""
-    builtin_task: Literal["find_vowel", "arithmetic", "lookup", "reasoning_gym"] = "find_vowel"
+    builtin_task: Literal["find_vowel", "arithmetic", "lookup", "reasoning_gym", "verifiers"] = "find_vowel"
     """The generated task when train_files is empty: find_vowel (the quickstart's, for the tiny model),
     arithmetic ("What is 7 + 5?", for a real chat model), lookup (multi-turn: the answer only the lookup
-    tool gives; rollout.multi_turn.enable and env.enable) or reasoning_gym (data.reasoning_gym's datasets; the
-    extra rlfabric[reasoning-gym])."""
+    tool gives; rollout.multi_turn.enable and env.enable), reasoning_gym (data.reasoning_gym's datasets; the
+    extra rlfabric[reasoning-gym]) or verifiers (data.verifiers' task set, played by a verifiers agent)."""
     val_files: list[str] = []
     """Validation parquet files."""
     train_batch_size: int = Field(16, gt=0)
@@ -92,9 +109,15 @@ class DataConfig(Section):
     """Prompts per validation generate request."""
     reasoning_gym: ReasoningGymConfig = ReasoningGymConfig()
     """The datasets data.builtin_task reasoning_gym generates."""
+    verifiers: VerifiersConfig = VerifiersConfig()
+    """The task set data.builtin_task verifiers reads."""
 
     @model_validator(mode="after")
     def _reasoning_gym_has_datasets(self) -> DataConfig:
         if self.builtin_task == "reasoning_gym" and not self.train_files and not self.reasoning_gym.datasets:
             raise ValueError("data.builtin_task reasoning_gym needs data.reasoning_gym.datasets (e.g. {chain_sum: {}})")
+        if self.builtin_task == "verifiers" and not self.train_files and not (self.verifiers.python
+                                                                              and self.verifiers.taskset):
+            raise ValueError("data.builtin_task verifiers needs data.verifiers.python (a venv with verifiers 0.4) "
+                             "and data.verifiers.taskset")
         return self
