@@ -269,6 +269,7 @@ def sim_run(nodes: int, model_path: str | None = None) -> dict:
     from rlfabric.cli.train import _run_training_at
     from rlfabric.core.client import ChannelOptions
     from rlfabric.launch.ray import RayMesh
+    from rlfabric.launch.ray_placement import pool_bundles
 
     run_dir = Path(tempfile.mkdtemp(prefix="ray-scale-run-")) / "run"
     model = [f"model.path={model_path}"] if model_path else []
@@ -302,6 +303,7 @@ def sim_run(nodes: int, model_path: str | None = None) -> dict:
             "cluster_rss_mb": round(rss),
             "used_mb_added": round(added),
             "service_processes": processes,
+            "pools": {p: len(s) for p, s in pool_bundles(config).items()},
             "replicas": config.rollout.replicas,
             "completed": status.state == coordinator_pb2.RUN_STATE_COMPLETED,
             "error": status.error,
