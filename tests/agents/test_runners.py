@@ -67,6 +67,7 @@ def test_an_inline_agent_that_raises_fails_its_episode(tmp_path):
 
 
 def test_a_subprocess_agent_gets_the_task_and_the_openai_variables_and_its_prints_are_not_its_result(tmp_path):
+    tmp_path.chmod(0o755)  # its uid reads the file (pytest makes the folder 0700)
     (tmp_path / "agent.py").write_text(
         "import os\n"
         "async def run(task, llm):\n"
@@ -126,13 +127,15 @@ def test_an_agent_run_needs_an_outcome_estimator_and_no_environment_loop():
 
 
 def test_a_subprocess_agent_has_a_tmp_and_dev_shm_of_its_own(tmp_path):
+    tmp_path.chmod(0o755)
     marker = f"rlfabric-agent-{os.getpid()}-{tmp_path.name}"
     (tmp_path / "agent.py").write_text(
         "import os\n"
         "async def run(task, llm):\n"
         f"    for folder in ('/tmp', '/dev/shm'):\n"
         f"        open(os.path.join(folder, {marker!r}), 'w').write('x')\n"
-        "    return {'reward': float(len(os.listdir('/tmp')) + len(os.listdir('/dev/shm')))}\n")
+        "    own = __file__.split('/')[2]\n"  # the folder its own file is bound back in (under /tmp here)
+        "    return {'reward': float(len(set(os.listdir('/tmp')) - {own}) + len(os.listdir('/dev/shm')))}\n")
     config = load_config(None, ["agent.runner=subprocess", f"agent.entrypoint={tmp_path}/agent.py:run"])
     outcome = asyncio.run(runner_of(config.agent).run({}, LLM_HERE))
     assert outcome.reward == 2.0  # its own two files, nothing of this host's
