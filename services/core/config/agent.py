@@ -37,6 +37,11 @@ class GatewayConfig(Section):
     data.max_response_length)."""
     episode_timeout_s: float = Field(3600.0, gt=0)
     """An episode open this long times out: its calls then get 410 (code episode_timed_out) and it is marked so."""
+    call_timeout_s: float = Field(600.0, gt=0)
+    """Most seconds one call may take at the rollout, its wait at a replica paused for a weight sync included (calls
+    wait through syncs; they do not fail). Past it the call is 503 (code call_timeout) with retry-after, not
+    recorded, and counted in agent/call_timeouts; the SDKs retry it. Keep it below rollout.request_timeout_s, past
+    which the router takes a replica out as stuck."""
     tool_call_format: Literal["hermes", "qwen3_xml", "llama3_json", "none"] = "hermes"
     """How tool calls are read from a reply when the request declares tools (vLLM's tool-call-parser names):
     hermes = <tool_call>{"name": ..., "arguments": {...}}</tool_call> (Hermes, Qwen2.5, Qwen3, SmolLM2);
