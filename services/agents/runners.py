@@ -5,7 +5,9 @@
                 OPENAI_API_KEY and OPENAI_MODEL in its environment, its result as JSON on stdout
     command     agent.command (any language): the same variables and stdin, its result as JSON on stdout's last line
 
-A runner raises AgentFailed for what the agent did wrong (raised, exited with an error, printed garbage); the
+Subprocess and command agents start through their launcher (rlfabric.agents.jail): a network that reaches the
+gateway only, and as root a uid claimed per episode from agent.uid's range, the agent.* limits and private temp
+dirs (rlfabric.agents.confinement). A runner raises AgentFailed for what the agent did wrong (raised, exited with an error, printed garbage); the
 caller bounds the time (agent.timeout_s) and cancels, which kills a runner's process.
 """
 
