@@ -12,7 +12,11 @@ As root, in this order:
   uids may not pass (here the interpreter lives under /root, mode 0700), is bound back at its own path (a
   read-only bind, made from a descriptor opened before the mounts) on a fresh tmpfs of mode 0755 laid over that
   directory. So the rest of /root stays hidden, the token file included, while Python starts;
-- RLIMIT_AS (memory_limit_mb), NPROC (per uid), CPU (SIGXCPU, SIGKILL a second later), NOFILE, FSIZE, CORE 0;
+- RLIMIT_DATA (memory_limit_mb), NPROC (per uid), CPU (SIGXCPU, SIGKILL a second later), NOFILE, FSIZE, CORE 0.
+  DATA, not AS as the reward scorer has: it counts the private writable memory a process maps, so a hog still
+  fails, but not address space reserved and never written: V8 reserves ~10 GiB per WebAssembly instance, and
+  node's fetch (undici's llhttp is WebAssembly) died with "Out of memory: Cannot allocate Wasm memory" under an
+  RLIMIT_AS of 4 GiB (it ran at 16);
 - no supplementary groups, gid, then the claimed uid (real, effective and saved), then no_new_privs.
 HOME and TMPDIR are the private /tmp. Not root (uid None): the namespaces come with a user namespace where the
 kernel allows one (rlfabric.sandbox.confine), the limits but NPROC are set, and the uid stays the service's.
@@ -227,7 +231,7 @@ def _set_limits(limits: Limits, own_uid: bool) -> None:
         resource.RLIMIT_CORE: 0,
     }
     if limits.memory_limit_mb:
-        values[resource.RLIMIT_AS] = limits.memory_limit_mb * MIB
+        values[resource.RLIMIT_DATA] = limits.memory_limit_mb * MIB
     if own_uid:  # NPROC counts per uid: only a uid of the episode's own makes it the agent's limit
         values[resource.RLIMIT_NPROC] = limits.max_processes
     for kind, value in values.items():

@@ -43,7 +43,7 @@ SNOOP = textwrap.dedent(
         # A leftover that leaves the tree: a new session, reparented away from the agent's launcher.
         subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
         limits = {name: float(resource.getrlimit(getattr(resource, "RLIMIT_" + name))[0])
-                  for name in ("AS", "NPROC", "CPU", "NOFILE")}
+                  for name in ("DATA", "NPROC", "CPU", "NOFILE")}
         return {"reward": float(os.getuid()), "metrics": {"secret_read": secret, "gid": float(os.getgid()),
                                                            "groups": float(len(os.getgroups())), **limits}}
     """
@@ -76,7 +76,7 @@ def test_an_agent_runs_as_a_claimed_uid_under_the_limits_and_nothing_of_it_outli
     assert not config.reward.custom_sandbox.uid <= uid < config.reward.custom_sandbox.uid + 64
     assert outcome.metrics["secret_read"] == 0.0  # root's 0600 file
     assert outcome.metrics["gid"] == settings.gid and outcome.metrics["groups"] == 0
-    assert outcome.metrics["AS"] == settings.memory_limit_mb * 1024 * 1024
+    assert outcome.metrics["DATA"] == settings.memory_limit_mb * 1024 * 1024
     assert (outcome.metrics["NPROC"], outcome.metrics["CPU"], outcome.metrics["NOFILE"]) == (48, 30, 64)
     assert not [p for p in psutil.process_iter(["uids"]) if p.info["uids"] and p.info["uids"].real == uid]
     claim = claim_uid(uid, 1)  # freed: its lock released (claim_uid raises when the uid is held)
@@ -118,6 +118,7 @@ def is_hog(uid: str) -> bool:
     return bool(int(hashlib.sha1(uid.encode()).hexdigest(), 16) % 2)
 
 
+@pytest.mark.slow  # a training run of 8 subprocess episodes: 65 s here (115 s while the 2 cores were loaded)
 def test_a_memory_hog_fails_its_episode_and_the_run_goes_on(tiny_model, tmp_path):
     folder = readable_folder(tmp_path)
     (folder / "agent.py").write_text(HOG)
@@ -142,7 +143,7 @@ def test_a_memory_hog_fails_its_episode_and_the_run_goes_on(tiny_model, tmp_path
     hogs = {row["uid"] for row in rows if is_hog(row["uid"])}
     step = metrics[1]
     assert step["agent/episodes"] == 8
-    assert step["agent/failed/exited"] == 2 * len(hogs)  # each hog's episodes, MemoryError under RLIMIT_AS
+    assert step["agent/failed/exited"] == 2 * len(hogs)  # each hog's episodes, MemoryError under RLIMIT_DATA
     assert 0 < len(hogs) < 4, "the seeded prompts give hogs and others both"
     assert len(rows) == 8 and all(
         row["score_failed"] == is_hog(row["uid"]) for row in rows

@@ -98,7 +98,8 @@ class AgentConfig(Section):
     """Refuse to start subprocess and command agents where they cannot have a uid of their own (the service is not
     root); false = log a warning and run them as the service's uid, which can read what the service can."""
     memory_limit_mb: int = Field(4096, ge=0)
-    """RLIMIT_AS of each process of a subprocess or command agent (MiB; a hog gets MemoryError or ENOMEM and its
+    """RLIMIT_DATA of each process of a subprocess or command agent (MiB: its private writable memory, not address
+    space, which node's WebAssembly reserves by the 10 GiB; a hog gets MemoryError or ENOMEM and its
     episode fails), and the most each of its private temp dirs holds; 0 = no limit."""
     max_processes: int = Field(128, ge=8)
     """RLIMIT_NPROC of an agent (root only): most processes and threads of one episode's uid."""
