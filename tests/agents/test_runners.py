@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from rlfabric.agents import runners
 from rlfabric.agents.entrypoint import load_entrypoint
 from rlfabric.agents.llm import LLM
 from rlfabric.agents.outcome import AgentFailed, AgentOutcome, parse_outcome
@@ -140,3 +141,22 @@ def test_a_subprocess_agent_has_a_tmp_and_dev_shm_of_its_own(tmp_path):
     outcome = asyncio.run(runner_of(config.agent).run({}, LLM_HERE))
     assert outcome.reward == 2.0  # its own two files, nothing of this host's
     assert not os.path.exists(f"/tmp/{marker}") and not os.path.exists(f"/dev/shm/{marker}")
+
+
+def test_the_agents_uid_range_is_apart_from_the_sandboxes_and_holds_the_concurrent_episodes():
+    for overrides, says in [(["agent.uid=64300"], "overlaps env.python.sandbox's"),
+                            (["agent.uid=64000"], "overlaps reward.custom_sandbox's"),
+                            (["agent.runner=command", "agent.command=[sh]", "agent.uid_count=8"],
+                             "agent.uid_count 8 < agent.max_concurrent_episodes 256")]:
+        with pytest.raises(ConfigError, match=says):
+            load_config(None, overrides)
+
+
+def test_not_root_an_agent_keeps_the_services_uid_with_a_warning_or_refuses(monkeypatch, caplog):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(runners, "_warned", set())  # logged once per process
+    settings = AgentConfig(runner="command", command=["sh"])
+    runner = runner_of(settings)
+    assert runner.uid_range is None and "agent.require_sandbox_uid makes this an error" in caplog.text
+    with pytest.raises(ConfigError, match="agent.require_sandbox_uid is set, but the service runs as uid"):
+        runner_of(settings.model_copy(update={"require_sandbox_uid": True}))
