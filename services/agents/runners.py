@@ -5,7 +5,9 @@
                 OPENAI_API_KEY and OPENAI_MODEL in its environment, its result as JSON on stdout
     command     agent.command (any language): the same variables and stdin, its result as JSON on stdout's last line
 
-A runner raises AgentFailed for what the agent did wrong (raised, exited with an error, printed garbage); the
+Subprocess and command agents start through their launcher (rlfabric.agents.jail): a network that reaches the
+gateway only, and as root a uid claimed per episode from agent.uid's range, the agent.* limits and private temp
+dirs (rlfabric.agents.confinement). A runner raises AgentFailed for what the agent did wrong (raised, exited with an error, printed garbage); the
 caller bounds the time (agent.timeout_s) and cancels, which kills a runner's process.
 """
 
@@ -13,17 +15,23 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import sys
 import urllib.parse
 from dataclasses import replace
 from typing import Any
 
-from rlfabric.agents.entrypoint import check_entrypoint, load_entrypoint
+from rlfabric.agents.confinement import AgentJail, Limits, reachable_paths
+from rlfabric.agents.entrypoint import check_entrypoint, load_entrypoint, split_entrypoint
 from rlfabric.agents.jail import NO_ISOLATION
 from rlfabric.agents.llm import LLM, AgentRunner
 from rlfabric.agents.outcome import EXITED, GARBAGE, RAISED, AgentFailed, AgentOutcome, parse_outcome
+from rlfabric.core.config import ConfigError
 from rlfabric.core.config.agent import AgentConfig
+from rlfabric.sandbox.confine import UidClaim, claim_uid, kill_processes_of
+
+log = logging.getLogger("rlfabric.agents")
 
 STDERR_KEPT = 600  # characters of a failed process's stderr its failure message keeps (the end)
 
@@ -76,29 +84,47 @@ def shared_http_client():
 
 class ProcessRunner:
     """Runs a program per episode: `argv`, the task as JSON on stdin, the LLM's variables in its environment;
-    the last line it prints is its result as JSON."""
+    the last line it prints is its result as JSON. With network_isolation or a `jail`, through the launcher
+    rlfabric.agents.jail; with `uid_range` (first, count; root only), each episode's process tree runs as a uid
+    claimed from it, killed to the last process and its temp files deleted when the episode ends."""
 
     def __init__(self, argv: list[str], working_dir: str = "", network_isolation: bool = False,
-                 require_network_isolation: bool = False):
+                 require_network_isolation: bool = False, jail: AgentJail | None = None,
+                 uid_range: tuple[int, int] | None = None):
         self.argv = argv
         self.working_dir = working_dir or None
         self.network_isolation = network_isolation
         self.require = ["--require"] if require_network_isolation else []
+        self.jail = jail
+        self.uid_range = uid_range
 
     async def close(self) -> None:
         pass  # a process per episode: nothing outlives one
 
-    def command_line(self, llm: LLM) -> list[str]:
-        """argv, run through rlfabric.agents.jail (a network that reaches the gateway only) if asked."""
-        if not self.network_isolation:
+    def command_line(self, llm: LLM, uid: int | None = None) -> list[str]:
+        """argv, run through rlfabric.agents.jail (a network that reaches the gateway only, the jail as `uid`)
+        if asked."""
+        if not self.network_isolation and self.jail is None:
             return self.argv
-        url = urllib.parse.urlsplit(llm.base_url)
-        gateway = f"{url.hostname}:{url.port or 80}"
-        return [sys.executable, "-m", "rlfabric.agents.jail", *self.require, gateway, "--", *self.argv]
+        gateway = "-"
+        if self.network_isolation:
+            url = urllib.parse.urlsplit(llm.base_url)
+            gateway = f"{url.hostname}:{url.port or 80}"
+        jail = replace(self.jail, uid=uid) if self.jail is not None else AgentJail(private_tmp=False)
+        return [sys.executable, "-m", "rlfabric.agents.jail", *self.require, gateway, jail.to_json(), "--",
+                *self.argv]
 
     async def run(self, task: dict[str, Any], llm: LLM) -> AgentOutcome:
+        claim = claim_uid(*self.uid_range) if self.uid_range is not None else None
+        try:
+            return await self._run(task, llm, claim.uid if claim is not None else None)
+        finally:
+            if claim is not None:  # what escaped the launcher (setsid, double forks), then its files
+                await asyncio.shield(asyncio.to_thread(_end_claim, claim))
+
+    async def _run(self, task: dict[str, Any], llm: LLM, uid: int | None) -> AgentOutcome:
         process = await asyncio.create_subprocess_exec(
-            *self.command_line(llm), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+            *self.command_line(llm, uid), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE, cwd=self.working_dir, env={**os.environ, **llm.env()})
         try:
             stdout, stderr = await process.communicate(json.dumps(task).encode())
@@ -113,6 +139,11 @@ class ProcessRunner:
             tail = stderr.decode(errors="replace")[-STDERR_KEPT:].strip()
             raise AgentFailed(EXITED, f"{self.argv[0]} exited with status {process.returncode}: {tail}")
         return parse_outcome(last_json_line(stdout.decode(errors="replace")))
+
+
+def _end_claim(claim: UidClaim) -> None:
+    kill_processes_of(claim.uid)
+    claim.release()
 
 
 def last_json_line(stdout: str) -> Any:
@@ -135,10 +166,37 @@ def runner_of(settings: AgentConfig) -> AgentRunner:
         from rlfabric.agents.service import ServiceRunner  # gRPC stubs: only runs that ask a host need them
 
         return ServiceRunner(settings.address, settings.timeout_s)
+    entrypoint_dir = ""
     if settings.runner == "subprocess":
         check_entrypoint(settings.entrypoint)
-        private_tmp = ["--private-tmp"] if settings.private_tmp else []
-        return ProcessRunner([sys.executable, "-m", "rlfabric.agents.host", *private_tmp, settings.entrypoint],
-                             settings.working_dir, settings.network_isolation, settings.require_network_isolation)
-    return ProcessRunner(list(settings.command), settings.working_dir, settings.network_isolation,
-                         settings.require_network_isolation)
+        argv = [sys.executable, "-m", "rlfabric.agents.host", settings.entrypoint]
+        where, _ = split_entrypoint(settings.entrypoint)
+        entrypoint_dir = os.path.dirname(os.path.abspath(where)) if where.endswith(".py") else ""
+    else:
+        argv = list(settings.command)
+    uid_range = None
+    if os.geteuid() == 0:
+        uid_range = (settings.uid, settings.uid_count)
+    elif settings.require_sandbox_uid:
+        raise ConfigError(f"agent.require_sandbox_uid is set, but the service runs as uid {os.getuid()}, not root: "
+                          f"{settings.runner} agents cannot have a uid of their own")
+    else:
+        _warn_once(f"the service does not run as root, so {settings.runner} agents run as its uid {os.getuid()}: "
+                   "they can read every file the service can and signal its processes; no RLIMIT_NPROC either "
+                   "(agent.require_sandbox_uid makes this an error)")
+    limits = Limits(settings.memory_limit_mb, settings.max_processes, settings.max_open_files, settings.max_file_mb,
+                    settings.cpu_limit_s)
+    working_dir = os.path.abspath(settings.working_dir) if settings.working_dir else os.getcwd()
+    jail = AgentJail(gid=settings.gid, private_tmp=settings.private_tmp, limits=limits,
+                     reachable=reachable_paths(argv, entrypoint_dir, working_dir))
+    return ProcessRunner(argv, settings.working_dir, settings.network_isolation, settings.require_network_isolation,
+                         jail, uid_range)
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        log.warning("%s", message)

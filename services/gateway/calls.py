@@ -238,10 +238,19 @@ class CallHandler:
 
     async def _generate(self, episode: Episode, prompt_ids: list[int], params: SamplingSpec) -> FinishedSample:
         """The engine's sample; OpenAIErrors for what the agent is told (its episode ended meanwhile: 410)."""
+        episode_left = max(0.0, self.episodes.seconds_left(episode))
+        deadline = min(episode_left, self.settings.call_timeout_s)
         try:
-            sample = await asyncio.wait_for(self._sample(prompt_ids, params, episode.key),
-                                            max(0.0, self.episodes.seconds_left(episode)))
+            sample = await asyncio.wait_for(self._sample(prompt_ids, params, episode.key), deadline)
         except TimeoutError:
+            if deadline < episode_left:  # the call's own deadline (a sync that does not end): the agent may retry
+                self.counts["call_timeouts"] += 1
+                retry_after_ms = self.settings.retry_after_ms
+                raise OpenAIError(503, f"the call waited agent.gateway.call_timeout_s ({self.settings.call_timeout_s:g}"
+                                       " s) for the rollout (held by a weight sync, or generating) and was dropped, "
+                                       "unrecorded: retry it", "call_timeout", type="server_error",
+                                  headers={"retry-after-ms": str(retry_after_ms),
+                                           "retry-after": str(max(1, retry_after_ms // 1000))}) from None
             self.episodes.time_out(episode)
             self.episodes.get(episode.key)  # raises its 410
             raise

@@ -145,6 +145,27 @@ def claim_uid(first: int, count: int) -> UidClaim:
     )
 
 
+def kill_processes_of(uid: int, rounds: int = 20) -> int:
+    """SIGKILL every live process whose real or effective uid is `uid` (an agent's tree that escaped its
+    launcher: double forks, setsid), again until none is left (one may fork while the others die; RLIMIT_NPROC
+    bounds how many it can make); how many were killed. Zombies are left to their parents."""
+    killed = 0
+    for _ in range(rounds):
+        victims = []
+        for process in psutil.process_iter(["uids", "status"]):
+            uids = process.info["uids"]
+            if uids and uid in (uids.real, uids.effective) and process.info["status"] != psutil.STATUS_ZOMBIE:
+                victims.append(process)
+        if not victims:
+            break
+        for process in victims:
+            with contextlib.suppress(psutil.Error):
+                process.kill()
+                killed += 1
+        psutil.wait_procs(victims, timeout=1.0)
+    return killed
+
+
 def _uids_in_use() -> set[int]:
     uids = set()
     for process in psutil.process_iter(["uids"]):

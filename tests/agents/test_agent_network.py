@@ -97,7 +97,7 @@ NO_SYS_ADMIN = [SETPRIV, "--inh-caps=-sys_admin", "--bounding-set=-sys_admin"] i
 def test_without_a_namespace_a_warning_or_a_failed_episode(mesh, agent, require):
     runner = ProcessRunner(agent, network_isolation=True, require_network_isolation=require)
     inner = runner.command_line
-    runner.command_line = lambda llm: [*NO_SYS_ADMIN, *inner(llm)]  # the jail runs without CAP_SYS_ADMIN
+    runner.command_line = lambda llm, uid=None: [*NO_SYS_ADMIN, *inner(llm, uid)]  # the jail lacks CAP_SYS_ADMIN
     with socket.create_server(("127.0.0.1", 0)) as other:
         if require:
             with pytest.raises(AgentFailed, match="cannot isolate the agent from the network.*does not run"):

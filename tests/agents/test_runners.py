@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from rlfabric.agents import runners
 from rlfabric.agents.entrypoint import load_entrypoint
 from rlfabric.agents.llm import LLM
 from rlfabric.agents.outcome import AgentFailed, AgentOutcome, parse_outcome
@@ -67,6 +68,7 @@ def test_an_inline_agent_that_raises_fails_its_episode(tmp_path):
 
 
 def test_a_subprocess_agent_gets_the_task_and_the_openai_variables_and_its_prints_are_not_its_result(tmp_path):
+    tmp_path.chmod(0o755)  # its uid reads the file (pytest makes the folder 0700)
     (tmp_path / "agent.py").write_text(
         "import os\n"
         "async def run(task, llm):\n"
@@ -126,14 +128,35 @@ def test_an_agent_run_needs_an_outcome_estimator_and_no_environment_loop():
 
 
 def test_a_subprocess_agent_has_a_tmp_and_dev_shm_of_its_own(tmp_path):
+    tmp_path.chmod(0o755)
     marker = f"rlfabric-agent-{os.getpid()}-{tmp_path.name}"
     (tmp_path / "agent.py").write_text(
         "import os\n"
         "async def run(task, llm):\n"
         f"    for folder in ('/tmp', '/dev/shm'):\n"
         f"        open(os.path.join(folder, {marker!r}), 'w').write('x')\n"
-        "    return {'reward': float(len(os.listdir('/tmp')) + len(os.listdir('/dev/shm')))}\n")
+        "    own = __file__.split('/')[2]\n"  # the folder its own file is bound back in (under /tmp here)
+        "    return {'reward': float(len(set(os.listdir('/tmp')) - {own}) + len(os.listdir('/dev/shm')))}\n")
     config = load_config(None, ["agent.runner=subprocess", f"agent.entrypoint={tmp_path}/agent.py:run"])
     outcome = asyncio.run(runner_of(config.agent).run({}, LLM_HERE))
     assert outcome.reward == 2.0  # its own two files, nothing of this host's
     assert not os.path.exists(f"/tmp/{marker}") and not os.path.exists(f"/dev/shm/{marker}")
+
+
+def test_the_agents_uid_range_is_apart_from_the_sandboxes_and_holds_the_concurrent_episodes():
+    for overrides, says in [(["agent.uid=64300"], "overlaps env.python.sandbox's"),
+                            (["agent.uid=64000"], "overlaps reward.custom_sandbox's"),
+                            (["agent.runner=command", "agent.command=[sh]", "agent.uid_count=8"],
+                             "agent.uid_count 8 < agent.max_concurrent_episodes 256")]:
+        with pytest.raises(ConfigError, match=says):
+            load_config(None, overrides)
+
+
+def test_not_root_an_agent_keeps_the_services_uid_with_a_warning_or_refuses(monkeypatch, caplog):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(runners, "_warned", set())  # logged once per process
+    settings = AgentConfig(runner="command", command=["sh"])
+    runner = runner_of(settings)
+    assert runner.uid_range is None and "agent.require_sandbox_uid makes this an error" in caplog.text
+    with pytest.raises(ConfigError, match="agent.require_sandbox_uid is set, but the service runs as uid"):
+        runner_of(settings.model_copy(update={"require_sandbox_uid": True}))

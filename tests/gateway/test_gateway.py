@@ -8,6 +8,7 @@ import dataclasses
 import gc
 import json
 import threading
+import time
 import tracemalloc
 
 import httpx
@@ -386,6 +387,37 @@ def test_calls_past_the_in_flight_limit_get_429_and_the_sdk_retries_them(mesh):
     retried.join(60)
     records = [mesh.call(gateway.episodes.close, episode.key) for episode in episodes]
     assert [len(record.calls) for record in records] == [1, 1]
+
+
+class NeverSynced(RouterGenerator):
+    """A rollout whose weight sync never ends: each call is held at its gate, on an event nobody sets."""
+
+    def __init__(self, router):
+        super().__init__(router)
+        self.held = threading.Event()
+
+    async def generate(self, prompt_ids, params, routing_key):
+        self.held.set()
+        await asyncio.Event().wait()
+
+
+def test_a_call_held_past_its_deadline_gets_a_503_to_retry_and_is_not_recorded(mesh):
+    generator = NeverSynced(mesh.router)
+    gateway = mesh.gateway_with("agent.gateway.call_timeout_s=0.5", "agent.gateway.retry_after_ms=1500",
+                                generator=generator)
+    episode = mesh.call(gateway.episodes.open)
+    started = time.monotonic()
+    with pytest.raises(openai.APIStatusError) as dropped:
+        client_of(gateway, episode).chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "during a sync"}], max_tokens=2)
+    waited = time.monotonic() - started
+    assert generator.held.is_set() and waited >= 0.5  # it waited its deadline at the gate, then was dropped
+    response = dropped.value.response
+    assert response.status_code == 503 and dropped.value.body["code"] == "call_timeout"
+    assert (response.headers["retry-after-ms"], response.headers["retry-after"]) == ("1500", "1")
+    assert gateway.calls.counts["call_timeouts"] == 1 and gateway.calls.inflight == 0
+    record = mesh.call(gateway.episodes.close, episode.key)
+    assert record.calls == [] and record.status == "closed"  # the episode itself did not time out
 
 
 @pytest.mark.slow  # ~30 s here: 512 calls through 256 SDK clients

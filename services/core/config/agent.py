@@ -37,6 +37,11 @@ class GatewayConfig(Section):
     data.max_response_length)."""
     episode_timeout_s: float = Field(3600.0, gt=0)
     """An episode open this long times out: its calls then get 410 (code episode_timed_out) and it is marked so."""
+    call_timeout_s: float = Field(600.0, gt=0)
+    """Most seconds one call may take at the rollout, its wait at a replica paused for a weight sync included (calls
+    wait through syncs; they do not fail). Past it the call is 503 (code call_timeout) with retry-after, not
+    recorded, and counted in agent/call_timeouts; the SDKs retry it. Keep it below rollout.request_timeout_s, past
+    which the router takes a replica out as stuck."""
     tool_call_format: Literal["hermes", "qwen3_xml", "llama3_json", "none"] = "hermes"
     """How tool calls are read from a reply when the request declares tools (vLLM's tool-call-parser names):
     hermes = <tool_call>{"name": ..., "arguments": {...}}</tool_call> (Hermes, Qwen2.5, Qwen3, SmolLM2);
@@ -74,8 +79,38 @@ class AgentConfig(Section):
     working_dir: str = ""
     """The working directory of subprocess and command agents; empty = the coordinator's."""
     private_tmp: bool = True
-    """Subprocess agents get empty /tmp, /var/tmp and /dev/shm of their own (a mount namespace; tmpfs gone with
-    the process), so episodes never see each other's files. Command agents keep the host's (for now)."""
+    """Subprocess and command agents get empty /tmp, /var/tmp and /dev/shm of their own (a mount namespace made
+    before the agent's program starts; tmpfs, each at most agent.memory_limit_mb, gone with the episode), so
+    episodes never see each other's files nor the host theirs. Files the agent reads belong elsewhere: its program,
+    its entrypoint's folder and its working directory stay reachable (bound in where they lay under /tmp)."""
+    uid: int = Field(64320, ge=1)
+    """First uid of the agents' range (root only): each subprocess or command episode runs its process tree as a
+    uid of uid .. uid + uid_count - 1 of its own, one no other episode, reward worker, python call or process uses,
+    so it cannot read root's 0600 files nor signal anything but its own processes, which are killed (and its files
+    in the temp dirs deleted) when the episode ends. Keep the range apart from reward.custom_sandbox's and
+    env.python.sandbox's, and below 65536."""
+    uid_count: int = Field(256, ge=1)
+    """How many uids the range holds: at least the episodes that may run at once on this machine
+    (agent.max_concurrent_episodes); a uid some process already runs as is skipped."""
+    gid: int = Field(65534, ge=1)
+    """Group of agent processes when the service runs as root (65534 = nogroup); no supplementary groups."""
+    require_sandbox_uid: bool = False
+    """Refuse to start subprocess and command agents where they cannot have a uid of their own (the service is not
+    root); false = log a warning and run them as the service's uid, which can read what the service can."""
+    memory_limit_mb: int = Field(4096, ge=0)
+    """RLIMIT_DATA of each process of a subprocess or command agent (MiB: its private writable memory, not address
+    space, which node's WebAssembly reserves by the 10 GiB; a hog gets MemoryError or ENOMEM and its
+    episode fails), and the most each of its private temp dirs holds; 0 = no limit."""
+    max_processes: int = Field(128, ge=8)
+    """RLIMIT_NPROC of an agent (root only): most processes and threads of one episode's uid."""
+    max_open_files: int = Field(1024, ge=16)
+    """RLIMIT_NOFILE of an agent: most file descriptors one of its processes may hold (each open connection to the
+    gateway is one)."""
+    max_file_mb: int = Field(256, ge=1)
+    """RLIMIT_FSIZE of an agent: largest file it may write (MiB); writing more fails with EFBIG."""
+    cpu_limit_s: int = Field(600, ge=1)
+    """RLIMIT_CPU of each agent process: CPU seconds (all its threads together); past it SIGXCPU, then SIGKILL a
+    second later, and its episode fails. agent.timeout_s bounds the episode's wall time."""
     network_isolation: bool = True
     """Subprocess and command agents get a network namespace of their own where only the gateway answers (at the
     same 127.0.0.1:port, relayed by rlfabric.agents.jail): no other port of this host, no outside address. Needs
@@ -104,6 +139,9 @@ class AgentConfig(Section):
                              "set agent.command")
         if self.runner == "service" and not self.address:
             raise ValueError("agent.runner service asks the AgentService at agent.address: set agent.address")
+        if self.runner in ("subprocess", "command") and self.uid_count < self.max_concurrent_episodes:
+            raise ValueError(f"agent.uid_count {self.uid_count} < agent.max_concurrent_episodes "
+                             f"{self.max_concurrent_episodes}: each running episode needs a uid of its own")
         if self.runner != "command" and self.command and not self.entrypoint:
             raise ValueError(f"agent.command is set but agent.runner is {self.runner}: set agent.runner command")
         return self

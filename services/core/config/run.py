@@ -111,12 +111,19 @@ class RunConfig(Section):
 
     @model_validator(mode="after")
     def _sandboxes_have_uids_apart(self) -> RunConfig:
-        """The reward workers and the python tool's calls never share a uid (signals and RLIMIT_NPROC go by uid)."""
+        """The reward workers, the python tool's calls and agents never share a uid (signals and RLIMIT_NPROC go by
+        uid)."""
         reward, python = self.reward.custom_sandbox, self.env.python.sandbox
         if reward.uid < python.uid + python.uid_count and python.uid < reward.uid + reward.uid_count:
             raise ValueError(
                 f"reward.custom_sandbox's uids ({reward.uid}..{reward.uid + reward.uid_count - 1}) overlap "
                 f"env.python.sandbox's ({python.uid}..{python.uid + python.uid_count - 1}): keep them apart")
+        agent = self.agent
+        for name, other in (("reward.custom_sandbox", reward), ("env.python.sandbox", python)):
+            if agent.uid < other.uid + other.uid_count and other.uid < agent.uid + agent.uid_count:
+                raise ValueError(
+                    f"agent.uid's range ({agent.uid}..{agent.uid + agent.uid_count - 1}) overlaps {name}'s "
+                    f"({other.uid}..{other.uid + other.uid_count - 1}): keep them apart")
         if self.reward.num_workers > reward.uid_count:
             raise ValueError(f"reward.num_workers {self.reward.num_workers} > reward.custom_sandbox.uid_count "
                              f"{reward.uid_count}: each worker needs a uid of its own")
