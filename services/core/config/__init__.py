@@ -43,7 +43,7 @@ from rlfabric.core.config.loading import (
 from rlfabric.core.config.model import DataConfig, ModelConfig
 from rlfabric.core.config.reference import config_reference
 from rlfabric.core.config.reward import CustomSandboxConfig, JudgeConfig, PythonSandboxConfig, RewardConfig
-from rlfabric.core.config.rollout import MultiTurnConfig, RolloutConfig
+from rlfabric.core.config.rollout import JudgePoolConfig, MultiTurnConfig, RolloutConfig
 from rlfabric.core.config.run import RunConfig
 from rlfabric.core.config.server import (
     ClientConfig,
@@ -76,6 +76,7 @@ __all__ = [
     "ReferenceConfig",
     "CriticConfig",
     "TeacherConfig",
+    "JudgePoolConfig",
     "MultiTurnConfig",
     "RolloutConfig",
     "CustomSandboxConfig",
