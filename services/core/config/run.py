@@ -196,9 +196,20 @@ class RunConfig(Section):
 
     @model_validator(mode="after")
     def _distill_has_a_teacher(self) -> RunConfig:
-        if self.algorithm.distill.enable and not self.teacher.model_path:
+        """Distillation needs a teacher; alone (no task reward) it needs no critic. With agent episodes it works
+        as with single-turn samples: the teacher scores each segment's tokens as the gateway recorded them (one
+        tokenizer, checked), and the tokens the model did not write (tool results, user turns) are off the
+        train mask, so they carry no reverse KL."""
+        distill = self.algorithm.distill
+        if distill.enable and not self.teacher.model_path:
             raise ValueError("algorithm.distill.enable needs teacher.model_path: the teacher model's directory (its "
                              "tokenizer must be model.path's)")
+        if distill.enable and not distill.use_task_reward and self.algorithm.adv_estimator == "gae":
+            raise ValueError("algorithm.distill.use_task_reward false with algorithm.adv_estimator gae: the teacher's "
+                             "per-token signal replaces the advantages, so the critic would learn values of no "
+                             "reward (its returns would be the reverse KL, which needs no baseline); set "
+                             "algorithm.distill.use_task_reward true to add the task reward's GAE, or another "
+                             "adv_estimator (e.g. grpo), which runs no critic")
         return self
 
     @model_validator(mode="after")
