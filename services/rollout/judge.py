@@ -23,8 +23,6 @@ def judge_config(config: RunConfig) -> RunConfig:
     """The config a judge replica serves: the run's, with judge.model_path as model.path and the judge section's
     engine settings as rollout.*; no multi-turn and no LoRA adapters (those are the policy's)."""
     judge = config.judge
-    if not judge.model_path:
-        raise FailedPrecondition("the judge role serves judge.model_path, which is empty")
     served = config.model_copy(deep=True)
     served.model.path = judge.model_path
     served.actor.lora.rank = 0
