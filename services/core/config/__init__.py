@@ -1,6 +1,6 @@
 """The run config: one YAML file with a section per role, VeRL-style names, validated on load.
 
-Sections: server, client, cluster, model, data, actor, reference, critic, rollout, reward, env, agent,
+Sections: server, client, cluster, model, data, actor, reference, critic, teacher, rollout, judge, reward, env, agent,
 algorithm, trainer, weight_sync, storage, launcher, tracing, sim, resource_pools. Every field has a default and a docstring
 (`rlfabric config-reference`
 prints them). Unknown keys and wrong types are errors that name the dotted key.

@@ -69,7 +69,8 @@ class JudgeConfig(Section):
 
     addresses: list[str] = []
     """gRPC addresses ("host:port") of the rollout services that serve the judge model (started with their own
-    model.path); empty = no judge. They must not be the policy's rollout replicas (cluster.rollout)."""
+    model.path); empty = no judge, unless judge.model_path is set: the launchers and the chart then start that
+    pool and write its addresses here. They must not be the policy's rollout replicas (cluster.rollout)."""
     data_sources: list[str] = []
     """data_source values the judge scores; empty = every item (the custom function's and the reward model's
     sources excepted). Other items go to the rule registered for their data_source."""
