@@ -76,10 +76,19 @@ def judge_model(out: Path) -> Path:
 
 
 def judge_run_config(judge_dir: Path):
-    return fast_config("", f"trainer.total_steps={STEPS}", f"judge.model_path={judge_dir}",
-                       "reward.judge.prompt_template='any letter of: {response}'", "reward.judge.regex='([01])'",
-                       "reward.judge.min_score=0", "reward.judge.max_score=1", "reward.judge.max_tokens=2",
-                       "reward.judge.batch_size=16", "reward.judge.timeout_s=60", "algorithm.max_failed_fraction=1.0")
+    return fast_config(
+        "",
+        f"trainer.total_steps={STEPS}",
+        f"judge.model_path={judge_dir}",
+        "reward.judge.prompt_template='any letter of: {response}'",
+        "reward.judge.regex='([01])'",
+        "reward.judge.min_score=0",
+        "reward.judge.max_score=1",
+        "reward.judge.max_tokens=2",
+        "reward.judge.batch_size=16",
+        "reward.judge.timeout_s=60",
+        "algorithm.max_failed_fraction=1.0",
+    )
 
 
 class Follower:
@@ -98,14 +107,20 @@ class Follower:
         """(Starts or resumes the run,) follows it until `step` is done, pauses it; the last step done."""
         async with self.client() as client:
             await (client.start_run() if start else client.resume_run())
-            async for update in client.stream_metrics(from_step=max(self.metrics, default=0) + 1, timeout_s=300):
+            async for update in client.stream_metrics(
+                from_step=max(self.metrics, default=0) + 1, timeout_s=300
+            ):
                 self.metrics[update.step] = dict(update.metrics)
                 if update.step >= step:
                     break
             await client.pause_run()
-            status = await wait_until_async(lambda: paused(client), 120, "the run paused at its step boundary")
+            status = await wait_until_async(
+                lambda: paused(client), 120, "the run paused at its step boundary"
+            )
             async for update in client.stream_metrics(from_step=max(self.metrics) + 1, timeout_s=5):
-                self.metrics[update.step] = dict(update.metrics)  # a step that ended while the pause was asked
+                self.metrics[update.step] = dict(
+                    update.metrics
+                )  # a step that ended while the pause was asked
                 if update.step >= status.step:
                     break
             return status.step
@@ -137,8 +152,14 @@ def rollouts(mesh: LocalMesh, step: int) -> list[dict]:
 
 def judge_failures_total(mesh: LocalMesh, reason: str) -> float:
     """rlfabric_reward_judge_failures_total{reason} as the reward service's metrics endpoint reports it."""
-    text = urllib.request.urlopen(f"http://{mesh.endpoints['reward'][0]['metrics']}/metrics", timeout=10).read().decode()
-    match = re.search(rf'^rlfabric_reward_judge_failures_total\{{reason="{reason}"\}} (\S+)$', text, re.MULTILINE)
+    text = (
+        urllib.request.urlopen(f"http://{mesh.endpoints['reward'][0]['metrics']}/metrics", timeout=10)
+        .read()
+        .decode()
+    )
+    match = re.search(
+        rf'^rlfabric_reward_judge_failures_total\{{reason="{reason}"\}} (\S+)$', text, re.MULTILINE
+    )
     return float(match.group(1)) if match else 0.0
 
 
@@ -151,17 +172,25 @@ async def judge_scores_through_the_reward_service(mesh: LocalMesh) -> None:
         result = (await reward.score([item]))[0]
         return result.ok and result.score == 1.0
 
-    async with RewardClient(mesh.endpoints["reward"][0]["grpc"], ChannelOptions.from_config(mesh.config)) as reward:
-        await wait_until_async(lambda: scored(reward), 60, "the reward service scoring through the restarted judge")
+    async with RewardClient(
+        mesh.endpoints["reward"][0]["grpc"], ChannelOptions.from_config(mesh.config)
+    ) as reward:
+        await wait_until_async(
+            lambda: scored(reward), 60, "the reward service scoring through the restarted judge"
+        )
 
 
 async def direct_scores(mesh: LocalMesh, records: list[dict]) -> list[float | None]:
     """Each dumped sample's score as judge-0 gives it asked directly (None: its verdict does not parse)."""
     config: JudgeConfig = mesh.config.reward.judge
     scorer = JudgeScorer(config)  # only for its conversation(): the reward service's own rendering
-    conversations = [scorer.conversation(ScoreItem(r["data_source"], r["response"], r["ground_truth"], prompt=r["prompt"]))
-                     for r in records]
-    async with JudgeClient(mesh.endpoints["judge"][0]["grpc"], ChannelOptions.from_config(mesh.config)) as judge:
+    conversations = [
+        scorer.conversation(ScoreItem(r["data_source"], r["response"], r["ground_truth"], prompt=r["prompt"]))
+        for r in records
+    ]
+    async with JudgeClient(
+        mesh.endpoints["judge"][0]["grpc"], ChannelOptions.from_config(mesh.config)
+    ) as judge:
         verdicts = await judge.verdicts(conversations, config, timeout_s=300)
     scores: list[float | None] = []
     for verdict in verdicts:
@@ -209,11 +238,16 @@ def test_the_launcher_starts_the_judge_pool_and_a_killed_judge_fails_masks_and_c
         # Every step begun while the judge was down: each item failed with the judge's failure, masked and counted.
         for step in range(killed_after + 1, restarted_after + 1):
             down = metrics[step]
-            assert down["reward/judge_failures/fraction"] == 1.0 and down["reward/score_failed/fraction"] == 1.0
+            assert (
+                down["reward/judge_failures/fraction"] == 1.0 and down["reward/score_failed/fraction"] == 1.0
+            )
             assert down["actor/grad_norm"] == 0.0, step  # no gradient from the masked samples
             for record in rollouts(mesh, step):
                 assert record["score_failed"] and record["failure"]["status"] == STATUS_ERROR
-                assert "judge: " in record["failure"]["message"] and "UNAVAILABLE" in record["failure"]["message"]
+                assert (
+                    "judge: " in record["failure"]["message"]
+                    and "UNAVAILABLE" in record["failure"]["message"]
+                )
         assert unavailable == ITEMS * (restarted_after - killed_after)
 
         # Restarted: the judge scores every later step again, to the end of the run.

@@ -10,8 +10,16 @@ from rlfabric.launch.start_order import spawn_order, write_worker_config
 
 
 def test_the_env_and_the_judge_pool_start_first_and_their_callers_last():
-    config = load_config(None, ["env.enable=true", "judge.model_path=/models/judge", "judge.replicas=2",
-                                "rollout.replicas=2", "reward.judge.data_sources=[chat]"])
+    config = load_config(
+        None,
+        [
+            "env.enable=true",
+            "judge.model_path=/models/judge",
+            "judge.replicas=2",
+            "rollout.replicas=2",
+            "reward.judge.data_sources=[chat]",
+        ],
+    )
     first, early, late = spawn_order(service_names(config))
     assert first == [("judge-0", "judge"), ("judge-1", "judge"), ("env", "env")]
     assert early == [("actor", "actor")]
@@ -24,7 +32,9 @@ def test_the_env_and_the_judge_pool_start_first_and_their_callers_last():
 def test_the_workers_config_names_the_judge_pool_as_the_rewards_judge(tmp_path):
     config = load_config(None, ["judge.model_path=/models/judge", "reward.judge.data_sources=[chat]"])
     path = tmp_path / "config.yaml"
-    write_worker_config(config, path, {"judge": ["127.0.0.1:5001", "127.0.0.1:5002"], "env": ["127.0.0.1:5003"]})
+    write_worker_config(
+        config, path, {"judge": ["127.0.0.1:5001", "127.0.0.1:5002"], "env": ["127.0.0.1:5003"]}
+    )
     written = load_config(path)  # as the reward service reads it: the rules between the keys hold
     assert written.reward.judge.addresses == written.cluster.judge == ["127.0.0.1:5001", "127.0.0.1:5002"]
     assert written.cluster.env == ["127.0.0.1:5003"] and written.cluster.rollout == []

@@ -20,11 +20,23 @@ from tests.conftest import ServerThread
 
 
 def test_the_judge_config_is_the_judge_sections():
-    config = load_config(None, ["model.path=/models/policy", "judge.model_path=/models/judge", "judge.dtype=float32",
-                                "judge.max_num_seqs=7", "judge.replicas=3", "actor.lora.rank=8",
-                                "rollout.multi_turn.enable=true", "rollout.engine=sim"])
+    config = load_config(
+        None,
+        [
+            "model.path=/models/policy",
+            "judge.model_path=/models/judge",
+            "judge.dtype=float32",
+            "judge.max_num_seqs=7",
+            "judge.replicas=3",
+            "actor.lora.rank=8",
+            "rollout.multi_turn.enable=true",
+            "rollout.engine=sim",
+        ],
+    )
     served = judge_config(config)
-    assert served.model.path == "/models/judge" and config.model.path == "/models/policy"  # the run's is untouched
+    assert (
+        served.model.path == "/models/judge" and config.model.path == "/models/policy"
+    )  # the run's is untouched
     rollout = served.rollout
     assert (rollout.engine, rollout.dtype, rollout.max_num_seqs, rollout.replicas) == ("hf", "float32", 7, 3)
     assert not rollout.multi_turn.enable and not served.actor.lora.enabled
@@ -41,7 +53,9 @@ def judge(tiny_model):
 def test_a_judge_replica_serves_the_judge_model_and_generates(judge, tiny_model):
     async def talk():
         async with RolloutClient(judge.address) as replica:
-            samples = await replica.generate([[{"role": "user", "content": "hi"}]], SamplingSpec(max_tokens=3, seed=0))
+            samples = await replica.generate(
+                [[{"role": "user", "content": "hi"}]], SamplingSpec(max_tokens=3, seed=0)
+            )
             return samples, await replica.status()
 
     samples, status = asyncio.run(talk())
@@ -52,12 +66,17 @@ def test_a_judge_replica_serves_the_judge_model_and_generates(judge, tiny_model)
 def test_a_judge_replica_refuses_every_weight_sync(judge):
     with grpc.insecure_channel(judge.address) as channel:
         stub = rollout_pb2_grpc.RolloutServiceStub(channel)
-        calls = {"JoinWeightSyncGroup": lambda: stub.JoinWeightSyncGroup(
-                     rollout_pb2.RolloutServiceJoinWeightSyncGroupRequest(), timeout=10),
-                 "ReceiveWeights": lambda: stub.ReceiveWeights(rollout_pb2.RolloutServiceReceiveWeightsRequest(),
-                                                               timeout=10),
-                 "PushWeights": lambda: stub.PushWeights(iter([rollout_pb2.RolloutServicePushWeightsRequest()]),
-                                                         timeout=10)}
+        calls = {
+            "JoinWeightSyncGroup": lambda: stub.JoinWeightSyncGroup(
+                rollout_pb2.RolloutServiceJoinWeightSyncGroupRequest(), timeout=10
+            ),
+            "ReceiveWeights": lambda: stub.ReceiveWeights(
+                rollout_pb2.RolloutServiceReceiveWeightsRequest(), timeout=10
+            ),
+            "PushWeights": lambda: stub.PushWeights(
+                iter([rollout_pb2.RolloutServicePushWeightsRequest()]), timeout=10
+            ),
+        }
         for name, call in calls.items():
             with pytest.raises(grpc.RpcError) as refused:
                 call()
