@@ -219,6 +219,13 @@ def test_the_launcher_starts_the_judge_pool_and_a_killed_judge_fails_masks_and_c
         status = asyncio.run(run.to_the_end())
         metrics = run.metrics
 
+        print(
+            f"judge killed after step {killed_after}, restarted after step {restarted_after}; items failed "
+            f"unavailable: {unavailable:g}; judge failures per step:",
+            json.dumps({step: metrics[step].get("reward/judge_failures/count") for step in sorted(metrics)}),
+            "; grad_norm per step:",
+            json.dumps({step: round(metrics[step]["actor/grad_norm"], 4) for step in sorted(metrics)}),
+        )
         # The run went on through the judge's death and completed its steps.
         assert status.state == coordinator_pb2.RUN_STATE_COMPLETED, status
         assert sorted(metrics) == list(range(1, STEPS + 1))

@@ -4,7 +4,12 @@ pool's as the reward's reward.judge.addresses."""
 
 from __future__ import annotations
 
-from rlfabric.core.config import load_config
+import asyncio
+
+import pytest
+
+from rlfabric.core.config import ConfigError, load_config
+from rlfabric.launch.inprocess import InProcessMesh
 from rlfabric.launch.local import service_names
 from rlfabric.launch.start_order import spawn_order, write_worker_config
 
@@ -38,3 +43,13 @@ def test_the_workers_config_names_the_judge_pool_as_the_rewards_judge(tmp_path):
     written = load_config(path)  # as the reward service reads it: the rules between the keys hold
     assert written.reward.judge.addresses == written.cluster.judge == ["127.0.0.1:5001", "127.0.0.1:5002"]
     assert written.cluster.env == ["127.0.0.1:5003"] and written.cluster.rollout == []
+
+
+def test_the_in_process_mesh_refuses_a_judge_pool_naming_the_key(tmp_path):
+    """The reward service reaches its judge over gRPC only: `--in-process` refuses judge.model_path before it
+    starts anything, pointing at the local launcher."""
+    config = load_config(None, ["judge.model_path=/models/judge"])
+    mesh = InProcessMesh(config, tmp_path / "run")
+    with pytest.raises(ConfigError, match="judge.model_path: the in-process mesh has no judge pool"):
+        asyncio.run(mesh.__aenter__())
+    assert mesh.engines == {} and not (tmp_path / "run").exists()
