@@ -49,7 +49,13 @@ from rlfabric.launch.placement import (
     visible_gpu_count,
 )
 from rlfabric.launch.scrape_targets import remove_shared_targets, write_scrape_targets
-from rlfabric.launch.start_order import LaunchedService, addresses_of, spawn_order, write_worker_config
+from rlfabric.launch.start_order import (
+    LaunchedService,
+    addresses_of,
+    name_addresses,
+    spawn_order,
+    write_worker_config,
+)
 from rlfabric.quickstart import cached
 from rlfabric.weight_sync.devices import TransportChoice
 
@@ -356,9 +362,9 @@ class LocalMesh(MeshContext):
         phases = StartPhases("mesh", log)
         with phases.phase("placement"):
             self.placements, _ = plan_local(self.config, self.external)
-        for role, addresses in self.external.items():
-            if ROLE_TABLE[role].kind is Kind.ENVIRONMENT:  # the replicas' config names the environment they may call
-                self.config.cluster.env = list(addresses)
+        # The replicas' config names the environment they may call, the reward's the judge pool it calls.
+        name_addresses(self.config, {role: addresses for role, addresses in self.external.items()
+                                     if ROLE_TABLE[role].kind in (Kind.ENVIRONMENT, Kind.JUDGE)})
         worker_config = prepare_run_dir(self.config, self.run_dir, phases)
         with phases.phase("workers_bound"):  # started, and listening (their models load after that)
             (self.run_dir / "ports").mkdir(exist_ok=True)

@@ -43,14 +43,19 @@ def spawn_order(
     return first, [s for s in services if s not in first and s not in late], late
 
 
-def write_worker_config(config: RunConfig, path: Path, addresses: Mapping[str, Sequence[str]]) -> None:
-    """The workers' config (RUN_DIR/config.yaml) again, with the first-started services' addresses (role ->
-    addresses) in cluster.<role>, and a judge pool's also as reward.judge.addresses; replaced atomically, so a
-    service starting now reads either version whole."""
+def name_addresses(config: RunConfig, addresses: Mapping[str, Sequence[str]]) -> None:
+    """The roles' addresses (role -> addresses) as cluster.<role>, and a judge pool's also as reward.judge.addresses
+    (the reward service calls those)."""
     for role, listed in addresses.items():
         setattr(config.cluster, role, list(listed))
         if ROLE_TABLE[role].kind is Kind.JUDGE:
             config.reward.judge.addresses = list(listed)
+
+
+def write_worker_config(config: RunConfig, path: Path, addresses: Mapping[str, Sequence[str]]) -> None:
+    """The workers' config (RUN_DIR/config.yaml) again, with the first-started services' addresses named
+    (name_addresses); replaced atomically, so a service starting now reads either version whole."""
+    name_addresses(config, addresses)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     dump_config(config, tmp)
     tmp.replace(path)

@@ -11,7 +11,7 @@ import pytest
 from rlfabric.core.config import ConfigError, load_config
 from rlfabric.launch.inprocess import InProcessMesh
 from rlfabric.launch.local import service_names
-from rlfabric.launch.start_order import spawn_order, write_worker_config
+from rlfabric.launch.start_order import name_addresses, spawn_order, write_worker_config
 
 
 def test_the_env_and_the_judge_pool_start_first_and_their_callers_last():
@@ -53,3 +53,10 @@ def test_the_in_process_mesh_refuses_a_judge_pool_naming_the_key(tmp_path):
     with pytest.raises(ConfigError, match="judge.model_path: the in-process mesh has no judge pool"):
         asyncio.run(mesh.__aenter__())
     assert mesh.engines == {} and not (tmp_path / "run").exists()
+
+
+def test_a_judge_pool_served_elsewhere_is_named_as_the_rewards_judge():
+    """`rlfabric up --external judge=HOST:PORT`: the launcher names it before any service starts."""
+    config = load_config(None, ["judge.model_path=/models/judge", "reward.judge.data_sources=[chat]"])
+    name_addresses(config, {"judge": ["10.0.0.7:50051"]})
+    assert config.reward.judge.addresses == config.cluster.judge == ["10.0.0.7:50051"]
