@@ -19,10 +19,11 @@ from rlfabric.core.server import ServerOptions, ServiceDefinition, serve_all
 
 
 def build_service(role: str, config: RunConfig, replica: int = 0) -> ServiceDefinition:
-    """The ServiceDefinition of `role` for this config: its servicer module's build_service; a rollout's as
+    """The ServiceDefinition of `role` for this config: its servicer module's build_service; a rollout's (or a
+    judge's) as
     replica number `replica` of the run."""
     module = importlib.import_module(role_of(role).servicer)
-    if role_of(role).kind is Kind.ROLLOUT:
+    if role_of(role).replicated:
         return module.build_service(config, replica=replica)
     return module.build_service(config)
 

@@ -27,8 +27,8 @@ def cmd_serve(args) -> int:
         health_port=args.health_port)
     if args.replicas < 1 or args.replica < 0 or args.replica_stride < 1:
         raise SystemExit("rlfabric serve: --replicas and --replica-stride must be >= 1 and --replica >= 0")
-    if args.replicas > 1 and ROLE_TABLE[args.role].kind is not Kind.ROLLOUT:
-        raise SystemExit(f"rlfabric serve {args.role}: --replicas is for the rollout role")
+    if args.replicas > 1 and not ROLE_TABLE[args.role].replicated:
+        raise SystemExit(f"rlfabric serve {args.role}: --replicas is for the rollout and judge roles")
     if args.replicas > 1 and args.port_file and "{replica}" not in args.port_file:
         raise SystemExit("rlfabric serve: with --replicas, --port-file needs {replica} in its path")
     run_service(args.role, config, options, port_file=args.port_file,

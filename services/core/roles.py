@@ -12,6 +12,7 @@ row here, with its config section and its servicer module.
 | critic      | rlfabric.critic.servicer      | trainer     | world_size      |
 | teacher     | rlfabric.reference.teacher    | trainer     | world_size      |
 | rollout     | rlfabric.rollout.servicer     | rollout     | tensor_parallel |
+| judge       | rlfabric.rollout.judge        | judge       | tensor_parallel |
 | reward      | rlfabric.reward.servicer      | service     | model           |
 | env         | rlfabric.env.servicer         | environment | none            |
 | coordinator | rlfabric.coordinator.servicer | coordinator | none            |
@@ -35,8 +36,13 @@ class Kind(Enum):
     ROLLOUT = "rollout"
     """Generation: <role>.replicas services named ROLE-0, ROLE-1, ...; each calls only the environments its own
     config names, so they start once the environment's address is in it; computes with torch."""
+    JUDGE = "judge"
+    """The generative judge's pool: <role>.replicas rollout services ROLE-0, ROLE-1, ... serving a model of their
+    own (<role>.model_path); started first, their addresses written into the reward's config
+    (reward.judge.addresses); never in the weight-sync set; computes with torch."""
     SERVICE = "service"
-    """One process, started with the others."""
+    """One process, started with the others; once the environment's and the judge pool's addresses are in its
+    config when the run has them (the reward calls the judge)."""
     ENVIRONMENT = "environment"
     """The environment the rollout calls: it holds the environment link's token, never the mesh's; started
     first, its address written into the other services' config (cluster.env)."""
@@ -52,7 +58,7 @@ class GpuRule(Enum):
     WORLD_SIZE = "world_size"
     """<role>.world_size GPUs: the first of its pool's."""
     TENSOR_PARALLEL = "tensor_parallel"
-    """rollout.tensor_parallel_size GPUs per replica: replica i takes slice i (mod the slices) of its pool's; on
+    """<role>.tensor_parallel_size GPUs per replica: replica i takes slice i (mod the slices) of its pool's; on
     Ray none for an SGLang server, which holds its own."""
     MODEL = "model"
     """Every GPU of its pool; on Ray one when its model (<role>.model_path) runs on cuda (<role>.model_device)."""
@@ -72,7 +78,12 @@ class Role:
     @property
     def computes_with_torch(self) -> bool:
         """Its services share the cores with the other torch services (rlfabric.launch.placement)."""
-        return self.kind in (Kind.TRAINER, Kind.ROLLOUT)
+        return self.kind in (Kind.TRAINER, Kind.ROLLOUT, Kind.JUDGE)
+
+    @property
+    def replicated(self) -> bool:
+        """Its services are <role>.replicas replicas named ROLE-0, ROLE-1, ... (served with their replica number)."""
+        return self.kind in (Kind.ROLLOUT, Kind.JUDGE)
 
     @property
     def has_pool(self) -> bool:
@@ -86,6 +97,7 @@ ROLE_TABLE: dict[str, Role] = {role.name: role for role in (
     Role("critic", "rlfabric.critic.servicer", Kind.TRAINER, GpuRule.WORLD_SIZE),
     Role("teacher", "rlfabric.reference.teacher", Kind.TRAINER, GpuRule.WORLD_SIZE),
     Role("rollout", "rlfabric.rollout.servicer", Kind.ROLLOUT, GpuRule.TENSOR_PARALLEL),
+    Role("judge", "rlfabric.rollout.judge", Kind.JUDGE, GpuRule.TENSOR_PARALLEL),
     Role("reward", "rlfabric.reward.servicer", Kind.SERVICE, GpuRule.MODEL),
     Role("env", "rlfabric.env.servicer", Kind.ENVIRONMENT, GpuRule.NONE),
     Role("coordinator", "rlfabric.coordinator.servicer", Kind.COORDINATOR, GpuRule.NONE),

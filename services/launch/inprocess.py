@@ -40,7 +40,7 @@ from rlfabric.coordinator.peers import Peers, RoleClients, build_peers, environm
 from rlfabric.coordinator.run_controller import RunController
 from rlfabric.coordinator.weight_sync import SyncReport, WeightSync, target_dtype
 from rlfabric.core.client import ChannelOptions
-from rlfabric.core.config import RunConfig
+from rlfabric.core.config import ConfigError, RunConfig
 from rlfabric.core.roles import ROLE_TABLE, Kind
 from rlfabric.critic.client import LocalCriticClient
 from rlfabric.env.client import LocalEnvClient
@@ -123,7 +123,11 @@ class InProcessMesh:
 
     async def start(self) -> None:
         """Prepares RUN_DIR as `rlfabric up` does (the tiny model when model.path is empty, the storage
-        root), then builds and starts each role's engine; config.cluster names them."""
+        root), then builds and starts each role's engine; config.cluster names them. A judge pool is refused: the
+        reward service reaches its judge over gRPC only (rlfabric.reward.judge)."""
+        if self.config.uses_judge_pool():
+            raise ConfigError("judge.model_path: the in-process mesh has no judge pool (the reward service calls its "
+                              "judge over gRPC); use the local launcher (`rlfabric up`), which starts it")
         await asyncio.to_thread(prepare_run_dir, self.config, self.run_dir)
         addresses: dict[str, list[str]] = {}
         for name, role in service_names(self.config):

@@ -12,9 +12,10 @@ Logs go to RUN_DIR/logs/<name>.log. A role in a resource pool sees only the pool
 cores (rlfabric.launch.placement); every service gets an OMP_NUM_THREADS that keeps the services together
 within the machine's cores (launcher.threads_per_service). Every RPC needs the mesh's token (RUN_DIR/auth_token, 0600)
 unless server.auth_token_file names another; the environment link has a token of its own (RUN_DIR/env_token). Children get SIGTERM if the launcher dies (PR_SET_PDEATHSIG),
-and stop() terminates, then kills, every child: no orphans. The env service starts first: the rollout replicas
-start once its address is in RUN_DIR/config.yaml (cluster.env), as they call only an environment their own
-config names.
+and stop() terminates, then kills, every child: no orphans. The env service and the judge pool (judge.model_path)
+start first: the rollout replicas start once the env's address is in RUN_DIR/config.yaml (cluster.env), as they
+call only an environment their own config names, and the reward service once the judge replicas' are
+(reward.judge.addresses).
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Protocol
 
 from rlfabric.core.client import ChannelOptions, wait_until_serving
 from rlfabric.core.config import ConfigError, RunConfig, dump_config
@@ -49,6 +49,13 @@ from rlfabric.launch.placement import (
     visible_gpu_count,
 )
 from rlfabric.launch.scrape_targets import remove_shared_targets, write_scrape_targets
+from rlfabric.launch.start_order import (
+    LaunchedService,
+    addresses_of,
+    name_addresses,
+    spawn_order,
+    write_worker_config,
+)
 from rlfabric.quickstart import cached
 from rlfabric.weight_sync.devices import TransportChoice
 
@@ -118,10 +125,10 @@ def worker_roles(config: RunConfig) -> list[str]:
 def service_names(config: RunConfig) -> list[tuple[str, str]]:
     """(service name, role) of every service the config's runs use, except the coordinator, in start
     order: a critic only for GAE, a reference only when a KL term reads it (RunConfig.roles_in_use), and
-    each rollout replica ROLE-i."""
+    each rollout (or judge) replica ROLE-i."""
     names = []
     for role in worker_roles(config):
-        if ROLE_TABLE[role].kind is Kind.ROLLOUT:
+        if ROLE_TABLE[role].replicated:
             names += [(f"{role}-{i}", role) for i in range(getattr(config, role).replicas)]
         else:
             names.append((role, role))
@@ -148,15 +155,23 @@ def prepare_run_dir(config: RunConfig, run_dir: Path, phases: StartPhases | None
         with phases.phase("model_build"):
             config.model.path = str(build_tiny_model(run_dir))
     elif config.model.path.startswith(REGISTRY_PREFIX):
-        from rlfabric.trainer.pretrained import cached_model
-
         with phases.phase("model_cache"):
-            config.model.path = str(cached_model(config.model.path.removeprefix(REGISTRY_PREFIX)))
+            config.model.path = registry_model(config.model.path)
+    if config.judge.model_path.startswith(REGISTRY_PREFIX):
+        with phases.phase("judge_model_cache"):
+            config.judge.model_path = registry_model(config.judge.model_path)
     with phases.phase("model_check"):
         check_model(config)
     worker_config = run_dir / "config.yaml"
     dump_config(config, worker_config)
     return worker_config
+
+
+def registry_model(path: str) -> str:
+    """The directory of model "pypi:NAME", converted from its wheel once per machine."""
+    from rlfabric.trainer.pretrained import cached_model
+
+    return str(cached_model(path.removeprefix(REGISTRY_PREFIX)))
 
 
 def write_mesh_token(run_dir: Path, name: str = "auth_token") -> Path:
@@ -267,25 +282,6 @@ def write_endpoints(run_dir: Path, endpoints: dict[str, list[dict]]) -> None:
     write_scrape_targets(run_dir, endpoints)
 
 
-def spawn_order(services: Sequence[tuple[str, str]]) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
-    """(the services started at once, the env service first; the rollout replicas, started once the env's
-    address is in the workers' config: a replica calls only environment addresses its own config names)."""
-    def kind(service: tuple[str, str]) -> Kind:
-        return ROLE_TABLE[service[1]].kind
-
-    early = sorted((s for s in services if kind(s) is not Kind.ROLLOUT), key=lambda s: kind(s) is not Kind.ENVIRONMENT)
-    return early, [s for s in services if kind(s) is Kind.ROLLOUT]
-
-
-def write_worker_config(config: RunConfig, path: Path, env_addresses: Sequence[str]) -> None:
-    """The workers' config (RUN_DIR/config.yaml) again, with the environment service's addresses as
-    cluster.env; replaced atomically, so a service starting now reads either version whole."""
-    config.cluster.env = list(env_addresses)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    dump_config(config, tmp)
-    tmp.replace(path)
-
-
 def write_coordinator_config(config: RunConfig, endpoints: dict[str, list[dict]], run_dir: Path) -> Path:
     """RUN_DIR/config.resolved.yaml: the config plus every role's addresses in its cluster section."""
     resolved = config.model_copy(deep=True)
@@ -294,19 +290,6 @@ def write_coordinator_config(config: RunConfig, endpoints: dict[str, list[dict]]
     path = run_dir / "config.resolved.yaml"
     dump_config(resolved, path)
     return path
-
-
-class LaunchedService(Protocol):
-    """What the launchers know of a started service (ServiceProcess, RayService)."""
-
-    name: str
-
-    @property
-    def grpc_address(self) -> str: ...
-
-    def exit_report(self) -> str | None: ...
-
-    def log_tail(self, lines: int = 20) -> str: ...
 
 
 async def await_readiness(config: RunConfig, services: list[LaunchedService]) -> None:
@@ -372,25 +355,28 @@ class LocalMesh(MeshContext):
     # -- lifecycle ---------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Starts the workers (the env first: the rollout replicas once its address is in their config), then
+        """Starts the workers (the env and the judge replicas first: the rollout replicas and the reward once their
+        addresses are in their config), then
         the coordinator (configured with their addresses); waits for all. Each phase logs its seconds;
         RUN_DIR/mesh_start.json records them."""
         phases = StartPhases("mesh", log)
         with phases.phase("placement"):
             self.placements, _ = plan_local(self.config, self.external)
-        for role, addresses in self.external.items():
-            if ROLE_TABLE[role].kind is Kind.ENVIRONMENT:  # the replicas' config names the environment they may call
-                self.config.cluster.env = list(addresses)
+        # The replicas' config names the environment they may call, the reward's the judge pool it calls.
+        name_addresses(self.config, {role: addresses for role, addresses in self.external.items()
+                                     if ROLE_TABLE[role].kind in (Kind.ENVIRONMENT, Kind.JUDGE)})
         worker_config = prepare_run_dir(self.config, self.run_dir, phases)
         with phases.phase("workers_bound"):  # started, and listening (their models load after that)
             (self.run_dir / "ports").mkdir(exist_ok=True)
-            early, rollouts = spawn_order([s for s in service_names(self.config) if s[1] not in self.external])
-            for name, role in early:
+            first, early, late = spawn_order([s for s in service_names(self.config) if s[1] not in self.external])
+            for name, role in first + early:
                 self._spawn(name, role, worker_config)
-            for env in [p for p in self.processes if ROLE_TABLE[p.role].kind is Kind.ENVIRONMENT]:
-                self._await_ports(env)
-                write_worker_config(self.config, worker_config, [env.grpc_address])
-            for name, role in rollouts:
+            started_first = [p for p in self.processes if (p.name, p.role) in first]
+            for proc in started_first:
+                self._await_ports(proc)
+            if started_first:
+                write_worker_config(self.config, worker_config, addresses_of(started_first))
+            for name, role in late:
                 self._spawn(name, role, worker_config)
             for proc in self.processes:
                 if proc.ports is None:

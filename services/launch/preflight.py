@@ -77,6 +77,8 @@ def check_model_paths(config: RunConfig, report: CheckReport) -> str:
         check_model_directory(str(report.model_dir))
     others = [("critic.model_path", config.critic.model_path if config.uses_critic() else ""),
               ("teacher.model_path", config.teacher.model_path if config.uses_teacher() else ""),
+              # a registry model (pypi:NAME) is converted at the launch, as model.path's is
+              ("judge.model_path", "" if config.judge.model_path.startswith(REGISTRY_PREFIX) else config.judge.model_path),
               ("reward.model_path", config.reward.model_path)]
     for key, path in others:
         if path:

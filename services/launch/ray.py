@@ -61,10 +61,8 @@ from rlfabric.launch.local import (
     prepare_run_dir,
     serve_command,
     service_names,
-    spawn_order,
     write_coordinator_config,
     write_endpoints,
-    write_worker_config,
 )
 from rlfabric.launch.placement import predicted_transport
 from rlfabric.launch.ray_placement import (
@@ -77,6 +75,7 @@ from rlfabric.launch.ray_placement import (
     rollout_hosts,
 )
 from rlfabric.launch.scrape_targets import remove_shared_targets
+from rlfabric.launch.start_order import addresses_of, spawn_order, write_worker_config
 
 log = logging.getLogger("rlfabric.launch.local")
 
@@ -272,7 +271,8 @@ class RayMesh(MeshContext):
     # -- lifecycle ---------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Starts the workers (the env first: the rollout replicas once its address is in their config), then
+        """Starts the workers (the env and the judge replicas first: the rollout replicas and the reward once their
+        addresses are in their config), then
         the coordinator (configured with their addresses); waits for all."""
         bundles = pool_bundles(self.config)  # a pool with more nodes than services: refused before anything starts
         worker_config = prepare_run_dir(self.config, self.run_dir)
@@ -282,15 +282,20 @@ class RayMesh(MeshContext):
         self._host = self._service_host()
         # self.pools fills as the groups are made, so stop() removes them also when the reservation fails
         reserve_pools(self.pools, bundles, self.namespace, self.config.launcher.startup_timeout_s)
-        early, rollouts = spawn_order(service_names(self.config))
-        for name, role in early:
+        first, early, late = spawn_order(service_names(self.config))
+        for name, role in first + early:
             self._launch(name, role, worker_config)
-        for env in [s for s in self.services if ROLE_TABLE[s.role].kind is Kind.ENVIRONMENT]:
-            self._await_ports([env])
-            write_worker_config(self.config, worker_config, [env.grpc_address])
+        started_first = [s for s in self.services if (s.name, s.role) in first]
+        if started_first:
+            self._await_ports(started_first)
+            write_worker_config(self.config, worker_config, addresses_of(started_first))
+        rollouts = [service for service in late if ROLE_TABLE[service[1]].kind is Kind.ROLLOUT]
         for replicas in rollout_hosts(self.config, rollouts):
             (name, role), *_ = replicas
             self._launch(name, role, worker_config, replicas if len(replicas) > 1 else [])
+        for name, role in late:
+            if (name, role) not in rollouts:
+                self._launch(name, role, worker_config)
         self._await_ports([s for s in self.services if s.ports is None])
         self._record_endpoints()
         # The coordinator reads the others' addresses from its config's cluster section.

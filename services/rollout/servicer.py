@@ -188,18 +188,21 @@ def build_engine(config: RunConfig, replica: int = 0) -> RolloutEngine:
     raise ValueError(f"unknown rollout.engine {engine!r}")
 
 
-def build_service(config: RunConfig, engine: RolloutEngine | None = None, replica: int = 0) -> ServiceDefinition:
+def build_service(config: RunConfig, engine: RolloutEngine | None = None, replica: int = 0,
+                  servicer_class: type[RolloutServicer] = RolloutServicer, role: str = "rollout") -> ServiceDefinition:
     """The rollout role: RolloutService over the configured engine (replica number `replica` of the run), or
     the given one (which keeps the rollout limits of the config it was built with); its multi-turn requests
-    call the environments the config names. With rollout.register_with it registers with the coordinator once
-    ready and deregisters when it drains (rlfabric.rollout.registration)."""
+    call the environments the config names. The judge role (rlfabric.rollout.judge) passes its own servicer. With
+    rollout.register_with a rollout replica registers with the coordinator once ready and deregisters when it
+    drains (rlfabric.rollout.registration); a judge never does."""
     engine = engine or build_engine(config, replica)
     registry = CollectorRegistry()
     engine.register_metrics(registry)
-    servicer = RolloutServicer(engine, AgentRollouts(engine, config), RolloutMetrics(registry, engine))
+    servicer = servicer_class(engine, AgentRollouts(engine, config), RolloutMetrics(registry, engine))
     binding = ServiceBinding(servicer, add_rollout_service,  # PushWeights takes raw bytes
                              "rlfabric.v1.RolloutService")
-    registration = Registration.of(config)  # rollout.register_with: joins and leaves a running mesh by itself
-    return ServiceDefinition(role="rollout", bindings=[binding], engine=engine, registry=registry,
+    # rollout.register_with: a rollout replica joins and leaves a running mesh by itself
+    registration = Registration.of(config) if role == "rollout" else None
+    return ServiceDefinition(role=role, bindings=[binding], engine=engine, registry=registry,
                              on_ready=registration.ready if registration else None,
                              on_drain=registration.drain if registration else None)

@@ -43,6 +43,7 @@ def _problems(*overrides: str, stages=("files", "names")) -> list[str]:
     ("model.path=/nowhere/model", "model.path /nowhere/model: no such directory"),
     ("model.path=Qwen/Qwen2.5-0.5B", "model.path Qwen/Qwen2.5-0.5B: it looks like a hub id"),
     ("model.path=pypi:llama", "model.path pypi:llama: unknown model 'llama'; known: pypi:smollm2"),
+    ("judge.model_path=/nowhere/judge", "judge.model_path /nowhere/judge: no such directory"),
     ("reward.custom_path=/nowhere/reward.py", "reward.custom_path: custom reward file not found: '/nowhere/reward.py'"),
     ("reward.scorer_modules=[no_such_scorers]", "reward.scorer_modules: cannot import 'no_such_scorers'"),
     ("algorithm.plugin_modules=[no_such_plugin]", "algorithm.plugin_modules: cannot import 'no_such_plugin'"),

@@ -11,8 +11,9 @@ import shutil
 from pathlib import Path
 
 import pytest
+from openai import AsyncOpenAI
 
-from rlfabric.coordinator.overrides import check_roles
+from rlfabric.coordinator.overrides import check_roles, config_for_run
 from rlfabric.core.config import ConfigError, load_config
 from rlfabric.core.errors import FailedPrecondition, InvalidArgument
 from rlfabric.launch.inprocess import InProcessMesh
@@ -136,3 +137,48 @@ def test_a_start_run_that_turns_distillation_on_needs_a_teacher(tiny_model):
                                 f"teacher.model_path={tiny_model}"])
     with pytest.raises(FailedPrecondition, match="algorithm.distill.enable=true needs a teacher service"):
         check_roles(config)  # a mesh started without distillation runs no teacher (cluster.teacher is empty)
+
+
+def test_distillation_alone_with_gae_is_refused_naming_the_key(tiny_model):
+    """With use_task_reward false the teacher's signal replaces the advantages, and GAE's critic would learn the
+    values of no reward: refused in the config and in a StartRun, naming algorithm.distill.use_task_reward."""
+    keys = [f"model.path={tiny_model}", "algorithm.distill.enable=true", f"teacher.model_path={tiny_model}",
+            "algorithm.adv_estimator=gae"]
+    with pytest.raises(ConfigError, match="algorithm.distill.use_task_reward false with algorithm.adv_estimator gae"):
+        load_config(None, [*keys, "algorithm.distill.use_task_reward=false"])
+    mesh_config = load_config(None, [*keys, "algorithm.distill.use_task_reward=true"])  # GAE on the task reward
+    assert mesh_config.uses_critic() and mesh_config.uses_teacher()
+    with pytest.raises(InvalidArgument, match="algorithm.distill.use_task_reward false"):
+        config_for_run(mesh_config, ["algorithm.distill.use_task_reward=false"])
+
+
+async def two_call_agent(task, llm):
+    """An agent of two calls, the second extending the first after a user turn the model did not write."""
+    async with AsyncOpenAI(base_url=llm.base_url, api_key=llm.api_key, max_retries=0) as client:
+        messages = list(task["messages"])
+        first = await client.chat.completions.create(model=llm.model, messages=messages, max_tokens=4)
+        messages += [first.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "again"}]
+        second = await client.chat.completions.create(model=llm.model, messages=messages, max_tokens=4)
+    return float(len(second.choices[0].message.content or "") % 2)
+
+
+def test_the_teacher_scores_agent_episodes(tiny_model, tmp_path):
+    """Agent episodes through the gateway (agent.entrypoint) are distilled, not refused: the teacher scores each
+    segment's tokens as the gateway recorded them. The teacher is the student's starting model, so at step 1 they
+    agree on every trained token (reverse KL 0: the teacher read the very tokens the student sampled, at the same
+    positions, the user turn between the calls included in the segment), and at step 2 the student has moved away
+    from it."""
+    config = fast_config(tiny_model, f"agent.entrypoint={__name__}:two_call_agent", "algorithm.distill.enable=true",
+                         "algorithm.distill.use_task_reward=true", f"teacher.model_path={tiny_model}",
+                         "actor.lr=1e-2", "trainer.test_freq=0", "trainer.export_final=false")
+    assert config.agent.runs_agents()
+    metrics, status = run_to_end(in_process, config, tmp_path / "run")
+    assert status.state == coordinator_pb2.RUN_STATE_COMPLETED, status.error
+    assert set(metrics) == {1, 2} and metrics[1]["agent/episodes"] >= 32
+    assert not any(name.startswith("agent/failed") for name in metrics[1])
+    assert abs(metrics[1]["distill/reverse_kl"]) < 1e-6, metrics[1]
+    assert abs(metrics[2]["distill/reverse_kl"]) > 1e-4, metrics[2]
+    assert -10 < metrics[1]["distill/teacher_logprob"] < -1
+    # Each episode is one segment, the user turn between its calls inside it (the teacher scored across it).
+    rows = [json.loads(line) for line in (tmp_path / "run" / "rollouts" / "step_1.jsonl").read_text().splitlines()]
+    assert all("again" in row["response"] for row in rows), rows[0]

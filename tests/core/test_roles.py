@@ -31,14 +31,16 @@ def test_the_trainer_rows_are_the_trainers_role_specs():
 
 def test_roles_in_use_follow_the_table_with_the_coordinator_last():
     every_role = load_config(None, ["algorithm.adv_estimator=gae", "actor.use_kl_loss=true", "reference.enable=true",
-                                    "env.enable=true", "algorithm.distill.enable=true", "teacher.model_path=teacher"])
+                                    "env.enable=true", "algorithm.distill.enable=true",
+                                    "algorithm.distill.use_task_reward=true", "teacher.model_path=teacher",
+                                    "judge.model_path=judge"])
     assert every_role.roles_in_use() == list(ROLES)
     assert load_config(None, []).roles_in_use() == ["actor", "rollout", "reward", "coordinator"]  # the quickstart
     assert ROLE_TABLE[ROLES[-1]].kind is Kind.COORDINATOR
 
 
 def test_an_unknown_role_is_refused_naming_the_roles():
-    with pytest.raises(ValueError, match="unknown role 'critc'; roles are actor, reference, critic, teacher, rollout"):
+    with pytest.raises(ValueError, match="unknown role 'critc'; roles are actor, reference, critic, teacher, rollout, judge"):
         role_of("critc")
     with pytest.raises(ValueError, match="unknown role 'critc'"):
         build_service("critc", RunConfig())

@@ -356,3 +356,38 @@ def test_a_two_node_resource_pool_runs_with_its_pods_apart(run_on_a_two_node_poo
     assert [m.split(".")[0] for m in group["members"]] == [f"{RELEASE}-rlfabric-rollout-0"]  # the rollout pod's name
     syncs = [e for e in events if e["event"] == "weights synced"]
     assert len(syncs) >= 2 and all(s["failed"] == {} for s in syncs), syncs
+
+
+def test_a_judge_pool_from_the_chart_scores_the_run(tmp_path):
+    """config.judge.model_path deploys the judge role: its pod runs `rlfabric serve judge` with the config it
+    mounts (a rollout service of the judge model: the quickstart's tiny model that writes 1 for a vowel and 0 for a
+    consonant, tests/coordinator/test_judge_pool_run.py), the reward pod's config names it through the judge's
+    headless Service, every sample of the run is scored by it, and weight syncs reach the rollout pod only."""
+    from rlfabric.quickstart.cached import cached_quickstart_model
+    from tests.coordinator.test_judge_pool_run import judge_model
+
+    workdir = tmp_path / "cluster"
+    values = cpu_values(workdir, cached_quickstart_model())  # the warm-started policy: one letter per answer
+    config = values["config"]
+    config["judge"] = {"model_path": str(judge_model(tmp_path / "judge"))}
+    config["reward"] = {"judge": {"prompt_template": "any letter of: {response}", "regex": "([01])",
+                                  "min_score": 0, "max_score": 1, "max_tokens": 2}}
+    config["algorithm"]["max_failed_fraction"] = 1.0  # a verdict that does not parse fails its item, not the run
+    values["roles"]["judge"] = {"gpus": 0, "pool": "cpu"}
+    docs = render(values)
+    assert pod_names(docs) == {"actor-0", "rollout-0", "judge-0", "reward-0", "coordinator-0"}
+    (configmap,) = [d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].endswith("-config")]
+    judge_service = f"{RELEASE}-rlfabric-judge-0.{RELEASE}-rlfabric-judge-headless.{NAMESPACE}.svc:50051"
+    assert yaml.safe_load(configmap["data"]["config.yaml"])["reward"]["judge"]["addresses"] == [judge_service]
+    result, logs = play(docs, workdir)
+    check_run_completed(result, logs, workdir)
+    (serving,) = [event for event in log_events(workdir, "judge-0") if event["event"] == "serving"]
+    assert serving["role"] == "judge"
+    metrics_file = workdir / "volumes" / f"pvc-{RELEASE}-rlfabric-data" / "runs" / RELEASE / "metrics.jsonl"
+    steps = [json.loads(line) for line in metrics_file.read_text().splitlines()]
+    items = config["data"]["train_batch_size"] * config["rollout"]["n"]
+    for step in steps:  # reward/judge_failures/* exist only for samples the judge scored: here every one
+        assert step["reward/judge_failures/count"] < items, step
+    events = log_events(workdir, "coordinator-0")
+    (group,) = [e for e in events if e["event"] == "weight-sync group built"]
+    assert [m.split(".")[0] for m in group["members"]] == [f"{RELEASE}-rlfabric-rollout-0"]  # not the judge

@@ -38,9 +38,9 @@ FULLNAME = f"{RELEASE}-rlfabric"
 KUBE_VERSION = "1.30.0"
 MONITORING_API = "monitoring.coreos.com/v1"
 
-ROLES = ("actor", "reference", "critic", "teacher", "rollout", "reward", "env", "coordinator")
+ROLES = ("actor", "reference", "critic", "teacher", "rollout", "judge", "reward", "env", "coordinator")
 MULTI_RANK = ("actor", "critic")
-CLUSTER_ROLES = ("actor", "reference", "critic", "teacher", "rollout", "reward", "env")
+CLUSTER_ROLES = ("actor", "reference", "critic", "teacher", "rollout", "judge", "reward", "env")
 STANDARD_LABELS = (
     "app.kubernetes.io/name",
     "app.kubernetes.io/instance",
@@ -71,6 +71,11 @@ CASES: dict[str, dict[str, Any]] = {
                                                                "issuerRef": {"name": "mesh-ca", "kind": "ClusterIssuer"}}},
         "roles": {"rollout": {"replicas": 2}, "critic": {"enabled": True}, "reference": {"enabled": True}},
         "config": {"env": {"enable": True}, "rollout": {"multi_turn": {"enable": True}}},
+    },
+    # A generative judge's pool from config.judge: two judge pods the reward service calls (reward.judge).
+    "judge": {
+        "config": {"judge": {"model_path": "/data/models/judge"}, "reward": {"judge": {"data_sources": ["chat"]}}},
+        "roles": {"judge": {"replicas": 2}},
     },
     # A run-config resource pool across two nodes: the actor and two rollout replicas, spread over distinct nodes.
     "multi-node-pool": {
@@ -162,7 +167,7 @@ def deployed(values: dict[str, Any], role: str) -> bool:
     deciding = {section: {key: config[section][key] for key in keys if key in config.get(section, {})}
                 for section, keys in (("algorithm", ("adv_estimator", "use_kl_in_reward", "distill")),
                                       ("actor", ("use_kl_loss",)), ("reference", ("enable",)), ("env", ("enable",)),
-                                      ("teacher", ("model_path",)))}
+                                      ("teacher", ("model_path",)), ("judge", ("model_path",)))}
     return role in config_from_dict(deciding).roles_in_use()
 
 
@@ -273,6 +278,8 @@ def test_the_schema_accepts_every_key_the_loader_accepts(chart):
         ),
         ({"roles": {"rollout": {"colocateWith": "rollout"}}}, "must name another role"),
         ({"persistence": {"enabled": False}}, "write one run folder together"),
+        ({"config": {"judge": {"model_path": "/data/judge"}, "reward": {"judge": {"addresses": ["judge:50051"]}}}},
+         "config.reward.judge.addresses with config.judge.model_path"),
         ({"config": {"reward": {"model_path": "/data/rm"}}}, "set roles.reward.image.variant: train"),
         ({"roles": {"actor": {"mountData": False}}}, "roles.actor.mountData=false"),
         ({"roles": {"critic": {"enabled": True, "mountData": False}}}, "roles.critic.mountData=false"),
@@ -594,6 +601,28 @@ def test_run_config_cluster_addresses(rendered):
         assert port == "50051" and host.endswith(f".{FULLNAME}-rollout-headless.{NAMESPACE}.svc")
 
 
+def test_the_judge_pool_serves_the_judge_model_and_the_reward_config_names_its_service(by_case):
+    """config.judge.model_path deploys the judge role: rollout pods running `rlfabric serve judge` (the judge's
+    model from the shared config, its own replicas and resources), listed through the judge's headless Service as
+    the reward service's reward.judge.addresses, and never among the rollout replicas that weight syncs reach."""
+    rendered = by_case["judge"]
+    assert "judge" in rendered.enabled() and "judge" not in by_case["default"].enabled()
+    workload = rendered.workload("judge")
+    assert workload["spec"]["replicas"] == 2
+    args = container(workload)["args"]
+    assert args[:2] == ["serve", "judge"]
+    assert container(workload)["resources"] == rendered.values["roles"]["judge"]["resources"] | {
+        "limits": {**rendered.values["roles"]["judge"]["resources"]["limits"], "nvidia.com/gpu": 1}}
+    config = rendered.run_config()
+    addresses = expected_addresses("judge", 2)
+    assert config["reward"]["judge"]["addresses"] == config["cluster"]["judge"] == addresses
+    assert not set(addresses) & set(config["cluster"]["rollout"])
+    assert config["judge"]["model_path"] == "/data/models/judge"
+    loaded = config_from_dict(config)  # the config every pod reads is one the loader accepts
+    assert loaded.uses_judge_pool() and loaded.reward.judge.addresses == addresses
+    assert rendered.get("Service", f"{FULLNAME}-judge-headless")["spec"]["clusterIP"] == "None"
+
+
 def test_run_config_passes_values_through(rendered):
     cfg = rendered.run_config()
     user = CASES[rendered.name].get("config") or rendered.values["config"]
@@ -602,6 +631,8 @@ def test_run_config_passes_values_through(rendered):
             assert cfg[section] == body, section
             continue
         for key, value in body.items():
+            if (section, key) == ("reward", "judge"):  # the chart adds the judge pool's addresses
+                value = {**value, "addresses": cfg["cluster"]["judge"]}
             assert cfg[section][key] == value, (section, key)
     assert cfg["trainer"]["run_dir"] == f"/data/runs/{RELEASE}"
     assert cfg["storage"]["root"] == "/data"  # every path an RPC names stays on the data volume

@@ -20,7 +20,9 @@ DOCS = ROOT / "docs"
 REPO_DIRS = ("services", "tests", "bench", "examples", "docs", "helm", "protos", "docker")
 SECTIONS = set(RunConfig.model_fields)
 # Dotted names that start like a config key and are something else.
-NOT_CONFIG_KEYS = {"server.address"}  # OpenTelemetry's attribute of a client span
+NOT_CONFIG_KEYS = {"server.address",  # OpenTelemetry's attribute of a client span
+                   # bench/figures.py's figure names, which start like the judge section
+                   "judge.tiny.batched_vs_unbatched", "judge.smollm2.batched_vs_unbatched"}
 FILE_SUFFIXES = ("json", "proto", "py", "yaml", "yml", "md", "png", "txt", "log", "jsonl", "parquet")
 # A key quoted right after these words is another project's name for it ("VeRL's `model.lora_rank`").
 OTHER_PROJECTS = re.compile(r"(VeRL|TRL)(?:'s|:)?\s*$")

@@ -65,7 +65,9 @@ def test_parse_fails_with_a_reason(verdict, overrides, reason):
         (["reward.judge.regex=(a)(b)"], "has 2 groups"),
         (["reward.judge.prompt_template=Rate it"], "has no {response}"),
         (["reward.judge.min_score=5", "reward.judge.max_score=5"], "must be below max_score"),
-        (["reward.judge.data_sources=[x]"], "reward.judge.addresses is empty"),
+        (["reward.judge.data_sources=[x]"], "there is no judge"),
+        (["judge.model_path=j", "reward.model_path=m"], "would both score every item"),
+        (["judge.model_path=j", "reward.judge.addresses=[h:1]"], "not both"),
         (["reward.judge.addresses=[h:1]", "reward.model_path=m"], "would both score every item"),
         (["reward.judge.addresses=[h:1]", "reward.judge.data_sources=[a]", "reward.model_path=m",
           "reward.model_sources=[a]"], "share ['a']"),
@@ -76,6 +78,15 @@ def test_bad_judge_config_is_refused_naming_the_key(overrides, words):
     with pytest.raises(ValueError, match="reward.judge") as info:
         load_config(None, overrides)
     assert words in str(info.value)
+
+
+def test_a_judge_pool_takes_the_judge_keys_and_needs_vllm_for_tensor_parallel():
+    pool = load_config(None, ["judge.model_path=j", "reward.judge.data_sources=[chat]"])
+    assert pool.has_judge() and pool.roles_in_use() == ["actor", "rollout", "judge", "reward", "coordinator"]
+    filled = load_config(None, ["judge.model_path=j", "cluster.judge=[h:1]", "reward.judge.addresses=[h:1]"])
+    assert filled.reward.judge.addresses == ["h:1"]  # as the launchers write it: the pool's own addresses
+    with pytest.raises(ValueError, match="judge.tensor_parallel_size 2 needs judge.engine vllm"):
+        load_config(None, ["judge.model_path=j", "judge.tensor_parallel_size=2"])
 
 
 def test_the_judge_takes_its_sources_and_the_rules_the_rest():

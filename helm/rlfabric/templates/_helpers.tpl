@@ -32,7 +32,7 @@ stay within the 63-character limit.
 
 {{/* All roles, in start-up order. */}}
 {{- define "rlfabric.roleNames" -}}
-actor reference critic teacher rollout reward env coordinator
+actor reference critic teacher rollout judge reward env coordinator
 {{- end }}
 
 {{/* Roles whose replicas are the ranks of one torch.distributed group (rank 0 serves gRPC). */}}
@@ -146,7 +146,7 @@ Images and ports
 uses the role, as the launchers decide (rlfabric RunConfig.roles_in_use): a critic only for GAE, a
 reference only when reference.enable (default true), a KL term reads it and the actor has no LoRA
 adapters (with them, the actor's base model is the reference), a teacher only when algorithm.distill.enable,
-an env only when env.enable. An env
+a judge pool only when judge.model_path is set, an env only when env.enable. An env
 given as roles.env.external is never deployed. Args: dict ctx role.
 */}}
 {{- define "rlfabric.roleEnabled" -}}
@@ -163,6 +163,8 @@ given as roles.env.external is never deployed. Args: dict ctx role.
 {{- if (get $config "env" | default dict).enable }}true{{ end }}
 {{- else if eq .role "teacher" }}
 {{- if ($algorithm.distill | default dict).enable }}true{{ end }}
+{{- else if eq .role "judge" }}
+{{- if (get $config "judge" | default dict).model_path }}true{{ end }}
 {{- else if eq .role "reference" }}
 {{- $on := or (not (hasKey $reference "enable")) $reference.enable }}
 {{- $lora := $actor.lora | default dict }}
@@ -247,9 +249,18 @@ Run config
 {{- $_ := set $cfg "tracing" $tracing }}
 {{- end }}
 {{- $cluster := dict }}
-{{- range $role := list "actor" "reference" "critic" "teacher" "rollout" "reward" "env" }}
+{{- range $role := list "actor" "reference" "critic" "teacher" "rollout" "judge" "reward" "env" }}
 {{- $addrs := include "rlfabric.addresses" (dict "ctx" $ "role" $role "port" $.Values.ports.grpc) | fromYamlArray }}
 {{- $_ := set $cluster $role $addrs }}
+{{- end }}
+{{- /* The judge pool's replicas, through its headless Service, are the reward service's judge (never in
+cluster.rollout, so no weight sync reaches them). */}}
+{{- if $cluster.judge }}
+{{- $reward := get $cfg "reward" | default dict }}
+{{- $judge := get $reward "judge" | default dict }}
+{{- $_ := set $judge "addresses" $cluster.judge }}
+{{- $_ := set $reward "judge" $judge }}
+{{- $_ := set $cfg "reward" $reward }}
 {{- end }}
 {{- with .Values.roles.env.external }}
 {{- $_ := set $cluster "env" (list .) }}
@@ -362,7 +373,7 @@ topologySpreadConstraints:
 {{- end }}
 
 {{/* GPUs per pod of a role: roles.<role>.gpus, or for auto one per pod (a rank, a replica, as the local
-launcher gives each; a rollout replica config.rollout.tensor_parallel_size), none when the role's run-config
+launcher gives each; a rollout or judge replica config.<role>.tensor_parallel_size), none when the role's run-config
 pool has no GPUs. Args: dict ctx role. */}}
 {{- define "rlfabric.gpus" -}}
 {{- $r := index .ctx.Values.roles .role }}
@@ -370,7 +381,7 @@ pool has no GPUs. Args: dict ctx role. */}}
 {{- $config := .ctx.Values.config | default dict }}
 {{- $section := index $config .role | default dict }}
 {{- $runPool := index ($config.resource_pools | default dict) ($section.pool | default "") }}
-{{- $perPod := ternary (int ($section.tensor_parallel_size | default 1)) 1 (eq .role "rollout") }}
+{{- $perPod := ternary (int ($section.tensor_parallel_size | default 1)) 1 (has .role (list "rollout" "judge")) }}
 {{- if and $runPool (not (gt (int ($runPool.gpus | default 0)) 0)) (empty $runPool.devices) }}0{{ else }}{{ $perPod }}{{ end }}
 {{- else }}
 {{- int $r.gpus }}
@@ -608,6 +619,9 @@ spec:
 {{- if and (get $reward "model_path") (eq .Values.roles.reward.image.variant "light") }}
 {{- fail "config.reward.model_path: a reward model runs on torch, which the light image lacks: set roles.reward.image.variant: train" }}
 {{- end }}
+{{- if and (get (get $reward "judge" | default dict) "addresses") (include "rlfabric.roleEnabled" (dict "ctx" . "role" "judge")) }}
+{{- fail "config.reward.judge.addresses with config.judge.model_path: the chart deploys the judge pool and writes its addresses there; give config.judge.model_path (the chart's pool) or config.reward.judge.addresses (judge services of your own), not both" }}
+{{- end }}
 {{- with .Values.roles.env.external }}
 {{- if not (regexMatch "^[^:/ ]+:[0-9]+$" .) }}
 {{- fail (printf "roles.env.external: %q is not host:port" .) }}
@@ -638,7 +652,7 @@ the GPU UUIDs the services report. A forced nccl with the actor or the rollout o
 {{- $nodes := int ($pool.nodes | default 1) }}
 {{- $pods := 0 }}
 {{- $members := list }}
-{{- range $role := list "actor" "reference" "critic" "teacher" "rollout" "reward" "env" }}
+{{- range $role := list "actor" "reference" "critic" "teacher" "rollout" "judge" "reward" "env" }}
 {{- $args := dict "ctx" $ "role" $role }}
 {{- if and (eq (include "rlfabric.resourcePool" $args) $name) (include "rlfabric.roleEnabled" $args) }}
 {{- $replicas := int (index $.Values.roles $role).replicas }}

@@ -1,6 +1,6 @@
 """The run config: one YAML file with a section per role, VeRL-style names, validated on load.
 
-Sections: server, client, cluster, model, data, actor, reference, critic, rollout, reward, env, agent,
+Sections: server, client, cluster, model, data, actor, reference, critic, teacher, rollout, judge, reward, env, agent,
 algorithm, trainer, weight_sync, storage, launcher, tracing, sim, resource_pools. Every field has a default and a docstring
 (`rlfabric config-reference`
 prints them). Unknown keys and wrong types are errors that name the dotted key.
@@ -43,7 +43,7 @@ from rlfabric.core.config.loading import (
 from rlfabric.core.config.model import DataConfig, ModelConfig
 from rlfabric.core.config.reference import config_reference
 from rlfabric.core.config.reward import CustomSandboxConfig, JudgeConfig, PythonSandboxConfig, RewardConfig
-from rlfabric.core.config.rollout import MultiTurnConfig, RolloutConfig
+from rlfabric.core.config.rollout import JudgePoolConfig, MultiTurnConfig, RolloutConfig
 from rlfabric.core.config.run import RunConfig
 from rlfabric.core.config.server import (
     ClientConfig,
@@ -76,6 +76,7 @@ __all__ = [
     "ReferenceConfig",
     "CriticConfig",
     "TeacherConfig",
+    "JudgePoolConfig",
     "MultiTurnConfig",
     "RolloutConfig",
     "CustomSandboxConfig",

@@ -16,7 +16,7 @@ class RayResources(Section):
     num_cpus: float = Field(1.0, ge=0)
     """CPUs Ray reserves for the service (Ray also sets its OMP_NUM_THREADS to this, at least 1)."""
     num_gpus: float | None = Field(None, ge=0)
-    """GPUs Ray reserves and makes visible; null = auto: 0 on a cluster without GPUs, else world_size (actor, reference, critic, teacher), 1 (rollout replica; reward with a cuda model), 0 (coordinator)."""
+    """GPUs Ray reserves and makes visible; null = auto: 0 on a cluster without GPUs, else world_size (actor, reference, critic, teacher), 1 (rollout or judge replica; reward with a cuda model), 0 (coordinator)."""
 
 
 class RayLauncherConfig(Section):
@@ -30,6 +30,8 @@ class RayLauncherConfig(Section):
     teacher: RayResources = RayResources()
     rollout: RayResources = RayResources()
     """Per replica."""
+    judge: RayResources = RayResources()
+    """Per judge replica."""
     reward: RayResources = RayResources()
     env: RayResources = RayResources()
     coordinator: RayResources = RayResources()

@@ -69,7 +69,8 @@ class JudgeConfig(Section):
 
     addresses: list[str] = []
     """gRPC addresses ("host:port") of the rollout services that serve the judge model (started with their own
-    model.path); empty = no judge. They must not be the policy's rollout replicas (cluster.rollout)."""
+    model.path); empty = no judge, unless judge.model_path is set: the launchers and the chart then start that
+    pool and write its addresses here. They must not be the policy's rollout replicas (cluster.rollout)."""
     data_sources: list[str] = []
     """data_source values the judge scores; empty = every item (the custom function's and the reward model's
     sources excepted). Other items go to the rule registered for their data_source."""
@@ -215,25 +216,3 @@ class RewardConfig(Section):
                 raise ValueError(f"reward.custom_sources and reward.model_sources share {shared}: "
                                  "each data_source goes to one scorer")
         return model_sources
-
-    @model_validator(mode="after")
-    def _judge_does_not_overlap(self) -> RewardConfig:
-        """The judge takes its own data sources: with another scorer configured, one of them lists its sources,
-        and they share none."""
-        judge = self.judge
-        if judge.data_sources and not judge.addresses:
-            raise ValueError("reward.judge.data_sources is set but reward.judge.addresses is empty")
-        if not judge.addresses:
-            return self
-        others = {key: sources for key, sources, path in (("reward.custom_sources", self.custom_sources, self.custom_path),
-                                                           ("reward.model_sources", self.model_sources, self.model_path))
-                  if path}
-        for key, sources in others.items():
-            if not sources and not judge.data_sources:
-                raise ValueError(f"reward.judge.addresses and {key.replace('_sources', '_path')} would both score every "
-                                 f"item: list the data sources of one of them in reward.judge.data_sources or {key}")
-            shared = sorted(set(sources) & set(judge.data_sources))
-            if shared:
-                raise ValueError(f"reward.judge.data_sources and {key} share {shared}: each data_source goes to one "
-                                 "scorer")
-        return self

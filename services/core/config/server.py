@@ -87,6 +87,8 @@ class ClusterConfig(Section):
     """Rollout replicas; the coordinator routes over all of them."""
     reward: list[str] = []
     """Reward service address(es)."""
+    judge: list[str] = []
+    """Judge replicas (the judge section's pool); the reward service calls them (reward.judge.addresses)."""
     env: list[str] = []
     """Environment service address(es) (multi-turn rollouts)."""
     coordinator: list[str] = []
