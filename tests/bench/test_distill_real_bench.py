@@ -20,10 +20,10 @@ def test_the_goal_and_when_each_side_reaches_it():
     distill = _run([0.2, 0.7, 0.9, 0.9, 0.9, 0.9, 0.9], step_s=20)
     summary = bench.summarize(grpo, distill)
     assert summary["teacher_reward"] == pytest.approx(0.9) and summary["goal"] == pytest.approx(0.8)
-    assert summary["grpo_steps_to_goal"] == 5  # (0.5 + 0.8 + 0.9) / 3 < 0.8 <= (0.8 + 0.9 + 0.9) / 3
-    assert summary["distill_steps_to_goal"] == 4
-    assert summary["grpo_time_to_goal_s"] == 50 and summary["distill_time_to_goal_s"] == 80
-    assert summary["distill_over_grpo"] == pytest.approx(1.6)
+    assert summary["grpo_steps_to_goal"] == 6  # (0.5 + 0.8 + 0.9) / 3 < 0.8 <= (0.8 + 0.9 + 0.9) / 3
+    assert summary["distill_steps_to_goal"] == 4  # (0.2 + 0.7 + 0.9) / 3 < 0.8 <= (0.7 + 0.9 + 0.9) / 3
+    assert summary["grpo_time_to_goal_s"] == 60 and summary["distill_time_to_goal_s"] == 80
+    assert summary["distill_over_grpo"] == pytest.approx(80 / 60)
 
 
 def test_a_side_that_never_gets_there_has_no_ratio():
