@@ -129,10 +129,11 @@ def run_rlfabric(spec: dict, run_dir: Path, seed: int, overrides: list[str] = RL
     return yaml.safe_load((run_dir / "config.yaml").read_text())
 
 
-def rlfabric_train(spec: dict, run_dir: Path, seed: int) -> tuple[dict, dict]:
+def rlfabric_train(spec: dict, run_dir: Path, seed: int, overrides: list[str] = RLFABRIC_OVERRIDES,
+                   ) -> tuple[dict, dict]:
     """(the run's figures, its resolved config)."""
     started = time.time()
-    resolved = run_rlfabric(spec, run_dir, seed)
+    resolved = run_rlfabric(spec, run_dir, seed, overrides)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     begin = records[0]["timestamp"] - records[0]["timing_s/step"]  # when the first step began
     steps = [{"step": r["step"], "reward": r["critic/score/mean"], "seconds": r["timing_s/step"],
