@@ -85,8 +85,9 @@ class AgentJail:
 
 def reachable_paths(argv: list[str], entrypoint_dir: str = "", working_dir: str = "") -> list[str]:
     """What an agent must still reach: this interpreter's installation and import path (a Python agent runs
-    the same one), rlfabric's own package, the program argv[0] names, the files its arguments name, the
-    entrypoint's folder and the working directory; resolved, existing, none below another."""
+    the same one), rlfabric's own package, the program argv[0] names (and, when it is another venv's
+    interpreter, that venv and its base installation), the files its arguments name, the entrypoint's folder
+    and the working directory; resolved, existing, none below another."""
     import rlfabric
 
     paths = [
@@ -99,6 +100,11 @@ def reachable_paths(argv: list[str], entrypoint_dir: str = "", working_dir: str 
     program = shutil.which(argv[0]) if argv else None
     if program:
         paths.append(os.path.dirname(os.path.realpath(program)))
+        venv = os.path.dirname(os.path.dirname(os.path.abspath(program)))
+        if os.path.isfile(os.path.join(venv, "pyvenv.cfg")):
+            # Another venv's interpreter (a link into its base installation, e.g. verifiers' side venv): the link,
+            # the venv's packages and the base installation's standard library.
+            paths += [venv, os.path.dirname(os.path.dirname(os.path.realpath(program)))]
     paths += [os.path.dirname(os.path.abspath(arg)) for arg in argv[1:] if os.path.isfile(arg)]
     paths += [entrypoint_dir, working_dir or os.getcwd()]
     resolved = sorted({os.path.realpath(path) for path in paths if path and os.path.isdir(path)})

@@ -8,8 +8,9 @@ sampling temperature and addresses are fixed then), where the mesh writes, or wh
 
 - RUN_OVERRIDABLE: the keys a StartRun may change; any other is INVALID_ARGUMENT.
 - MESH_ONLY: keys among those that only the mesh's own config sets (INVALID_ARGUMENT from a StartRun):
-  trainer.run_dir (a run must not write into another's folder) and trainer.mlflow.tracking_uri (a
-  database file anywhere, or an address the coordinator would send requests to).
+  trainer.run_dir (a run must not write into another's folder), trainer.mlflow.tracking_uri (a
+  database file anywhere, or an address the coordinator would send requests to) and data.verifiers.python,
+  .path and .taskset (an interpreter to run and a module it imports).
 - Confined: data.train_files, data.val_files and trainer.resume_from_path must resolve under storage.root
   (PERMISSION_DENIED otherwise).
 - algorithm.plugin_modules: a StartRun cannot add one (an import runs code): PERMISSION_DENIED.
@@ -49,6 +50,9 @@ MESH_ONLY = {
     "trainer.mlflow.tracking_uri": "the tracking store would be a file anywhere or an address of the caller's "
                                    "choosing that the coordinator sends requests to; a run logs to the mesh's "
                                    "store (its default: RUN_DIR/mlflow.db)",
+    # data.verifiers: an interpreter to run and a task set it imports are code with the service's rights.
+    **{f"data.verifiers.{key}": "the data source runs this interpreter and imports this task set: code, which "
+                                "only the operator's config names" for key in ("python", "path", "taskset")},
 }
 
 

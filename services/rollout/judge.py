@@ -21,7 +21,8 @@ _NO_WEIGHTS = (
 
 def judge_config(config: RunConfig) -> RunConfig:
     """The config a judge replica serves: the run's, with judge.model_path as model.path and the judge section's
-    engine settings as rollout.*; no multi-turn and no LoRA adapters (those are the policy's)."""
+    engine settings as rollout.*; no multi-turn and no LoRA adapters (those are the policy's), and it never
+    registers with the coordinator as a policy replica (rollout.register_with, rollout.discovery)."""
     judge = config.judge
     served = config.model_copy(deep=True)
     served.model.path = judge.model_path
@@ -36,6 +37,8 @@ def judge_config(config: RunConfig) -> RunConfig:
             "dtype": judge.dtype,
             "max_num_seqs": judge.max_num_seqs,
             "multi_turn": MultiTurnConfig(),
+            "register_with": "",
+            "discovery": "",
         }
     )
     return served

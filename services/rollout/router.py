@@ -13,8 +13,8 @@
   (same sampling parameters; with a seed they are drawn again on the new replica).
 - Hedging (hedge_after > 0): once half of a request's parts have finished, a part still running after
   hedge_after times their median duration is sent once more, its missing samples only, to another replica. The
-  first copy of each sample to arrive is delivered and the other dropped; the request ends when every sample has
-  arrived, cancelling what still runs. So one stalled or 10x slow replica holds a step for about hedge_after
+  first copy of each sample to arrive is delivered and the other dropped; once every sample has arrived, what
+  still runs is cancelled. So one stalled or 10x slow replica holds a step for about hedge_after
   times a part's usual time, not its own, and a stream stuck on a dead link needs no keepalive to end.
 - Routing keys: a request with a routing_key (an agent episode's, rlfabric.gateway) goes to the replica its
   key's first request went to, while that replica is healthy, so the episode's growing prompt stays in one
@@ -306,10 +306,11 @@ class RolloutRouter:
         self.stats.requested_samples += total
         tasks = {asyncio.create_task(self._run_part(part, prompts, params, timeout_s, progress, out,
                                                       routing_key)) for part in parts}
-        running, delivered = len(tasks), 0
+        running, delivered, hedged = len(tasks), 0, False
 
         def hedge(attempt: _Attempt) -> None:
-            nonlocal running
+            nonlocal running, hedged
+            hedged = True
             for part in self._missing(attempt.part, progress, attempts=attempt.part.attempts):
                 self.stats.hedges += 1
                 self.stats.hedged_samples += part.size
@@ -320,7 +321,9 @@ class RolloutRouter:
         if self.hedge_after > 0 and len(parts) > 1:
             tasks.add(asyncio.create_task(self._hedge(progress, len(parts), hedge)))
         try:
-            while running and delivered < total:
+            # Streams end on their own (a cancelled one is an error on its replica), unless a hedge left one that
+            # every sample has come without: that one is cancelled once the last sample arrived.
+            while running and not (hedged and delivered == total):
                 item = await out.get()
                 if item is None:
                     running -= 1

@@ -193,16 +193,15 @@ def build_service(config: RunConfig, engine: RolloutEngine | None = None, replic
     """The rollout role: RolloutService over the configured engine (replica number `replica` of the run), or
     the given one (which keeps the rollout limits of the config it was built with); its multi-turn requests
     call the environments the config names. The judge role (rlfabric.rollout.judge) passes its own servicer. With
-    rollout.register_with a rollout replica registers with the coordinator once ready and deregisters when it
-    drains (rlfabric.rollout.registration); a judge never does."""
+    rollout.register_with it registers with the coordinator once ready and deregisters when it drains
+    (rlfabric.rollout.registration)."""
     engine = engine or build_engine(config, replica)
     registry = CollectorRegistry()
     engine.register_metrics(registry)
     servicer = servicer_class(engine, AgentRollouts(engine, config), RolloutMetrics(registry, engine))
     binding = ServiceBinding(servicer, add_rollout_service,  # PushWeights takes raw bytes
                              "rlfabric.v1.RolloutService")
-    # rollout.register_with: a rollout replica joins and leaves a running mesh by itself
-    registration = Registration.of(config) if role == "rollout" else None
+    registration = Registration.of(config)  # rollout.register_with: joins and leaves a running mesh by itself
     return ServiceDefinition(role=role, bindings=[binding], engine=engine, registry=registry,
                              on_ready=registration.ready if registration else None,
                              on_drain=registration.drain if registration else None)

@@ -148,3 +148,20 @@ def test_a_memory_hog_fails_its_episode_and_the_run_goes_on(tiny_model, tmp_path
     assert len(rows) == 8 and all(
         row["score_failed"] == is_hog(row["uid"]) for row in rows
     )  # each made a call
+
+
+def test_another_venvs_interpreter_keeps_its_venv_and_base_installation_reachable(tmp_path):
+    """A command agent run by another venv's python (verifiers' side venv): the link, the venv's packages and the
+    base installation it links into are bound back, not only the link's target folder."""
+    import sys
+
+    from rlfabric.agents.confinement import reachable_paths
+
+    venv = tmp_path / "side-venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "pyvenv.cfg").write_text(f"home = {os.path.dirname(sys.executable)}\n")
+    (venv / "bin" / "python").symlink_to(os.path.realpath(sys.executable))
+    kept = reachable_paths([str(venv / "bin" / "python"), "-c", "pass"])
+    covered = lambda path: any(path == k or path.startswith(k.rstrip("/") + "/") for k in kept)  # noqa: E731
+    assert covered(str(venv.resolve()))
+    assert covered(os.path.dirname(os.path.dirname(os.path.realpath(sys.executable))))
