@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.peer_trl_bench import ROOT, WINDOW, log, rlfabric_train, time_to_reward
+from bench.peer_trl_bench import ROOT, WINDOW, log, rlfabric_train, step_reaching, time_to_reward
 
 RESULTS = Path(__file__).parent / "results"
 CONFIG = ROOT / "examples" / "smollm2_arithmetic.yaml"
@@ -56,11 +56,8 @@ def run(name: str, run_dir: Path, seed: int, steps: int, overrides: list[str]) -
 
 def steps_to_reward(steps: list[dict], goal: float) -> int | None:
     """The step at which the WINDOW-step moving average of the reward first reaches `goal`."""
-    rewards = [s["reward"] for s in steps]
-    for i in range(WINDOW - 1, len(steps)):
-        if statistics.mean(rewards[i - WINDOW + 1: i + 1]) >= goal:
-            return steps[i]["step"]
-    return None
+    reached = step_reaching(steps, goal)
+    return reached["step"] if reached else None
 
 
 def summarize(grpo: dict, distill: dict) -> dict:

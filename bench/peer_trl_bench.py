@@ -162,14 +162,20 @@ def trl_train(trl_settings: dict, work: Path) -> dict:
 
 # -- figures -------------------------------------------------------------------------------------------------
 
-def time_to_reward(steps: list[dict], threshold: float = THRESHOLD, window: int = WINDOW) -> float | None:
-    """Seconds (on the run's clock) until the `window`-step moving average of the reward first reaches
-    `threshold`; None if it never does."""
+def step_reaching(steps: list[dict], threshold: float = THRESHOLD, window: int = WINDOW) -> dict | None:
+    """The step whose `window`-step moving average of the reward first reaches `threshold`; None if none does."""
     rewards = [s["reward"] for s in steps]
     for i in range(window - 1, len(steps)):
         if statistics.mean(rewards[i - window + 1: i + 1]) >= threshold:
-            return steps[i]["t"]
+            return steps[i]
     return None
+
+
+def time_to_reward(steps: list[dict], threshold: float = THRESHOLD, window: int = WINDOW) -> float | None:
+    """Seconds (on the run's clock) until the `window`-step moving average of the reward first reaches
+    `threshold`; None if it never does."""
+    reached = step_reaching(steps, threshold, window)
+    return reached["t"] if reached else None
 
 
 def summarize(runs: list[dict]) -> dict:

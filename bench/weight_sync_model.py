@@ -62,17 +62,6 @@ def _load(name: str) -> dict:
     return json.loads((RESULTS / name).read_text())
 
 
-def _slope(xs: list[float], ys: list[float]) -> tuple[float, float, float]:
-    """Least squares y = a + b x: (a, b, r^2)."""
-    mx, my = statistics.mean(xs), statistics.mean(ys)
-    sxx = sum((x - mx) ** 2 for x in xs)
-    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
-    a = my - b * mx
-    total = sum((y - my) ** 2 for y in ys)
-    residual = sum((y - a - b * x) ** 2 for x, y in zip(xs, ys, strict=True))
-    return a, b, 1 - residual / total if total else 1.0
-
-
 def fit() -> Fit:
     delta, relay = _load("weight_sync_delta.json"), _load("weight_sync_relay.json")
     full_rows = [row for rate in delta["learning_rates"].values() for row in rate["rows"] if row["kind"] == "full"]
@@ -80,7 +69,8 @@ def fit() -> Fit:
     tiny = relay["models"]["tiny"]["replicas"]
     xs = [float(n) for n in tiny for _ in tiny[n]["chain"]["rows"]]
     ys = [row["seconds"] for n in tiny for row in tiny[n]["chain"]["rows"]]
-    at_zero, hop, r2 = _slope(xs, ys)
+    hop, at_zero = statistics.linear_regression(xs, ys)
+    r2 = statistics.correlation(xs, ys) ** 2
     at = delta["learning_rates"][LEARNING_RATE]["phases_median"]
     extra_pack_s = at["delta"]["pack"] - at["full"]["pack"]  # the pack both do (the cast) left out
     return Fit(link_bytes_s=link, fixed_s=at_zero + hop, hop_s=hop, hop_fit_r2=r2,
@@ -110,11 +100,17 @@ def sync_seconds(params: float, replicas: int, link: float, f: Fit, how: str, ac
 HOWS = ("direct", "chain", "tree", "delta_chain", "delta_chain_sharded")
 
 
+def layout(gpus: int, tp: int) -> tuple[int, int]:
+    """(rollout replicas, actor ranks) of `gpus` GPUs: ROLLOUT_SHARE of them generate, `tp` to a replica."""
+    generating = int(gpus * ROLLOUT_SHARE)
+    return generating // tp, gpus - generating
+
+
 def extrapolation(f: Fit) -> list[dict]:
     rows = []
     for model, (params, tp) in MODELS.items():
         for gpus in GPUS:
-            replicas, actor_ranks = int(gpus * ROLLOUT_SHARE) // tp, gpus - int(gpus * ROLLOUT_SHARE)
+            replicas, actor_ranks = layout(gpus, tp)
             for link_name, link in LINKS.items():
                 rows.append({"model": model, "gpus": gpus, "replicas": replicas, "link": link_name,
                              "model_gb": 2 * params / 1e9, "direct_egress_gb": replicas * 2 * params / 1e9,
@@ -182,12 +178,12 @@ def plot(path: Path) -> None:
     link_name, link = next(iter(LINKS.items()))
     fig, axes = plt.subplots(1, len(MODELS), figsize=(13, 4), sharey=True)
     for axis, (model, (params, tp)) in zip(axes, MODELS.items(), strict=True):
-        gpus = [g for g in range(16, 1025, 16) if int(g * ROLLOUT_SHARE) // tp >= 1]
+        gpus = [g for g in range(16, 1025, 16) if layout(g, tp)[0] >= 1]
         for how, label in (("direct", "direct push"), ("chain", "relay: chain"), ("tree", "tree, fanout 2 (not built)"),
                            ("delta_chain", f"delta (lr {float(LEARNING_RATE):g}) + chain, one core encodes"),
                            ("delta_chain_sharded", "the same, each actor rank encodes its shard")):
-            axis.plot(gpus, [sync_seconds(params, int(g * ROLLOUT_SHARE) // tp, link, f, how,
-                                          g - int(g * ROLLOUT_SHARE)) for g in gpus], label=label)
+            seconds = [sync_seconds(params, layout(g, tp)[0], link, f, how, actor_ranks=layout(g, tp)[1]) for g in gpus]
+            axis.plot(gpus, seconds, label=label)
         axis.set_title(f"{model}, {link_name}")
         axis.set_xlabel("GPUs (half generate)")
         axis.set_yscale("log")
