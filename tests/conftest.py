@@ -116,6 +116,36 @@ def experiment_dir(request):
     return mesh.run_dir.resolve() / "experiments" / name
 
 
+def _marks_of_the_whole_module(path) -> set[str]:
+    """The marks a test file's top-level `pytestmark` names (`pytest.mark.slow`, or a list of marks), read from
+    its source without importing it."""
+    import ast
+
+    for node in ast.parse(path.read_bytes()).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "pytestmark" for t in node.targets):
+            return {n.attr for n in ast.walk(node.value)
+                    if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Attribute) and n.value.attr == "mark"}
+    return set()
+
+
+def _deselects_every_test(markexpr: str, marks: set[str]) -> bool:
+    """Whether `-m markexpr` deselects a test holding `marks`, whatever other marks it has."""
+    from _pytest.mark.expression import Expression
+
+    expression = Expression.compile(markexpr)
+    return not any(expression.evaluate(lambda name, /, other=other, **kwargs: name in marks or other)
+                   for other in (False, True))
+
+
+def pytest_ignore_collect(collection_path, config):
+    """Under `-m "not slow"` (`make test-fast`), a module marked slow as a whole is not even imported: its
+    imports (torch, transformers, Helm's engine, Kubernetes' schemas, openai) cost each test worker seconds."""
+    markexpr = config.option.markexpr
+    if not markexpr or collection_path.suffix != ".py" or not collection_path.name.startswith("test_"):
+        return None
+    return True if _deselects_every_test(markexpr, _marks_of_the_whole_module(collection_path)) else None
+
+
 # Under `pytest -n N` (pytest-xdist, `make test`): a test module is one unit of work, so that its
 # module-scoped fixtures (a mesh, a vLLM engine, a real model) boot once; the modules that start a Ray cluster
 # share one worker (two clusters on one host contend for its ports and cores); and the longest units start

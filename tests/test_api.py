@@ -26,6 +26,7 @@ TRAIN_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # a training run
 def test_train_in_process_returns_the_runs_result(tmp_path):
     # Runs go to runs/<name>-<timestamp> under the current directory: here, tmp_path.
     done = subprocess.run([sys.executable, "-c", TRAIN_SCRIPT], cwd=tmp_path, capture_output=True, text=True,

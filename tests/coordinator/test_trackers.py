@@ -92,6 +92,7 @@ def tracked_run(tiny_model, tmp_path_factory):
     return config, experiment_dir, read_metrics(experiment_dir / "metrics.jsonl")
 
 
+@pytest.mark.slow  # a training run into mlflow
 def test_mlflow_has_the_metrics_by_step_the_config_and_the_artifacts(tracked_run):
     config, run_dir, records = tracked_run
     client = mlflow.tracking.MlflowClient(f"sqlite:///{run_dir / 'mlflow.db'}")
@@ -152,6 +153,7 @@ def wandb_records(run_file: Path) -> list:
     return records
 
 
+@pytest.mark.slow  # the training run mlflow's test shares
 def test_wandb_offline_run_has_the_metrics_the_config_and_the_artifacts(tracked_run):
     config, run_dir, records = tracked_run
     (run_file,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")

@@ -11,11 +11,14 @@ import urllib.request
 from pathlib import Path
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from rlfabric.v1 import reward_pb2, reward_pb2_grpc
 from tests.waiting import wait_until
+
+pytestmark = pytest.mark.slow  # a service process
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

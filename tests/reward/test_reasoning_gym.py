@@ -116,6 +116,7 @@ def score_through_the_service(items: list[ScoreItem]) -> list:
     return asyncio.run(run())
 
 
+@pytest.mark.slow  # 1,000 pairs, ~10 s
 def test_the_reward_service_agrees_with_the_library_on_every_pair(pairs):
     assert len(pairs) >= 1000
     assert {name for name, *_ in pairs} == set(DATASETS)  # every dataset the library registers

@@ -55,6 +55,7 @@ def test_not_a_model_directory(tmp_path):
         check_policy_model(str(tmp_path))
 
 
+@pytest.mark.slow  # runs the CLI
 def test_rlfabric_up_refuses_before_starting_any_service(model_copy, tmp_path):
     edit_json(model_copy / "config.json", architectures=["Qwen2ForTokenClassification"])
     run_dir = tmp_path / "run"

@@ -3,6 +3,7 @@ ranks: rank 0 receives, every rank loads its shard; and it mixes them in by refe
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from rlfabric.coordinator.weight_sync import SyncReport, WeightSyncPlane
@@ -32,6 +33,7 @@ async def _sync_and_compare(mesh: Mesh) -> tuple[float, float, int]:
     return float((before - actor).abs().max()), float((after - actor).abs().max()), version
 
 
+@pytest.mark.slow  # a process per rank
 def test_a_two_rank_reference_loads_the_actors_weights(tiny_model):
     config = mesh_config(tiny_model, "weight_sync.transport=gloo", "reference.world_size=2",
                          "reference.ref_model_mixup_alpha=1.0")
