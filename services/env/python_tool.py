@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 from rlfabric.env.environment import Tool, ToolEnvironment, ToolError, ToolTimeout
 from rlfabric.env.items import Task, ToolSpec
 from rlfabric.sandbox.confine import user_variables, worker_environment
-from rlfabric.sandbox.process_tree import kill_descendants
+from rlfabric.sandbox.process_tree import end_supervisor
 
 if TYPE_CHECKING:
     from rlfabric.core.config import EnvConfig, PythonToolConfig
@@ -73,13 +73,8 @@ def run_python(code: str, config: PythonToolConfig) -> str:
         output, ending = b"", ENDED
     finally:
         # The code's processes first: the supervisor then releases the call's uid (its temp files
-        # deleted) and exits; killed only if it does not.
-        kill_descendants(process.pid)
-        try:
-            process.wait(timeout=_SUPERVISOR_EXIT_S)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        # deleted) and exits.
+        end_supervisor(process, _SUPERVISOR_EXIT_S)
         reports = _reports(process.stderr.read(1 << 16))
         process.stderr.close()
         process.stdout.close()

@@ -28,7 +28,6 @@ What cannot be done here (not root, no network namespace, no cgroup) is logged o
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -54,7 +53,7 @@ from rlfabric.reward.items import (
 )
 from rlfabric.reward.signatures import SIGNATURES
 from rlfabric.sandbox.confine import user_variables, worker_environment
-from rlfabric.sandbox.process_tree import kill_descendants
+from rlfabric.sandbox.process_tree import end_supervisor
 
 if TYPE_CHECKING:  # (not at run time: each worker imports this package, and pydantic costs it ~0.3 s)
     from rlfabric.core.config import CustomSandboxConfig
@@ -127,23 +126,7 @@ class _Worker:
         # Every descendant of the supervisor (a child subreaper): the scorer and whatever the user's
         # code started, in whatever session or process group. The supervisor then reaps them and
         # exits as the scorer did (SIGKILL here, or the scorer's own exit code or signal if it died first).
-        deadline = time.monotonic() + _SUPERVISOR_EXIT_S
-        while True:  # again until it exits: a supervisor still starting up may fork its scorer meanwhile
-            kill_descendants(self.proc.pid)
-            try:
-                returncode = self.proc.wait(timeout=0.05)
-                break
-            except subprocess.TimeoutExpired:
-                pass
-            if time.monotonic() > deadline:  # the supervisor is stuck: freeze it, clear its tree, kill it
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(self.proc.pid, signal.SIGSTOP)
-                kill_descendants(self.proc.pid)
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.proc.pid, signal.SIGKILL)  # the worker leads its own session
-                self.proc.kill()
-                returncode = self.proc.wait()
-                break
+        returncode = end_supervisor(self.proc, _SUPERVISOR_EXIT_S)
         self.proc.stdin.close()
         self.proc.stdout.close()
         self.state = _DEAD

@@ -23,6 +23,8 @@ import contextlib
 import ctypes
 import itertools
 import os
+import signal
+import subprocess
 import sys
 import time
 
@@ -86,6 +88,29 @@ def kill_descendants(pid: int, timeout_s: float = 5.0, spare: int | None = None)
                 process.kill()  # psutil checks that the pid still names the same process
                 sent += 1
         time.sleep(0.001)  # let the signals land before looking again
+
+
+def end_supervisor(supervisor: subprocess.Popen, exit_s: float) -> int:
+    """Ends a sandbox supervisor's call (the reward worker's, the python tool's): kills every process below
+    it, again until it exits (it reaps them, cleans up and exits as its child did), and returns its exit code.
+    A supervisor still starting up may fork its child meanwhile: that one is killed too, as long as it lives.
+    One still there after exit_s is frozen first (SIGSTOP: it forks nothing more), its tree and session
+    killed, then itself, so that nothing it started outlives it as an orphan. It must lead its own session."""
+    deadline = time.monotonic() + exit_s
+    while True:
+        kill_descendants(supervisor.pid)
+        try:
+            return supervisor.wait(timeout=0.05)
+        except subprocess.TimeoutExpired:
+            if time.monotonic() > deadline:
+                break
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(supervisor.pid, signal.SIGSTOP)
+    kill_descendants(supervisor.pid)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(supervisor.pid, signal.SIGKILL)
+    supervisor.kill()
+    return supervisor.wait()
 
 
 def reap_children() -> int:

@@ -5,7 +5,9 @@ observations with a status."""
 from __future__ import annotations
 
 import json
+import os
 import random
+import time
 
 import psutil
 import pytest
@@ -153,6 +155,26 @@ def test_python_code_past_its_timeout_is_killed_with_what_it_spawned():
     assert "ran past 0.8 s" in output
     child = int(output.split("child ")[1].split()[0])
     assert not _running(child)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the code runs as a uid of its own only under root")
+def test_code_whose_runner_starts_after_the_deadline_is_killed_too():
+    # A deadline shorter than the supervisor's start: it forks the runner only once the call has timed out.
+    started = time.time()
+    result = run_code(python_environment(timeout_s=0.01), "while True: pass")
+    assert result.status == STEP_TOOL_TIMEOUT
+    orphans = [p for p in psutil.process_iter(["cmdline", "create_time", "uids"])
+               if "rlfabric.env.python_runner" in " ".join(p.info["cmdline"] or []) and p.info["uids"].real != 0
+               and p.info["create_time"] >= started - 1 and _running(p.pid) and not _is_runner(p.parent())]
+    assert not orphans, [(p.pid, p.info) for p in orphans]
+
+
+def _is_runner(process: psutil.Process | None) -> bool:
+    """Whether `process` is a supervisor or runner of the python tool (a live code process's parent is one)."""
+    try:
+        return process is not None and "rlfabric.env.python_runner" in " ".join(process.cmdline())
+    except psutil.NoSuchProcess:
+        return False
 
 
 def _running(pid: int) -> bool:
