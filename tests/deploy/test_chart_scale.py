@@ -10,8 +10,8 @@ controller with the cluster DNS: the headless name resolves, through a hosts fil
 that run (the Service publishes not-ready pods).
 
 Pass: the run completes, every step trains on data.train_batch_size x rollout.n samples, none twice, what a
-leaver had in flight was generated again, the replicas go 2 -> 4 -> 1, and every pod, the scaled-down ones too,
-exits 0."""
+leaver had in flight was generated again, the replicas go 2 -> 4 -> 1, both joiners catch up from a peer pod (delta
+sync over grpc), and every pod, the scaled-down ones too, exits 0."""
 
 from __future__ import annotations
 
@@ -37,6 +37,9 @@ def test_kubectl_scale_of_the_rollout_statefulset_mid_run_from_2_to_4_to_1(tmp_p
     config = values["config"]
     config["trainer"].update(total_steps=STEPS, mode="async", max_staleness=1)
     config["data"]["train_batch_size"], config["rollout"]["n"] = 4, 2  # 8 samples a step: short steps
+    # delta sync over grpc: a joiner catches up from a rollout pod that holds the weights, not from the actor
+    config["weight_sync"] = {"transport": "grpc", "delta": True}
+    config["rollout"]["dtype"] = "bfloat16"
     config["rollout"]["discovery_interval_s"] = 0.5  # the chart's discovery, resolved often: a short test
     values["roles"]["rollout"]["replicas"] = 2
     docs = render(values)
@@ -57,6 +60,11 @@ def test_kubectl_scale_of_the_rollout_statefulset_mid_run_from_2_to_4_to_1(tmp_p
     print(f"rollout replicas per step: {replicas}; scaled after steps {[e['after_steps'] for e in job['scaled']]}")
     assert len(steps) == STEPS and replicas[0] == 2 and replicas[-1] == 1, replicas
     assert 4 in [step["weight_sync/replicas"] for step in steps]  # the joiners held the weights and served
+    caught_up = [(step["weight_sync/catchup_from_peer"], step["weight_sync/catchup_from_actor"]) for step in steps]
+    print(f"catch-ups (from a peer, from the actor) per step: {caught_up}; full syncs where a delta was due: "
+          f"{[step['weight_sync/delta_fallback_full'] for step in steps]}")
+    assert [sum(column) for column in zip(*caught_up, strict=True)] == [2, 0]  # both joiners from a peer
+    assert sum(step["weight_sync/delta_fallback_full"] for step in steps) == 0  # every sync after the first a delta
     assert sum(step["rollout/joined"] for step in steps) == 2 and sum(step["rollout/left"] for step in steps) == 3
     samples = config["data"]["train_batch_size"] * config["rollout"]["n"]
     for step in steps:
