@@ -43,13 +43,16 @@ async def catch_up(members: Mapping[str, tuple[str, RolloutInterface]], held: di
         except Exception as error:  # that peer cannot (restarted, a rejected delta cleared its base): the next one
             log.warning("catch-up from rollout %s failed: %s", donor, error)
             continue
-        for name, result in zip(list(joiners), results, strict=True):
-            if not result.error and result.version == version:
+        by_address = {result.address: result for result in results}
+        for name in list(joiners):
+            result = by_address.get(members[name][0])
+            if result is not None and not result.error and result.version == version:
                 held[name] = version
                 joiners.remove(name)
                 caught += 1
             else:
-                log.warning("catch-up of rollout %s from %s failed: %s", name, donor, result.error)
+                log.warning("catch-up of rollout %s from %s failed: %s", name, donor,
+                            result.error if result is not None else "the peer reported nothing for it")
     if caught or joiners:
         log.info("rollout replicas caught up", extra={"fields": {
             "version": version, "from_peer": caught, "from_actor": joiners}})

@@ -189,6 +189,7 @@ class WeightSyncPlane(WeightSync):
         self.group: SyncGroup | None = None
         self.ranks: dict[str, int] = {}  # members of the current group -> rank
         self._stale = True  # the group must be (re)built before the next sync
+        self.serving_versions: dict[str, int] = {}  # what each rollout replica served at its last probe or sync
         self._delta_group = False  # the group was opened with delta
         self._buckets = 0  # the full weights' buckets at the last sync (a catch-up's deadline is per bucket)
 
@@ -249,12 +250,15 @@ class WeightSyncPlane(WeightSync):
         return (await self._probe_device(member))[0]
 
     async def _probe_device(self, member: _Member) -> tuple[str, DeviceReport]:
-        """("", the device it reports) when the member answers, else (why not, an empty report)."""
+        """("", the device it reports) when the member answers, else (why not, an empty report). A rollout replica's
+        weight version goes to serving_versions."""
         try:
             call = member.client.get_status() if member.is_reference else member.client.status()
             status = await asyncio.wait_for(call, PROBE_TIMEOUT_S)
         except Exception as error:
             return f"unreachable: {type(error).__name__}: {error}", DeviceReport()
+        if not member.is_reference:
+            self.serving_versions[member.name] = status.weight_version
         return "", (DeviceReport.from_proto(status.device) if member.is_reference else status.device)
 
     async def choose_transport(self) -> TransportChoice:
@@ -370,6 +374,8 @@ class WeightSyncPlane(WeightSync):
             self.serve_synced(report)
             return report
         if not full and self._sent is not None and self.group.transport == "grpc" and self._delta_group:
+            # one that a probe found serving another version than it held restarted: no base, a joiner now
+            self.held = {name: v for name, v in self.held.items() if self.serving_versions.get(name, v) == v}
             members = {name: (self._members[name].address, self._members[name].client) for name in self.ranks}
             report.catchup_from_peer, report.catchup_from_actor, report.catchup_seconds = await catch_up(
                 members, self.held, self._sent, self.timeout_s, self._buckets)  # joiners from a peer, not the actor
@@ -387,6 +393,7 @@ class WeightSyncPlane(WeightSync):
             report.num_bytes, report.phases = report.num_bytes + sent, report.phases + phases
         report.record(outcomes)
         self.held = {name: version for name, outcome in outcomes.items() if name not in report.failed}
+        self.serving_versions.update(self.held)
         if report.actor_error or any(name in report.failed for name in self.ranks):
             self._stale = True  # gloo/nccl groups do not survive a lost peer; rebuild before the next sync
         report.seconds = time.perf_counter() - started

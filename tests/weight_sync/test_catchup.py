@@ -9,9 +9,11 @@ import pytest
 import torch
 
 from rlfabric.core.errors import FailedPrecondition, InvalidArgument
+from rlfabric.core.server import ServerOptions
 from rlfabric.rollout.client import RolloutClient
 from rlfabric.rollout.servicer import build_service as build_rollout
 from rlfabric.weight_sync.buckets import crc32
+from tests.conftest import ServerThread
 
 from .helpers import Mesh, mesh_config, serve
 
@@ -74,27 +76,44 @@ def test_a_joiner_catches_up_from_a_peer_and_the_next_sync_is_still_a_delta(mesh
     assert all(mesh.serves_the_actors_weights(name) for name in ("r0", "r1", "r2"))
 
 
+def test_a_replica_restarted_at_its_address_catches_up_from_a_peer_instead_of_rejecting_a_delta(mesh):
+    """Its connection dropped, so the sync probes it: it serves another version than the plane recorded, so it
+    holds no base, and a peer brings it to the version last sent before the delta goes out."""
+    mesh, plane = mesh
+    assert mesh.run(plane.sync(20, full=True)).ok
+    mesh.train_step(seed=21)
+    assert mesh.run(plane.sync(21)).delta
+    port = int(mesh.rollouts["r1"].address.rsplit(":", 1)[1])
+    mesh.rollouts["r1"].stop()
+    mesh.rollouts["r1"] = ServerThread(build_rollout(mesh.config), ServerOptions(port=port, metrics_port=None))
+    mesh.train_step(seed=22)
+    report = mesh.run(plane.sync(22))
+    assert report.ok, report.failed
+    assert report.delta and (report.catchup_from_peer, report.fallback_full) == (1, 0)
+    assert all(mesh.serves_the_actors_weights(name) for name in plane.receivers)
+
+
 def test_a_joiner_no_peer_can_catch_up_gets_the_actors_full_weights_counted(mesh):
     mesh, plane = mesh
-    mesh.train_step(seed=4)
-    assert mesh.run(plane.sync(5)).delta
+    assert mesh.run(plane.sync(30, full=True)).ok
     for name in plane.receivers:
         pushes_of(mesh, name).base.clear()  # as a rejected delta leaves a replica: it holds nothing to lend
     join(mesh, plane, "r3")
-    mesh.train_step(seed=5)
-    report = mesh.run(plane.sync(6))
+    mesh.train_step(seed=31)
+    report = mesh.run(plane.sync(31))
     assert report.ok, report.failed
     assert (report.catchup_from_peer, report.catchup_from_actor) == (0, 1)
     assert not report.delta and report.fallback_full == 1  # the joiner held no base: full weights to every member
     assert all(mesh.serves_the_actors_weights(name) for name in plane.receivers)
-    mesh.train_step(seed=6)
-    assert mesh.run(plane.sync(7)).delta  # in step again
+    mesh.train_step(seed=32)
+    assert mesh.run(plane.sync(32)).delta  # in step again
 
 
 def test_push_held_weights_refuses_another_version_and_bad_targets(mesh):
     mesh, plane = mesh
+    assert mesh.run(plane.sync(40, full=True)).ok
     held = pushes_of(mesh, "r0").base.version
-    assert held is not None
+    assert held == 40
 
     async def ask(targets, version, hop_timeout_s=5.0):
         async with RolloutClient(mesh.addresses["r0"]) as client:
