@@ -71,10 +71,11 @@ class ActorInterface(TrainableInterface):
     async def open_weight_sync_group(self, transport: str, num_receivers: int, bucket_bytes: int = 0,
                                      target_dtype: torch.dtype | None = None, timeout_s: float = 0.0,
                                      grpc_receiver_addresses: tuple[str, ...] = (), delta: bool = False,
-                                     relay: str = "") -> SyncGroup:
+                                     relay: str = "", delta_base_from: str = "") -> SyncGroup:
         """A new weight-sync group with the actor as rank 0 (transport "auto"/"" lets the actor choose); `delta`:
         it keeps what it last sent, to send only the change (weight_sync.delta); `relay` (grpc): "chain" = the
-        receivers forward the push along grpc_receiver_addresses (weight_sync.relay)."""
+        receivers forward the push along grpc_receiver_addresses (weight_sync.relay); `delta_base_from`: an open delta
+        group whose base the new one takes over, closing it (its first sync may then be a delta)."""
 
     @abstractmethod
     async def prepare_weight_sync(self, group_id: str, version: int, timeout_s: float | None = None,
@@ -131,11 +132,12 @@ class ActorClient(ServiceClient, ActorInterface):
     async def open_weight_sync_group(self, transport: str, num_receivers: int, bucket_bytes: int = 0,
                                      target_dtype: torch.dtype | None = None, timeout_s: float = 0.0,
                                      grpc_receiver_addresses: tuple[str, ...] = (), delta: bool = False,
-                                     relay: str = "") -> SyncGroup:
+                                     relay: str = "", delta_base_from: str = "") -> SyncGroup:
         request = actor_pb2.ActorServiceOpenWeightSyncGroupRequest(
             transport=transport_to_proto(transport), num_receivers=num_receivers, bucket_bytes=bucket_bytes,
             target_dtype=codec.wire_dtype(target_dtype) if target_dtype is not None else 0, timeout_s=timeout_s,
-            grpc_receiver_addresses=list(grpc_receiver_addresses), delta=delta, relay=relay)
+            grpc_receiver_addresses=list(grpc_receiver_addresses), delta=delta, relay=relay,
+            delta_base_from=delta_base_from)
         return SyncGroup.from_proto((await self.call("OpenWeightSyncGroup", request)).group)
 
     async def prepare_weight_sync(self, group_id: str, version: int, timeout_s: float | None = None,
@@ -181,10 +183,10 @@ class LocalActorClient(LocalTrainerClient, ActorInterface):
     async def open_weight_sync_group(self, transport: str, num_receivers: int, bucket_bytes: int = 0,
                                      target_dtype: torch.dtype | None = None, timeout_s: float = 0.0,
                                      grpc_receiver_addresses: tuple[str, ...] = (), delta: bool = False,
-                                     relay: str = "") -> SyncGroup:
+                                     relay: str = "", delta_base_from: str = "") -> SyncGroup:
         return await self.engine.weight_sync.open("" if transport == "auto" else transport, num_receivers,
                                                   bucket_bytes, target_dtype, timeout_s, grpc_receiver_addresses,
-                                                  delta, relay=relay)
+                                                  delta, relay=relay, delta_base_from=delta_base_from)
 
     async def prepare_weight_sync(self, group_id: str, version: int, timeout_s: float | None = None,
                                   delta_base_version: int | None = None) -> Manifest:

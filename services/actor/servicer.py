@@ -51,7 +51,8 @@ class ActorServicer(actor_pb2_grpc.ActorServiceServicer):
         dtype = codec.torch_dtype(request.target_dtype) if request.target_dtype else None
         group = await self.engine.weight_sync.open(
             transport_from_proto(request.transport), request.num_receivers, request.bucket_bytes, dtype,
-            request.timeout_s, tuple(request.grpc_receiver_addresses), request.delta, relay=request.relay)
+            request.timeout_s, tuple(request.grpc_receiver_addresses), request.delta, relay=request.relay,
+            delta_base_from=request.delta_base_from)
         return actor_pb2.ActorServiceOpenWeightSyncGroupResponse(group=group.to_proto())
 
     async def PrepareWeightSync(self, request, context):

@@ -24,7 +24,10 @@ Delta sync (weight_sync.delta, rlfabric.weight_sync.delta): the plane records th
 group kept as its base (`held`) and the version the actor last sent. When every member holds the latter, the
 actor sends only the change against it; otherwise the full weights, and the members that did not hold it count
 in SyncReport.fallback_full. Members that reject a delta (another base, or a tensor whose CRC-32 does not check
-out: INVALID_ARGUMENT, the group stays in step) get the full weights in the same sync, counted too.
+out: INVALID_ARGUMENT, the group stays in step) get the full weights in the same sync, counted too. Over the
+grpc transport a rebuilt group keeps the bases (the actor's delta_base_from; the members that stay keep theirs),
+and a joiner first catches up from a peer that holds the version last sent (rlfabric.coordinator.catchup), so
+the sync after a join is still a delta; a joiner no peer reaches gets the actor's full weights (catchup_from_actor).
 """
 
 from __future__ import annotations
@@ -36,12 +39,14 @@ import dataclasses
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 import torch
 
 from rlfabric.actor.client import ActorInterface
+from rlfabric.coordinator.catchup import catch_up
+from rlfabric.coordinator.sync_report import SyncReport
 from rlfabric.core.client import ChannelOptions
 from rlfabric.core.config import RunConfig
 from rlfabric.core.dtypes import rollout_dtype, torch_dtype
@@ -51,7 +56,6 @@ from rlfabric.rollout.client import RolloutClient
 from rlfabric.rollout.router import RolloutRouter
 from rlfabric.weight_sync.devices import DeviceReport, TransportChoice, choose_transport
 from rlfabric.weight_sync.manifest import Manifest, SyncGroup
-from rlfabric.weight_sync.phases import SyncPhases
 from rlfabric.weight_sync.push_metadata import HOP_SLACK_S
 from rlfabric.weight_sync.receiver import SLACK_S, WeightSwap
 
@@ -65,60 +69,6 @@ def shares_gpus(config: RunConfig, role: str, other: str) -> bool:
     falls back on for a member that does not report its GPU."""
     pool = config.pool_of(role)
     return bool(pool) and pool == config.pool_of(other) and config.resource_pools[pool].total_gpus > 0
-
-
-@dataclass
-class SyncReport:
-    """What one sync did. `failed` names every member that does not serve `version` now."""
-
-    version: int
-    num_bytes: int = 0  # per receiver
-    seconds: float = 0.0  # the whole sync: rebuild (if any), gather, pack, transfer, switch
-    broadcast_seconds: float = 0.0  # the actor's BroadcastWeights (pipelined: packing and the wire)
-    paused_seconds: dict[str, float] = field(default_factory=dict)  # per receiver that switched
-    failed: dict[str, str] = field(default_factory=dict)  # receiver -> reason
-    actor_error: str = ""  # the actor's side of a failed broadcast (gloo, nccl), if it failed
-    phases: SyncPhases = field(default_factory=SyncPhases)  # the actor's: gather, pack, checksum, wire
-    receiver_phases: SyncPhases = field(default_factory=SyncPhases)  # the slowest receiver's: wire, checksum, apply
-    full_bytes: int = 0  # per receiver: what the full weights take (num_bytes when the sync sent them)
-    delta: bool = False  # the sync sent the change against the replicas' base (weight_sync.delta)
-    fallback_full: int = 0  # receivers that got the full weights where a delta was due (another base, or rejected)
-    egress_bytes: int = 0  # grpc: what the actor sent (relay chain: about one copy, whatever the replicas)
-    hop_seconds: dict[str, float] = field(default_factory=dict)  # grpc: each receiver's receive (wire) seconds
-
-    @property
-    def ok(self) -> bool:
-        return not self.failed
-
-    def record(self, outcomes: Mapping[str, WeightSwap | BaseException]) -> None:
-        """Each receiver's outcome: serving `version` (how long it paused), or failed with the reason; and the
-        slowest receiver's phases."""
-        for name, outcome in outcomes.items():
-            if isinstance(outcome, BaseException):
-                self.failed[name] = f"{type(outcome).__name__}: {outcome}"
-            elif outcome.version != self.version:
-                self.failed[name] = f"serves version {outcome.version}, not {self.version}"
-            else:
-                self.paused_seconds[name] = outcome.paused_seconds
-        self.receiver_phases = SyncPhases.slowest(o.phases for o in outcomes.values() if isinstance(o, WeightSwap))
-
-    def phase_metrics(self) -> dict[str, float]:
-        """timing_s/update_weights/<phase>: the actor's gather, pack, checksum and wire; receive_wire,
-        receive_checksum, apply and (grpc) relay_hop_max, the receive wire time: the slowest receiver's."""
-        prefix = "timing_s/update_weights/"
-        metrics = {f"{prefix}{phase}": getattr(self.phases, phase) for phase in ("gather", "pack", "checksum", "wire")}
-        metrics.update({f"{prefix}receive_{phase}": getattr(self.receiver_phases, phase) for phase in ("wire", "checksum")})
-        metrics[f"{prefix}apply"] = self.receiver_phases.apply
-        metrics.update({f"{prefix}relay_hop_max": max(self.hop_seconds.values())} if self.hop_seconds else {})
-        return metrics
-
-    def delta_metrics(self) -> dict[str, float]:
-        """weight_sync/delta_bytes (what went per receiver), weight_sync/full_bytes (what the full weights take),
-        their ratio, and weight_sync/delta_fallback_full: receivers that got the full weights instead of a delta."""
-        full = self.full_bytes or self.num_bytes
-        return {"weight_sync/delta_bytes": float(self.num_bytes), "weight_sync/full_bytes": float(full),
-                "weight_sync/delta_ratio": self.num_bytes / full if full else 1.0,
-                "weight_sync/delta_fallback_full": float(self.fallback_full)}
 
 
 @dataclass
@@ -229,6 +179,9 @@ class WeightSyncPlane(WeightSync):
         self.timeout_s = config.weight_sync.timeout_s
         self._members: dict[str, _Member] = {}
         self._retired: list[_Member] = []  # removed members whose channels close at the next rebuild
+        # weight_sync.delta: the version each member of the group kept as its base, and the one the actor last sent
+        self.held: dict[str, int] = {}
+        self._sent: int | None = None
         for name, address in receivers.items():
             self.add_receiver(name, address)
         if reference:
@@ -236,9 +189,9 @@ class WeightSyncPlane(WeightSync):
         self.group: SyncGroup | None = None
         self.ranks: dict[str, int] = {}  # members of the current group -> rank
         self._stale = True  # the group must be (re)built before the next sync
-        # weight_sync.delta: the version each member of the group kept as its base, and the one the actor last sent
-        self.held: dict[str, int] = {}
-        self._sent: int | None = None
+        self.serving_versions: dict[str, int] = {}  # what each rollout replica served at its last probe or sync
+        self._delta_group = False  # the group was opened with delta
+        self._buckets = 0  # the full weights' buckets at the last sync (a catch-up's deadline is per bucket)
 
     # -- membership -------------------------------------------------------------------------------
 
@@ -250,6 +203,7 @@ class WeightSyncPlane(WeightSync):
             raise ValueError(f"receiver kind must be 'rollout' or 'reference', got {kind!r}")
         if name in self._members:
             self.remove_receiver(name)
+        self.held.pop(name, None)  # whatever it holds, the plane knows nothing of it
         shared = self.serving.client_of(address) if self.serving is not None and kind == "rollout" else client
         self._members[name] = _Member(name, address, kind == "reference", self.options, shared, owned=shared is None)
         self._stale = True
@@ -282,24 +236,29 @@ class WeightSyncPlane(WeightSync):
             await member.close()
         self._retired = []
 
-    async def _close_group(self) -> None:
-        group, self.group, self.ranks = self.group, None, {}
-        self.held, self._sent = {}, None  # a new group's sender and receivers keep no base yet
-        if group is not None:
+    async def _close_group(self, group_id: str | None = None) -> None:
+        """Closes the group and forgets it and its bases; or, given, the actor's group `group_id` alone."""
+        if group_id is None:
+            group_id = self.group.group_id if self.group is not None else ""
+            self.group, self.ranks, self.held, self._sent = None, {}, {}, None
+        if group_id:
             with contextlib.suppress(Exception):
-                await self.actor.close_weight_sync_group(group.group_id, timeout_s=PROBE_TIMEOUT_S + SLACK_S)
+                await self.actor.close_weight_sync_group(group_id, timeout_s=PROBE_TIMEOUT_S + SLACK_S)
 
     async def _probe(self, member: _Member) -> str:
         """"" when the member answers, else why not."""
         return (await self._probe_device(member))[0]
 
     async def _probe_device(self, member: _Member) -> tuple[str, DeviceReport]:
-        """("", the device it reports) when the member answers, else (why not, an empty report)."""
+        """("", the device it reports) when the member answers, else (why not, an empty report). A rollout replica's
+        weight version goes to serving_versions."""
         try:
             call = member.client.get_status() if member.is_reference else member.client.status()
             status = await asyncio.wait_for(call, PROBE_TIMEOUT_S)
         except Exception as error:
             return f"unreachable: {type(error).__name__}: {error}", DeviceReport()
+        if not member.is_reference:
+            self.serving_versions[member.name] = status.weight_version
         return "", (DeviceReport.from_proto(status.device) if member.is_reference else status.device)
 
     async def choose_transport(self) -> TransportChoice:
@@ -323,8 +282,22 @@ class WeightSyncPlane(WeightSync):
         return choice
 
     async def _rebuild(self) -> dict[str, str]:
-        """A new group of the members that answer; every one of them joined (or reported failed)."""
-        await self._close_group()
+        """A new group of the members that answer; every one of them joined (or reported failed). A grpc delta
+        group takes over the old group's base (the actor's delta_base_from), and the members that stay keep theirs:
+        the next sync is a delta once the joiners caught up."""
+        previous, held, sent = self.group.group_id if self.group else "", self.held, self._sent
+        self.group, self.ranks, self.held, self._sent = None, {}, {}, None
+        try:
+            failed = await self._build(previous)
+        finally:  # a no-op where the new group took its base over
+            await self._close_group(previous)
+        if self.group is not None and self.group.transport == "grpc" and previous and self._delta_group:
+            self.held = {name: version for name, version in held.items() if name in self.ranks and name not in failed}
+            self._sent = sent
+        return failed
+
+    async def _build(self, previous: str) -> dict[str, str]:
+        """_rebuild's group, whose base is `previous`'s where both are grpc delta groups."""
         for member in self._retired:
             await member.close()
         self._retired = []
@@ -348,15 +321,16 @@ class WeightSyncPlane(WeightSync):
             return failed
         group = await self.actor.open_weight_sync_group(
             self.transport, len(live), self.config.weight_sync.bucket_mb << 20, target_dtype(self.config),
-            self.timeout_s, tuple(m.address for m in live), delta=self._sends_deltas(live),
-            relay=self.config.weight_sync.relay if self.transport == "grpc" else "")
+            self.timeout_s, tuple(m.address for m in live), delta=(delta := self._sends_deltas(live)),
+            relay=self.config.weight_sync.relay if self.transport == "grpc" else "",
+            delta_base_from=previous if self.transport == "grpc" else "")
         ranks = {m.name: rank for rank, m in enumerate(live, start=1)}
         joins = await asyncio.gather(*(m.client.join_weight_sync_group(group, ranks[m.name], self.timeout_s + SLACK_S)
                                        for m in live), return_exceptions=True)
         for member, outcome in zip(live, joins, strict=True):
             if isinstance(outcome, BaseException):
                 failed[member.name] = f"join failed: {outcome}"
-        self.group, self.ranks = group, ranks
+        self.group, self.ranks, self._delta_group = group, ranks, delta
         self._stale = any(name in failed for name in ranks)  # a failed join leaves the group unusable
         log.info("weight-sync group built", extra={"fields": {
             "group_id": group.group_id, "transport": group.transport, "members": list(ranks), "failed": failed}})
@@ -399,6 +373,12 @@ class WeightSyncPlane(WeightSync):
             self._stale = True
             self.serve_synced(report)
             return report
+        if not full and self._sent is not None and self.group.transport == "grpc" and self._delta_group:
+            # one that a probe found serving another version than it held restarted: no base, a joiner now
+            self.held = {name: v for name, v in self.held.items() if self.serving_versions.get(name, v) == v}
+            members = {name: (self._members[name].address, self._members[name].client) for name in self.ranks}
+            report.catchup_from_peer, report.catchup_from_actor, report.catchup_seconds = await catch_up(
+                members, self.held, self._sent, self.timeout_s, self._buckets)  # joiners from a peer, not the actor
         base = None if full else self._common_base()
         if not full and base is None and self._sent is not None:  # a delta was due: who does not hold its base
             report.fallback_full += sum(self.held.get(name) != self._sent for name in self.ranks)
@@ -413,6 +393,7 @@ class WeightSyncPlane(WeightSync):
             report.num_bytes, report.phases = report.num_bytes + sent, report.phases + phases
         report.record(outcomes)
         self.held = {name: version for name, outcome in outcomes.items() if name not in report.failed}
+        self.serving_versions.update(self.held)
         if report.actor_error or any(name in report.failed for name in self.ranks):
             self._stale = True  # gloo/nccl groups do not survive a lost peer; rebuild before the next sync
         report.seconds = time.perf_counter() - started
@@ -438,6 +419,7 @@ class WeightSyncPlane(WeightSync):
             self._stale = True  # e.g. the actor restarted and lost the group: rebuild next time
             raise
         report.num_bytes, report.full_bytes, report.delta = manifest.num_bytes, manifest.full_bytes, bool(manifest.delta)
+        self._buckets = len(manifest.delta.layout if manifest.delta else manifest.buckets)
         outcomes = await self._transfer(manifest, report)
         if manifest.keep_base:
             self._sent = version

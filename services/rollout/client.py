@@ -18,10 +18,12 @@ from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING
 
 from rlfabric.core.client import RoleInterface, ServiceClient
+from rlfabric.core.errors import FailedPrecondition
 from rlfabric.rollout import wire
 from rlfabric.rollout.agent_rollout import AgentRollouts
 from rlfabric.rollout.types import EngineStatus, FinishedSample, SamplingSpec
 from rlfabric.v1 import rollout_pb2, rollout_pb2_grpc
+from rlfabric.weight_sync.grpc_stream import PushResult
 from rlfabric.weight_sync.manifest import Manifest, SyncGroup
 from rlfabric.weight_sync.phases import SyncPhases
 from rlfabric.weight_sync.receiver import WeightSwap
@@ -74,6 +76,12 @@ class RolloutInterface(RoleInterface):
         """Receives the manifest's buckets while the actor broadcasts: the version now served, how long
         generation was paused, and the replica's phases of the sync."""
 
+    @abstractmethod
+    async def push_held_weights(self, targets: Sequence[str], version: int, hop_timeout_s: float,
+                                timeout_s: float | None = None) -> tuple[tuple[PushResult, ...], int]:
+        """Pushes the weights this replica holds as `version` (its delta base) to `targets`, relayed along them:
+        (each target's PushResult in order, the bytes this replica sent)."""
+
 
 class RolloutClient(ServiceClient, RolloutInterface):
     """RolloutInterface over gRPC, to one replica."""
@@ -120,6 +128,14 @@ class RolloutClient(ServiceClient, RolloutInterface):
         request = rollout_pb2.RolloutServiceReceiveWeightsRequest(manifest=manifest.to_proto())
         response = await self.call("ReceiveWeights", request, timeout_s)
         return WeightSwap(response.version, response.paused_seconds, SyncPhases.from_proto(response.phases))
+
+    async def push_held_weights(self, targets: Sequence[str], version: int, hop_timeout_s: float,
+                                timeout_s: float | None = None) -> tuple[tuple[PushResult, ...], int]:
+        request = rollout_pb2.RolloutServicePushHeldWeightsRequest(targets=list(targets), version=version,
+                                                                   hop_timeout_s=hop_timeout_s)
+        response = await self.call("PushHeldWeights", request, timeout_s)
+        return tuple(PushResult(p.address, p.version, p.paused_seconds, p.error, SyncPhases.from_proto(p.phases))
+                     for p in response.pushes), response.sent_bytes
 
 
 class LocalRolloutClient(RolloutInterface):
@@ -169,6 +185,11 @@ class LocalRolloutClient(RolloutInterface):
 
     async def receive_weights(self, manifest: Manifest, timeout_s: float | None = None) -> WeightSwap:
         return await self.engine.receive_weights(manifest)
+
+    async def push_held_weights(self, targets: Sequence[str], version: int, hop_timeout_s: float,
+                                timeout_s: float | None = None) -> tuple[tuple[PushResult, ...], int]:
+        raise FailedPrecondition("an engine in this process holds no pushed weights to lend (PushHeldWeights "
+                                 "runs on a RolloutService)")
 
     async def close(self) -> None:
         """The environment connections of the agent rollouts it made; the engine belongs to whoever started it."""

@@ -7,7 +7,8 @@ The engine is chosen once, in build_engine, from rollout.engine; admission, the 
 request deadlines are the engine's (rlfabric.rollout.engine), and errors reach the client through
 the server's ErrorInterceptor: a domain error with its own status, anything else INTERNAL. Weight sync
 (rlfabric.weight_sync): JoinWeightSyncGroup and ReceiveWeights (gloo, nccl) and PushWeights
-(grpc) end in the engine swapping in the new version at once; a checksum mismatch rejects it.
+(grpc) end in the engine swapping in the new version at once; a checksum mismatch rejects it. PushHeldWeights
+pushes what this replica holds to joiners (a catch-up from a peer).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from rlfabric.rollout.engine import RolloutEngine
 from rlfabric.rollout.registration import Registration
 from rlfabric.rollout.types import FinishedSample
 from rlfabric.v1 import rollout_pb2, rollout_pb2_grpc
-from rlfabric.weight_sync.chain import ChainForward
+from rlfabric.weight_sync.chain import ChainForward, push_held
 from rlfabric.weight_sync.grpc_stream import PushReceiver, add_rollout_service
 from rlfabric.weight_sync.manifest import Manifest, SyncGroup
 from rlfabric.weight_sync.receiver import WeightSwap
@@ -153,6 +154,14 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                                            error=r.error, phases=r.phases.to_proto()) for r in outcome.relayed]
         return rollout_pb2.RolloutServicePushWeightsResponse(version=swap.version, paused_seconds=swap.paused_seconds,
                                                              phases=swap.phases.to_proto(), relayed=relayed)
+
+    async def PushHeldWeights(self, request, context):
+        """A joiner's catch-up from this replica: the weights it holds pushed along request.targets."""
+        results, sent = await push_held(self._pushes, tuple(request.targets), request.version, request.hop_timeout_s,
+                                        self._pushes.options, self.engine.config.weight_sync.max_timeout_s)
+        pushes = [rollout_pb2.RelayedPush(address=r.address, version=r.version, paused_seconds=r.paused_seconds,
+                                          error=r.error, phases=r.phases.to_proto()) for r in results]
+        return rollout_pb2.RolloutServicePushHeldWeightsResponse(pushes=pushes, sent_bytes=sent)
 
     async def _generate(self, prompts, params: rollout_pb2.SamplingParams) -> AsyncIterator[FinishedSample]:
         """The engine's samples, counted as they pass."""

@@ -104,14 +104,16 @@ class TrainerWeightSync:
 
     async def open(self, transport: str, num_receivers: int, bucket_bytes: int = 0,
                    dtype: torch.dtype | None = None, timeout_s: float = 0.0,
-                   addresses: tuple[str, ...] = (), delta: bool = False, relay: str = "") -> SyncGroup:
+                   addresses: tuple[str, ...] = (), delta: bool = False, relay: str = "",
+                   delta_base_from: str = "") -> SyncGroup:
         """A new group with this actor as rank 0 (dtype None = the actor's compute dtype). With SGLang
         rollout servers, a torch.distributed group built as theirs is, so they can join it. `delta`: the group
         keeps what it last sent and may send only the change (weight_sync.delta); `relay` (grpc): "chain" = the
-        receivers forward the push along `addresses` (weight_sync.relay)."""
+        receivers forward the push along `addresses` (weight_sync.relay); `delta_base_from`: an open group whose
+        delta base the new one takes over (WeightSender.open)."""
         torch_group = self.engine.config.rollout.engine == "sglang" and transport != "grpc"
         return self._weight_sender().open(transport, num_receivers, bucket_bytes, dtype or self.engine.worker.dtype,
-                                          timeout_s, addresses, torch_group, delta, relay)
+                                          timeout_s, addresses, torch_group, delta, relay, delta_base_from)
 
     async def prepare(self, group_id: str, version: int, delta_base_version: int | None = None) -> Manifest:
         """Gathers the full weights for `group_id` and plans their buckets (grpc, torch and delta groups: packs

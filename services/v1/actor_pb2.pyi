@@ -79,7 +79,7 @@ class ActorServiceExportHFResponse(_message.Message):
     def __init__(self, num_bytes: _Optional[int] = ...) -> None: ...
 
 class ActorServiceOpenWeightSyncGroupRequest(_message.Message):
-    __slots__ = ("transport", "num_receivers", "bucket_bytes", "target_dtype", "timeout_s", "grpc_receiver_addresses", "delta", "relay")
+    __slots__ = ("transport", "num_receivers", "bucket_bytes", "target_dtype", "timeout_s", "grpc_receiver_addresses", "delta", "relay", "delta_base_from")
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     NUM_RECEIVERS_FIELD_NUMBER: _ClassVar[int]
     BUCKET_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +88,7 @@ class ActorServiceOpenWeightSyncGroupRequest(_message.Message):
     GRPC_RECEIVER_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     DELTA_FIELD_NUMBER: _ClassVar[int]
     RELAY_FIELD_NUMBER: _ClassVar[int]
+    DELTA_BASE_FROM_FIELD_NUMBER: _ClassVar[int]
     transport: _weight_sync_pb2.WeightTransport
     num_receivers: int
     bucket_bytes: int
@@ -96,7 +97,8 @@ class ActorServiceOpenWeightSyncGroupRequest(_message.Message):
     grpc_receiver_addresses: _containers.RepeatedScalarFieldContainer[str]
     delta: bool
     relay: str
-    def __init__(self, transport: _Optional[_Union[_weight_sync_pb2.WeightTransport, str]] = ..., num_receivers: _Optional[int] = ..., bucket_bytes: _Optional[int] = ..., target_dtype: _Optional[_Union[_tensor_pb2.DataType, str]] = ..., timeout_s: _Optional[float] = ..., grpc_receiver_addresses: _Optional[_Iterable[str]] = ..., delta: _Optional[bool] = ..., relay: _Optional[str] = ...) -> None: ...
+    delta_base_from: str
+    def __init__(self, transport: _Optional[_Union[_weight_sync_pb2.WeightTransport, str]] = ..., num_receivers: _Optional[int] = ..., bucket_bytes: _Optional[int] = ..., target_dtype: _Optional[_Union[_tensor_pb2.DataType, str]] = ..., timeout_s: _Optional[float] = ..., grpc_receiver_addresses: _Optional[_Iterable[str]] = ..., delta: _Optional[bool] = ..., relay: _Optional[str] = ..., delta_base_from: _Optional[str] = ...) -> None: ...
 
 class ActorServiceOpenWeightSyncGroupResponse(_message.Message):
     __slots__ = ("group",)

@@ -300,6 +300,24 @@ class RolloutServicePushWeightsResponse(_message.Message):
     relayed: _containers.RepeatedCompositeFieldContainer[RelayedPush]
     def __init__(self, version: _Optional[int] = ..., paused_seconds: _Optional[float] = ..., phases: _Optional[_Union[_weight_sync_pb2.WeightSyncPhases, _Mapping]] = ..., relayed: _Optional[_Iterable[_Union[RelayedPush, _Mapping]]] = ...) -> None: ...
 
+class RolloutServicePushHeldWeightsRequest(_message.Message):
+    __slots__ = ("targets", "version", "hop_timeout_s")
+    TARGETS_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    HOP_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    targets: _containers.RepeatedScalarFieldContainer[str]
+    version: int
+    hop_timeout_s: float
+    def __init__(self, targets: _Optional[_Iterable[str]] = ..., version: _Optional[int] = ..., hop_timeout_s: _Optional[float] = ...) -> None: ...
+
+class RolloutServicePushHeldWeightsResponse(_message.Message):
+    __slots__ = ("pushes", "sent_bytes")
+    PUSHES_FIELD_NUMBER: _ClassVar[int]
+    SENT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    pushes: _containers.RepeatedCompositeFieldContainer[RelayedPush]
+    sent_bytes: int
+    def __init__(self, pushes: _Optional[_Iterable[_Union[RelayedPush, _Mapping]]] = ..., sent_bytes: _Optional[int] = ...) -> None: ...
+
 class RelayedPush(_message.Message):
     __slots__ = ("address", "version", "paused_seconds", "error", "phases")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]

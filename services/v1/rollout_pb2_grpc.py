@@ -85,6 +85,11 @@ class RolloutServiceStub:
                 request_serializer=rlfabric_dot_v1_dot_rollout__pb2.RolloutServicePushWeightsRequest.SerializeToString,
                 response_deserializer=rlfabric_dot_v1_dot_rollout__pb2.RolloutServicePushWeightsResponse.FromString,
                 _registered_method=True)
+        self.PushHeldWeights = channel.unary_unary(
+                '/rlfabric.v1.RolloutService/PushHeldWeights',
+                request_serializer=rlfabric_dot_v1_dot_rollout__pb2.RolloutServicePushHeldWeightsRequest.SerializeToString,
+                response_deserializer=rlfabric_dot_v1_dot_rollout__pb2.RolloutServicePushHeldWeightsResponse.FromString,
+                _registered_method=True)
 
 
 class RolloutServiceServicer:
@@ -170,6 +175,16 @@ class RolloutServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PushHeldWeights(self, request, context):
+        """Catch-up from a peer (weight_sync.delta over the grpc transport): pushes the weights this replica holds, the
+        buckets of the version it last received as received (its delta base), to `targets` with PushWeights, the
+        first one forwarding along the rest (a relay chain), so a joiner reaches the current version without the
+        actor. FAILED_PRECONDITION when the replica holds no base or another version than `version`.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RolloutServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -222,6 +237,11 @@ def add_RolloutServiceServicer_to_server(servicer, server):
                     servicer.PushWeights,
                     request_deserializer=rlfabric_dot_v1_dot_rollout__pb2.RolloutServicePushWeightsRequest.FromString,
                     response_serializer=rlfabric_dot_v1_dot_rollout__pb2.RolloutServicePushWeightsResponse.SerializeToString,
+            ),
+            'PushHeldWeights': grpc.unary_unary_rpc_method_handler(
+                    servicer.PushHeldWeights,
+                    request_deserializer=rlfabric_dot_v1_dot_rollout__pb2.RolloutServicePushHeldWeightsRequest.FromString,
+                    response_serializer=rlfabric_dot_v1_dot_rollout__pb2.RolloutServicePushHeldWeightsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -495,6 +515,33 @@ class RolloutService:
             '/rlfabric.v1.RolloutService/PushWeights',
             rlfabric_dot_v1_dot_rollout__pb2.RolloutServicePushWeightsRequest.SerializeToString,
             rlfabric_dot_v1_dot_rollout__pb2.RolloutServicePushWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushHeldWeights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlfabric.v1.RolloutService/PushHeldWeights',
+            rlfabric_dot_v1_dot_rollout__pb2.RolloutServicePushHeldWeightsRequest.SerializeToString,
+            rlfabric_dot_v1_dot_rollout__pb2.RolloutServicePushHeldWeightsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -8,6 +8,7 @@ per hop.
     forward.add(lane, bucket_index, offset, length)   # each chunk once it is in the replica's bucket buffer
     forward.close(lane)                               # the lane's upstream stream ended
     relayed = await forward.outcomes()                # how the push went on every replica downstream
+    results, sent = await push_held(receiver, joiners, version, hop_timeout_s, options)  # a peer catches joiners up
 
 The request metadata says what follows the receiver: `rlfabric-relay-chain`, the addresses after it in order, and
 `rlfabric-relay-hop-timeout`, how long a forward may stall (the group's timeout_s). A replica forwards lane i of
@@ -19,11 +20,16 @@ takes nothing for hop_timeout_s) is given up, and the replica after it gets the 
 (its partial push from the dead one failed with its upstream stream); the dead one is reported with its error.
 Each replica answers its upstream HOP_SLACK_S before its own deadline, so a hang deep in the chain is reported
 by its upstream, never waited out by everyone.
+
+Catch-up from a peer (push_held, RolloutService.PushHeldWeights): a replica that holds the current version as its
+delta base (weight_sync.delta) pushes it to joiners exactly as the actor pushes a full sync, relayed along them,
+so a joiner reaches the current version without the actor; each bucket's CRC-32 is the actor's, checked on arrival.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -32,12 +38,14 @@ import grpc
 import torch
 
 from rlfabric.core.client import ChannelOptions
+from rlfabric.core.errors import InvalidArgument
 from rlfabric.core.interceptors import bearer_metadata
 from rlfabric.v1 import rollout_pb2
 from rlfabric.weight_sync.chunks import encode_chunk
 from rlfabric.weight_sync.grpc_stream import (
     PUSH_METHOD,
     PushPayload,
+    PushReceiver,
     PushResult,
     _describe,
     _first_cause,
@@ -45,7 +53,7 @@ from rlfabric.weight_sync.grpc_stream import (
     push_weights,
 )
 from rlfabric.weight_sync.phases import SyncPhases
-from rlfabric.weight_sync.push_metadata import HOP_SLACK_S, STREAMS_METADATA, relay_metadata
+from rlfabric.weight_sync.push_metadata import HOP_SLACK_S, MAX_CHAIN, STREAMS_METADATA, relay_metadata
 
 RELAYS = ("none", "chain")
 
@@ -68,6 +76,22 @@ async def push_chain(addresses: tuple[str, ...], payload: PushPayload, timeout_s
             break
     return tuple(results.get(address, PushResult(address, error="UNKNOWN: the relay reported nothing for it"))
                  for address in addresses)
+
+
+async def push_held(receiver: PushReceiver, targets: tuple[str, ...], version: int, hop_timeout_s: float,
+                    options: ChannelOptions, max_hop_timeout_s: float) -> tuple[tuple[PushResult, ...], int]:
+    """A replica's side of a catch-up (PushHeldWeights): the weights `receiver` holds as `version` pushed to
+    `targets` as a chain, as the actor pushes a relayed sync; (one result per target in order, the bytes this replica
+    sent). Its base does not change until the push is over. `max_hop_timeout_s`: weight_sync.max_timeout_s."""
+    if not targets or len(targets) > MAX_CHAIN or not all(targets):
+        raise InvalidArgument(f"PushHeldWeights: 1..{MAX_CHAIN} target addresses, none empty (got {len(targets)})")
+    if not (math.isfinite(hop_timeout_s) and 0 < hop_timeout_s <= max_hop_timeout_s):
+        raise InvalidArgument(f"PushHeldWeights: hop_timeout_s must be a number of seconds > 0 and at most "
+                              f"weight_sync.max_timeout_s={max_hop_timeout_s:g}, got {hop_timeout_s}")
+    async with receiver.held(version, hop_timeout_s) as (manifest, buffers):
+        results = await push_chain(targets, PushPayload(manifest, buffers), hop_timeout_s * max(1, len(buffers)),
+                                   hop_timeout_s, options)
+    return results, sum(result.sent_bytes for result in results)
 
 
 @dataclass

@@ -191,11 +191,20 @@ class DeltaBase:
 
     def __init__(self):
         self.version: int | None = None
+        self.group_id = ""  # the group that sent it
         self.layout: tuple[BucketSpec, ...] = ()
         self.buffers: list[torch.Tensor] = []
 
     def clear(self) -> None:
         self.version, self.layout, self.buffers = None, (), []
+
+    @property
+    def manifest(self) -> Manifest | None:
+        """The full weights the base holds as a push of them (keep_base: its receiver keeps them as its base
+        too); None without a base."""
+        if self.version is None:
+            return None
+        return Manifest(self.version, self.group_id, self.layout, keep_base=True)
 
     def recycle(self, sizes: list[int], device: torch.device) -> list[torch.Tensor]:
         """Buffers for a full sync that will be kept: the base's own when their sizes match (the base is
@@ -207,6 +216,7 @@ class DeltaBase:
     def keep(self, manifest: Manifest, buffers: list[torch.Tensor]) -> None:
         """The checked buckets of a full sync (manifest.keep_base) are the base now."""
         self.version, self.layout, self.buffers = manifest.version, manifest.buckets, buffers
+        self.group_id = manifest.group_id
 
     def apply(self, manifest: Manifest, entries: list[tuple[str, torch.Tensor]],
               clock: PhaseClock | None = None) -> list[tuple[str, torch.Tensor]]:
@@ -240,7 +250,7 @@ class DeltaBase:
                     self.clear()
                     raise DeltaRejected(f"delta rejected: tensor {tensor.name!r} of version {manifest.version} has "
                                         f"CRC-32 {crc:#010x} once applied, the sender's is {change.crc32:#010x}")
-        self.version, self.layout = manifest.version, delta.layout
+        self.version, self.layout, self.group_id = manifest.version, delta.layout, manifest.group_id
         return unpack(self.buffers, Manifest(manifest.version, manifest.group_id, delta.layout))
 
 

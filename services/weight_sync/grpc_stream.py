@@ -31,6 +31,7 @@ the others of its push at most until its own deadline.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import dataclasses
 import platform
@@ -305,6 +306,7 @@ class PushReceiver:
         self._changed: asyncio.Condition | None = None
         self._buffers: list[torch.Tensor] = []
         self.base = DeltaBase()  # what the last keep_base push brought, for the next delta (weight_sync.delta)
+        self._lending = 0  # pushes of the base to peers under way (held()): no push may overwrite it meanwhile
 
     @property
     def options(self) -> ChannelOptions:
@@ -400,6 +402,29 @@ class PushReceiver:
             self.base.keep(manifest, assembler.buffers)
         return assembler.finish()
 
+    @contextlib.asynccontextmanager
+    async def held(self, version: int, wait_s: float) -> AsyncIterator[tuple[Manifest, list[torch.Tensor]]]:
+        """The base as a push of it (manifest, bucket buffers), unchanged until the block ends: a push that arrives
+        meanwhile waits. FailedPrecondition when the base is not `version`; DeadlineExceeded when a push was
+        still being received after `wait_s`."""
+        changed = self._condition()
+        async with changed:
+            try:
+                await asyncio.wait_for(changed.wait_for(lambda: self._push is None), wait_s)
+            except TimeoutError:
+                raise DeadlineExceeded("a push was still being received") from None
+            manifest = self.base.manifest
+            if manifest is None or manifest.version != version:
+                held = "no weights of a delta sync" if manifest is None else f"version {manifest.version}"
+                raise FailedPrecondition(f"this replica holds {held}, not version {version}")
+            self._lending += 1
+        try:
+            yield manifest, self.base.buffers
+        finally:
+            async with changed:
+                self._lending -= 1
+                changed.notify_all()
+
     def _condition(self) -> asyncio.Condition:
         if self._changed is None:
             self._changed = asyncio.Condition()
@@ -412,8 +437,8 @@ class PushReceiver:
         changed = self._condition()
         async with changed:
             try:
-                await asyncio.wait_for(changed.wait_for(lambda: self._push is None or
-                                                        self._push.accepts(manifest, streams)), max(0.0, wait_s))
+                await asyncio.wait_for(changed.wait_for(lambda: not self._lending and (
+                    self._push is None or self._push.accepts(manifest, streams))), max(0.0, wait_s))
             except TimeoutError:
                 raise DeadlineExceeded(f"PushWeights version {manifest.version}: another push was still being "
                                        "received at the deadline") from None

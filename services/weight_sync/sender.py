@@ -137,12 +137,12 @@ class WeightSender:
 
     def open(self, transport: str = "", num_receivers: int = 1, bucket_bytes: int = 0,
              dtype: torch.dtype | None = None, timeout_s: float = 0.0, addresses: tuple[str, ...] = (),
-             torch_group: bool = False, delta: bool = False, relay: str = "") -> SyncGroup:
-        """A new group with this actor as rank 0; receivers join with ranks 1..num_receivers. `torch_group`
-        (gloo, nccl): a torch.distributed group an SGLang server can join (rlfabric.weight_sync.torch_group),
-        whose buckets are packed densely, as SGLang's flattened buckets are. `delta` (gloo, nccl, grpc): the
-        group keeps what it last sent, and prepare() sends the change against it where the receivers hold it.
-        `relay` (grpc): "chain" = the receivers forward the push along `addresses` (rlfabric.weight_sync.chain)."""
+             torch_group: bool = False, delta: bool = False, relay: str = "", delta_base_from: str = "") -> SyncGroup:
+        """A new group with this actor as rank 0; receivers join with ranks 1..num_receivers. `torch_group` (gloo,
+        nccl): a torch.distributed group an SGLang server can join (rlfabric.weight_sync.torch_group), whose buckets
+        are packed densely, as SGLang's flattened buckets are. `delta` (gloo, nccl, grpc): the group keeps what it
+        last sent (or `delta_base_from`'s: _take_base), and prepare() sends the change against it where the
+        receivers hold it. `relay` (grpc): "chain" = the receivers forward the push along `addresses`."""
         transport = transport or self.default_transport()
         timeout_s = timeout_s or self.timeout_s
         if not 1 <= num_receivers < MAX_WORLD_SIZE:
@@ -173,11 +173,12 @@ class WeightSender:
             raise FailedPrecondition("the nccl weight-sync transport needs the actor on a CUDA device; "
                                      "this actor runs on CPU (use gloo or grpc)")
         sharing = self._sharing() if transport == "cuda_ipc" else None  # FailedPrecondition off a GPU
+        inherited = self._take_base(delta_base_from) if delta and delta_base_from else None  # before it is evicted
         self._make_room()
         group_id = f"ws-{uuid.uuid4().hex[:12]}"
         world_size = num_receivers + 1
         entry = _Group(SyncGroup(group_id, transport, world_size, timeout_s), bucket_bytes or self.bucket_bytes,
-                       dtype, tuple(addresses), relay, delta=DeltaSender() if delta else None)
+                       dtype, tuple(addresses), relay, delta=(inherited or DeltaSender()) if delta else None)
         if torch_group:
             from rlfabric.weight_sync.gloo import GlooTransport
             from rlfabric.weight_sync.torch_group import TorchGroupTransport, host_store
@@ -217,8 +218,16 @@ class WeightSender:
         self._groups[group_id] = entry
         log.info("weight-sync group opened", extra={"fields": {
             "group_id": group_id, "transport": transport, "world_size": world_size, "timeout_s": timeout_s,
-            "torch_group": torch_group, "delta": delta, "relay": relay}})
+            "torch_group": torch_group, "delta": delta, "relay": relay, "delta_base_from": delta_base_from}})
         return entry.group
+
+    def _take_base(self, group_id: str) -> DeltaSender | None:
+        """Open group `group_id`'s delta base, the group closed (rebuilt for a joiner); None if gone, busy or none."""
+        entry = self._groups.get(group_id)
+        delta = entry.delta if entry is not None and not entry.busy and entry.delta and entry.delta.base else None
+        if delta is not None:
+            self.close(group_id)
+        return delta
 
     def _sharing(self):
         """How this actor lends buffers by CUDA IPC (its GPU must have a UUID every process can compare)."""

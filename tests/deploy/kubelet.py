@@ -11,6 +11,13 @@ the kubelet does (grpc.health.v1 Check with the probe's service name, on the pro
 SERVING, runs the run Job to its end, stops the pods with SIGTERM and writes what
 happened to RESULT.json. The plan (argv and env already resolved from the rendered manifests) is made by
 tests/deploy/test_chart_runs.py.
+
+Scaling (the plan's "scale", tests/deploy/test_chart_scale.py): while the run Job runs, each event scales a
+StatefulSet as `kubectl scale` would once the run's metrics (metrics.jsonl on the "PVC") show a step with the
+event's metric at its value and `steps_after` more steps: the StatefulSet controller's part (new ordinals
+started, the highest ones sent SIGTERM) and the endpoints controller's and cluster DNS's for the headless
+Services, which publish not-ready pods: each headless name resolves to the addresses of the pods that run, in
+the hosts file, rewritten in place (the bind mount on /etc/hosts sees it) whenever a pod starts or exits.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -86,6 +94,62 @@ def await_readiness(pods: list[dict], processes: dict[str, subprocess.Popen], ti
     return ready
 
 
+def write_hosts(plan: dict, running: set[str]) -> None:
+    """The hosts file as DNS answers now: the fixed names, and each headless name with the pods that run."""
+    lines = ["127.0.0.1 localhost", *(f"{ip} {name}" for name, ip in plan["hosts"].items())]
+    for name, component in plan.get("headless", {}).items():
+        lines += [f"{pod['ip']} {name}" for pod in plan["pods"] if pod["component"] == component
+                  and pod["name"] in running]
+    with open(plan["hosts_file"], "r+") as hosts:  # in place: /etc/hosts is a bind mount of this file
+        hosts.truncate(0)
+        hosts.write("".join(f"{line}\n" for line in lines))
+
+
+def steps_done(metrics_file: Path) -> list[dict]:
+    try:
+        return [json.loads(line) for line in metrics_file.read_text().splitlines() if line.endswith("}")]
+    except FileNotFoundError:
+        return []
+
+
+def due(event: dict, steps: list[dict]) -> bool:
+    """A step shows the event's metric at its value, and `steps_after` more steps followed it."""
+    hits = [i for i, step in enumerate(steps) if step.get(event["metric"]) == event["value"]]
+    return bool(hits) and len(steps) - 1 >= hits[0] + event["steps_after"]
+
+
+def scale(plan: dict, event: dict, processes: dict[str, subprocess.Popen], logs: Path, steps: int) -> dict:
+    """The StatefulSet of event["component"] to event["replicas"] pods: new ordinals started, the highest sent
+    SIGTERM (they drain and exit by themselves); the event and the steps done when it fired."""
+    pods = [pod for pod in plan["pods"] if pod["component"] == event["component"]]
+    for pod in pods[: event["replicas"]]:
+        if pod["name"] not in processes:
+            processes[pod["name"]] = start_pod(pod, plan["mount_root"], logs)
+    for pod in pods[event["replicas"] :]:
+        process = processes.get(pod["name"])
+        if process is not None and process.poll() is None:
+            os.killpg(process.pid, signal.SIGTERM)
+    return {**event, "after_steps": steps}
+
+
+def run_scaled_job(job: dict, plan: dict, processes: dict[str, subprocess.Popen], logs: Path) -> dict:
+    """The run Job to its end while the plan's scale events fire; what run_job reports and the events fired."""
+    events, fired, published = list(plan.get("scale", [])), [], None
+    done: dict = {}
+    runner = threading.Thread(target=lambda: done.update(run_job(job, plan)), daemon=True)
+    runner.start()
+    while runner.is_alive():
+        steps = steps_done(Path(plan["metrics_file"]))
+        while events and due(events[0], steps):
+            fired.append(scale(plan, events.pop(0), processes, logs, len(steps)))
+        running = {name for name, process in processes.items() if process.poll() is None}
+        if running != published:
+            write_hosts(plan, running)
+            published = running
+        runner.join(0.2)
+    return {**done, "scaled": fired, "events_left": events}
+
+
 def run_job(job: dict, plan: dict) -> dict:
     """A Job's pod to its end: its exit status, output and seconds."""
     started = time.monotonic()
@@ -101,18 +165,23 @@ def main() -> None:
     logs = Path(plan["workdir"]) / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
+    Path(plan["hosts_file"]).touch()
+    write_hosts(plan, {pod["name"] for pod in plan["pods"] if pod.get("start", True)})  # as the pods start
     subprocess.run(["mount", "--bind", plan["hosts_file"], "/etc/hosts"], check=True)
     processes: dict[str, subprocess.Popen] = {}
     result: dict = {}
     try:
         for pod in plan["pods"]:
-            processes[pod["name"]] = start_pod(pod, plan["mount_root"], logs)
+            if pod.get("start", True):
+                processes[pod["name"]] = start_pod(pod, plan["mount_root"], logs)
         if plan.get("stage"):  # the stage Job runs beside the pods, which wait for it in their init containers
             result["stage"] = run_job(plan["stage"], plan)
             if result["stage"]["returncode"] != 0:
                 raise RuntimeError(f"the stage Job failed: {result['stage']['stderr'][-2000:]}")
-        result["ready_s"] = await_readiness(plan["pods"], processes, plan["ready_timeout_s"])
-        result["job"] = run_job(plan["job"], plan)
+        result["ready_s"] = await_readiness([p for p in plan["pods"] if p["name"] in processes], processes,
+                                            plan["ready_timeout_s"])
+        result["job"] = run_scaled_job(plan["job"], plan, processes, logs) if plan.get("scale") else run_job(
+            plan["job"], plan)
     except Exception as error:  # reported to the test, with the pods' logs
         result["error"] = f"{type(error).__name__}: {error}"
     finally:

@@ -159,17 +159,20 @@ def mounts_of(pod_spec: dict, container: dict, pod_name: str, volumes: Path) -> 
     return mounts
 
 
-def plan_of(docs: list[dict], workdir: Path) -> dict:
-    """Pods (argv, env, probe, mounts), hosts and the Job of the rendered manifests."""
+def plan_of(docs: list[dict], workdir: Path, scale_to: dict[str, int] | None = None) -> dict:
+    """Pods (argv, env, probe, mounts), hosts and the Job of the rendered manifests. `scale_to`: the most pods a
+    component's StatefulSet is scaled to mid-run; the pods past its replicas are planned but not started."""
     volumes = workdir / "volumes"
     write_volume_sources(docs, volumes)
-    pods, hosts, by_component = [], {}, {}
+    pods, hosts, headless, by_component = [], {}, {}, {}
     for doc in docs:
         if doc["kind"] not in ("StatefulSet", "Deployment"):
             continue
         name, spec = doc["metadata"]["name"], doc["spec"]
-        for index in range(spec["replicas"]):
-            pod = {"name": f"{name}-{index}", "index": index, "ip": f"127.0.1.{len(pods) + 1}"}
+        component = spec["template"]["metadata"]["labels"]["app.kubernetes.io/component"]
+        for index in range(max(spec["replicas"], (scale_to or {}).get(component, 0))):
+            pod = {"name": f"{name}-{index}", "index": index, "ip": f"127.0.1.{len(pods) + 1}",
+                   "component": component, "start": index < spec["replicas"]}
             (container,) = spec["template"]["spec"]["containers"]
             pod["argv"], pod["env"] = resolve(container, pod)
             pod["mounts"] = mounts_of(spec["template"]["spec"], container, pod["name"], volumes)
@@ -177,7 +180,6 @@ def plan_of(docs: list[dict], workdir: Path) -> dict:
             probe = container["readinessProbe"]["grpc"]
             pod["probe"] = {"port": probe["port"], "service": probe.get("service", "")}
             pods.append(pod)
-            component = spec["template"]["metadata"]["labels"]["app.kubernetes.io/component"]
             by_component.setdefault(component, []).append(pod)
             if doc["kind"] == "StatefulSet":
                 hosts[f"{pod['name']}.{spec['serviceName']}.{NAMESPACE}.svc"] = pod["ip"]
@@ -185,14 +187,16 @@ def plan_of(docs: list[dict], workdir: Path) -> dict:
         if doc["kind"] == "Service" and doc["spec"].get("clusterIP") != "None":
             component = doc["spec"]["selector"]["app.kubernetes.io/component"]
             hosts[f"{doc['metadata']['name']}.{NAMESPACE}.svc"] = by_component[component][0]["ip"]
+        elif doc["kind"] == "Service" and doc["spec"].get("publishNotReadyAddresses"):  # every pod that runs
+            headless[f"{doc['metadata']['name']}.{NAMESPACE}.svc"] = doc["spec"]["selector"]["app.kubernetes.io/component"]
     jobs = {d["metadata"]["name"].rsplit("-", 1)[1]: job_of(d, f"127.0.1.{250 + i}", volumes)
             for i, d in enumerate(d for d in docs if d["kind"] == "Job")}
-    hosts_file = workdir / "hosts"
-    hosts_file.write_text("127.0.0.1 localhost\n" + "".join(f"{ip} {name}\n" for name, ip in hosts.items()))
     mount_root = workdir / "mnt"
     mount_root.mkdir(parents=True, exist_ok=True)
-    return {"workdir": str(workdir), "hosts_file": str(hosts_file), "mount_root": str(mount_root), "pods": pods,
-            "job": jobs["run"], "stage": jobs.get("stage"), "ready_timeout_s": 300, "job_timeout_s": 600}
+    # the kubelet writes the hosts file: these names, and each headless name with the pods that run
+    return {"workdir": str(workdir), "hosts_file": str(workdir / "hosts"), "hosts": hosts, "headless": headless,
+            "mount_root": str(mount_root), "pods": pods, "job": jobs["run"], "stage": jobs.get("stage"),
+            "ready_timeout_s": 300, "job_timeout_s": 600}
 
 
 def job_of(job: dict, ip: str, volumes: Path) -> dict:
@@ -204,9 +208,16 @@ def job_of(job: dict, ip: str, volumes: Path) -> dict:
                                                                  pod["name"], volumes)}
 
 
-def play(docs: list[dict], workdir: Path) -> tuple[dict, str]:
-    """Runs the rendered chart under the stand-in kubelet; returns its result and the pods' logs."""
-    plan = plan_of(docs, workdir)
+def play(docs: list[dict], workdir: Path, scale: list[dict] | None = None) -> tuple[dict, str]:
+    """Runs the rendered chart under the stand-in kubelet; returns its result and the pods' logs. `scale`: the
+    kubelet's scale events (tests/deploy/kubelet.py) while the run Job runs."""
+    scale_to = {}
+    for event in scale or []:
+        scale_to[event["component"]] = max(scale_to.get(event["component"], 0), event["replicas"])
+    plan = plan_of(docs, workdir, scale_to)
+    if scale:
+        plan.update(scale=scale, metrics_file=str(workdir / "volumes" / f"pvc-{RELEASE}-rlfabric-data" / "runs" /
+                                                 RELEASE / "metrics.jsonl"))
     plan_file, result_file = workdir / "plan.json", workdir / "result.json"
     plan_file.write_text(json.dumps(plan))
     repo = CHART.parents[1]

@@ -43,9 +43,10 @@ class WeightSyncConfig(Section):
     received (one more copy), and each tensor's change travels (its changed elements, or the XOR of its bit
     patterns, zstd-compressed: the smaller) with the CRC-32 of the result, which the replica checks. At RL learning
     rates few bfloat16 elements change per step. A replica that does not hold the last version, or whose result
-    does not check out, gets the full weights (weight_sync/delta_fallback_full). The first sync, and the first
-    after the group is rebuilt, are full. It saves bytes, and time where the link is slower than the actor's
-    encoding (docs: training, delta weight sync)."""
+    does not check out, gets the full weights (weight_sync/delta_fallback_full). The first sync is full, and over
+    gloo and nccl so is the first after the group is rebuilt; over grpc a joiner catches up from a peer replica
+    instead (weight_sync/catchup_from_peer) and that sync stays a delta. It saves bytes, and time where the link
+    is slower than the actor's encoding (docs: training, delta weight sync)."""
     relay: Literal["none", "chain"] = "none"
     """With transport grpc: chain = the actor pushes each sync to the first rollout replica alone and every replica
     forwards each chunk to the next as soon as it has it, so the actor sends one copy of the model whatever the
