@@ -134,8 +134,8 @@ class ActorConfig(ModelRoleSection):
     layer chose for every token, and the actor's forward passes (old log-probs and updates) route each token
     to those instead of choosing again, so the trainer evaluates the network that sampled; the routing
     weights stay the trainer's. Reports actor/router_agreement: the fraction of recorded routes the trainer
-    would have chosen itself. rollout.engine hf only (why not vLLM here: docs/moe.md); not
-    with use_remove_padding."""
+    would have chosen itself. rollout.engine hf only (why not vLLM here: docs/moe.md); with
+    use_remove_padding the routes are packed with their tokens."""
     lora: LoraConfig = LoraConfig()
     """LoRA: train low-rank adapters only. The reference's log-probs then come from the actor with its
     adapters off (no reference service runs), and checkpoints hold the adapters and their optimizer."""
