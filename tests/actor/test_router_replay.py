@@ -188,7 +188,6 @@ def test_packed_rows_run_every_token_on_its_recorded_experts_and_give_the_padded
 
 @pytest.mark.parametrize("override, message", [
     ("rollout.engine=vllm", "actor.router_replay: rollout.engine vllm does not record"),
-    ("rollout.multi_turn.enable=true", "actor.router_replay: rollout.multi_turn.enable builds samples"),
 ])
 def test_settings_replay_cannot_work_with_are_refused_naming_the_key(moe_model, override, message):
     config = rollout_config(moe_model, "actor.router_replay=true", override)

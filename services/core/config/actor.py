@@ -135,7 +135,8 @@ class ActorConfig(ModelRoleSection):
     to those instead of choosing again, so the trainer evaluates the network that sampled; the routing
     weights stay the trainer's. Reports actor/router_agreement: the fraction of recorded routes the trainer
     would have chosen itself. rollout.engine hf only (why not vLLM here: docs/moe.md); with
-    use_remove_padding the routes are packed with their tokens."""
+    use_remove_padding the routes are packed with their tokens; multi-turn and agent samples join their engine
+    calls' routes as their token ids (docs/moe.md)."""
     lora: LoraConfig = LoraConfig()
     """LoRA: train low-rank adapters only. The reference's log-probs then come from the actor with its
     adapters off (no reference service runs), and checkpoints hold the adapters and their optimizer."""
