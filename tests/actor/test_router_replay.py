@@ -50,8 +50,12 @@ def moe_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def rollout(moe_model):
+    return _sampled(moe_model)
+
+
+def _sampled(model_path):
     """4 prompts x n=4 sampled by the bfloat16 hf engine over gRPC, and the coordinator's batch of them."""
-    config = rollout_config(moe_model, "rollout.dtype=bfloat16", "actor.router_replay=true")
+    config = rollout_config(model_path, "rollout.dtype=bfloat16", "actor.router_replay=true")
     server = ServerThread(build_service(config), ServerOptions(port=0, metrics_port=None))
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(4, 100, (length,), generator=generator).tolist() for length in (5, 9, 7, 12)]
@@ -153,6 +157,36 @@ def test_sharded_ranks_replay_the_routes_as_one_rank_does(moe_model, rollout, on
     assert (figures["replayed"][real] - one_rank["replayed"][real]).abs().max() <= bound
     recorded = int((batch.routed_experts != 255).all(-1).sum())
     _assert_replay_closes_the_gap(figures, recorded)
+
+
+@pytest.fixture(scope="module")
+def mixtral(tmp_path_factory):
+    """A Mixtral of the Qwen3-MoE's shape (it always renormalises its top-k), its rollout's batch, and the one-rank
+    actor's figures on it."""
+    from rlfabric.quickstart.tiny_model import make_tiny_mixtral_model
+
+    model = make_tiny_mixtral_model(tmp_path_factory.mktemp("replay-mixtral") / "mixtral", num_experts=EXPERTS,
+                                    experts_per_token=TOP_K, num_layers=LAYERS, initializer_range=0.1)
+    batch = _sampled(model)[2]
+    with Served("actor", make_config(model, n=N, actor=ACTOR)) as served:
+        return model, batch, _figures(served, batch)
+
+
+@pytest.mark.numerics
+def test_mixtral_under_tensor_parallelism_replays_the_routes_as_one_rank_does(mixtral):
+    """Mixtral's TP plan (the attention split, the MoE blocks whole), TP 2 against one rank, both replaying."""
+    model, batch, one_rank = mixtral
+    with Served("actor", make_config(model, n=N, actor={**ACTOR, "world_size": 2, "tensor_parallel_size": 2})) as served:
+        figures = _figures(served, batch)
+    real = batch.response_mask.bool()
+    bound = engine_logprob_gap(2 ** np.ceil(np.log2(float(-one_rank["replayed"][real].min()))))
+    assert (figures["replayed"][real] - one_rank["replayed"][real]).abs().max() <= bound
+    recorded = int((batch.routed_experts != 255).all(-1).sum())
+    _assert_replay_closes_the_gap(one_rank, recorded)
+    _assert_replay_closes_the_gap(figures, recorded)
+    gap = "rollout_corr/log_prob_abs_diff"
+    print(f"\nmixtral: {round((1 - figures['agreement']) * recorded)} of {recorded} routes differ without replay; "
+          f"{gap} {figures['without'][gap]:.4f} without, {figures['with'][gap]:.4f} with replay (TP 2)")
 
 
 @pytest.mark.numerics

@@ -39,8 +39,8 @@ class ModelRoleSection(Section):
     world_size: int = Field(1, ge=1)
     """Ranks (FSDP2 data-parallel x tensor_parallel_size); rank 0 serves gRPC."""
     tensor_parallel_size: int = Field(1, ge=1)
-    """Tensor-parallel ranks per model copy (torch DTensor; Llama and Qwen2 families, and Qwen3-MoE with its
-    attention split and its MoE blocks whole on each rank): world_size ranks form a
+    """Tensor-parallel ranks per model copy (torch DTensor; Llama and Qwen2 families, and Qwen3-MoE and Mixtral
+    with their attention split and their MoE blocks whole on each rank): world_size ranks form a
     (world_size / T) x T mesh, FSDP2 across, each decoder layer's projections split T ways within (and an
     untied LM head; the critic's value head stays whole). T must divide world_size and the model's attention
     heads, KV heads and intermediate size. 1 = data parallel."""
