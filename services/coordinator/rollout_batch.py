@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from rlfabric.data.dataset import PromptRow
+from rlfabric.rollout.routes import unrecorded
 from rlfabric.rollout.types import Finish, FinishedSample
 
 if TYPE_CHECKING:
@@ -168,10 +169,16 @@ def _assembled(rows: Sequence[PromptRow], ordered: Sequence[FinishedSample], pad
 
 def _routed_experts(samples: Sequence[FinishedSample], attention_mask: np.ndarray) -> torch.Tensor | None:
     """[B, P+T, layers, top_k] each sample's routes (prompt then response) at its real tokens; None unless every
-    sample has them. ValueError when a sample's routes do not cover its tokens."""
-    if any(s.routed_experts is None for s in samples):
+    sample the model sampled tokens of has them (a multi-turn sample whose environment failed before the first
+    turn has none: no token of it is trained). ValueError when a sample's routes do not cover its tokens."""
+    routed = [s for s in samples if s.routed_experts is not None]
+    if not routed or any(s.routed_experts is None and s.num_model_tokens() for s in samples):
         return None
     lengths = attention_mask.sum(1)
+    shape, kind = routed[0].routed_experts.shape[1:], routed[0].routed_experts.dtype
+    samples = [s if s.routed_experts is not None else
+               replace(s, routed_experts=np.full((length, *shape), unrecorded(kind), dtype=kind))
+               for s, length in zip(samples, lengths, strict=True)]
     for sample, length in zip(samples, lengths, strict=True):
         if len(sample.routed_experts) != length:
             raise ValueError(f"sample ({sample.prompt_index}, {sample.sample_index}) has routes for "

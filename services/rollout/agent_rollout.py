@@ -29,6 +29,7 @@ from rlfabric.core.errors import FailedPrecondition, InvalidArgument, Permission
 from rlfabric.env.client import EnvClient, EnvInterface
 from rlfabric.env.items import Task
 from rlfabric.rollout.agent_loop import MAX_TOKENS, AgentLoop, AgentLoopLimits, EngineTurns, Trajectory
+from rlfabric.rollout.routes import padded_routes
 from rlfabric.rollout.types import (
     AgentPrompt,
     Finish,
@@ -164,7 +165,8 @@ class AgentRollouts:
             prompt_index, sample_index, trajectory.response_ids, trajectory.logprobs, finish, weight_version,
             text=self.engine.decode(trajectory.response_ids), prompt_ids=trajectory.prompt_ids,
             loss_mask=trajectory.loss_mask, turns=turns, agent_status=trajectory.status,
-            agent_error=trajectory.error, env_reward=trajectory.reward, version_spans=version_spans)
+            agent_error=trajectory.error, env_reward=trajectory.reward, version_spans=version_spans,
+            routed_experts=padded_routes(trajectory.routes, len(trajectory.prompt_ids) + len(trajectory.response_ids)))
 
     async def close(self) -> None:
         for client in self._env_clients.values():

@@ -39,3 +39,32 @@ def decode_routes(ids: bytes, layers: int, top_k: int, id_bytes: int) -> np.ndar
                               f"id_bytes = {per_token}")
     dtype = np.dtype(np.uint8) if id_bytes == 1 else np.dtype("<u2")
     return np.frombuffer(ids, dtype=dtype).reshape(-1, layers, top_k)
+
+
+def join_routes(joined: np.ndarray | None, routes: np.ndarray | None) -> np.ndarray | None:
+    """A sequence built by several engine calls, each consuming the sequence so far and sampling more (the turns
+    of a multi-turn sample, an agent segment's calls, an aborted call's pieces): `joined` [tokens, layers, top_k]
+    holds the routes of its first tokens, and a later call's `routes` cover the same tokens and more. Each token
+    keeps the routes of the first call that ran it through the model: a sampled token those of the call that
+    sampled it, except a call's last sampled token (never run by its call) and the tokens put in between calls,
+    which take the next call's (its prompt pass). So the call's rows past `joined` are added up to its last
+    recorded one. None routes add nothing."""
+    if routes is None:
+        return joined
+    if joined is not None and joined.dtype != routes.dtype:
+        raise ValueError(f"routes of {routes.dtype} cannot join routes of {joined.dtype} (another model's experts)")
+    known = 0 if joined is None else len(joined)
+    new = routes[known:]
+    recorded = np.flatnonzero((new != unrecorded(routes.dtype)).any(axis=(1, 2)))
+    added = new[: recorded[-1] + 1] if len(recorded) else new[:0]
+    return added.copy() if joined is None else np.concatenate([joined, added])
+
+
+def padded_routes(joined: np.ndarray | None, tokens: int) -> np.ndarray | None:
+    """`joined` [<= tokens, layers, top_k] as a sample's routes of `tokens` tokens: unrecorded past its end."""
+    if joined is None:
+        return None
+    if len(joined) > tokens:
+        raise ValueError(f"routes for {len(joined)} tokens but the sample has {tokens}")
+    tail = np.full((tokens - len(joined), *joined.shape[1:]), unrecorded(joined.dtype), dtype=joined.dtype)
+    return np.concatenate([joined, tail])

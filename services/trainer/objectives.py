@@ -38,16 +38,10 @@ def _model_inputs(batch: SequenceBatch) -> dict:
                 position_ids=batch["position_ids"], use_cache=False)
 
 
-def _packed_inputs(batch: SequenceBatch) -> tuple[dict, torch.Tensor]:
-    """The micro-batch's real tokens packed into rows as long as its longest sequence (sequence packing,
-    VeRL's use_remove_padding): sequences placed first-fit, longest first, each row's tail one more dummy
-    sequence. input_ids and position_ids [rows, longest], the positions restarting at 0 for each sequence,
-    and no attention mask, so transformers keeps each sequence to itself by its positions (sdpa, eager) or
-    takes its variable-length path (flash attention); use_cache=False, or sdpa would attend across them.
-    One row of every token would cost attention over all of them at once (quadratic in the micro-batch's
-    tokens); rows as long as the longest sequence cost at most what the padded batch does. Also where each
-    response token's predicting position lies in the packed rows, flattened: [B, T], 0 where it is padding
-    (the response mask drops those)."""
+def _packing(batch: SequenceBatch) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Where the micro-batch's real tokens go when packed into rows as long as its longest sequence:
+    sequences placed first-fit, longest first. The flat position in the packed rows of each real token [B, S]
+    (0 at padding), how many tokens each row holds [rows], and the rows' length."""
     real = batch["attention_mask"].bool()
     lengths = real.sum(1).tolist()
     capacity = max(lengths)
@@ -62,20 +56,47 @@ def _packed_inputs(batch: SequenceBatch) -> tuple[dict, torch.Tensor]:
         rows[fits].append(index)
         room[fits] -= lengths[index]
     device = real.device
-    input_ids = torch.zeros(len(rows), capacity, dtype=batch["input_ids"].dtype, device=device)
-    position_ids = torch.zeros(len(rows), capacity, dtype=batch["position_ids"].dtype, device=device)
     where = torch.zeros(real.shape, dtype=torch.long, device=device)
     for row, members in enumerate(rows):
         offset = 0
         for index in members:
-            length = lengths[index]
-            input_ids[row, offset : offset + length] = batch["input_ids"][index, real[index]]
-            position_ids[row, offset : offset + length] = batch["position_ids"][index, real[index]]
-            where[index, real[index]] = row * capacity + offset + torch.arange(length, device=device)
-            offset += length
-        position_ids[row, offset:] = torch.arange(capacity - offset, device=device)  # the tail: its own sequence
+            where[index, real[index]] = row * capacity + offset + torch.arange(lengths[index], device=device)
+            offset += lengths[index]
+    used = torch.tensor([capacity - free for free in room], device=device)
+    return where, used, capacity
+
+
+def _packed_inputs(batch: SequenceBatch) -> tuple[dict, torch.Tensor]:
+    """The micro-batch's real tokens packed into rows as long as its longest sequence (sequence packing,
+    VeRL's use_remove_padding; _packing places them), each row's tail one more dummy sequence.
+    input_ids and position_ids [rows, longest], the positions restarting at 0 for each sequence,
+    and no attention mask, so transformers keeps each sequence to itself by its positions (sdpa, eager) or
+    takes its variable-length path (flash attention); use_cache=False, or sdpa would attend across them.
+    One row of every token would cost attention over all of them at once (quadratic in the micro-batch's
+    tokens); rows as long as the longest sequence cost at most what the padded batch does. Also where each
+    response token's predicting position lies in the packed rows, flattened: [B, T], 0 where it is padding
+    (the response mask drops those)."""
+    where, used, capacity = _packing(batch)
+    real = batch["attention_mask"].bool()
+    device = real.device
+    input_ids = torch.zeros(len(used), capacity, dtype=batch["input_ids"].dtype, device=device)
+    # the tails' positions count from 0 at each row's end: their own sequence
+    position_ids = (torch.arange(capacity, device=device) - used[:, None]).to(batch["position_ids"].dtype)
+    input_ids.view(-1)[where[real]] = batch["input_ids"][real]
+    position_ids.view(-1)[where[real]] = batch["position_ids"][real]
     inputs = dict(input_ids=input_ids, position_ids=position_ids, attention_mask=None, use_cache=False)
     return inputs, where[:, -batch.response_len - 1 : -1]
+
+
+def packed_routes(batch: SequenceBatch) -> torch.Tensor:
+    """The batch's routed_experts [B, S, layers, top_k] in the packed rows' token order, flattened:
+    [rows * longest, layers, top_k], -1 on the rows' tails (routing replay under sequence packing)."""
+    where, used, capacity = _packing(batch)
+    real = batch["attention_mask"].bool()
+    routes = batch[ROUTES]
+    packed = routes.new_full((len(used) * capacity, *routes.shape[2:]), -1)
+    packed[where[real]] = routes[real]
+    return packed
 
 
 def shared_prompts(batch: SequenceBatch) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -10,8 +10,10 @@ The plan, for the Llama and Qwen2 families (the same module names; transformers'
   self_attn.q_proj / k_proj / v_proj, mlp.gate_proj / up_proj   ColwiseParallel (out-features split)
   self_attn.o_proj, mlp.down_proj                              RowwiseParallel (in-features split, all-reduce)
   lm_head (untied, vocabulary divisible by T)                  ColwiseParallel, logits gathered (Replicate)
-Mixture-of-experts families (Qwen3-MoE): the attention is split as above; each sparse MoE block (router and
-experts) stays whole on every TP rank, so every rank routes the same tokens to the same experts.
+Mixture-of-experts families (Qwen3-MoE, Mixtral): the attention is split as above; each sparse MoE block (router
+and experts) stays whole on every TP rank, so every rank routes the same tokens to the same experts (transformers'
+own plans of both also split each expert's width; here the blocks stay whole for both). Mixtral's router jitter (router_jitter_noise > 0: random noise on the
+hidden states while training) would be drawn by each rank apart, so it is refused under TP.
 The embeddings, norms, a tied head and the critic's value head stay whole on every TP rank. Heads, KV heads
 and the MLP width must divide by T: HF attention reshapes with -1 heads, so each rank runs its own heads, and
 DTensor does not replicate KV heads as vLLM does (scale.md section 2).
@@ -35,7 +37,7 @@ from rlfabric.core.config import ConfigError, RunConfig
 from rlfabric.core.dtypes import at_least_float32
 from rlfabric.trainer.roles import TRAINER_ROLES, role_spec
 
-MOE_FAMILIES = ("qwen3_moe",)  # attention split, MoE blocks whole
+MOE_FAMILIES = ("qwen3_moe", "mixtral")  # attention split, MoE blocks whole
 FAMILIES = ("llama", "qwen2", *MOE_FAMILIES)  # model_types whose decoder layers the plan below fits (each tested)
 COLWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
 ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
@@ -61,6 +63,9 @@ def split_problem(model_config: dict, tp: int) -> str:
                 "and never replicates them)")
     if intermediate % tp and model_type not in MOE_FAMILIES:
         return f"the model's intermediate_size {intermediate} does not divide by {tp}"
+    if tp > 1 and model_config.get("router_jitter_noise"):
+        return (f"the model's router_jitter_noise {model_config['router_jitter_noise']:g} would draw other noise on "
+                "each tensor-parallel rank (set it to 0 in config.json)")
     return ""
 
 

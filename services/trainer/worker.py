@@ -27,7 +27,6 @@ from rlfabric.algorithms.plugins import load_plugin_modules, policy_loss_section
 from rlfabric.core import lora
 from rlfabric.core.config import RunConfig
 from rlfabric.core.dtypes import torch_dtype
-from rlfabric.core.errors import InvalidArgument
 from rlfabric.core.router_replay import replay_routes
 from rlfabric.trainer import models, tensor_parallel
 from rlfabric.trainer.batch import (
@@ -45,6 +44,7 @@ from rlfabric.trainer.objectives import (
     ValueObjective,
     forward_log_probs,
     forward_values,
+    packed_routes,
 )
 from rlfabric.trainer.roles import role_spec
 
@@ -182,8 +182,8 @@ class RankWorker:
         (the actor's; actor.router_replay): a context that yields its Agreement, else None."""
         if ROUTES not in micro or not self.spec.trains_policy:
             return contextlib.nullcontext()
-        if self.section.use_remove_padding:
-            raise InvalidArgument(f"{ROUTES} cannot be replayed with {self.role}.use_remove_padding (packed rows)")
+        if self.section.use_remove_padding:  # the routes follow their tokens into the packed rows
+            return replay_routes(self.model, packed_routes(micro))
         return replay_routes(self.model, micro[ROUTES].flatten(0, 1))
 
     def _sync(self) -> None:

@@ -28,8 +28,9 @@ from rlfabric.data.dataset import PromptRow
 from rlfabric.rollout import wire
 from rlfabric.rollout.servicer import build_service
 from rlfabric.trainer.batch import ROUTES, position_ids_from_mask, validate_batch
+from rlfabric.trainer.objectives import _packing, forward_log_probs, packed_routes
 from tests.conftest import ServerThread
-from tests.numerics import engine_logprob_gap
+from tests.numerics import assert_same_float32, engine_logprob_gap
 from tests.rollout.helpers import request, rollout_config, stub
 from tests.trainer.helpers import Served, make_config
 
@@ -49,8 +50,12 @@ def moe_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def rollout(moe_model):
+    return _sampled(moe_model)
+
+
+def _sampled(model_path):
     """4 prompts x n=4 sampled by the bfloat16 hf engine over gRPC, and the coordinator's batch of them."""
-    config = rollout_config(moe_model, "rollout.dtype=bfloat16", "actor.router_replay=true")
+    config = rollout_config(model_path, "rollout.dtype=bfloat16", "actor.router_replay=true")
     server = ServerThread(build_service(config), ServerOptions(port=0, metrics_port=None))
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(4, 100, (length,), generator=generator).tolist() for length in (5, 9, 7, 12)]
@@ -137,12 +142,13 @@ def test_with_replay_the_trainer_routes_every_token_as_the_rollout_did_and_the_g
 
 
 @pytest.mark.numerics
-@pytest.mark.parametrize("ranks", [{"world_size": 2}, {"world_size": 2, "tensor_parallel_size": 2}],
-                         ids=["fsdp2", "tp2"])
+@pytest.mark.parametrize("ranks", [{"world_size": 2}, {"world_size": 2, "tensor_parallel_size": 2},
+                                   {"use_remove_padding": True}], ids=["fsdp2", "tp2", "packed"])
 def test_sharded_ranks_replay_the_routes_as_one_rank_does(moe_model, rollout, one_rank, ranks):
-    """FSDP2 over two ranks (each its half of the rows and their routes), and TP 2 (the attention split, the MoE
-    blocks whole on each rank, both ranks on the same rows): with the routes replayed each computes the one-rank
-    log-probs up to float32 summation order, and replay closes the gap as it does on one rank."""
+    """FSDP2 over two ranks (each its half of the rows and their routes), TP 2 (the attention split, the MoE
+    blocks whole on each rank, both ranks on the same rows), and sequence packing (one rank, the routes packed
+    with their tokens): with the routes replayed each computes the one-rank log-probs up to float32 summation
+    order, and replay closes the gap as it does on one rank."""
     _, _, batch = rollout
     with Served("actor", make_config(moe_model, n=N, actor={**ACTOR, **ranks})) as served:
         figures = _figures(served, batch)
@@ -153,10 +159,69 @@ def test_sharded_ranks_replay_the_routes_as_one_rank_does(moe_model, rollout, on
     _assert_replay_closes_the_gap(figures, recorded)
 
 
+@pytest.fixture(scope="module")
+def mixtral(tmp_path_factory):
+    """A Mixtral of the Qwen3-MoE's shape (it always renormalises its top-k), its rollout's batch, and the one-rank
+    actor's figures on it."""
+    from rlfabric.quickstart.tiny_model import make_tiny_mixtral_model
+
+    model = make_tiny_mixtral_model(tmp_path_factory.mktemp("replay-mixtral") / "mixtral", num_experts=EXPERTS,
+                                    experts_per_token=TOP_K, num_layers=LAYERS, initializer_range=0.1)
+    batch = _sampled(model)[2]
+    with Served("actor", make_config(model, n=N, actor=ACTOR)) as served:
+        return model, batch, _figures(served, batch)
+
+
+@pytest.mark.numerics
+def test_mixtral_under_tensor_parallelism_replays_the_routes_as_one_rank_does(mixtral):
+    """Mixtral's TP plan (the attention split, the MoE blocks whole), TP 2 against one rank, both replaying."""
+    model, batch, one_rank = mixtral
+    with Served("actor", make_config(model, n=N, actor={**ACTOR, "world_size": 2, "tensor_parallel_size": 2})) as served:
+        figures = _figures(served, batch)
+    real = batch.response_mask.bool()
+    bound = engine_logprob_gap(2 ** np.ceil(np.log2(float(-one_rank["replayed"][real].min()))))
+    assert (figures["replayed"][real] - one_rank["replayed"][real]).abs().max() <= bound
+    recorded = int((batch.routed_experts != 255).all(-1).sum())
+    _assert_replay_closes_the_gap(one_rank, recorded)
+    _assert_replay_closes_the_gap(figures, recorded)
+    gap = "rollout_corr/log_prob_abs_diff"
+    print(f"\nmixtral: {round((1 - figures['agreement']) * recorded)} of {recorded} routes differ without replay; "
+          f"{gap} {figures['without'][gap]:.4f} without, {figures['with'][gap]:.4f} with replay (TP 2)")
+
+
+@pytest.mark.numerics
+def test_packed_rows_run_every_token_on_its_recorded_experts_and_give_the_padded_log_probs(moe_model, rollout):
+    """Sequence packing with replay: each token's routes go where the token goes in the packed rows, so every
+    recorded (token, layer) route of the rollout is the one the packed pass runs on (100%), although the model
+    would choose otherwise for some, and the packed log-probs are the padded pass's (float64: the packing
+    tests' bound)."""
+    from transformers import AutoModelForCausalLM
+
+    _, _, batch = rollout
+    checked = validate_batch({**batch.tensors, ROUTES: batch.routed_experts}, vocab_size=10**6)
+    model = AutoModelForCausalLM.from_pretrained(moe_model, dtype=torch.float64, experts_implementation="eager").eval()
+    with torch.no_grad(), replay_routes(model, checked[ROUTES].flatten(0, 1)):
+        padded = forward_log_probs(model, checked, 1.0, False, True)[0]
+    used = []
+    with torch.no_grad(), replay_routes(model, packed_routes(checked)) as agreement:
+        hooks = [router.register_forward_hook(lambda _m, _a, out: used.append(out[2])) for router in routers(model)]
+        packed = forward_log_probs(model, checked, 1.0, False, True, packed=True)[0]
+        for hook in hooks:
+            hook.remove()
+    where, _, _ = _packing(checked)  # each real token's place in the packed rows
+    real = checked["attention_mask"].bool()
+    given = checked[ROUTES][real]  # [tokens, layers, top_k], the rollout's
+    recorded = (given >= 0).all(-1)
+    assert torch.equal(torch.stack(used, 1)[where[real]][recorded], given[recorded])
+    matched, counted = agreement.totals()
+    assert counted == int(recorded.sum()) == int((batch.routed_experts != 255).all(-1).sum())
+    assert matched < counted, "float64 chose every bfloat16 route itself: the test shows nothing"
+    response = checked["response_mask"].bool()
+    assert_same_float32(packed[response], padded[response], "log-probs")
+
+
 @pytest.mark.parametrize("override, message", [
     ("rollout.engine=vllm", "actor.router_replay: rollout.engine vllm does not record"),
-    ("actor.use_remove_padding=true", "actor.router_replay: actor.use_remove_padding packs"),
-    ("rollout.multi_turn.enable=true", "actor.router_replay: rollout.multi_turn.enable builds samples"),
 ])
 def test_settings_replay_cannot_work_with_are_refused_naming_the_key(moe_model, override, message):
     config = rollout_config(moe_model, "actor.router_replay=true", override)

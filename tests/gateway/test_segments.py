@@ -3,17 +3,19 @@ that a template which rewrites history cannot change the ids already sampled."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from rlfabric.core.config import load_config
 from rlfabric.core.errors import ResourceExhausted
+from rlfabric.gateway.calls import joined_sample
 from rlfabric.gateway.episodes import EpisodeStore
 from rlfabric.gateway.openai_api import OpenAIError
 from rlfabric.gateway.render import ChatRenderer, message_key
 from rlfabric.gateway.segments import RecordedCall, episode_advantages, join_calls
 from rlfabric.quickstart.tiny_model import build_tokenizer
-from rlfabric.rollout.types import Finish
+from rlfabric.rollout.types import Finish, FinishedSample
 
 TOKENIZER = build_tokenizer()
 
@@ -34,6 +36,38 @@ def test_calls_that_extend_each_other_join_and_a_branch_starts_its_own_segment()
     sample = first.to_sample(0, 0, lambda ids: "")
     assert sample.weight_version == 0 and sample.version_spans == [(0, 0), (1, 3)]
     assert sample.token_versions() == first.token_versions
+
+
+def routes_of(number: int, prompt: list[int], sampled: list[int]) -> np.ndarray:
+    """What an engine call records (actor.router_replay): [P + L, layers 2, top_k 1], every token it ran routed
+    to expert `number`, its last sampled token to none (255)."""
+    routes = np.full((len(prompt) + len(sampled), 2, 1), number, dtype=np.uint8)
+    routes[-1] = 255
+    return routes
+
+
+def test_each_segment_token_keeps_the_routes_of_the_first_call_that_ran_it():
+    # A segment of calls 0 and 1 (the prompt, call 0's tokens, the tokens between, call 1's) and a branch (call 2).
+    shapes = [([1, 2], [3, 4]), ([1, 2, 3, 4, 9], [5, 6]), ([1, 2, 3, 4, 8], [7])]
+    calls = [call(number, prompt, sampled) for number, (prompt, sampled) in enumerate(shapes)]
+    for number, (prompt, sampled) in enumerate(shapes):
+        calls[number].routes = routes_of(number, prompt, sampled)
+    first, branch = join_calls(calls)
+    routes = first.to_sample(0, 0, lambda ids: "").routed_experts  # [2 + 5 tokens, 2, 1]
+    # prompt and call 0's first token: call 0; its last token and the one between: call 1's prompt pass;
+    # call 1's first token: call 1; its last: none (no call ran it).
+    assert routes[:, 0, 0].tolist() == [0, 0, 0, 1, 1, 1, 255] and (routes[:, 1] == routes[:, 0]).all()
+    assert branch.to_sample(0, 1, lambda ids: "").routed_experts[:, 0, 0].tolist() == [2] * 5 + [255]
+    # Without routes (an engine that records none), none.
+    assert join_calls([call(0, [1], [2])])[0].to_sample(0, 0, lambda ids: "").routed_experts is None
+
+
+def test_an_aborted_calls_pieces_join_their_routes_as_its_tokens():
+    # Piece 0 sampled [3, 4] and was aborted; piece 1 went on from prompt + [3, 4] and sampled [5].
+    pieces = [FinishedSample(0, 0, [3, 4], [-0.5, -0.5], Finish.ABORT, 1, routed_experts=routes_of(0, [1, 2], [3, 4])),
+              FinishedSample(0, 0, [5], [-0.5], Finish.STOP, 2, routed_experts=routes_of(1, [1, 2, 3, 4], [5]))]
+    joined = joined_sample(pieces)
+    assert joined.token_ids == [3, 4, 5] and joined.routed_experts[:, 0, 0].tolist() == [0, 0, 0, 1, 255]
 
 
 def test_episode_advantages_count_each_episode_once():

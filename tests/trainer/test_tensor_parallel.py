@@ -209,6 +209,11 @@ def test_intermediate_size_and_families_without_a_plan(tiny_moe_model):
     moe = {**llama, "model_type": "qwen3_moe", "intermediate_size": 102}
     assert split_problem(moe, 4) == ""
     check_model_split(make_config(tiny_moe_model, actor={"world_size": 2, "tensor_parallel_size": 2}), "actor")
-    assert split_problem({**llama, "model_type": "mixtral"}, 2) == (
-        "model_type 'mixtral' has no tensor-parallel plan here (plans: llama, qwen2, qwen3_moe); train it "
+    # Mixtral too (tests/actor/test_router_replay.py trains it under TP 2), but not with router jitter.
+    assert split_problem({**moe, "model_type": "mixtral", "router_jitter_noise": 0.0}, 4) == ""
+    assert split_problem({**moe, "model_type": "mixtral", "router_jitter_noise": 0.01}, 2) == (
+        "the model's router_jitter_noise 0.01 would draw other noise on each tensor-parallel rank (set it to 0 in "
+        "config.json)")
+    assert split_problem({**llama, "model_type": "gemma"}, 2) == (
+        "model_type 'gemma' has no tensor-parallel plan here (plans: llama, qwen2, qwen3_moe, mixtral); train it "
         "data-parallel only")

@@ -39,8 +39,8 @@ class ModelRoleSection(Section):
     world_size: int = Field(1, ge=1)
     """Ranks (FSDP2 data-parallel x tensor_parallel_size); rank 0 serves gRPC."""
     tensor_parallel_size: int = Field(1, ge=1)
-    """Tensor-parallel ranks per model copy (torch DTensor; Llama and Qwen2 families, and Qwen3-MoE with its
-    attention split and its MoE blocks whole on each rank): world_size ranks form a
+    """Tensor-parallel ranks per model copy (torch DTensor; Llama and Qwen2 families, and Qwen3-MoE and Mixtral
+    with their attention split and their MoE blocks whole on each rank): world_size ranks form a
     (world_size / T) x T mesh, FSDP2 across, each decoder layer's projections split T ways within (and an
     untied LM head; the critic's value head stays whole). T must divide world_size and the model's attention
     heads, KV heads and intermediate size. 1 = data parallel."""
@@ -134,8 +134,9 @@ class ActorConfig(ModelRoleSection):
     layer chose for every token, and the actor's forward passes (old log-probs and updates) route each token
     to those instead of choosing again, so the trainer evaluates the network that sampled; the routing
     weights stay the trainer's. Reports actor/router_agreement: the fraction of recorded routes the trainer
-    would have chosen itself. rollout.engine hf only (why not vLLM here: docs/moe.md); not
-    with use_remove_padding."""
+    would have chosen itself. rollout.engine hf only (why not vLLM here: docs/moe.md); with
+    use_remove_padding the routes are packed with their tokens; multi-turn and agent samples join their engine
+    calls' routes as their token ids (docs/moe.md)."""
     lora: LoraConfig = LoraConfig()
     """LoRA: train low-rank adapters only. The reference's log-probs then come from the actor with its
     adapters off (no reference service runs), and checkpoints hold the adapters and their optimizer."""
