@@ -52,9 +52,7 @@ PHASES = ("gen", "old_log_prob", "adv", "update", "update_weights")
 SIM = ["rollout.engine=sim", "actor.engine=sim", "reference.enable=false", "sim.trainer.parameters=7000000000",
        "sim.trainer.gpus=64", "weight_sync.transport=grpc", "trainer.progress_bar=false", "trainer.plot=false",
        "trainer.loggers=[jsonl]", "trainer.save_final=false", "trainer.export_final=false",
-       "sim.rollout.response_length_mean=512", "data.max_response_length=1024", "rollout.max_num_seqs=256",
-       # One update request carries the step's padded batch: ~40 KB a sample here (~650 MB at 1,024 x 16).
-       "server.max_receive_message_mb=2047", "server.max_send_message_mb=2047"]
+       "sim.rollout.response_length_mean=512", "data.max_response_length=1024", "rollout.max_num_seqs=256"]
 
 
 def log(message: str) -> None:

@@ -118,7 +118,7 @@ class ActorClient(ServiceClient, ActorInterface):
             response = await self.call_serialized(SERVICE, "UpdatePolicy", payload,
                                                   actor_pb2.ActorServiceUpdatePolicyResponse, timeout_s)
             return dict(response.metrics)
-        response = await self.call_client_stream("UpdatePolicyStream", _update_stream(rows, global_step), timeout_s)
+        response = await self.call_client_stream("UpdatePolicyStream", update_requests(rows, global_step), timeout_s)
         return dict(response.metrics)
 
     async def save_checkpoint(self, path: str, timeout_s: float | None = None) -> int:
@@ -164,8 +164,9 @@ class ActorClient(ServiceClient, ActorInterface):
         await self.call("CloseWeightSyncGroup", request, timeout_s)
 
 
-async def _update_stream(rows: ragged.Unpadded, global_step: int):
+def update_requests(rows: ragged.Unpadded | Tensors, global_step: int = 0):
     """UpdatePolicyStream's messages: the header, then the rows a piece at a time (each cut as it is sent)."""
+    rows = rows if isinstance(rows, ragged.Unpadded) else ragged.unpadded(rows)
     yield actor_pb2.ActorServiceUpdatePolicyStreamRequest(header=rows.header(global_step))
     for piece in rows.pieces():
         yield actor_pb2.ActorServiceUpdatePolicyStreamRequest(rows=piece)

@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from rlfabric.core import codec
+from rlfabric.core.config.server import ServerConfig
 from rlfabric.core.errors import InvalidArgument
+from rlfabric.core.message_limits import MessageLimits
 from rlfabric.trainer import ragged
 from rlfabric.v1 import actor_pb2, actor_pb2_grpc, tensor_pb2
 from tests.trainer.helpers import PAD, Served, make_batch, make_config
@@ -63,7 +65,7 @@ def test_round_trip_is_exact():
     assert tokens == int(batch["attention_mask"].sum())  # no padding on the wire
 
 
-@pytest.mark.parametrize("fault", ["hole in the mask", "padding token varies", "advantage on padding"])
+@pytest.mark.parametrize("fault", ["hole in the mask", "padding token varies", "advantage on padding", "bfloat16"])
 def test_batches_outside_the_layout_have_no_unpadded_form(fault):
     batch = update_batch()
     if fault == "hole in the mask":
@@ -72,9 +74,11 @@ def test_batches_outside_the_layout_have_no_unpadded_form(fault):
     elif fault == "padding token varies":
         batch["input_ids"] = batch["input_ids"].clone()
         batch["input_ids"][3, 0] = PAD + 1  # row 3 is left-padded
-    else:
+    elif fault == "advantage on padding":
         batch["advantages"] = batch["advantages"].clone()
         batch["advantages"][ROWS - 1, RESPONSE - 1] = 1.0  # row 7 answers 3 tokens
+    else:  # numpy, which cuts the pieces, has no bfloat16
+        batch["advantages"] = batch["advantages"].to(torch.bfloat16)
     assert ragged.unpadded(batch) is None
 
 
@@ -141,3 +145,10 @@ def test_bad_stream_is_invalid_argument_and_the_actor_stays_up(actors):
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "advantages has 1 NaN/inf value" in caught.value.details()
     assert streamed.run(streamed.client.get_status()).model
+
+
+def test_a_whole_piece_fits_the_default_message_limit():
+    """A piece holds ~CHUNK_BYTES of tensors; the default limits take it (the control limit, 4 MiB, would not)."""
+    server = ServerConfig()
+    limits = MessageLimits(server.max_receive_message_mb << 20, server.max_control_message_kb << 10)
+    assert limits.of("/rlfabric.v1.ActorService/UpdatePolicyStream") >= 2 * ragged.CHUNK_BYTES
