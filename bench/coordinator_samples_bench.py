@@ -1,5 +1,5 @@
 """The coordinator's own work on one step's samples, in process and without a mesh, up to batches a mesh on this
-machine cannot carry. Writes
+machine cannot carry (at 4,096 x 16 samples the update request alone is past protobuf's 2 GiB). Writes
 bench/results/coordinator_samples.json.
 
     python -m bench.coordinator_samples_bench                 # 256, 1,024 and 4,096 prompts x 16 samples
@@ -11,8 +11,7 @@ prompts of 60-200 tokens) go through what the coordinator does with a step's sam
     batch           the step's RolloutBatch and scores (Sampler.scored_batch)
     advantages      token-level scores and the GRPO estimator
     metrics         data_metrics
-    update_stream   the actor's UpdatePolicyStream messages, each serialized as it is sent (the update batch
-                    unpadded a piece at a time: rlfabric.trainer.ragged)
+    update_request  the actor's UpdatePolicy request, serialized (codec.serialized_with_batch)
 peak_rss_mb is the process's high-water mark; each batch size runs in a fresh process.
 """
 
@@ -42,16 +41,16 @@ def one(prompts: int) -> dict:
     import torch
 
     from rlfabric import algorithms as algos
-    from rlfabric.actor.client import update_requests
     from rlfabric.coordinator.rollout_batch import token_level_scores
     from rlfabric.coordinator.sampler import Sampler
     from rlfabric.coordinator.servicer import numpy_without_huge_pages
     from rlfabric.coordinator.step_metrics import data_metrics
+    from rlfabric.core import codec
     from rlfabric.core.config import load_config
     from rlfabric.data.dataset import PromptRow
     from rlfabric.reward.items import ItemResult
     from rlfabric.rollout import wire
-    from rlfabric.v1 import rollout_pb2
+    from rlfabric.v1 import actor_pb2, rollout_pb2
 
     numpy_without_huge_pages()  # as the coordinator process runs
     rng = np.random.default_rng(0)
@@ -94,9 +93,10 @@ def one(prompts: int) -> dict:
     timed("advantages", advantages)
     timed("metrics", lambda: data_metrics(batch, 1024))
     update = {**batch.tensors, "advantages": batch.advantages}
-    streamed = timed("update_stream", lambda: sum(len(m.SerializeToString()) for m in update_requests(update)))
+    request = timed("update_request", lambda: codec.serialized_with_batch(
+        actor_pb2.ActorServiceUpdatePolicyRequest(global_step=1), ("batch",), update))
     return {"prompts": prompts, "n": N, "samples": prompts * N, "wire_mb": round(wire_mb, 1),
-            "batch_shape": list(batch.tensors["input_ids"].shape), "update_stream_mb": round(streamed / 1e6, 1),
+            "batch_shape": list(batch.tensors["input_ids"].shape), "update_request_mb": round(len(request) / 1e6, 1),
             "cpu_s": {phase: round(s, 3) for phase, s in seconds.items()},
             "cpu_s_total": round(sum(seconds.values()), 3),
             "cpu_us_per_sample": round(sum(seconds.values()) * 1e6 / (prompts * N), 1),
