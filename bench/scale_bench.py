@@ -44,6 +44,7 @@ import psutil
 from rlfabric.coordinator.client import CoordinatorClient
 from rlfabric.core.client import ChannelOptions, wait_until_serving
 from rlfabric.core.config import dump_config, load_config
+from rlfabric.data.prep import write_synthetic
 from rlfabric.v1 import coordinator_pb2
 
 RESULTS = Path(__file__).parent / "results" / "scale.json"
@@ -113,7 +114,10 @@ async def drive(address: str, options: ChannelOptions, steps: int, mode: str, cp
 def point(replicas: int, prompts: int, n: int, steps: int, mode: str, time_scale: float) -> dict:
     """One mesh, one run; the figures of its steps after the first."""
     run_dir = Path(tempfile.mkdtemp(prefix=f"scale-{replicas}-"))
-    config = load_config(None, [*SIM, f"rollout.replicas={replicas}", f"data.train_batch_size={prompts}",
+    # The quickstart task as data.builtin_task writes it, but as many rows as the steps take (its 2,048 by default).
+    data = write_synthetic(run_dir / "data" / "bench", train_size=max(2048, prompts * steps))
+    config = load_config(None, [*SIM, f"data.train_files=[{data['train']}]", f"data.val_files=[{data['val']}]",
+                                f"rollout.replicas={replicas}", f"data.train_batch_size={prompts}",
                                 f"actor.ppo_mini_batch_size={prompts}", f"rollout.n={n}",
                                 f"sim.time_scale={time_scale}", f"trainer.run_dir={run_dir}",
                                 f"storage.root={run_dir}"])

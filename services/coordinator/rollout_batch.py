@@ -157,7 +157,7 @@ def _assembled(rows: Sequence[PromptRow], ordered: Sequence[FinishedSample], pad
     tensors = {
         "input_ids": torch.from_numpy(input_ids),
         "attention_mask": torch.from_numpy(attention_mask.astype(np.int64)),
-        "responses": torch.from_numpy(input_ids[:, prompt_len:].copy()),
+        "responses": torch.from_numpy(input_ids[:, prompt_len:]),  # a view: no second copy of the response ids
         "response_mask": torch.from_numpy(response_mask),
     }
     group_ids = torch.tensor([s.prompt_index for s in ordered], dtype=torch.int64)
