@@ -253,8 +253,8 @@ def scale_table() -> str:
     results = _load("scale.json")
     reference = {(p["replicas"], p["samples"], p["mode"]): p for p in results.get("reference", {}).get("points", [])}
     label = results.get("reference", {}).get("label", "")
-    lines = ["| samples (mode) | replicas | coordinator CPU / step | overhead / step | peak RSS | router balance |",
-             "| --- | --- | --- | --- | --- | --- |"]
+    lines = ["| samples (mode) | replicas | coordinator CPU / step | overhead / step | peak RSS | router balance "
+             "| load average |", "| --- | --- | --- | --- | --- | --- | --- |"]
 
     def cell(point: dict, key: str, fmt: str, was: dict | None) -> str:
         return fmt.format(point[key]) + (f" ({fmt.format(was[key])})" if was and key in was else "")
@@ -264,7 +264,8 @@ def scale_table() -> str:
         lines.append(f"| {p['prompts']} x {p['n']} ({p['mode']}) | {p['replicas']} "
                      f"| {cell(p, 'coordinator_cpu_s_per_step', '{:.1f} s', was)} "
                      f"| {cell(p, 'coordinator_overhead_s_median', '{:.2f} s', was)} "
-                     f"| {cell(p, 'coordinator_peak_rss_mb', '{:.0f} MB', was)} | {p['router_balance']:.2f} |")
+                     f"| {cell(p, 'coordinator_peak_rss_mb', '{:.0f} MB', was)} | {p['router_balance']:.2f} "
+                     f"| {p['load_average'][0]:.0f} |")
     if reference:
         lines.append(f"\nIn brackets: {label}, measured the same way on the same machine.")
     return "\n".join(lines) + "\n"

@@ -44,6 +44,7 @@ import psutil
 from rlfabric.coordinator.client import CoordinatorClient
 from rlfabric.core.client import ChannelOptions, wait_until_serving
 from rlfabric.core.config import dump_config, load_config
+from rlfabric.data.prep import write_synthetic
 from rlfabric.v1 import coordinator_pb2
 
 RESULTS = Path(__file__).parent / "results" / "scale.json"
@@ -52,9 +53,7 @@ PHASES = ("gen", "old_log_prob", "adv", "update", "update_weights")
 SIM = ["rollout.engine=sim", "actor.engine=sim", "reference.enable=false", "sim.trainer.parameters=7000000000",
        "sim.trainer.gpus=64", "weight_sync.transport=grpc", "trainer.progress_bar=false", "trainer.plot=false",
        "trainer.loggers=[jsonl]", "trainer.save_final=false", "trainer.export_final=false",
-       "sim.rollout.response_length_mean=512", "data.max_response_length=1024", "rollout.max_num_seqs=256",
-       # One update request carries the step's padded batch: ~40 KB a sample here (~650 MB at 1,024 x 16).
-       "server.max_receive_message_mb=2047", "server.max_send_message_mb=2047"]
+       "sim.rollout.response_length_mean=512", "data.max_response_length=1024", "rollout.max_num_seqs=256"]
 
 
 def log(message: str) -> None:
@@ -115,7 +114,10 @@ async def drive(address: str, options: ChannelOptions, steps: int, mode: str, cp
 def point(replicas: int, prompts: int, n: int, steps: int, mode: str, time_scale: float) -> dict:
     """One mesh, one run; the figures of its steps after the first."""
     run_dir = Path(tempfile.mkdtemp(prefix=f"scale-{replicas}-"))
-    config = load_config(None, [*SIM, f"rollout.replicas={replicas}", f"data.train_batch_size={prompts}",
+    # The quickstart task as data.builtin_task writes it, but as many rows as the steps take (its 2,048 by default).
+    data = write_synthetic(run_dir / "data" / "bench", train_size=max(2048, prompts * steps))
+    config = load_config(None, [*SIM, f"data.train_files=[{data['train']}]", f"data.val_files=[{data['val']}]",
+                                f"rollout.replicas={replicas}", f"data.train_batch_size={prompts}",
                                 f"actor.ppo_mini_batch_size={prompts}", f"rollout.n={n}",
                                 f"sim.time_scale={time_scale}", f"trainer.run_dir={run_dir}",
                                 f"storage.root={run_dir}"])

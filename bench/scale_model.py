@@ -3,8 +3,8 @@
     python -m bench.scale_model      # bench/results/scale_model.{json,png} from the bench results below
 
 Reads bench/results/scale.json (the coordinator against N sim replicas: CPU, critical path and RSS per step),
-coordinator_samples.json (the update request's bytes per sample, and which part of the per-sample work touches
-token arrays) and the chart's 256-GPU layout (helm/rlfabric/ci/scale-256-values.yaml: the rollout's share of the
+coordinator_samples.json (the padded update batch's bytes per sample, and which part of the per-sample work
+touches token arrays) and the chart's 256-GPU layout (helm/rlfabric/ci/scale-256-values.yaml: the rollout's share of the
 GPUs). Each cost is fitted by least squares as a + b x samples + c x replicas over every measured point, and
 evaluated for a cluster of G GPUs with G x (rollout share) TP1 replicas, each generating the issue's target load
 (4,096 x 16 samples over 256 replicas) in a 60 s step. Nothing here measures: rerun it after `make bench
@@ -30,7 +30,6 @@ STEP_S = 60.0  # the issue's simulated generation per step
 SAMPLES_PER_REPLICA = 4096 * 16 / 256  # the target batch over its 256 replicas
 OVERHEAD_SHARE = 0.05  # target: the work after the last sample, at most 5% of the step
 RSS_LIMIT_MB = 4 * 1024  # target: coordinator RSS <= 4 GiB
-MESSAGE_LIMIT_MB = 2 * 1024  # protobuf's 2 GiB message limit, which the UpdatePolicy request must fit
 GPUS = (64, 128, 256, 512, 768, 1024)
 # What the model fits: the scale bench's key -> (name, unit of its coefficients).
 COSTS = {
@@ -91,7 +90,6 @@ def derive(scale: dict, samples_bench: dict, share: float) -> dict:
     crossings = {
         "rss_4gib": crossing(models["rss_mb"], RSS_LIMIT_MB, share),
         "after_last_sample_5pct": crossing(models["after_last_sample_s"], OVERHEAD_SHARE * STEP_S, share),
-        "update_request_2gib": MESSAGE_LIMIT_MB / request_mb_per_sample / SAMPLES_PER_REPLICA / share,
         "cpu_saturated": crossing(cpu, STEP_S, share),
         "cpu_saturated_data_plane": crossing(data_plane, STEP_S, share),
     }
@@ -112,7 +110,6 @@ def derive(scale: dict, samples_bench: dict, share: float) -> dict:
                 "cpu_s_data_plane": cost(data_plane, replicas, samples),
                 "after_last_sample_s": cost(models["after_last_sample_s"], replicas, samples),
                 "rss_mb": cost(models["rss_mb"], replicas, samples),
-                "update_request_mb": request_mb_per_sample * samples,
                 "metric_series": scale["points"][-1]["series_per_replica"] * replicas,
             }
         )
@@ -128,7 +125,6 @@ def derive(scale: dict, samples_bench: dict, share: float) -> dict:
             "rollout_share": share,
             "overhead_share": OVERHEAD_SHARE,
             "rss_limit_mb": RSS_LIMIT_MB,
-            "message_limit_mb": MESSAGE_LIMIT_MB,
         },
         "fits": models,
         "fitted_points": len(points),
@@ -158,7 +154,7 @@ def plot(model: dict, scale: dict) -> None:
             "o",
             label=f"{replicas} replicas",
         )[0]
-        xs = np.linspace(0, 17000, 20)
+        xs = np.linspace(0, max(p["samples"] for p in scale["points"]) * 1.05, 20)
         measured.plot(
             xs, [cost(fit_cpu, replicas, x) for x in xs], "--", color=line.get_color(), linewidth=0.8
         )
@@ -175,11 +171,7 @@ def plot(model: dict, scale: dict) -> None:
     cpu.axhline(OVERHEAD_SHARE * STEP_S, color="grey", linestyle="--", linewidth=0.8, label="5% of the step")
     cpu.set(xscale="log", yscale="log", xlabel="GPUs", ylabel="seconds", title="CPU, extrapolated")
     memory.plot(gpus, [r["rss_mb"] / 1024 for r in rows], "o-", label="coordinator peak RSS")
-    memory.plot(gpus, [r["update_request_mb"] / 1024 for r in rows], "^-", label="UpdatePolicy request")
     memory.axhline(RSS_LIMIT_MB / 1024, color="k", linewidth=0.8, label="4 GiB RSS target")
-    memory.axhline(
-        MESSAGE_LIMIT_MB / 1024, color="grey", linestyle="--", linewidth=0.8, label="2 GiB message limit"
-    )
     memory.set(xscale="log", yscale="log", xlabel="GPUs", ylabel="GiB", title="memory, extrapolated")
     for ax in (cpu, memory):
         ax.set_xticks(gpus, [str(g) for g in gpus])
@@ -211,9 +203,8 @@ def table(model: dict) -> str:
         f"Fitted by least squares over the {model['fitted_points']} points of `bench/results/scale.json`.",
         "",
         "| cluster | rollout replicas | samples / step | coordinator CPU / step (per sample + per replica) "
-        "| share of one core | tokens on a data plane | after the last sample | peak RSS "
-        "| UpdatePolicy request | metric series |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| share of one core | tokens on a data plane | after the last sample | peak RSS | metric series |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in model["rows"]:
         lines.append(
@@ -221,12 +212,11 @@ def table(model: dict) -> str:
             f"({r['cpu_per_sample_s']:.1f} + {r['cpu_per_replica_s']:.1f}) | {r['core_share']:.0%} "
             f"| {r['cpu_s_data_plane']:.1f} s | {r['after_last_sample_s']:.1f} s "
             f"({r['after_last_sample_s'] / model['assumptions']['step_s']:.0%}) | {r['rss_mb'] / 1024:.1f} GiB "
-            f"| {r['update_request_mb'] / 1024:.1f} GiB | {r['metric_series']:,} |"
+            f"| {r['metric_series']:,} |"
         )
     names = {
         "rss_4gib": "coordinator RSS reaches 4 GiB",
         "after_last_sample_5pct": "the work after the last sample reaches 5% of the step",
-        "update_request_2gib": "the UpdatePolicy request reaches protobuf's 2 GiB",
         "cpu_saturated": "the coordinator's CPU per step reaches the step (one core saturated)",
         "cpu_saturated_data_plane": "the same with the token arrays on a data plane",
     }

@@ -21,6 +21,7 @@ import torch
 
 from rlfabric.core import codec
 from rlfabric.core.client import ServiceClient
+from rlfabric.trainer import ragged
 from rlfabric.trainer.client import (
     POLICY_UPDATE_BATCH,
     LocalTrainerClient,
@@ -109,10 +110,16 @@ class ActorClient(ServiceClient, ActorInterface):
 
     async def update_policy(self, batch: Tensors, global_step: int = 0,
                             timeout_s: float | None = None) -> dict[str, float]:
-        request = actor_pb2.ActorServiceUpdatePolicyRequest(global_step=global_step)
-        payload = codec.serialized_with_batch(request, ("batch",), batch)
-        response = await self.call_serialized(SERVICE, "UpdatePolicy", payload,
-                                              actor_pb2.ActorServiceUpdatePolicyResponse, timeout_s)
+        """Streamed without its padding (UpdatePolicyStream, rlfabric.trainer.ragged): no message holds the
+        whole batch. A batch outside that layout goes whole (UpdatePolicy), and the actor's checks name why."""
+        rows = ragged.unpadded(batch)
+        if rows is None:
+            request = actor_pb2.ActorServiceUpdatePolicyRequest(global_step=global_step)
+            payload = codec.serialized_with_batch(request, ("batch",), batch)
+            response = await self.call_serialized(SERVICE, "UpdatePolicy", payload,
+                                                  actor_pb2.ActorServiceUpdatePolicyResponse, timeout_s)
+            return dict(response.metrics)
+        response = await self.call_client_stream("UpdatePolicyStream", update_requests(rows, global_step), timeout_s)
         return dict(response.metrics)
 
     async def save_checkpoint(self, path: str, timeout_s: float | None = None) -> int:
@@ -157,6 +164,14 @@ class ActorClient(ServiceClient, ActorInterface):
     async def close_weight_sync_group(self, group_id: str, timeout_s: float | None = None) -> None:
         request = actor_pb2.ActorServiceCloseWeightSyncGroupRequest(group_id=group_id)
         await self.call("CloseWeightSyncGroup", request, timeout_s)
+
+
+def update_requests(rows: ragged.Unpadded | Tensors, global_step: int = 0):
+    """UpdatePolicyStream's messages: the header, then the rows a piece at a time (each cut as it is sent)."""
+    rows = rows if isinstance(rows, ragged.Unpadded) else ragged.unpadded(rows)
+    yield actor_pb2.ActorServiceUpdatePolicyStreamRequest(header=rows.header(global_step))
+    for piece in rows.pieces():
+        yield actor_pb2.ActorServiceUpdatePolicyStreamRequest(rows=piece)
 
 
 class LocalActorClient(LocalTrainerClient, ActorInterface):

@@ -11,6 +11,7 @@ from __future__ import annotations
 from rlfabric.core import codec
 from rlfabric.core.config import RunConfig
 from rlfabric.core.server import ServiceDefinition
+from rlfabric.trainer import ragged
 from rlfabric.trainer.client import POLICY_UPDATE_BATCH
 from rlfabric.trainer.engine import TrainerEngine
 from rlfabric.trainer.servicer import build_trainer_service, decode_log_probs_input
@@ -34,6 +35,12 @@ class ActorServicer(actor_pb2_grpc.ActorServiceServicer):
         batch = codec.decode_batch(request.batch, *POLICY_UPDATE_BATCH)
         metrics = await self.engine.update(batch.tensors, request.global_step)
         return actor_pb2.ActorServiceUpdatePolicyResponse(metrics=metrics)
+
+    async def UpdatePolicyStream(self, request_iterator, context):
+        batch = await ragged.received_batch(request_iterator)
+        codec.check_batch_names(batch.names(), *POLICY_UPDATE_BATCH)
+        metrics = await self.engine.update(batch, batch.header.global_step)
+        return actor_pb2.ActorServiceUpdatePolicyStreamResponse(metrics=metrics)
 
     async def SaveCheckpoint(self, request, context):
         num_bytes = await self.engine.save_checkpoint(request.location.path)

@@ -24,6 +24,12 @@ def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
             f"{prefix}/min": values.min().item()}
 
 
+def _masked(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """values[mask] (CPU), by numpy's boolean index: torch's builds an int64 index of every true cell first
+    (~0.4 GB more at 4,096 x 16 samples, the step's peak RSS)."""
+    return torch.from_numpy(values.numpy()[mask.numpy()])
+
+
 def data_metrics(batch: RolloutBatch, max_response_length: int) -> dict[str, float]:
     """critic/score, critic/rewards, critic/advantages, critic/returns, critic/values, response and
     prompt lengths: per-sequence values for scores/rewards, per-token values (masked) for the rest;
@@ -53,10 +59,10 @@ def data_metrics(batch: RolloutBatch, max_response_length: int) -> dict[str, flo
             metrics.update({f"critic/{name}/{stat}": metrics[f"critic/{done[id(tensor)]}/{stat}"]
                             for stat in ("mean", "max", "min") if f"critic/{done[id(tensor)]}/{stat}" in metrics})
         elif tensor is not None:
-            metrics.update(_stats(f"critic/{name}", tensor[mask]))
+            metrics.update(_stats(f"critic/{name}", _masked(tensor, mask)))
             done[id(tensor)] = name
     if batch.values is not None and batch.returns is not None:
-        returns, values = batch.returns[mask], batch.values[mask]
+        returns, values = _masked(batch.returns, mask), _masked(batch.values, mask)
         variance = returns.var(unbiased=False)
         metrics["critic/vf_explained_var"] = (1.0 - (returns - values).var(unbiased=False) / (variance + 1e-8)).item()
     response_lengths = batch.response_lengths()

@@ -190,6 +190,15 @@ class ServiceClient:
         except grpc.RpcError as error:
             raise self.domain_error(error, method, timeout_s) from None
 
+    async def call_client_stream(self, method: str, requests: AsyncIterator, timeout_s: float | None = None):
+        """Client-streaming call (the requests sent as `requests` yields them) with a deadline over the whole
+        call."""
+        timeout_s = timeout_s or self.options.timeout_s
+        try:
+            return await getattr(self.stub, method)(requests, timeout=timeout_s, metadata=self._metadata)
+        except grpc.RpcError as error:
+            raise self.domain_error(error, method, timeout_s) from None
+
     async def stream(self, method: str, request, timeout_s: float | None = None) -> AsyncIterator:
         """Server-streaming call with a deadline over the whole stream; the call is cancelled when the
         caller stops iterating."""

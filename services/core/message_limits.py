@@ -32,6 +32,7 @@ log = logging.getLogger("rlfabric.server")
 BULK_METHODS = frozenset({
     "/rlfabric.v1.ActorService/ComputeLogProbs",
     "/rlfabric.v1.ActorService/UpdatePolicy",
+    "/rlfabric.v1.ActorService/UpdatePolicyStream",  # per message: a piece of ~4 MiB of rows
     "/rlfabric.v1.CriticService/ComputeValues",
     "/rlfabric.v1.CriticService/UpdateValues",
     "/rlfabric.v1.ReferenceService/ComputeLogProbs",

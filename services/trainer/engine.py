@@ -32,6 +32,7 @@ from rlfabric.trainer import tensor_parallel
 from rlfabric.trainer.batch import SequenceBatch, shard_rows, validate_batch
 from rlfabric.trainer.dist import Command, WorkerGroup, run_command
 from rlfabric.trainer.models import rank_device
+from rlfabric.trainer.ragged import RaggedBatch
 from rlfabric.trainer.roles import role_spec
 from rlfabric.trainer.weight_sync import TrainerWeightSync
 from rlfabric.trainer.worker import RankWorker
@@ -155,12 +156,14 @@ class TrainerEngine:
         return self._command(Command.COMPUTE, [temperature, float(with_entropy), float(base_model),
                                                float(with_sum_pi_squared)], shards)
 
-    async def update(self, tensors: dict[str, torch.Tensor], global_step: int = 0) -> dict[str, float]:
-        """One UpdatePolicy / UpdateValues: VeRL-named metrics."""
+    async def update(self, tensors: dict[str, torch.Tensor] | RaggedBatch, global_step: int = 0) -> dict[str, float]:
+        """One UpdatePolicy / UpdateValues (an UpdatePolicyStream's rows are padded back here): VeRL-named metrics."""
         return await self._run(self._update, tensors, global_step)
 
     def _update(self, tensors, global_step):
         started = time.perf_counter()
+        if isinstance(tensors, RaggedBatch):
+            tensors = tensors.padded()
         objective = self.worker.objective
         batch = validate_batch(tensors, self.worker.vocab_size, max_length=self.worker.max_length,
                                required_floats=objective.required_floats(),

@@ -29,6 +29,7 @@ from rlfabric.sim.weights import PAYLOAD_NAME, PAYLOAD_SHAPE, SyncCost, payload
 from rlfabric.trainer import checkpoint as ckpt
 from rlfabric.trainer.batch import SequenceBatch, validate_batch
 from rlfabric.trainer.engine import EngineStatus
+from rlfabric.trainer.ragged import RaggedBatch
 from rlfabric.trainer.roles import role_spec
 from rlfabric.trainer.weight_sync import TrainerWeightSync
 from rlfabric.weight_sync.sender import BroadcastResult
@@ -106,11 +107,16 @@ class SimTrainerEngine:
             outputs["sum_pi_squared"] = torch.full(shape, math.exp(LOG_PROB))
         return outputs
 
-    async def update(self, tensors: dict[str, torch.Tensor], global_step: int = 0) -> dict[str, float]:
-        """One modelled update; VeRL-named metrics (placeholders) and sim/<role>/* (the model's figures)."""
+    async def update(self, tensors: dict[str, torch.Tensor] | RaggedBatch, global_step: int = 0) -> dict[str, float]:
+        """One modelled update; VeRL-named metrics (placeholders) and sim/<role>/* (the model's figures). Streamed
+        rows are checked as they came, never padded: the model reads only their token count."""
         floats = POLICY_FLOATS if self.spec.trains_policy else VALUE_FLOATS
         required = ("advantages",) if self.spec.trains_policy else VALUE_FLOATS
-        batch = self._validate(tensors, required, floats)
+        if isinstance(tensors, RaggedBatch):
+            tensors.check(self._vocab_size(), required, floats, SIM_MAX_LENGTH)
+            batch = tensors
+        else:
+            batch = self._validate(tensors, required, floats)
         rows = self.section.ppo_mini_batch_size * self.config.rollout.n
         if batch.num_rows % rows:
             raise InvalidArgument(f"batch has {batch.num_rows} rows; {self.role} updates need a multiple of the "
@@ -128,9 +134,11 @@ class SimTrainerEngine:
                 "sim/time_scale": self.config.sim.time_scale}
 
     def _validate(self, tensors, required: tuple[str, ...] = (), floats: tuple[str, ...] = ()) -> SequenceBatch:
-        vocab = self.config.sim.rollout.vocab_size or 1 << 31  # any id the rollout drew
-        return validate_batch(dict(tensors), vocab, required_floats=required, optional_floats=floats,
+        return validate_batch(dict(tensors), self._vocab_size(), required_floats=required, optional_floats=floats,
                               max_length=SIM_MAX_LENGTH)
+
+    def _vocab_size(self) -> int:
+        return self.config.sim.rollout.vocab_size or 1 << 31  # any id the rollout drew
 
     # -- checkpoints and exports ------------------------------------------------------------------
 

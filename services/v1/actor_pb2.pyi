@@ -42,6 +42,41 @@ class ActorServiceUpdatePolicyResponse(_message.Message):
     metrics: _containers.ScalarMap[str, float]
     def __init__(self, metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
+class ActorServiceUpdatePolicyStreamRequest(_message.Message):
+    __slots__ = ("header", "rows")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    header: UpdatePolicyStreamHeader
+    rows: _tensor_pb2.RaggedRows
+    def __init__(self, header: _Optional[_Union[UpdatePolicyStreamHeader, _Mapping]] = ..., rows: _Optional[_Union[_tensor_pb2.RaggedRows, _Mapping]] = ...) -> None: ...
+
+class UpdatePolicyStreamHeader(_message.Message):
+    __slots__ = ("global_step", "num_rows", "pad_token_id", "prompt_width", "response_width")
+    GLOBAL_STEP_FIELD_NUMBER: _ClassVar[int]
+    NUM_ROWS_FIELD_NUMBER: _ClassVar[int]
+    PAD_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    global_step: int
+    num_rows: int
+    pad_token_id: int
+    prompt_width: int
+    response_width: int
+    def __init__(self, global_step: _Optional[int] = ..., num_rows: _Optional[int] = ..., pad_token_id: _Optional[int] = ..., prompt_width: _Optional[int] = ..., response_width: _Optional[int] = ...) -> None: ...
+
+class ActorServiceUpdatePolicyStreamResponse(_message.Message):
+    __slots__ = ("metrics",)
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    metrics: _containers.ScalarMap[str, float]
+    def __init__(self, metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
 class ActorServiceSaveCheckpointRequest(_message.Message):
     __slots__ = ("location",)
     LOCATION_FIELD_NUMBER: _ClassVar[int]

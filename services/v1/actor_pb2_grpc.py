@@ -52,6 +52,11 @@ class ActorServiceStub:
                 request_serializer=rlfabric_dot_v1_dot_actor__pb2.ActorServiceUpdatePolicyRequest.SerializeToString,
                 response_deserializer=rlfabric_dot_v1_dot_actor__pb2.ActorServiceUpdatePolicyResponse.FromString,
                 _registered_method=True)
+        self.UpdatePolicyStream = channel.stream_unary(
+                '/rlfabric.v1.ActorService/UpdatePolicyStream',
+                request_serializer=rlfabric_dot_v1_dot_actor__pb2.ActorServiceUpdatePolicyStreamRequest.SerializeToString,
+                response_deserializer=rlfabric_dot_v1_dot_actor__pb2.ActorServiceUpdatePolicyStreamResponse.FromString,
+                _registered_method=True)
         self.SaveCheckpoint = channel.unary_unary(
                 '/rlfabric.v1.ActorService/SaveCheckpoint',
                 request_serializer=rlfabric_dot_v1_dot_actor__pb2.ActorServiceSaveCheckpointRequest.SerializeToString,
@@ -114,6 +119,16 @@ class ActorServiceServicer:
 
     def UpdatePolicy(self, request, context):
         """PPO epochs over mini-batches of the given batch; returns VeRL-named metrics.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UpdatePolicyStream(self, request_iterator, context):
+        """UpdatePolicy with the batch streamed without its padding: a header, then the rows in order, a
+        RaggedRows a message (any number of rows each). The same update as UpdatePolicy on the padded batch;
+        no message needs to hold the whole batch. INVALID_ARGUMENT for a stream out of this order, rows that
+        disagree with their lengths, or a batch UpdatePolicy would reject.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -189,6 +204,11 @@ def add_ActorServiceServicer_to_server(servicer, server):
                     servicer.UpdatePolicy,
                     request_deserializer=rlfabric_dot_v1_dot_actor__pb2.ActorServiceUpdatePolicyRequest.FromString,
                     response_serializer=rlfabric_dot_v1_dot_actor__pb2.ActorServiceUpdatePolicyResponse.SerializeToString,
+            ),
+            'UpdatePolicyStream': grpc.stream_unary_rpc_method_handler(
+                    servicer.UpdatePolicyStream,
+                    request_deserializer=rlfabric_dot_v1_dot_actor__pb2.ActorServiceUpdatePolicyStreamRequest.FromString,
+                    response_serializer=rlfabric_dot_v1_dot_actor__pb2.ActorServiceUpdatePolicyStreamResponse.SerializeToString,
             ),
             'SaveCheckpoint': grpc.unary_unary_rpc_method_handler(
                     servicer.SaveCheckpoint,
@@ -293,6 +313,33 @@ class ActorService:
             '/rlfabric.v1.ActorService/UpdatePolicy',
             rlfabric_dot_v1_dot_actor__pb2.ActorServiceUpdatePolicyRequest.SerializeToString,
             rlfabric_dot_v1_dot_actor__pb2.ActorServiceUpdatePolicyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdatePolicyStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/rlfabric.v1.ActorService/UpdatePolicyStream',
+            rlfabric_dot_v1_dot_actor__pb2.ActorServiceUpdatePolicyStreamRequest.SerializeToString,
+            rlfabric_dot_v1_dot_actor__pb2.ActorServiceUpdatePolicyStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,

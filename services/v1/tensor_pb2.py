@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18rlfabric/v1/tensor.proto\x12\x0brlfabric.v1\"O\n\x06Tensor\x12$\n\x05\x64type\x18\x01 \x01(\x0e\x32\x15.rlfabric.v1.DataType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x10\n\x08raw_data\x18\x03 \x01(\x0c\"\x1e\n\x0cStringColumn\x12\x0e\n\x06values\x18\x01 \x03(\t\"\xfb\x01\n\x05\x42\x61tch\x12\x30\n\x07tensors\x18\x01 \x03(\x0b\x32\x1f.rlfabric.v1.Batch.TensorsEntry\x12\x30\n\x07\x63olumns\x18\x02 \x03(\x0b\x32\x1f.rlfabric.v1.Batch.ColumnsEntry\x1a\x43\n\x0cTensorsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\"\n\x05value\x18\x02 \x01(\x0b\x32\x13.rlfabric.v1.Tensor:\x02\x38\x01\x1aI\n\x0c\x43olumnsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12(\n\x05value\x18\x02 \x01(\x0b\x32\x19.rlfabric.v1.StringColumn:\x02\x38\x01\"\x83\x01\n\x0bTensorChunk\x12\x0c\n\x04name\x18\x01 \x01(\t\x12$\n\x05\x64type\x18\x02 \x01(\x0e\x32\x15.rlfabric.v1.DataType\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06offset\x18\x04 \x01(\x03\x12\x13\n\x0btotal_bytes\x18\x05 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x06 \x01(\x0c*\xbe\x01\n\x08\x44\x61taType\x12\x19\n\x15\x44\x41TA_TYPE_UNSPECIFIED\x10\x00\x12\x15\n\x11\x44\x41TA_TYPE_FLOAT32\x10\x01\x12\x15\n\x11\x44\x41TA_TYPE_FLOAT16\x10\x02\x12\x16\n\x12\x44\x41TA_TYPE_BFLOAT16\x10\x03\x12\x13\n\x0f\x44\x41TA_TYPE_INT64\x10\x04\x12\x13\n\x0f\x44\x41TA_TYPE_INT32\x10\x05\x12\x13\n\x0f\x44\x41TA_TYPE_UINT8\x10\x06\x12\x12\n\x0e\x44\x41TA_TYPE_BOOL\x10\x07\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18rlfabric/v1/tensor.proto\x12\x0brlfabric.v1\"O\n\x06Tensor\x12$\n\x05\x64type\x18\x01 \x01(\x0e\x32\x15.rlfabric.v1.DataType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x10\n\x08raw_data\x18\x03 \x01(\x0c\"\x1e\n\x0cStringColumn\x12\x0e\n\x06values\x18\x01 \x03(\t\"\xfb\x01\n\x05\x42\x61tch\x12\x30\n\x07tensors\x18\x01 \x03(\x0b\x32\x1f.rlfabric.v1.Batch.TensorsEntry\x12\x30\n\x07\x63olumns\x18\x02 \x03(\x0b\x32\x1f.rlfabric.v1.Batch.ColumnsEntry\x1a\x43\n\x0cTensorsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\"\n\x05value\x18\x02 \x01(\x0b\x32\x13.rlfabric.v1.Tensor:\x02\x38\x01\x1aI\n\x0c\x43olumnsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12(\n\x05value\x18\x02 \x01(\x0b\x32\x19.rlfabric.v1.StringColumn:\x02\x38\x01\"\x83\x01\n\x0bTensorChunk\x12\x0c\n\x04name\x18\x01 \x01(\t\x12$\n\x05\x64type\x18\x02 \x01(\x0e\x32\x15.rlfabric.v1.DataType\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06offset\x18\x04 \x01(\x03\x12\x13\n\x0btotal_bytes\x18\x05 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x06 \x01(\x0c\"\xbc\x02\n\nRaggedRows\x12\x16\n\x0eprompt_lengths\x18\x01 \x03(\x03\x12\x18\n\x10response_lengths\x18\x02 \x03(\x03\x12\x37\n\x08sequence\x18\x03 \x03(\x0b\x32%.rlfabric.v1.RaggedRows.SequenceEntry\x12\x37\n\x08response\x18\x04 \x03(\x0b\x32%.rlfabric.v1.RaggedRows.ResponseEntry\x1a\x44\n\rSequenceEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\"\n\x05value\x18\x02 \x01(\x0b\x32\x13.rlfabric.v1.Tensor:\x02\x38\x01\x1a\x44\n\rResponseEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\"\n\x05value\x18\x02 \x01(\x0b\x32\x13.rlfabric.v1.Tensor:\x02\x38\x01*\xbe\x01\n\x08\x44\x61taType\x12\x19\n\x15\x44\x41TA_TYPE_UNSPECIFIED\x10\x00\x12\x15\n\x11\x44\x41TA_TYPE_FLOAT32\x10\x01\x12\x15\n\x11\x44\x41TA_TYPE_FLOAT16\x10\x02\x12\x16\n\x12\x44\x41TA_TYPE_BFLOAT16\x10\x03\x12\x13\n\x0f\x44\x41TA_TYPE_INT64\x10\x04\x12\x13\n\x0f\x44\x41TA_TYPE_INT32\x10\x05\x12\x13\n\x0f\x44\x41TA_TYPE_UINT8\x10\x06\x12\x12\n\x0e\x44\x41TA_TYPE_BOOL\x10\x07\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,8 +35,12 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_BATCH_TENSORSENTRY']._serialized_options = b'8\001'
   _globals['_BATCH_COLUMNSENTRY']._loaded_options = None
   _globals['_BATCH_COLUMNSENTRY']._serialized_options = b'8\001'
-  _globals['_DATATYPE']._serialized_start=543
-  _globals['_DATATYPE']._serialized_end=733
+  _globals['_RAGGEDROWS_SEQUENCEENTRY']._loaded_options = None
+  _globals['_RAGGEDROWS_SEQUENCEENTRY']._serialized_options = b'8\001'
+  _globals['_RAGGEDROWS_RESPONSEENTRY']._loaded_options = None
+  _globals['_RAGGEDROWS_RESPONSEENTRY']._serialized_options = b'8\001'
+  _globals['_DATATYPE']._serialized_start=862
+  _globals['_DATATYPE']._serialized_end=1052
   _globals['_TENSOR']._serialized_start=41
   _globals['_TENSOR']._serialized_end=120
   _globals['_STRINGCOLUMN']._serialized_start=122
@@ -49,4 +53,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_BATCH_COLUMNSENTRY']._serialized_end=406
   _globals['_TENSORCHUNK']._serialized_start=409
   _globals['_TENSORCHUNK']._serialized_end=540
+  _globals['_RAGGEDROWS']._serialized_start=543
+  _globals['_RAGGEDROWS']._serialized_end=859
+  _globals['_RAGGEDROWS_SEQUENCEENTRY']._serialized_start=721
+  _globals['_RAGGEDROWS_SEQUENCEENTRY']._serialized_end=789
+  _globals['_RAGGEDROWS_RESPONSEENTRY']._serialized_start=791
+  _globals['_RAGGEDROWS_RESPONSEENTRY']._serialized_end=859
 # @@protoc_insertion_point(module_scope)

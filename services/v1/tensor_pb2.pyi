@@ -79,3 +79,29 @@ class TensorChunk(_message.Message):
     total_bytes: int
     data: bytes
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DataType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., total_bytes: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class RaggedRows(_message.Message):
+    __slots__ = ("prompt_lengths", "response_lengths", "sequence", "response")
+    class SequenceEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: Tensor
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    class ResponseEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: Tensor
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    PROMPT_LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    prompt_lengths: _containers.RepeatedScalarFieldContainer[int]
+    response_lengths: _containers.RepeatedScalarFieldContainer[int]
+    sequence: _containers.MessageMap[str, Tensor]
+    response: _containers.MessageMap[str, Tensor]
+    def __init__(self, prompt_lengths: _Optional[_Iterable[int]] = ..., response_lengths: _Optional[_Iterable[int]] = ..., sequence: _Optional[_Mapping[str, Tensor]] = ..., response: _Optional[_Mapping[str, Tensor]] = ...) -> None: ...

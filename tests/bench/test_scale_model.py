@@ -43,15 +43,12 @@ def test_each_crossing_is_where_its_cost_meets_its_limit(model):
     assert at(fits["after_last_sample_s"], crossings["after_last_sample_5pct"]) == pytest.approx(
         a["overhead_share"] * a["step_s"]
     )
-    request = crossings["update_request_2gib"] * share * per_replica * model["update_request_mb_per_sample"]
-    assert request == pytest.approx(a["message_limit_mb"])
     removed = model["fits"]["cpu_s"]["b"] - model["data_plane_cpu_s_per_sample"]
     assert at(fits["cpu_s"], crossings["cpu_saturated_data_plane"], -removed) == pytest.approx(a["step_s"])
-    # The order the page tells: memory, the critical path, the message, then the CPU.
+    # The order the page tells: the critical path, memory, then the CPU.
     assert sorted(crossings, key=crossings.get) == [
-        "rss_4gib",
         "after_last_sample_5pct",
-        "update_request_2gib",
+        "rss_4gib",
         "cpu_saturated",
         "cpu_saturated_data_plane",
     ]
