@@ -272,7 +272,8 @@ class HFEngine(RolloutEngine):
                 prompts.append(r.prompt + r.token_ids)
         return DecodeBatch.prefill(self.net, prompts, [unique[r.prefill_key()] for r in rows],
                                    [r.generation.params for r in rows], [r.seed for r in rows],
-                                   self.tokenizer.pad_token_id or 0, self._recorder)
+                                   self.tokenizer.pad_token_id or 0, self._recorder,
+                                   share_prefix=self.config.rollout.enable_prefix_caching)
 
     def _join(self, batch: DecodeBatch, rows: list[_Row], version: int,
               stop_ids: dict[Generation, set[int]]) -> list[_Row]:
