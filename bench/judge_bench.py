@@ -43,6 +43,9 @@ REGEX = r"(?:Score:\s*)?(\d+)"
 # mode -> (judge.batch_size, judge.max_concurrency)
 MODES = {"unbatched": (1, 1), "batched": (16, 2)}
 TARGET_SPEEDUP = 3.0
+# A Score call's and a judge request's deadline: an unbatched SmolLM2 run of 32 items passed 600 s on 2 cores shared
+# with a load average of 16.
+SCORE_TIMEOUT_S = 3600
 MODELS = {"tiny": "tiny (quickstart, random weights)", "smollm2": "SmolLM2-135M-Instruct"}
 
 
@@ -68,7 +71,7 @@ def _reward_overrides(address: str, batch_size: int, concurrency: int, max_token
         f"reward.judge.max_tokens={max_tokens}",
         f"reward.judge.batch_size={batch_size}",
         f"reward.judge.max_concurrency={concurrency}",
-        "reward.judge.timeout_s=600",
+        f"reward.judge.timeout_s={SCORE_TIMEOUT_S}",
         "server.log_level=WARNING",
     ]
 
@@ -97,11 +100,13 @@ def measure(
             clients[mode] = caller.run_until_complete(_connect(rewards[mode].address))
         scores, seconds = {}, {mode: [] for mode in modes}
         for mode, client in clients.items():  # warm-up: the connections, and the model's first passes
-            caller.run_until_complete(client.score(items[: max(modes[mode][0], 2)], timeout_s=600))
+            caller.run_until_complete(
+                client.score(items[: max(modes[mode][0], 2)], timeout_s=SCORE_TIMEOUT_S)
+            )
         for _ in range(repeats):
             for mode, client in clients.items():
                 start = time.perf_counter()
-                results = caller.run_until_complete(client.score(items, timeout_s=600))
+                results = caller.run_until_complete(client.score(items, timeout_s=SCORE_TIMEOUT_S))
                 seconds[mode].append(time.perf_counter() - start)
                 scores[mode] = [r.score if r.ok else None for r in results]
         requests = {mode: rewards[mode].server.service.engine.judge.requests for mode in modes}
@@ -126,20 +131,30 @@ def measure(
     }
 
 
-def forward_costs(model_dir: Path, item: ScoreItem, rows: int) -> dict:
+def forward_costs(model_dir: Path, items: list[ScoreItem], rows: int) -> dict:
     """Milliseconds per row of the judge model's own forward passes (transformers, float32, no service) on the
-    item's judge prompt, 1 row against `rows` rows: the prompt's prefill and one decode step after it. Where a
-    pass's time grows with its rows (compute-bound, as on a few CPU cores), batching saves only the per-request
-    and per-step costs around it."""
+    first item's judge prompt, 1 row against `rows` rows: the prompt's prefill and one decode step after it. Where
+    a pass's time grows with its rows (compute-bound, as on a few CPU cores), batching saves only the per-request
+    and per-step costs around it, and what the rows have in common: the prefill of `rows` items' own prompts as
+    the hf engine runs it (hf_decode.DecodeBatch.prefill), their common prefix (the chat template's system turn,
+    the template's head) run once or once a row."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from rlfabric.rollout.hf_decode import DecodeBatch, shared_prefix
+    from rlfabric.rollout.types import SamplingSpec
+
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    messages = [{"role": "user", "content": render(TEMPLATE, item)}]
-    ids = tokenizer.apply_chat_template(
-        messages, add_generation_prompt=True, return_tensors="pt", return_dict=False
-    )
+    prompts = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": render(TEMPLATE, item)}],
+            add_generation_prompt=True,
+            return_dict=False,
+        )
+        for item in items[:rows]
+    ]
+    ids = torch.tensor([prompts[0]])
 
     def best_ms(run) -> float:
         run()  # warm-up
@@ -161,6 +176,22 @@ def forward_costs(model_dir: Path, item: ScoreItem, rows: int) -> dict:
             per_row["decode_step"][count] = (
                 best_ms(lambda t=token, c=cache: model(t, past_key_values=c, use_cache=True)) / count
             )
+        spec = SamplingSpec(temperature=0.0)
+        distinct = {
+            share: best_ms(
+                lambda share=share: DecodeBatch.prefill(
+                    model,
+                    prompts,
+                    list(range(len(prompts))),
+                    [spec] * len(prompts),
+                    [0] * len(prompts),
+                    0,
+                    share_prefix=share,
+                )
+            )
+            / len(prompts)
+            for share in (False, True)
+        }
     return {
         "prompt_tokens": ids.shape[1],
         "rows": rows,
@@ -168,6 +199,12 @@ def forward_costs(model_dir: Path, item: ScoreItem, rows: int) -> dict:
             f"{kind}_ms_per_row": {str(k): round(v, 2) for k, v in ms.items()} for kind, ms in per_row.items()
         },
         **{f"{kind}_batching_gain": round(ms[1] / ms[rows], 2) for kind, ms in per_row.items()},
+        "distinct_prompts_shared_prefix_tokens": shared_prefix(prompts),
+        "distinct_prompts_prefill_ms_per_row": {
+            "prefix_per_row": round(distinct[False], 2),
+            "prefix_shared": round(distinct[True], 2),
+        },
+        "distinct_prompts_prefill_gain_of_sharing": round(distinct[False] / distinct[True], 2),
     }
 
 
@@ -205,7 +242,7 @@ def main(argv: list[str] | None = None) -> None:
             model_dir = make_tiny_model(Path(workdir) / "tiny")
         items = make_items(args.items)
         runs = measure(model_dir, items, MODES, args.max_tokens, args.repeats)
-        costs = forward_costs(model_dir, items[0], MODES["batched"][0])
+        costs = forward_costs(model_dir, items, MODES["batched"][0])
     summary = summarize(runs)
     for mode, run in runs.items():
         print(
@@ -221,7 +258,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     print(
         f"the model's own passes, {costs['rows']} rows over 1, per row: prefill {costs['prefill_batching_gain']}x, "
-        f"a decode step {costs['decode_step_batching_gain']}x faster",
+        f"a decode step {costs['decode_step_batching_gain']}x faster; {costs['rows']} items' own prompts' prefill "
+        f"{costs['distinct_prompts_prefill_gain_of_sharing']}x faster with their "
+        f"{costs['distinct_prompts_shared_prefix_tokens']}-token common prefix run once",
         flush=True,
     )
     # One entry per judge model: a run of one model keeps the other's figures.

@@ -8,7 +8,11 @@ token, and may `join` rows that were prefilled meanwhile (continuous batching: a
 while a batch runs starts within k steps instead of waiting for the batch to end).
 
 Rows are left-padded: a row's mask is 0 over its padding, and its position ids count its real tokens only,
-so a row's logits do not depend on how much padding the others give it.
+so a row's logits do not depend on how much padding the others give it. Prompts that begin alike (a chat
+template's system turn, a judge's instructions) prefill their common prefix once (share_prefix): its cache is
+repeated for every prompt and the rest of each prompt runs after it, padded between the two, so a batch's
+prefill costs its prefix once instead of once a prompt; where the prefill is compute-bound (a CPU), that is
+most of what batching saves.
 
 With a RouteRecorder (MoE routing replay), `routes` keeps the experts each MoE layer chose for every token
 that went through the model, aligned with `mask` (-1 on padding): a row's real columns are its prompt's
@@ -49,19 +53,28 @@ class DecodeBatch:
 
     @classmethod
     def prefill(cls, net, prompts: list[list[int]], expand: list[int], params: Sequence[SamplingSpec],
-                seeds: Sequence[int], pad: int, recorder: RouteRecorder | None = None) -> DecodeBatch:
-        """Runs each of `prompts` once (left-padded) and repeats its cache for its rows: row i is prompt
-        expand[i], sampled with params[i] and seeds[i]."""
+                seeds: Sequence[int], pad: int, recorder: RouteRecorder | None = None,
+                share_prefix: bool = True) -> DecodeBatch:
+        """Runs each of `prompts` once (left-padded; their common prefix once, with share_prefix) and repeats
+        its cache for its rows: row i is prompt expand[i], sampled with params[i] and seeds[i]."""
         from transformers import DynamicCache
 
         device = net.device
-        width = max(map(len, prompts))
-        input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)  # (U, W)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)  # (U, W)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # (U, W)
         cache = DynamicCache(config=net.config)
-        out = net(input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                  use_cache=True, logits_to_keep=1)
+        # Routes are recorded for the batch's (U, W) tokens in one pass: with a recorder the prefix is not shared.
+        shared = shared_prefix(prompts) if share_prefix and recorder is None and _plain(cache) else 0
+        if shared:
+            net(input_ids=torch.tensor([prompts[0][:shared]], device=device), past_key_values=cache, use_cache=True,
+                logits_to_keep=1)
+            cache.batch_repeat_interleave(len(prompts))
+        rests = [p[shared:] for p in prompts]
+        width = max(map(len, rests))
+        input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in rests], device=device)  # (U, W - shared)
+        mask = torch.tensor([[1] * shared + [0] * (width - len(p)) + [1] * len(p) for p in rests],
+                            device=device)  # (U, W)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # (U, W)
+        out = net(input_ids=input_ids, attention_mask=mask, position_ids=positions[:, shared:],
+                  past_key_values=cache, use_cache=True, logits_to_keep=1)
         rows = torch.tensor(expand, device=device)  # (B,)
         cache.batch_select_indices(rows)
         routes = None
@@ -134,9 +147,7 @@ class DecodeBatch:
     def can_join(self) -> bool:
         """Whether other rows can join: every cache layer a plain growing one (not a sliding window, whose
         layers keep their own offsets), so joining is left-padding and concatenating."""
-        from transformers.cache_utils import DynamicLayer
-
-        return all(type(layer) is DynamicLayer for layer in self.cache.layers)
+        return _plain(self.cache)
 
     def join(self, other: DecodeBatch) -> None:
         """Appends other's rows (same model, both at "sample next"): the shorter cache is left-padded."""
@@ -152,6 +163,27 @@ class DecodeBatch:
         for name in ("logits", "next_pos", "temperature", "top_k", "top_p", "seeds"):
             setattr(self, name, torch.cat([getattr(self, name), getattr(other, name)]))
         self.filters = self.filters or other.filters
+
+
+def shared_prefix(prompts: Sequence[Sequence[int]]) -> int:
+    """How many leading tokens all of two or more prompts have in common, leaving each at least one of its own
+    (whose logits are the row's next); 0 for a single prompt."""
+    if len(prompts) < 2:
+        return 0
+    limit = min(map(len, prompts)) - 1
+    first = prompts[0]
+    for position in range(limit):
+        token = first[position]
+        if any(p[position] != token for p in prompts):
+            return position
+    return max(limit, 0)
+
+
+def _plain(cache) -> bool:
+    """Every layer of the cache a plain growing one (a sliding window's layers keep their own offsets)."""
+    from transformers.cache_utils import DynamicLayer
+
+    return all(type(layer) is DynamicLayer for layer in cache.layers)
 
 
 def _left_pad(states: torch.Tensor, width: int) -> torch.Tensor:

@@ -8,7 +8,8 @@ Scheduling: a started request (RolloutEngine holds requests while paused or asle
 (prompt, sample); one scheduler task takes up to max_num_seqs queued rows, from any number of
 concurrent requests, and runs them as one batch on a worker thread, so the event loop (health
 checks, GetStatus) stays responsive. Each unique prompt is prefilled once and its KV cache repeated
-for its n samples; finished rows leave the batch, and rows queued meanwhile join it (continuous
+for its n samples, and the prompts' common prefix once for all of them (rollout.enable_prefix_caching; see
+hf_decode); finished rows leave the batch, and rows queued meanwhile join it (continuous
 batching, hf_decode.DecodeBatch.join), up to max_num_seqs. Weight loads and sleep take the same lock
 as a batch, so they happen between batches (what they do to the model: hf_weights); no row joins a batch
 that a weight swap waits for. Pause(abort=True) drops the queued rows and the running batch ends its
@@ -272,7 +273,8 @@ class HFEngine(RolloutEngine):
                 prompts.append(r.prompt + r.token_ids)
         return DecodeBatch.prefill(self.net, prompts, [unique[r.prefill_key()] for r in rows],
                                    [r.generation.params for r in rows], [r.seed for r in rows],
-                                   self.tokenizer.pad_token_id or 0, self._recorder)
+                                   self.tokenizer.pad_token_id or 0, self._recorder,
+                                   share_prefix=self.config.rollout.enable_prefix_caching)
 
     def _join(self, batch: DecodeBatch, rows: list[_Row], version: int,
               stop_ids: dict[Generation, set[int]]) -> list[_Row]:

@@ -1,4 +1,5 @@
-"""`rlfabric up --launcher ray`: every role as a Ray actor on a real local Ray instance (CPU).
+"""`rlfabric up --launcher ray`: every role as a Ray actor on a real local Ray instance (CPU), a generative judge's
+pool (judge.model_path) among them.
 
 One Ray instance serves the module. `rlfabric up --launcher ray --address ...` runs against it as a
 subprocess (a KubeRay user's path); RayMesh runs in-process for the failure cases; `rlfabric up` without
@@ -28,12 +29,14 @@ from ray.util import placement_group_table  # noqa: E402
 from rlfabric.core.config import load_config  # noqa: E402
 from rlfabric.launch.local import MeshStartError  # noqa: E402
 from rlfabric.launch.ray import RayMesh  # noqa: E402
+from rlfabric.reward import find_vowel  # noqa: E402
 from rlfabric.v1 import reward_pb2, reward_pb2_grpc, rollout_pb2, rollout_pb2_grpc  # noqa: E402
+from tests.judges import VOWEL_JUDGE, judge_model  # noqa: E402
 from tests.mesh_access import mesh_channel  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-ROLES = {"actor", "reference", "critic", "rollout", "reward", "env", "coordinator"}
+ROLES = {"actor", "reference", "critic", "rollout", "reward", "env", "judge", "coordinator"}
 LEAN_ROLES = {"actor", "rollout", "reward", "coordinator"}  # the quickstart (GRPO, no KL term)
 # PPO with a KL loss, multi-turn with the environment service: all seven roles.
 EVERY_ROLE = ["algorithm.adv_estimator=gae", "actor.use_kl_loss=true", "env.enable=true", "data.builtin_task=lookup",
@@ -48,7 +51,7 @@ POOLS = ["resource_pools={train: {}, infer: {}}", *(f"{role}.pool={pool}" for ro
 CLUSTER_CPUS = 8
 # Small CPU reservations (they are Ray's logical CPUs): every mesh of the module fits beside another.
 CPUS = {"actor": 1.0, "reference": 0.5, "critic": 0.5, "rollout": 1.0, "reward": 0.25, "env": 0.25,
-        "coordinator": 0.25}
+        "judge": 0.25, "coordinator": 0.25}
 SMALL = [f"launcher.ray.{role}.num_cpus={cpus}" for role, cpus in CPUS.items()] + ["launcher.startup_timeout_s=240"]
 
 
@@ -161,11 +164,14 @@ def small(tiny_model) -> list[str]:
 @pytest.fixture(scope="module")
 def cli_mesh(ray_address, tmp_path_factory):
     """`rlfabric up --launcher ray --address ADDR` with the quickstart config as multi-turn PPO with a KL loss:
-    every role, three of them in two resource pools. One mesh boot for the module's inspections, its training
-    run and its SIGTERM (a boot is most of this module's time)."""
+    every role, three of them in two resource pools, and a judge pool that scores find_vowel items (not the run's:
+    its lookup samples keep their rule). One mesh boot for the module's inspections, its training run and its
+    SIGTERM (a boot is most of this module's time)."""
     run_dir = tmp_path_factory.mktemp("ray") / "run"
+    judge = judge_model(tmp_path_factory.mktemp("judge") / "model")
     launcher = Launcher("up", "--launcher", "ray", "--address", ray_address, "--run-dir", str(run_dir), *SMALL,
-                        *EVERY_ROLE, *SHORT_RUN, *POOLS)
+                        *EVERY_ROLE, *SHORT_RUN, *POOLS, f"judge.model_path={judge}",
+                        f"reward.judge.data_sources=[{find_vowel.DATA_SOURCE}]", *VOWEL_JUDGE)
     started = time.monotonic()
     launcher.wait_ready()
     print(f"ray mesh ready in {time.monotonic() - started:.1f} s")
@@ -198,14 +204,17 @@ def test_every_service_is_ready_over_grpc(cli_mesh):
             assert status == health_pb2.HealthCheckResponse.SERVING, role
 
 
-def test_reward_scores_and_rollout_generates(cli_mesh):
+def test_reward_scores_through_its_judge_and_rollout_generates(cli_mesh):
+    """The reward's config names the judge pool the launcher started, whose verdicts score find_vowel items."""
     _, run_dir, endpoints = cli_mesh
+    resolved = load_config(run_dir / "config.resolved.yaml")
+    assert resolved.reward.judge.addresses == [endpoints["judge"][0]["grpc"]]
     with mesh_channel(endpoints["reward"][0]["grpc"], run_dir) as channel:
-        items = [reward_pb2.ScoreItem(data_source="rlfabric/find_vowel", response=r, ground_truth="E")
-                 for r in ("E", "x")]
+        items = [reward_pb2.ScoreItem(data_source=find_vowel.DATA_SOURCE, response=r, ground_truth="E")
+                 for r in ("E", "B")]
         results = reward_pb2_grpc.RewardServiceStub(channel).Score(
-            reward_pb2.RewardServiceScoreRequest(items=items), timeout=30).results
-    assert [r.score for r in results] == [1.0, 0.0]
+            reward_pb2.RewardServiceScoreRequest(items=items), timeout=60).results
+    assert [(r.score, r.metrics["judge_failed"]) for r in results] == [(1.0, 0.0), (0.0, 0.0)], results
     with mesh_channel(endpoints["rollout"][0]["grpc"], run_dir) as channel:
         request = rollout_pb2.RolloutServiceGenerateRequest(
             prompts=[rollout_pb2.Prompt(token_ids=[5, 6, 7])],
@@ -228,6 +237,12 @@ def test_each_role_holds_the_resources_configured(cli_mesh):
     while ray.available_resources().get("CPU") != expected_free and time.monotonic() < deadline:
         time.sleep(0.2)
     assert ray.available_resources().get("CPU") == expected_free
+
+
+def weight_version(run_dir, address: str) -> int:
+    with mesh_channel(address, run_dir) as channel:
+        return rollout_pb2_grpc.RolloutServiceStub(channel).GetStatus(
+            rollout_pb2.RolloutServiceGetStatusRequest(), timeout=30).weight_version
 
 
 def _pools_of(namespace: str) -> dict[str, dict]:
@@ -262,6 +277,8 @@ def test_a_multi_turn_run_trains_on_the_ray_mesh_and_reaches_the_env_it_starts(c
                    str(run_dir / "config.yaml"))
     assert run.process.wait(timeout=540) == 0, run.text()
     assert "COMPLETED at step 2" in run.text(), run.text()
+    assert weight_version(run_dir, endpoints["rollout"][0]["grpc"]) > 0
+    assert weight_version(run_dir, endpoints["judge"][0]["grpc"]) == 0  # weight syncs never reach the judge
     assert load_config(run_dir / "config.yaml").cluster.env == [endpoints["env"][0]["grpc"]]
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [step["step"] for step in steps] == [1, 2]

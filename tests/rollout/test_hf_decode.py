@@ -1,6 +1,7 @@
 """The hf engine's decode loop, in process: the host reads the sampled tokens once every steps_per_sync
 steps, a row's tokens do not depend on that number nor on the rows that join its batch, rows of a request
-that arrives mid-batch join it (continuous batching), and joining never holds up a weight swap."""
+that arrives mid-batch join it (continuous batching), joining never holds up a weight swap, and prompts that
+begin alike prefill their common prefix once."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
+from rlfabric.rollout.hf_decode import DecodeBatch, shared_prefix
 from rlfabric.rollout.hf_engine import HFEngine
 from rlfabric.rollout.types import FinishedSample, SamplingSpec
 
@@ -193,3 +195,48 @@ def test_no_row_joins_a_batch_that_a_weight_swap_waits_for(engine, tiny_model):
     before = engine.weight_version
     with changed(engine, eos=False, forward_delay_s=0.004, partial_rollouts=False):
         engine.run(scenario())
+
+
+def test_shared_prefix_leaves_each_prompt_a_token_of_its_own():
+    assert shared_prefix([[1, 2, 3, 4], [1, 2, 5], [1, 2, 3]]) == 2
+    assert shared_prefix([[1, 2, 3], [1, 2, 3, 4]]) == 2  # one prompt is the other's start
+    assert shared_prefix([[1, 2], [1, 2]]) == 1
+    assert shared_prefix([[1, 2, 3]]) == 0  # alone: nothing to share
+    assert shared_prefix([[7, 2], [1, 2]]) == 0
+
+
+def test_prompts_that_begin_alike_prefill_their_common_prefix_once(engine):
+    """The common prefix runs once (one forward of 1 row, then the rests), and every row's next-token logits
+    are those of its prompt prefilled on its own."""
+    prefix = [1, 90, 88, 74, 70, 88, 88, 78]
+    prompts = [prefix + [40, 41], prefix + [89, 70, 83], prefix + [88]]
+    spec = SamplingSpec(temperature=0.0)
+    shapes = []
+    forward = engine.net.forward
+
+    def watched(*args, **kwargs):
+        shapes.append(tuple(kwargs["input_ids"].shape))
+        return forward(*args, **kwargs)
+
+    def prefilled(batch_prompts, share):
+        return DecodeBatch.prefill(engine.net, batch_prompts, list(range(len(batch_prompts))),
+                                   [spec] * len(batch_prompts), [0] * len(batch_prompts), 0, share_prefix=share)
+
+    with torch.inference_mode():
+        engine.net.forward = watched
+        try:
+            shared = prefilled(prompts, True)
+        finally:
+            del engine.net.forward
+        alone = torch.cat([prefilled([prompt], True).logits for prompt in prompts])
+        unshared = prefilled(prompts, False)
+    assert shapes == [(1, len(prefix)), (3, 3)]
+    torch.testing.assert_close(shared.logits, alone, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(shared.logits, unshared.logits, atol=1e-5, rtol=1e-5)
+    # The padding sits between the prefix and the rest: a row's positions count its real tokens only.
+    assert shared.mask.tolist() == [[1] * 8 + [0] + [1] * 2, [1] * 11, [1] * 8 + [0, 0, 1]]
+    assert shared.next_pos.tolist() == [len(p) for p in prompts]
+    # Greedy decoding from there gives the same tokens as each prompt alone, through the engine.
+    together = engine.run(collect(engine, prompts, temperature=0.0, max_tokens=8))
+    separately = [engine.run(collect(engine, [prompt], temperature=0.0, max_tokens=8))[0] for prompt in prompts]
+    assert [s.token_ids for s in together] == [s.token_ids for s in separately]

@@ -80,7 +80,7 @@ class RolloutConfig(Section):
     enforce_eager: bool = True
     """vLLM: no CUDA graphs / torch.compile (much faster start-up, slower decode)."""
     enable_prefix_caching: bool = True
-    """vLLM: reuse the KV cache of shared prompt prefixes (reset after every weight update)."""
+    """vLLM: reuse the KV cache of shared prompt prefixes (reset after every weight update); hf: the prompts of one batch prefill their common prefix once."""
     enable_sleep_mode: bool = False
     """vLLM: allow Sleep/WakeUp (vLLM's sleep mode; CUDA only)."""
     kv_cache_space_gb: float = Field(1.0, gt=0)
