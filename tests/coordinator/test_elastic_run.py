@@ -15,6 +15,7 @@ import signal
 import subprocess
 import urllib.request
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from rlfabric.coordinator.client import CoordinatorClient
@@ -29,6 +30,8 @@ from tests.conftest import ServerThread
 from tests.coordinator.meshes import fast_config
 from tests.rollout.test_router import streams_served
 from tests.waiting import wait_until_async
+
+pytestmark = pytest.mark.slow  # a replica in a process of its own, SIGTERM'd mid-run
 
 STEPS = 8
 GENERATE_STREAM = {"grpc_type": "server_stream", "grpc_service": "rlfabric.v1.RolloutService",
