@@ -224,9 +224,10 @@ def runner_of(settings: AgentConfig) -> AgentRunner:
     if settings.runner == "inline":
         return InlineRunner(settings.entrypoint)
     if settings.runner == "service":
-        from rlfabric.agents.service import ServiceRunner  # gRPC stubs: only runs that ask a host need them
+        # (gRPC stubs: only runs that ask a host need them)
+        from rlfabric.agents.service import ServiceRunner, read_agent_token
 
-        return ServiceRunner(settings.address, settings.timeout_s)
+        return ServiceRunner(settings.address, settings.timeout_s, read_agent_token(settings))
     entrypoint_dir = ""
     if settings.runner == "subprocess":
         check_entrypoint(settings.entrypoint)

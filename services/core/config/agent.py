@@ -87,6 +87,10 @@ class AgentConfig(Section):
     """The command line of runner command (e.g. [node, agent.js]); run in agent.working_dir."""
     address: str = ""
     """host:port of the AgentService that runs the episodes of runner service."""
+    auth_token_file: str = ""
+    """A file holding the token of the agent host (`rlfabric serve agent`): the host requires it on RunEpisode and
+    runner service sends it. Its own, never the mesh's (server.auth_token_file): agent code runs on the host.
+    Empty = none (the host then serves loopback only, unless server.allow_insecure)."""
     working_dir: str = ""
     """The working directory of subprocess and command agents; empty = the coordinator's."""
     private_tmp: bool = True
