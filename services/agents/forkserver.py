@@ -286,13 +286,23 @@ def _launch_agent(request: dict, entrypoint: str, libc: ctypes.CDLL) -> int:
         os.close(own)
         threading.Thread(target=relay, args=(listener, gateway), daemon=True).start()
     status = os.waitpid(agent, 0)[1]
-    if jail.uid is not None and os.geteuid() == 0:
-        kill_processes_of(jail.uid)  # its leftovers (setsid, double forks) hold the episode's pipes
-    with contextlib.suppress(ChildProcessError):
-        while os.waitpid(-1, os.WNOHANG)[0]:
-            pass
+    # Its leftovers (setsid, double forks) hold the episode's pipes. Being their subreaper, this process has a
+    # child while any is left: only then is the scan of every process for its uid needed.
+    if jail.uid is not None and os.geteuid() == 0 and _reap_children():
+        kill_processes_of(jail.uid)
+        _reap_children()
     code = os.waitstatus_to_exitcode(status)
     return code if code >= 0 else 128 - code
+
+
+def _reap_children() -> bool:
+    """Reaps what has exited below this process; whether any child is still running."""
+    try:
+        while True:
+            if os.waitpid(-1, os.WNOHANG)[0] == 0:
+                return True
+    except ChildProcessError:
+        return False
 
 
 def _run_agent(request: dict, entrypoint: str, jail: AgentJail, parent: int) -> None:
