@@ -65,7 +65,7 @@ WORKLOADS = {
     # Agentic: the lookup task's tool-calling episodes (examples/lookup_multi_turn.yaml), ~100 generated tokens
     # and an environment round trip per sample. The tiny model is warm-started to write the call but to use
     # it in 10% of episodes, so reward climbs from ~0.1 as RL teaches it to call (as in
-    # tests/coordinator/test_multi_turn_learning.py). BALANCED_LOOKUP makes training take about as long as
+    # tests/coordinator/test_agent_learning.py). BALANCED_LOOKUP makes training take about as long as
     # generation (1.8 s and 2.2 s a step in sync mode), as pools are sized in practice: overlap can hide at
     # most the shorter of the two. Token-level truncated IS corrects for stale samples.
     "multi_turn": {"config": LOOKUP_EXAMPLE, "steps": 14, "rounds": 2, "modes": list(MODES),

@@ -24,10 +24,16 @@ def main(argv: list[str]) -> int:
     if len(argv) != 1:
         print("usage: python -m rlfabric.agents.host ENTRYPOINT < task.json", file=sys.stderr)
         return 2
+    return run_episode(argv[0])
+
+
+def run_episode(entrypoint: str) -> int:
+    """One episode in this process: the task from stdin, the result as JSON on stdout; the exit status. Also the
+    warm host's forked child's, after it confined itself (rlfabric.agents.forkserver)."""
     task = json.load(sys.stdin)
     llm = LLM(os.environ["OPENAI_BASE_URL"], os.environ["OPENAI_API_KEY"], os.environ.get("OPENAI_MODEL", ""))
     with contextlib.redirect_stdout(sys.stderr):  # the agent's prints must not pass for its result
-        run = load_entrypoint(argv[0])
+        run = load_entrypoint(entrypoint)
         result = asyncio.run(run(task, llm))
     try:
         line = json.dumps(result)

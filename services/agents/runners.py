@@ -2,7 +2,8 @@
 
     inline      the entrypoint awaited in this (the coordinator's) event loop: no process per episode
     subprocess  `python -m rlfabric.agents.host ENTRYPOINT` per episode: the task as JSON on stdin, OPENAI_BASE_URL,
-                OPENAI_API_KEY and OPENAI_MODEL in its environment, its result as JSON on stdout
+                OPENAI_API_KEY and OPENAI_MODEL in its environment, its result as JSON on stdout; with
+                agent.subprocess.preload, a process forked per episode from a warm host (rlfabric.agents.warm)
     command     agent.command (any language): the same variables and stdin, its result as JSON on stdout's last line
 
 Subprocess and command agents start through their launcher (rlfabric.agents.jail): a network that reaches the
@@ -27,6 +28,7 @@ from rlfabric.agents.entrypoint import check_entrypoint, load_entrypoint, split_
 from rlfabric.agents.jail import NO_ISOLATION
 from rlfabric.agents.llm import LLM, AgentRunner
 from rlfabric.agents.outcome import EXITED, GARBAGE, RAISED, AgentFailed, AgentOutcome, parse_outcome
+from rlfabric.agents.warm import WarmHost
 from rlfabric.core.config import ConfigError
 from rlfabric.core.config.agent import AgentConfig
 from rlfabric.sandbox.confine import UidClaim, claim_uid, kill_processes_of
@@ -106,13 +108,18 @@ class ProcessRunner:
         if asked."""
         if not self.network_isolation and self.jail is None:
             return self.argv
-        gateway = "-"
-        if self.network_isolation:
-            url = urllib.parse.urlsplit(llm.base_url)
-            gateway = f"{url.hostname}:{url.port or 80}"
-        jail = replace(self.jail, uid=uid) if self.jail is not None else AgentJail(private_tmp=False)
-        return [sys.executable, "-m", "rlfabric.agents.jail", *self.require, gateway, jail.to_json(), "--",
-                *self.argv]
+        return [sys.executable, "-m", "rlfabric.agents.jail", *self.require, self.gateway(llm),
+                self.jail_for(uid).to_json(), "--", *self.argv]
+
+    def gateway(self, llm: LLM) -> str:
+        """The jail's HOST:PORT to relay to, or - (no network isolation)."""
+        if not self.network_isolation:
+            return "-"
+        url = urllib.parse.urlsplit(llm.base_url)
+        return f"{url.hostname}:{url.port or 80}"
+
+    def jail_for(self, uid: int | None) -> AgentJail:
+        return replace(self.jail, uid=uid) if self.jail is not None else AgentJail(private_tmp=False)
 
     async def run(self, task: dict[str, Any], llm: LLM) -> AgentOutcome:
         claim = claim_uid(*self.uid_range) if self.uid_range is not None else None
@@ -133,12 +140,66 @@ class ProcessRunner:
                 process.kill()
                 await process.wait()
             raise
-        if process.returncode == NO_ISOLATION and self.network_isolation:
+        return self.outcome(process.returncode, stdout, stderr)
+
+    def outcome(self, status: int, stdout: bytes, stderr: bytes) -> AgentOutcome:
+        """What an episode's process gave: its result, or AgentFailed for its exit status or its garbage."""
+        if status == NO_ISOLATION and self.network_isolation:
             raise AgentFailed(EXITED, stderr.decode(errors="replace")[-STDERR_KEPT:].strip())
-        if process.returncode != 0:
+        if status != 0:
             tail = stderr.decode(errors="replace")[-STDERR_KEPT:].strip()
-            raise AgentFailed(EXITED, f"{self.argv[0]} exited with status {process.returncode}: {tail}")
+            raise AgentFailed(EXITED, f"{self.argv[0]} exited with status {status}: {tail}")
         return parse_outcome(last_json_line(stdout.decode(errors="replace")))
+
+
+class WarmProcessRunner(ProcessRunner):
+    """ProcessRunner's episodes, forked from a warm host of the entrypoint (rlfabric.agents.forkserver) rather
+    than started as `python -m rlfabric.agents.host` each; `argv` (that command) is what runs where the host
+    cannot fork safely (its imports left threads running)."""
+
+    def __init__(self, entrypoint: str, argv: list[str], **options: Any):
+        super().__init__(argv, **options)
+        self.entrypoint = entrypoint
+        self.host: WarmHost | None = None
+        self.cold = False  # the host could not fork safely: a process per episode
+        self._starting: asyncio.Lock | None = None
+
+    async def _warm_host(self) -> WarmHost | None:
+        if self._starting is None:
+            self._starting = asyncio.Lock()
+        async with self._starting:
+            if self.cold or (self.host is not None and self.host.alive):
+                return self.host
+            if self.host is not None:
+                await self.host.close()
+            self.host = await WarmHost.start(self.entrypoint, self.working_dir)
+            if self.host.ready.result()["threads"] > 1:
+                log.warning(
+                    "the warm agent host's imports left %d threads running, which a fork does not keep: "
+                    "subprocess agents start a process per episode",
+                    self.host.ready.result()["threads"],
+                )
+                await self.host.close()
+                self.host, self.cold = None, True
+            return self.host
+
+    async def _run(self, task: dict[str, Any], llm: LLM, uid: int | None) -> AgentOutcome:
+        host = await self._warm_host()
+        if host is None:
+            return await super()._run(task, llm, uid)
+        request = {
+            "env": llm.env(),
+            "jail": self.jail_for(uid).to_json(),
+            "gateway": self.gateway(llm),
+            "require": bool(self.require),
+        }
+        status, stdout, stderr = await host.run(request, json.dumps(task).encode())
+        return self.outcome(status, stdout, stderr)
+
+    async def close(self) -> None:
+        if self.host is not None:
+            await self.host.close()
+            self.host = None
 
 
 def _end_claim(claim: UidClaim) -> None:
@@ -163,9 +224,10 @@ def runner_of(settings: AgentConfig) -> AgentRunner:
     if settings.runner == "inline":
         return InlineRunner(settings.entrypoint)
     if settings.runner == "service":
-        from rlfabric.agents.service import ServiceRunner  # gRPC stubs: only runs that ask a host need them
+        # (gRPC stubs: only runs that ask a host need them)
+        from rlfabric.agents.service import ServiceRunner, read_agent_token
 
-        return ServiceRunner(settings.address, settings.timeout_s)
+        return ServiceRunner(settings.address, settings.timeout_s, read_agent_token(settings))
     entrypoint_dir = ""
     if settings.runner == "subprocess":
         check_entrypoint(settings.entrypoint)
@@ -189,8 +251,11 @@ def runner_of(settings: AgentConfig) -> AgentRunner:
     working_dir = os.path.abspath(settings.working_dir) if settings.working_dir else os.getcwd()
     jail = AgentJail(gid=settings.gid, private_tmp=settings.private_tmp, limits=limits,
                      reachable=reachable_paths(argv, entrypoint_dir, working_dir))
-    return ProcessRunner(argv, settings.working_dir, settings.network_isolation, settings.require_network_isolation,
-                         jail, uid_range)
+    options = dict(working_dir=settings.working_dir, network_isolation=settings.network_isolation,
+                   require_network_isolation=settings.require_network_isolation, jail=jail, uid_range=uid_range)
+    if settings.runner == "subprocess" and settings.subprocess.preload:
+        return WarmProcessRunner(settings.entrypoint, argv, **options)
+    return ProcessRunner(argv, **options)
 
 
 _warned: set[str] = set()

@@ -1,8 +1,7 @@
 """AgentService over gRPC (protos/rlfabric/v1/agent.proto): a host of agent code, and the runner that asks one.
 
-    server.add_generic_rpc_handlers(...)  # or: agent_pb2_grpc.add_AgentServiceServicer_to_server(
-                                          #       AgentServicer(InlineRunner("agent.py:run")), server)
-    runner = ServiceRunner("127.0.0.1:50070")        # agent.runner service, agent.address
+    rlfabric serve agent --config host.yaml --port 50070   # agent.runner subprocess (or inline, command) there
+    runner = ServiceRunner("127.0.0.1:50070")               # the mesh's agent.runner service, agent.address
     outcome = await runner.run(task, llm)
 
 A host may be written in any language: it implements RunEpisode. The Python servicer here hosts any runner
@@ -20,9 +19,25 @@ import grpc
 
 from rlfabric.agents.llm import LLM, AgentRunner
 from rlfabric.agents.outcome import TIMEOUT, AgentFailed, AgentOutcome, parse_outcome
+from rlfabric.core.config import ConfigError, read_named_file
+from rlfabric.core.config.agent import AgentConfig
 from rlfabric.v1 import agent_pb2, agent_pb2_grpc
 
 HOST_ERROR = "host_error"  # the AgentFailed reason of an RPC that failed (the host is down, refused the request)
+
+
+def read_agent_token(settings: AgentConfig, mesh_token: str = "") -> str:
+    """agent.auth_token_file's token ("" when none is configured); ConfigError when the file is empty or holds
+    the mesh's token, which must not reach a host of agent code."""
+    if not settings.auth_token_file:
+        return ""
+    token = read_named_file("agent.auth_token_file", settings.auth_token_file).decode().strip()
+    if not token:
+        raise ConfigError(f"agent.auth_token_file: {settings.auth_token_file} is empty")
+    if token == mesh_token:
+        raise ConfigError("agent.auth_token_file holds the mesh's token (server.auth_token_file): an agent host must "
+                          "get a token of its own, which authorises nothing else")
+    return token
 
 
 class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
@@ -56,9 +71,10 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
 class ServiceRunner:
     """agent.runner service: each episode is a RunEpisode on the agent host at `address`."""
 
-    def __init__(self, address: str, timeout_s: float = 0.0):
+    def __init__(self, address: str, timeout_s: float = 0.0, token: str = ""):
         self.address = address
         self.timeout_s = timeout_s
+        self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self._channel: grpc.aio.Channel | None = None
         self._stub: agent_pb2_grpc.AgentServiceStub | None = None
 
@@ -75,7 +91,7 @@ class ServiceRunner:
                                                           api_key=llm.api_key, model=llm.model,
                                                           timeout_s=self.timeout_s)
         try:
-            response = await self._stub.RunEpisode(request)
+            response = await self._stub.RunEpisode(request, metadata=self.metadata)
         except grpc.aio.AioRpcError as error:
             reason = TIMEOUT if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED else HOST_ERROR
             raise AgentFailed(reason, f"the agent host at {self.address}: {error.code().name}: {error.details()}") \

@@ -10,6 +10,7 @@ args holds the parser).
     rlfabric up --external ROLE=HOST:PORT ...                   the mesh without ROLE, which you serve yourself
     rlfabric train --in-process [CONFIG] [key=value ...]       every role in this process (debuggers, breakpoints)
     rlfabric serve ROLE --config C [--port P --metrics-port M] one service (what containers run)
+    rlfabric serve agent --config C [--port P]                  a host of agent.entrypoint's episodes (AgentService)
     rlfabric train --coordinator HOST:PORT [CONFIG] [key=value ...]   a run on a mesh that is already up
     rlfabric status [--run-dir DIR | --coordinator HOST:PORT --token-file F]   ask a running coordinator
     rlfabric stop [--run-dir DIR | --coordinator HOST:PORT --token-file F]     stop its run (with a checkpoint)

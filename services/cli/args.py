@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from rlfabric.agents.servicer import AGENT_HOST
 from rlfabric.core.roles import ROLES
 
 
@@ -44,7 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     serve = commands.add_parser("serve", help="run one service")
-    serve.add_argument("role", choices=ROLES)
+    serve.add_argument("role", choices=(*ROLES, AGENT_HOST),
+                       help=f"a role of the mesh, or {AGENT_HOST}: a host of agent.entrypoint's episodes (AgentService), "
+                            "which the mesh's agent.runner service asks")
     serve.add_argument("--config", help="run config YAML (default: built-in quickstart)")
     serve.add_argument("--host", help="bind address (default: server.host)")
     serve.add_argument("--port", type=int, default=50051, help="gRPC port (0 = any free port)")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from rlfabric.agents.servicer import AGENT_HOST
 from rlfabric.core.config import load_config
 from rlfabric.core.logs import setup_logging
 
@@ -16,6 +17,8 @@ def cmd_serve(args) -> int:
     if args.host:
         config.server.host = args.host  # what the service binds, for everything derived from it
     setup_logging(args.role, args.run_id, config.server.log_level)
+    if args.role == AGENT_HOST:
+        return _serve_agent_host(args, config)
     if args.check:  # the imports and the service, not the mounts (token, TLS files) of a pod
         service = build_service(args.role, config, replica=args.replica)
         print(f"rlfabric serve {args.role}: {type(service.engine).__name__} builds; ready to serve")
@@ -33,4 +36,19 @@ def cmd_serve(args) -> int:
         raise SystemExit("rlfabric serve: with --replicas, --port-file needs {replica} in its path")
     run_service(args.role, config, options, port_file=args.port_file,
                 replicas=range(args.replica, args.replica + args.replicas * args.replica_stride, args.replica_stride))
+    return 0
+
+
+def _serve_agent_host(args, config) -> int:
+    """`rlfabric serve agent`: the config's agent behind AgentService (rlfabric.agents.servicer)."""
+    from rlfabric.agents.servicer import build_service, serve_agent_host
+    from rlfabric.core.server import ServerOptions
+
+    if args.check:
+        build_service(config)
+        print(f"rlfabric serve {AGENT_HOST}: {config.agent.runner} runner builds; ready to serve")
+        return 0
+    options = ServerOptions.from_config(config.server, "", host=args.host, port=args.port,
+                                        metrics_port=args.metrics_port, health_port=args.health_port)
+    serve_agent_host(config, options, args.port_file)
     return 0

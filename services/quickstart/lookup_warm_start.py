@@ -41,7 +41,7 @@ from rlfabric.quickstart.warm_start import QUICKSTART_INIT_RANGE, WarmStartResul
 from rlfabric.rollout.agent_loop import observation_ids, render_prompt
 
 # make_lookup_model's arguments for a model that can write the call but mostly guesses: the starting point
-# where RL has to learn that the tool pays (tests/coordinator/test_multi_turn_learning.py, bench.async_bench).
+# where RL has to learn that the tool pays (tests/coordinator/test_agent_learning.py, bench.async_bench).
 LEARNER = {"steps": 1000, "call_fraction": 0.1}
 CALL = '<tool_call>{{"name": "lookup", "arguments": {{"key": "{key}"}}}}</tool_call>'
 
@@ -100,7 +100,7 @@ def make_lookup_model(out_dir: str | Path, seed: int = 0, steps: int = 500, call
     With call_fraction < 1 a second, short warm start (100 steps) on episodes that call the tool with that
     probability, and otherwise guess, leaves a model that can use the tool but mostly guesses: its score is
     about the guess's 0.1, and RL has to learn that calling the tool pays (tests/coordinator/
-    test_multi_turn_learning.py)."""
+    test_agent_learning.py)."""
     make_tiny_model(out_dir, initializer_range=QUICKSTART_INIT_RANGE, seed=seed)
     warm_start_lookup(out_dir, steps=steps, seed=seed)
     if call_fraction < 1:

@@ -15,7 +15,7 @@ import pytest
 
 from rlfabric.agents.llm import LLM
 from rlfabric.agents.outcome import AgentFailed
-from rlfabric.agents.runners import ProcessRunner
+from rlfabric.agents.runners import ProcessRunner, WarmProcessRunner
 from tests.gateway.helpers import GatewayMesh
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="a network namespace per agent needs root")
@@ -48,6 +48,14 @@ AGENT = textwrap.dedent(
 )
 
 
+# The same agent as an entrypoint, for the subprocess runner's warm host (rlfabric.agents.forkserver).
+ENTRYPOINT = (
+    AGENT.replace("async def main():\n    task = json.load(sys.stdin)", "async def run(task, llm):")
+    .replace("print(json.dumps(", "return ((")
+    .replace("\n\n\nasyncio.run(main())\n", "\n")
+)
+
+
 @pytest.fixture(scope="module")
 def mesh(tiny_model):
     mesh = GatewayMesh(tiny_model)
@@ -63,23 +71,35 @@ def agent(tmp_path):
 
 
 def episode(mesh: GatewayMesh, runner: ProcessRunner, other_port: int):
-    """One episode of runner's agent through the mesh's gateway: (its outcome, the calls the gateway recorded)."""
+    """One episode of runner's agent through the mesh's gateway, the runner closed after: (its outcome, the calls
+    the gateway recorded)."""
     opened = mesh.call(mesh.gateway.episodes.open)
     task = {"messages": [{"role": "user", "content": "hi"}], "extra_info": {"other_port": other_port}}
     llm = LLM(mesh.gateway.base_url, opened.key, mesh.gateway.model)
+
+    async def run_and_close():
+        try:
+            return await runner.run(task, llm)
+        finally:
+            await runner.close()
+
     try:
-        outcome = asyncio.run(runner.run(task, llm))
+        outcome = asyncio.run(run_and_close())
     finally:
         record = mesh.call(mesh.gateway.episodes.close, opened.key)
     return outcome, record.calls
 
 
+@pytest.mark.parametrize("warm", [False, True], ids=["process", "warm-host"])
 @pytest.mark.parametrize("isolated", [True, False], ids=["isolated", "host-network"])
-def test_the_agent_reaches_the_gateway_and_nothing_else(mesh, agent, isolated):
+def test_the_agent_reaches_the_gateway_and_nothing_else(mesh, agent, tmp_path, isolated, warm):
+    if warm:
+        (tmp_path / "entry.py").write_text(ENTRYPOINT)
+        runner = WarmProcessRunner(f"{tmp_path}/entry.py:run", agent, network_isolation=isolated)
+    else:
+        runner = ProcessRunner(agent, network_isolation=isolated)
     with socket.create_server(("127.0.0.1", 0)) as other:  # a service of this host, not the gateway
-        outcome, calls = episode(
-            mesh, ProcessRunner(agent, network_isolation=isolated), other.getsockname()[1]
-        )
+        outcome, calls = episode(mesh, runner, other.getsockname()[1])
     assert outcome.reward == 1.0 and len(calls) == 1  # the call went through the gateway and was recorded
     assert outcome.metrics["host_port"] == float(
         not isolated
@@ -97,7 +117,8 @@ NO_SYS_ADMIN = [SETPRIV, "--inh-caps=-sys_admin", "--bounding-set=-sys_admin"] i
 def test_without_a_namespace_a_warning_or_a_failed_episode(mesh, agent, require):
     runner = ProcessRunner(agent, network_isolation=True, require_network_isolation=require)
     inner = runner.command_line
-    runner.command_line = lambda llm, uid=None: [*NO_SYS_ADMIN, *inner(llm, uid)]  # the jail lacks CAP_SYS_ADMIN
+    # the jail lacks CAP_SYS_ADMIN
+    runner.command_line = lambda llm, uid=None: [*NO_SYS_ADMIN, *inner(llm, uid)]
     with socket.create_server(("127.0.0.1", 0)) as other:
         if require:
             with pytest.raises(AgentFailed, match="cannot isolate the agent from the network.*does not run"):

@@ -57,17 +57,34 @@ def readable_folder(tmp_path):
     return folder
 
 
-def test_an_agent_runs_as_a_claimed_uid_under_the_limits_and_nothing_of_it_outlives_the_episode(tmp_path):
+@pytest.mark.parametrize("preload", [True, False], ids=["warm", "cold"])
+def test_an_agent_runs_as_a_claimed_uid_under_the_limits_and_nothing_of_it_outlives_the_episode(
+    tmp_path, preload
+):
     folder = readable_folder(tmp_path)
     (folder / "agent.py").write_text(SNOOP)
     secret = folder / "token"
     secret.write_text("root's")
     secret.chmod(0o600)
     config = load_config(
-        None, ["agent.runner=subprocess", f"agent.entrypoint={folder}/agent.py:run", *LIMITS]
+        None,
+        [
+            "agent.runner=subprocess",
+            f"agent.entrypoint={folder}/agent.py:run",
+            *LIMITS,
+            f"agent.subprocess.preload={preload}",
+        ],
     )
     settings = config.agent
-    outcome = asyncio.run(runner_of(settings).run({"extra_info": {"secret": str(secret)}}, LLM_HERE))
+
+    async def episode():
+        runner = runner_of(settings)
+        try:
+            return await runner.run({"extra_info": {"secret": str(secret)}}, LLM_HERE)
+        finally:
+            await runner.close()
+
+    outcome = asyncio.run(episode())
 
     uid = int(outcome.reward)
     assert (

@@ -19,6 +19,14 @@ from rlfabric.core.config import AgentConfig, ConfigError, load_config
 LLM_HERE = LLM("http://127.0.0.1:9/v1", "rlf-ep-test", "policy")
 
 
+async def one_episode(runner, task: dict) -> AgentOutcome:
+    """An episode of a fresh runner, closed after (a warm runner's host with it)."""
+    try:
+        return await runner.run(task, LLM_HERE)
+    finally:
+        await runner.close()
+
+
 @pytest.mark.parametrize("value, outcome", [
     (0.5, AgentOutcome(reward=0.5)),
     (1, AgentOutcome(reward=1.0)),
@@ -67,7 +75,9 @@ def test_an_inline_agent_that_raises_fails_its_episode(tmp_path):
     assert failure.value.reason == "raised"
 
 
-def test_a_subprocess_agent_gets_the_task_and_the_openai_variables_and_its_prints_are_not_its_result(tmp_path):
+@pytest.mark.parametrize("preload", [True, False], ids=["warm", "cold"])
+def test_a_subprocess_agent_gets_the_task_and_the_openai_variables_and_its_prints_are_not_its_result(tmp_path,
+                                                                                                     preload):
     tmp_path.chmod(0o755)  # its uid reads the file (pytest makes the folder 0700)
     (tmp_path / "agent.py").write_text(
         "import os\n"
@@ -75,9 +85,10 @@ def test_a_subprocess_agent_gets_the_task_and_the_openai_variables_and_its_print
         "    print('thinking out loud')\n"  # to stderr, not taken for the result
         "    assert llm.api_key == os.environ['OPENAI_API_KEY'] and llm.base_url == os.environ['OPENAI_BASE_URL']\n"
         "    return {'answer': task['messages'][0]['content'], 'metrics': {'key_len': len(llm.api_key)}}\n")
-    config = load_config(None, ["agent.runner=subprocess", f"agent.entrypoint={tmp_path}/agent.py:run"])
+    config = load_config(None, ["agent.runner=subprocess", f"agent.entrypoint={tmp_path}/agent.py:run",
+                                f"agent.subprocess.preload={preload}"])
     task = {"messages": [{"role": "user", "content": "hi"}]}
-    outcome = asyncio.run(runner_of(config.agent).run(task, LLM_HERE))
+    outcome = asyncio.run(one_episode(runner_of(config.agent), task))
     assert outcome == AgentOutcome(answer="hi", metrics={"key_len": float(len(LLM_HERE.api_key))})
 
 
@@ -127,7 +138,8 @@ def test_an_agent_run_needs_an_outcome_estimator_and_no_environment_loop():
             load_config(None, overrides)
 
 
-def test_a_subprocess_agent_has_a_tmp_and_dev_shm_of_its_own(tmp_path):
+@pytest.mark.parametrize("preload", [True, False], ids=["warm", "cold"])
+def test_a_subprocess_agent_has_a_tmp_and_dev_shm_of_its_own(tmp_path, preload):
     tmp_path.chmod(0o755)
     marker = f"rlfabric-agent-{os.getpid()}-{tmp_path.name}"
     (tmp_path / "agent.py").write_text(
@@ -137,8 +149,9 @@ def test_a_subprocess_agent_has_a_tmp_and_dev_shm_of_its_own(tmp_path):
         f"        open(os.path.join(folder, {marker!r}), 'w').write('x')\n"
         "    own = __file__.split('/')[2]\n"  # the folder its own file is bound back in (under /tmp here)
         "    return {'reward': float(len(set(os.listdir('/tmp')) - {own}) + len(os.listdir('/dev/shm')))}\n")
-    config = load_config(None, ["agent.runner=subprocess", f"agent.entrypoint={tmp_path}/agent.py:run"])
-    outcome = asyncio.run(runner_of(config.agent).run({}, LLM_HERE))
+    config = load_config(None, ["agent.runner=subprocess", f"agent.entrypoint={tmp_path}/agent.py:run",
+                                f"agent.subprocess.preload={preload}"])
+    outcome = asyncio.run(one_episode(runner_of(config.agent), {}))
     assert outcome.reward == 2.0  # its own two files, nothing of this host's
     assert not os.path.exists(f"/tmp/{marker}") and not os.path.exists(f"/dev/shm/{marker}")
 

@@ -57,6 +57,15 @@ class GatewayConfig(Section):
     """Keys of closed episodes kept to answer 410 (not 401); the oldest are forgotten first."""
 
 
+class SubprocessConfig(Section):
+    preload: bool = True
+    """Run the subprocess runner's episodes from a warm host: one process, started with the first episode, that
+    imports the installed packages the entrypoint's file imports (openai, verifiers: 1 to 8 CPU seconds a new
+    interpreter spends per episode) and forks a child per episode, confined as a new process would be (its uid,
+    limits, private temp dirs, network; rlfabric.agents.forkserver). The entrypoint's own file runs only in the
+    confined child. False = a new interpreter per episode (`python -m rlfabric.agents.host`)."""
+
+
 class AgentConfig(Section):
     gateway: GatewayConfig = GatewayConfig()
     """The OpenAI-compatible endpoint agent code calls (its base URL and a per-episode key)."""
@@ -72,10 +81,16 @@ class AgentConfig(Section):
     its result as JSON on stdout; command = agent.command, any language, the same variables, the task as JSON on
     stdin and its result as JSON on stdout's last line; service = a RunEpisode per episode on the agent host at
     agent.address (AgentService, protos/rlfabric/v1/agent.proto: a host in any language)."""
+    subprocess: SubprocessConfig = SubprocessConfig()
+    """How the subprocess runner starts its episodes' processes."""
     command: list[str] = []
     """The command line of runner command (e.g. [node, agent.js]); run in agent.working_dir."""
     address: str = ""
     """host:port of the AgentService that runs the episodes of runner service."""
+    auth_token_file: str = ""
+    """A file holding the token of the agent host (`rlfabric serve agent`): the host requires it on RunEpisode and
+    runner service sends it. Its own, never the mesh's (server.auth_token_file): agent code runs on the host.
+    Empty = none (the host then serves loopback only, unless server.allow_insecure)."""
     working_dir: str = ""
     """The working directory of subprocess and command agents; empty = the coordinator's."""
     private_tmp: bool = True
