@@ -89,6 +89,7 @@ def test_grpo_teaches_the_tiny_model_to_use_the_tool_through_the_environment_ser
     assert all(0 < step["agent/model_token_fraction"] < 1 for step in training[-3:])
 
 
+@pytest.mark.timeout(1800)  # 12 steps of forked agents: ~9 min at a load of 30-60 here
 def test_grpo_teaches_an_unchanged_openai_agent_in_a_process_of_its_own(reluctant_model, tmp_path):
     training, (before, after) = train(
         EXAMPLES / "agents" / "lookup.yaml",
