@@ -35,6 +35,7 @@ MIB = 1024 * 1024
 # wait for peers that have moved on. Their callers decide what a failure means.
 NO_RETRY_METHODS = (
     ("rlfabric.v1.ActorService", "UpdatePolicy"),
+    ("rlfabric.v1.ActorService", "UpdatePolicyStream"),
     ("rlfabric.v1.CriticService", "UpdateValues"),
     ("rlfabric.v1.CoordinatorService", "StartRun"),
     ("rlfabric.v1.ActorService", "BroadcastWeights"),

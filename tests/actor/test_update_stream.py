@@ -152,3 +152,49 @@ def test_a_whole_piece_fits_the_default_message_limit():
     server = ServerConfig()
     limits = MessageLimits(server.max_receive_message_mb << 20, server.max_control_message_kb << 10)
     assert limits.of("/rlfabric.v1.ActorService/UpdatePolicyStream") >= 2 * ragged.CHUNK_BYTES
+
+
+class _FailingActor(actor_pb2_grpc.ActorServiceServicer):
+    """An actor whose every call ends UNAVAILABLE after reading its request, counting the attempts."""
+
+    def __init__(self):
+        self.attempts = {"UpdatePolicyStream": 0, "GetStatus": 0}
+
+    async def UpdatePolicyStream(self, request_iterator, context):
+        self.attempts["UpdatePolicyStream"] += 1
+        async for _ in request_iterator:
+            pass
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "the actor went away mid-update")
+
+    async def GetStatus(self, request, context):
+        self.attempts["GetStatus"] += 1
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "not yet")
+
+
+def test_a_streamed_update_is_never_retried_as_a_status_call_is():
+    """An attempt may have stepped the optimizer before its answer was lost: a repeat would step it twice."""
+    import asyncio
+
+    from rlfabric.actor.client import ActorClient
+    from rlfabric.core.errors import Unavailable
+
+    async def scenario() -> dict[str, int]:
+        actor = _FailingActor()
+        server = grpc.aio.server()
+        actor_pb2_grpc.add_ActorServiceServicer_to_server(actor, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with ActorClient(f"127.0.0.1:{port}") as client:
+                assert ragged.unpadded(update_batch(rows=2)) is not None  # the batch goes as a stream
+                with pytest.raises(Unavailable):
+                    await client.update_policy(update_batch(rows=2), timeout_s=30)
+                with pytest.raises(Unavailable):
+                    await client.call("GetStatus", actor_pb2.ActorServiceGetStatusRequest(), timeout_s=30)
+        finally:
+            await server.stop(None)
+        return actor.attempts
+
+    attempts = asyncio.run(scenario())
+    assert attempts["UpdatePolicyStream"] == 1
+    assert attempts["GetStatus"] > 1  # the channel retries what may be repeated: the check above could fail
